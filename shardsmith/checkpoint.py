@@ -1,0 +1,461 @@
+"""Open and validate a Hugging Face safetensors checkpoint; read tensors and slices of them.
+
+A checkpoint directory holds ``config.json`` (DeepSeek-V4 may add ``inference/config.json``),
+``model.safetensors.index.json`` or a single ``model.safetensors``, and the shard files. In place
+of any shard ``X.safetensors`` the directory may hold ``X.safetensors.json``: exactly the JSON of
+that file's header, so a checkpoint can be inspected and planned before its data is downloaded.
+
+File format source: the safetensors spec (8-byte little-endian header length ``N``, ``N`` bytes of
+JSON mapping names to ``{dtype, shape, data_offsets: [begin, end)}`` relative to the byte buffer
+that follows the header, optional ``__metadata__`` of strings). Everything is validated eagerly in
+:func:`open_checkpoint`, and every problem is reported at once in one :class:`SourceError`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .dtypes import DTYPES, dtype
+from .errors import SourceError, format_problems
+
+if TYPE_CHECKING:  # imported lazily: planning needs no torch
+    import torch
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+HEADER_SUFFIX = ".json"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFile:
+    """One shard of a checkpoint.
+
+    Attributes:
+        name: the file name as the index spells it (``model-00001-of-00048.safetensors``).
+        path: the path read (symlinks resolved); ``X.safetensors.json`` for a header-only shard.
+        size: bytes of the file on disk (the header JSON's size for a header-only shard).
+        data_start: absolute offset of the byte buffer (``8 + N``); 0 for a header-only shard.
+        header_only: True when only the header is present (planning works, reading does not).
+        metadata: the header's ``__metadata__`` strings.
+    """
+
+    name: str
+    path: Path
+    size: int
+    data_start: int
+    header_only: bool
+    metadata: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Where one tensor lives.
+
+    Attributes:
+        name: tensor name as stored (``layers.3.ffn.experts.7.w1.weight``).
+        dtype: safetensors dtype name.
+        shape: shape as the header states it (``F4`` counts 4-bit elements).
+        file: the shard's name, a key of :attr:`Checkpoint.files`.
+        offset: absolute byte offset of the data in the shard file.
+        nbytes: bytes of data.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """A validated checkpoint: its config, shard files and tensor table.
+
+    Attributes:
+        root: the checkpoint directory.
+        config: parsed ``config.json``.
+        inference_config: parsed ``inference/config.json`` if present (DeepSeek-V4), else ``None``.
+        files: shard files by index name, in index order.
+        tensors: every tensor by name, ordered by (file, offset).
+    """
+
+    root: Path
+    config: dict
+    inference_config: dict | None
+    files: dict[str, ShardFile]
+    tensors: dict[str, TensorInfo]
+    _maps: dict[str, np.memmap] = field(default_factory=dict, repr=False)
+
+    @property
+    def architecture(self) -> str:
+        """``config.json``'s first ``architectures`` entry, else its ``model_type``."""
+        archs = self.config.get("architectures") or []
+        return archs[0] if archs else str(self.config.get("model_type", "unknown"))
+
+    @property
+    def header_only(self) -> bool:
+        """True when any shard is header-only (the checkpoint can be planned but not split)."""
+        return any(f.header_only for f in self.files.values())
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of tensor data over all shards."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    # ---------------------------------------------------------------- reading
+
+    def _map(self, info: TensorInfo) -> np.ndarray:
+        shard = self.files[info.file]
+        if shard.header_only:
+            raise SourceError(
+                f"{shard.path.name}: header-only shard; tensor {info.name!r} has no data to read "
+                f"(download {shard.name} to split this checkpoint)"
+            )
+        mm = self._maps.get(info.file)
+        if mm is None:
+            mm = np.memmap(shard.path, dtype=np.uint8, mode="r")
+            self._maps[info.file] = mm
+        return mm[info.offset : info.offset + info.nbytes]
+
+    def read_bytes(self, name: str) -> bytes:
+        """All bytes of tensor ``name``, read with one ``pread`` (nothing else in the file is read).
+
+        Raises:
+            SourceError: unknown tensor, header-only shard, or the file shrank since validation.
+        """
+        info = self.info(name)
+        shard = self.files[info.file]
+        if shard.header_only:
+            self._map(info)  # raises the header-only error
+        with open(shard.path, "rb", buffering=0) as fh:
+            data = os.pread(fh.fileno(), info.nbytes, info.offset)
+        if len(data) != info.nbytes:
+            raise SourceError(
+                f"{shard.path}: tensor {name!r} wants {info.nbytes} bytes at offset {info.offset}, "
+                f"got {len(data)} (file changed after validation?)"
+            )
+        return data
+
+    def read(self, name: str) -> "torch.Tensor":
+        """Tensor ``name`` as a torch tensor of its dtype (a copy, not a view of the file).
+
+        ``F4`` and dtypes this torch build lacks come back as ``uint8`` with the last dim in bytes.
+
+        Raises:
+            SourceError: as :meth:`read_bytes`.
+        """
+        info = self.info(name)
+        return bytes_to_tensor(bytearray(self.read_bytes(name)), info.dtype, info.shape)
+
+    def read_slice(self, name: str, dim: int, start: int, length: int) -> "torch.Tensor":
+        """Elements ``[start, start + length)`` of tensor ``name`` along ``dim``, as a copy.
+
+        Only the pages holding the slice are read (a memory map; one contiguous range for dim 0).
+        Shapes: source ``[..., D, ...]`` -> ``[..., length, ...]`` with ``D`` at ``dim``.
+
+        Raises:
+            SourceError: unknown tensor, header-only shard, out-of-range slice, or a slice of a
+                4-bit last dim that does not start and end on a whole byte.
+        """
+        info = self.info(name)
+        raw = slice_bytes(self._map(info), info.dtype, info.shape, dim, start, length, name=name)
+        shape = list(info.shape)
+        shape[dim] = length
+        return bytes_to_tensor(bytearray(raw.tobytes()), info.dtype, tuple(shape))
+
+    def info(self, name: str) -> TensorInfo:
+        """The :class:`TensorInfo` of ``name``.
+
+        Raises:
+            SourceError: no such tensor.
+        """
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise SourceError(f"{self.root}: no tensor named {name!r}") from None
+
+
+def slice_bytes(
+    buf: np.ndarray, dtype_name: str, shape: tuple[int, ...], dim: int, start: int, length: int,
+    *, name: str = "",
+) -> np.ndarray:
+    """Cut elements ``[start, start + length)`` along ``dim`` out of a tensor's raw bytes.
+
+    Args:
+        buf: the tensor's bytes, ``uint8`` of ``nbytes`` elements (any array, memmap included).
+        dtype_name: safetensors dtype; ``F4`` packs two elements per byte on the last dim.
+        shape: the header shape.
+
+    Returns:
+        ``uint8`` array of shape ``[outer, length, inner_bytes]`` (may be a view of ``buf``).
+
+    Raises:
+        SourceError: ``dim``/range out of bounds, or a 4-bit last-dim cut inside a byte.
+    """
+    nd = len(shape)
+    if not 0 <= dim < nd:
+        raise SourceError(f"tensor {name!r}: dim {dim} out of range for shape {list(shape)}")
+    if start < 0 or length < 0 or start + length > shape[dim]:
+        raise SourceError(
+            f"tensor {name!r}: slice [{start}, {start + length}) outside dim {dim} of size {shape[dim]}"
+        )
+    bits = DTYPES[dtype_name].bits
+    outer = math.prod(shape[:dim])
+    if dim == nd - 1 and bits < 8:
+        per = 8 // bits
+        if start % per or length % per or shape[dim] % per:
+            raise SourceError(
+                f"tensor {name!r}: {dtype_name} slice [{start}, {start + length}) of dim {dim} "
+                f"cuts inside a byte ({per} elements per byte)"
+            )
+        view = buf.reshape(outer, shape[dim] // per, 1)
+        return view[:, start // per : (start + length) // per, :]
+    inner = math.prod(shape[dim + 1 :]) * bits // 8
+    view = buf.reshape(outer, shape[dim], inner)
+    return view[:, start : start + length, :]
+
+
+def bytes_to_tensor(data: bytearray | memoryview, dtype_name: str, shape: tuple[int, ...]) -> "torch.Tensor":
+    """Interpret raw little-endian bytes as a tensor of ``dtype_name`` and ``shape``.
+
+    ``F4`` (and any dtype this torch lacks) becomes ``uint8`` with the last dim in bytes.
+    """
+    import torch
+
+    d = DTYPES[dtype_name]
+    t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    tdt = d.torch_dtype
+    if tdt is None:
+        if d.bits < 8 and shape:
+            shape = (*shape[:-1], shape[-1] * d.bits // 8)
+        return t.reshape(shape)
+    return t.view(tdt).reshape(shape)
+
+
+# -------------------------------------------------------------------- validation
+
+
+def _load_json(path: Path, problems: list[str], what: str) -> dict | None:
+    def no_dupes(pairs: list[tuple[str, object]]) -> dict:
+        out: dict = {}
+        for k, v in pairs:
+            if k in out:
+                problems.append(f"{path.name}: duplicate key {k!r} in {what}")
+            out[k] = v
+        return out
+
+    try:
+        data = json.loads(path.read_text(), object_pairs_hook=no_dupes)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append(f"{path.name}: cannot parse {what}: {e}")
+        return None
+    if not isinstance(data, dict):
+        problems.append(f"{path.name}: {what} is not a JSON object")
+        return None
+    return data
+
+
+def _load_json_text(text: str, name: str, problems: list[str]) -> dict:
+    def no_dupes(pairs: list[tuple[str, object]]) -> dict:
+        out: dict = {}
+        for k, v in pairs:
+            if k in out:
+                problems.append(f"{name}: duplicate tensor name {k!r} in header")
+            out[k] = v
+        return out
+
+    return json.loads(text, object_pairs_hook=no_dupes)
+
+
+def _read_header(path: Path, name: str, problems: list[str]) -> tuple[dict | None, int, int, bool]:
+    """Return (header, file_size, data_start, header_only) for shard ``name``."""
+    if path.name.endswith(HEADER_SUFFIX):
+        try:
+            header = _load_json_text(path.read_text(), name, problems)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            problems.append(f"{path.name}: cannot parse safetensors header: {e}")
+            return None, 0, 0, True
+        return header, path.stat().st_size, 0, True
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            problems.append(f"{name}: file is {size} bytes, too short for the 8-byte header length")
+            return None, size, 0, False
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            problems.append(
+                f"{name}: header length {n} is larger than the file allows ({size - 8} bytes after "
+                f"the length field)"
+            )
+            return None, size, 0, False
+        if n > MAX_HEADER_BYTES:
+            problems.append(f"{name}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+            return None, size, 0, False
+        raw = fh.read(n)
+    try:
+        text = raw.decode("utf-8")
+        header = json.loads(text)
+        # json keeps the last of duplicate keys silently; re-parse slowly only if counts disagree
+        if isinstance(header, dict) and len(header) - ("__metadata__" in header) != text.count('"data_offsets"'):
+            header = _load_json_text(text, name, problems)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append(f"{name}: header is not valid JSON: {e}")
+        return None, size, 0, False
+    if not isinstance(header, dict):
+        problems.append(f"{name}: header is not a JSON object")
+        return None, size, 0, False
+    return header, size, 8 + n, False
+
+
+def _check_entries(
+    name: str, header: dict, data_start: int, size: int, header_only: bool, problems: list[str]
+) -> list[TensorInfo]:
+    infos: list[tuple[int, int, TensorInfo]] = []
+    for tname, entry in header.items():
+        if tname == "__metadata__":
+            if not isinstance(entry, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in entry.items()
+            ):
+                problems.append(f"{name}: __metadata__ must map strings to strings")
+            continue
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            problems.append(f"{name}: tensor {tname!r} entry lacks dtype, shape or data_offsets")
+            continue
+        dt, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dt not in DTYPES:
+            problems.append(f"{name}: tensor {tname!r} has unknown dtype {dt!r} (known: {', '.join(sorted(DTYPES))})")
+            continue
+        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+            problems.append(f"{name}: tensor {tname!r} has invalid shape {shape!r}")
+            continue
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            problems.append(f"{name}: tensor {tname!r} has invalid data_offsets {offs!r}")
+            continue
+        want = dtype(dt).nbytes(shape)
+        if dt == "F4" and shape and shape[-1] % 2:
+            problems.append(f"{name}: tensor {tname!r} is F4 with odd last dim {shape[-1]} (two per byte)")
+        if offs[1] - offs[0] != want:
+            problems.append(
+                f"{name}: tensor {tname!r} {dt}{shape} needs {want} bytes but data_offsets "
+                f"{offs} span {offs[1] - offs[0]}"
+            )
+            continue
+        info = TensorInfo(tname, dt, tuple(shape), name, data_start + offs[0], want)
+        infos.append((offs[0], offs[1], info))
+    infos.sort(key=lambda x: (x[0], x[1]))
+    pos = 0
+    for b, e, info in infos:
+        if b < pos:
+            problems.append(f"{name}: tensor {info.name!r} data [{b}, {e}) overlaps the previous tensor (ends at {pos})")
+        elif b > pos:
+            problems.append(f"{name}: gap of {b - pos} bytes before tensor {info.name!r} at offset {pos}")
+        pos = max(pos, e)
+    if not header_only:
+        avail = size - data_start
+        if pos > avail:
+            first = next(i for b, e, i in infos if e > avail)
+            problems.append(
+                f"{name}: truncated: {avail} data bytes on disk but tensors need {pos}; first tensor "
+                f"past the end: {first.name!r} (data [{first.offset - data_start}, "
+                f"{first.offset - data_start + first.nbytes}))"
+            )
+        elif pos < avail:
+            problems.append(f"{name}: {avail - pos} trailing bytes after the last tensor")
+    return [i for _, _, i in infos]
+
+
+def _shard_path(root: Path, name: str, problems: list[str]) -> Path | None:
+    rel = os.path.normpath(name)
+    if os.path.isabs(name) or rel == ".." or rel.startswith(".." + os.sep):
+        problems.append(f"{INDEX_NAME}: entry {name!r} names a path outside the checkpoint directory")
+        return None
+    p = root / rel
+    if p.exists():
+        return p.resolve()  # follows Hugging Face cache symlinks into ../../blobs
+    h = root / (rel + HEADER_SUFFIX)
+    if h.exists():
+        return h.resolve()
+    problems.append(f"{name}: listed in {INDEX_NAME} but neither it nor {name}{HEADER_SUFFIX} exists in {root}")
+    return None
+
+
+def open_checkpoint(root: str | os.PathLike) -> Checkpoint:
+    """Open checkpoint directory ``root`` and validate every shard header eagerly.
+
+    Checks: ``config.json`` parses; the index (or single file) exists; every index entry's file
+    exists inside the directory (symlinks followed); every header parses with no duplicate names;
+    dtypes are known; sizes match dtype x shape; offsets neither overlap nor leave gaps nor pass
+    the end of the file; every tensor the index lists is in its shard and vice versa.
+
+    Raises:
+        SourceError: listing every problem found, sorted.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise SourceError(f"{root}: not a directory")
+    problems: list[str] = []
+    cfg_path = root / "config.json"
+    config = _load_json(cfg_path, problems, "config.json") if cfg_path.exists() else None
+    if config is None and not cfg_path.exists():
+        problems.append(f"{root}: no config.json")
+    inf_path = root / "inference" / "config.json"
+    inference_config = _load_json(inf_path, problems, "inference/config.json") if inf_path.exists() else None
+
+    weight_map: dict[str, str] | None = None
+    idx_path = root / INDEX_NAME
+    if idx_path.exists():
+        idx = _load_json(idx_path, problems, INDEX_NAME)
+        if idx is not None:
+            wm = idx.get("weight_map")
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                problems.append(f"{INDEX_NAME}: weight_map missing or not a mapping of names to files")
+            else:
+                weight_map = wm
+        shard_names = list(dict.fromkeys(weight_map.values())) if weight_map else []
+    elif (root / SINGLE_NAME).exists() or (root / (SINGLE_NAME + HEADER_SUFFIX)).exists():
+        shard_names = [SINGLE_NAME]
+    else:
+        problems.append(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+        shard_names = []
+
+    files: dict[str, ShardFile] = {}
+    tensors: dict[str, TensorInfo] = {}
+    for name in shard_names:
+        path = _shard_path(root, name, problems)
+        if path is None:
+            continue
+        header, size, data_start, header_only = _read_header(path, name, problems)
+        if header is None:
+            continue
+        meta = header.get("__metadata__") if isinstance(header.get("__metadata__"), dict) else {}
+        files[name] = ShardFile(name, path, size, data_start, header_only, dict(meta or {}))
+        for info in _check_entries(name, header, data_start, size, header_only, problems):
+            if info.name in tensors:
+                problems.append(f"tensor {info.name!r} appears in both {tensors[info.name].file} and {name}")
+                continue
+            tensors[info.name] = info
+    if weight_map is not None:
+        for tname, fname in weight_map.items():
+            if fname in files and tname not in tensors:
+                problems.append(f"{fname}: index lists tensor {tname!r} but the shard's header lacks it")
+            elif tname in tensors and tensors[tname].file != fname:
+                problems.append(f"tensor {tname!r}: index says {fname}, found in {tensors[tname].file}")
+        for tname, info in tensors.items():
+            if tname not in weight_map:
+                problems.append(f"{info.file}: tensor {tname!r} is not listed in {INDEX_NAME}")
+    if problems:
+        raise SourceError(format_problems(f"invalid checkpoint {root}", problems), sorted(set(problems)))
+    return Checkpoint(root, config or {}, inference_config, files, tensors)
