@@ -1,0 +1,34 @@
+"""Console helpers: Rich output on stderr, JSON on stdout, human-readable byte counts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import cache
+
+from rich.console import Console
+
+
+@cache
+def err_console() -> Console:
+    """The Rich console on stderr (tables, progress, errors)."""
+    import os
+
+    width = None if sys.stderr.isatty() else int(os.environ.get("COLUMNS", "160"))
+    return Console(stderr=True, soft_wrap=False, width=width)
+
+
+def emit_json(obj: object) -> None:
+    """Write ``obj`` as one JSON document on stdout."""
+    json.dump(obj, sys.stdout, indent=2, sort_keys=False)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes as a short string in binary units (``1.5 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
