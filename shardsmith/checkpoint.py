@@ -334,26 +334,27 @@ def _check_entries(
             problems.append(f"{name}: tensor {tname!r} entry lacks dtype, shape or data_offsets")
             continue
         dt, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dt not in DTYPES:
-            problems.append(f"{name}: tensor {tname!r} has unknown dtype {dt!r} (known: {', '.join(sorted(DTYPES))})")
-            continue
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-            problems.append(f"{name}: tensor {tname!r} has invalid shape {shape!r}")
-            continue
         if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
                 and 0 <= offs[0] <= offs[1]):
             problems.append(f"{name}: tensor {tname!r} has invalid data_offsets {offs!r}")
             continue
-        want = dtype(dt).nbytes(shape)
-        if dt == "F4" and shape and shape[-1] % 2:
-            problems.append(f"{name}: tensor {tname!r} is F4 with odd last dim {shape[-1]} (two per byte)")
-        if offs[1] - offs[0] != want:
-            problems.append(
-                f"{name}: tensor {tname!r} {dt}{shape} needs {want} bytes but data_offsets "
-                f"{offs} span {offs[1] - offs[0]}"
-            )
-            continue
-        info = TensorInfo(tname, dt, tuple(shape), name, data_start + offs[0], want)
+        # a bad dtype or shape is reported, but the entry still counts for the offset checks so
+        # that one bad entry does not also show up as a gap or as trailing bytes
+        if dt not in DTYPES:
+            problems.append(f"{name}: tensor {tname!r} has unknown dtype {dt!r} (known: {', '.join(sorted(DTYPES))})")
+        elif not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+            problems.append(f"{name}: tensor {tname!r} has invalid shape {shape!r}")
+        else:
+            want = dtype(dt).nbytes(shape)
+            if dt == "F4" and shape and shape[-1] % 2:
+                problems.append(f"{name}: tensor {tname!r} is F4 with odd last dim {shape[-1]} (two per byte)")
+            if offs[1] - offs[0] != want:
+                problems.append(
+                    f"{name}: tensor {tname!r} {dt}{shape} needs {want} bytes but data_offsets "
+                    f"{offs} span {offs[1] - offs[0]}"
+                )
+        info = TensorInfo(tname, str(dt), tuple(shape) if isinstance(shape, list) else (), name,
+                          data_start + offs[0], offs[1] - offs[0])
         infos.append((offs[0], offs[1], info))
     infos.sort(key=lambda x: (x[0], x[1]))
     pos = 0

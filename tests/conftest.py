@@ -65,3 +65,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
         return built[name]
 
     return get
+
+
+REAL_V4 = Path(__file__).resolve().parents[1].parent / "shared" / "real-inventories" / "deepseek-v4-flash-0731-reap160"
+
+
+@pytest.fixture(scope="session")
+def real_v4():
+    """The real DeepSeek-V4-Flash inventory (config, index, 48 raw headers), opened header-only."""
+    from shardsmith.checkpoint import open_checkpoint
+
+    if not REAL_V4.is_dir():
+        pytest.skip(f"real inventory not found at {REAL_V4}")
+    return open_checkpoint(REAL_V4)
