@@ -1,0 +1,40 @@
+"""Save a benchmark run as ``benchmarks/results/<benchmark>-<YYYYMMDD>-<host>.json``.
+
+Schema: ``{"benchmark", "date", "host", "commit", "rows": [...]}``; row fields carry their unit
+in the name (``seconds``, ``tokens_per_s``, ``bytes_per_rank``, ...).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import socket
+import subprocess
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def host_name() -> str:
+    """Short host label: the hostname, or ``$SHARDSMITH_HOST`` when set (e.g. ``h200x2``)."""
+    import os
+
+    return os.environ.get("SHARDSMITH_HOST") or socket.gethostname().split(".")[0]
+
+
+def save_results(benchmark: str, rows: list[dict], *, extra: dict | None = None) -> Path:
+    """Write the run and return its path (overwrites a run of the same day and host)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        commit = None
+    doc = {"benchmark": benchmark, "date": dt.date.today().isoformat(), "host": host_name(), "commit": commit,
+           "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+           **(extra or {}), "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{benchmark}-{dt.date.today():%Y%m%d}-{host_name()}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"saved {path}")
+    return path
