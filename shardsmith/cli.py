@@ -36,25 +36,23 @@ _register()
 
 
 def main() -> None:
-    """Console entry point: run the app, turning :class:`ShardsmithError` into an exit code."""
+    """Console entry point: run the app, turning :class:`ShardsmithError` into its exit code.
+
+    typer handles usage errors (exit 2 from click is mapped to 1, our usage code) and ``--help``.
+    """
     try:
-        app(standalone_mode=False)
+        app()
     except ShardsmithError as e:
         if os.environ.get("SHARDSMITH_DEBUG"):
             raise
+        from rich.markup import escape
+
         from .ui import err_console
 
-        err_console().print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+        err_console().print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(exit_code_for(e))
-    except SystemExit:
-        raise
-    except Exception as e:  # typer/click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
-        if isinstance(e, click.ClickException):
-            e.show()
+    except SystemExit as e:
+        if e.code == 2:  # click's usage-error code; ours is 1 (2 means an integrity failure)
             sys.exit(1)
         raise
 
