@@ -1,0 +1,309 @@
+"""The engine: load one rank, and let rank 0 drive every rank step by step.
+
+Rank 0 owns the request; for every forward step it broadcasts a small command over a gloo group
+(``int64 [4]``: op, tokens, start position, all-logits flag), then the token ids, then runs the
+step. Ranks != 0 sit in :meth:`Engine.follow`, blocked in that broadcast, and run the same step.
+There is no queue: the first command after start-up meets followers already waiting in the
+collective, so it cannot be lost, and the sampled token reaches them as the next step's payload.
+
+Failure: gloo notices a dead peer at once (its TCP connection closes), so a rank that dies makes
+the others' next collective raise; the engine turns that into :class:`RankLostError`. The command
+group's timeout is long (idle followers wait in it); the load ends with a ``monitored_barrier``
+(``load_timeout_s``) that names ranks that never finished loading, then every rank's load error is
+gathered and raised on all ranks. On NCCL, a peer dying mid-step is noticed only at the default
+group's timeout (see :func:`~shardsmith.runtime.parallel.init_distributed`).
+
+Example:
+    >>> eng = Engine.load("out/", rank=0, world_size=1)  # doctest: +SKIP
+    >>> [s.token_id for s in eng.generate([1, 2, 3], SamplingParams(max_tokens=4))]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RuntimeLoadError, ShardsmithError, UsageError, format_problems
+from .config import ModelArgs
+from .model import Transformer, assign_weights
+from .parallel import Shards, clamp_threads, install_rank_zero_logging
+from .sampling import choose, make_generator
+from .weights import load_rank_weights
+
+log = logging.getLogger("shardsmith.runtime")
+FORWARD, SHUTDOWN = 1, 2
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class RankLostError(ShardsmithError):
+    """Another rank died or broke the process group mid-run; this rank cannot continue."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to continue one prompt.
+
+    Attributes:
+        max_tokens: tokens to generate (>= 1); temperature: 0 greedy, else softmax temperature;
+        top_k: 0 for all; top_p: nucleus mass in (0, 1]; seed: per-request seed (None: random);
+        stop_token_ids: ids that end the generation (the stop token is yielded, finish "stop");
+        logprobs: how many top logprobs per step (0: none).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One generated token.
+
+    Attributes:
+        token_id, logprob: the token and its model log-probability (nats);
+        top_logprobs: ``(token_id, logprob)`` best first (``SamplingParams.logprobs`` of them);
+        finished: last token of this generation; finish_reason: ``stop``, ``length`` or None.
+    """
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+    finished: bool
+    finish_reason: str | None
+
+
+class Engine:
+    """One rank's model plus the rank-0-drives-all step protocol.
+
+    Attributes:
+        config: ``config.json``; root: directory with the tokenizer files; max_seq_len: positions
+        of the KV cache (prompt + generated); load_seconds: time from :meth:`load` start to ready
+        on this rank; eos_token_ids: from ``generation_config.json`` / ``config.json``;
+        rank, world_size, device, dtype, vocab_size.
+    """
+
+    def __init__(self, model: Transformer, *, config: dict, root: Path, rank: int, world_size: int,
+                 device: torch.device, dtype: torch.dtype, max_seq_len: int, group: object | None) -> None:
+        self.model, self.config, self.root = model, config, root
+        self.rank, self.world_size, self.device, self.dtype = rank, world_size, device, dtype
+        self.max_seq_len, self.vocab_size, self.load_seconds = max_seq_len, model.args.vocab_size, 0.0
+        self.eos_token_ids = _eos_ids(root, config)
+        self._group, self._lock, self._request, self._closed = group, threading.Lock(), 0, False
+
+    @classmethod
+    def load(cls, path: str | Path, *, rank: int, world_size: int, device: str = "cpu", from_checkpoint: bool = False,
+             verify_hashes: bool = False, max_seq_len: int = 2048, dtype: torch.dtype | None = None,
+             load_timeout_s: float = 1800.0) -> "Engine":
+        """Load rank ``rank``'s weights and build its model; collective over all ranks.
+
+        ``torch.distributed`` must already be initialised when ``world_size > 1``
+        (:func:`~shardsmith.runtime.parallel.init_distributed`).
+
+        Args:
+            path: a pack directory, or a checkpoint with ``from_checkpoint``.
+            device: ``cpu`` or ``cuda`` (``cuda:{LOCAL_RANK}``); dtype: compute dtype (default:
+                the config's ``dtype``/``torch_dtype``, else bfloat16).
+            max_seq_len: KV cache positions; load_timeout_s: how long rank 0 waits for the
+                slowest rank to finish loading before naming it.
+
+        Raises:
+            RuntimeLoadError: on every rank, listing each rank's load problem (missing,
+                unexpected or mis-shaped tensor, wrong world size, ...), or a process group that
+                does not match ``rank``/``world_size``.
+            RankLostError: a rank died during the load.
+        """
+        t0 = time.perf_counter()
+        install_rank_zero_logging()
+        clamp_threads()
+        group = _command_group(rank, world_size)
+        dev = torch.device(f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device)
+        error, engine = None, None
+        try:
+            weights = load_rank_weights(path, rank=rank, world_size=world_size, from_checkpoint=from_checkpoint,
+                                        verify_hashes=verify_hashes)
+            config = weights.config
+            args = ModelArgs.from_config(config)
+            dtype = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.bfloat16)
+            block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+            model = Transformer(args, Shards(weights.plan, rank, dtype, block))
+            assign_weights(model, weights.dense(), weights.banks(), device=dev, tied=args.tie_embeddings)
+            model.setup_cache(max_seq_len, dev, dtype)
+            engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
+                         device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group)
+        except Exception as e:  # gathered below so that every rank fails with every rank's reason
+            error = e
+        problems = _gather_errors(error, rank, world_size, group, load_timeout_s)
+        if problems:
+            raise RuntimeLoadError(format_problems(f"load of {path} at world_size={world_size} failed", problems)) from error
+        engine.load_seconds = time.perf_counter() - t0
+        log.info("rank 0 of %d ready in %.2f s (%s, %s)", world_size, engine.load_seconds, dev, dtype)
+        return engine
+
+    # ---------------------------------------------------------------- rank 0
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
+        """Generate from ``prompt_ids`` (rank 0; drives the other ranks).
+
+        The caller may stop iterating early; the next :meth:`generate` starts afresh, and an older
+        iterator resumed after that raises :class:`~shardsmith.errors.UsageError`.
+
+        Raises:
+            UsageError: bad parameters, empty prompt, ids outside the vocabulary, a prompt longer
+                than ``max_seq_len``, or called on a rank other than 0.
+            RankLostError: another rank died.
+        """
+        self._check_request(prompt_ids, params)
+        self._request += 1
+        request = self._request
+        gen = make_generator(params.seed)
+        logits = self._step(prompt_ids, 0)[-1]  # [V]
+        pos = len(prompt_ids)
+        for i in range(params.max_tokens):
+            c = choose(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                       generator=gen, logprobs=params.logprobs)
+            reason = ("stop" if c.token_id in params.stop_token_ids
+                      else "length" if i + 1 == params.max_tokens or pos >= self.max_seq_len else None)
+            yield StepOutput(c.token_id, c.logprob, c.top_logprobs, reason is not None, reason)
+            if reason is not None:
+                return
+            if request != self._request:
+                raise UsageError("this generation was superseded by a newer generate() call")
+            logits = self._step([c.token_id], pos)[-1]
+            pos += 1
+
+    def abort(self) -> None:
+        """Forget the current generation (nothing to release: the next one overwrites the cache)."""
+        self._request += 1
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Float32 logits ``[T, V]`` of a prefill of ``ids`` from position 0 (rank 0; for tests)."""
+        self._check_request(ids, SamplingParams())
+        self._request += 1
+        return self._step(ids, 0, last_only=False)
+
+    def warmup(self) -> None:
+        """One tiny prefill and one decode step on every rank (rank 0)."""
+        self._step([0, 0], 0)
+        self._step([0], 2)
+
+    def shutdown(self) -> None:
+        """Release the followers from :meth:`follow` (rank 0; idempotent)."""
+        if self.rank == 0 and not self._closed and self.world_size > 1:
+            with self._lock:
+                self._send(torch.tensor([SHUTDOWN, 0, 0, 0], dtype=torch.int64))
+        self._closed = True
+
+    # ---------------------------------------------------------------- ranks != 0
+
+    def follow(self) -> None:
+        """Run rank 0's steps until it shuts down (ranks != 0).
+
+        Raises:
+            RankLostError: rank 0 or another rank died.
+        """
+        if self.rank == 0:
+            raise UsageError("follow() is for ranks != 0; rank 0 drives with generate()")
+        while True:
+            cmd = torch.empty(4, dtype=torch.int64)
+            self._collective(lambda: dist.broadcast(cmd, src=0, group=self._group))
+            op, n, start, all_logits = cmd.tolist()
+            if op == SHUTDOWN:
+                self._closed = True
+                return
+            ids = torch.empty(n, dtype=torch.int64)
+            self._collective(lambda: dist.broadcast(ids, src=0, group=self._group))
+            self._collective(lambda: self.model(ids.to(self.device), start, last_only=not all_logits))
+
+    # ---------------------------------------------------------------- internals
+
+    def _check_request(self, ids: list[int], p: SamplingParams) -> None:
+        if self.rank != 0:
+            raise UsageError(f"generate()/logits() run on rank 0 only (this is rank {self.rank})")
+        if self._closed:
+            raise UsageError("the engine was shut down")
+        bad = [
+            "max_tokens must be >= 1" if p.max_tokens < 1 else "",
+            "temperature must be >= 0" if not p.temperature >= 0 else "",
+            "top_k must be >= 0" if p.top_k < 0 else "",
+            "top_p must be in (0, 1]" if not 0 < p.top_p <= 1 else "",
+            "logprobs must be >= 0" if p.logprobs < 0 else "",
+            "the prompt is empty" if not ids else "",
+            f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}" if len(ids) > self.max_seq_len else "",
+            "token ids must be in [0, %d)" % self.vocab_size if any(not 0 <= t < self.vocab_size for t in ids) else "",
+        ]
+        if any(bad):
+            raise UsageError("; ".join(b for b in bad if b))
+
+    def _step(self, ids: list[int], start: int, *, last_only: bool = True) -> torch.Tensor:
+        """Broadcast one step's command and tokens, run it here; returns float32 CPU logits."""
+        tokens = torch.tensor(ids, dtype=torch.int64)
+        with self._lock:
+            if self.world_size > 1:
+                self._send(torch.tensor([FORWARD, len(ids), start, int(not last_only)], dtype=torch.int64))
+                self._collective(lambda: dist.broadcast(tokens, src=0, group=self._group))
+            return self._collective(lambda: self.model(tokens.to(self.device), start, last_only=last_only)).cpu()
+
+    def _send(self, cmd: torch.Tensor) -> None:
+        self._collective(lambda: dist.broadcast(cmd, src=0, group=self._group))
+
+    def _collective(self, fn):
+        try:
+            return fn()
+        except (RuntimeError, dist.DistBackendError) as e:
+            if self.world_size == 1 or "gloo" not in str(e).lower() and "nccl" not in str(e).lower() \
+                    and "connection" not in str(e).lower():
+                raise
+            raise RankLostError(f"rank {self.rank}: another rank died or left the process group; "
+                                f"stopping ({str(e).splitlines()[0][:300]})") from e
+
+
+def _command_group(rank: int, world_size: int) -> object | None:
+    """A gloo group for step commands (CPU tensors on every backend), with a long idle timeout."""
+    if world_size == 1:
+        return None
+    if not dist.is_initialized():
+        raise RuntimeLoadError(f"world_size={world_size} but torch.distributed is not initialised "
+                               "(call shardsmith.runtime.parallel.init_distributed first)")
+    if dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise RuntimeLoadError(f"launched as rank {rank} of {world_size} but the process group is rank "
+                               f"{dist.get_rank()} of {dist.get_world_size()}")
+    return dist.new_group(backend="gloo", timeout=timedelta(days=30))
+
+
+def _gather_errors(error: BaseException | None, rank: int, world_size: int, group: object | None,
+                   timeout_s: float) -> list[str]:
+    """Every rank's load error, one line each (empty when all loaded); collective."""
+    mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
+    if world_size == 1:
+        return [mine] if mine else []
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        everyone: list[str | None] = [None] * world_size
+        dist.all_gather_object(everyone, mine, group=group)
+    except RuntimeError as e:
+        raise RankLostError(f"rank {rank}: a rank did not finish loading ({str(e).splitlines()[0][:300]})"
+                            + (f"; this rank's own error: {mine}" if mine else "")) from error or e
+    return [m for m in everyone if m]
+
+
+def _eos_ids(root: Path, config: dict) -> tuple[int, ...]:
+    """EOS ids from ``generation_config.json`` (else ``config.json``), as a tuple."""
+    eos = config.get("eos_token_id")
+    try:
+        eos = json.loads((root / "generation_config.json").read_text()).get("eos_token_id", eos)
+    except (OSError, ValueError):
+        pass
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

@@ -1,0 +1,197 @@
+"""The Mixtral / Qwen3-MoE / Qwen2-MoE decoder, built on ``meta`` and filled from a rank's weights.
+
+Module names mirror the Hugging Face checkpoints (``model.layers.N.self_attn.q_proj.weight``), so
+a buffer's name is its source tensor's name and loading is a strict name-for-name assignment
+(:func:`assign_weights`). Every layer comes from :class:`~shardsmith.runtime.parallel.Shards`, so
+this file knows nothing about ranks beyond its local head counts.
+
+One sequence at a time (batch 1), a static KV cache of ``max_seq_len`` positions per layer and
+rank (local KV heads only). Sources: transformers ``modeling_mixtral.py`` / ``modeling_qwen3_moe.py``
+/ ``modeling_qwen2_moe.py`` for the maths (RMSNorm in float32, rotate-half RoPE, SDPA attention).
+
+Legend: T = new tokens, S = cached positions, D = hidden, H = local query heads, K = local KV
+heads, d = head dim, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import RuntimeLoadError, format_problems
+from .config import ModelArgs, rope_tables
+from .moe import MLP, SparseMoe
+from .parallel import Shards
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)`` computed in float32, cast back before the weight (as transformers)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.empty(dim, dtype=dtype, device="meta"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin``; x ``[T, n, d]``, cos/sin ``[T, d]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+class Attention(nn.Module):
+    """GQA attention over this rank's heads; o_proj's all-reduce is the layer's one collective."""
+
+    def __init__(self, args: ModelArgs, shards: Shards, prefix: str, window: int | None) -> None:
+        super().__init__()
+        self.head_dim, self.window = args.head_dim, window
+        heads = shards.heads(prefix, args.head_dim, args.n_heads // args.n_kv_heads)
+        self.n_heads, self.n_kv = heads.n_heads, heads.n_kv_heads
+        group = self.n_heads // self.n_kv if self.n_heads % self.n_kv == 0 else 0
+        self.gqa = group > 0 and heads.kv_index == tuple(j // group for j in range(self.n_heads))
+        self.kv_index = torch.tensor(heads.kv_index)
+        self.q_proj = shards.linear(prefix + ".q_proj", bias=args.qkv_bias)
+        self.k_proj = shards.linear(prefix + ".k_proj", bias=args.qkv_bias)
+        self.v_proj = shards.linear(prefix + ".v_proj", bias=args.qkv_bias)
+        self.o_proj = shards.linear(prefix + ".o_proj", bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, shards.dtype) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, shards.dtype) if args.qk_norm else None
+        self.cache_k = self.cache_v = None  # [K, S_max, d], set by Transformer.setup_cache
+
+    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T, d = x.shape[0], self.head_dim
+        q = self.q_proj(x).view(T, self.n_heads, d)  # [T, H, d]
+        k = self.k_proj(x).view(T, self.n_kv, d)  # [T, K, d]
+        v = self.v_proj(x).view(T, self.n_kv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        end = start + T
+        self.cache_k[:, start:end] = k.transpose(0, 1)
+        self.cache_v[:, start:end] = v.transpose(0, 1)
+        keys, values = self.cache_k[:, :end], self.cache_v[:, :end]  # [K, S, d]
+        if not self.gqa:  # kv-copies shares: map each query head to its local KV head
+            idx = self.kv_index.to(keys.device)
+            keys, values = keys.index_select(0, idx), values.index_select(0, idx)  # [H, S, d]
+        mask = None
+        if T > 1 or self.window:
+            qpos = torch.arange(start, end, device=x.device)[:, None]  # [T, 1]
+            kpos = torch.arange(end, device=x.device)[None, :]  # [1, S]
+            mask = kpos <= qpos
+            if self.window:
+                mask &= qpos - kpos < self.window
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                           enable_gqa=self.gqa and self.n_kv != self.n_heads)  # [H, T, d]
+        return self.o_proj(o.transpose(0, 1).reshape(T, self.n_heads * d))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MoE (or dense MLP) blocks with residuals."""
+
+    def __init__(self, args: ModelArgs, shards: Shards, i: int) -> None:
+        super().__init__()
+        prefix = f"model.layers.{i}"
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
+        self.self_attn = Attention(args, shards, prefix + ".self_attn", args.windows[i])
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
+        self.ffn_name = args.moe_prefix if i in args.moe_layers else "mlp"
+        ffn_prefix = f"{prefix}.{self.ffn_name}"
+        if i in args.moe_layers:
+            ffn = SparseMoe(shards, ffn_prefix, prefix, top_k=args.top_k, norm_topk=args.norm_topk,
+                            keep_f32_weights=args.family == "mixtral", shared=args.shared_expert, dtype=shards.dtype)
+        else:
+            ffn = MLP(shards, ffn_prefix)
+        self.add_module(self.ffn_name, ffn)
+
+    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), start, cos, sin)
+        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """The causal LM: vocab-parallel embedding, decoder layers, final norm, vocab-parallel LM head.
+
+    Args:
+        args: model configuration; shards: this rank's plan and compute dtype.
+
+    Raises:
+        RuntimeLoadError: the plan lacks a tensor the config needs (named).
+    """
+
+    def __init__(self, args: ModelArgs, shards: Shards) -> None:
+        super().__init__()
+        self.args = args
+        self.model = nn.Module()
+        self.model.embed_tokens = shards.embedding("model.embed_tokens.weight")
+        self.model.layers = nn.ModuleList(DecoderLayer(args, shards, i) for i in range(args.n_layers))
+        self.model.norm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
+        self.lm_head = shards.lm_head("model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight")
+        self.cos = self.sin = None
+
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the static KV cache (``[K, max_seq_len, d]`` per layer) and RoPE tables."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            shape = (attn.n_kv, max_seq_len, self.args.head_dim)
+            attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
+            attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+        cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, d] float32
+        self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
+        """Run ``ids`` ``[T]`` at positions ``[start, start + T)``; returns float32 logits ``[T or 1, V]``."""
+        cos, sin = self.cos[start: start + ids.shape[0]], self.sin[start: start + ids.shape[0]]  # [T, d]
+        x = self.model.embed_tokens(ids)  # [T, D]
+        for layer in self.model.layers:
+            x = layer(x, start, cos, sin)
+        x = self.model.norm(x[-1:] if last_only else x)
+        return self.lm_head(x)  # [T or 1, V]
+
+
+def assign_weights(model: Transformer, dense: dict[str, torch.Tensor], banks: dict[str, dict[str, torch.Tensor]],
+                   *, device: torch.device, tied: bool) -> None:
+    """Replace every ``meta`` buffer of ``model`` by the rank's tensor of the same name, strictly.
+
+    Unquantized tensors are cast to the buffer's dtype (no copy when it already matches, so on CPU
+    the buffer is the mmap view itself); FP8 weights and F32 scales are kept as stored. Bank arrays
+    ``banks[layer][array]`` fill ``{layer}.<moe>.experts.{array}``.
+
+    Raises:
+        RuntimeLoadError: listing every missing, unexpected, mis-shaped or wrongly typed tensor.
+    """
+    expected = dict(model.named_buffers())
+    moe = model.args.moe_prefix
+    given = dict(dense)
+    for layer, arrays in banks.items():
+        for array, t in arrays.items():
+            given[f"{layer}.{moe}.experts.{array}"] = t
+    if tied:
+        expected.pop("lm_head.weight", None)
+    problems = []
+    for name in sorted(set(given) - set(expected)):
+        problems.append(f"unexpected tensor {name!r} {list(given[name].shape)}: the model has no place for it")
+    out = {}
+    for name, meta in expected.items():
+        t = given.get(name)
+        if t is None:
+            problems.append(f"missing tensor {name!r}: the model needs {list(meta.shape)}")
+        elif tuple(t.shape) != tuple(meta.shape):
+            problems.append(f"tensor {name!r}: shape {list(t.shape)}, the model needs {list(meta.shape)}")
+        elif (meta.dtype == torch.float8_e4m3fn) != (t.dtype == torch.float8_e4m3fn):
+            problems.append(f"tensor {name!r}: dtype {t.dtype}, the model needs {meta.dtype}")
+        else:
+            out[name] = t.to(device=device, dtype=meta.dtype)
+    if problems:
+        raise RuntimeLoadError(format_problems("cannot load the rank's weights", problems))
+    for name, t in out.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = t
+    if tied:
+        model.lm_head._buffers["weight"] = model.model.embed_tokens.weight

@@ -1,0 +1,323 @@
+"""Tensor parallelism in one small module: process-group helpers and the parallel layers.
+
+The model file builds every linear layer through :meth:`Shards.linear`, which picks the layer class
+from the resolved plan (the plan is data; this table is the only place a layout becomes code):
+
+=================  ==========  ===========================  ====================================
+plan shard_dim     class       weight (rank-local)          communication
+=================  ==========  ===========================  ====================================
+``None``           Replicated  ``[out, in]``                none
+0                  Column      ``[out_r, in]``              none (output features split)
+1                  Row         ``[out, in_r]``              all-reduce of partials; bias once after
+vocab-parallel     Embedding   ``[V_r, D]``                 masked lookup, all-reduce
+vocab-parallel     LM head     ``[V_r, D]``                 all-gather of uneven shares (pad, strip)
+=================  ==========  ===========================  ====================================
+
+FP8 block weights (``float8_e4m3fn`` with an F32 ``weight_scale_inv`` per 128x128 block, DeepSeek-V3
+``inference/kernel.py`` ``weight_dequant``) stay FP8 in memory (the mmap'd bytes) and are
+dequantized to the compute dtype on the fly, per matmul (:func:`dequantize_blocks`). That keeps
+host/GPU memory at the FP8 size at the cost of one elementwise pass per use; a fused FP8 block
+GEMM kernel on GPU is future work.
+
+Weights are buffers created on the ``meta`` device; :func:`shardsmith.runtime.model.assign_weights`
+replaces them with the rank's tensors. Legend: T = tokens, D = hidden, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import RuntimeLoadError
+from ..plans.resolve import ResolvedPlan, TensorPlan
+
+# ------------------------------------------------------------------ group helpers
+
+
+def world_size() -> int:
+    """Ranks in the default process group (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 when not initialised)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over all ranks in place and return it; a no-op at world_size 1."""
+    if world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_uneven(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Concatenate every rank's ``x`` ``[T, n_r]`` along dim 1 into ``[T, sum(sizes)]``.
+
+    Shares may differ (``sizes[r]`` = rank r's ``n_r``): each is padded to the largest, gathered,
+    and stripped. A no-op at world_size 1.
+    """
+    if len(sizes) == 1:
+        return x
+    width = max(sizes)
+    padded = F.pad(x, (0, width - x.shape[1])).contiguous()  # [T, width]
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
+
+
+def init_distributed(rank: int, world_size: int, *, master_addr: str = "127.0.0.1", master_port: int = 29500,
+                     device: str = "cpu", timeout_s: float = 600.0) -> None:
+    """Initialise the default process group: gloo on CPU, NCCL on CUDA (``cuda:{LOCAL_RANK}``).
+
+    A no-op at world_size 1. ``timeout_s`` bounds every collective of the default group: on gloo a
+    dead peer is noticed at once (its TCP connection closes); on NCCL a dead peer is noticed only
+    when a collective times out, so keep it short enough to fail fast and long enough for a prefill.
+
+    Args:
+        rank, world_size: this process and the total; master_addr/master_port: the one rendezvous.
+        device: ``cpu`` or ``cuda``.
+    """
+    if world_size == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def clamp_threads(local_world_size: int | None = None) -> int:
+    """Give each rank on this host ``max(1, cores // local_world_size)`` CPU threads.
+
+    Sets ``torch.set_num_threads`` and ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` (inherited by child
+    processes; a launcher should set them before spawning, as OpenMP reads them at start-up).
+    Oversubscribed ranks are a known cause of 20x slower loads and decode.
+
+    Returns:
+        the thread count chosen.
+    """
+    local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = max(1, cores // max(1, local))
+    torch.set_num_threads(n)
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
+    return n
+
+
+class RankZeroFilter(logging.Filter):
+    """Logging filter passing records only on rank 0 (install on the ``shardsmith`` logger)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:  # noqa: D102
+        return rank() == 0
+
+
+def install_rank_zero_logging(logger: logging.Logger | None = None) -> None:
+    """Attach :class:`RankZeroFilter` to ``logger`` (default: ``shardsmith``) once."""
+    logger = logger or logging.getLogger("shardsmith")
+    if not any(isinstance(f, RankZeroFilter) for f in logger.filters):
+        logger.addFilter(RankZeroFilter())
+
+
+# ------------------------------------------------------------------ FP8 blocks
+
+
+def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """``w.float() * scale`` per block, cropped at ragged edges, in ``dtype``.
+
+    Args:
+        w: ``[R, C]`` ``float8_e4m3fn``; scale: ``[ceil(R/b0), ceil(C/b1)]`` float32
+            (``weight_scale_inv``); block: ``(b0, b1)`` elements.
+    """
+    R, C = w.shape
+    s = scale.repeat_interleave(block[0], 0)[:R].repeat_interleave(block[1], 1)[:, :C]  # [R, C]
+    return (w.float() * s).to(dtype)
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+# ------------------------------------------------------------------ layers
+
+
+class _Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` over a rank-local weight, FP8 blocks dequantized per call."""
+
+    def __init__(self, shape: tuple[int, int], *, bias: bool, dtype: torch.dtype,
+                 fp8_block: tuple[int, int] | None = None, reduce: bool = True) -> None:
+        super().__init__()
+        self.block, self.reduce = fp8_block, reduce
+        self.register_buffer("weight", _meta(shape, torch.float8_e4m3fn if fp8_block else dtype))
+        if fp8_block:
+            rows, cols = (-(-shape[0] // fp8_block[0]), -(-shape[1] // fp8_block[1]))
+            self.register_buffer("weight_scale_inv", _meta((rows, cols), torch.float32))
+        self.register_buffer("bias", _meta(shape[:1], dtype) if bias else None)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in ``dtype`` (FP8 dequantized now)."""
+        if self.block is None:
+            return self.weight
+        return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+
+
+class ReplicatedLinear(_Linear):
+    """Whole weight ``[out, in]`` on every rank; no communication."""
+
+
+class ColumnParallelLinear(_Linear):
+    """Output features split: weight ``[out_r, in]`` (dim 0), bias ``[out_r]``; no communication."""
+
+
+class RowParallelLinear(_Linear):
+    """Input features split: weight ``[out, in_r]`` (dim 1); partial outputs are all-reduced.
+
+    The bias ``[out]`` is added once, after the all-reduce. With ``reduce=False`` the partial sum
+    is returned (no bias) so a caller can add several partials before one all-reduce.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in_r] -> [T, out]
+        y = F.linear(x, self.dense_weight(x.dtype))
+        if not self.reduce:
+            return y
+        y = all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary: rank r holds ids ``[start, start + n_r)`` (uneven shares).
+
+    Ids outside the rank's share look up zeros; the all-reduce sums the one non-zero row.
+    """
+
+    def __init__(self, start: int, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.start, self.rows = start, shape[0]
+        self.register_buffer("weight", _meta(shape, dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D]
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside[:, None].to(self.weight.dtype)
+        return all_reduce(x)
+
+
+class ParallelLMHead(nn.Module):
+    """LM head rows split by vocabulary: ``[T, D] -> [T, V_r]`` locally, all-gathered to ``[T, V]``.
+
+    Shares may be uneven (``sizes``); tied embeddings share the embedding's buffer.
+    """
+
+    def __init__(self, sizes: list[int], shape: tuple[int, int], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.sizes = sizes
+        self.register_buffer("weight", _meta(shape, dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, V] float32
+        return all_gather_uneven(F.linear(x, self.weight).float(), self.sizes)
+
+
+# ------------------------------------------------------------------ the plan, for this rank
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """This rank's attention heads.
+
+    Attributes:
+        n_heads: local query heads; n_kv_heads: local KV heads (copies included).
+        kv_index: per local query head, the local KV head it reads (GQA mapping).
+    """
+
+    n_heads: int
+    n_kv_heads: int
+    kv_index: tuple[int, ...]
+
+
+class Shards:
+    """The resolved plan seen from one rank: builds parallel layers with rank-local shapes.
+
+    Args:
+        plan: the resolved plan; rank: this rank; dtype: compute dtype of unquantized weights.
+        block: FP8 ``weight_block_size`` from the config (used for ``fp8-block`` tensors).
+    """
+
+    def __init__(self, plan: ResolvedPlan, rank: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128)) -> None:
+        self.plan, self.rank, self.dtype, self.block = plan, rank, dtype, block
+        self._banks: dict | None = None
+
+    def tensor(self, name: str) -> TensorPlan:
+        """The plan of source tensor ``name``.
+
+        Raises:
+            RuntimeLoadError: the model needs ``name`` but the checkpoint/pack has no such tensor.
+        """
+        tp = self.plan.tensors.get(name)
+        if tp is None:
+            raise RuntimeLoadError(f"missing tensor {name!r}: the model needs it but the plan "
+                                   f"({self.plan.family}, world_size={self.plan.world_size}) has none")
+        return tp
+
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint has tensor ``name``."""
+        return name in self.plan.tensors
+
+    def linear(self, prefix: str, *, bias: bool = False, reduce: bool = True) -> _Linear:
+        """The parallel linear for ``{prefix}.weight`` (class by its shard dim, see the table)."""
+        tp = self.tensor(prefix + ".weight")
+        if bias:
+            self.tensor(prefix + ".bias")
+        cls = {None: ReplicatedLinear, 0: ColumnParallelLinear, 1: RowParallelLinear}[tp.shard_dim]
+        fp8 = self.block if tp.quant == "fp8-block" else None
+        if tp.quant not in ("none", "fp8-block"):
+            raise RuntimeLoadError(f"{tp.name}: {tp.quant} weights are not supported by this runtime")
+        return cls(tp.local_shape(self.rank), bias=bias, dtype=self.dtype, fp8_block=fp8, reduce=reduce)
+
+    def embedding(self, name: str) -> VocabParallelEmbedding:
+        """The vocab-parallel embedding of ``name`` (``model.embed_tokens.weight``)."""
+        tp = self.tensor(name)
+        start = tp.ranges[self.rank][0][0] if tp.shard_dim is not None else 0
+        return VocabParallelEmbedding(start, tp.local_shape(self.rank), self.dtype)
+
+    def lm_head(self, name: str) -> ParallelLMHead:
+        """The vocab-parallel LM head over ``name`` (``lm_head.weight``, or the embedding when tied)."""
+        tp = self.tensor(name)
+        sizes = [tp.local_shape(r)[0] for r in range(self.plan.world_size)] if tp.shard_dim == 0 else [tp.shape[0]]
+        return ParallelLMHead(sizes, tp.local_shape(self.rank), self.dtype)
+
+    def heads(self, prefix: str, head_dim: int, group: int) -> HeadShard:
+        """Local query/KV heads of attention ``prefix`` and the query -> KV head mapping.
+
+        Local query head ``j`` is global head ``h0 + j``; it reads global KV head
+        ``(h0 + j) // group``, held locally at index ``(h0 + j) // group - k0`` where ``h0``/``k0``
+        are the first query/KV heads of the rank's shares (covers whole-group, kv-copies and
+        replicated attention alike).
+        """
+        q, k = self.tensor(prefix + ".q_proj.weight"), self.tensor(prefix + ".k_proj.weight")
+        (q0, qn), = q.ranges[self.rank]  # replicated: ((0, rows),)
+        (k0, kn), = k.ranges[self.rank]
+        h0, n_q, kv0, n_kv = q0 // head_dim, qn // head_dim, k0 // head_dim, kn // head_dim
+        index = tuple((h0 + j) // group - kv0 for j in range(n_q))
+        if any(not 0 <= i < n_kv for i in index):
+            raise RuntimeLoadError(f"{prefix}: rank {self.rank}'s query heads [{h0}, {h0 + n_q}) read KV heads "
+                                   f"outside its share [{kv0}, {kv0 + n_kv})")
+        return HeadShard(n_q, n_kv, index)
+
+    def bank_shape(self, layer: str, array: str) -> tuple[tuple[int, ...], str] | None:
+        """Shape ``[E, rows, cols]`` and safetensors dtype of bank ``array`` of MoE ``layer``, if any."""
+        from ..writer.slicing import bank_specs
+
+        if self._banks is None:
+            self._banks = {(s.layer, s.name): s for specs in bank_specs(self.plan, self.rank).values() for s in specs}
+        spec = self._banks.get((layer, array))
+        return None if spec is None else (spec.shape, spec.dtype)
