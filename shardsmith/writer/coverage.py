@@ -1,0 +1,76 @@
+"""Plan coverage: recheck, from ``plan.json`` alone, that every tensor's shards cover it exactly.
+
+Rules checked per tensor (``W`` ranks, ``D`` the size of the shard dim):
+
+- replicated: every rank's range is the whole of dim 0 (``(0, 1)`` for a scalar);
+- split by units (``front-loaded-units`` / ``equal-units``): the ranges taken segment by segment,
+  rank by rank, tile ``[0, D)`` exactly once and in order (each starts where the previous ended);
+- ``kv-copies``: each rank holds one range of whole KV heads (start and length multiples of the
+  unit), starts never decrease with rank, and together they cover ``[0, D)``; neighbours may
+  overlap, but only on whole heads.
+"""
+
+from __future__ import annotations
+
+from ..plans.core import Split
+from ..plans.resolve import ResolvedPlan, TensorPlan
+
+
+def tensor_problems(tp: TensorPlan, world_size: int) -> list[str]:
+    """Coverage problems of one tensor's ranges (empty when they tile its axis as required)."""
+    where = f"plan.json: tensor {tp.name!r}"
+    if len(tp.ranges) != world_size:
+        return [f"{where}: ranges for {len(tp.ranges)} ranks, expected {world_size}"]
+    if tp.shard_dim is None:
+        whole = ((0, tp.shape[0] if tp.shape else 1),)
+        return [f"{where}: replicated, rank {r} range {list(map(list, rr))} expected {list(map(list, whole))}"
+                for r, rr in enumerate(tp.ranges) if tuple(rr) != whole][:1]
+    if not 0 <= tp.shard_dim < len(tp.shape):
+        return [f"{where}: shard_dim {tp.shard_dim} outside shape {list(tp.shape)}"]
+    size = tp.shape[tp.shard_dim]
+    axis = f"dim {tp.shard_dim} [0, {size})"
+    if tp.split is Split.KV_COPIES:
+        out, reach, prev = [], 0, -1
+        for r, rr in enumerate(tp.ranges):
+            if len(rr) != 1:
+                return [f"{where}: kv-copies rank {r} has {len(rr)} ranges, expected 1"]
+            s, n = rr[0]
+            if s % tp.unit or n % tp.unit or n <= 0 or s + n > size:
+                out.append(f"{where}: kv-copies rank {r} range [{s}, {s + n}) is not whole {tp.unit}-element heads inside {axis}")
+            if s < prev or s > reach:
+                out.append(f"{where}: kv-copies rank {r} starts at {s}: expected in [{max(prev, 0)}, {reach}] (ordered, no gap)")
+            prev, reach = s, max(reach, s + n)
+        if reach != size:
+            out.append(f"{where}: kv-copies cover [0, {reach}) of {axis}")
+        return out
+    n_seg = len(tp.ranges[0])
+    if any(len(rr) != n_seg for rr in tp.ranges):
+        return [f"{where}: ranks hold different numbers of segments {[len(rr) for rr in tp.ranges]}"]
+    pos = 0
+    for seg in range(n_seg):
+        for r in range(world_size):
+            s, n = tp.ranges[r][seg]
+            if s != pos or n < 0:
+                return [f"{where}: ranges do not tile {axis}: rank {r} segment {seg} is [{s}, {s + n}), expected to start at {pos}"]
+            pos += n
+    if pos != size:
+        return [f"{where}: ranges cover [0, {pos}) of {axis}"]
+    return []
+
+
+def plan_problems(plan: ResolvedPlan) -> list[str]:
+    """Coverage problems of every tensor of ``plan`` and of its expert banks."""
+    from ..errors import PlanError
+    from .slicing import bank_specs
+
+    out = [p for tp in plan.tensors.values() for p in tensor_problems(tp, plan.world_size)]
+    for tp in plan.tensors.values():
+        if tp.bank and tp.bank.layer not in plan.experts:
+            out.append(f"plan.json: tensor {tp.name!r} in bank {tp.bank.layer!r}, which has no expert count")
+    if not out:
+        for r in range(plan.world_size):
+            try:
+                bank_specs(plan, r)
+            except PlanError as e:
+                out.append(f"plan.json: {e}")
+    return out
