@@ -1,0 +1,139 @@
+"""Prometheus metrics for the server, written by hand in the text exposition format (version 0.0.4).
+
+No ``prometheus_client`` dependency: a few counters, gauges and histograms behind one lock
+(updates come from the engine thread, reads from the event loop). Names follow Prometheus'
+conventions (``_total`` counters, ``_seconds`` units, cumulative ``le`` buckets with ``+Inf``).
+Format reference: https://prometheus.io/docs/instrumenting/exposition_formats/
+
+Exported (prefix ``shardsmith_``):
+
+============================================  =========  ==========================================
+name                                          type       meaning
+============================================  =========  ==========================================
+requests_total{endpoint,status}               counter    finished HTTP generation requests
+prompt_tokens_total                           counter    prompt tokens of served requests
+generation_tokens_total                       counter    tokens generated
+time_to_first_token_seconds                   histogram  request arrival to first generated token
+inter_token_latency_seconds                   histogram  gap between consecutive tokens
+request_duration_seconds                      histogram  request arrival to last token
+requests_running / requests_waiting           gauge      on the engine now / queued behind it
+load_seconds                                  gauge      engine load time on rank 0 (weights)
+ready_seconds                                 gauge      launch to ready (load + warm-up)
+ready                                         gauge      1 once every rank loaded and warmed up
+============================================  =========  ==========================================
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    """Cumulative histogram with fixed upper bounds (seconds)."""
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        else:
+            self.counts[-1] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, running = [], 0
+        for bound, c in zip(self.buckets + (math.inf,), self.counts):
+            running += c
+            le = "+Inf" if math.isinf(bound) else repr(float(bound))
+            out.append(f'{name}_bucket{{le="{le}"}} {running}')
+        out += [f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
+        return out
+
+
+class Metrics:
+    """All server metrics; every method is thread-safe."""
+
+    PREFIX = "shardsmith_"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = Histogram()
+        self.itl = Histogram()
+        self.duration = Histogram()
+        self.running = 0
+        self.waiting = 0
+        self.load_seconds = 0.0
+        self.ready_seconds = 0.0
+        self.ready = False
+
+    def request_done(self, endpoint: str, status: int | str) -> None:
+        with self._lock:
+            self.requests[(endpoint, str(status))] += 1
+
+    def queued(self, delta: int) -> None:
+        with self._lock:
+            self.waiting += delta
+
+    def started(self, prompt_tokens: int) -> None:
+        with self._lock:
+            self.waiting -= 1
+            self.running += 1
+            self.prompt_tokens += prompt_tokens
+
+    def token(self, *, first: bool, since: float) -> None:
+        """One generated token; ``since`` is seconds from arrival (first) or from the previous token."""
+        with self._lock:
+            self.generation_tokens += 1
+            (self.ttft if first else self.itl).observe(since)
+
+    def finished(self, duration: float) -> None:
+        with self._lock:
+            self.running -= 1
+            self.duration.observe(duration)
+
+    def set_ready(self, ready: bool, *, load_seconds: float | None = None, ready_seconds: float | None = None) -> None:
+        with self._lock:
+            self.ready = ready
+            if load_seconds is not None:
+                self.load_seconds = load_seconds
+            if ready_seconds is not None:
+                self.ready_seconds = ready_seconds
+
+    def render(self) -> str:
+        """The exposition text (``text/plain; version=0.0.4``)."""
+        p = self.PREFIX
+        with self._lock:
+            out = [f"# HELP {p}requests_total Finished generation requests by endpoint and HTTP status.",
+                   f"# TYPE {p}requests_total counter"]
+            out += [f'{p}requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())]
+            for name, kind, value, help_ in (
+                ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of served requests."),
+                ("generation_tokens_total", "counter", self.generation_tokens, "Generated tokens."),
+                ("requests_running", "gauge", self.running, "Requests on the engine now (0 or 1)."),
+                ("requests_waiting", "gauge", self.waiting, "Requests queued for the engine."),
+                ("load_seconds", "gauge", self.load_seconds, "Engine load time on rank 0, seconds."),
+                ("ready_seconds", "gauge", self.ready_seconds, "Launch to ready (load and warm-up), seconds."),
+                ("ready", "gauge", int(self.ready), "1 once every rank has loaded and warmed up."),
+            ):
+                out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
+            for name, hist, help_ in (
+                ("time_to_first_token_seconds", self.ttft, "Request arrival to first generated token."),
+                ("inter_token_latency_seconds", self.itl, "Gap between consecutive generated tokens."),
+                ("request_duration_seconds", self.duration, "Request arrival to last generated token."),
+            ):
+                out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} histogram"] + hist.lines(p + name)
+        return "\n".join(out) + "\n"

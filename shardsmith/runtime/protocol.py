@@ -1,0 +1,246 @@
+"""OpenAI-compatible request models and error bodies for ``/v1/completions`` and ``/v1/chat/completions``.
+
+Fields follow the OpenAI API reference (Completions, legacy; Chat Completions). Every model uses
+``extra="forbid"``: a field OpenAI does not define is a 400, so a typo (``max_token``) is reported
+rather than silently ignored. Fields OpenAI defines but the runtime does not implement are
+accepted at their neutral value (``presence_penalty=0``, ``n=1``, ``echo=false``, no ``tools``)
+and refused otherwise, naming the field. ``top_k`` is an extension (vLLM spells it the same way).
+
+Errors use OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_LOGPROBS = 20
+MAX_STOP = 4
+
+
+class APIError(Exception):
+    """An OpenAI-style error response.
+
+    Attributes:
+        status: HTTP status (400 invalid request, 404 unknown model, 503 not ready, 500 engine failure).
+        message: what is wrong and the rule or limit involved.
+        type: OpenAI's error type (``invalid_request_error``, ``server_error``, ...).
+        param: the request field at fault, if any.
+        code: a short machine code, if any.
+    """
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, param=param, code=code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list (at most :data:`MAX_STOP`, none empty)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise invalid(f"'stop' takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
+        if any(s == "" for s in stops):
+            raise invalid("'stop' strings must not be empty", "stop")
+        return stops
+
+    def check_supported(self) -> None:
+        """Refuse defined-but-unimplemented options at a non-neutral value."""
+        if self.n not in (None, 1):
+            raise invalid(f"only n=1 is supported, got n={self.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise invalid(f"'{name}' is not supported (must be 0), got {getattr(self, name)}", name)
+        if self.logit_bias:
+            raise invalid("'logit_bias' is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt only)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise invalid("'echo' is not supported", "echo")
+        if self.best_of not in (None, 1):
+            raise invalid(f"only best_of=1 is supported, got {self.best_of}", "best_of")
+        if self.suffix:
+            raise invalid("'suffix' is not supported", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as text or token ids.
+
+        Raises:
+            APIError: a batch of several prompts, or an empty prompt.
+        """
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise invalid(f"only one prompt per request is supported, got {len(p)}", "prompt")
+            p = p[0]
+        if len(p) == 0:
+            raise invalid("'prompt' must not be empty", "prompt")
+        return p
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the template expects it: ``content`` a string, unset fields left out."""
+        out = self.model_dump(exclude_none=True, exclude={"content", "refusal"})
+        if isinstance(self.content, list):
+            out["content"] = "".join(p.text for p in self.content)
+        else:
+            out["content"] = self.content or ""
+        return out
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise invalid("'tools' are not supported", "tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise invalid("'tool_choice' is not supported", "tool_choice")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise invalid("only response_format {'type': 'text'} is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise invalid("give 'max_completion_tokens' or 'max_tokens', not both", "max_completion_tokens")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """One 400 from pydantic/FastAPI validation errors (malformed JSON, wrong types, unknown fields)."""
+    parts, param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        kind = e.get("type", "")
+        if kind == "json_invalid":
+            ctx = (e.get("ctx") or {}).get("error", "")
+            return invalid(f"request body is not valid JSON: {ctx}".rstrip(": "), code="invalid_json")
+        where = ".".join(loc) or "body"
+        param = param or where
+        if kind == "extra_forbidden":
+            parts.append(f"unknown field '{where}'")
+        elif kind == "missing":
+            parts.append(f"missing required field '{where}'")
+        else:
+            parts.append(f"'{where}': {e.get('msg', 'invalid value')}")
+    return invalid("; ".join(parts) or "invalid request", param)
+
+
+# Responses. Token strings and bytes come from the tokenizer (``Codec.token_str`` / ``token_bytes``).
+
+def finite(logprob: float) -> float:
+    """JSON has no -inf: OpenAI reports impossible tokens as -9999.0."""
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def completion_logprobs(steps: list, codec, offsets: list[int]) -> dict[str, Any]:
+    """Legacy completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``.
+
+    Args:
+        steps: ``StepOutput`` records (``token_id``, ``logprob``, ``top_logprobs`` ``((id, lp), ...)``).
+        offsets: per step, the character offset in the completion text where its text starts.
+    """
+    return {"tokens": [codec.token_str(s.token_id) for s in steps],
+            "token_logprobs": [finite(s.logprob) for s in steps],
+            "top_logprobs": [{codec.token_str(t): finite(lp) for t, lp in s.top_logprobs} for s in steps],
+            "text_offset": list(offsets)}
+
+
+def chat_logprobs(steps: list, codec) -> dict[str, Any]:
+    """Chat ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal": null}``."""
+    def entry(token_id: int, lp: float) -> dict[str, Any]:
+        raw = codec.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": finite(lp), "bytes": list(raw)}
+
+    return {"content": [entry(s.token_id, s.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in s.top_logprobs]}
+                        for s in steps], "refusal": None}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line (``[DONE]`` passed as a string)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")

@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP API on rank 0 (FastAPI + uvicorn).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE streaming),
+``GET /v1/models``, ``GET /health`` (503 until every rank has loaded and warmed up),
+``GET /metrics`` (Prometheus text, :mod:`.metrics`).
+
+A request is validated completely (schema, supported options, model name, chat template,
+prompt + ``max_tokens`` within the context) before it is queued, so a bad request costs no
+engine time and gets a 4xx with OpenAI's error body. Good requests go to the single engine
+thread (:mod:`.worker`) in arrival order; handlers await their tokens on an ``asyncio.Queue``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .chat import ChatTemplate, ChatTemplateError
+from .metrics import Metrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid, validation_error
+from .worker import EngineWorker, Job, State, TextEvent
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class Prepared:
+    """A validated request: prompt ids, engine parameters, stop strings, logprobs wanted."""
+
+    def __init__(self, prompt_ids: list[int], params: Any, stop: list[str], want_logprobs: bool) -> None:
+        self.prompt_ids, self.params, self.stop, self.want_logprobs = prompt_ids, params, stop, want_logprobs
+
+
+class Service:
+    """Request preparation and execution over one :class:`EngineWorker`."""
+
+    def __init__(self, worker: EngineWorker, *, model_name: str, metrics: Metrics) -> None:
+        self.worker, self.model_name, self.metrics = worker, model_name, metrics
+        self.created = int(time.time())
+        self._template: ChatTemplate | ChatTemplateError | None = None
+        self._defaults: dict[str, Any] | None = None
+
+    def _ready_engine(self):
+        state = self.worker.state
+        if state is State.LOADING:
+            raise APIError(503, "the model is still loading; poll GET /health", type="server_error", code="model_not_ready")
+        if state is not State.READY:
+            raise APIError(503, f"the engine is not available: {self.worker.error or state.value}",
+                           type="server_error", code="engine_unavailable")
+        return self.worker.engine
+
+    def _generation_defaults(self, root: Path) -> dict[str, Any]:
+        if self._defaults is None:
+            cfg: dict = {}
+            if (root / "generation_config.json").is_file():
+                cfg = json.loads((root / "generation_config.json").read_text(encoding="utf-8"))
+            self._defaults = {"temperature": float(cfg.get("temperature", 1.0)) if cfg.get("do_sample", True) else 0.0,
+                              "top_p": float(cfg.get("top_p", 1.0)), "top_k": int(cfg.get("top_k", 0) or 0)}
+        return self._defaults
+
+    def template(self, root: Path) -> ChatTemplate:
+        if self._template is None:
+            try:
+                self._template = ChatTemplate.from_dir(root)
+            except ChatTemplateError as e:
+                self._template = e
+        if isinstance(self._template, ChatTemplateError):
+            raise invalid(str(self._template), "messages", "chat_template_missing")
+        return self._template
+
+    def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+        """Validate ``req`` fully and build the engine request.
+
+        Raises:
+            APIError: 400 (invalid or unsupported), 404 (unknown model), 503 (not ready).
+        """
+        from .engine import SamplingParams
+
+        if req.model != self.model_name:
+            raise APIError(404, f"model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+        req.check_supported()
+        stop = req.stop_list()
+        prompt = req.single_prompt() if isinstance(req, CompletionRequest) else None
+        engine = self._ready_engine()
+        codec = self.worker.codec
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                text = self.template(engine.root).render([m.for_template() for m in req.messages])
+            except ChatTemplateError as e:
+                raise invalid(str(e), "messages") from e
+            prompt_ids, param, max_tokens = codec.encode(text), "messages", req.requested_max_tokens()
+            want, top_n = req.logprobs, req.top_logprobs or 0
+        else:
+            if isinstance(prompt, str):
+                prompt_ids = codec.encode(prompt)
+            else:
+                prompt_ids = list(prompt)
+                bad = [t for t in prompt_ids if not 0 <= t < codec.vocab_size]
+                if bad:
+                    raise invalid(f"prompt token ids must be in [0, {codec.vocab_size}), got {bad[:5]}", "prompt")
+            param, max_tokens = "prompt", req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+            want, top_n = req.logprobs is not None, req.logprobs or 0
+        ctx, n_prompt = engine.max_seq_len, len(prompt_ids)
+        if n_prompt == 0:
+            raise invalid("the prompt is empty after tokenization", param)
+        if max_tokens is None:
+            max_tokens = ctx - n_prompt
+        if n_prompt + max_tokens > ctx or max_tokens < 1:
+            raise invalid(f"this model's maximum context length is {ctx} tokens; the request needs "
+                          f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} for the completion)",
+                          param if n_prompt >= ctx else "max_tokens", "context_length_exceeded")
+        d = self._generation_defaults(engine.root)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=d["temperature"] if req.temperature is None else req.temperature,
+            top_k=d["top_k"] if req.top_k is None else req.top_k,
+            top_p=d["top_p"] if req.top_p is None else req.top_p,
+            seed=req.seed, stop_token_ids=tuple(codec.eos_token_ids), logprobs=top_n if want else 0)
+        return Prepared(prompt_ids, params, stop, want)
+
+    async def events(self, p: Prepared) -> AsyncIterator[TextEvent]:
+        """Queue the request on the engine thread and yield its text events as they arrive."""
+        job = Job(p.prompt_ids, p.params, tuple(p.stop), asyncio.get_running_loop())
+        self.worker.submit(job)
+        try:
+            while (item := await job.events.get()) is not None:
+                if isinstance(item, Exception):
+                    raise APIError(500, str(item), type="server_error", code="engine_failed")
+                yield item
+        finally:
+            job.cancelled.set()  # no-op when done; stops generation when the client went away
+
+
+def _error_response(request: Request, metrics: Metrics, err: APIError) -> JSONResponse:
+    if request.url.path.startswith("/v1/") and request.method == "POST":
+        metrics.request_done(request.url.path, err.status)
+    if err.status >= 500 and err.status != 503:
+        log.error("%s %s: %s", request.method, request.url.path, err.message)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics) -> FastAPI:
+    """The FastAPI app over ``worker``; ``model_name`` is the id clients must send as ``model``."""
+    from .streaming import chat_response, completion_response
+
+    app = FastAPI(title="shardsmith", docs_url=None, redoc_url=None, openapi_url=None)
+    svc = Service(worker, model_name=model_name, metrics=metrics)
+    app.state.service = svc
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return _error_response(request, metrics, e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        return _error_response(request, metrics, validation_error(list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(request, metrics, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        return await completion_response(svc, svc.prepare(req), stream=req.stream,
+                                         include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        return await chat_response(svc, svc.prepare(req), stream=req.stream,
+                                   include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+    @app.get("/v1/models")
+    async def models():
+        engine = worker.engine if worker.state is State.READY else None
+        card = {"id": model_name, "object": "model", "created": svc.created, "owned_by": "shardsmith"}
+        if engine is not None:
+            card["max_model_len"] = engine.max_seq_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if worker.state is State.READY:
+            return {"status": "ready"}
+        body = {"status": worker.state.value} | ({"error": worker.error} if worker.error else {})
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+
+@dataclass(frozen=True, slots=True)
+class ServeJob:
+    """Rank 0's job for ``shardsmith serve``: the HTTP server while the engine loads beside it.
+
+    Attributes:
+        host, port: where uvicorn listens. model_name: the id in ``/v1/models`` and requests.
+    """
+
+    host: str
+    port: int
+    model_name: str
+
+    def __call__(self, load) -> int:
+        """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean, 1 failed)."""
+        import signal
+
+        import uvicorn
+
+        metrics = Metrics()
+        failed = threading.Event()
+        holder: dict[str, uvicorn.Server] = {}
+
+        def on_fatal(message: str) -> None:
+            failed.set()
+            if "server" in holder:
+                holder["server"].should_exit = True
+
+        worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal)
+        app = create_app(worker, model_name=self.model_name, metrics=metrics)
+        server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_config=None,
+                                               access_log=False, timeout_graceful_shutdown=5, lifespan="off"))
+        holder["server"] = server
+        # uvicorn re-raises a captured signal after its graceful stop; make that a no-op so the
+        # engine still shuts down (followers exit) instead of the process dying on the spot.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        worker.start()
+        log.info("serving %s on http://%s:%d (ready once every rank has loaded and warmed up)",
+                 self.model_name, self.host, self.port)
+        try:
+            server.run()
+        except SystemExit as e:  # uvicorn exits when it cannot bind
+            log.error("HTTP server failed to start on %s:%d (exit %s)", self.host, self.port, e.code)
+            failed.set()
+        if not failed.is_set() and not worker.stop(timeout=15.0):
+            log.error("engine did not shut down within 15 s")
+            return 1
+        log.info("server stopped")
+        return 1 if failed.is_set() else 0

@@ -1,0 +1,113 @@
+"""Response bodies for the two generation endpoints: one JSON object, or SSE chunks.
+
+Shapes follow the OpenAI API reference. Streaming sends ``data: {json}\\n\\n`` events and a final
+``data: [DONE]``; with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a
+last chunk with empty ``choices`` carries the counts. An engine failure after the stream started
+is sent as an ``{"error": ...}`` event before ``[DONE]`` (the status line is already out).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from .protocol import SSE_DONE, APIError, chat_logprobs, completion_logprobs, sse, usage
+
+CLIENT_CLOSED = 499  # nginx's code for a client that went away mid-response; used in metrics only
+
+
+async def _collect(events: AsyncIterator) -> tuple[str, list, list[int], str | None]:
+    text, steps, offsets, finish = "", [], [], None
+    async for ev in events:
+        offsets.append(len(text))
+        text += ev.text
+        steps.append(ev.step)
+        finish = ev.finish_reason
+    return text, steps, offsets, finish
+
+
+def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, Any]]]) -> StreamingResponse:
+    async def body():
+        status = CLIENT_CLOSED
+        try:
+            try:
+                async for obj in chunks():
+                    yield sse(obj)
+                status = 200
+            except APIError as e:
+                status = e.status
+                yield sse(e.body())
+            yield SSE_DONE
+        finally:
+            svc.metrics.request_done(path, status)
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def completion_response(svc, p, *, stream: bool, include_usage: bool):
+    """``/v1/completions`` body for the prepared request ``p`` (a dict, or a streaming response)."""
+    path, codec, n_prompt = "/v1/completions", svc.worker.codec, len(p.prompt_ids)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": svc.model_name}
+    if not stream:
+        text, steps, offsets, finish = await _collect(svc.events(p))
+        svc.metrics.request_done(path, 200)
+        lp = completion_logprobs(steps, codec, offsets) if p.want_logprobs else None
+        return head | {"choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
+                       "usage": usage(n_prompt, len(steps))}
+
+    extra = {"usage": None} if include_usage else {}
+
+    async def chunks():
+        n, offset = 0, 0
+        async for ev in svc.events(p):
+            n += 1
+            if not ev.text and ev.finish_reason is None and not p.want_logprobs:
+                continue
+            lp = completion_logprobs([ev.step], codec, [offset]) if p.want_logprobs else None
+            offset += len(ev.text)
+            yield head | {"choices": [{"index": 0, "text": ev.text, "logprobs": lp,
+                                       "finish_reason": ev.finish_reason}]} | extra
+        if include_usage:
+            yield head | {"choices": [], "usage": usage(n_prompt, n)}
+
+    return _sse_response(svc, path, chunks)
+
+
+async def chat_response(svc, p, *, stream: bool, include_usage: bool):
+    """``/v1/chat/completions`` body for the prepared request ``p``."""
+    path, codec, n_prompt = "/v1/chat/completions", svc.worker.codec, len(p.prompt_ids)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
+    if not stream:
+        text, steps, _, finish = await _collect(svc.events(p))
+        svc.metrics.request_done(path, 200)
+        return head | {"object": "chat.completion",
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                    "logprobs": chat_logprobs(steps, codec) if p.want_logprobs else None,
+                                    "finish_reason": finish}],
+                       "usage": usage(n_prompt, len(steps))}
+
+    head = head | {"object": "chat.completion.chunk"}
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict, *, logprobs=None, finish=None) -> dict[str, Any]:
+        return head | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]} | extra
+
+    async def chunks():
+        yield chunk({"role": "assistant", "content": ""})
+        n, finish = 0, None
+        async for ev in svc.events(p):
+            n += 1
+            finish = ev.finish_reason
+            if ev.text or p.want_logprobs:
+                yield chunk({"content": ev.text}, logprobs=chat_logprobs([ev.step], codec) if p.want_logprobs else None)
+        yield chunk({}, finish=finish or "length")
+        if include_usage:
+            yield head | {"choices": [], "usage": usage(n_prompt, n)}
+
+    return _sse_response(svc, path, chunks)

@@ -1,0 +1,116 @@
+"""HTTP API without an engine: request validation, OpenAI error bodies, health while loading,
+metrics text, SSE framing. The app is the real one with its engine thread not started (the state
+the server is in while the ranks load), so every check below runs before any engine work.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from shardsmith.runtime.metrics import Histogram, Metrics  # noqa: E402
+from shardsmith.runtime.protocol import SSE_DONE, sse  # noqa: E402
+from shardsmith.runtime.server import create_app  # noqa: E402
+from shardsmith.runtime.worker import EngineWorker  # noqa: E402
+
+MODEL = "smollm2-moe-tp2"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+
+
+@pytest.fixture()
+def loading_client():
+    metrics = Metrics()
+    worker = EngineWorker(lambda: None, metrics=metrics, on_fatal=lambda msg: None)  # never started: loading
+    with TestClient(create_app(worker, model_name=MODEL, metrics=metrics)) as client:
+        yield client
+
+
+def _error(resp, status: int, *, param=None, code=None, match: str = "") -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert re.search(match, err["message"]), err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def test_malformed_json(loading_client) -> None:
+    r = loading_client.post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"})
+    _error(r, 400, code="invalid_json", match="not valid JSON")
+
+
+@pytest.mark.parametrize("path,body,param,match", [
+    ("/v1/chat/completions", CHAT | {"max_token": 5}, "max_token", "unknown field 'max_token'"),
+    ("/v1/chat/completions", CHAT | {"max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
+    ("/v1/completions", COMPLETION | {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ("/v1/chat/completions", {"model": MODEL}, "messages", "missing required field 'messages'"),
+    ("/v1/chat/completions", CHAT | {"messages": []}, "messages", "at least 1"),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "role"),
+    ("/v1/chat/completions", CHAT | {"temperature": 3}, "temperature", "less than or equal to 2"),
+    ("/v1/completions", COMPLETION | {"logprobs": 50}, "logprobs", "less than or equal to 20"),
+    ("/v1/completions", COMPLETION | {"n": 2}, "n", "only n=1"),
+    ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": True}}, "stream_options", "only allowed when 'stream'"),
+    ("/v1/chat/completions", CHAT | {"stream": True, "stream_options": {"include_usage": True, "x": 1}},
+     "stream_options.x", "unknown field"),
+    ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs", "requires 'logprobs'"),
+    ("/v1/chat/completions", CHAT | {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ("/v1/completions", COMPLETION | {"prompt": ["a", "b"]}, "prompt", "only one prompt"),
+    ("/v1/completions", COMPLETION | {"prompt": ""}, "prompt", "must not be empty"),
+    ("/v1/completions", COMPLETION | {"echo": True}, "echo", "not supported"),
+    ("/v1/completions", COMPLETION | {"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+])
+def test_bad_requests_get_400_with_openai_body(loading_client, path, body, param, match) -> None:
+    err = _error(loading_client.post(path, json=body), 400, match=match)
+    assert err["type"] == "invalid_request_error"
+    if param:
+        assert err["param"] == param
+
+
+def test_unknown_model_is_404(loading_client) -> None:
+    _error(loading_client.post("/v1/chat/completions", json=CHAT | {"model": "gpt-4"}), 404,
+           param="model", code="model_not_found", match=f"serves '{MODEL}'")
+
+
+def test_valid_request_while_loading_is_503_and_server_keeps_serving(loading_client) -> None:
+    for _ in range(2):
+        _error(loading_client.post("/v1/completions", json=COMPLETION), 503, code="model_not_ready", match="loading")
+    r = loading_client.get("/health")
+    assert r.status_code == 503 and r.json() == {"status": "loading"}
+    models = loading_client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    _error(loading_client.get("/v1/nothing"), 404)
+
+
+def test_metrics_count_rejected_requests(loading_client) -> None:
+    loading_client.post("/v1/completions", json=COMPLETION | {"n": 3})
+    loading_client.post("/v1/completions", json=COMPLETION)
+    text = loading_client.get("/metrics").text
+    assert 'shardsmith_requests_total{endpoint="/v1/completions",status="400"} 1' in text
+    assert 'shardsmith_requests_total{endpoint="/v1/completions",status="503"} 1' in text
+    assert "shardsmith_ready 0" in text
+    assert "# TYPE shardsmith_time_to_first_token_seconds histogram" in text
+
+
+def test_histogram_is_cumulative() -> None:
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.5, 0.5, 5.0):
+        h.observe(v)
+    assert h.lines("x") == ['x_bucket{le="0.1"} 1', 'x_bucket{le="1.0"} 3', 'x_bucket{le="+Inf"} 4',
+                            "x_sum 6.05", "x_count 4"]
+
+
+def test_sse_framing() -> None:
+    event = sse({"text": "é 🙂", "n": 1})
+    assert event == 'data: {"text":"é 🙂","n":1}\n\n'
+    assert json.loads(event.removeprefix("data: ")) == {"text": "é 🙂", "n": 1}
+    assert SSE_DONE == "data: [DONE]\n\n"
