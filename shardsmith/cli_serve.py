@@ -1,9 +1,137 @@
-"""CLI commands: serve, generate, demo (registered on the app by :func:`register`)."""
+"""CLI commands ``serve``, ``generate`` and ``demo``: thin wrappers over :mod:`shardsmith.runtime.launch`.
+
+Every command starts one process per rank (or runs as one rank under ``torchrun``); rank 0 runs the
+HTTP server (:class:`~shardsmith.runtime.server.ServeJob`) or prints answers
+(:class:`~shardsmith.runtime.generate.GenerateJob`). Imports stay inside the commands so that
+``shardsmith --help`` does not import torch.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+PATH_ARG = typer.Argument(..., help="Pack directory written by `shardsmith split` (or a checkpoint with --from-checkpoint).")
+DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (NCCL, one GPU per rank).")
+DIST_PORT = typer.Option(None, "--dist-port", help="Rendezvous port on 127.0.0.1 (default: a free port).")
+FROM_CKPT = typer.Option(False, "--from-checkpoint", help="Load an unsplit checkpoint, slicing at start-up (needs --tp).")
+TP = typer.Option(None, "--tp", help="Ranks for --from-checkpoint (a pack's world_size is read from pack.yaml).")
+VERIFY = typer.Option(False, "--verify-hashes", help="Hash every weight file against the manifest before loading.")
+MAX_SEQ = typer.Option(2048, "--max-seq-len", help="Context length in tokens (prompt + completion), per request.")
+
+
+def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
+          verify_hashes: bool, max_seq_len: int):
+    from .errors import UsageError
+    from .runtime.launch import LaunchSpec, pack_world_size, under_torchrun
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    if not path.is_dir():
+        raise UsageError(f"{path}: not a directory")
+    if max_seq_len < 2:
+        raise UsageError(f"--max-seq-len must be at least 2, got {max_seq_len}")
+    if dist_port is not None and not 0 < dist_port < 65536:
+        raise UsageError(f"--dist-port must be in 1..65535, got {dist_port}")
+    ws = pack_world_size(path, tp=tp, from_checkpoint=from_checkpoint)
+    if under_torchrun() and dist_port is not None:
+        raise UsageError("--dist-port is not used under torchrun (torchrun owns the rendezvous: --master-port)")
+    return LaunchSpec(path=path.resolve(), world_size=ws, device=device.split(":")[0], dist_port=dist_port,
+                      from_checkpoint=from_checkpoint, verify_hashes=verify_hashes, max_seq_len=max_seq_len)
+
+
+def serve(
+    path: Path = PATH_ARG,
+    host: str = typer.Option("127.0.0.1", "--host", help="HTTP listen address."),
+    port: int = typer.Option(8000, "--port", help="HTTP port."),
+    device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
+    tp: int | None = TP, verify_hashes: bool = VERIFY, max_seq_len: int = MAX_SEQ,
+    served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model id for clients (default: the directory name)."),
+) -> None:
+    """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
+    from .runtime.launch import launch
+    from .runtime.server import ServeJob
+
+    spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
+                 verify_hashes=verify_hashes, max_seq_len=max_seq_len)
+    raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name)))
+
+
+def generate(
+    path: Path = PATH_ARG,
+    prompt: list[str] = typer.Option(..., "--prompt", help="Prompt text (repeat for several)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens to generate at most."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt as a user message in the chat template."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"), top_k: int = typer.Option(0, "--top-k"),
+    seed: int | None = typer.Option(None, "--seed"),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
+    tp: int | None = TP, verify_hashes: bool = VERIFY, max_seq_len: int = MAX_SEQ,
+) -> None:
+    """Generate text for one-off prompts and print it on stdout."""
+    from .errors import UsageError
+    from .runtime.generate import GenerateJob
+    from .runtime.launch import launch
+
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+    spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
+                 verify_hashes=verify_hashes, max_seq_len=max_seq_len)
+    job = GenerateJob(prompts=tuple(prompt), chat=chat, max_tokens=max_tokens, temperature=temperature,
+                      top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop))
+    raise typer.Exit(launch(spec, job))
+
+
+DEMO_PROMPTS = (
+    "What is the capital of France?",
+    "What is the largest planet in our solar system?",
+    "Write one sentence about the ocean.",
+)
+
+
+def demo(
+    device: str = typer.Option("auto", "--device", help="auto (cuda with 2+ GPUs, else cpu), cpu or cuda."),
+    max_tokens: int = typer.Option(48, "--max-tokens", help="Tokens per answer at most."),
+    out: Path | None = typer.Option(None, "--out", help="Where to write the TP=2 pack (default: next to the demo checkpoint)."),
+) -> None:
+    """Build the SmolLM2 MoE checkpoint if missing, split it at TP=2, verify it, answer a few prompts."""
+    from .demo.smollm2 import build_demo_checkpoint, default_demo_dir
+    from .runtime.generate import GenerateJob
+    from .runtime.launch import LaunchSpec, launch
+    from .ui import err_console
+    from .writer.split import split_checkpoint
+    from .writer.verify import verify_pack
+
+    con = err_console()
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+    con.print("[bold]1/4[/] SmolLM2-135M MoE checkpoint (built once, then cached)")
+    ckpt = build_demo_checkpoint(default_demo_dir(False))
+    pack = out or ckpt.parent / f"{ckpt.name}-tp2"
+    con.print(f"    {ckpt}\n[bold]2/4[/] split at TP=2 -> {pack}")
+    if not (pack / "pack.yaml").is_file():
+        split_checkpoint(ckpt, pack, world_size=2)
+    else:
+        con.print("    (pack exists; verifying it instead of splitting again)")
+    con.print("[bold]3/4[/] verify")
+    report = verify_pack(pack)
+    if not report.ok:
+        from .errors import IntegrityError, format_problems
+
+        raise IntegrityError(format_problems(f"{pack}: pack is damaged or incomplete (delete it to split again)",
+                                             list(report.problems)), list(report.problems))
+    con.print(f"    ok: {report.files_checked} files, {report.bytes_hashed / 2**20:.0f} MiB hashed in {report.seconds:.1f} s")
+    con.print(f"[bold]4/4[/] run on {device} ({'NCCL' if device == 'cuda' else 'gloo'}), 2 ranks, greedy")
+    job = GenerateJob(prompts=DEMO_PROMPTS, chat=True, max_tokens=max_tokens, labelled=True)
+    raise typer.Exit(launch(LaunchSpec(path=pack.resolve(), world_size=2, device=device), job))
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    """Add ``serve``, ``generate`` and ``demo`` to ``app``."""
+    app.command("serve")(serve)
+    app.command("generate")(generate)
+    app.command("demo")(demo)

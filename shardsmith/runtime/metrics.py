@@ -18,7 +18,7 @@ inter_token_latency_seconds                   histogram  gap between consecutive
 request_duration_seconds                      histogram  request arrival to last token
 requests_running / requests_waiting           gauge      on the engine now / queued behind it
 load_seconds                                  gauge      engine load time on rank 0 (weights)
-ready_seconds                                 gauge      launch to ready (load + warm-up)
+ready_seconds                                 gauge      rank 0 job start to ready (load + warm-up)
 ready                                         gauge      1 once every rank loaded and warmed up
 ============================================  =========  ==========================================
 """
@@ -126,7 +126,7 @@ class Metrics:
                 ("requests_running", "gauge", self.running, "Requests on the engine now (0 or 1)."),
                 ("requests_waiting", "gauge", self.waiting, "Requests queued for the engine."),
                 ("load_seconds", "gauge", self.load_seconds, "Engine load time on rank 0, seconds."),
-                ("ready_seconds", "gauge", self.ready_seconds, "Launch to ready (load and warm-up), seconds."),
+                ("ready_seconds", "gauge", self.ready_seconds, "Rank 0 job start to ready (load and warm-up), seconds."),
                 ("ready", "gauge", int(self.ready), "1 once every rank has loaded and warmed up."),
             ):
                 out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]

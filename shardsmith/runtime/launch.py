@@ -1,0 +1,296 @@
+"""Start one process per rank, run a job on rank 0 while the other ranks follow, supervise them.
+
+``launch(spec, job)`` spawns ``world_size`` processes (``torch.multiprocessing`` ``spawn`` context).
+Each joins the default process group through one rendezvous port (``MASTER_ADDR=127.0.0.1``,
+``MASTER_PORT`` = ``--dist-port`` or a free port the parent picks; gloo on CPU, NCCL on CUDA),
+clamps its CPU threads, and loads its pack with ``Engine.load``. Rank 0 runs ``job`` (the HTTP
+server, or one-off generation); the others call ``Engine.follow()``, which executes rank 0's
+commands until ``Engine.shutdown()``. Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
+in the environment) the current process is that rank and joins through ``env://``.
+
+Supervision. The parent waits on every child's sentinel. A rank that exits non-zero or is
+killed is reported in one line (rank, pid, exit code or signal) and the others are stopped:
+SIGTERM to rank 0 (graceful: uvicorn drains, the engine shuts down), then SIGTERM, then SIGKILL
+to whatever is left after a grace period, so a dead rank never leaves the server hanging.
+SIGINT/SIGTERM to the parent stop rank 0 the same way. Each child watches its parent and stops
+itself if the parent disappears. Only rank 0 logs, except errors, which every rank reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import ShardsmithError, UsageError, exit_code_for
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 20.0        # rank 0's graceful stop (drain, engine shutdown) before SIGTERM to all
+KILL_AFTER_S = 5.0    # SIGTERM to SIGKILL
+COLLECTIVE_TIMEOUT_S = 600.0  # default group; idle followers wait in the engine's own command group
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """What every rank loads and how the ranks meet.
+
+    Attributes:
+        path: the pack directory (``OUT``), or the checkpoint with ``from_checkpoint``.
+        world_size: ranks to start (the pack's ``world_size``, or ``--tp``).
+        device: ``cpu`` (gloo) or ``cuda`` (NCCL, ``cuda:<local rank>``).
+        dist_port: rendezvous port on 127.0.0.1; None: a free port chosen by the parent.
+        from_checkpoint, verify_hashes, max_seq_len, dtype: passed to ``Engine.load``.
+    """
+
+    path: Path
+    world_size: int
+    device: str = "cpu"
+    dist_port: int | None = None
+    from_checkpoint: bool = False
+    verify_hashes: bool = False
+    max_seq_len: int = 2048
+    dtype: str | None = None
+
+
+class Job(Protocol):
+    """What rank 0 runs: called with a zero-argument engine loader; returns an exit code."""
+
+    def __call__(self, load: Any) -> int: ...
+
+
+class RankFilter(logging.Filter):
+    """Pass rank 0's records, and errors from any rank; tag each record with ``rank``."""
+
+    def __init__(self, rank: int | None) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = "launcher" if self.rank is None else f"rank {self.rank}"
+        return self.rank in (None, 0) or record.levelno >= logging.ERROR
+
+
+def setup_logging(rank: int | None, level: int = logging.INFO) -> None:
+    """One stderr handler on the root logger with :class:`RankFilter` (``rank=None``: the launcher)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(rank)s] %(name)s: %(message)s", "%H:%M:%S"))
+    handler.addFilter(RankFilter(rank))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def pack_world_size(path: Path, *, tp: int | None, from_checkpoint: bool) -> int:
+    """Ranks to start: ``--tp`` for a checkpoint, else ``world_size`` from ``OUT/pack.yaml``.
+
+    Raises:
+        UsageError: no ``pack.yaml`` (not a pack), ``--tp`` missing with ``--from-checkpoint``,
+            or ``--tp`` disagreeing with the pack.
+    """
+    if from_checkpoint:
+        if not tp or tp < 1:
+            raise UsageError("--from-checkpoint needs --tp N (the number of ranks to slice the checkpoint for)")
+        return tp
+    manifest = Path(path) / "pack.yaml"
+    if not manifest.is_file():
+        raise UsageError(f"{path}: no pack.yaml; give a pack written by `shardsmith split`, "
+                         f"or a checkpoint with --from-checkpoint --tp N")
+    import yaml
+
+    ws = (yaml.safe_load(manifest.read_text(encoding="utf-8")) or {}).get("world_size")
+    if not isinstance(ws, int) or ws < 1:
+        raise UsageError(f"{manifest}: world_size must be a positive integer, got {ws!r}")
+    if tp is not None and tp != ws:
+        raise UsageError(f"--tp {tp} does not match the pack's world_size={ws} ({manifest})")
+    return ws
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) and "SHARDSMITH_SPAWNED" not in os.environ
+
+
+def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_rank: int, init_method: str | None) -> int:
+    """Body of one rank: join the group, load, then ``job`` (rank 0) or ``Engine.follow()``."""
+    import torch.distributed as dist
+
+    from .parallel import clamp_threads, init_distributed
+
+    clamp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    device = f"cuda:{local_rank}" if spec.device.startswith("cuda") else "cpu"
+    if world_size > 1 and init_method == "env://":
+        if spec.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.set_device(local_rank)
+        from datetime import timedelta
+
+        dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo", init_method="env://",
+                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    elif world_size > 1:
+        init_distributed(rank, world_size, master_addr=os.environ["MASTER_ADDR"],
+                         master_port=int(os.environ["MASTER_PORT"]), device=spec.device, timeout_s=COLLECTIVE_TIMEOUT_S)
+    from .engine import Engine
+
+    load = partial(Engine.load, spec.path, rank=rank, world_size=world_size, device=device,
+                   from_checkpoint=spec.from_checkpoint, verify_hashes=spec.verify_hashes,
+                   max_seq_len=spec.max_seq_len, dtype=spec.dtype)
+    if rank == 0:
+        return job(load)
+    engine = load()
+    engine.follow()
+    return 0
+
+
+def _watch_parent(ppid: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != ppid:
+            log.error("the launcher (pid %d) is gone; stopping", ppid)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def _child(rank: int, spec: LaunchSpec, job: Job, env: dict[str, str], log_level: int) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "SHARDSMITH_SPAWNED": "1"})
+    setup_logging(rank, log_level)
+    if rank != 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 stops us
+    threading.Thread(target=_watch_parent, args=(int(env["SHARDSMITH_PARENT_PID"]),), daemon=True).start()
+    code = 1
+    try:
+        code = run_rank(spec, job, rank=rank, world_size=spec.world_size, local_rank=rank, init_method=None)
+    except BaseException as e:  # noqa: BLE001 - report once, exit non-zero
+        code = exit_code_for(e) if isinstance(e, ShardsmithError) else 1
+        if not isinstance(e, KeyboardInterrupt):
+            logging.getLogger("shardsmith.runtime").error("rank %d failed: %s: %s", rank, type(e).__name__, e,
+                                                          exc_info=bool(os.environ.get("SHARDSMITH_DEBUG")))
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # skip interpreter teardown: a broken process group can hang in destructors
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def launch(spec: LaunchSpec, job: Job, *, log_level: int = logging.INFO) -> int:
+    """Run ``job`` on rank 0 of ``spec.world_size`` ranks; return the exit code for the CLI.
+
+    Under ``torchrun`` this process is one rank (``--dist-port`` is ignored: torchrun owns the
+    rendezvous). Otherwise the ranks are spawned and supervised here.
+    """
+    if under_torchrun():
+        ws, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        if ws != spec.world_size:
+            raise UsageError(f"torchrun started {ws} ranks but the pack needs world_size={spec.world_size}")
+        setup_logging(rank, log_level)
+        return run_rank(spec, job, rank=rank, world_size=ws, local_rank=int(os.environ["LOCAL_RANK"]), init_method="env://")
+    return _spawn_and_supervise(spec, job, log_level)
+
+
+def _spawn_and_supervise(spec: LaunchSpec, job: Job, log_level: int) -> int:
+    import torch.multiprocessing as mp
+
+    setup_logging(None, log_level)
+    port = spec.dist_port or free_port()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = str(max(1, cores // spec.world_size))
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(spec.world_size),
+           "LOCAL_WORLD_SIZE": str(spec.world_size), "SHARDSMITH_PARENT_PID": str(os.getpid()),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
+           "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", threads)}
+    if not spec.device.startswith("cuda") and "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's pair connections on loopback, like the rendezvous
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_child, args=(r, spec, job, env, log_level), name=f"shardsmith-rank-{r}")
+             for r in range(spec.world_size)]
+    log.info("starting %d rank(s) of %s on %s, rendezvous 127.0.0.1:%d", spec.world_size, spec.path, spec.device, port)
+    for p in procs:
+        p.start()
+    log.info("rank pids: %s", ", ".join(f"rank {r}={p.pid}" for r, p in enumerate(procs)))
+    return _supervise(procs)
+
+
+def _supervise(procs: list) -> int:
+    """Wait for the ranks; on the first exit or a signal, stop the rest in bounded time.
+
+    Returns rank 0's exit code if it failed, else 1 if any rank failed unexpectedly, else 0.
+    """
+    stop = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        if not stop.is_set():
+            log.info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed, since, reported, escalated = False, None, set(), 0
+    try:
+        while any(p.is_alive() for p in procs):
+            multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
+            for r, p in enumerate(procs):
+                if p.exitcode is None or r in reported:
+                    continue
+                reported.add(r)
+                if p.exitcode != 0 and since is None:
+                    log.error("rank %d (pid %d) %s; stopping the other ranks", r, p.pid, _describe(p.exitcode))
+                    failed = True
+                    _terminate(procs[0])
+                since = since or time.monotonic()  # exit 0: rank 0 done, or a follower released by shutdown
+            if stop.is_set() and since is None:
+                since = time.monotonic()
+                _terminate(procs[0])
+            waited = 0.0 if since is None else time.monotonic() - since
+            if escalated == 0 and waited > GRACE_S:
+                left = [r for r, p in enumerate(procs) if p.is_alive()]
+                log.error("rank(s) %s still running %.0f s after the stop began; sending SIGTERM", left, GRACE_S)
+                failed, escalated = True, 1
+                for p in procs:
+                    _terminate(p)
+            elif escalated == 1 and waited > GRACE_S + KILL_AFTER_S:
+                escalated = 2
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+        rank0 = procs[0].exitcode
+        return rank0 if rank0 and rank0 > 0 and not stop.is_set() else int(failed or bool(rank0))
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _terminate(p) -> None:
+    if p.is_alive():
+        try:
+            os.kill(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
