@@ -6,7 +6,8 @@ tensor goes to a small thread pool that cuts the shard of every selected rank (a
 shard is contiguous in the source, else one copy, as :func:`~shardsmith.writer.slicing.cut`) and
 ``pwrite``s it to its destination: a dense file, or its slot in a layer's expert bank, whose file
 was laid out with its final size before any data (:mod:`.layout`). :class:`~.stwriter.FileWriter`
-hashes each file and tensor in file order as bytes land. Hashing, ``pread``/``pwrite`` and numpy
+hashes each file and tensor in file order as bytes land; files are fsynced together at the end
+(the journal needs no earlier flush: resume re-hashes what it reuses). Hashing, ``pread``/``pwrite`` and numpy
 copies release the GIL, so reading, cutting, hashing and writing overlap.
 
 Memory bound. Source tensors in flight are capped at ``window = max(L, 256 MiB)`` bytes (``L`` the
@@ -186,6 +187,14 @@ def split_checkpoint(
                        stats["bytes_written"], time.perf_counter() - t0, stats["window"], tuple(notes))
 
 
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -212,7 +221,7 @@ def _stream(ckpt, plan, layout: PackLayout, root: Path, journal: Journal, worker
     total = sum(i.nbytes for s in shards for i in by_file.get(s.name, []))
     largest = max((i.nbytes for i in ckpt.tensors.values()), default=0)
     window = _Window(max(largest, MIN_WINDOW))
-    writers = {p: FileWriter(root / p, layout.files[p].layout) for p in sorted(todo_files)}
+    writers = {p: FileWriter(root / p, layout.files[p].layout, sync=False) for p in sorted(todo_files)}
     slow = float(os.environ.get("SHARDSMITH_TEST_SLOW_WRITE", "0") or 0)
     lock, failed, errors = threading.Lock(), threading.Event(), []
     done = [0, 0]  # source bytes processed, weight files written
@@ -288,5 +297,7 @@ def _stream(ckpt, plan, layout: PackLayout, root: Path, journal: Journal, worker
     if errors:
         raise errors[0]
     written = [p for p in todo_files if p in journal.files]
+    with ThreadPoolExecutor(workers) as pool:  # one flush at the end lets the kernel write back in bulk
+        list(pool.map(lambda p: _fsync_path(root / p), written))
     return {"read": total, "written": len(written), "window": window.limit,
             "bytes_written": sum(layout.files[p].layout.size for p in written)}
