@@ -1,0 +1,23 @@
+"""Offloaded routed experts: host banks, a GPU expert cache, a host executor, and a start-up probe.
+
+With routed experts in host RAM, tensor parallelism divides each rank's expert bytes: every rank
+holds and moves only its intermediate share of each expert (TP-within-expert), so at equal cache
+bytes per GPU the cache holds world_size times more experts and each PCIe link moves
+1/world_size of the bytes. CPU offload is a *placement* of an expert bank, not a split style.
+
+================  ==============================================================
+module            role
+================  ==============================================================
+``host_bank``     read the rank's bank files into host memory, pin after filling
+``slots``         deterministic slot table (LRU / LRU + hot set), identical on all ranks
+``expert_cache``  the slot pool on the GPU, batched miss copies on a copy stream
+``cpu_backend``   routed experts computed on the host from the banks
+``probe``         measured H2D bandwidth and host expert time; the backend choice
+``runtime``       options, the drop-in expert module, counters
+================  ==============================================================
+"""
+
+from .runtime import OffloadConfig, OffloadedExperts, OffloadRuntime, attach_offload
+from .slots import Policy, SlotTable
+
+__all__ = ["OffloadConfig", "OffloadRuntime", "OffloadedExperts", "Policy", "SlotTable", "attach_offload"]

@@ -1,0 +1,74 @@
+"""Routed experts computed on the host, straight from the host banks (``--moe-backend cpu|hybrid``).
+
+The host path reads each selected expert's arrays where they lie (no copy), dequantizes FP8/FP4 to
+the compute dtype and runs the same SwiGLU as the GPU path. Threads: every rank's process gets
+``cores // ranks_on_this_host`` intra-op threads (:func:`~shardsmith.runtime.parallel.clamp_threads`),
+so the ranks' CPU work is partitioned and never oversubscribes the host. bf16 matmuls go to oneDNN,
+which uses AMX tiles where the CPU has them (``amx_bf16``) and AVX-512 BF16 otherwise; the ready
+log says which (:func:`cpu_matmul_isa`).
+
+Legend: T = tokens, K = experts per token, D = hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .compute import expert_weights, routed, swiglu
+from .host_bank import HostBanks
+
+
+@functools.cache
+def cpu_matmul_isa() -> str:
+    """The best bf16 matmul instruction set of this CPU: ``amx_bf16``, ``avx512_bf16``, or what torch reports."""
+    try:
+        flags = set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        flags = set()
+    for isa in ("amx_bf16", "avx512_bf16"):
+        if isa in flags:
+            return isa
+    return str(torch.backends.cpu.get_cpu_capability()).lower()
+
+
+class CpuExperts:
+    """Compute routed experts of any layer on the host.
+
+    Args:
+        host: the rank's host banks; layers: bank layer keys in model order; block: FP8 block size.
+    """
+
+    def __init__(self, host: HostBanks, layers: list[str], block: tuple[int, int] | None) -> None:
+        self.host, self.layers, self.block = host, layers, block
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-experts")
+        self.experts_computed = 0
+
+    def compute(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                experts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Each expert's weighted partial on the host.
+
+        Args:
+            x: ``[T, D]`` host; index: ``[T, K]`` host; weight: ``[T, K]`` host; experts: which to compute.
+
+        Returns:
+            expert -> ``(tok [n], contribution [n, D] in x.dtype)``, as the resident path adds them.
+        """
+        bank = self.host.layers[self.layers[layer]]
+        out = {}
+        for e in experts:
+            tok, k = routed(index, e)
+            gate, up, down = expert_weights({name: a[e] for name, a in bank.items()}, x.dtype, self.block)
+            y = swiglu(x[tok], gate, up, down)
+            out[e] = (tok, (y * weight[tok, k, None]).to(x.dtype))
+        self.experts_computed += len(experts)
+        return out
+
+    def submit(self, *args) -> Future:
+        """:meth:`compute` on the backend's worker thread (torch releases the GIL inside kernels)."""
+        return self._pool.submit(self.compute, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

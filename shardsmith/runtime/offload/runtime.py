@@ -1,0 +1,303 @@
+"""Offloaded routed experts wired into the model: options, the per-layer module, the counters.
+
+:func:`attach_offload` swaps every :class:`~shardsmith.runtime.moe.ExpertBank` of a built (``meta``)
+model for an :class:`OffloadedExperts` with the same ``forward(x, index, weight)`` contract, so the
+MoE layer, its router and its single all-reduce stay as they are. The expert banks are read into
+host memory (:mod:`.host_bank`) instead of being assigned to the model. :meth:`OffloadRuntime.start`
+runs after the dense weights and the KV cache are on the device: it sizes the slot pool from what
+is left (or ``cache_bytes``), agreeing on the smallest slot count across ranks, probes, and logs.
+
+One MoE layer, GPU backend (one host sync: the ``[T, K]`` expert ids)::
+
+    ids -> host; hits/misses from the slot table (same on every rank)
+    copy stream: misses -> slots (one batch, after the compute stream's pending reads)
+    compute stream: hits ... wait(copy) ... misses;  hybrid: the host computes its share meanwhile
+    contributions summed in expert order (bitwise as the resident path on the same device)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...errors import UsageError
+from .compute import expert_weights, routed, swiglu
+from .cpu_backend import CpuExperts
+from .expert_cache import ExpertCache, slot_nbytes, slot_signature
+from .host_bank import HostBanks, load_host_banks
+from .probe import ProbeResult, run_probe
+
+log = logging.getLogger("shardsmith.runtime.offload")
+BACKENDS = ("auto", "gpu", "cpu", "hybrid")
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    """How routed experts are placed (``--moe-backend``, ``--expert-cache-gb``, ...).
+
+    Attributes:
+        backend: ``auto`` (the probe decides, never a slower one), ``gpu`` (slot cache), ``cpu``
+            (host computes every routed expert) or ``hybrid`` (a share of misses on the host).
+        cache_bytes: slot pool bytes per GPU; None: free device memory after weights and KV cache
+            minus ``reserve_bytes`` (on a CPU device: every expert).
+        cache_slots: exact slot count (tests); overrides ``cache_bytes``.
+        policy: ``hot`` (LRU with a frequency-pinned hot set) or ``lru``; hot_fraction: its share.
+        pin: ``auto``, ``require`` or ``off`` (:func:`~.host_bank.load_host_banks`).
+        hybrid_fraction: share of misses for the host in ``hybrid`` (None: the probe's balance).
+        probe: run the start-up probe (off: no measurements, ``auto`` means ``gpu``/``cpu``).
+        log_decisions: keep the slot table's decision log (tests).
+    """
+
+    backend: str = "auto"
+    cache_bytes: int | None = None
+    cache_slots: int | None = None
+    policy: str = "hot"
+    hot_fraction: float = 0.5
+    pin: str = "auto"
+    reserve_bytes: int = 2 * GiB
+    hybrid_fraction: float | None = None
+    probe: bool = True
+    log_decisions: bool = False
+
+    @classmethod
+    def from_cli(cls, *, moe_backend: str = "auto", expert_cache_gb: float | None = None,
+                 expert_policy: str = "hot") -> "OffloadConfig":
+        """From the ``serve``/``generate`` options.
+
+        Raises:
+            UsageError: an unknown backend or a negative cache size.
+        """
+        if moe_backend not in BACKENDS:
+            raise UsageError(f"--moe-backend must be one of {', '.join(BACKENDS)}, got {moe_backend!r}")
+        if expert_cache_gb is not None and expert_cache_gb < 0:
+            raise UsageError(f"--expert-cache-gb must be >= 0, got {expert_cache_gb}")
+        return cls(backend=moe_backend, policy=expert_policy,
+                   cache_bytes=None if expert_cache_gb is None else int(expert_cache_gb * GiB))
+
+
+class OffloadedExperts(nn.Module):
+    """Drop-in for :class:`~shardsmith.runtime.moe.ExpertBank`: ``(x [T, D], index [T, K], weight [T, K]) -> [T, D]`` partial."""
+
+    def __init__(self, runtime: "OffloadRuntime", layer: int) -> None:
+        super().__init__()
+        self.runtime, self.layer = runtime, layer
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.runtime.run_layer(self.layer, x, index, weight)
+
+
+class OffloadRuntime:
+    """Host banks, slot cache, host executor and counters of one rank.
+
+    Attributes:
+        config; host: :class:`HostBanks`; cache: :class:`ExpertCache` (None for ``cpu``);
+        cpu: :class:`CpuExperts`; probe: :class:`ProbeResult`; backend, hybrid_fraction: as chosen;
+        tokens: tokens through the first MoE layer (prefill and decode).
+    """
+
+    def __init__(self, config: OffloadConfig, host: HostBanks, layers: list[str], *, device: torch.device,
+                 dtype: torch.dtype, dim: int, block: tuple[int, int] | None) -> None:
+        self.config, self.host, self.layers, self.device, self.dtype, self.dim = config, host, layers, device, dtype, dim
+        self.block = block
+        self.cpu = CpuExperts(host, layers, block)
+        self.cache: ExpertCache | None = None
+        self.probe: ProbeResult | None = None
+        self.backend, self.hybrid_fraction = config.backend, config.hybrid_fraction or 0.0
+        self.tokens, self.cpu_experts, self.step_s = 0, 0, 0.0
+
+    # ------------------------------------------------------------ start-up
+
+    def start(self) -> None:
+        """Probe, size and allocate the slot pool (collective: every rank agrees), log the numbers."""
+        sig = slot_signature(self.host)
+        slot_bytes = slot_nbytes(sig)
+        c = self.config
+        requested = c.backend
+        if c.probe:
+            self.probe = run_probe(self.host, self.cpu, device=self.device, dim=self.dim, dtype=self.dtype,
+                                   slot_bytes=slot_bytes, requested=requested, hybrid_fraction=c.hybrid_fraction)
+            bw, cpu_s = _agree([self.probe.h2d_gb_per_s, -self.probe.cpu_s_per_expert], self.device, dist.ReduceOp.MIN)
+            from .probe import decide
+
+            self.backend, self.hybrid_fraction, reason = decide(
+                requested, cuda=self.device.type == "cuda", h2d_gb_per_s=bw, slot_bytes=slot_bytes,
+                cpu_s_per_expert=-cpu_s, hybrid_fraction=c.hybrid_fraction)
+            self.probe = ProbeResult(bw, self.host.pinned, -cpu_s, slot_bytes, self.backend, self.hybrid_fraction,
+                                     reason, self.probe.cpu_isa)
+        elif requested == "auto":
+            self.backend = "gpu" if self.device.type == "cuda" else "cpu"
+        if self.backend == "cpu":
+            self.hybrid_fraction = 1.0
+        else:
+            n = self._slots(slot_bytes)
+            self.cache = ExpertCache(self.host, self.layers, n, self.device, policy=c.policy,
+                                     hot_fraction=c.hot_fraction, log=c.log_decisions)
+        log.info("%s", self.ready_line())
+
+    def _slots(self, slot_bytes: int) -> int:
+        c, total = self.config, sum(a["gate_up"].shape[0] for a in self.host.layers.values())
+        if c.cache_slots is not None:
+            n = c.cache_slots
+        elif c.cache_bytes is not None:
+            n = c.cache_bytes // slot_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            n = max(0, free - c.reserve_bytes) // slot_bytes
+        else:
+            n = total
+        n = int(_agree([float(min(n, total))], self.device, dist.ReduceOp.MIN)[0])
+        if n < 1:
+            raise UsageError(f"expert cache: room for {n} slots of {slot_bytes} bytes; give --expert-cache-gb "
+                             f">= {slot_bytes / GiB:.3f} or use --moe-backend cpu")
+        return n
+
+    def ready_line(self) -> str:
+        """One log line: host bytes, pinning, slots, backend and probe numbers."""
+        hb = self.host
+        parts = [f"expert offload: backend {self.backend}",
+                 f"host banks {hb.nbytes / GiB:.2f} GiB/rank ({'pinned' if hb.pinned else 'pageable'}"
+                 + (f", pinning refused: {hb.pin_error}" if hb.pin_error and not hb.pinned and self.device.type == 'cuda' else "")
+                 + f", read {hb.read_s:.2f} s, pin {hb.pin_s:.2f} s, wall {hb.wall_s:.2f} s)"]
+        if self.cache is not None:
+            total = sum(a["gate_up"].shape[0] for a in hb.layers.values())
+            parts.append(f"cache {self.cache.n_slots}/{total} experts x {self.cache.slot_bytes / 2**20:.2f} MiB = "
+                         f"{self.cache.n_slots * self.cache.slot_bytes / GiB:.2f} GiB/GPU, policy {self.config.policy}")
+        if self.backend == "hybrid":
+            parts.append(f"{self.hybrid_fraction:.2f} of misses on the host")
+        if self.probe is not None:
+            p = self.probe
+            parts.append(f"probe: H2D {p.h2d_gb_per_s:.1f} GB/s, host {p.cpu_s_per_expert * 1e3:.2f} ms/expert/token "
+                         f"({p.cpu_isa}); {p.reason}")
+        return "; ".join(parts)
+
+    # ------------------------------------------------------------ one layer
+
+    def run_layer(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The layer's routed partial ``[T, D]``, summed in ascending expert order as the resident path."""
+        t0 = time.perf_counter()
+        if layer == 0:
+            self.tokens += x.shape[0]
+        index_h = index.cpu()  # the one host sync of the layer
+        experts = index_h.unique().tolist()
+        to_host = self._host_share(layer, experts)
+        contrib: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        fut = None
+        if to_host:
+            fut = self.cpu.submit(layer, x.cpu(), index_h, weight.cpu(), to_host)
+        on_gpu = [e for e in experts if e not in set(to_host)]
+        n = self.cache.n_slots if self.cache is not None else 1
+        for i in range(0, len(on_gpu), n):
+            wave = on_gpu[i: i + n]
+            slots, missed = self.cache.fetch(layer, wave)
+            missed = set(missed)
+            hits = [(e, s) for e, s in zip(wave, slots) if e not in missed]
+            late = [(e, s) for e, s in zip(wave, slots) if e in missed]
+            for group in (hits, late):
+                if group is late:
+                    self.cache.wait()
+                for e, s in group:
+                    contrib[e] = self._gpu_expert(x, index, index_h, weight, e, s)
+        if fut is not None:
+            for e, (tok, y) in fut.result().items():
+                contrib[e] = (tok.to(x.device), y.to(x.device, non_blocking=True))
+            self.cpu_experts += len(to_host)
+        out = torch.zeros_like(x)
+        for e in experts:
+            tok, y = contrib[e]
+            out.index_add_(0, tok, y)
+        self.step_s += time.perf_counter() - t0
+        return out
+
+    def _host_share(self, layer: int, experts: list[int]) -> list[int]:
+        """Experts the host computes: all (``cpu``), or the last ``round(f * misses)`` misses (``hybrid``)."""
+        if self.backend == "cpu":
+            return list(experts)
+        if self.backend != "hybrid" or self.hybrid_fraction <= 0:
+            return []
+        missing = [e for e in experts if (layer, e) not in self.cache.table]
+        k = round(self.hybrid_fraction * len(missing))
+        return missing[len(missing) - k:] if k else []
+
+    def _gpu_expert(self, x, index, index_h, weight, e: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tok, k = routed(index_h, e)
+        tok_d, k_d = tok.to(x.device, non_blocking=True), k.to(x.device, non_blocking=True)
+        gate, up, down = expert_weights(self.cache.arrays(slot), x.dtype, self.block)
+        y = swiglu(x[tok_d], gate, up, down)
+        return tok_d, (y * weight[tok_d, k_d, None]).to(x.dtype)
+
+    # ------------------------------------------------------------ counters
+
+    def stats(self) -> dict[str, float]:
+        """``slots``, ``hits``, ``misses``, ``hit_rate``, ``bytes_copied``, ``bytes_per_token``,
+        ``h2d_gb_per_s`` (achieved during miss copies), ``host_bytes``, ``host_experts``, ``tokens``."""
+        out = {"backend": self.backend, "host_bytes": self.host.nbytes, "host_pinned": self.host.pinned,
+               "tokens": self.tokens, "host_experts": self.cpu_experts, "moe_s": self.step_s}
+        if self.cache is not None:
+            out |= self.cache.stats()
+            out["bytes_per_token"] = self.cache.bytes_copied / self.tokens if self.tokens else 0.0
+        if self.probe is not None:
+            out["probe_h2d_gb_per_s"] = self.probe.h2d_gb_per_s
+            out["probe_cpu_s_per_expert"] = self.probe.cpu_s_per_expert
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero the counters (e.g. after warm-up); the cache contents stay."""
+        self.tokens = self.cpu_experts = 0
+        self.step_s = 0.0
+        if self.cache is not None:
+            t = self.cache.table
+            t.hits = t.misses = t.evictions = 0
+            self.cache._resolve()
+            self.cache.bytes_copied, self.cache.copy_s, self.cache.copies = 0, 0.0, 0
+
+    def close(self) -> None:
+        self.cpu.close()
+        self.host.close()
+
+
+def _agree(values: list[float], device: torch.device, op) -> list[float]:
+    """Reduce ``values`` over every rank with ``op`` (start-up only); identity at world size 1."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    dev = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: torch.device,
+                   dtype: torch.dtype, block: tuple[int, int] | None) -> OffloadRuntime:
+    """Read the rank's banks into host memory and swap the model's expert banks for offloaded ones.
+
+    Call on the ``meta`` model before :func:`~shardsmith.runtime.model.assign_weights` (pass it no
+    banks), then :meth:`OffloadRuntime.start` once the dense weights and KV cache are placed.
+
+    Raises:
+        RuntimeLoadError: from :func:`~.host_bank.load_host_banks` or a model without expert banks.
+        UsageError: an unknown backend.
+    """
+    from ..moe import ExpertBank
+
+    if config.backend not in BACKENDS:
+        raise UsageError(f"moe backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
+    pin = config.pin if torch.device(device).type == "cuda" else "off"
+    host = load_host_banks(weights, pin=pin)
+    owners = [name for name, m in model.named_modules() if isinstance(m, ExpertBank)]  # model order
+    keys = {name.rsplit(".", 2)[0]: name for name in owners}  # model.layers.N.<moe>.experts -> model.layers.N
+    layers = list(keys)
+    missing = sorted(set(keys) ^ set(host.layers))
+    if missing:
+        raise UsageError(f"expert offload: model MoE layers and host banks differ: {missing}")
+    rt = OffloadRuntime(config, host, layers, device=torch.device(device), dtype=dtype,
+                        dim=next(iter(host.layers.values()))["down"].shape[1], block=block)
+    for i, layer in enumerate(layers):
+        name = keys[layer]
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, OffloadedExperts(rt, i))
+    return rt
