@@ -1,0 +1,257 @@
+"""End to end: ``shardsmith serve`` on the real SmolLM2 MoE pack at TP=2 on CPU (gloo), as a real
+subprocess on 127.0.0.1, spoken to over HTTP.
+
+One server serves the module's request tests; the last of them stops it with SIGTERM and checks a
+clean exit. A second server has a rank killed and must go down, saying which rank, in bounded time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+READY_TIMEOUT_S = 180.0
+MODEL = "smollm2-tp2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pack(smollm2_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from shardsmith.writer.split import split_checkpoint
+
+    out = tmp_path_factory.mktemp("serve") / "pack-tp2"
+    split_checkpoint(smollm2_bf16, out, world_size=2)
+    return out
+
+
+class Server:
+    """A ``shardsmith serve`` subprocess and its log."""
+
+    def __init__(self, pack: Path, log: Path, *extra: str) -> None:
+        self.port, self.log_path = free_port(), log
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "shardsmith.cli", "serve", str(pack), "--port", str(self.port),
+               "--dist-port", str(free_port()), "--served-model-name", MODEL, *extra]
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} before ready:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        pytest.fail(f"server not ready after {READY_TIMEOUT_S} s:\n{self.log()}")
+
+    def rank_pids(self) -> dict[int, int]:
+        m = re.search(r"rank pids: (.*)", self.log())
+        return {int(r): int(p) for r, p in re.findall(r"rank (\d+)=(\d+)", m.group(1))} if m else {}
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(pack: Path, tmp_path_factory: pytest.TempPathFactory):
+    srv = Server(pack, tmp_path_factory.mktemp("log") / "serve.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def post(server: Server, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120, **kw)
+
+
+def sse_events(resp: httpx.Response) -> list[str]:
+    """The ``data:`` payloads of an SSE body, checking the framing (one line, blank line after)."""
+    text = resp.text
+    assert text.endswith("\n\n")
+    blocks = text.split("\n\n")[:-1]
+    assert all(b.startswith("data: ") and "\n" not in b for b in blocks), blocks
+    return [b.removeprefix("data: ") for b in blocks]
+
+
+def test_health_and_models(server: Server) -> None:
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ready"}
+    data = httpx.get(f"{server.url}/v1/models").json()["data"]
+    assert data[0]["id"] == MODEL and data[0]["max_model_len"] == 2048
+
+
+def test_chat_answers_paris(server: Server) -> None:
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 24})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert "Paris" in choice["message"]["content"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] in ("stop", "length")
+    u = body["usage"]
+    assert u["prompt_tokens"] > 10 and 0 < u["completion_tokens"] <= 24
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
+def test_stream_completion_with_usage(server: Server) -> None:
+    req = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0, "max_tokens": 8}
+    whole = post(server, "/v1/completions", req).json()
+    r = post(server, "/v1/completions", req | {"stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert all(c["usage"] is None for c in text_chunks)
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == whole["choices"][0]["text"]
+    assert " Paris" in whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == whole["choices"][0]["finish_reason"]
+
+
+def test_stream_chat_chunks(server: Server) -> None:
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "temperature": 0,
+                                              "max_tokens": 24, "stream": True})
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all("usage" not in c for c in chunks)
+    assert "Paris" in "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+
+
+def test_stop_string_and_logprobs(server: Server) -> None:
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 24,
+                                              "stop": ["Paris"], "logprobs": True, "top_logprobs": 3}).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop" and "Paris" not in choice["message"]["content"]
+    content = choice["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"]
+    assert all(len(c["top_logprobs"]) == 3 and c["logprob"] <= 0 for c in content)
+    assert "".join(bytes(c["bytes"]).decode() for c in content).startswith(choice["message"]["content"])
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "The capital of France is", "temperature": 0,
+                                         "max_tokens": 4, "logprobs": 2}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 4
+    assert lp["tokens"][0] == " Paris" and lp["text_offset"][0] == 0 and all(len(t) <= 2 for t in lp["top_logprobs"])
+
+
+def test_seeded_sampling_is_reproducible(server: Server) -> None:
+    req = {"model": MODEL, "prompt": "Once upon a time", "temperature": 1.0, "top_p": 0.9, "top_k": 50,
+           "max_tokens": 8, "seed": 1234}
+    a, b = (post(server, "/v1/completions", req).json()["choices"][0]["text"] for _ in range(2))
+    assert a == b
+
+
+def test_bad_requests_get_4xx_while_good_one_succeeds(server: Server) -> None:
+    import concurrent.futures as cf
+
+    bad = [
+        (b'{"model": "smollm2-tp2", "messages": [', 400),
+        (json.dumps({"model": MODEL, "messages": QUESTION, "max_tokens": -5}).encode(), 400),
+        (json.dumps({"model": MODEL, "messages": QUESTION, "max_tokens": 10**6}).encode(), 400),
+        (json.dumps({"model": MODEL, "messages": QUESTION, "bogus": 1}).encode(), 400),
+        (json.dumps({"model": MODEL, "prompt": "x " * 3000}).encode(), 400),
+        (json.dumps({"model": "other", "messages": QUESTION}).encode(), 404),
+    ]
+    with cf.ThreadPoolExecutor(4) as pool:
+        good = pool.submit(post, server, "/v1/chat/completions",
+                           {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 24})
+        results = list(pool.map(lambda b: httpx.post(f"{server.url}/v1/chat/completions" if b[0].find(b'prompt') < 0
+                                                     else f"{server.url}/v1/completions", content=b[0],
+                                                     headers={"content-type": "application/json"}, timeout=60), bad))
+    for (_, status), r in zip(bad, results):
+        assert r.status_code == status, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert results[2].json()["error"]["code"] == "context_length_exceeded"
+    assert "Paris" in good.result().json()["choices"][0]["message"]["content"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_metrics_reflect_requests(server: Server) -> None:
+    text = httpx.get(f"{server.url}/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values["shardsmith_ready"] == 1 and values["shardsmith_load_seconds"] > 0
+    assert values['shardsmith_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 4
+    assert values['shardsmith_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 4
+    assert values['shardsmith_requests_total{endpoint="/v1/completions",status="200"}'] >= 5
+    assert values["shardsmith_generation_tokens_total"] >= 50 and values["shardsmith_prompt_tokens_total"] > 50
+    assert values["shardsmith_time_to_first_token_seconds_count"] >= 9
+    assert values["shardsmith_inter_token_latency_seconds_count"] > 0
+
+
+def test_zz_sigterm_stops_cleanly(server: Server) -> None:
+    pids = server.rank_pids()
+    assert sorted(pids) == [0, 1]
+    t0 = time.monotonic()
+    assert server.stop() == 0, server.log()
+    assert time.monotonic() - t0 < 30
+    for pid in pids.values():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    assert "server stopped" in server.log()
+
+
+def test_killed_rank_takes_the_server_down(pack: Path, tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed mid-stream: the client's stream ends, the server exits non-zero, saying why."""
+    srv = Server(pack, tmp_path / "serve.log")
+    try:
+        srv.wait_ready()
+        pids = srv.rank_pids()
+        req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 500, "stream": True}
+        received = []
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=req, timeout=60) as resp:
+            try:
+                for line in resp.iter_lines():
+                    received.append(line)
+                    if len(received) == 3:
+                        os.kill(pids[1], signal.SIGKILL)
+                        t0 = time.monotonic()
+            except httpx.TransportError:
+                pass
+        code = srv.proc.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        srv.stop()
+    log = srv.log()
+    assert code != 0 and elapsed < 30, log
+    assert f"rank 1 (pid {pids[1]}) was killed by signal SIGKILL" in log
+    assert sum(line.startswith("data: {") for line in received) < 100  # the stream ended early
+    assert not Path(f"/proc/{pids[0]}").exists() or "zombie" in Path(f"/proc/{pids[0]}/status").read_text().lower()
