@@ -1,0 +1,71 @@
+"""CLI checks of ``serve`` / ``generate`` that fail before any rank starts, and the launcher's pieces."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from shardsmith.cli import app
+from shardsmith.runtime.launch import RankFilter, pack_world_size
+
+runner = CliRunner()
+
+
+def _run(*args: str):
+    return runner.invoke(app, list(args), standalone_mode=False, catch_exceptions=True)
+
+
+def test_help_is_fast_and_lists_commands() -> None:
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "shardsmith.cli", "--help"], capture_output=True, text=True, check=True)
+    assert time.perf_counter() - t0 < 5.0  # a fresh interpreter; the import itself is ~0.3 s
+    for cmd in ("serve", "generate", "demo"):
+        assert cmd in out.stdout
+    code = "import sys, shardsmith.cli; print('torch' in sys.modules, 'fastapi' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False False"
+
+
+def test_not_a_pack(tmp_path: Path) -> None:
+    r = _run("serve", str(tmp_path))
+    assert "no pack.yaml" in str(r.exception)
+
+
+def test_from_checkpoint_needs_tp(tmp_path: Path) -> None:
+    r = _run("generate", str(tmp_path), "--prompt", "hi", "--from-checkpoint")
+    assert "needs --tp" in str(r.exception)
+
+
+def test_tp_must_match_pack(tmp_path: Path) -> None:
+    (tmp_path / "pack.yaml").write_text("format: shardsmith-pack\nworld_size: 2\n")
+    assert pack_world_size(tmp_path, tp=None, from_checkpoint=False) == 2
+    r = _run("serve", str(tmp_path), "--tp", "4")
+    assert "does not match the pack's world_size=2" in str(r.exception)
+
+
+@pytest.mark.parametrize("args,match", [
+    (("--device", "tpu"), "--device must be cpu or cuda"),
+    (("--max-seq-len", "1"), "--max-seq-len must be at least 2"),
+    (("--dist-port", "70000"), "--dist-port must be in 1..65535"),
+])
+def test_bad_options(tmp_path: Path, args, match: str) -> None:
+    (tmp_path / "pack.yaml").write_text("world_size: 2\n")
+    assert match in str(_run("serve", str(tmp_path), *args).exception)
+
+
+def test_exit_code_through_main(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "shardsmith.cli", "serve", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 1 and "no pack.yaml" in out.stderr
+
+
+def test_rank_filter_passes_rank0_and_errors_only() -> None:
+    rec = lambda level: logging.LogRecord("shardsmith", level, __file__, 1, "m", None, None)  # noqa: E731
+    assert RankFilter(0).filter(rec(logging.INFO)) and RankFilter(None).filter(rec(logging.INFO))
+    assert not RankFilter(1).filter(rec(logging.INFO))
+    r = rec(logging.ERROR)
+    assert RankFilter(1).filter(r) and r.rank == "rank 1"
