@@ -1,0 +1,29 @@
+"""DeepSeek-V4 in the runtime: tensor-parallel forward pass from release checkpoint names.
+
+======================  ===================================================================
+module                  contents
+======================  ===================================================================
+``config``              :class:`V4Args` from ``config.json`` (layer kinds, hash layers, YaRN)
+``ops``                 RMSNorms, interleaved partial RoPE, YaRN frequencies
+``quant``               FP4 e2m1 / UE8M0 dequantization (FP8 goes through the parallel layers)
+``compressor``          KV compressors (HCA, CSA with overlap) and the Lightning Indexer
+``attention``           shared-latent-KV attention with sinks, window and compressed entries
+``hyper``               manifold-constrained hyper-connection mixers and the head mixer
+``moe``                 sqrt-softplus / hash router, FP4 expert bank, shared expert
+``model``               :class:`DeepseekV4` and the strict weight assignment
+======================  ===================================================================
+
+Example:
+    >>> from shardsmith.runtime.deepseek_v4 import DeepseekV4  # doctest: +SKIP
+    >>> from shardsmith.runtime.weights import load_rank_weights  # doctest: +SKIP
+    >>> w = load_rank_weights("ckpt/", rank=0, world_size=1, from_checkpoint=True)  # doctest: +SKIP
+    >>> model = DeepseekV4.from_weights(w, dtype=torch.float32)  # doctest: +SKIP
+    >>> logits = model(torch.tensor([0, 5, 7]), 0)  # [1, V]  # doctest: +SKIP
+"""
+
+from .config import V4Args
+from .model import DeepseekV4, assign_weights
+
+ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+
+__all__ = ["ARCHITECTURES", "DeepseekV4", "V4Args", "assign_weights"]

@@ -1,0 +1,130 @@
+"""DeepSeek-V4 attention: shared latent KV, per-head sinks, sliding window, compressed entries.
+
+Per layer (paper §2.3; transformers ``DeepseekV4Attention``), for this rank's ``n_r`` heads:
+
+==============================  ==========================  ========================================
+step                            weights (rank-local)        parallel style
+==============================  ==========================  ========================================
+``q_lora = q_norm(wq_a x)``     ``wq_a [q_lora, D]``        replicated
+``q = rms(wq_b q_lora)``, RoPE  ``wq_b [n_r*d, q_lora]``    column-parallel, whole heads
+``kv = kv_norm(wkv x)``, RoPE   ``wkv [d, D]``              replicated: one KV head, K = V
+keys: window + compressed       compressor / indexer        replicated
+softmax with ``attn_sink``      ``attn_sink [n_r]``         by head
+inverse RoPE on the output      --                          --
+grouped ``wo_a``                ``[G_r*o_lora, n*d/G]``     column-parallel, whole output groups
+``wo_b``                        ``[D, G_r*o_lora]``         row-parallel: the layer's all-reduce
+==============================  ==========================  ========================================
+
+A query at position ``t`` sees window keys at ``t - window < s <= t`` and the compressed entries
+its layer allows (HCA: every complete window; CSA: the indexer's top-k of them). RoPE rotates the
+trailing ``rope_dim`` channels (sliding layers: plain RoPE at ``rope_theta``; compressed layers:
+YaRN at ``compress_rope_theta``); as K = V, the output's rope channels are rotated back by the
+query's angle. Queries are processed in chunks of :data:`QUERY_CHUNK` so prefill memory grows
+with ``T * (window + C)``, not ``T^2``.
+
+Legend: T = new tokens, D = hidden, n = local heads, d = head dim, S = window keys, C =
+compressed entries, G = local output groups, o = o_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel import Shards
+from .compressor import Compressor, Indexer, visible
+from .config import V4Args
+from .ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
+
+QUERY_CHUNK = 1024
+
+
+class Attention(nn.Module):
+    """One layer's attention on this rank, with its sliding-window cache and compressor state.
+
+    Args:
+        args: model configuration; shards: the rank's plan; prefix: ``layers.N.attn``; layer: N;
+        freqs_main / freqs_compress: RoPE inverse frequencies ``[rope_dim/2]``.
+    """
+
+    def __init__(self, args: V4Args, shards: Shards, prefix: str, layer: int, *,
+                 freqs_main: torch.Tensor, freqs_compress: torch.Tensor) -> None:
+        super().__init__()
+        self.kind, self.window, self.head_dim, self.eps = args.kinds[layer], args.window, args.head_dim, args.norm_eps
+        self.o_rank = args.o_lora_rank
+        self.wq_a = shards.linear(prefix + ".wq_a")
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = shards.linear(prefix + ".wq_b")
+        self.wkv = shards.linear(prefix + ".wkv")
+        self.kv_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.wo_a = shards.linear(prefix + ".wo_a")
+        self.wo_b = shards.linear(prefix + ".wo_b")
+        (self.n_heads,) = shards.tensor(prefix + ".attn_sink").local_shape(shards.rank)
+        self.register_buffer("attn_sink", torch.empty(self.n_heads, dtype=torch.float32, device="meta"))
+        self.freqs = freqs_main if self.kind == "sliding" else freqs_compress
+        ratio = args.ratios[layer]
+        self.compressor = self.indexer = None
+        if self.kind != "sliding":
+            self.compressor = Compressor(shards, prefix + ".compressor", ratio=ratio, dim=args.head_dim,
+                                         overlap=self.kind == "csa", freqs=freqs_compress, eps=args.norm_eps)
+        if self.kind == "csa":
+            self.indexer = Indexer(shards, prefix + ".indexer", ratio=ratio, heads=args.index_heads,
+                                   head_dim=args.index_head_dim, topk=args.index_topk, freqs=freqs_compress,
+                                   eps=args.norm_eps)
+        self.ratio = ratio
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the sequence: empty window and compressor states."""
+        self.win = None  # [<= window-1, d]: the latest keys (= values), RoPE applied
+        for mod in (self.compressor, self.indexer and self.indexer.compressor):
+            if mod is not None:
+                mod.reset()
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Attend new tokens ``x`` ``[T, D]`` at positions ``[start, start + T)``; returns ``[T, D]`` (reduced)."""
+        T, d = x.shape[0], self.head_dim
+        positions = torch.arange(start, start + T, device=x.device)
+        cos, sin = rope_cos_sin(positions, self.freqs)  # [T, r/2]
+        q_lora = self.q_norm(self.wq_a(x))  # [T, q_lora]
+        q = rms_unweighted(self.wq_b(q_lora).view(T, self.n_heads, d), self.eps)  # [T, n, d]
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, d]
+        keys = kv if self.win is None else torch.cat((self.win, kv))  # [S, d]
+        first = start + T - keys.shape[0]  # position of keys[0]
+        self.win = keys[max(0, keys.shape[0] - (self.window - 1)):]
+        entries = select = None
+        if self.compressor is not None:
+            entries = self.compressor(x)  # [C, d]
+            if self.indexer is not None:
+                select = self.indexer(x, q_lora, positions)  # [T, C]
+            else:
+                select = visible(positions, entries.shape[0], self.ratio)
+        out = torch.empty_like(q)
+        for a in range(0, T, QUERY_CHUNK):
+            b = min(T, a + QUERY_CHUNK)
+            out[a:b] = self._attend(q[a:b], keys, first, start + a, entries, None if select is None else select[a:b])
+        groups = self.wo_a.weight.shape[0] // self.o_rank  # G: whole output groups of this rank's heads
+        out = apply_rope(out, cos, -sin).reshape(T, groups, -1)  # [T, G, n*d/G]
+        wa = self.wo_a.dense_weight(x.dtype).view(groups, self.o_rank, -1)  # [G, o, n*d/G]
+        y = torch.einsum("tgi,goi->tgo", out, wa).reshape(T, -1)  # [T, G*o]
+        return self.wo_b(y)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, first: int, q0: int, entries: torch.Tensor | None,
+                select: torch.Tensor | None) -> torch.Tensor:
+        """Softmax attention with sinks for queries at ``q0 ..`` over window keys and entries."""
+        T = q.shape[0]
+        lo, hi = max(0, q0 - self.window + 1 - first), q0 + T - first  # window keys any query here sees
+        k = keys[lo:hi]  # [S, d]
+        dist = torch.arange(q0, q0 + T, device=q.device)[:, None] - torch.arange(first + lo, first + hi, device=q.device)[None, :]
+        mask = (dist >= 0) & (dist < self.window)  # [T, S]
+        if entries is not None and entries.shape[0]:
+            k = torch.cat((k, entries))
+            mask = torch.cat((mask, select), dim=1)  # [T, S + C]
+        scale = self.head_dim ** -0.5
+        logits = torch.einsum("tnd,sd->nts", q.float(), k.float()) * scale  # [n, T, S+C]
+        logits = logits.masked_fill(~mask, float("-inf"))
+        sink = self.attn_sink.float()[:, None, None].expand(-1, T, 1)
+        logits = torch.cat((logits, sink), dim=-1)
+        probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
+        return torch.einsum("nts,sd->tnd", probs, k.float()).to(q.dtype)  # [T, n, d]

@@ -1,0 +1,181 @@
+"""The DeepSeek-V4 causal LM, built on ``meta`` from the rank's plan and filled from its weights.
+
+Module paths mirror the release checkpoint (``layers.N.attn.wq_b.weight``), so loading is a strict
+name-for-name assignment (:func:`assign_weights`) with three spelled-out renames:
+
+=================================  =================================  ===========================
+source tensor                      module buffer                      why
+=================================  =================================  ===========================
+``X.scale`` (UE8M0, FP8 weight)    ``X.weight_scale_inv`` (float32)   the parallel layers' name
+``layers.N.hc_attn_fn`` (etc.)     ``layers.N.hc_attn.fn``            mixers are modules
+``layers.N.ffn.experts.E.w1`` ...  ``layers.N.ffn.experts.gate_up``   expert banks
+=================================  =================================  ===========================
+
+``mtp.*`` draft layers stay in the pack and are not loaded. Every parallel layer comes from
+:class:`~shardsmith.runtime.parallel.Shards`; this file knows nothing about ranks. One sequence at a
+time (batch 1); the state (sliding windows, compressor buffers and entries) continues from the
+last position, so a step must start at 0 (a new sequence) or where the previous one ended.
+Source of the maths: transformers ``modeling_deepseek_v4.py`` (``DeepseekV4Model``).
+
+Legend: T = new tokens, m = hyper-connection streams, D = hidden, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ...errors import RuntimeLoadError, UsageError, format_problems
+from ..parallel import Shards
+from .attention import Attention
+from .config import V4Args
+from .hyper import HyperHead, HyperMixer, expand
+from .moe import MoE
+from .ops import RMSNorm, inv_freq
+from .quant import ue8m0_to_float
+
+_HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
+
+
+class Block(nn.Module):
+    """Decoder layer N: ``hc_attn`` -> attention -> ``hc_ffn`` -> MoE, on ``m`` residual streams."""
+
+    def __init__(self, args: V4Args, shards: Shards, i: int, freqs: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        prefix = f"layers.{i}"
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = Attention(args, shards, prefix + ".attn", i, freqs_main=freqs["main"],
+                              freqs_compress=freqs["compress"])
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn = MoE(args, shards, prefix, i)
+        self.hc_attn = HyperMixer(args.dim, args.hc_mult, args.hc_iters, args.hc_eps, args.norm_eps)
+        self.hc_ffn = HyperMixer(args.dim, args.hc_mult, args.hc_iters, args.hc_eps, args.norm_eps)
+
+    def forward(self, streams: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:  # [T, m, D]
+        x, post, comb = self.hc_attn(streams)
+        streams = expand(streams, self.attn(self.attn_norm(x), start), post, comb)
+        x, post, comb = self.hc_ffn(streams)
+        return expand(streams, self.ffn(self.ffn_norm(x), ids), post, comb)
+
+
+class DeepseekV4(nn.Module):
+    """DeepSeek-V4 on one rank: vocab-parallel ``embed``, blocks, ``hc_head``, ``norm``, vocab-parallel ``head``.
+
+    Args:
+        args: configuration; shards: the rank's plan and compute dtype.
+
+    Raises:
+        RuntimeLoadError: the plan lacks a tensor the config needs (named).
+    """
+
+    def __init__(self, args: V4Args, shards: Shards) -> None:
+        super().__init__()
+        self.args = args
+        freqs = {"main": inv_freq(args.rope_dim, args.rope_theta),
+                 "compress": inv_freq(args.rope_dim, args.compress_theta, args.yarn)}
+        self.embed = shards.embedding("embed.weight")
+        self.layers = nn.ModuleList(Block(args, shards, i, freqs) for i in range(args.n_layers))
+        self.hc_head = HyperHead(args.dim, args.hc_mult, args.hc_eps, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = shards.lm_head("head.weight")
+        self.pos, self.max_seq_len = 0, 0
+
+    @classmethod
+    def from_weights(cls, weights, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+                     max_seq_len: int = 4096) -> "DeepseekV4":
+        """Build rank ``weights.rank``'s model from its weights (``config``, ``plan``, ``dense()``, ``banks()``).
+
+        Raises:
+            RuntimeLoadError: unsupported config, or missing/unexpected/mis-shaped tensors (all listed).
+        """
+        config = weights.config
+        block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+        model = cls(V4Args.from_config(config), Shards(weights.plan, weights.rank, dtype, block))
+        assign_weights(model, weights.dense(), weights.banks(), device=torch.device(device))
+        model.setup_cache(max_seq_len, torch.device(device), dtype)
+        return model
+
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Bound sequences to ``max_seq_len`` positions, move RoPE tables to ``device``, reset state."""
+        self.max_seq_len = max_seq_len
+        for mod in self.modules():
+            if isinstance(getattr(mod, "freqs", None), torch.Tensor):
+                mod.freqs = mod.freqs.to(device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new sequence (position 0)."""
+        self.pos = 0
+        for layer in self.layers:
+            layer.attn.reset()
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
+        """Run ``ids`` ``[T]`` at positions ``[start, start + T)``; float32 logits ``[T or 1, V]``.
+
+        Raises:
+            UsageError: ``start`` is neither 0 nor the end of the previous step (the compressor
+                state cannot rewind), or the sequence would pass ``max_seq_len``.
+        """
+        T = ids.shape[0]
+        if start == 0:
+            self.reset()
+        elif start != self.pos:
+            raise UsageError(f"DeepSeek-V4 continues a sequence where it ended (position {self.pos}); "
+                             f"got start={start} (its compressor state cannot rewind: restart at 0)")
+        if self.max_seq_len and start + T > self.max_seq_len:
+            raise UsageError(f"{start + T} positions exceed max_seq_len={self.max_seq_len}")
+        x = self.embed(ids)  # [T, D]
+        streams = x[:, None, :].expand(T, self.args.hc_mult, x.shape[-1]).contiguous()  # [T, m, D]
+        for layer in self.layers:
+            streams = layer(streams, ids, start)
+        self.pos = start + T
+        h = self.norm(self.hc_head(streams[-1:] if last_only else streams))  # [T or 1, D]
+        return self.head(h)  # [T or 1, V]
+
+
+def buffer_name(source: str, fp8_weights: set[str]) -> str:
+    """The module buffer a source tensor fills (see the module docstring's table)."""
+    if source.endswith(".scale") and source[: -len(".scale")] + ".weight" in fp8_weights:
+        return source[: -len(".scale")] + ".weight_scale_inv"
+    return _HC.sub(lambda m: f"{m.group(1)}hc_{m.group(2)}.{m.group(3)}", source)
+
+
+def assign_weights(model: DeepseekV4, dense: dict[str, torch.Tensor], banks: dict[str, dict[str, torch.Tensor]],
+                   *, device: torch.device) -> None:
+    """Replace every ``meta`` buffer of ``model`` by the rank's tensor of the same name, strictly.
+
+    FP8 weights and FP4/UE8M0 bank arrays keep their stored dtype (on CPU the buffer is the mmap
+    view itself); FP8 block scales become float32; other tensors are cast to the buffer's dtype.
+
+    Raises:
+        RuntimeLoadError: listing every missing, unexpected, mis-shaped or wrongly typed tensor.
+    """
+    expected = dict(model.named_buffers())
+    fp8 = {n for n, t in dense.items() if t.dtype == torch.float8_e4m3fn}
+    given = {buffer_name(n, fp8): t for n, t in dense.items() if not n.startswith("mtp.")}
+    for layer, arrays in banks.items():
+        if not layer.startswith("mtp."):
+            given.update({f"{layer}.ffn.experts.{a}": t for a, t in arrays.items()})
+    problems = [f"unexpected tensor {n!r} {list(given[n].shape)}: the model has no place for it"
+                for n in sorted(set(given) - set(expected))]
+    out = {}
+    for name, meta in expected.items():
+        t = given.get(name)
+        if t is None:
+            problems.append(f"missing tensor {name!r}: the model needs {list(meta.shape)}")
+        elif tuple(t.shape) != tuple(meta.shape):
+            problems.append(f"tensor {name!r}: shape {list(t.shape)}, the model needs {list(meta.shape)}")
+        elif meta.dtype in (torch.float8_e4m3fn, torch.int8, torch.float8_e8m0fnu, torch.int64) and t.dtype != meta.dtype:
+            problems.append(f"tensor {name!r}: dtype {t.dtype}, the model needs {meta.dtype}")
+        elif name.endswith(".weight_scale_inv"):
+            out[name] = ue8m0_to_float(t).to(device)
+        else:
+            out[name] = t.to(device=device, dtype=meta.dtype)
+    if problems:
+        raise RuntimeLoadError(format_problems("cannot load the rank's DeepSeek-V4 weights", problems))
+    for name, t in out.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = t

@@ -1,0 +1,128 @@
+"""DeepSeek-V4 MoE: sqrt-softplus router (or hash routing), FP4 routed experts, one shared expert.
+
+Routing is replicated, so every rank picks the same experts (transformers ``DeepseekV4TopKRouter``
+and ``DeepseekV4HashRouter``): ``s = sqrt(softplus(x @ gate.T))``; experts = top-k of
+``s + gate.bias`` (or ``gate.tid2eid[token]`` in the first ``num_hash_layers`` layers); weights =
+``s`` of those, renormalised, times ``routed_scaling_factor``. Each expert is
+``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` with ``L = swiglu_limit``; the shared expert
+(FP8) is the same with no routing weight.
+
+Every expert is split on its intermediate dim (TP-within-expert), so each rank computes a partial
+``[T, D]``; the routed and shared partials are added before the layer's one all-reduce. The
+clamps act on whole elements of the rank's intermediate share, so splitting does not change them.
+
+Bank arrays (``manifests/README.md``; FP4 stays packed, two e2m1 per byte):
+
+=================  ======================  =========================================
+array              shape (rank-local)      contents
+=================  ======================  =========================================
+``gate_up``        ``[E, 2*I_r, D/2]`` I8   rows ``[0, I_r)`` w1, ``[I_r, 2*I_r)`` w3
+``gate_up_scale``  ``[E, 2*I_r, D/32]``     UE8M0, stacked the same way
+``down``           ``[E, D, I_r/2]`` I8     w2 shard
+``down_scale``     ``[E, D, I_r/32]``       UE8M0
+=================  ======================  =========================================
+
+Legend: T = tokens, D = hidden, E = experts, K = experts per token, I_r = local intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...dtypes import DTYPES
+from ...errors import RuntimeLoadError
+from ..parallel import Shards, all_reduce
+from .config import V4Args
+from .quant import dequantize_fp4
+
+ARRAYS = ("gate_up", "gate_up_scale", "down", "down_scale")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, L)) * clamp(up, -L, L)`` (no clamp when ``L`` is 0)."""
+    if limit:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class ExpertBank(nn.Module):
+    """One layer's routed experts on this rank, FP4 weights expanded one expert at a time.
+
+    Raises:
+        RuntimeLoadError: the plan has no bank for ``layer`` or it is not FP4 (I8 + UE8M0).
+    """
+
+    def __init__(self, shards: Shards, layer: str, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        for name in ARRAYS:
+            found = shards.bank_shape(layer, name)
+            if found is None:
+                raise RuntimeLoadError(f"missing expert bank {layer} {name!r}: DeepSeek-V4 layers are all MoE")
+            shape, dt = found
+            if dt != ("F8_E8M0" if name.endswith("_scale") else "I8"):
+                raise RuntimeLoadError(f"expert bank {layer} {name!r}: dtype {dt}; this runtime runs FP4 experts "
+                                       "(I8 packed e2m1 with F8_E8M0 scales)")
+            self.register_buffer(name, torch.empty(shape, dtype=DTYPES[dt].torch_dtype, device="meta"))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Partial sum ``[T, D]`` of the selected experts over this rank's intermediate share.
+
+        Args:
+            x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` float32 routing weights.
+        """
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in index.unique().tolist():
+            tok, slot = torch.where(index == e)  # [n], [n]
+            gate_up = dequantize_fp4(self.gate_up[e], self.gate_up_scale[e], x.dtype)  # [2*I_r, D]
+            down = dequantize_fp4(self.down[e], self.down_scale[e], x.dtype)  # [D, I_r]
+            gate, up = F.linear(x[tok], gate_up).chunk(2, dim=-1)  # [n, I_r] each
+            y = F.linear(swiglu(gate, up, self.limit), down)  # [n, D]
+            out.index_add_(0, tok, y.float() * weight[tok, slot, None])
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    """Router + routed experts + shared expert of layer ``prefix`` (``layers.N.ffn``), one all-reduce."""
+
+    def __init__(self, args: V4Args, shards: Shards, layer: str, index: int) -> None:
+        super().__init__()
+        prefix = layer + ".ffn"
+        self.top_k, self.scale, self.score_func = args.top_k, args.routed_scale, args.score_func
+        self.hashed = index < args.n_hash_layers
+        self.gate = nn.Module()
+        self.gate.register_buffer("weight", torch.empty(args.n_experts, args.dim, dtype=torch.float32, device="meta"))
+        if self.hashed:
+            self.gate.register_buffer("tid2eid", torch.empty(args.vocab_size, args.top_k, dtype=torch.int64, device="meta"))
+        else:
+            self.gate.register_buffer("bias", torch.empty(args.n_experts, dtype=torch.float32, device="meta"))
+        self.experts = ExpertBank(shards, layer, args.swiglu_limit)
+        self.shared_experts = nn.Module()
+        self.shared_experts.w1 = shards.linear(prefix + ".shared_experts.w1")
+        self.shared_experts.w3 = shards.linear(prefix + ".shared_experts.w3")
+        self.shared_experts.w2 = shards.linear(prefix + ".shared_experts.w2", reduce=False)
+        self.limit = args.swiglu_limit
+
+    def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index [T, K], weight [T, K] float32)`` for ``x`` ``[T, D]`` and token ids ``[T]``."""
+        logits = F.linear(x.float(), self.gate.weight)  # [T, E]
+        if self.score_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        if self.hashed:
+            index = self.gate.tid2eid[ids].long()
+        else:
+            index = torch.topk(scores + self.gate.bias, self.top_k, dim=-1, sorted=False).indices
+        weight = scores.gather(1, index)
+        return index, weight / (weight.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        index, weight = self.route(x, ids)
+        se = self.shared_experts
+        partial = self.experts(x, index, weight) + se.w2(swiglu(se.w1(x), se.w3(x), self.limit))
+        return all_reduce(partial)

@@ -1,0 +1,55 @@
+"""DeepSeek-V4 weight formats, dequantized on the fly (one matrix or one expert at a time).
+
+==========  ===========================  =================================  ===================
+format      weight                       scale                              dequantized value
+==========  ===========================  =================================  ===================
+FP8 block   ``float8_e4m3fn [R, C]``     UE8M0 ``[ceil(R/128), ceil(C/128)]``  ``w * 2^(s-127)``
+FP4 group   ``int8 [R, C/2]``: e2m1,     UE8M0 ``[R, C/32]``                ``e2m1 * 2^(s-127)``
+            element ``2i`` low nibble
+==========  ===========================  =================================  ===================
+
+UE8M0 (``float8_e8m0fnu``) is a bare exponent: byte ``s`` means ``2^(s-127)``, so converting it
+to float32 is exact. FP8 dense weights go through the runtime's parallel layers, which hold an
+float32 block scale (``weight_scale_inv``); :func:`ue8m0_to_float` makes it at load time (4 bytes
+per 128x128 block). Expert scales stay UE8M0 (1 byte per 32 weights) and are expanded per
+expert at use. Sources: the DeepSeek-V4 release headers; transformers ``finegrained_fp8.py``
+(``Fp8Dequantize._unpack_fp4``: low nibble first; the e2m1 table below).
+
+Legend: R = rows (output features), C = columns (input features).
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_GROUP = 32  # elements per UE8M0 scale along the input dim
+_LUT: dict[torch.device, torch.Tensor] = {}
+
+
+def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """``2^(byte - 127)`` as float32 (exact); float scales are returned as float32 unchanged."""
+    if scale.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        return scale.float()
+    u8 = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+    return torch.exp2(u8.float() - 127.0)
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expand an FP4 e2m1 matrix with its 1x32 UE8M0 scales.
+
+    Args:
+        packed: ``[R, C/2]`` int8 (or uint8), two e2m1 codes per byte, element ``2i`` in the low
+            nibble; scale: ``[R, C/32]`` float8_e8m0fnu (or its uint8 bytes).
+        dtype: output dtype.
+
+    Returns:
+        ``[R, C]`` in ``dtype``.
+    """
+    lut = _LUT.get(packed.device)
+    if lut is None:
+        lut = _LUT[packed.device] = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    u8 = packed.view(torch.uint8)
+    codes = torch.stack((u8 & 0xF, u8 >> 4), dim=-1).reshape(u8.shape[0], -1)  # [R, C]
+    vals = lut[codes.long()].view(u8.shape[0], -1, FP4_GROUP)  # [R, C/32, 32]
+    return (vals * ue8m0_to_float(scale)[..., None]).reshape(u8.shape[0], -1).to(dtype)
