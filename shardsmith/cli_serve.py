@@ -86,8 +86,8 @@ def generate(
 
 DEMO_PROMPTS = (
     "What is the capital of France?",
-    "What is the largest planet in our solar system?",
-    "Write one sentence about the ocean.",
+    "What is the boiling point of water in Celsius?",
+    "Name the three primary colors.",
 )
 
 
