@@ -79,7 +79,7 @@ def verify(
 
     Exits 0 when intact, 2 with the list of every problem otherwise.
     """
-    from .errors import format_problems
+    from .errors import IntegrityError, format_problems
     from .ui import emit_json, err_console, human_bytes
     from .writer.verify import verify_pack
 
@@ -93,8 +93,8 @@ def verify(
         con.print(f"[bold green]intact[/] {out}: ranks {','.join(map(str, rep.ranks))}, {rep.files_checked} files, "
                   f"{human_bytes(rep.bytes_hashed)} hashed{what} in {rep.seconds:.1f} s", highlight=False)
         return
-    con.print(format_problems(f"[bold red]{out}: pack is damaged or incomplete[/]", list(rep.problems)), highlight=False)
-    raise typer.Exit(2)
+    # raised, not typer.Exit(2): the entry point maps error classes to exit codes (IntegrityError -> 2)
+    raise IntegrityError(format_problems(f"{out}: pack is damaged or incomplete", list(rep.problems)), list(rep.problems))
 
 
 def export(

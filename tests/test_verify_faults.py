@@ -15,6 +15,7 @@ import yaml
 from typer.testing import CliRunner
 
 from shardsmith.cli import app
+from shardsmith.errors import IntegrityError, exit_code_for
 from shardsmith.writer.manifest import dump_yaml, stamp
 from shardsmith.writer.split import split_checkpoint
 
@@ -39,7 +40,7 @@ def pack(pristine, tmp_path: Path) -> Path:
 def _verify(out: Path, *args: str) -> str:
     """Run ``verify --json``; expect exit 2; return the problems, one a line (plus the count line)."""
     r = runner.invoke(app, ["verify", str(out), *args, "--json"])
-    assert r.exit_code == 2, r.output
+    assert isinstance(r.exception, IntegrityError) and exit_code_for(r.exception) == 2, r.output
     problems = json.loads(r.stdout)["problems"]
     return f"{len(problems)} problem{'s' if len(problems) != 1 else ''}\n" + "\n".join(problems)
 
