@@ -218,6 +218,25 @@ def test_metrics_reflect_requests(server: Server) -> None:
     assert values["shardsmith_inter_token_latency_seconds_count"] > 0
 
 
+def test_client_disconnect_stops_generation(server: Server) -> None:
+    def tokens() -> float:
+        line = next(l for l in httpx.get(f"{server.url}/metrics").text.splitlines()
+                    if l.startswith("shardsmith_generation_tokens_total "))
+        return float(line.split()[1])
+
+    before = tokens()
+    req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=req, timeout=60) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i == 4:
+                break
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "The capital of France is", "temperature": 0,
+                                         "max_tokens": 2})
+    assert r.json()["choices"][0]["text"].startswith(" Paris")
+    assert tokens() - before < 60  # the abandoned request stopped early instead of running 400 tokens
+    assert '{endpoint="/v1/completions",status="499"} 1' in httpx.get(f"{server.url}/metrics").text
+
+
 def test_zz_sigterm_stops_cleanly(server: Server) -> None:
     pids = server.rank_pids()
     assert sorted(pids) == [0, 1]

@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..errors import UsageError
 from .chat import ChatTemplate, ChatTemplateError
 from .metrics import Metrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid, validation_error
@@ -109,9 +110,10 @@ class Service:
                 prompt_ids = codec.encode(prompt)
             else:
                 prompt_ids = list(prompt)
-                bad = [t for t in prompt_ids if not 0 <= t < codec.vocab_size]
+                vocab = min(codec.vocab_size, getattr(engine, "vocab_size", codec.vocab_size))
+                bad = [t for t in prompt_ids if not 0 <= t < vocab]
                 if bad:
-                    raise invalid(f"prompt token ids must be in [0, {codec.vocab_size}), got {bad[:5]}", "prompt")
+                    raise invalid(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", "prompt")
             param, max_tokens = "prompt", req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
             want, top_n = req.logprobs is not None, req.logprobs or 0
         ctx, n_prompt = engine.max_seq_len, len(prompt_ids)
@@ -138,6 +140,8 @@ class Service:
         self.worker.submit(job)
         try:
             while (item := await job.events.get()) is not None:
+                if isinstance(item, UsageError):
+                    raise invalid(f"the engine refused the request: {item}")
                 if isinstance(item, Exception):
                     raise APIError(500, str(item), type="server_error", code="engine_failed")
                 yield item

@@ -6,8 +6,8 @@ the same sequence. HTTP handlers submit a :class:`Job`; the thread runs jobs in 
 pushes :class:`TextEvent` items into the job's ``asyncio.Queue`` with
 ``loop.call_soon_threadsafe``, so the event loop never blocks on the engine.
 
-An exception from the engine after it is ready (a rank died: gloo/NCCL report a closed peer) is
-fatal: the job and every queued job get a 500, ``/health`` turns 503, and ``on_fatal`` stops the
+A request the engine refuses up front (``UsageError``: nothing was broadcast yet) fails alone.
+Any other exception from the engine (a rank died: gloo/NCCL report a closed peer) is fatal: the job and every queued job get a 500, ``/health`` turns 503, and ``on_fatal`` stops the
 server, so the launcher exits non-zero instead of hanging.
 """
 
@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import UsageError
 from .metrics import Metrics
 from .tokenizer import Codec, IncrementalDetokenizer, StopStrings
 
@@ -220,6 +221,9 @@ class EngineWorker:
                 job.emit(ev)
                 if job.cancelled.is_set():
                     break
+        except UsageError as e:  # refused before any step was broadcast: the engine is still in step
+            job.emit(e)
+            return
         except Exception as e:  # noqa: BLE001 - a failed step means a rank is gone or the engine broke
             log.debug("engine step failed", exc_info=True)
             job.emit(RuntimeError(f"engine failed: {type(e).__name__}: {e}"))
