@@ -38,11 +38,19 @@ log = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+@dataclass(frozen=True, slots=True)
 class Prepared:
-    """A validated request: prompt ids, engine parameters, stop strings, logprobs wanted."""
+    """A validated request.
 
-    def __init__(self, prompt_ids: list[int], params: Any, stop: list[str], want_logprobs: bool) -> None:
-        self.prompt_ids, self.params, self.stop, self.want_logprobs = prompt_ids, params, stop, want_logprobs
+    Attributes:
+        prompt_ids: prompt tokens; params: the engine's ``SamplingParams``; stop: stop strings;
+        want_logprobs: the response carries ``logprobs``.
+    """
+
+    prompt_ids: list[int]
+    params: Any
+    stop: list[str]
+    want_logprobs: bool
 
 
 class Service:
