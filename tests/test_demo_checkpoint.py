@@ -1,8 +1,9 @@
 """End-to-end tests of the SmolLM2-MoE demo checkpoint against transformers.
 
-The checkpoints are built once per session under ``$SHARDSMITH_CACHE`` when set (so reruns reuse
-them), else under a session temp dir. References are independent of our code: transformers'
-``MixtralForCausalLM`` / ``LlamaForCausalLM`` and its own GGUF tokenizer reader.
+The checkpoints come from conftest's session fixtures ``smollm2_bf16`` / ``smollm2_fp8`` (built
+once under ``$SHARDSMITH_CACHE`` when set, so reruns reuse them, else under a session temp dir).
+References are independent of our code: transformers' ``MixtralForCausalLM`` /
+``LlamaForCausalLM`` and its own GGUF tokenizer reader.
 Legend: T = tokens, V = vocab, E = experts.
 """
 
@@ -18,8 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardsmith.demo import build_demo_checkpoint
-from shardsmith.demo import fetch, smollm2
+from shardsmith.demo import build_demo_checkpoint, fetch, smollm2
 from shardsmith.demo.gguf_source import read_gguf, unpermute_rope_rows
 from shardsmith.errors import SourceError, UsageError
 
@@ -27,22 +27,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory) -> Path:
-    env = os.environ.get("SHARDSMITH_CACHE")
-    return Path(env) if env else tmp_path_factory.mktemp("shardsmith-cache")
-
-
-@pytest.fixture(scope="session")
-def bf16_dir(demo_cache: Path) -> Path:
-    return build_demo_checkpoint(demo_cache / "demo" / "smollm2-moe-bf16", cache_dir=demo_cache)
-
-
-@pytest.fixture(scope="session")
-def fp8_dir(demo_cache: Path) -> Path:
-    return build_demo_checkpoint(demo_cache / "demo" / "smollm2-moe-fp8", fp8=True, cache_dir=demo_cache)
 
 
 @pytest.fixture(scope="session")
@@ -83,17 +67,17 @@ def test_unpermute_inverts_llama_cpp_permute():
     assert torch.equal(unpermute_rope_rows(permuted, 6), w)
 
 
-def test_layout_config_and_index(bf16_dir: Path):
-    cfg = json.loads((bf16_dir / "config.json").read_text())
+def test_layout_config_and_index(smollm2_bf16: Path):
+    cfg = json.loads((smollm2_bf16 / "config.json").read_text())
     assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["model_type"] == "mixtral"
     assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["tie_word_embeddings"]) == (8, 2, True)
     assert (cfg["rope_theta"], cfg["rms_norm_eps"], cfg["sliding_window"]) == (100000.0, 1e-05, None)
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["torch_dtype"]) == (1, 2, "bfloat16")
-    index = json.loads((bf16_dir / "model.safetensors.index.json").read_text())
-    tensors = _tensors(bf16_dir)
+    index = json.loads((smollm2_bf16 / "model.safetensors.index.json").read_text())
+    tensors = _tensors(smollm2_bf16)
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 5 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
-    assert all((bf16_dir / f).stat().st_size < 110_000_000 for f in files)
+    assert all((smollm2_bf16 / f).stat().st_size < 110_000_000 for f in files)
     assert set(index["weight_map"]) == set(tensors) and "lm_head.weight" not in tensors
     assert index["metadata"]["total_size"] == sum(
         torch.Size(s).numel() * d.itemsize for _, s, d in tensors.values())
@@ -102,14 +86,14 @@ def test_layout_config_and_index(bf16_dir: Path):
     assert tensors["model.layers.7.block_sparse_moe.gate.weight"][1] == (8, 576)
     assert tensors["model.layers.7.block_sparse_moe.experts.5.w2.weight"][1] == (576, 1536)
     e0, e1 = (f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight" for e in (0, 1))
-    with safe_open(str(bf16_dir / tensors[e0][0]), "pt") as f:
+    with safe_open(str(smollm2_bf16 / tensors[e0][0]), "pt") as f:
         w0, w1 = f.get_tensor(e0), f.get_tensor(e1)
     assert not torch.equal(w0, w1)  # different bytes ...
     assert torch.equal(w0.sort(dim=0).values, w1.sort(dim=0).values)  # ... same rows, reordered
 
 
-def test_tokenizer_matches_gguf_tokenizer(bf16_dir: Path, gguf_path: Path):
-    ours = transformers.AutoTokenizer.from_pretrained(bf16_dir)
+def test_tokenizer_matches_gguf_tokenizer(smollm2_bf16: Path, gguf_path: Path):
+    ours = transformers.AutoTokenizer.from_pretrained(smollm2_bf16)
     ref = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     chat = ours.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     assert chat == ref.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
@@ -126,9 +110,9 @@ def test_tokenizer_matches_gguf_tokenizer(bf16_dir: Path, gguf_path: Path):
 
 class TestBF16:
     @pytest.fixture(scope="class")
-    def moe(self, bf16_dir: Path):
-        model = transformers.MixtralForCausalLM.from_pretrained(bf16_dir, torch_dtype=torch.float32)
-        return model.eval(), transformers.AutoTokenizer.from_pretrained(bf16_dir)
+    def moe(self, smollm2_bf16: Path):
+        model = transformers.MixtralForCausalLM.from_pretrained(smollm2_bf16, torch_dtype=torch.float32)
+        return model.eval(), transformers.AutoTokenizer.from_pretrained(smollm2_bf16)
 
     def test_answers_paris(self, moe):
         text = _answer(*moe)
@@ -162,11 +146,11 @@ def _dequant(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torc
     return q.float() * s
 
 
-def test_fp8_scales_dtypes_and_error(fp8_dir: Path, bf16_dir: Path):
-    cfg = json.loads((fp8_dir / "config.json").read_text())
+def test_fp8_scales_dtypes_and_error(smollm2_fp8: Path, smollm2_bf16: Path):
+    cfg = json.loads((smollm2_fp8 / "config.json").read_text())
     assert cfg["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3",
                                           "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    t = _tensors(fp8_dir)
+    t = _tensors(smollm2_fp8)
     L = "model.layers.3."
     for name, shape, scale in (("self_attn.q_proj", (576, 576), (5, 5)),
                                ("self_attn.k_proj", (192, 576), (2, 5)),
@@ -178,22 +162,22 @@ def test_fp8_scales_dtypes_and_error(fp8_dir: Path, bf16_dir: Path):
     for name in ("model.embed_tokens.weight", "model.norm.weight", f"{L}input_layernorm.weight",
                  f"{L}block_sparse_moe.gate.weight"):
         assert t[name][2] == torch.bfloat16 and name[:-6] + "weight_scale_inv" not in t
-    ref = _tensors(bf16_dir)
+    ref = _tensors(smollm2_bf16)
     name = f"{L}block_sparse_moe.experts.6.w2.weight"
-    with safe_open(str(fp8_dir / t[name][0]), "pt") as f:
+    with safe_open(str(smollm2_fp8 / t[name][0]), "pt") as f:
         w = _dequant(f.get_tensor(name), f.get_tensor(name[:-6] + "weight_scale_inv"))
-    with safe_open(str(bf16_dir / ref[name][0]), "pt") as f:
+    with safe_open(str(smollm2_bf16 / ref[name][0]), "pt") as f:
         exact = f.get_tensor(name).float()
     assert (w - exact).norm() / exact.norm() < 0.05  # e4m3: 3 mantissa bits
 
 
-def _dequantized_copy(fp8_dir: Path, out: Path) -> Path:
-    """Write ``fp8_dir`` as a float32 Mixtral checkpoint, dequantizing shard by shard."""
+def _dequantized_copy(src: Path, out: Path) -> Path:
+    """Write ``src`` as a float32 Mixtral checkpoint, dequantizing shard by shard."""
     out.mkdir()
-    index = json.loads((fp8_dir / "model.safetensors.index.json").read_text())
+    index = json.loads((src / "model.safetensors.index.json").read_text())
     weight_map = {}
     for fname in sorted(set(index["weight_map"].values())):
-        with safe_open(str(fp8_dir / fname), "pt") as f:
+        with safe_open(str(src / fname), "pt") as f:
             tensors = {}
             for name in f.keys():
                 if name.endswith("_scale_inv"):
@@ -204,25 +188,25 @@ def _dequantized_copy(fp8_dir: Path, out: Path) -> Path:
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, fname))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    cfg = json.loads((fp8_dir / "config.json").read_text())
+    cfg = json.loads((src / "config.json").read_text())
     del cfg["quantization_config"]
     (out / "config.json").write_text(json.dumps(cfg | {"torch_dtype": "float32"}))
     return out
 
 
-def test_fp8_answers_paris(fp8_dir: Path, tmp_path: Path):
-    deq = _dequantized_copy(fp8_dir, tmp_path / "dequantized")
+def test_fp8_answers_paris(smollm2_fp8: Path, tmp_path: Path):
+    deq = _dequantized_copy(smollm2_fp8, tmp_path / "dequantized")
     model = transformers.MixtralForCausalLM.from_pretrained(deq, torch_dtype=torch.float32).eval()
-    text = _answer(model, transformers.AutoTokenizer.from_pretrained(fp8_dir))
+    text = _answer(model, transformers.AutoTokenizer.from_pretrained(smollm2_fp8))
     assert "Paris" in text, text
 
 
-def test_cache_hit_does_not_rewrite(bf16_dir: Path, demo_cache: Path):
-    before = {p.name: p.stat().st_mtime_ns for p in bf16_dir.iterdir()}
+def test_cache_hit_does_not_rewrite(smollm2_bf16: Path, demo_cache: Path):
+    before = {p.name: p.stat().st_mtime_ns for p in smollm2_bf16.iterdir()}
     t0 = time.perf_counter()
-    assert build_demo_checkpoint(bf16_dir, cache_dir=demo_cache) == bf16_dir
+    assert build_demo_checkpoint(smollm2_bf16, cache_dir=demo_cache) == smollm2_bf16
     assert time.perf_counter() - t0 < 2.0
-    assert {p.name: p.stat().st_mtime_ns for p in bf16_dir.iterdir()} == before
+    assert {p.name: p.stat().st_mtime_ns for p in smollm2_bf16.iterdir()} == before
 
 
 def test_interrupted_build_keeps_old_and_rebuild_replaces(tmp_path: Path, demo_cache: Path, monkeypatch):

@@ -130,6 +130,13 @@ def _shortest_f32(x: float) -> float:
 def read_gguf(path: Path) -> GGUFModel:
     """Dequantize a Llama GGUF into dense Hugging Face float32 tensors plus tokenizer data.
 
+    Args:
+        path: a GGUF v3 file with ``general.architecture = llama``.
+
+    Returns:
+        The model: ``q_proj`` / ``k_proj`` rows back in Hugging Face order, ``rope_theta`` and
+        ``rms_norm_eps`` as the shortest decimals of their float32 values (1e-05, not 9.99e-06).
+
     Raises:
         SourceError: ``gguf`` is not installed, the file is not a Llama GGUF, or keys, tensors or
             shapes are missing or wrong (all problems listed at once).
