@@ -24,7 +24,7 @@ import xxhash
 from ..errors import IntegrityError, ManifestError, UsageError
 from .manifest import PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity, rank_dir
 
-_BUF = 8 << 20
+_BUF = 1 << 20  # tar stream buffer and copy size: tarfile's stream re-slices its buffer per record otherwise
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,8 @@ def export_rank(out_dir: str | os.PathLike, rank: int, archive: str | os.PathLik
     try:
         with open(tmp, "wb") as fh:
             with cctx.stream_writer(fh, closefd=False) as zw:
-                with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT, copybufsize=_BUF) as tar:
+                with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT, bufsize=_BUF,
+                                  copybufsize=_BUF) as tar:
                     for name in names:
                         info = tar.gettarinfo(str(root / name), arcname=name)
                         info.uid = info.gid = 0
@@ -145,7 +146,7 @@ def import_rank(archive: str | os.PathLike, dest: str | os.PathLike) -> Transpor
     files = raw = 0
     try:
         with open(archive, "rb") as fh, zstandard.ZstdDecompressor().stream_reader(fh) as zr, \
-                tarfile.open(fileobj=zr, mode="r|", copybufsize=_BUF) as tar:
+                tarfile.open(fileobj=zr, mode="r|", bufsize=_BUF, copybufsize=_BUF) as tar:
             for member in tar:
                 name = _safe(member.name)
                 if not member.isfile():
