@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from .model import Transformer, assign_weights
 from .parallel import Shards, clamp_threads, install_rank_zero_logging
 from .sampling import choose, make_generator
 from .weights import load_rank_weights
+
+if TYPE_CHECKING:
+    from .offload import OffloadConfig
 
 log = logging.getLogger("shardsmith.runtime")
 FORWARD, SHUTDOWN = 1, 2
@@ -102,11 +106,12 @@ class Engine:
         self.max_seq_len, self.vocab_size, self.load_seconds = max_seq_len, model.args.vocab_size, 0.0
         self.eos_token_ids = _eos_ids(root, config)
         self._group, self._lock, self._request, self._closed = group, threading.Lock(), 0, False
+        self.offload = None  # OffloadRuntime when routed experts are offloaded (stats(): cache counters)
 
     @classmethod
     def load(cls, path: str | Path, *, rank: int, world_size: int, device: str = "cpu", from_checkpoint: bool = False,
              verify_hashes: bool = False, max_seq_len: int = 2048, dtype: torch.dtype | None = None,
-             load_timeout_s: float = 1800.0) -> "Engine":
+             load_timeout_s: float = 1800.0, offload: "OffloadConfig | None" = None, fp8: str = "load") -> "Engine":
         """Load rank ``rank``'s weights and build its model; collective over all ranks.
 
         ``torch.distributed`` must already be initialised when ``world_size > 1``
@@ -118,6 +123,10 @@ class Engine:
                 the config's ``dtype``/``torch_dtype``, else bfloat16).
             max_seq_len: KV cache positions; load_timeout_s: how long rank 0 waits for the
                 slowest rank to finish loading before naming it.
+            fp8: ``load`` dequantizes FP8 block weights once to ``dtype``; ``on-the-fly`` keeps
+                them FP8 and dequantizes per matmul (see :mod:`~shardsmith.runtime.parallel`).
+            offload: place routed experts in host memory with a device expert cache
+                (:mod:`shardsmith.runtime.offload`); None keeps every expert resident.
 
         Raises:
             RuntimeLoadError: on every rank, listing each rank's load problem (missing,
@@ -139,15 +148,30 @@ class Engine:
             dtype = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.bfloat16)
             block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
             model = Transformer(args, Shards(weights.plan, rank, dtype, block))
-            assign_weights(model, weights.dense(), weights.banks(), device=dev, tied=args.tie_embeddings)
+            offloaded = None
+            if offload is not None:  # swaps the expert banks for host banks + a device cache
+                from .offload import attach_offload
+
+                offloaded = attach_offload(model, weights, offload, device=dev, dtype=dtype, block=block)
+            assign_weights(model, weights.dense(), {} if offloaded else weights.banks(), device=dev,
+                           tied=args.tie_embeddings)
+            if fp8 not in ("load", "on-the-fly"):
+                raise UsageError(f"fp8 must be 'load' or 'on-the-fly', got {fp8!r}")
+            if fp8 == "load":
+                for m in model.modules():
+                    if hasattr(m, "dequantize_"):
+                        m.dequantize_(dtype)
             model.setup_cache(max_seq_len, dev, dtype)
             engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
                          device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group)
+            engine.offload = offloaded
         except Exception as e:  # gathered below so that every rank fails with every rank's reason
             error = e
         problems = _gather_errors(error, rank, world_size, group, load_timeout_s)
         if problems:
             raise RuntimeLoadError(format_problems(f"load of {path} at world_size={world_size} failed", problems)) from error
+        if engine.offload is not None:  # collective (slot count and probe agreed by all ranks), after every rank loaded
+            engine.offload.start()
         engine.load_seconds = time.perf_counter() - t0
         log.info("rank 0 of %d ready in %.2f s (%s, %s)", world_size, engine.load_seconds, dev, dtype)
         return engine
