@@ -48,14 +48,17 @@ class ProbeResult:
 
 
 def measure_h2d(host: HostBanks, device: torch.device, *, min_bytes: int = 256 << 20, repeats: int = 3) -> float:
-    """Best-of-``repeats`` GB/s of one large copy from the banks' own memory to ``device``."""
+    """Best-of-``repeats`` GB/s copying ``min_bytes`` of the banks' own memory, expert by expert, to ``device``."""
     if torch.device(device).type != "cuda":
         return 0.0
     srcs, total = [], 0
     for arrays in host.layers.values():
-        for a in arrays.values():
-            srcs.append(a.reshape(-1))
-            total += a.numel() * a.element_size()
+        for a in arrays.values():  # expert by expert: a copy must not span two pinned registrations
+            for x in a:
+                srcs.append(x)
+                total += x.numel() * x.element_size()
+                if total >= min_bytes:
+                    break
             if total >= min_bytes:
                 break
         if total >= min_bytes:
