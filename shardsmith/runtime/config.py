@@ -36,6 +36,8 @@ class ModelArgs:
         tie_embeddings: the LM head is the embedding (no ``lm_head.weight``).
         qkv_bias, o_bias, qk_norm: attention extras.
         n_experts, top_k, norm_topk: routing; moe_prefix: ``block_sparse_moe`` or ``mlp``.
+        expert_dim, dense_dim, shared_dim: intermediate sizes of a routed expert, a dense MLP
+            and the shared expert (global, elements).
         moe_layers: indices of MoE layers (others are dense MLPs); shared_expert: Qwen2-MoE.
         windows: per layer, the sliding window in tokens or ``None``.
     """
@@ -56,6 +58,9 @@ class ModelArgs:
     n_experts: int
     top_k: int
     norm_topk: bool
+    expert_dim: int
+    dense_dim: int
+    shared_dim: int
     moe_prefix: str
     moe_layers: frozenset[int]
     shared_expert: bool
@@ -91,6 +96,9 @@ class ModelArgs:
                 o_bias=family == "qwen3_moe" and bool(c.get("attention_bias", False)),
                 qk_norm=family == "qwen3_moe", n_experts=n_exp, top_k=int(c["num_experts_per_tok"]),
                 norm_topk=True if family == "mixtral" else bool(c.get("norm_topk_prob", False)),
+                expert_dim=int(c["intermediate_size"] if family == "mixtral" else c["moe_intermediate_size"]),
+                dense_dim=int(c.get("intermediate_size") or 0),
+                shared_dim=int(c.get("shared_expert_intermediate_size") or 0),
                 moe_prefix=prefix, moe_layers=frozenset(moe_layers), shared_expert=family == "qwen2_moe",
                 windows=_windows(c, family, n_layers),
             )

@@ -22,7 +22,7 @@ from torch import nn
 from ..errors import RuntimeLoadError, format_problems
 from .config import ModelArgs, rope_tables
 from .moe import MLP, SparseMoe
-from .parallel import Shards
+from .parallel import HeadShard, Shards
 
 
 class RMSNorm(nn.Module):
@@ -51,15 +51,20 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, shards: Shards, prefix: str, window: int | None) -> None:
         super().__init__()
         self.head_dim, self.window = args.head_dim, window
-        heads = shards.heads(prefix, args.head_dim, args.n_heads // args.n_kv_heads)
+        q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        before = len(shards.problems)
+        self.q_proj = shards.linear(prefix + ".q_proj", bias=args.qkv_bias, shape=(q_rows, args.dim))
+        self.k_proj = shards.linear(prefix + ".k_proj", bias=args.qkv_bias, shape=(kv_rows, args.dim))
+        self.v_proj = shards.linear(prefix + ".v_proj", bias=args.qkv_bias, shape=(kv_rows, args.dim))
+        self.o_proj = shards.linear(prefix + ".o_proj", bias=args.o_bias, shape=(args.dim, q_rows))
+        if len(shards.problems) > before:  # the load fails; shapes here do not matter
+            heads = HeadShard(args.n_heads, args.n_kv_heads, tuple(range(args.n_heads)))
+        else:
+            heads = shards.heads(prefix, args.head_dim, args.n_heads // args.n_kv_heads)
         self.n_heads, self.n_kv = heads.n_heads, heads.n_kv_heads
         group = self.n_heads // self.n_kv if self.n_heads % self.n_kv == 0 else 0
         self.gqa = group > 0 and heads.kv_index == tuple(j // group for j in range(self.n_heads))
         self.kv_index = torch.tensor(heads.kv_index)
-        self.q_proj = shards.linear(prefix + ".q_proj", bias=args.qkv_bias)
-        self.k_proj = shards.linear(prefix + ".k_proj", bias=args.qkv_bias)
-        self.v_proj = shards.linear(prefix + ".v_proj", bias=args.qkv_bias)
-        self.o_proj = shards.linear(prefix + ".o_proj", bias=args.o_bias)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, shards.dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, shards.dtype) if args.qk_norm else None
         self.cache_k = self.cache_v = None  # [K, S_max, d], set by Transformer.setup_cache
@@ -103,10 +108,9 @@ class DecoderLayer(nn.Module):
         self.ffn_name = args.moe_prefix if i in args.moe_layers else "mlp"
         ffn_prefix = f"{prefix}.{self.ffn_name}"
         if i in args.moe_layers:
-            ffn = SparseMoe(shards, ffn_prefix, prefix, top_k=args.top_k, norm_topk=args.norm_topk,
-                            keep_f32_weights=args.family == "mixtral", shared=args.shared_expert, dtype=shards.dtype)
+            ffn = SparseMoe(shards, ffn_prefix, prefix, args)
         else:
-            ffn = MLP(shards, ffn_prefix)
+            ffn = MLP(shards, ffn_prefix, dim=args.dim, inter=args.dense_dim)
         self.add_module(self.ffn_name, ffn)
 
     def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -121,18 +125,21 @@ class Transformer(nn.Module):
         args: model configuration; shards: this rank's plan and compute dtype.
 
     Raises:
-        RuntimeLoadError: the plan lacks a tensor the config needs (named).
+        RuntimeLoadError: listing every tensor the config needs that the source lacks or shapes
+            differently.
     """
 
     def __init__(self, args: ModelArgs, shards: Shards) -> None:
         super().__init__()
         self.args = args
         self.model = nn.Module()
-        self.model.embed_tokens = shards.embedding("model.embed_tokens.weight")
+        vocab = (args.vocab_size, args.dim)
+        self.model.embed_tokens = shards.embedding("model.embed_tokens.weight", vocab)
         self.model.layers = nn.ModuleList(DecoderLayer(args, shards, i) for i in range(args.n_layers))
         self.model.norm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
-        self.lm_head = shards.lm_head("model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight")
+        self.lm_head = shards.lm_head("model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight", vocab)
         self.cos = self.sin = None
+        shards.raise_problems()
 
     def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the static KV cache (``[K, max_seq_len, d]`` per layer) and RoPE tables."""

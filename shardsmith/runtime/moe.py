@@ -23,6 +23,8 @@ K = experts per token.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,20 +33,24 @@ from ..dtypes import DTYPES
 from ..errors import RuntimeLoadError
 from .parallel import Shards, all_reduce, dequantize_blocks
 
+if TYPE_CHECKING:
+    from .config import ModelArgs
+
 
 class MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with column-parallel gate/up and row-parallel down.
 
     Args:
         shards: the rank's plan; prefix: ``model.layers.N.mlp`` or ``....mlp.shared_expert``.
+        dim, inter: D and the global intermediate size (checked against the source).
         reduce: all-reduce the output (False: return this rank's partial sum).
     """
 
-    def __init__(self, shards: Shards, prefix: str, *, reduce: bool = True) -> None:
+    def __init__(self, shards: Shards, prefix: str, *, dim: int, inter: int, reduce: bool = True) -> None:
         super().__init__()
-        self.gate_proj = shards.linear(prefix + ".gate_proj")
-        self.up_proj = shards.linear(prefix + ".up_proj")
-        self.down_proj = shards.linear(prefix + ".down_proj", reduce=reduce)
+        self.gate_proj = shards.linear(prefix + ".gate_proj", shape=(inter, dim))
+        self.up_proj = shards.linear(prefix + ".up_proj", shape=(inter, dim))
+        self.down_proj = shards.linear(prefix + ".down_proj", reduce=reduce, shape=(dim, inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -53,11 +59,11 @@ class MLP(nn.Module):
 class ExpertBank(nn.Module):
     """One layer's routed experts on this rank: buffers ``gate_up``, ``down`` (and FP8 scales)."""
 
-    def __init__(self, shards: Shards, layer: str, dtype: torch.dtype) -> None:
+    def __init__(self, shards: Shards, layer: str, dtype: torch.dtype, *, n_experts: int, dim: int, inter: int) -> None:
         super().__init__()
         self.block = None
-        for name in ("gate_up", "down"):
-            found = shards.bank_shape(layer, name)
+        for name, expert_shape in (("gate_up", (inter, dim)), ("down", (dim, inter))):
+            found = shards.bank_shape(layer, name, expert_shape, n_experts)
             if found is None:
                 raise RuntimeLoadError(f"missing expert bank {layer} {name!r}: the config makes {layer} an MoE layer")
             shape, dt = found
@@ -67,6 +73,17 @@ class ExpertBank(nn.Module):
                 self.block = shards.block
                 scale_shape, _ = shards.bank_shape(layer, name + "_scale") or (None, None)
                 self.register_buffer(name + "_scale", torch.empty(scale_shape, dtype=torch.float32, device="meta"))
+
+    def dequantize_(self, dtype: torch.dtype) -> None:
+        """Dequantize FP8 banks to ``dtype`` once (at load); scales are dropped."""
+        if self.block is None:
+            return
+        e = self.gate_up.shape[0]
+        parts = [self._weights(i, dtype) for i in range(e)]
+        self._buffers["gate_up"] = torch.stack([torch.cat((g, u)) for g, u, _ in parts])  # [E, 2*I_r, D]
+        self._buffers["down"] = torch.stack([d for _, _, d in parts])  # [E, D, I_r]
+        del self._buffers["gate_up_scale"], self._buffers["down_scale"]
+        self.block = None
 
     def _weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert ``e``'s gate ``[I_r, D]``, up ``[I_r, D]`` and down ``[D, I_r]`` in ``dtype``."""
@@ -104,19 +121,21 @@ class SparseMoe(nn.Module):
 
     Args:
         shards: the rank's plan; prefix: ``model.layers.N.block_sparse_moe`` or ``....mlp``;
-        layer: bank layer key (``model.layers.N``); top_k: K; norm_topk: renormalise the top-k
-        weights; keep_f32_weights: multiply by float32 routing weights (Mixtral) instead of
-        casting them to the activation dtype first (Qwen); shared: has a shared expert.
+        layer: bank layer key (``model.layers.N``); args: the model config (K, ``norm_topk``,
+        sizes, shared expert). Mixtral multiplies by float32 routing weights; Qwen casts them to
+        the activation dtype first (as transformers does).
     """
 
-    def __init__(self, shards: Shards, prefix: str, layer: str, *, top_k: int, norm_topk: bool,
-                 keep_f32_weights: bool, shared: bool, dtype: torch.dtype) -> None:
+    def __init__(self, shards: Shards, prefix: str, layer: str, args: "ModelArgs") -> None:
         super().__init__()
-        self.top_k, self.norm_topk, self.keep_f32 = top_k, norm_topk, keep_f32_weights
-        self.gate = shards.linear(prefix + ".gate")
-        self.experts = ExpertBank(shards, layer, dtype)
-        self.shared_expert = MLP(shards, prefix + ".shared_expert", reduce=False) if shared else None
-        self.shared_expert_gate = shards.linear(prefix + ".shared_expert_gate") if shared else None
+        self.top_k, self.norm_topk, self.keep_f32 = args.top_k, args.norm_topk, args.family == "mixtral"
+        self.gate = shards.linear(prefix + ".gate", shape=(args.n_experts, args.dim))
+        self.experts = ExpertBank(shards, layer, shards.dtype, n_experts=args.n_experts, dim=args.dim,
+                                  inter=args.expert_dim)
+        shared = args.shared_expert
+        self.shared_expert = (MLP(shards, prefix + ".shared_expert", dim=args.dim, inter=args.shared_dim, reduce=False)
+                              if shared else None)
+        self.shared_expert_gate = shards.linear(prefix + ".shared_expert_gate", shape=(1, args.dim)) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]

@@ -14,10 +14,11 @@ vocab-parallel     LM head     ``[V_r, D]``                 all-gather of uneven
 =================  ==========  ===========================  ====================================
 
 FP8 block weights (``float8_e4m3fn`` with an F32 ``weight_scale_inv`` per 128x128 block, DeepSeek-V3
-``inference/kernel.py`` ``weight_dequant``) stay FP8 in memory (the mmap'd bytes) and are
-dequantized to the compute dtype on the fly, per matmul (:func:`dequantize_blocks`). That keeps
-host/GPU memory at the FP8 size at the cost of one elementwise pass per use; a fused FP8 block
-GEMM kernel on GPU is future work.
+``inference/kernel.py`` ``weight_dequant``) are loaded as stored and, by default, dequantized once
+at load to the compute dtype (``Engine.load(fp8="load")``: full decode speed, memory of the
+compute dtype). With ``fp8="on-the-fly"`` they stay FP8 (the mmap'd bytes) and are dequantized
+per matmul (:func:`dequantize_blocks`): FP8 memory, one extra elementwise pass per use. A fused
+FP8 block GEMM kernel on GPU is future work.
 
 Weights are buffers created on the ``meta`` device; :func:`shardsmith.runtime.model.assign_weights`
 replaces them with the rank's tensors. Legend: T = tokens, D = hidden, V = vocabulary.
@@ -35,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import RuntimeLoadError
+from ..errors import RuntimeLoadError, format_problems
 from ..plans.resolve import ResolvedPlan, TensorPlan
 
 # ------------------------------------------------------------------ group helpers
@@ -167,6 +168,13 @@ class _Linear(nn.Module):
             return self.weight
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
 
+    def dequantize_(self, dtype: torch.dtype) -> None:
+        """Replace an FP8 weight and its scale by the dequantized weight in ``dtype`` (once, at load)."""
+        if self.block is not None:
+            self._buffers["weight"] = self.dense_weight(dtype)
+            del self._buffers["weight_scale_inv"]
+            self.block = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
@@ -247,6 +255,10 @@ class HeadShard:
 class Shards:
     """The resolved plan seen from one rank: builds parallel layers with rank-local shapes.
 
+    When a caller passes the global ``shape`` the config implies, a missing or mis-shaped source
+    tensor is recorded in :attr:`problems` (and a placeholder built) instead of raised, so that
+    :meth:`raise_problems` can report every bad tensor at once.
+
     Args:
         plan: the resolved plan; rank: this rank; dtype: compute dtype of unquantized weights.
         block: FP8 ``weight_block_size`` from the config (used for ``fp8-block`` tensors).
@@ -254,44 +266,65 @@ class Shards:
 
     def __init__(self, plan: ResolvedPlan, rank: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128)) -> None:
         self.plan, self.rank, self.dtype, self.block = plan, rank, dtype, block
+        self.problems: list[str] = []
         self._banks: dict | None = None
 
-    def tensor(self, name: str) -> TensorPlan:
-        """The plan of source tensor ``name``.
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> TensorPlan | None:
+        """The plan of source tensor ``name``; with ``shape``, problems are recorded and ``None``
+        is returned for a missing tensor.
 
         Raises:
-            RuntimeLoadError: the model needs ``name`` but the checkpoint/pack has no such tensor.
+            RuntimeLoadError: ``name`` is missing and no ``shape`` was given.
         """
         tp = self.plan.tensors.get(name)
         if tp is None:
-            raise RuntimeLoadError(f"missing tensor {name!r}: the model needs it but the plan "
-                                   f"({self.plan.family}, world_size={self.plan.world_size}) has none")
+            msg = f"missing tensor {name!r}: the model needs it" + (f" {list(shape)}" if shape else "")
+            if shape is None:
+                raise RuntimeLoadError(f"{msg} (plan {self.plan.family}, world_size={self.plan.world_size})")
+            self.problems.append(msg)
+        elif shape is not None and tuple(tp.shape) != tuple(shape):
+            self.problems.append(f"tensor {name!r}: shape {list(tp.shape)} in the source, the config implies {list(shape)}")
         return tp
 
-    def has(self, name: str) -> bool:
-        """Whether the checkpoint has tensor ``name``."""
-        return name in self.plan.tensors
+    def raise_problems(self) -> None:
+        """Raise every recorded problem at once.
 
-    def linear(self, prefix: str, *, bias: bool = False, reduce: bool = True) -> _Linear:
-        """The parallel linear for ``{prefix}.weight`` (class by its shard dim, see the table)."""
-        tp = self.tensor(prefix + ".weight")
+        Raises:
+            RuntimeLoadError: listing each missing or mis-shaped tensor, sorted.
+        """
+        if self.problems:
+            raise RuntimeLoadError(format_problems(f"rank {self.rank}: the weights do not fit the config", self.problems))
+
+    def linear(self, prefix: str, *, bias: bool = False, reduce: bool = True,
+               shape: tuple[int, int] | None = None) -> _Linear:
+        """The parallel linear for ``{prefix}.weight`` (class by its shard dim, see the table).
+
+        Args:
+            shape: the global ``(out, in)`` the config implies (checked when given).
+        """
+        tp = self.tensor(prefix + ".weight", shape)
         if bias:
-            self.tensor(prefix + ".bias")
-        cls = {None: ReplicatedLinear, 0: ColumnParallelLinear, 1: RowParallelLinear}[tp.shard_dim]
-        fp8 = self.block if tp.quant == "fp8-block" else None
+            self.tensor(prefix + ".bias", shape[:1] if shape else None)
+        if tp is None or (shape is not None and tuple(tp.shape) != tuple(shape)):
+            return ReplicatedLinear(shape, bias=bias, dtype=self.dtype)  # placeholder; never loaded
         if tp.quant not in ("none", "fp8-block"):
             raise RuntimeLoadError(f"{tp.name}: {tp.quant} weights are not supported by this runtime")
+        cls = {None: ReplicatedLinear, 0: ColumnParallelLinear, 1: RowParallelLinear}[tp.shard_dim]
+        fp8 = self.block if tp.quant == "fp8-block" else None
         return cls(tp.local_shape(self.rank), bias=bias, dtype=self.dtype, fp8_block=fp8, reduce=reduce)
 
-    def embedding(self, name: str) -> VocabParallelEmbedding:
-        """The vocab-parallel embedding of ``name`` (``model.embed_tokens.weight``)."""
-        tp = self.tensor(name)
-        start = tp.ranges[self.rank][0][0] if tp.shard_dim is not None else 0
-        return VocabParallelEmbedding(start, tp.local_shape(self.rank), self.dtype)
+    def embedding(self, name: str, shape: tuple[int, int] | None = None) -> VocabParallelEmbedding:
+        """The vocab-parallel embedding of ``name`` (``model.embed_tokens.weight``, global ``[V, D]``)."""
+        tp = self.tensor(name, shape)
+        if tp is None:
+            return VocabParallelEmbedding(0, shape, self.dtype)
+        return VocabParallelEmbedding(tp.ranges[self.rank][0][0], tp.local_shape(self.rank), self.dtype)
 
-    def lm_head(self, name: str) -> ParallelLMHead:
+    def lm_head(self, name: str, shape: tuple[int, int] | None = None) -> ParallelLMHead:
         """The vocab-parallel LM head over ``name`` (``lm_head.weight``, or the embedding when tied)."""
-        tp = self.tensor(name)
+        tp = self.tensor(name, shape)
+        if tp is None:
+            return ParallelLMHead([shape[0]], shape, self.dtype)
         sizes = [tp.local_shape(r)[0] for r in range(self.plan.world_size)] if tp.shard_dim == 0 else [tp.shape[0]]
         return ParallelLMHead(sizes, tp.local_shape(self.rank), self.dtype)
 
@@ -313,11 +346,26 @@ class Shards:
                                    f"outside its share [{kv0}, {kv0 + n_kv})")
         return HeadShard(n_q, n_kv, index)
 
-    def bank_shape(self, layer: str, array: str) -> tuple[tuple[int, ...], str] | None:
-        """Shape ``[E, rows, cols]`` and safetensors dtype of bank ``array`` of MoE ``layer``, if any."""
+    def bank_shape(self, layer: str, array: str, expert_shape: tuple[int, int] | None = None,
+                   n_experts: int | None = None) -> tuple[tuple[int, ...], str] | None:
+        """Shape ``[E, rows, cols]`` and safetensors dtype of bank ``array`` of MoE ``layer``, if any.
+
+        With ``expert_shape`` (one source expert tensor's global shape) and ``n_experts``, a
+        mismatch with the source is recorded in :attr:`problems`.
+        """
         from ..writer.slicing import bank_specs
 
         if self._banks is None:
             self._banks = {(s.layer, s.name): s for specs in bank_specs(self.plan, self.rank).values() for s in specs}
         spec = self._banks.get((layer, array))
-        return None if spec is None else (spec.shape, spec.dtype)
+        if spec is None:
+            return None
+        if n_experts is not None and spec.shape[0] != n_experts:
+            self.problems.append(f"{layer} expert bank {array!r}: {spec.shape[0]} experts in the source, "
+                                 f"the config says {n_experts}")
+        if expert_shape is not None:
+            for name in sorted(spec.members.values()):
+                if tuple(self.plan.tensors[name].shape) != tuple(expert_shape):
+                    self.problems.append(f"tensor {name!r}: shape {list(self.plan.tensors[name].shape)} in the "
+                                         f"source, the config implies {list(expert_shape)}")
+        return spec.shape, spec.dtype

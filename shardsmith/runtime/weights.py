@@ -27,14 +27,14 @@ import os
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-import numpy as np
 import torch
 
-from ..checkpoint import bytes_to_tensor, open_checkpoint
+from ..checkpoint import open_checkpoint
+from ..dtypes import DTYPES
 from ..errors import RuntimeLoadError
 from ..plans import plan_checkpoint
 from ..plans.resolve import ResolvedPlan
-from ..writer.slicing import bank_specs, cut, rank_tensor
+from ..writer.slicing import bank_specs, cut
 
 
 @runtime_checkable
@@ -87,26 +87,39 @@ class CheckpointRankWeights:
 
     def dense(self) -> dict[str, torch.Tensor]:
         """Every non-expert tensor's shard, cut from the memory-mapped source (one copy each)."""
-        return {name: rank_tensor(self.ckpt, tp, self.rank)
-                for name, tp in self.plan.tensors.items() if tp.bank is None}
+        out = {}
+        for name, tp in self.plan.tensors.items():
+            if tp.bank is None:
+                buf = torch.empty(tp.local_nbytes(self.rank), dtype=torch.uint8)
+                buf.numpy()[:] = cut(self.ckpt._map(self.ckpt.info(name)), tp, self.rank)
+                out[name] = _typed(buf, tp.dtype, tp.local_shape(self.rank))
+        return out
 
     def banks(self) -> dict[str, dict[str, torch.Tensor]]:
         """Each MoE layer's bank arrays, assembled slot by slot in the pack layout."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for layer, specs in bank_specs(self.plan, self.rank).items():
             for spec in specs:
-                buf = np.empty(spec.nbytes, dtype=np.uint8)
+                buf = torch.empty(spec.nbytes, dtype=torch.uint8)  # torch allocations are 64-byte aligned
+                raw = buf.numpy()
                 for (expert, segment), name in spec.members.items():
-                    tp = self.plan.tensors[name]
                     off = spec.slot_offset(expert, segment)
-                    buf[off: off + spec.slot_nbytes] = cut(self.ckpt._map(self.ckpt.info(name)), tp, self.rank)
-                out.setdefault(layer, {})[spec.name] = bytes_to_tensor(memoryview(buf), spec.dtype, spec.shape)
+                    raw[off: off + spec.slot_nbytes] = cut(self.ckpt._map(self.ckpt.info(name)), self.plan.tensors[name], self.rank)
+                out.setdefault(layer, {})[spec.name] = _typed(buf, spec.dtype, spec.shape)
         return out
 
     @property
     def bytes_per_rank(self) -> int:
         """Bytes of this rank's tensors (dense and banks)."""
         return sum(self.plan.rank_bytes(self.rank).values())
+
+
+def _typed(buf: torch.Tensor, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``uint8`` bytes ``buf`` viewed as ``dtype_name`` with ``shape`` (F4 stays bytes)."""
+    tdt = DTYPES[dtype_name].torch_dtype
+    if tdt is None:
+        return buf.view(*shape[:-1], -1) if shape else buf
+    return buf.view(tdt).view(shape)
 
 
 def load_rank_weights(path: str | os.PathLike, *, rank: int, world_size: int, from_checkpoint: bool = False,
