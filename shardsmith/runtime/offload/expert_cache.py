@@ -77,7 +77,7 @@ class ExpertCache:
     """
 
     def __init__(self, host: HostBanks, layers: list[str], n_slots: int, device: torch.device, *,
-                 policy: Policy | str = Policy.HOT, hot_fraction: float = 0.5, log: bool = False) -> None:
+                 policy: Policy | str = Policy.HOT, hot_fraction: float = 0.75, log: bool = False) -> None:
         self.host, self.layers, self.device = host, layers, torch.device(device)
         self.sig = slot_signature(host)
         self.slot_bytes = slot_nbytes(self.sig)

@@ -66,7 +66,7 @@ class SlotTable:
         UsageError: ``n_slots < 1``, an unknown policy or a hot fraction outside [0, 1).
     """
 
-    def __init__(self, n_slots: int, *, policy: Policy | str = Policy.HOT, hot_fraction: float = 0.5,
+    def __init__(self, n_slots: int, *, policy: Policy | str = Policy.HOT, hot_fraction: float = 0.75,
                  refresh: int = 64, decay: int = 4096, log: bool = False) -> None:
         if n_slots < 1:
             raise UsageError(f"an expert cache needs at least 1 slot, got {n_slots}")
