@@ -246,17 +246,23 @@ def bytes_to_tensor(data: bytearray | memoryview, dtype_name: str, shape: tuple[
 # -------------------------------------------------------------------- validation
 
 
-def _load_json(path: Path, problems: list[str], what: str) -> dict | None:
+def _parse_json(text: str, problems: list[str], duplicate: str) -> object:
+    """``json.loads`` that reports every duplicate key as ``duplicate.format(key=...)``."""
+
     def no_dupes(pairs: list[tuple[str, object]]) -> dict:
         out: dict = {}
         for k, v in pairs:
             if k in out:
-                problems.append(f"{path.name}: duplicate key {k!r} in {what}")
+                problems.append(duplicate.format(key=repr(k)))
             out[k] = v
         return out
 
+    return json.loads(text, object_pairs_hook=no_dupes)
+
+
+def _load_json(path: Path, problems: list[str], what: str) -> dict | None:
     try:
-        data = json.loads(path.read_text(), object_pairs_hook=no_dupes)
+        data = _parse_json(path.read_text(), problems, f"{path.name}: duplicate key {{key}} in {what}")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         problems.append(f"{path.name}: cannot parse {what}: {e}")
         return None
@@ -267,15 +273,7 @@ def _load_json(path: Path, problems: list[str], what: str) -> dict | None:
 
 
 def _load_json_text(text: str, name: str, problems: list[str]) -> dict:
-    def no_dupes(pairs: list[tuple[str, object]]) -> dict:
-        out: dict = {}
-        for k, v in pairs:
-            if k in out:
-                problems.append(f"{name}: duplicate tensor name {k!r} in header")
-            out[k] = v
-        return out
-
-    return json.loads(text, object_pairs_hook=no_dupes)
+    return _parse_json(text, problems, f"{name}: duplicate tensor name {{key}} in header")
 
 
 def _read_header(path: Path, name: str, problems: list[str]) -> tuple[dict | None, int, int, bool]:
