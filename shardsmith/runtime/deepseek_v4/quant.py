@@ -24,7 +24,7 @@ import torch
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP4_GROUP = 32  # elements per UE8M0 scale along the input dim
-_LUT: dict[torch.device, torch.Tensor] = {}
+_BYTE_LUT: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -35,21 +35,30 @@ def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     return torch.exp2(u8.float() - 127.0)
 
 
+def _byte_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[256, 2]``: the two e2m1 values of every byte (low nibble first), in ``dtype`` (exact)."""
+    lut = _BYTE_LUT.get((device, dtype))
+    if lut is None:
+        e2m1 = torch.tensor(E2M1, dtype=torch.float32)
+        byte = torch.arange(256)
+        lut = torch.stack((e2m1[byte & 0xF], e2m1[byte >> 4]), dim=-1).to(device=device, dtype=dtype)
+        _BYTE_LUT[(device, dtype)] = lut
+    return lut
+
+
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Expand an FP4 e2m1 matrix with its 1x32 UE8M0 scales.
+    """Expand an FP4 e2m1 matrix with its 1x32 UE8M0 scales (one byte-table lookup per byte).
 
     Args:
         packed: ``[R, C/2]`` int8 (or uint8), two e2m1 codes per byte, element ``2i`` in the low
             nibble; scale: ``[R, C/32]`` float8_e8m0fnu (or its uint8 bytes).
-        dtype: output dtype.
+        dtype: output dtype (e2m1 values and power-of-two scales are exact in bf16 and wider,
+            barring under/overflow of the product).
 
     Returns:
         ``[R, C]`` in ``dtype``.
     """
-    lut = _LUT.get(packed.device)
-    if lut is None:
-        lut = _LUT[packed.device] = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
-    u8 = packed.view(torch.uint8)
-    codes = torch.stack((u8 & 0xF, u8 >> 4), dim=-1).reshape(u8.shape[0], -1)  # [R, C]
-    vals = lut[codes.long()].view(u8.shape[0], -1, FP4_GROUP)  # [R, C/32, 32]
-    return (vals * ue8m0_to_float(scale)[..., None]).reshape(u8.shape[0], -1).to(dtype)
+    rows = packed.shape[0]
+    vals = _byte_lut(packed.device, dtype)[packed.view(torch.uint8).int()]  # [R, C/2, 2]
+    vals = vals.view(rows, -1, FP4_GROUP)  # [R, C/32, 32]
+    return (vals * ue8m0_to_float(scale).to(dtype)[..., None]).view(rows, -1)

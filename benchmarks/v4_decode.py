@@ -1,0 +1,288 @@
+"""DeepSeek-V4 decode at TP 1 and 2: tokens/s, time to ready, bytes per rank, time per token by part.
+
+For each TP: ``shardsmith split`` the checkpoint into a pack, start one process per rank (NCCL on
+CUDA, gloo on CPU), load the pack, prefill a random prompt and decode greedily. Two decode runs:
+a plain one (tokens/s) and one with timers around every layer's attention and MoE and around each
+all-reduce (CUDA events, or wall time on CPU), giving per token:
+
+    attention (compute, excluding its wo_b all-reduce), MoE (router, experts, shared expert),
+    attention all-reduce, MoE all-reduce, other (embedding and its all-reduce, head mixer, LM head)
+
+Per-layer figures are scaled to the real 43 layers by kind (2 sliding, 21 CSA, 20 HCA: each
+kind's measured mean; a kind not in the checkpoint takes the mean of the others) and weight bytes
+per rank are scaled the same way from the plan. Rows go to
+``benchmarks/results/v4_decode-<YYYYMMDD>-<host>.json``.
+
+Examples::
+
+    python benchmarks/gen_v4_checkpoint.py /data/v4-4l --layers 4 --experts 160
+    python benchmarks/v4_decode.py /data/v4-4l --work /data/v4-packs --device cuda --tp 1,2
+    python benchmarks/v4_decode.py --tiny --work /tmp/v4-bench --device cpu --dtype float32   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+REAL_KINDS = {"sliding": 2, "csa": 21, "hca": 20}  # DeepSeek-V4-Flash's 43 layers (compress_ratios)
+PARTS = ("attention", "moe", "attn_allreduce", "moe_allreduce")
+
+
+class Timers:
+    """Start/stop timers keyed by name: CUDA events on GPU (read after a sync), wall time on CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.on, self.spans = cuda, False, {}
+
+    def start(self) -> object:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, key: str, begin: object) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.spans.setdefault(key, []).append((begin, e))
+        else:
+            self.spans.setdefault(key, []).append(time.perf_counter() - begin)
+
+    def totals_ms(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {k: sum(a.elapsed_time(b) for a, b in v) for k, v in self.spans.items()}
+        return {k: 1e3 * sum(v) for k, v in self.spans.items()}
+
+
+def instrument(model, timers: Timers) -> None:
+    """Time every layer's attention and MoE, and every all-reduce inside them."""
+    from shardsmith.runtime import parallel
+    from shardsmith.runtime.deepseek_v4 import moe
+
+    where = {"part": None}
+    inner = parallel.all_reduce
+
+    def timed_all_reduce(x):
+        if not timers.on or where["part"] is None:
+            return inner(x)
+        t = timers.start()
+        y = inner(x)
+        timers.stop(f"{where['part']}_allreduce.{where['layer']}", t)
+        return y
+
+    parallel.all_reduce = moe.all_reduce = timed_all_reduce
+    for i, layer in enumerate(model.layers):
+        for part, mod in (("attn", layer.attn), ("moe", layer.ffn)):
+            key = f"{'attention' if part == 'attn' else 'moe'}.{i}"
+
+            def pre(_m, _a, part=part, i=i):
+                where["part"], where["layer"], where["t"] = part, i, timers.start()
+
+            def post(_m, _a, _o, key=key):
+                if timers.on:
+                    timers.stop(key, where["t"])
+                where["part"] = None
+
+            mod.register_forward_pre_hook(pre)
+            mod.register_forward_hook(post)
+
+
+def decode(model, prompt: torch.Tensor, steps: int, sync, timers: Timers | None = None) -> tuple[float, list[int]]:
+    """Prefill ``prompt``, decode ``steps`` greedy tokens (timers on for the decode only); returns
+    (decode seconds, tokens)."""
+    logits = model(prompt, 0)
+    sync()
+    if timers is not None:
+        timers.on = True
+    t0, pos, out = time.perf_counter(), prompt.shape[0], []
+    for _ in range(steps):
+        tok = logits[-1].argmax().view(1)
+        out.append(int(tok))
+        logits = model(tok, pos)
+        pos += 1
+    sync()
+    return time.perf_counter() - t0, out
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
+    """One rank: load the pack, decode plain and instrumented; write this rank's numbers."""
+    try:
+        from shardsmith.runtime.deepseek_v4 import DeepseekV4
+        from shardsmith.runtime.parallel import init_distributed
+        from shardsmith.runtime.weights import load_rank_weights
+
+        cuda = a["device"] == "cuda"
+        if not cuda:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        init_distributed(rank, world, master_port=port, device=a["device"])
+        dev = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        barrier = torch.distributed.barrier if world > 1 else (lambda: None)
+        barrier()
+        t0 = time.perf_counter()
+        weights = load_rank_weights(a["pack"], rank=rank, world_size=world)
+        model = DeepseekV4.from_weights(weights, device=dev, dtype=getattr(torch, a["dtype"]),
+                                        max_seq_len=a["prompt"] + 2 * a["tokens"] + 8)
+        sync()
+        barrier()
+        ready = time.perf_counter() - t0
+        mem = {"gpu_bytes": torch.cuda.memory_allocated() if cuda else 0, "host_rss_bytes": rss_bytes()}
+        prompt = torch.randint(0, model.args.vocab_size, (a["prompt"],), generator=torch.Generator().manual_seed(0)).to(dev)
+        decode(model, prompt[:8], 4, sync)  # warm-up (kernels, allocator)
+        seconds, tokens = decode(model, prompt, a["tokens"], sync)
+        timers = Timers(cuda)
+        instrument(model, timers)
+        t_inst, _ = decode(model, prompt, a["tokens"], sync, timers)
+        spans = {k: v / a["tokens"] for k, v in timers.totals_ms().items()}  # ms per decode token
+        mem.update(gpu_peak_bytes=torch.cuda.max_memory_allocated() if cuda else 0)
+        local = {"rank": rank, "ready_s": ready, "decode_s": seconds, "instrumented_decode_s": t_inst,
+                 "tokens": tokens, "spans_ms": spans, "memory": mem, "plan_bytes": plan_bytes(weights.plan, rank)}
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(local))
+        if world > 1:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+    except Exception:
+        (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def plan_bytes(plan, rank: int) -> dict:
+    """Weight bytes of ``rank`` by layer key (``layers.N``) and ``other`` (MTP excluded)."""
+    out: dict[str, int] = {}
+    for tp in plan.tensors.values():
+        parts = tp.name.split(".")
+        key = ".".join(parts[:2]) if parts[0] in ("layers", "mtp") else "other"
+        out[key] = out.get(key, 0) + tp.local_nbytes(rank)
+    return out
+
+
+def summarize(ranks: list[dict], kinds: tuple[str, ...], tokens: int) -> dict:
+    """One row's timing and byte fields from every rank's numbers (rank 0's spans)."""
+    r0 = ranks[0]
+    sp = r0["spans_ms"]
+    n = len(kinds)
+    per = {part: [0.0] * n for part in PARTS}
+    for i in range(n):
+        per["attn_allreduce"][i] = sp.get(f"attn_allreduce.{i}", 0.0)
+        per["moe_allreduce"][i] = sp.get(f"moe_allreduce.{i}", 0.0)
+        per["attention"][i] = sp.get(f"attention.{i}", 0.0) - per["attn_allreduce"][i]
+        per["moe"][i] = sp.get(f"moe.{i}", 0.0) - per["moe_allreduce"][i]
+    inst_ms = 1e3 * r0["instrumented_decode_s"] / tokens
+    other = inst_ms - sum(sum(v) for v in per.values())
+    decode_s = max(r["decode_s"] for r in ranks)
+
+    def scale(values: list[float]) -> float:  # per-layer values -> 43 real layers by kind
+        mean = sum(values) / len(values)
+        by_kind = {k: [v for v, kk in zip(values, kinds) if kk == k] for k in REAL_KINDS}
+        return sum(c * (sum(by_kind[k]) / len(by_kind[k]) if by_kind[k] else mean) for k, c in REAL_KINDS.items())
+
+    scaled = {f"{p}_ms_per_token_43_layers": scale(per[p]) for p in PARTS}
+    ms43 = sum(scaled.values()) + other
+    pb = [r["plan_bytes"] for r in ranks]
+    layer_bytes = [[b.get(f"layers.{i}", 0) for i in range(n)] for b in pb]
+    row = {
+        "time_to_ready_seconds": max(r["ready_s"] for r in ranks),
+        "tokens_per_s": tokens / decode_s, "ms_per_token": 1e3 * decode_s / tokens,
+        "instrumented_ms_per_token": inst_ms,
+        **{f"{p}_ms_per_token": sum(per[p]) for p in PARTS}, "other_ms_per_token": other,
+        **{f"{p}_ms_per_layer_{k}": (sum(v for v, kk in zip(per[p], kinds) if kk == k) / kinds.count(k))
+           for p in ("attention", "moe") for k in REAL_KINDS if k in kinds},
+        **scaled, "other_ms_per_token_43_layers": other, "ms_per_token_43_layers": ms43,
+        "tokens_per_s_43_layers": 1e3 / ms43,
+        "gpu_bytes_per_rank": max(r["memory"]["gpu_bytes"] for r in ranks),
+        "gpu_peak_bytes_per_rank": max(r["memory"]["gpu_peak_bytes"] for r in ranks),
+        "host_rss_bytes_per_rank": max(r["memory"]["host_rss_bytes"] for r in ranks),
+        "weight_bytes_per_rank": max(sum(v for k, v in b.items() if not k.startswith("mtp.")) for b in pb),
+        "weight_bytes_per_rank_43_layers": max(b["other"] + (scale(lb) if n else 0) for b, lb in zip(pb, layer_bytes)),
+        "tokens": r0["tokens"][:16],
+    }
+    return row
+
+
+def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
+    """Split (unless the pack exists), run the rank processes, return the row."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from shardsmith.runtime.deepseek_v4 import V4Args
+    from shardsmith.writer.split import split_checkpoint
+
+    pack = a.work / f"tp{tp}"
+    split_s = None
+    if not (pack / "pack.yaml").is_file():
+        t0 = time.perf_counter()
+        split_checkpoint(ckpt, pack, world_size=tp, force=True)
+        split_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as out, socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        opts = {"pack": str(pack), "device": a.device, "dtype": a.dtype, "prompt": a.prompt, "tokens": a.tokens}
+        try:
+            mp.spawn(rank_main, args=(tp, port, opts, out), nprocs=tp, join=True)
+        except Exception:
+            errs = "\n".join(p.read_text() for p in sorted(Path(out).glob("error*.txt")))
+            raise SystemExit(f"TP={tp} failed:\n{errs}")
+        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(tp)]
+    config = json.loads((ckpt / "config.json").read_text())
+    args = V4Args.from_config(config)
+    row = {"tp": tp, "device": a.device, "dtype": a.dtype, "layers": args.n_layers, "layer_kinds": list(args.kinds),
+           "experts": args.n_experts, "hidden": args.dim, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
+           "split_seconds": split_s}
+    row.update(summarize(ranks, args.kinds, a.tokens))
+    print(json.dumps({k: v for k, v in row.items() if k != "layer_kinds"}, indent=1), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", type=Path, nargs="?", help="a DeepSeek-V4 checkpoint (gen_v4_checkpoint.py)")
+    ap.add_argument("--tiny", action="store_true", help="build and use the tiny test checkpoint instead")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/shardsmith-v4-bench"), help="packs go here (tp1/, tp2/)")
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens")
+    ap.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
+    a = ap.parse_args()
+    if a.tiny:
+        from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
+
+        ckpt = a.work / "tiny-ckpt"
+        if not (ckpt / "config.json").is_file():
+            tiny_deepseek_v4(ckpt)
+    elif a.checkpoint is None:
+        raise SystemExit("give a checkpoint directory or --tiny")
+    else:
+        ckpt = a.checkpoint
+    rows = [run_tp(a, ckpt, int(tp)) for tp in a.tp.split(",")]
+    if not a.no_save:
+        from _results import save_results
+
+        save_results("v4_decode", rows, extra={"checkpoint": str(ckpt), "tiny": a.tiny,
+                                                "scaling": "per-layer means by kind x (2 sliding, 21 CSA, 20 HCA)"})
+
+
+if __name__ == "__main__":
+    main()
