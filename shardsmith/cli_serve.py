@@ -19,10 +19,24 @@ FROM_CKPT = typer.Option(False, "--from-checkpoint", help="Load an unsplit check
 TP = typer.Option(None, "--tp", help="Ranks for --from-checkpoint (a pack's world_size is read from pack.yaml).")
 VERIFY = typer.Option(False, "--verify-hashes", help="Hash every weight file against the manifest before loading.")
 MAX_SEQ = typer.Option(2048, "--max-seq-len", help="Context length in tokens (prompt + completion), per request.")
+MOE_BACKEND = typer.Option("resident", "--moe-backend",
+                           help="Routed experts: resident (all on the device), or kept in host RAM and run by "
+                                "gpu (device expert cache), cpu (host), hybrid (share of misses on the host) or "
+                                "auto (a start-up probe picks, never a slower one).")
+CACHE_GB = typer.Option(None, "--expert-cache-gb", help="Device expert cache per GPU in GiB (default: free memory).")
+POLICY = typer.Option("hot", "--expert-policy", help="Expert cache eviction: hot (LRU with a frequency-pinned hot set) or lru.")
+
+
+def _offload(moe_backend: str, expert_cache_gb: float | None, expert_policy: str):
+    if moe_backend == "resident":
+        return None
+    from .runtime.offload.runtime import OffloadConfig
+
+    return OffloadConfig.from_cli(moe_backend=moe_backend, expert_cache_gb=expert_cache_gb, expert_policy=expert_policy)
 
 
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
-          verify_hashes: bool, max_seq_len: int):
+          verify_hashes: bool, max_seq_len: int, offload=None):
     from .errors import UsageError
     from .runtime.launch import LaunchSpec, pack_world_size, under_torchrun
 
@@ -38,7 +52,8 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
     if under_torchrun() and dist_port is not None:
         raise UsageError("--dist-port is not used under torchrun (torchrun owns the rendezvous: --master-port)")
     return LaunchSpec(path=path.resolve(), world_size=ws, device=device.split(":")[0], dist_port=dist_port,
-                      from_checkpoint=from_checkpoint, verify_hashes=verify_hashes, max_seq_len=max_seq_len)
+                      from_checkpoint=from_checkpoint, verify_hashes=verify_hashes, max_seq_len=max_seq_len,
+                      offload=offload)
 
 
 def serve(
@@ -48,13 +63,15 @@ def serve(
     device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
     tp: int | None = TP, verify_hashes: bool = VERIFY, max_seq_len: int = MAX_SEQ,
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model id for clients (default: the directory name)."),
+    moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
     from .runtime.launch import launch
     from .runtime.server import ServeJob
 
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
-                 verify_hashes=verify_hashes, max_seq_len=max_seq_len)
+                 verify_hashes=verify_hashes, max_seq_len=max_seq_len,
+                 offload=_offload(moe_backend, expert_cache_gb, expert_policy))
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name)))
 
 
@@ -69,6 +86,7 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
     tp: int | None = TP, verify_hashes: bool = VERIFY, max_seq_len: int = MAX_SEQ,
+    moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
 ) -> None:
     """Generate text for one-off prompts and print it on stdout."""
     from .errors import UsageError
@@ -78,7 +96,8 @@ def generate(
     if max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
-                 verify_hashes=verify_hashes, max_seq_len=max_seq_len)
+                 verify_hashes=verify_hashes, max_seq_len=max_seq_len,
+                 offload=_offload(moe_backend, expert_cache_gb, expert_policy))
     job = GenerateJob(prompts=tuple(prompt), chat=chat, max_tokens=max_tokens, temperature=temperature,
                       top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop))
     raise typer.Exit(launch(spec, job))

@@ -36,6 +36,27 @@ def smollm2_fp8(demo_cache: Path) -> Path:
     return build_demo_checkpoint(demo_cache / "demo" / "smollm2-moe-fp8", fp8=True, cache_dir=demo_cache)
 
 
+@pytest.fixture(scope="session")
+def smollm2_pack(smollm2_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """``smollm2_pack(world_size)`` -> a pack of the bf16 SmolLM2 MoE, split once per session.
+
+    Tests must not modify it: copy first.
+    """
+    from shardsmith.writer.split import split_checkpoint
+
+    root = tmp_path_factory.mktemp("smollm2-packs")
+    built: dict[int, Path] = {}
+
+    def get(world_size: int) -> Path:
+        if world_size not in built:
+            out = root / f"tp{world_size}"
+            split_checkpoint(smollm2_bf16, out, world_size=world_size)
+            built[world_size] = out
+        return built[world_size]
+
+    return get
+
+
 TINY = {
     "mixtral": ("tiny_mixtral", {}),
     "mixtral-fp8": ("tiny_mixtral", {"fp8": True}),

@@ -50,6 +50,9 @@ class LaunchSpec:
         device: ``cpu`` (gloo) or ``cuda`` (NCCL, ``cuda:<local rank>``).
         dist_port: rendezvous port on 127.0.0.1; None: a free port chosen by the parent.
         from_checkpoint, verify_hashes, max_seq_len, dtype: passed to ``Engine.load``.
+        offload: routed experts in host memory with a device expert cache
+            (:class:`~shardsmith.runtime.offload.runtime.OffloadConfig`); None keeps every
+            expert resident on the device.
     """
 
     path: Path
@@ -60,6 +63,7 @@ class LaunchSpec:
     verify_hashes: bool = False
     max_seq_len: int = 2048
     dtype: str | None = None
+    offload: Any = None  # OffloadConfig | None; typed loosely so --help stays free of torch
 
 
 class Job(Protocol):
@@ -152,7 +156,7 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
 
     load = partial(Engine.load, spec.path, rank=rank, world_size=world_size, device=device,
                    from_checkpoint=spec.from_checkpoint, verify_hashes=spec.verify_hashes,
-                   max_seq_len=spec.max_seq_len, dtype=spec.dtype)
+                   max_seq_len=spec.max_seq_len, dtype=spec.dtype, offload=spec.offload)
     if rank == 0:
         return job(load)
     engine = load()

@@ -79,6 +79,7 @@ class Metrics:
         self.load_seconds = 0.0
         self.ready_seconds = 0.0
         self.ready = False
+        self.offload = None  # the engine's OffloadRuntime (``stats()``), when experts are offloaded
 
     def request_done(self, endpoint: str, status: int | str) -> None:
         with self._lock:
@@ -113,6 +114,25 @@ class Metrics:
             if ready_seconds is not None:
                 self.ready_seconds = ready_seconds
 
+    OFFLOAD = (  # stats() key, metric name, kind, help
+        ("slots", "expert_cache_slots", "gauge", "Expert slots in the device cache (per GPU)."),
+        ("hits", "expert_cache_hits_total", "counter", "Routed-expert lookups served from the device cache."),
+        ("misses", "expert_cache_misses_total", "counter", "Routed-expert lookups copied from host memory."),
+        ("hit_rate", "expert_cache_hit_rate", "gauge", "Hits over lookups since start."),
+        ("bytes_per_token", "expert_bytes_per_token", "gauge", "Host-to-device expert bytes per generated token (per rank)."),
+        ("h2d_gb_per_s", "expert_h2d_gb_per_s", "gauge", "Achieved host-to-device GB/s during miss copies."),
+        ("host_bytes", "expert_host_bytes", "gauge", "Expert bank bytes held in host memory by this rank."),
+    )
+
+    def _offload_lines(self) -> list[str]:
+        if self.offload is None:
+            return []
+        stats, p, out = self.offload.stats(), self.PREFIX, []
+        for key, name, kind, help_ in self.OFFLOAD:
+            if key in stats:
+                out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {float(stats[key])}"]
+        return out
+
     def render(self) -> str:
         """The exposition text (``text/plain; version=0.0.4``)."""
         p = self.PREFIX
@@ -130,6 +150,7 @@ class Metrics:
                 ("ready", "gauge", int(self.ready), "1 once every rank has loaded and warmed up."),
             ):
                 out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
+            out += self._offload_lines()
             for name, hist, help_ in (
                 ("time_to_first_token_seconds", self.ttft, "Request arrival to first generated token."),
                 ("inter_token_latency_seconds", self.itl, "Gap between consecutive generated tokens."),

@@ -170,6 +170,10 @@ class EngineWorker:
             self.engine = self._load()
             self.codec = Codec(self.engine.root)
             self.engine.warmup()
+            offload = getattr(self.engine, "offload", None)
+            if offload is not None:
+                self.metrics.offload = offload
+                log.info("%s", offload.ready_line())
         except Exception as e:  # noqa: BLE001 - any load failure ends the server with its reason
             log.debug("engine load failed", exc_info=True)
             self._fail(f"engine failed to load: {type(e).__name__}: {e}")
