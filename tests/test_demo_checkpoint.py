@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+_ST_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
 
 
 @pytest.fixture(scope="session")
@@ -56,9 +57,6 @@ def _tensors(ckpt: Path) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
                 sl = f.get_slice(name)
                 out[name] = (fname, tuple(sl.get_shape()), getattr(torch, _ST_DTYPES[sl.get_dtype()]))
     return out
-
-
-_ST_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
 
 
 def test_unpermute_inverts_llama_cpp_permute():
