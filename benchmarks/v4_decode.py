@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 REAL_KINDS = {"sliding": 2, "csa": 21, "hca": 20}  # DeepSeek-V4-Flash's 43 layers (compress_ratios)
-PARTS = ("attention", "moe", "attn_allreduce", "moe_allreduce")
+PARTS = ("attention", "moe", "mixers", "attn_allreduce", "moe_allreduce")
 
 
 class Timers:
@@ -84,8 +84,9 @@ def instrument(model, timers: Timers) -> None:
 
     parallel.all_reduce = moe.all_reduce = timed_all_reduce
     for i, layer in enumerate(model.layers):
-        for part, mod in (("attn", layer.attn), ("moe", layer.ffn)):
-            key = f"{'attention' if part == 'attn' else 'moe'}.{i}"
+        mods = (("attn", layer.attn), ("moe", layer.ffn), ("mixers", layer.hc_attn), ("mixers", layer.hc_ffn))
+        for part, mod in mods:
+            key = f"{ {'attn': 'attention'}.get(part, part)}.{i}"
 
             def pre(_m, _a, part=part, i=i):
                 where["part"], where["layer"], where["t"] = part, i, timers.start()
@@ -186,6 +187,7 @@ def summarize(ranks: list[dict], kinds: tuple[str, ...], tokens: int) -> dict:
         per["moe_allreduce"][i] = sp.get(f"moe_allreduce.{i}", 0.0)
         per["attention"][i] = sp.get(f"attention.{i}", 0.0) - per["attn_allreduce"][i]
         per["moe"][i] = sp.get(f"moe.{i}", 0.0) - per["moe_allreduce"][i]
+        per["mixers"][i] = sp.get(f"mixers.{i}", 0.0)
     inst_ms = 1e3 * r0["instrumented_decode_s"] / tokens
     other = inst_ms - sum(sum(v) for v in per.values())
     decode_s = max(r["decode_s"] for r in ranks)
@@ -205,7 +207,7 @@ def summarize(ranks: list[dict], kinds: tuple[str, ...], tokens: int) -> dict:
         "instrumented_ms_per_token": inst_ms,
         **{f"{p}_ms_per_token": sum(per[p]) for p in PARTS}, "other_ms_per_token": other,
         **{f"{p}_ms_per_layer_{k}": (sum(v for v, kk in zip(per[p], kinds) if kk == k) / kinds.count(k))
-           for p in ("attention", "moe") for k in REAL_KINDS if k in kinds},
+           for p in ("attention", "moe", "mixers") for k in REAL_KINDS if k in kinds},
         **scaled, "other_ms_per_token_43_layers": other, "ms_per_token_43_layers": ms43,
         "tokens_per_s_43_layers": 1e3 / ms43,
         "gpu_bytes_per_rank": max(r["memory"]["gpu_bytes"] for r in ranks),
@@ -277,6 +279,8 @@ def main() -> None:
     else:
         ckpt = a.checkpoint
     rows = [run_tp(a, ckpt, int(tp)) for tp in a.tp.split(",")]
+    for row in rows:  # greedy tokens of every TP against the first one's (bf16: may drift late)
+        row["tokens_match_first_tp"] = row["tokens"] == rows[0]["tokens"]
     if not a.no_save:
         from _results import save_results
 

@@ -38,6 +38,7 @@ from .config import V4Args
 from .quant import dequantize_fp4
 
 ARRAYS = ("gate_up", "gate_up_scale", "down", "down_scale")
+BATCHED_PAIRS = 16  # (token, expert) pairs up to which experts are expanded together
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -70,17 +71,36 @@ class ExpertBank(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Partial sum ``[T, D]`` of the selected experts over this rank's intermediate share.
 
+        One host sync (the expert ids). Up to :data:`BATCHED_PAIRS` (token, expert) pairs (decode)
+        the selected experts are expanded together and applied with two batched matmuls; more
+        (prefill) go expert by expert, so at most one expert is expanded at a time.
+
         Args:
             x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` float32 routing weights.
         """
+        T, K = index.shape
+        pairs = index.flatten().tolist()  # [P = T*K], the one sync
+        experts = sorted(set(pairs))
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in index.unique().tolist():
-            tok, slot = torch.where(index == e)  # [n], [n]
+        w = weight.flatten()  # [P]
+        if len(pairs) <= BATCHED_PAIRS:
+            slot = {e: u for u, e in enumerate(experts)}
+            sel = torch.tensor(experts, device=x.device)
+            u = torch.tensor([slot[e] for e in pairs], device=x.device)  # [P] -> position in sel
+            tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
+            gate_up = dequantize_fp4(self.gate_up[sel], self.gate_up_scale[sel], x.dtype)[u]  # [P, 2*I_r, D]
+            down = dequantize_fp4(self.down[sel], self.down_scale[sel], x.dtype)[u]  # [P, D, I_r]
+            gate, up = torch.bmm(gate_up, x[tok, :, None]).squeeze(-1).chunk(2, dim=-1)  # [P, I_r] each
+            y = torch.bmm(down, swiglu(gate, up, self.limit)[..., None]).squeeze(-1)  # [P, D]
+            return out.index_add_(0, tok, y.float() * w[:, None]).to(x.dtype)
+        for e in experts:
+            p = [i for i, ee in enumerate(pairs) if ee == e]
+            tok = torch.tensor([i // K for i in p], device=x.device)  # [n]
             gate_up = dequantize_fp4(self.gate_up[e], self.gate_up_scale[e], x.dtype)  # [2*I_r, D]
             down = dequantize_fp4(self.down[e], self.down_scale[e], x.dtype)  # [D, I_r]
             gate, up = F.linear(x[tok], gate_up).chunk(2, dim=-1)  # [n, I_r] each
             y = F.linear(swiglu(gate, up, self.limit), down)  # [n, D]
-            out.index_add_(0, tok, y.float() * weight[tok, slot, None])
+            out.index_add_(0, tok, y.float() * w[torch.tensor(p, device=x.device), None])
         return out.to(x.dtype)
 
 

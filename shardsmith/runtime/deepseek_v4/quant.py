@@ -50,15 +50,15 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     """Expand an FP4 e2m1 matrix with its 1x32 UE8M0 scales (one byte-table lookup per byte).
 
     Args:
-        packed: ``[R, C/2]`` int8 (or uint8), two e2m1 codes per byte, element ``2i`` in the low
-            nibble; scale: ``[R, C/32]`` float8_e8m0fnu (or its uint8 bytes).
+        packed: ``[..., R, C/2]`` int8 (or uint8), two e2m1 codes per byte, element ``2i`` in the
+            low nibble; scale: ``[..., R, C/32]`` float8_e8m0fnu (or its uint8 bytes).
         dtype: output dtype (e2m1 values and power-of-two scales are exact in bf16 and wider,
             barring under/overflow of the product).
 
     Returns:
-        ``[R, C]`` in ``dtype``.
+        ``[..., R, C]`` in ``dtype``.
     """
-    rows = packed.shape[0]
-    vals = _byte_lut(packed.device, dtype)[packed.view(torch.uint8).int()]  # [R, C/2, 2]
-    vals = vals.view(rows, -1, FP4_GROUP)  # [R, C/32, 32]
-    return (vals * ue8m0_to_float(scale).to(dtype)[..., None]).view(rows, -1)
+    lead = packed.shape[:-1]
+    vals = _byte_lut(packed.device, dtype)[packed.view(torch.uint8).int()]  # [..., R, C/2, 2]
+    vals = vals.view(*lead, -1, FP4_GROUP)  # [..., R, C/32, 32]
+    return (vals * ue8m0_to_float(scale).to(dtype)[..., None]).view(*lead, -1)
