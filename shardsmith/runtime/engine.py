@@ -119,8 +119,8 @@ class Engine:
 
         Args:
             path: a pack directory, or a checkpoint with ``from_checkpoint``.
-            device: ``cpu`` or ``cuda`` (``cuda:{LOCAL_RANK}``); dtype: compute dtype (default:
-                the config's ``dtype``/``torch_dtype``, else bfloat16).
+            device: ``cpu`` or ``cuda`` (``cuda:{LOCAL_RANK}``); dtype: compute dtype, a torch dtype
+                or its name (default: the config's ``dtype``/``torch_dtype``, else bfloat16).
             max_seq_len: KV cache positions; load_timeout_s: how long rank 0 waits for the
                 slowest rank to finish loading before naming it.
             fp8: ``load`` dequantizes FP8 block weights once to ``dtype``; ``on-the-fly`` keeps
@@ -145,6 +145,10 @@ class Engine:
                                         verify_hashes=verify_hashes)
             config = weights.config
             args = ModelArgs.from_config(config)
+            if isinstance(dtype, str):
+                if dtype not in DTYPES:
+                    raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+                dtype = DTYPES[dtype]
             dtype = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.bfloat16)
             block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
             model = Transformer(args, Shards(weights.plan, rank, dtype, block))
