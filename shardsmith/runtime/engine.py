@@ -34,9 +34,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RuntimeLoadError, ShardsmithError, UsageError, format_problems
-from .config import ModelArgs
-from .model import Transformer, assign_weights
-from .parallel import Shards, clamp_threads, install_rank_zero_logging
+from .models import ModelFamily, family_for
+from .parallel import clamp_threads, install_rank_zero_logging
 from .sampling import choose, make_generator
 from .weights import load_rank_weights
 
@@ -96,23 +95,29 @@ class Engine:
         config: ``config.json``; root: directory with the tokenizer files; max_seq_len: positions
         of the KV cache (prompt + generated); load_seconds: time from :meth:`load` start to ready
         on this rank; eos_token_ids: from ``generation_config.json`` / ``config.json``;
-        rank, world_size, device, dtype, vocab_size.
+        rank, world_size, device, dtype, vocab_size; family: the model's registry entry
+        (:mod:`~shardsmith.runtime.models`).
     """
 
-    def __init__(self, model: Transformer, *, config: dict, root: Path, rank: int, world_size: int,
-                 device: torch.device, dtype: torch.dtype, max_seq_len: int, group: object | None) -> None:
-        self.model, self.config, self.root = model, config, root
+    def __init__(self, model: torch.nn.Module, *, config: dict, root: Path, rank: int, world_size: int,
+                 device: torch.device, dtype: torch.dtype, max_seq_len: int, group: object | None,
+                 family: ModelFamily | None = None) -> None:
+        self.model, self.config, self.root, self.family = model, config, root, family or family_for(config)
         self.rank, self.world_size, self.device, self.dtype = rank, world_size, device, dtype
         self.max_seq_len, self.vocab_size, self.load_seconds = max_seq_len, model.args.vocab_size, 0.0
         self.eos_token_ids = _eos_ids(root, config)
         self._group, self._lock, self._request, self._closed = group, threading.Lock(), 0, False
         self.offload = None  # OffloadRuntime when routed experts are offloaded (stats(): cache counters)
+        self._pos = 0  # where the last step ended (rank 0): models that cannot rewind continue only there
 
     @classmethod
     def load(cls, path: str | Path, *, rank: int, world_size: int, device: str = "cpu", from_checkpoint: bool = False,
              verify_hashes: bool = False, max_seq_len: int = 2048, dtype: torch.dtype | None = None,
              load_timeout_s: float = 1800.0, offload: "OffloadConfig | None" = None, fp8: str = "load") -> "Engine":
         """Load rank ``rank``'s weights and build its model; collective over all ranks.
+
+        The model is the registry's for the config's architecture (:mod:`~shardsmith.runtime.models`:
+        the Mixtral family or DeepSeek-V4).
 
         ``torch.distributed`` must already be initialised when ``world_size > 1``
         (:func:`~shardsmith.runtime.parallel.init_distributed`).
@@ -126,7 +131,7 @@ class Engine:
             fp8: ``load`` dequantizes FP8 block weights once to ``dtype``; ``on-the-fly`` keeps
                 them FP8 and dequantizes per matmul (see :mod:`~shardsmith.runtime.parallel`).
             offload: place routed experts in host memory with a device expert cache
-                (:mod:`shardsmith.runtime.offload`); None keeps every expert resident.
+                (:mod:`shardsmith.runtime.offload`; Mixtral family only); None keeps every expert resident.
 
         Raises:
             RuntimeLoadError: on every rank, listing each rank's load problem (missing,
@@ -144,21 +149,14 @@ class Engine:
             weights = load_rank_weights(path, rank=rank, world_size=world_size, from_checkpoint=from_checkpoint,
                                         verify_hashes=verify_hashes)
             config = weights.config
-            args = ModelArgs.from_config(config)
+            family = family_for(config)
             if isinstance(dtype, str):
                 if dtype not in DTYPES:
                     raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
                 dtype = DTYPES[dtype]
             dtype = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.bfloat16)
             block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
-            model = Transformer(args, Shards(weights.plan, rank, dtype, block))
-            offloaded = None
-            if offload is not None:  # swaps the expert banks for host banks + a device cache
-                from .offload import attach_offload
-
-                offloaded = attach_offload(model, weights, offload, device=dev, dtype=dtype, block=block)
-            assign_weights(model, weights.dense(), {} if offloaded else weights.banks(), device=dev,
-                           tied=args.tie_embeddings)
+            model, offloaded = family.build(weights, rank=rank, dtype=dtype, block=block, device=dev, offload=offload)
             if fp8 not in ("load", "on-the-fly"):
                 raise UsageError(f"fp8 must be 'load' or 'on-the-fly', got {fp8!r}")
             if fp8 == "load":
@@ -167,7 +165,7 @@ class Engine:
                         m.dequantize_(dtype)
             model.setup_cache(max_seq_len, dev, dtype)
             engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
-                         device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group)
+                         device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group, family=family)
             engine.offload = offloaded
         except Exception as e:  # gathered below so that every rank fails with every rank's reason
             error = e
@@ -276,12 +274,23 @@ class Engine:
             raise UsageError("; ".join(b for b in bad if b))
 
     def _step(self, ids: list[int], start: int, *, last_only: bool = True) -> torch.Tensor:
-        """Broadcast one step's command and tokens, run it here; returns float32 CPU logits."""
+        """Broadcast one step's command and tokens, run it here; returns float32 CPU logits.
+
+        Raises:
+            UsageError: before anything is broadcast, when ``start`` is past where the last step
+                ended or, for a model that cannot rewind (``ModelFamily.rewinds``), neither 0 nor
+                exactly there.
+        """
+        if start not in (0, self._pos) and (not self.family.rewinds or start > self._pos):
+            where = (f"at position {self._pos}, where the last step ended (its state cannot rewind)"
+                     if not self.family.rewinds else f"at or before position {self._pos}, where the last step ended")
+            raise UsageError(f"{self.family.name}: a step must start at 0 (a new sequence) or {where}; got start={start}")
         tokens = torch.tensor(ids, dtype=torch.int64)
         with self._lock:
             if self.world_size > 1:
                 self._send(torch.tensor([FORWARD, len(ids), start, int(not last_only)], dtype=torch.int64))
                 self._collective(lambda: dist.broadcast(tokens, src=0, group=self._group))
+            self._pos = start + len(ids)
             return self._collective(lambda: self.model(tokens.to(self.device), start, last_only=last_only)).cpu()
 
     def _send(self, cmd: torch.Tensor) -> None:

@@ -1,0 +1,100 @@
+"""Model registry: which model the engine builds for a checkpoint's ``architectures[0]``.
+
+=====================================  ==================  ===============  ===============================
+architecture (``config.json``)         builder             expert offload   a step may start at
+=====================================  ==================  ===============  ===============================
+Mixtral, Qwen3-MoE, Qwen2-MoE          :func:`build_moe`   yes              any position (KV cache by pos)
+``DeepseekV4ForCausalLM``              :func:`build_v4`    no (FP4 banks)   0, or where the last step ended
+=====================================  ==================  ===============  ===============================
+
+Every model has the interface the engine drives: ``setup_cache(max_seq_len, device, dtype)``,
+``model(ids [T], start, last_only=) -> float32 logits [T or 1, V]`` and ``model.args.vocab_size``.
+A builder makes the model on ``meta`` from the rank's plan and fills it from the rank's weights
+(no copy on CPU); the engine then dequantizes FP8 and sets up the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import RuntimeLoadError, UsageError
+from . import deepseek_v4
+from .config import FAMILIES as MOE_ARCHITECTURES
+from .parallel import Shards
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    """One registry entry.
+
+    Attributes:
+        name: for messages.
+        build: ``build(weights, *, rank, dtype, block, device, offload) -> (model, offload runtime | None)``.
+        offload: routed experts may be placed in host memory (``--moe-backend`` other than resident).
+        rewinds: a step may start at any position up to where the last one ended; False: only at
+            0 (a new sequence) or exactly where the last step ended (state that cannot rewind).
+    """
+
+    name: str
+    build: Callable[..., tuple[nn.Module, Any]]
+    offload: bool
+    rewinds: bool
+
+
+def build_moe(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
+              offload: Any = None) -> tuple[nn.Module, Any]:
+    """The Mixtral-family :class:`~shardsmith.runtime.model.Transformer`, experts resident or offloaded."""
+    from .config import ModelArgs
+    from .model import Transformer, assign_weights
+
+    args = ModelArgs.from_config(weights.config)
+    model = Transformer(args, Shards(weights.plan, rank, dtype, block))
+    offloaded = None
+    if offload is not None:  # swaps the expert banks for host banks + a device cache
+        from .offload import attach_offload
+
+        offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block)
+    assign_weights(model, weights.dense(), {} if offloaded else weights.banks(), device=device,
+                   tied=args.tie_embeddings)
+    return model, offloaded
+
+
+def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
+             offload: Any = None) -> tuple[nn.Module, Any]:
+    """:class:`~shardsmith.runtime.deepseek_v4.DeepseekV4`, every expert resident.
+
+    Raises:
+        UsageError: ``offload`` was requested (not supported for FP4 expert banks yet).
+    """
+    if offload is not None:
+        raise UsageError(OFFLOAD_V4)
+    model = deepseek_v4.DeepseekV4(deepseek_v4.V4Args.from_config(weights.config), Shards(weights.plan, rank, dtype, block))
+    deepseek_v4.assign_weights(model, weights.dense(), weights.banks(), device=device)
+    return model, None
+
+
+OFFLOAD_V4 = ("--moe-backend: expert offload is not supported for DeepSeek-V4 yet (its FP4 expert banks have no "
+              "host bank/cache path); serve it with --moe-backend resident")
+MOE = ModelFamily("Mixtral family", build_moe, offload=True, rewinds=True)
+DEEPSEEK_V4 = ModelFamily("DeepSeek-V4", build_v4, offload=False, rewinds=False)
+MODELS: dict[str, ModelFamily] = {**{a: MOE for a in MOE_ARCHITECTURES},
+                                  **{a: DEEPSEEK_V4 for a in deepseek_v4.ARCHITECTURES}}
+
+
+def family_for(config: dict) -> ModelFamily:
+    """The registry entry for ``config.json`` (``architectures[0]``, else ``model_type``).
+
+    Raises:
+        RuntimeLoadError: an architecture this runtime does not run (the supported ones listed).
+    """
+    arch = (config.get("architectures") or [config.get("model_type")])[0]
+    family = MODELS.get(str(arch)) or MODELS.get(str(config.get("model_type")))
+    if family is None:
+        raise RuntimeLoadError(f"architecture {arch!r} is not supported by the runtime "
+                               f"(supported: {', '.join(a for a in MODELS if a[0].isupper())})")
+    return family
