@@ -93,7 +93,7 @@ def test_rebuild_every_tensor_byte_for_byte(family: str, tiny) -> None:
         assert plan_from_dict(plan_to_dict(plan)) == plan
         assert plan.tensors.keys() == ckpt.tensors.keys()
         for name, tp in plan.tensors.items():
-            raw = ckpt._map(ckpt.tensors[name])
+            raw = ckpt.raw(ckpt.tensors[name])
             assert np.array_equal(_rebuild(raw, tp, world), raw), (family, world, name)
             for r in range(world):
                 assert cut(raw, tp, r).size == tp.local_nbytes(r)
@@ -115,7 +115,7 @@ def test_expert_bank_layout(family: str, gate: str, up: str, down: str, tiny) ->
             buf = np.zeros(spec.nbytes, dtype=np.uint8)
             for (e, seg), src in spec.members.items():
                 o = spec.slot_offset(e, seg)
-                buf[o : o + spec.slot_nbytes] = cut(ckpt._map(ckpt.tensors[src]), plan.tensors[src], r)
+                buf[o : o + spec.slot_nbytes] = cut(ckpt.raw(ckpt.tensors[src]), plan.tensors[src], r)
             arrays[name] = torch.from_numpy(buf).reshape(spec.shape[0], spec.shape[1], -1)
         for e in range(plan.experts[prefix.rstrip(".")]):
             w1, w3, w2 = (ckpt.read(prefix + p.format(e=e)).view(torch.uint8) for p in (gate, up, down))

@@ -91,7 +91,7 @@ class CheckpointRankWeights:
         for name, tp in self.plan.tensors.items():
             if tp.bank is None:
                 buf = torch.empty(tp.local_nbytes(self.rank), dtype=torch.uint8)
-                buf.numpy()[:] = cut(self.ckpt._map(self.ckpt.info(name)), tp, self.rank)
+                buf.numpy()[:] = cut(self.ckpt.raw(self.ckpt.info(name)), tp, self.rank)
                 out[name] = _typed(buf, tp.dtype, tp.local_shape(self.rank))
         return out
 
@@ -104,7 +104,7 @@ class CheckpointRankWeights:
                 raw = buf.numpy()
                 for (expert, segment), name in spec.members.items():
                     off = spec.slot_offset(expert, segment)
-                    raw[off: off + spec.slot_nbytes] = cut(self.ckpt._map(self.ckpt.info(name)), self.plan.tensors[name], self.rank)
+                    raw[off: off + spec.slot_nbytes] = cut(self.ckpt.raw(self.ckpt.info(name)), self.plan.tensors[name], self.rank)
                 out.setdefault(layer, {})[spec.name] = _typed(buf, spec.dtype, spec.shape)
         return out
 

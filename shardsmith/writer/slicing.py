@@ -64,7 +64,7 @@ def rank_tensor(ckpt: Checkpoint, tp: TensorPlan, rank: int) -> "torch.Tensor":
         SourceError: header-only checkpoint or unreadable data.
     """
     info = ckpt.info(tp.name)
-    data = cut(ckpt._map(info), tp, rank)
+    data = cut(ckpt.raw(info), tp, rank)
     return bytes_to_tensor(bytearray(data.tobytes()) if data.size else bytearray(), tp.dtype, tp.local_shape(rank))
 
 

@@ -1,0 +1,233 @@
+"""Open a checkpoint directory and validate every shard header eagerly, reporting every problem at once.
+
+Checks (each a :class:`~shardsmith.errors.SourceError` line naming file, tensor, value and rule):
+``config.json`` parses; the index (or single file) exists; every index entry names a file inside
+the directory (Hugging Face cache symlinks into ``../../blobs`` are followed) that exists, or its
+``.safetensors.json`` header; headers parse, with no duplicate names; dtypes are known; sizes match
+dtype x shape (``F4`` counts 4-bit elements); offsets neither overlap nor leave gaps nor pass the
+end of the file (a truncated shard names the first tensor past its end); index and headers agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+from ..dtypes import DTYPES, dtype
+from ..errors import SourceError, format_problems
+from .reader import HEADER_SUFFIX, INDEX_NAME, MAX_HEADER_BYTES, SINGLE_NAME, Checkpoint, ShardFile, TensorInfo
+
+def _parse_json(text: str, problems: list[str], duplicate: str) -> object:
+    """``json.loads`` that reports every duplicate key as ``duplicate.format(key=...)``."""
+
+    def no_dupes(pairs: list[tuple[str, object]]) -> dict:
+        out: dict = {}
+        for k, v in pairs:
+            if k in out:
+                problems.append(duplicate.format(key=repr(k)))
+            out[k] = v
+        return out
+
+    return json.loads(text, object_pairs_hook=no_dupes)
+
+
+def _load_json(path: Path, problems: list[str], what: str) -> dict | None:
+    try:
+        data = _parse_json(path.read_text(), problems, f"{path.name}: duplicate key {{key}} in {what}")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append(f"{path.name}: cannot parse {what}: {e}")
+        return None
+    if not isinstance(data, dict):
+        problems.append(f"{path.name}: {what} is not a JSON object")
+        return None
+    return data
+
+
+def _load_json_text(text: str, name: str, problems: list[str]) -> dict:
+    return _parse_json(text, problems, f"{name}: duplicate tensor name {{key}} in header")
+
+
+def _read_header(path: Path, name: str, problems: list[str]) -> tuple[dict | None, int, int, bool]:
+    """Return (header, file_size, data_start, header_only) for shard ``name``."""
+    if path.name.endswith(HEADER_SUFFIX):
+        try:
+            header = _load_json_text(path.read_text(), name, problems)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            problems.append(f"{path.name}: cannot parse safetensors header: {e}")
+            return None, 0, 0, True
+        return header, path.stat().st_size, 0, True
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            problems.append(f"{name}: file is {size} bytes, too short for the 8-byte header length")
+            return None, size, 0, False
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            problems.append(
+                f"{name}: header length {n} is larger than the file allows ({size - 8} bytes after "
+                f"the length field)"
+            )
+            return None, size, 0, False
+        if n > MAX_HEADER_BYTES:
+            problems.append(f"{name}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+            return None, size, 0, False
+        raw = fh.read(n)
+    try:
+        text = raw.decode("utf-8")
+        header = json.loads(text)
+        # json keeps the last of duplicate keys silently; re-parse slowly only if counts disagree
+        if isinstance(header, dict) and len(header) - ("__metadata__" in header) != text.count('"data_offsets"'):
+            header = _load_json_text(text, name, problems)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        problems.append(f"{name}: header is not valid JSON: {e}")
+        return None, size, 0, False
+    if not isinstance(header, dict):
+        problems.append(f"{name}: header is not a JSON object")
+        return None, size, 0, False
+    return header, size, 8 + n, False
+
+
+def _check_entries(
+    name: str, header: dict, data_start: int, size: int, header_only: bool, problems: list[str]
+) -> list[TensorInfo]:
+    infos: list[tuple[int, int, TensorInfo]] = []
+    for tname, entry in header.items():
+        if tname == "__metadata__":
+            if not isinstance(entry, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in entry.items()
+            ):
+                problems.append(f"{name}: __metadata__ must map strings to strings")
+            continue
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            problems.append(f"{name}: tensor {tname!r} entry lacks dtype, shape or data_offsets")
+            continue
+        dt, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            problems.append(f"{name}: tensor {tname!r} has invalid data_offsets {offs!r}")
+            continue
+        # a bad dtype or shape is reported, but the entry still counts for the offset checks so
+        # that one bad entry does not also show up as a gap or as trailing bytes
+        if dt not in DTYPES:
+            problems.append(f"{name}: tensor {tname!r} has unknown dtype {dt!r} (known: {', '.join(sorted(DTYPES))})")
+        elif not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+            problems.append(f"{name}: tensor {tname!r} has invalid shape {shape!r}")
+        else:
+            want = dtype(dt).nbytes(shape)
+            if dt == "F4" and shape and shape[-1] % 2:
+                problems.append(f"{name}: tensor {tname!r} is F4 with odd last dim {shape[-1]} (two per byte)")
+            if offs[1] - offs[0] != want:
+                problems.append(
+                    f"{name}: tensor {tname!r} {dt}{shape} needs {want} bytes but data_offsets "
+                    f"{offs} span {offs[1] - offs[0]}"
+                )
+        info = TensorInfo(tname, str(dt), tuple(shape) if isinstance(shape, list) else (), name,
+                          data_start + offs[0], offs[1] - offs[0])
+        infos.append((offs[0], offs[1], info))
+    infos.sort(key=lambda x: (x[0], x[1]))
+    pos = 0
+    for b, e, info in infos:
+        if b < pos:
+            problems.append(f"{name}: tensor {info.name!r} data [{b}, {e}) overlaps the previous tensor (ends at {pos})")
+        elif b > pos:
+            problems.append(f"{name}: gap of {b - pos} bytes before tensor {info.name!r} at offset {pos}")
+        pos = max(pos, e)
+    if not header_only:
+        avail = size - data_start
+        if pos > avail:
+            first = next(i for b, e, i in infos if e > avail)
+            problems.append(
+                f"{name}: truncated: {avail} data bytes on disk but tensors need {pos}; first tensor "
+                f"past the end: {first.name!r} (data [{first.offset - data_start}, "
+                f"{first.offset - data_start + first.nbytes}))"
+            )
+        elif pos < avail:
+            problems.append(f"{name}: {avail - pos} trailing bytes after the last tensor")
+    return [i for _, _, i in infos]
+
+
+def _shard_path(root: Path, name: str, problems: list[str]) -> Path | None:
+    rel = os.path.normpath(name)
+    if os.path.isabs(name) or rel == ".." or rel.startswith(".." + os.sep):
+        problems.append(f"{INDEX_NAME}: entry {name!r} names a path outside the checkpoint directory")
+        return None
+    p = root / rel
+    if p.exists():
+        return p.resolve()  # follows Hugging Face cache symlinks into ../../blobs
+    h = root / (rel + HEADER_SUFFIX)
+    if h.exists():
+        return h.resolve()
+    problems.append(f"{name}: listed in {INDEX_NAME} but neither it nor {name}{HEADER_SUFFIX} exists in {root}")
+    return None
+
+
+def open_checkpoint(root: str | os.PathLike) -> Checkpoint:
+    """Open checkpoint directory ``root`` and validate every shard header eagerly.
+
+    Checks: ``config.json`` parses; the index (or single file) exists; every index entry's file
+    exists inside the directory (symlinks followed); every header parses with no duplicate names;
+    dtypes are known; sizes match dtype x shape; offsets neither overlap nor leave gaps nor pass
+    the end of the file; every tensor the index lists is in its shard and vice versa.
+
+    Raises:
+        SourceError: listing every problem found, sorted.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise SourceError(f"{root}: not a directory")
+    problems: list[str] = []
+    cfg_path = root / "config.json"
+    config = _load_json(cfg_path, problems, "config.json") if cfg_path.exists() else None
+    if config is None and not cfg_path.exists():
+        problems.append(f"{root}: no config.json")
+    inf_path = root / "inference" / "config.json"
+    inference_config = _load_json(inf_path, problems, "inference/config.json") if inf_path.exists() else None
+
+    weight_map: dict[str, str] | None = None
+    idx_path = root / INDEX_NAME
+    if idx_path.exists():
+        idx = _load_json(idx_path, problems, INDEX_NAME)
+        if idx is not None:
+            wm = idx.get("weight_map")
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                problems.append(f"{INDEX_NAME}: weight_map missing or not a mapping of names to files")
+            else:
+                weight_map = wm
+        shard_names = list(dict.fromkeys(weight_map.values())) if weight_map else []
+    elif (root / SINGLE_NAME).exists() or (root / (SINGLE_NAME + HEADER_SUFFIX)).exists():
+        shard_names = [SINGLE_NAME]
+    else:
+        problems.append(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+        shard_names = []
+
+    files: dict[str, ShardFile] = {}
+    tensors: dict[str, TensorInfo] = {}
+    for name in shard_names:
+        path = _shard_path(root, name, problems)
+        if path is None:
+            continue
+        header, size, data_start, header_only = _read_header(path, name, problems)
+        if header is None:
+            continue
+        meta = header.get("__metadata__") if isinstance(header.get("__metadata__"), dict) else {}
+        files[name] = ShardFile(name, path, size, data_start, header_only, dict(meta or {}))
+        for info in _check_entries(name, header, data_start, size, header_only, problems):
+            if info.name in tensors:
+                problems.append(f"tensor {info.name!r} appears in both {tensors[info.name].file} and {name}")
+                continue
+            tensors[info.name] = info
+    if weight_map is not None:
+        for tname, fname in weight_map.items():
+            if fname in files and tname not in tensors:
+                problems.append(f"{fname}: index lists tensor {tname!r} but the shard's header lacks it")
+            elif tname in tensors and tensors[tname].file != fname:
+                problems.append(f"tensor {tname!r}: index says {fname}, found in {tensors[tname].file}")
+        for tname, info in tensors.items():
+            if tname not in weight_map:
+                problems.append(f"{info.file}: tensor {tname!r} is not listed in {INDEX_NAME}")
+    if problems:
+        raise SourceError(format_problems(f"invalid checkpoint {root}", problems), sorted(set(problems)))
+    return Checkpoint(root, config or {}, inference_config, files, tensors)
