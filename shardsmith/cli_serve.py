@@ -26,6 +26,8 @@ MOE_BACKEND = typer.Option("resident", "--moe-backend",
                                 "auto (a start-up probe picks, never a slower one).")
 CACHE_GB = typer.Option(None, "--expert-cache-gb", help="Device expert cache per GPU in GiB (default: free memory).")
 POLICY = typer.Option("hot", "--expert-policy", help="Expert cache eviction: hot (LRU with a frequency-pinned hot set) or lru.")
+TRUST = typer.Option(False, "--trust-remote-code",
+                     help="Run the checkpoint's own chat encoder (DeepSeek's encoding/*.py) when it has no chat template.")
 
 
 def _offload(moe_backend: str, expert_cache_gb: float | None, expert_policy: str):
@@ -34,6 +36,18 @@ def _offload(moe_backend: str, expert_cache_gb: float | None, expert_policy: str
     from .runtime.offload.runtime import OffloadConfig
 
     return OffloadConfig.from_cli(moe_backend=moe_backend, expert_cache_gb=expert_cache_gb, expert_policy=expert_policy)
+
+
+def _check_offload(path: Path) -> None:
+    """Refuse expert offload for a model the registry does not offload (DeepSeek-V4), before any rank starts."""
+    import json
+
+    from .errors import UsageError
+    from .runtime.models import OFFLOAD_V4, family_for
+
+    config = path / "config.json"
+    if config.is_file() and not family_for(json.loads(config.read_text(encoding="utf-8"))).offload:
+        raise UsageError(OFFLOAD_V4)
 
 
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
@@ -52,6 +66,8 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
     if dist_port is not None and not 0 < dist_port < 65536:
         raise UsageError(f"--dist-port must be in 1..65535, got {dist_port}")
     ws = pack_world_size(path, tp=tp, from_checkpoint=from_checkpoint)
+    if offload is not None:
+        _check_offload(path)
     if under_torchrun() and dist_port is not None:
         raise UsageError("--dist-port is not used under torchrun (torchrun owns the rendezvous: --master-port)")
     return LaunchSpec(path=path.resolve(), world_size=ws, device=device.split(":")[0], dist_port=dist_port,
@@ -67,7 +83,7 @@ def serve(
     tp: int | None = TP, verify_hashes: bool = VERIFY, max_seq_len: int = MAX_SEQ,
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model id for clients (default: the directory name)."),
     moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
-    dtype: str = DTYPE,
+    dtype: str = DTYPE, trust_remote_code: bool = TRUST,
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
     from .runtime.launch import launch
@@ -76,7 +92,8 @@ def serve(
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype)
-    raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name)))
+    raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
+                                           trust_remote_code=trust_remote_code)))
 
 
 def generate(
@@ -91,7 +108,7 @@ def generate(
     device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
     tp: int | None = TP, verify_hashes: bool = VERIFY, max_seq_len: int = MAX_SEQ,
     moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
-    dtype: str = DTYPE,
+    dtype: str = DTYPE, trust_remote_code: bool = TRUST,
 ) -> None:
     """Generate text for one-off prompts and print it on stdout."""
     from .errors import UsageError
@@ -104,7 +121,7 @@ def generate(
                  verify_hashes=verify_hashes, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype)
     job = GenerateJob(prompts=tuple(prompt), chat=chat, max_tokens=max_tokens, temperature=temperature,
-                      top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop))
+                      top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop), trust_remote_code=trust_remote_code)
     raise typer.Exit(launch(spec, job))
 
 

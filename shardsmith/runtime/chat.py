@@ -5,8 +5,9 @@ Sources, in order:
 - ``tokenizer_config.json``'s ``chat_template``: a Jinja string, or a list of
   ``{"name", "template"}`` entries of which ``"default"`` is used.
 - a sibling ``chat_template.jinja`` file (transformers >= 4.43 saves it there).
-- DeepSeek-V4's ``encoding/`` folder (a Python encoder, not Jinja): recognised, not supported yet,
-  refused with a message that says so.
+- without a template, DeepSeek's ``encoding/`` folder (a Python encoder, not Jinja): run by
+  :func:`load_chat_format` through :mod:`.encoding` only with ``trust_remote_code``;
+  :meth:`ChatTemplate.from_dir` refuses it.
 
 The Jinja environment copies transformers' (``utils/chat_template_utils.py``): sandboxed and
 immutable, ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson``
@@ -120,8 +121,8 @@ class ChatTemplate:
             template, source = (root / "chat_template.jinja").read_text(encoding="utf-8"), str(root / "chat_template.jinja")
         if template is None:
             if (root / "encoding").is_dir():
-                raise ChatTemplateError(f"{root}: the chat format is a DeepSeek-V4 encoding/ folder, which the "
-                                        f"server does not render yet; use /v1/completions with a rendered prompt")
+                raise ChatTemplateError(f"{root}: the chat format is a DeepSeek-V4 encoding/ folder (Python, not a "
+                                        f"template); load it with load_chat_format(trust_remote_code=True)")
             raise ChatTemplateError(f"{root}: no chat template (tokenizer_config.json has no chat_template and "
                                     f"there is no chat_template.jinja); use /v1/completions instead")
         if not isinstance(template, str):
@@ -144,3 +145,29 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template rejected the messages: {e}") from e
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise ChatTemplateError(f"chat template failed on the messages: {type(e).__name__}: {e}") from e
+
+
+def has_template(root: Path) -> bool:
+    """Whether ``root`` has a Jinja chat template (``tokenizer_config.json`` or ``chat_template.jinja``)."""
+    cfg_path = Path(root) / "tokenizer_config.json"
+    if cfg_path.is_file() and json.loads(cfg_path.read_text(encoding="utf-8")).get("chat_template") is not None:
+        return True
+    return (Path(root) / "chat_template.jinja").is_file()
+
+
+def load_chat_format(root: Path, *, trust_remote_code: bool = False):
+    """The chat format of checkpoint (or pack) ``root``: its Jinja template, else DeepSeek's ``encoding/``.
+
+    Returns a :class:`ChatTemplate` or an :class:`~shardsmith.runtime.encoding.MessageEncoding`;
+    both have ``render(messages)`` and ``source``.
+
+    Raises:
+        RemoteCodeError: only an ``encoding/`` folder, and ``trust_remote_code`` is False.
+        ChatTemplateError: no chat format, or a broken one.
+    """
+    root = Path(root)
+    if not has_template(root) and (root / "encoding").is_dir():
+        from .encoding import MessageEncoding
+
+        return MessageEncoding.from_dir(root, trust_remote_code=trust_remote_code)
+    return ChatTemplate.from_dir(root)

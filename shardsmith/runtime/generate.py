@@ -22,7 +22,8 @@ class GenerateJob:
 
     Attributes:
         prompts: the prompts, in order.
-        chat: render each prompt as one user message through the checkpoint's chat template.
+        chat: render each prompt as one user message through the checkpoint's chat template (or,
+            with ``trust_remote_code``, its DeepSeek ``encoding/`` module when it has no template).
         max_tokens, temperature, top_p, top_k, seed: sampling (temperature 0 is greedy).
         stop: stop strings.
         labelled: print ``Q: <prompt>`` / ``A: <answer>`` blocks (the demo) instead of bare text.
@@ -37,6 +38,7 @@ class GenerateJob:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     labelled: bool = False
+    trust_remote_code: bool = False
 
     def __call__(self, load) -> int:
         from .engine import SamplingParams
@@ -48,9 +50,9 @@ class GenerateJob:
             codec = Codec(engine.root)
             template = None
             if self.chat:
-                from .chat import ChatTemplate
+                from .chat import load_chat_format
 
-                template = ChatTemplate.from_dir(engine.root)
+                template = load_chat_format(engine.root, trust_remote_code=self.trust_remote_code)
             log.info("loaded in %.1f s", engine.load_seconds)
             out = sys.stdout
             for prompt in self.prompts:

@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UsageError
-from .chat import ChatTemplate, ChatTemplateError
+from .chat import ChatTemplate, ChatTemplateError, load_chat_format
+from .encoding import MessageEncoding, RemoteCodeError
 from .metrics import Metrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid, validation_error
 from .worker import EngineWorker, Job, State, TextEvent
@@ -54,12 +55,17 @@ class Prepared:
 
 
 class Service:
-    """Request preparation and execution over one :class:`EngineWorker`."""
+    """Request preparation and execution over one :class:`EngineWorker`.
 
-    def __init__(self, worker: EngineWorker, *, model_name: str, metrics: Metrics) -> None:
+    ``trust_remote_code`` lets a checkpoint without a chat template render chats with its own
+    Python encoder (DeepSeek's ``encoding/``, :mod:`.encoding`).
+    """
+
+    def __init__(self, worker: EngineWorker, *, model_name: str, metrics: Metrics, trust_remote_code: bool = False) -> None:
         self.worker, self.model_name, self.metrics = worker, model_name, metrics
+        self.trust_remote_code = trust_remote_code
         self.created = int(time.time())
-        self._template: ChatTemplate | ChatTemplateError | None = None
+        self._template: ChatTemplate | MessageEncoding | ChatTemplateError | None = None
         self._defaults: dict[str, Any] | None = None
 
     def _ready_engine(self):
@@ -80,14 +86,15 @@ class Service:
                               "top_p": float(cfg.get("top_p", 1.0)), "top_k": int(cfg.get("top_k", 0) or 0)}
         return self._defaults
 
-    def template(self, root: Path) -> ChatTemplate:
+    def template(self, root: Path) -> ChatTemplate | MessageEncoding:
         if self._template is None:
             try:
-                self._template = ChatTemplate.from_dir(root)
+                self._template = load_chat_format(root, trust_remote_code=self.trust_remote_code)
             except ChatTemplateError as e:
                 self._template = e
         if isinstance(self._template, ChatTemplateError):
-            raise invalid(str(self._template), "messages", "chat_template_missing")
+            code = "trust_remote_code_required" if isinstance(self._template, RemoteCodeError) else "chat_template_missing"
+            raise invalid(str(self._template), "messages", code)
         return self._template
 
     def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
@@ -165,12 +172,13 @@ def _error_response(request: Request, metrics: Metrics, err: APIError) -> JSONRe
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics) -> FastAPI:
-    """The FastAPI app over ``worker``; ``model_name`` is the id clients must send as ``model``."""
+def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust_remote_code: bool = False) -> FastAPI:
+    """The FastAPI app over ``worker``; ``model_name`` is the id clients must send as ``model``;
+    ``trust_remote_code``: see :class:`Service`."""
     from .streaming import chat_response, completion_response
 
     app = FastAPI(title="shardsmith", docs_url=None, redoc_url=None, openapi_url=None)
-    svc = Service(worker, model_name=model_name, metrics=metrics)
+    svc = Service(worker, model_name=model_name, metrics=metrics, trust_remote_code=trust_remote_code)
     app.state.service = svc
 
     @app.exception_handler(APIError)
@@ -225,11 +233,13 @@ class ServeJob:
 
     Attributes:
         host, port: where uvicorn listens. model_name: the id in ``/v1/models`` and requests.
+        trust_remote_code: run the checkpoint's own chat encoder (``encoding/``) when it has no template.
     """
 
     host: str
     port: int
     model_name: str
+    trust_remote_code: bool = False
 
     def __call__(self, load) -> int:
         """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean, 1 failed)."""
@@ -247,7 +257,7 @@ class ServeJob:
                 holder["server"].should_exit = True
 
         worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal)
-        app = create_app(worker, model_name=self.model_name, metrics=metrics)
+        app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code)
         server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_config=None,
                                                access_log=False, timeout_graceful_shutdown=5, lifespan="off"))
         holder["server"] = server
