@@ -44,11 +44,11 @@ def pack(smollm2_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Server:
     """A ``shardsmith serve`` subprocess and its log."""
 
-    def __init__(self, pack: Path, log: Path, *extra: str) -> None:
+    def __init__(self, pack: Path, log: Path, *extra: str, model: str = MODEL) -> None:
         self.port, self.log_path = free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "shardsmith.cli", "serve", str(pack), "--port", str(self.port),
-               "--dist-port", str(free_port()), "--served-model-name", MODEL, *extra]
+               "--dist-port", str(free_port()), "--served-model-name", model, *extra]
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
 
