@@ -120,6 +120,10 @@ def generate(
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype)
+    if chat and not trust_remote_code:  # a missing template, or one that is checkpoint code, fails before ranks start
+        from .runtime.chat import load_chat_format
+
+        load_chat_format(path)
     job = GenerateJob(prompts=tuple(prompt), chat=chat, max_tokens=max_tokens, temperature=temperature,
                       top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop), trust_remote_code=trust_remote_code)
     raise typer.Exit(launch(spec, job))
