@@ -85,7 +85,8 @@ class MessageEncoding:
         if not trust_remote_code:
             raise RemoteCodeError(f"{path}: this checkpoint's chat format is Python code shipped with it (DeepSeek's "
                                   f"encoding/ folder, no chat template); running it needs --trust-remote-code on "
-                                  f"serve/generate (read the file first), or send /v1/completions a rendered prompt")
+                                  f"serve/generate (read the file first); or send a rendered prompt (/v1/completions, "
+                                  f"generate without --chat)")
         return cls(path)
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any) -> str:
