@@ -58,11 +58,16 @@ class RuntimeLoadError(ShardsmithError):
     """The runtime cannot load a pack: wrong rank or world size, missing or mis-shaped tensor."""
 
 
+class RankLostError(ShardsmithError):
+    """Another rank died or left the process group mid-run; this rank cannot continue."""
+
+
 EXIT_CODES: dict[type[ShardsmithError], int] = {
     UsageError: 1,
     SourceError: 1,
     PlanError: 1,
     RuntimeLoadError: 1,
+    RankLostError: 1,
     ManifestError: 2,
     IntegrityError: 2,
 }

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..errors import RuntimeLoadError, ShardsmithError, UsageError, format_problems
+from ..errors import RankLostError, RuntimeLoadError, UsageError, format_problems
 from .models import ModelFamily, family_for
 from .parallel import clamp_threads, install_rank_zero_logging
 from .sampling import choose, make_generator
@@ -45,10 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardsmith.runtime")
 FORWARD, SHUTDOWN = 1, 2
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class RankLostError(ShardsmithError):
-    """Another rank died or broke the process group mid-run; this rank cannot continue."""
 
 
 @dataclass(frozen=True, slots=True)
