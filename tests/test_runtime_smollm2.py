@@ -24,12 +24,9 @@ def chat_ids(smollm2_bf16) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def tp2_pack(smollm2_bf16, tmp_path_factory) -> str:
-    from shardsmith.writer.split import split_checkpoint
-
-    out = tmp_path_factory.mktemp("smollm2-packs") / "tp2"
-    split_checkpoint(smollm2_bf16, out, world_size=2)
-    return str(out)
+def tp2_pack(smollm2_pack) -> str:
+    """The session's TP=2 pack of the SmolLM2 MoE (shared, read-only)."""
+    return str(smollm2_pack(2))
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def pack(smollm2_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from shardsmith.writer.split import split_checkpoint
-
-    out = tmp_path_factory.mktemp("cmd") / "pack-tp2"
-    split_checkpoint(smollm2_bf16, out, world_size=2)
-    return out
+def pack(smollm2_pack) -> Path:
+    """The session's TP=2 pack of the SmolLM2 MoE (shared, read-only)."""
+    return smollm2_pack(2)
 
 
 def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
