@@ -24,7 +24,9 @@ def inspect(
 
         con = err_console()
         con.print(f"[bold]{info['checkpoint']}[/]: {info['architecture']} (family {info['family']}), "
-                  f"{info['layers']} layers, {info['moe_layers']} MoE layers x {info['experts_per_layer']} experts, "
+                  f"{info['layers']} layers, {info['moe_layers']} MoE layers"
+                  + (f" (incl. {info['mtp_layers']} MTP draft layers)" if info["mtp_layers"] else "")
+                  + f" x {info['experts_per_layer']} experts, "
                   f"top-{info['experts_per_token']}; {info['tensors']} tensors in {info['files']} files, "
                   f"{human_bytes(info['total_bytes'])}")
         con.print(f"dtypes: {info['dtypes']}   quantized weights: {info['quantization']}")
@@ -34,7 +36,7 @@ def inspect(
         con.print(t)
         for p in info["problems"]:
             con.print(f"[yellow]problem:[/] {p}", highlight=False)
-    if any("unknown architecture" in p or "cannot plan" in p for p in info["problems"]):
+    if not info["plannable"]:
         raise typer.Exit(1)
 
 
@@ -47,10 +49,17 @@ def plan(
 ) -> None:
     """Show the resolved TP plan: layout and per-rank shapes per rule, bytes and memory per rank."""
     from .checkpoint import open_checkpoint
+    from .errors import UsageError
     from .plans import plan_checkpoint
     from .report import summarize_plan
     from .ui import emit_json, err_console, human_bytes
 
+    if tp < 1:
+        raise UsageError(f"--tp must be at least 1, got {tp}")
+    if align < 1:
+        raise UsageError(f"--align must be at least 1, got {align}")
+    if tensors and not json_out:
+        raise UsageError("--tensors adds per-tensor ranges to the JSON output: use it with --json")
     resolved = plan_checkpoint(open_checkpoint(checkpoint), tp, align=align)
     summary = summarize_plan(resolved)
     if json_out:

@@ -30,16 +30,17 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
 
     Returns:
         a JSON-ready dict. ``problems`` lists what would stop ``split`` (an unknown architecture,
-        a plan that fails at world size 1, header-only shards).
+        a plan that fails at world size 1, header-only shards); ``plannable`` is False when the
+        plan failed (then the categories count everything as dense).
     """
     cfg = ckpt.config
     problems: list[str] = []
     plan: ResolvedPlan | None = None
+    arch = ckpt.architecture
     try:
         arch = family_of(cfg)
         plan = plan_checkpoint(ckpt, 1)
     except PlanError as e:
-        arch = ckpt.architecture
         problems.append(str(e))
     if ckpt.header_only:
         n = sum(f.header_only for f in ckpt.files.values())
@@ -63,7 +64,9 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "architecture": arch,
         "family": FAMILIES[arch][0] if arch in FAMILIES else None,
         "layers": cfg.get("num_hidden_layers"),
+        "plannable": plan is not None,
         "moe_layers": len(experts),
+        "mtp_layers": sum(1 for k in experts if k.startswith("mtp.")),
         "experts_per_layer": sorted(set(experts.values())),
         "experts_per_token": cfg.get("num_experts_per_tok"),
         "hidden_size": cfg.get("hidden_size"),

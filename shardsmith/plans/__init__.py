@@ -17,6 +17,7 @@ from ..errors import PlanError
 from . import deepseek_v3, deepseek_v4, hf_moe
 from .core import Layout, Plan, Rule, Split, partition_units
 from .resolve import BankSlot, ResolvedPlan, TensorPlan, resolve
+from .shapes import check_banks, check_shapes
 
 __all__ = [
     "FAMILIES", "Layout", "Plan", "ResolvedPlan", "Rule", "Split", "TensorPlan", "BankSlot",
@@ -64,8 +65,13 @@ def plan_checkpoint(ckpt: Checkpoint, world_size: int, *, align: int = 1) -> Res
         align: extra unit (logical elements) every split axis is cut in (``--align``).
 
     Raises:
-        PlanError: as :func:`build_plan` and :func:`~shardsmith.plans.resolve.resolve`.
+        PlanError: as :func:`build_plan` and :func:`~shardsmith.plans.resolve.resolve`; also when
+            config.json disagrees with the tensors' shapes or counts, or one layer's experts differ
+            (:mod:`~shardsmith.plans.shapes`).
     """
     if align < 1:
         raise PlanError(f"--align must be >= 1, got {align}")
-    return resolve(build_plan(ckpt.config, world_size), ckpt.tensors, ckpt.config, world_size, align=align)
+    plan = resolve(build_plan(ckpt.config, world_size), ckpt.tensors, ckpt.config, world_size, align=align)
+    check_shapes(plan.family, ckpt.config, ckpt.tensors, plan.experts)
+    check_banks(plan.tensors)
+    return plan

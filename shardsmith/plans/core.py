@@ -175,8 +175,8 @@ def partition_units(
         )
     if n_units < world_size:
         raise PlanError(
-            f"{what}: size {size} holds only {n_units} unit(s) of {unit}; cannot give each of "
-            f"world_size={world_size} ranks a share"
+            f"{what}: size {size} makes only {n_units} share(s) of whole {unit}-element units (the last "
+            f"may be short); cannot give each of world_size={world_size} ranks one"
         )
     base, extra = divmod(n_units, world_size)
     out: list[Range] = []
