@@ -108,8 +108,7 @@ def summarize_plan(plan: ResolvedPlan) -> dict:
         g["tensors"] += 1
         g["bytes"] += DTYPES[tp.dtype].nbytes(tp.shape)
     ranks = []
-    for r in range(plan.world_size):
-        b = plan.rank_bytes(r)
+    for r, b in enumerate(plan.bytes_per_rank()):
         ranks.append({"rank": r, "dense_bytes": b["dense"], "expert_bank_bytes": b["expert_banks"],
                       "host_bytes": b["expert_banks"], "gpu_dense_bytes": b["dense"]})
     return {

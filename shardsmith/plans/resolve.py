@@ -137,9 +137,21 @@ class ResolvedPlan:
 
     def rank_bytes(self, rank: int) -> dict[str, int]:
         """Rank ``rank``'s bytes by category: ``dense`` (non-bank) and ``expert_banks``."""
-        out = {"dense": 0, "expert_banks": 0}
+        return self.bytes_per_rank()[rank]
+
+    def bytes_per_rank(self) -> list[dict[str, int]]:
+        """Every rank's ``dense`` and ``expert_banks`` bytes, in one pass over the tensors."""
+        out = [{"dense": 0, "expert_banks": 0} for _ in range(self.world_size)]
         for tp in self.tensors.values():
-            out["expert_banks" if tp.bank else "dense"] += tp.local_nbytes(rank)
+            key = "expert_banks" if tp.bank else "dense"
+            total = DTYPES[tp.dtype].nbytes(tp.shape)
+            if tp.shard_dim is None:
+                for row in out:
+                    row[key] += total
+                continue
+            size = tp.shape[tp.shard_dim]
+            for row, ranges in zip(out, tp.ranges):  # bytes scale with the share of the split axis
+                row[key] += total * sum(n for _, n in ranges) // size
         return out
 
 
@@ -257,6 +269,7 @@ def resolve(plan: Plan, tensors: dict[str, TensorInfo], config: dict, world_size
     out: dict[str, TensorPlan] = {}
     scales: dict[str, tuple[TensorPlan, Quant]] = {}
     memo: dict[str, int] = {}
+    shares: dict[tuple, tuple[int, list]] = {}
     is_scale = {n for n in tensors if n.endswith(SCALE_SUFFIXES)}
     for name, info in tensors.items():
         if name in is_scale:
@@ -274,7 +287,10 @@ def resolve(plan: Plan, tensors: dict[str, TensorInfo], config: dict, world_size
                                 (rng,) * world_size, q.format, None, bank)
             else:
                 dim = rule.shard_dim % len(info.shape)
-                unit, ranges = _ranges(rule, info, q, dim, world_size, align)
+                key = (idx, info.dtype, info.shape, q.block, q.pack, dim)  # experts share a few shapes
+                if key not in shares:
+                    shares[key] = _ranges(rule, info, q, dim, world_size, align)
+                unit, ranges = shares[key]
                 tp = TensorPlan(name, info.dtype, info.shape, rule.layout, idx, dim, unit, rule.split,
                                 tuple(ranges), q.format, None, bank)
             out[name] = tp
