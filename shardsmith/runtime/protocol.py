@@ -2,7 +2,9 @@
 
 Fields follow the OpenAI API reference (Completions, legacy; Chat Completions). Every model uses
 ``extra="forbid"``: a field OpenAI does not define is a 400, so a typo (``max_token``) is reported
-rather than silently ignored. Fields OpenAI defines but the runtime does not implement are
+rather than silently ignored. Every model is also ``strict``: a field OpenAI types as integer,
+number or boolean takes that JSON type only (``"max_tokens": "3"`` is a 400, as is ``3.0``; an
+integer is a valid number). Fields OpenAI defines but the runtime does not implement are
 accepted at their neutral value (``presence_penalty=0``, ``n=1``, ``echo=false``, no ``tools``)
 and refused otherwise, naming the field. ``top_k`` is an extension (vLLM spells it the same way).
 
@@ -15,7 +17,7 @@ import json
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_LOGPROBS = 20
 MAX_STOP = 4
@@ -48,7 +50,7 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -63,7 +65,7 @@ class _Sampling(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     n: int | None = 1
     stream: bool = False
@@ -142,6 +144,13 @@ class ChatMessage(_Strict):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _content_given(self) -> "ChatMessage":
+        # OpenAI: content is required except on an assistant message carrying tool_calls or a refusal
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
+            raise ValueError(f"a '{self.role}' message needs 'content' (a string or a list of text parts), got null")
+        return self
+
     def for_template(self) -> dict[str, Any]:
         """The message as the template expects it: ``content`` a string, unset fields left out."""
         out = self.model_dump(exclude_none=True, exclude={"content", "refusal"})
@@ -182,8 +191,12 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """One 400 from pydantic/FastAPI validation errors (malformed JSON, wrong types, unknown fields)."""
+def validation_error(errors: list[dict[str, Any]], *, content_type: str | None = None) -> APIError:
+    """One 400 from pydantic/FastAPI validation errors (malformed JSON, wrong types, unknown fields).
+
+    ``content_type`` is the request's header: a body that is not a JSON object is reported as
+    such, naming the content type when it is not JSON (FastAPI then does not parse the body).
+    """
     parts, param = [], None
     for e in errors:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
@@ -191,6 +204,13 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         if kind == "json_invalid":
             ctx = (e.get("ctx") or {}).get("error", "")
             return invalid(f"request body is not valid JSON: {ctx}".rstrip(": "), code="invalid_json")
+        if not loc and kind in ("model_attributes_type", "model_type", "dict_type"):
+            media = (content_type or "").split(";")[0].strip().lower()
+            if media != "application/json" and not media.endswith("+json"):
+                got = f"Content-Type '{media}'" if media else "no Content-Type"
+                return invalid(f"the request body must be JSON sent with Content-Type: application/json, got {got}",
+                               code="invalid_json")
+            return invalid("the request body must be a JSON object", code="invalid_json")
         where = ".".join(loc) or "body"
         param = param or where
         if kind == "extra_forbidden":
@@ -198,7 +218,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         elif kind == "missing":
             parts.append(f"missing required field '{where}'")
         else:
-            parts.append(f"'{where}': {e.get('msg', 'invalid value')}")
+            parts.append(f"'{where}': {str(e.get('msg', 'invalid value')).removeprefix('Value error, ')}")
     return invalid("; ".join(parts) or "invalid request", param)
 
 
