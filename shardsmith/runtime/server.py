@@ -4,9 +4,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE str
 ``GET /v1/models``, ``GET /health`` (503 until every rank has loaded and warmed up),
 ``GET /metrics`` (Prometheus text, :mod:`.metrics`).
 
-A request is validated completely (schema, supported options, model name, chat template,
-prompt + ``max_tokens`` within the context) before it is queued, so a bad request costs no
-engine time and gets a 4xx with OpenAI's error body. Good requests go to the single engine
+A request is validated completely (body size, schema, supported options, model name, chat
+template, prompt + ``max_tokens`` within the context) before it is queued, so a bad request costs
+no engine time and gets a 4xx with OpenAI's error body. A body over ``max_request_bytes`` is a 413
+before it is parsed; template rendering and tokenization run in a worker thread, so a long prompt
+never stalls the event loop (``/health`` and other requests stay responsive). Good requests go to the single engine
 thread (:mod:`.worker`) in arrival order; handlers await their tokens on an ``asyncio.Queue``.
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UsageError
@@ -37,6 +40,7 @@ from .worker import EngineWorker, Job, State, TextEvent
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as text or token ids is ~1 MB of JSON
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,14 +176,60 @@ def _error_response(request: Request, metrics: Metrics, err: APIError) -> JSONRe
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust_remote_code: bool = False) -> FastAPI:
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets a 413 before the app parses it.
+
+    A declared ``Content-Length`` over the limit is refused without reading the body; otherwise
+    the body is read (counting, so a chunked upload cannot exceed the limit either) and replayed
+    to the app, after which ``receive`` is the server's again (disconnects still reach streams).
+    """
+
+    def __init__(self, app, *, limit: int, metrics: Metrics) -> None:
+        self.app, self.limit, self.metrics = app, limit, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(scope, receive, send, int(declared))
+        chunks, size, message = [], 0, {"type": "http.request", "body": b"", "more_body": True}
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away mid-body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._reject(scope, receive, send, None)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope, receive, send, declared: int | None) -> None:
+        size = f"is {declared} bytes" if declared is not None else f"exceeds {self.limit} bytes"
+        err = APIError(413, f"the request body {size}; this server accepts at most {self.limit} bytes "
+                            f"(shardsmith serve --max-request-bytes)", code="request_too_large")
+        await _error_response(Request(scope), self.metrics, err)(scope, receive, send)
+
+
+def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust_remote_code: bool = False,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app over ``worker``; ``model_name`` is the id clients must send as ``model``;
-    ``trust_remote_code``: see :class:`Service`."""
+    ``trust_remote_code``: see :class:`Service`; ``max_request_bytes``: see :class:`BodyLimit`."""
     from .streaming import chat_response, completion_response
 
     app = FastAPI(title="shardsmith", docs_url=None, redoc_url=None, openapi_url=None)
     svc = Service(worker, model_name=model_name, metrics=metrics, trust_remote_code=trust_remote_code)
     app.state.service = svc
+    app.add_middleware(BodyLimit, limit=max_request_bytes, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -187,7 +237,8 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
-        return _error_response(request, metrics, validation_error(list(e.errors())))
+        return _error_response(request, metrics, validation_error(list(e.errors()),
+                                                                  content_type=request.headers.get("content-type")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
@@ -196,12 +247,12 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        return await completion_response(svc, svc.prepare(req), stream=req.stream,
+        return await completion_response(svc, await run_in_threadpool(svc.prepare, req), stream=req.stream,
                                          include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
-        return await chat_response(svc, svc.prepare(req), stream=req.stream,
+        return await chat_response(svc, await run_in_threadpool(svc.prepare, req), stream=req.stream,
                                    include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
     @app.get("/v1/models")
@@ -234,12 +285,14 @@ class ServeJob:
     Attributes:
         host, port: where uvicorn listens. model_name: the id in ``/v1/models`` and requests.
         trust_remote_code: run the checkpoint's own chat encoder (``encoding/``) when it has no template.
+        max_request_bytes: larger request bodies get a 413 (:class:`BodyLimit`).
     """
 
     host: str
     port: int
     model_name: str
     trust_remote_code: bool = False
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __call__(self, load) -> int:
         """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean, 1 failed)."""
@@ -257,7 +310,8 @@ class ServeJob:
                 holder["server"].should_exit = True
 
         worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal)
-        app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code)
+        app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
+                         max_request_bytes=self.max_request_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_config=None,
                                                access_log=False, timeout_graceful_shutdown=5, lifespan="off"))
         holder["server"] = server
