@@ -62,11 +62,12 @@ def test_checkpoint_wrong_shape_and_unexpected_tensor_are_named(tiny, tmp_path):
 
 def test_unexpected_tensor_is_named(tiny, tmp_path):
     def edit(t):
-        t["model.layers.5.input_layernorm.weight"] = t["model.norm.weight"].clone()
+        # a tensor the plan accepts (an o_proj bias is replicated) but this model has no place for
+        t["model.layers.0.self_attn.o_proj.bias"] = t["model.norm.weight"].clone()
         return t
 
     ckpt = edit_checkpoint(tiny("mixtral"), tmp_path / "c", edit)
-    with pytest.raises(RuntimeLoadError, match="unexpected tensor 'model.layers.5.input_layernorm.weight'"):
+    with pytest.raises(RuntimeLoadError, match="unexpected tensor 'model.layers.0.self_attn.o_proj.bias'"):
         load(ckpt, from_checkpoint=True)
 
 

@@ -15,6 +15,8 @@ heads, d = head dim, V = vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -162,6 +164,37 @@ class Transformer(nn.Module):
         return self.lm_head(x)  # [T or 1, V]
 
 
+def install_buffers(model: nn.Module, expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor],
+                    convert: Callable[[str, torch.Tensor, torch.Tensor], "torch.Tensor | str"], *, what: str) -> None:
+    """Strictly replace ``model``'s ``meta`` buffers (``expected``, by name) with ``given`` tensors.
+
+    Every problem is collected first and raised once: a given tensor with no buffer, a buffer with
+    no tensor, a shape mismatch, or a ``convert(name, tensor, meta)`` that returns a message
+    instead of the tensor to install (dtype rules are the caller's).
+
+    Raises:
+        RuntimeLoadError: listing every problem, naming ``what`` was loaded.
+    """
+    problems = [f"unexpected tensor {n!r} {list(given[n].shape)}: the model has no place for it"
+                for n in sorted(set(given) - set(expected))]
+    out = {}
+    for name, meta in expected.items():
+        t = given.get(name)
+        if t is None:
+            problems.append(f"missing tensor {name!r}: the model needs {list(meta.shape)}")
+        elif tuple(t.shape) != tuple(meta.shape):
+            problems.append(f"tensor {name!r}: shape {list(t.shape)}, the model needs {list(meta.shape)}")
+        elif isinstance(got := convert(name, t, meta), str):
+            problems.append(f"tensor {name!r}: {got}")
+        else:
+            out[name] = got
+    if problems:
+        raise RuntimeLoadError(format_problems(f"cannot load {what}", problems))
+    for name, t in out.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = t
+
+
 def assign_weights(model: Transformer, dense: dict[str, torch.Tensor], banks: dict[str, dict[str, torch.Tensor]],
                    *, device: torch.device, tied: bool) -> None:
     """Replace every ``meta`` buffer of ``model`` by the rank's tensor of the same name, strictly.
@@ -181,24 +214,12 @@ def assign_weights(model: Transformer, dense: dict[str, torch.Tensor], banks: di
             given[f"{layer}.{moe}.experts.{array}"] = t
     if tied:
         expected.pop("lm_head.weight", None)
-    problems = []
-    for name in sorted(set(given) - set(expected)):
-        problems.append(f"unexpected tensor {name!r} {list(given[name].shape)}: the model has no place for it")
-    out = {}
-    for name, meta in expected.items():
-        t = given.get(name)
-        if t is None:
-            problems.append(f"missing tensor {name!r}: the model needs {list(meta.shape)}")
-        elif tuple(t.shape) != tuple(meta.shape):
-            problems.append(f"tensor {name!r}: shape {list(t.shape)}, the model needs {list(meta.shape)}")
-        elif (meta.dtype == torch.float8_e4m3fn) != (t.dtype == torch.float8_e4m3fn):
-            problems.append(f"tensor {name!r}: dtype {t.dtype}, the model needs {meta.dtype}")
-        else:
-            out[name] = t.to(device=device, dtype=meta.dtype)
-    if problems:
-        raise RuntimeLoadError(format_problems("cannot load the rank's weights", problems))
-    for name, t in out.items():
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._buffers[leaf] = t
+
+    def convert(name: str, t: torch.Tensor, meta: torch.Tensor) -> torch.Tensor | str:
+        if (meta.dtype == torch.float8_e4m3fn) != (t.dtype == torch.float8_e4m3fn):
+            return f"dtype {t.dtype}, the model needs {meta.dtype}"
+        return t.to(device=device, dtype=meta.dtype)
+
+    install_buffers(model, expected, given, convert, what="the rank's weights")
     if tied:
         model.lm_head._buffers["weight"] = model.model.embed_tokens.weight

@@ -27,7 +27,8 @@ import re
 import torch
 from torch import nn
 
-from ...errors import RuntimeLoadError, UsageError, format_problems
+from ...errors import UsageError
+from ..model import install_buffers
 from ..parallel import Shards
 from .attention import Attention
 from .config import V4Args
@@ -159,23 +160,12 @@ def assign_weights(model: DeepseekV4, dense: dict[str, torch.Tensor], banks: dic
     for layer, arrays in banks.items():
         if not layer.startswith("mtp."):
             given.update({f"{layer}.ffn.experts.{a}": t for a, t in arrays.items()})
-    problems = [f"unexpected tensor {n!r} {list(given[n].shape)}: the model has no place for it"
-                for n in sorted(set(given) - set(expected))]
-    out = {}
-    for name, meta in expected.items():
-        t = given.get(name)
-        if t is None:
-            problems.append(f"missing tensor {name!r}: the model needs {list(meta.shape)}")
-        elif tuple(t.shape) != tuple(meta.shape):
-            problems.append(f"tensor {name!r}: shape {list(t.shape)}, the model needs {list(meta.shape)}")
-        elif meta.dtype in (torch.float8_e4m3fn, torch.int8, torch.float8_e8m0fnu, torch.int64) and t.dtype != meta.dtype:
-            problems.append(f"tensor {name!r}: dtype {t.dtype}, the model needs {meta.dtype}")
-        elif name.endswith(".weight_scale_inv"):
-            out[name] = ue8m0_to_float(t).to(device)
-        else:
-            out[name] = t.to(device=device, dtype=meta.dtype)
-    if problems:
-        raise RuntimeLoadError(format_problems("cannot load the rank's DeepSeek-V4 weights", problems))
-    for name, t in out.items():
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._buffers[leaf] = t
+
+    def convert(name: str, t: torch.Tensor, meta: torch.Tensor) -> torch.Tensor | str:
+        if meta.dtype in (torch.float8_e4m3fn, torch.int8, torch.float8_e8m0fnu, torch.int64) and t.dtype != meta.dtype:
+            return f"dtype {t.dtype}, the model needs {meta.dtype}"
+        if name.endswith(".weight_scale_inv"):
+            return ue8m0_to_float(t).to(device)
+        return t.to(device=device, dtype=meta.dtype)
+
+    install_buffers(model, expected, given, convert, what="the rank's DeepSeek-V4 weights")
