@@ -37,7 +37,7 @@ def split(
     align: int = typer.Option(1, "--align", help="Cut every splittable axis in whole units of N elements."),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Write only these ranks, e.g. 0,1 (pack.yaml lists all)."),
     resume: bool = typer.Option(False, "--resume", help="Reuse the finished, re-hashed files of an interrupted split."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty OUT."),
+    force: bool = typer.Option(False, "--force", help="Replace the pack already at OUT (never another non-empty folder)."),
     max_file_bytes: int = typer.Option(4 << 30, "--max-file-bytes", help="Start a new dense file past this many bytes."),
     workers: int = typer.Option(0, "--workers", help="Cutting/writing threads (0: min(4, CPUs))."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),

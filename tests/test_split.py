@@ -113,9 +113,15 @@ def test_refuses_non_empty_out_unless_force(tiny, tmp_path: Path) -> None:
     (out / "keep.txt").write_text("mine")
     with pytest.raises(UsageError, match="not empty"):
         split_checkpoint(tiny("qwen3-moe"), out, world_size=2)
-    assert (out / "keep.txt").exists()
+    with pytest.raises(UsageError, match="not a shardsmith pack"):  # --force replaces only a pack
+        split_checkpoint(tiny("qwen3-moe"), out, world_size=2, force=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    split_checkpoint(tiny("qwen3-moe"), out, world_size=2)
+    with pytest.raises(UsageError, match="not empty"):
+        split_checkpoint(tiny("qwen3-moe"), out, world_size=2)
     split_checkpoint(tiny("qwen3-moe"), out, world_size=2, force=True)
-    assert not (out / "keep.txt").exists() and verify_pack(out).ok
+    assert verify_pack(out).ok
 
 
 def test_some_ranks_only(tiny, tmp_path: Path) -> None:

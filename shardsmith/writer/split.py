@@ -43,6 +43,7 @@ from ..plans import plan_checkpoint
 from ..plans.resolve import TensorPlan
 from .journal import Journal
 from .layout import DEFAULT_MAX_FILE_BYTES, PackLayout, layout_pack
+from .outdir import check_out, partial_dir
 from .packdocs import finalize_pack, plan_json
 from .slicing import cut
 from .stwriter import FileWriter
@@ -90,13 +91,16 @@ def shard_pieces(raw: np.ndarray, tp: TensorPlan, rank: int) -> list[np.ndarray]
     return [cut(raw, tp, rank)]
 
 
-def _partial_dir(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
-
-
-def _prepare_out(out: Path, force: bool) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise UsageError(f"{out}: exists and is not empty (pass --force to replace it)")
+def _check_args(world_size: int, ranks: tuple[int, ...] | None, max_file_bytes: int, workers: int | None) -> None:
+    """Raise :class:`UsageError` for bad arguments, before anything is read or written."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise UsageError(f"--tp {world_size}: the tensor-parallel world size must be an integer >= 1")
+    if ranks is not None and (not ranks or any(not 0 <= r < world_size for r in ranks)):
+        raise UsageError(f"--ranks {','.join(map(str, ranks))}: each rank must be in [0, {world_size})")
+    if max_file_bytes <= 0:
+        raise UsageError(f"--max-file-bytes {max_file_bytes}: must be > 0")
+    if workers is not None and workers < 0:
+        raise UsageError(f"--workers {workers}: must be >= 0 (0: min(4, CPUs))")
 
 
 class _Window:
@@ -128,9 +132,10 @@ def split_checkpoint(
         world_size: tensor-parallel ranks; align: cut unit in logical elements (``--align``).
         ranks: write only these ranks (``pack.yaml`` still lists all; verify with ``rank=``).
         resume: reuse finished files of an interrupted split into the same ``out_dir``.
-        force: replace an existing non-empty ``out_dir``.
+        force: replace an existing pack (or partial split) at ``out_dir``; never anything else
+            (:mod:`.outdir`).
         max_file_bytes: size at which a rank's dense tensors start a new file.
-        workers: cutting/writing threads (default ``min(4, cpus)``).
+        workers: cutting/writing threads (``None`` or 0: ``min(4, cpus)``).
         progress: called with ``(bytes_done, bytes_total)`` of source data as tensors finish.
 
     Returns:
@@ -138,22 +143,23 @@ def split_checkpoint(
 
     Raises:
         SourceError: invalid or header-only checkpoint. PlanError: no valid plan at ``world_size``.
-        UsageError: bad ``ranks``, or ``out_dir`` exists and is not empty without ``force``.
+        UsageError: bad ``world_size``, ``ranks``, ``max_file_bytes`` or ``workers``; ``out_dir`` is, holds
+            or lies inside the source, or exists and is not empty (without ``force``, or not a pack).
     """
     t0 = time.perf_counter()
     out = Path(out_dir)
+    _check_args(world_size, ranks, max_file_bytes, workers)
     ckpt = open_checkpoint(ckpt_dir)
     if ckpt.header_only:
         n = sum(f.header_only for f in ckpt.files.values())
         raise SourceError(f"{ckpt.root}: {n} of {len(ckpt.files)} shard(s) are header-only (.safetensors.json); "
                           f"split needs the tensor data (download the shards first)")
+    shards = [f.path for f in ckpt.files.values()]
+    check_out(ckpt.root, shards, out, force=force)
     plan = plan_checkpoint(ckpt, world_size, align=align)
-    if ranks is not None and (not ranks or any(not 0 <= r < world_size for r in ranks)):
-        raise UsageError(f"--ranks {','.join(map(str, ranks))}: each rank must be in [0, {world_size})")
-    _prepare_out(out, force)
     layout = layout_pack(plan, ranks=ranks, max_file_bytes=max_file_bytes)
     plan_bytes = plan_json(plan)
-    partial = _partial_dir(out)
+    partial = partial_dir(out)
     key = {"format_version": 1, "plan_xxh3_128": xxhash.xxh3_128(plan_bytes).hexdigest(),
            "ranks": list(layout.ranks), "max_file_bytes": max_file_bytes,
            "source": [[f.name, f.size, f.path.stat().st_mtime_ns] for f in ckpt.files.values()]}
@@ -178,8 +184,9 @@ def split_checkpoint(
     finally:
         journal.close()
     (partial / "journal.jsonl").unlink()
+    check_out(ckpt.root, shards, out, force=force)  # again: OUT may have appeared while we worked
     if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
+        shutil.rmtree(out)  # a pack or an empty directory (check_out)
     os.replace(partial, out)
     _fsync_dir(out.parent)
     reused = sum(1 for p in layout.files if p in journal.files) - stats["written"]

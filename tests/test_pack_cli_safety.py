@@ -1,0 +1,142 @@
+"""The pack commands refuse what would destroy data and report bad arguments as usage errors.
+
+Each test runs the real CLI (``typer.testing.CliRunner``) and maps the raised error to its exit
+code as ``shardsmith.cli.main`` does: 1 usage/source/plan error, 2 integrity failure. A raw
+Python exception (a traceback for the user) fails the test. Checkpoints are copies of the
+session's tiny ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from shardsmith.cli import app
+from shardsmith.errors import ShardsmithError, exit_code_for
+from shardsmith.writer.split import split_checkpoint
+
+runner = CliRunner()
+
+
+def cli(*args: object) -> tuple[int, str]:
+    """Run ``shardsmith ARGS``; return (exit code as ``main`` sets it, message)."""
+    r = runner.invoke(app, [str(a) for a in args])
+    if r.exception is None or isinstance(r.exception, SystemExit):
+        return (1 if r.exit_code == 2 else r.exit_code), r.output
+    assert isinstance(r.exception, ShardsmithError), f"raw {type(r.exception).__name__}: {r.exception}"
+    return exit_code_for(r.exception), str(r.exception)
+
+
+def digest(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``root`` (symlinks followed)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def ckpt(tiny, tmp_path: Path) -> Path:
+    src = tmp_path / "ck"
+    shutil.copytree(tiny("mixtral"), src)
+    return src
+
+
+@pytest.fixture(scope="module")
+def pack(tiny, tmp_path_factory) -> Path:
+    """A TP=2 pack of the tiny Mixtral (do not modify: copy first)."""
+    out = tmp_path_factory.mktemp("safety") / "tm2"
+    split_checkpoint(tiny("mixtral"), out, world_size=2)
+    return out
+
+
+# -- split: OUT never destroys the source or foreign folders ---------------------------------
+
+
+def test_split_refuses_the_checkpoint_itself(ckpt: Path) -> None:
+    before = digest(ckpt)
+    code, msg = cli("split", ckpt, ckpt, "--tp", 2, "--force")
+    assert code == 1 and f"OUT {ckpt} is the checkpoint" in msg
+    assert digest(ckpt) == before and not ckpt.with_name("ck.partial").exists()
+
+
+def test_split_refuses_a_folder_holding_the_checkpoint(tiny, tmp_path: Path) -> None:
+    parent = tmp_path / "parent"
+    shutil.copytree(tiny("mixtral"), parent / "ck")
+    before = digest(parent)
+    code, msg = cli("split", parent / "ck", parent, "--tp", 2, "--force")
+    assert code == 1 and "contains the checkpoint" in msg
+    assert digest(parent) == before
+
+
+def test_split_refuses_out_inside_the_checkpoint(ckpt: Path) -> None:
+    before = digest(ckpt)
+    code, msg = cli("split", ckpt, ckpt / "packs" / "tp2", "--tp", 2)
+    assert code == 1 and "lies inside the checkpoint" in msg
+    assert digest(ckpt) == before and not (ckpt / "packs").exists()
+
+
+def test_split_refuses_a_symlink_to_the_checkpoint(ckpt: Path, tmp_path: Path) -> None:
+    (tmp_path / "link").symlink_to(ckpt)
+    code, msg = cli("split", ckpt, tmp_path / "link", "--tp", 2, "--force")
+    assert code == 1 and "is the checkpoint" in msg and str(ckpt.resolve()) in msg
+    assert (ckpt / "config.json").is_file()
+
+
+def test_split_refuses_out_holding_linked_shards(ckpt: Path, tmp_path: Path) -> None:
+    """A Hugging Face cache layout: the snapshot links its shards into ../../blobs."""
+    blobs, snap = tmp_path / "hf" / "blobs", tmp_path / "hf" / "snapshots" / "x"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in ckpt.iterdir():
+        shutil.copy(f, blobs / f.name)
+        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
+    before = digest(blobs)
+    code, msg = cli("split", snap, blobs, "--tp", 2, "--force")
+    assert code == 1 and "contains source shard" in msg
+    assert digest(blobs) == before
+
+
+def test_split_force_replaces_only_a_pack_or_an_empty_folder(ckpt: Path, tmp_path: Path) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    code, msg = cli("split", ckpt, mine, "--tp", 2, "--force")
+    assert code == 1 and f"{mine}: exists, is not empty and is not a shardsmith pack" in msg
+    assert (mine / "notes.txt").read_text() == "keep" and not (tmp_path / "mine.partial").exists()
+    (tmp_path / "file").write_text("x")
+    code, msg = cli("split", ckpt, tmp_path / "file", "--tp", 2, "--force")
+    assert code == 1 and "is not a directory" in msg and (tmp_path / "file").read_text() == "x"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli("split", ckpt, empty, "--tp", 2, "--force")[0] == 0
+    assert cli("split", ckpt, empty, "--tp", 2)[0] == 1  # a pack now: replaced only with --force
+    assert cli("split", ckpt, empty, "--tp", 4, "--force")[0] == 0
+    assert (empty / "rank-3-of-4").is_dir() and not (empty / "rank-1-of-2").exists()
+
+
+def test_split_refuses_a_foreign_partial_folder(ckpt: Path, tmp_path: Path) -> None:
+    foreign = tmp_path / "out.partial"
+    foreign.mkdir()
+    (foreign / "data.bin").write_text("not ours")
+    for extra in ((), ("--resume",)):
+        code, msg = cli("split", ckpt, tmp_path / "out", "--tp", 2, *extra)
+        assert code == 1 and f"{foreign}: exists and is not a partial split" in msg
+        assert (foreign / "data.bin").read_text() == "not ours" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, flag", [
+    (("--tp", 2, "--workers", -1), "--workers -1"),
+    (("--tp", 0), "--tp 0"),
+    (("--tp", -2), "--tp -2"),
+    (("--tp", 2, "--max-file-bytes", 0), "--max-file-bytes 0"),
+    (("--tp", 2, "--ranks", "2"), "--ranks 2"),
+    (("--tp", 2, "--ranks", "-1"), "--ranks -1"),
+])
+def test_split_bad_arguments_leave_nothing(ckpt: Path, tmp_path: Path, args: tuple, flag: str) -> None:
+    code, msg = cli("split", ckpt, tmp_path / "out", *args)
+    assert code == 1 and flag in msg
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
