@@ -103,13 +103,18 @@ def export(
     rank: int = typer.Option(..., "--rank", help="Rank to export."),
     level: int = typer.Option(3, "--level", help="zstd level."),
     threads: int = typer.Option(0, "--threads", help="zstd threads (0: one per CPU)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing ARCHIVE."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
-    """Write one rank's pack (with pack.yaml, plan.json and copied files) as one multi-threaded zstd stream."""
+    """Write one rank's pack (with pack.yaml, plan.json and copied files) as one multi-threaded zstd stream.
+
+    Every file is hashed as it is read and checked against its manifest: a damaged rank exits 2 and
+    leaves no archive.
+    """
     from .ui import emit_json, err_console, human_bytes
     from .writer.transport import export_rank
 
-    r = export_rank(out, rank, archive, level=level, threads=threads)
+    r = export_rank(out, rank, archive, level=level, threads=threads, force=force)
     if json_out:
         emit_json({**_asdict(r), "ratio": r.ratio})
     err_console().print(f"[bold green]exported[/] rank {r.rank} of {r.world_size}: {r.files} files, {human_bytes(r.raw_bytes)} "

@@ -140,3 +140,50 @@ def test_split_bad_arguments_leave_nothing(ckpt: Path, tmp_path: Path, args: tup
     code, msg = cli("split", ckpt, tmp_path / "out", *args)
     assert code == 1 and flag in msg
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+# -- export / import: usage errors, not tracebacks; damage is caught on export ----------------
+
+
+def test_import_missing_or_folder_archive(tmp_path: Path) -> None:
+    code, msg = cli("import", tmp_path / "nonexist.tar.zst", tmp_path / "imp" / "x")
+    assert code == 1 and f"{tmp_path / 'nonexist.tar.zst'}: no such archive" in msg
+    code, msg = cli("import", tmp_path, tmp_path / "imp" / "x")
+    assert code == 1 and "not a file" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_export_bad_archive_paths(pack: Path, tmp_path: Path) -> None:
+    code, msg = cli("export", pack, "--rank", 0, tmp_path / "no" / "dir" / "a.tar.zst")
+    assert code == 1 and f"{tmp_path / 'no' / 'dir'} does not exist" in msg
+    code, msg = cli("export", pack, "--rank", 0, tmp_path)
+    assert code == 1 and f"{tmp_path}: is a directory" in msg
+    code, msg = cli("export", pack, "--rank", 0, pack / "r0.tar.zst")
+    assert code == 1 and "lies inside the pack" in msg
+    code, msg = cli("export", pack, "--rank", 2, tmp_path / "a.tar.zst")
+    assert code == 1 and "--rank 2: outside [0, 2)" in msg
+    code, msg = cli("export", tmp_path / "nopack", "--rank", 0, tmp_path / "a.tar.zst")
+    assert code == 1 and "no such pack directory" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == [] and "r0.tar.zst" not in {p.name for p in pack.iterdir()}
+
+
+def test_export_refuses_to_overwrite_without_force(pack: Path, tmp_path: Path) -> None:
+    archive = tmp_path / "r0.tar.zst"
+    archive.write_bytes(b"an older archive")
+    code, msg = cli("export", pack, "--rank", 0, archive)
+    assert code == 1 and f"{archive}: exists (pass --force" in msg and archive.read_bytes() == b"an older archive"
+    assert cli("export", pack, "--rank", 0, archive, "--force")[0] == 0
+    assert cli("import", archive, tmp_path / "node0")[0] == 0
+
+
+def test_export_catches_a_corrupted_rank(pack: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(pack, bad)
+    victim = sorted((bad / "rank-1-of-2").glob("*.safetensors"))[-1]
+    data = bytearray(victim.read_bytes())
+    data[-7] ^= 0x40  # in the tensor data; same size
+    victim.write_bytes(bytes(data))
+    code, msg = cli("export", bad, "--rank", 1, tmp_path / "r1.tar.zst")
+    assert code == 2 and str(victim) in msg and "xxh3_128" in msg
+    assert not (tmp_path / "r1.tar.zst").exists() and not (tmp_path / "r1.tar.zst.partial").exists()
+    assert cli("export", bad, "--rank", 0, tmp_path / "r0.tar.zst")[0] == 0  # the other rank is intact

@@ -51,31 +51,78 @@ class TransportResult:
         return self.raw_bytes / self.archive_bytes if self.archive_bytes else 0.0
 
 
+class _HashingReader:
+    """A binary file whose bytes are counted and hashed (XXH3-128) as ``tarfile`` reads them."""
+
+    def __init__(self, fh) -> None:
+        self.fh, self.h, self.n = fh, xxhash.xxh3_128(), 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.fh.read(size)
+        self.h.update(data)
+        self.n += len(data)
+        return data
+
+
+def _check_archive_path(archive: Path, root: Path, force: bool) -> None:
+    """Refuse an archive path that cannot be written, or would overwrite something, before any write."""
+    if archive.is_dir():
+        raise UsageError(f"{archive}: is a directory; give the archive file to write, e.g. {archive / 'rank.tar.zst'}")
+    parent = archive.absolute().parent
+    if not parent.is_dir():
+        raise UsageError(f"{archive}: directory {parent} does not exist (create it first)")
+    if archive.exists() or archive.is_symlink():
+        if not force:
+            raise UsageError(f"{archive}: exists (pass --force to replace it)")
+        if archive.is_symlink() or not archive.is_file():
+            raise UsageError(f"{archive}: exists and is not a regular file; --force replaces only an archive")
+    if root.resolve() in archive.resolve().parents:
+        raise UsageError(f"{archive}: lies inside the pack {root}; write the archive elsewhere")
+    tmp = archive.with_name(archive.name + ".partial")
+    if tmp.is_symlink() or (tmp.exists() and not tmp.is_file()):
+        raise UsageError(f"{tmp}: exists and is not a file; remove it first")
+
+
 def export_rank(out_dir: str | os.PathLike, rank: int, archive: str | os.PathLike, *, level: int = 3,
-                threads: int = 0) -> TransportResult:
+                threads: int = 0, force: bool = False) -> TransportResult:
     """Write rank ``rank`` of the pack at ``out_dir`` (plus ``pack.yaml``, ``plan.json`` and the
     copied files) to ``archive`` as ``.tar.zst``; written to ``archive.partial`` and renamed.
+
+    Every file is hashed as it streams into the archive and compared with its manifest record
+    (the rank manifest for weight files, ``pack.yaml`` for copied files), so a damaged rank is
+    never shipped.
 
     Args:
         level: zstd level (3 is fast; FP8/FP4 data hardly compresses at any level).
         threads: zstd worker threads (0: one per CPU).
+        force: replace an existing ``archive``.
 
     Raises:
-        RuntimeLoadError / ManifestError / IntegrityError: as :func:`shardsmith.pack.open_rank`.
+        UsageError: ``out_dir`` is not a directory; ``archive`` is a directory, in a missing
+            directory, inside the pack, or exists (without ``force``).
+        RuntimeLoadError / ManifestError: as :func:`shardsmith.pack.open_rank`.
+        IntegrityError: as :func:`shardsmith.pack.open_rank`, or a file's bytes differ from its
+            manifest record (the partial archive is removed).
     """
     import zstandard
 
     from ..pack import open_pack, open_rank
 
     t0 = time.perf_counter()
-    root = Path(out_dir)
+    root, archive = Path(out_dir), Path(archive)
+    if not root.is_dir():
+        raise UsageError(f"{root}: no such pack directory")
+    _check_archive_path(archive, root, force)
     pack = open_pack(root)
     world = pack.world_size
+    if not 0 <= rank < world:
+        raise UsageError(f"--rank {rank}: outside [0, {world}) of the pack {root}")
     rp = open_rank(root, rank, world)
     d = rank_dir(rank, world)
+    expect = {c["path"]: (c["bytes"], c["xxh3_128"]) for c in pack.doc.get("copied_files") or []}
+    expect |= {f"{d}/{rec['path']}": (rec["bytes"], rec["xxh3_128"]) for rec in rp.manifest["files"]}
     names = [PACK_MANIFEST, PLAN_FILE, *(c["path"] for c in pack.doc.get("copied_files") or []),
              f"{d}/{RANK_MANIFEST}", *(f"{d}/{rec['path']}" for rec in rp.manifest["files"])]
-    archive = Path(archive)
     tmp = archive.with_name(archive.name + ".partial")
     raw_bytes = 0
     cctx = zstandard.ZstdCompressor(level=level, threads=threads or -1, write_checksum=True)
@@ -88,8 +135,17 @@ def export_rank(out_dir: str | os.PathLike, rank: int, archive: str | os.PathLik
                         info = tar.gettarinfo(str(root / name), arcname=name)
                         info.uid = info.gid = 0
                         info.uname = info.gname = ""
+                        want = expect.get(name)
+                        if want is not None and info.size != want[0]:
+                            raise IntegrityError(f"{root / name}: size expected {want[0]} bytes, found {info.size}; "
+                                                 f"the pack is damaged (shardsmith verify {root} --rank {rank})")
                         with open(root / name, "rb") as f:
-                            tar.addfile(info, f)
+                            src = _HashingReader(f)
+                            tar.addfile(info, src)
+                        if want is not None and (src.n, src.h.hexdigest()) != want:
+                            raise IntegrityError(f"{root / name}: (bytes, xxh3_128) expected {want}, found "
+                                                 f"{(src.n, src.h.hexdigest())}; the pack is damaged, nothing exported "
+                                                 f"(shardsmith verify {root} --rank {rank})")
                         raw_bytes += info.size
             fh.flush()
             os.fsync(fh.fileno())
@@ -128,7 +184,7 @@ def import_rank(archive: str | os.PathLike, dest: str | os.PathLike) -> Transpor
     """Unpack an :func:`export_rank` archive into ``dest``, checking every file's size and hash.
 
     Raises:
-        UsageError: ``dest`` exists and is not empty.
+        UsageError: ``archive`` is missing or not a file; ``dest`` exists and is not empty.
         IntegrityError: damaged, truncated or unexpected content (``dest`` is then not created).
     """
     import yaml
@@ -136,6 +192,10 @@ def import_rank(archive: str | os.PathLike, dest: str | os.PathLike) -> Transpor
 
     t0 = time.perf_counter()
     archive, dest = Path(archive), Path(dest)
+    if not archive.exists():
+        raise UsageError(f"{archive}: no such archive")
+    if not archive.is_file():
+        raise UsageError(f"{archive}: not a file (give the .tar.zst written by export)")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UsageError(f"{dest}: exists and is not empty")
     tmp = dest.with_name(f".{dest.name}.import-{uuid.uuid4().hex[:8]}")
