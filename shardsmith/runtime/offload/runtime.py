@@ -18,6 +18,7 @@ One MoE layer, GPU backend (one host sync: the ``[T, K]`` expert ids)::
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -31,9 +32,11 @@ from .cpu_backend import CpuExperts
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
 from .host_bank import HostBanks, load_host_banks
 from .probe import ProbeResult, run_probe
+from .slots import Policy
 
 log = logging.getLogger("shardsmith.runtime.offload")
 BACKENDS = ("auto", "gpu", "cpu", "hybrid")
+POLICIES = tuple(p.value for p in Policy)
 GiB = 1 << 30
 
 
@@ -71,12 +74,14 @@ class OffloadConfig:
         """From the ``serve``/``generate`` options.
 
         Raises:
-            UsageError: an unknown backend or a negative cache size.
+            UsageError: an unknown backend or policy, or a cache size that is negative or not finite.
         """
         if moe_backend not in BACKENDS:
             raise UsageError(f"--moe-backend must be one of {', '.join(BACKENDS)}, got {moe_backend!r}")
-        if expert_cache_gb is not None and expert_cache_gb < 0:
-            raise UsageError(f"--expert-cache-gb must be >= 0, got {expert_cache_gb}")
+        if expert_cache_gb is not None and not (math.isfinite(expert_cache_gb) and expert_cache_gb >= 0):
+            raise UsageError(f"--expert-cache-gb must be a number >= 0, got {expert_cache_gb}")
+        if expert_policy not in POLICIES:
+            raise UsageError(f"--expert-policy must be one of {', '.join(POLICIES)}, got {expert_policy!r}")
         return cls(backend=moe_backend, policy=expert_policy,
                    cache_bytes=None if expert_cache_gb is None else int(expert_cache_gb * GiB))
 
