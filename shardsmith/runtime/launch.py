@@ -8,6 +8,13 @@ server, or one-off generation); the others call ``Engine.follow()``, which execu
 commands until ``Engine.shutdown()``. Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
 in the environment) the current process is that rank and joins through ``env://``.
 
+Errors. A rank that raises sends a :class:`RankReport` to the launcher instead of logging it.
+Once the ranks are down the launcher raises them as one error, each distinct message once (a load
+error that every rank gathered appears once; the ``RankLostError`` of ranks that only saw another
+one die is dropped when another report says why), so the CLI prints it once and exits with its
+code. The code follows the cause chain: a ``RuntimeLoadError`` raised from an ``IntegrityError``
+is raised as an ``IntegrityError`` (exit 2).
+
 Supervision. The parent waits on every child's sentinel. A rank that exits non-zero or is
 killed is reported in one line (rank, pid, exit code or signal) and the others are stopped:
 SIGTERM to rank 0 (graceful: uvicorn drains, the engine shuts down), then SIGTERM, then SIGKILL
@@ -31,12 +38,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import ShardsmithError, UsageError, exit_code_for
+from ..errors import EXIT_CODES, RankLostError, ShardsmithError, UsageError, exit_code_for
 
 log = logging.getLogger(__name__)
 
 GRACE_S = 20.0        # rank 0's graceful stop (drain, engine shutdown) before SIGTERM to all
 KILL_AFTER_S = 5.0    # SIGTERM to SIGKILL
+REPORT_CHARS = 20_000  # a rank's error message sent to the launcher, at most
 COLLECTIVE_TIMEOUT_S = 600.0  # default group; idle followers wait in the engine's own command group
 
 
@@ -101,11 +109,15 @@ def pack_world_size(path: Path, *, tp: int | None, from_checkpoint: bool) -> int
 
     Raises:
         UsageError: no ``pack.yaml`` (not a pack), ``--tp`` missing with ``--from-checkpoint``,
-            or ``--tp`` disagreeing with the pack.
+            ``--from-checkpoint`` given a pack, or ``--tp`` disagreeing with the pack.
     """
     if from_checkpoint:
-        if not tp or tp < 1:
-            raise UsageError("--from-checkpoint needs --tp N (the number of ranks to slice the checkpoint for)")
+        if (Path(path) / "pack.yaml").is_file():
+            raise UsageError(f"{path} is a pack (it has pack.yaml), not a checkpoint; drop --from-checkpoint "
+                             f"(the pack's world_size sets the ranks)")
+        if tp is None or tp < 1:
+            raise UsageError(f"--from-checkpoint needs --tp N >= 1 (the number of ranks to slice the checkpoint for)"
+                             f"{'' if tp is None else f', got {tp}'}")
         return tp
     manifest = Path(path) / "pack.yaml"
     if not manifest.is_file():
@@ -173,7 +185,19 @@ def _watch_parent(ppid: int) -> None:
             return
 
 
-def _child(rank: int, spec: LaunchSpec, job: Job, env: dict[str, str], log_level: int) -> None:
+def error_class(err: BaseException) -> type[ShardsmithError]:
+    """The :data:`~shardsmith.errors.EXIT_CODES` class that sets ``err``'s exit code: the one with
+    the highest code along its ``__cause__`` chain (``RuntimeLoadError`` raised from an
+    ``IntegrityError``: ``IntegrityError``, 2); plain ``ShardsmithError`` (1) for anything else."""
+    found, seen, e = [], set(), err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        found += [c for c in type(e).__mro__ if c in EXIT_CODES][:1]
+        e = e.__cause__
+    return max(found, key=EXIT_CODES.__getitem__, default=ShardsmithError)  # ties: the outermost
+
+
+def _child(rank: int, spec: LaunchSpec, job: Job, env: dict[str, str], log_level: int, reports) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "SHARDSMITH_SPAWNED": "1"})
     setup_logging(rank, log_level)
@@ -183,16 +207,44 @@ def _child(rank: int, spec: LaunchSpec, job: Job, env: dict[str, str], log_level
     code = 1
     try:
         code = run_rank(spec, job, rank=rank, world_size=spec.world_size, local_rank=rank, init_method=None)
-    except BaseException as e:  # noqa: BLE001 - report once, exit non-zero
-        code = exit_code_for(e) if isinstance(e, ShardsmithError) else 1
+    except BaseException as e:  # noqa: BLE001 - reported once by the launcher, exit non-zero
+        code = EXIT_CODES.get(error_class(e), 1)
         if not isinstance(e, KeyboardInterrupt):
-            logging.getLogger("shardsmith.runtime").error("rank %d failed: %s: %s", rank, type(e).__name__, e,
-                                                          exc_info=bool(os.environ.get("SHARDSMITH_DEBUG")))
+            _report(reports, rank, e)
     finally:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # skip interpreter teardown: a broken process group can hang in destructors
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """A rank's error as sent to the launcher.
+
+    Attributes:
+        rank; error_class: name of the :data:`~shardsmith.errors.EXIT_CODES` class to raise it as;
+        message: ``str(error)``, prefixed with its type when it is not a ``ShardsmithError``;
+        lost: a ``RankLostError`` (this rank saw another one die).
+    """
+
+    rank: int
+    error_class: str
+    message: str
+    lost: bool
+
+
+def _report(reports, rank: int, e: BaseException) -> None:
+    """Send the error to the launcher (a traceback in this rank's log with ``SHARDSMITH_DEBUG``)."""
+    text = str(e) if isinstance(e, ShardsmithError) else f"{type(e).__name__}: {e}"
+    if len(text) > REPORT_CHARS:
+        text = text[:REPORT_CHARS] + " ... (truncated)"
+    if os.environ.get("SHARDSMITH_DEBUG"):
+        log.error("rank %d failed", rank, exc_info=e)
+    try:
+        reports.put(RankReport(rank, error_class(e).__name__, text, isinstance(e, RankLostError)))
+    except Exception:  # noqa: BLE001 - no launcher to tell: say it here
+        log.error("rank %d failed: %s", rank, text)
 
 
 def _describe(code: int | None) -> str:
@@ -211,13 +263,23 @@ def launch(spec: LaunchSpec, job: Job, *, log_level: int = logging.INFO) -> int:
 
     Under ``torchrun`` this process is one rank (``--dist-port`` is ignored: torchrun owns the
     rendezvous). Otherwise the ranks are spawned and supervised here.
+
+    Raises:
+        ShardsmithError: what the ranks raised, each distinct error once, as the class of
+            :data:`~shardsmith.errors.EXIT_CODES` that sets the exit code (:func:`error_class`).
     """
     if under_torchrun():
         ws, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if ws != spec.world_size:
             raise UsageError(f"torchrun started {ws} ranks but the pack needs world_size={spec.world_size}")
         setup_logging(rank, log_level)
-        return run_rank(spec, job, rank=rank, world_size=ws, local_rank=int(os.environ["LOCAL_RANK"]), init_method="env://")
+        try:
+            return run_rank(spec, job, rank=rank, world_size=ws, local_rank=int(os.environ["LOCAL_RANK"]),
+                            init_method="env://")
+        except ShardsmithError as e:
+            if EXIT_CODES.get(cls := error_class(e), 1) > exit_code_for(e):
+                raise cls(str(e)) from e  # its cause sets the exit code
+            raise
     return _spawn_and_supervise(spec, job, log_level)
 
 
@@ -235,20 +297,33 @@ def _spawn_and_supervise(spec: LaunchSpec, job: Job, log_level: int) -> int:
     if not spec.device.startswith("cuda") and "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's pair connections on loopback, like the rendezvous
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_child, args=(r, spec, job, env, log_level), name=f"shardsmith-rank-{r}")
+    reports = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_child, args=(r, spec, job, env, log_level, reports), name=f"shardsmith-rank-{r}")
              for r in range(spec.world_size)]
     log.info("starting %d rank(s) of %s on %s, rendezvous 127.0.0.1:%d", spec.world_size, spec.path, spec.device, port)
     for p in procs:
         p.start()
     log.info("rank pids: %s", ", ".join(f"rank {r}={p.pid}" for r, p in enumerate(procs)))
-    return _supervise(procs)
+    try:
+        return _supervise(procs, reports)
+    finally:
+        reports.close()
 
 
-def _supervise(procs: list) -> int:
+def _supervise(procs: list, reports=None) -> int:
     """Wait for the ranks; on the first exit or a signal, stop the rest in bounded time.
 
     Returns rank 0's exit code if it failed, else 1 if any rank failed unexpectedly, else 0.
+
+    Raises:
+        ShardsmithError: the errors the ranks reported (:func:`_raise_reports`), once they are down.
     """
+    received: list[RankReport] = []
+
+    def drain() -> None:
+        while reports is not None and not reports.empty():
+            received.append(reports.get())
+
     stop = threading.Event()
 
     def on_signal(signum, _frame) -> None:
@@ -261,12 +336,15 @@ def _supervise(procs: list) -> int:
     try:
         while any(p.is_alive() for p in procs):
             multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
+            drain()  # a rank blocked writing a long report must not wait for us
             for r, p in enumerate(procs):
                 if p.exitcode is None or r in reported:
                     continue
                 reported.add(r)
                 if p.exitcode != 0 and since is None:
-                    log.error("rank %d (pid %d) %s; stopping the other ranks", r, p.pid, _describe(p.exitcode))
+                    what = "raised an error" if any(x.rank == r for x in received) else _describe(p.exitcode)
+                    rest = "; stopping the other ranks" if any(q.is_alive() for q in procs) else ""
+                    log.error("rank %d (pid %d) %s%s", r, p.pid, what, rest)
                     failed = True
                     _terminate(procs[0])
                 since = since or time.monotonic()  # exit 0: rank 0 done, or a follower released by shutdown
@@ -285,11 +363,40 @@ def _supervise(procs: list) -> int:
                 for p in procs:
                     if p.is_alive():
                         p.kill()
+        drain()
+        _raise_reports([r for r in received if not (stop.is_set() and r.lost)], len(procs))  # Ctrl-C: no noise
         rank0 = procs[0].exitcode
         return rank0 if rank0 and rank0 > 0 and not stop.is_set() else int(failed or bool(rank0))
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _raise_reports(received: list[RankReport], world_size: int) -> None:
+    """Raise the ranks' errors as one, each distinct message once (none: return).
+
+    ``RankLostError`` reports (a rank saw another die) are left out when another error says why.
+    The class is the one with the highest exit code among the reports.
+    """
+    shown = [r for r in received if not r.lost] or received
+    if not shown:
+        return
+    by_text: dict[str, list[int]] = {}
+    for r in shown:
+        by_text.setdefault(r.message, []).append(r.rank)
+
+    def who(ranks: list[int]) -> str:
+        ids = sorted(set(ranks))
+        return ("every rank" if len(ids) == world_size > 1 else
+                f"rank {ids[0]}" if len(ids) == 1 else f"ranks {', '.join(map(str, ids))}")
+
+    classes = {c.__name__: c for c in EXIT_CODES}
+    cls = max((classes.get(r.error_class, ShardsmithError) for r in shown),
+              key=lambda c: EXIT_CODES.get(c, 1))
+    if len(by_text) == 1:
+        (text, ranks), = by_text.items()
+        raise cls(text if classes.get(shown[0].error_class) else f"{who(ranks)} failed: {text}")
+    raise cls("\n".join(f"{who(ranks)} failed: {text}" for text, ranks in by_text.items()))
 
 
 def _terminate(p) -> None:
