@@ -4,6 +4,11 @@ Every command starts one process per rank (or runs as one rank under ``torchrun`
 HTTP server (:class:`~shardsmith.runtime.server.ServeJob`) or prints answers
 (:class:`~shardsmith.runtime.generate.GenerateJob`). Imports stay inside the commands so that
 ``shardsmith --help`` does not import torch.
+
+Pre-flight: every check that can fail without loading weights runs here, before any rank starts,
+and raises :class:`~shardsmith.errors.UsageError` (exit 1) naming the option: option values and
+ranges, the pack (``pack.yaml``, ``tokenizer.json``), the HTTP port (bound once and released;
+another process could still take it before rank 0 listens), and the GPUs for ``--device cuda``.
 """
 
 from __future__ import annotations
@@ -12,8 +17,12 @@ from pathlib import Path
 
 import typer
 
+from .errors import UsageError
+
+MOE_BACKENDS = ("resident", "auto", "gpu", "cpu", "hybrid")
+
 PATH_ARG = typer.Argument(..., help="Pack directory written by `shardsmith split` (or a checkpoint with --from-checkpoint).")
-DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (NCCL, one GPU per rank).")
+DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r; pick GPUs with CUDA_VISIBLE_DEVICES).")
 DIST_PORT = typer.Option(None, "--dist-port", help="Rendezvous port on 127.0.0.1 (default: a free port).")
 FROM_CKPT = typer.Option(False, "--from-checkpoint", help="Load an unsplit checkpoint, slicing at start-up (needs --tp).")
 TP = typer.Option(None, "--tp", help="Ranks for --from-checkpoint (a pack's world_size is read from pack.yaml).")
@@ -24,25 +33,41 @@ MOE_BACKEND = typer.Option("resident", "--moe-backend",
                            help="Routed experts: resident (all on the device), or kept in host RAM and run by "
                                 "gpu (device expert cache), cpu (host), hybrid (share of misses on the host) or "
                                 "auto (a start-up probe picks, never a slower one).")
-CACHE_GB = typer.Option(None, "--expert-cache-gb", help="Device expert cache per GPU in GiB (default: free memory).")
-POLICY = typer.Option("hot", "--expert-policy", help="Expert cache eviction: hot (LRU with a frequency-pinned hot set) or lru.")
+CACHE_GB = typer.Option(None, "--expert-cache-gb",
+                        help="Device expert cache per GPU in GiB (default: free memory; needs --moe-backend).")
+POLICY = typer.Option(None, "--expert-policy",
+                      help="Expert cache eviction: hot (default; LRU with a frequency-pinned hot set) or lru "
+                           "(needs --moe-backend).")
 TRUST = typer.Option(False, "--trust-remote-code",
                      help="Run the checkpoint's own chat encoder (DeepSeek's encoding/*.py) when it has no chat template.")
 
 
-def _offload(moe_backend: str, expert_cache_gb: float | None, expert_policy: str):
+def _offload(moe_backend: str, expert_cache_gb: float | None, expert_policy: str | None):
+    """The :class:`OffloadConfig` for the options, None for resident experts.
+
+    Raises:
+        UsageError: an unknown backend or policy, a bad cache size, or offload options with resident experts.
+    """
+    if moe_backend not in MOE_BACKENDS:
+        raise UsageError(f"--moe-backend must be one of {', '.join(MOE_BACKENDS)}, got {moe_backend!r}")
     if moe_backend == "resident":
+        given = [name for name, value in (("--expert-cache-gb", expert_cache_gb), ("--expert-policy", expert_policy))
+                 if value is not None]
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise UsageError(f"{' and '.join(given)} only {verb} to offloaded experts: add --moe-backend "
+                             f"{'|'.join(MOE_BACKENDS[1:])} (experts are resident by default)")
         return None
     from .runtime.offload.runtime import OffloadConfig
 
-    return OffloadConfig.from_cli(moe_backend=moe_backend, expert_cache_gb=expert_cache_gb, expert_policy=expert_policy)
+    return OffloadConfig.from_cli(moe_backend=moe_backend, expert_cache_gb=expert_cache_gb,
+                                  expert_policy=expert_policy or "hot")
 
 
 def _check_offload(path: Path) -> None:
     """Refuse expert offload for a model the registry does not offload (DeepSeek-V4), before any rank starts."""
     import json
 
-    from .errors import UsageError
     from .runtime.models import OFFLOAD_V4, family_for
 
     config = path / "config.json"
@@ -50,13 +75,71 @@ def _check_offload(path: Path) -> None:
         raise UsageError(OFFLOAD_V4)
 
 
+def _check_device(device: str, world_size: int | None) -> None:
+    """``--device`` is cpu or cuda; for cuda, torch sees a GPU per local rank (``world_size`` None: unknown yet)."""
+
+    if device not in ("cpu", "cuda"):
+        hint = " (rank r runs on cuda:r; choose the GPUs with CUDA_VISIBLE_DEVICES)" if device.startswith("cuda:") else ""
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}{hint}")
+    if device != "cuda" or world_size is None:
+        return
+    import os
+
+    import torch
+
+    from .runtime.launch import under_torchrun
+
+    need = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < need:
+        why = "this torch build has no CUDA" if torch.version.cuda is None else f"torch sees {have} GPU(s)"
+        raise UsageError(f"--device cuda needs one GPU per rank ({need}), but {why}; use --device cpu")
+
+
+def _check_tokenizer(path: Path) -> None:
+
+    if not (path / "tokenizer.json").is_file():
+        raise UsageError(f"{path}: no tokenizer.json; serve and generate need the tokenizer next to the weights "
+                         f"(copy tokenizer.json and tokenizer_config.json from the source checkpoint)")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` once as uvicorn will (``SO_REUSEADDR``, every address ``host`` resolves to), then release it.
+
+    Only the process that will serve checks (under ``torchrun``, rank 0). Another process can
+    still take the port before rank 0 listens; uvicorn's own error covers that race.
+    """
+    import errno
+    import os
+    import socket
+
+    from .runtime.launch import under_torchrun
+
+    if not 0 < port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {port}")
+    if under_torchrun() and os.environ.get("RANK") != "0":
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r}: cannot resolve it ({e.strerror})") from e
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                why = {errno.EADDRINUSE: "already in use by another process; choose another --port",
+                       errno.EACCES: "permission denied (ports below 1024 need privileges); choose another --port",
+                       errno.EADDRNOTAVAIL: "--host is not an address of this machine"}
+                raise UsageError(f"--port {port}: cannot listen on {host}:{port}: {why.get(e.errno, e.strerror)}") from e
+
+
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
           verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto"):
-    from .errors import UsageError
     from .runtime.launch import LaunchSpec, pack_world_size, under_torchrun
 
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    _check_device(device, None)
     if not path.is_dir():
         raise UsageError(f"{path}: not a directory")
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -66,13 +149,41 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
     if dist_port is not None and not 0 < dist_port < 65536:
         raise UsageError(f"--dist-port must be in 1..65535, got {dist_port}")
     ws = pack_world_size(path, tp=tp, from_checkpoint=from_checkpoint)
+    _check_tokenizer(path)
     if offload is not None:
         _check_offload(path)
     if under_torchrun() and dist_port is not None:
         raise UsageError("--dist-port is not used under torchrun (torchrun owns the rendezvous: --master-port)")
-    return LaunchSpec(path=path.resolve(), world_size=ws, device=device.split(":")[0], dist_port=dist_port,
+    _check_device(device, ws)
+    return LaunchSpec(path=path.resolve(), world_size=ws, device=device, dist_port=dist_port,
                       from_checkpoint=from_checkpoint, verify_hashes=verify_hashes, max_seq_len=max_seq_len,
                       offload=offload, dtype=None if dtype == "auto" else dtype)
+
+
+def _check_sampling(*, prompts: list[str], chat: bool, max_tokens: int, max_seq_len: int, temperature: float,
+                    top_p: float, top_k: int, seed: int | None) -> None:
+    """``generate``'s sampling options, with the rules the engine would apply after loading."""
+    import math
+
+
+    bad = []
+    if max_tokens < 1:
+        bad.append(f"--max-tokens must be at least 1, got {max_tokens}")
+    elif max_tokens >= max_seq_len >= 2:
+        bad.append(f"--max-tokens {max_tokens} leaves no room for the prompt in --max-seq-len {max_seq_len} "
+                   f"(prompt + completion; --max-tokens at most {max_seq_len - 1})")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        bad.append(f"--temperature must be a number >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        bad.append(f"--top-p must be in (0, 1] (1 = off), got {top_p}")
+    if top_k < 0:
+        bad.append(f"--top-k must be >= 0 (0 = off), got {top_k}")
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        bad.append(f"--seed must be in [-2**63, 2**64), got {seed}")
+    if not chat and any(p == "" for p in prompts):
+        bad.append("--prompt must not be empty (without --chat the prompt is the whole input)")
+    if bad:
+        raise UsageError("; ".join(bad))
 
 
 def serve(
@@ -82,6 +193,8 @@ def serve(
     device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
     tp: int | None = TP, verify_hashes: bool = VERIFY, max_seq_len: int = MAX_SEQ,
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model id for clients (default: the directory name)."),
+    max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes",
+                                          help="Larger request bodies get HTTP 413 (default 4 MiB)."),
     moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
     dtype: str = DTYPE, trust_remote_code: bool = TRUST,
 ) -> None:
@@ -89,11 +202,16 @@ def serve(
     from .runtime.launch import launch
     from .runtime.server import ServeJob
 
+    if max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes must be at least 1, got {max_request_bytes}")
+    if served_model_name is not None and not served_model_name.strip():
+        raise UsageError("--served-model-name must not be empty")
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype)
+    _check_port(host, port)
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
-                                           trust_remote_code=trust_remote_code)))
+                                           trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes)))
 
 
 def generate(
@@ -111,12 +229,11 @@ def generate(
     dtype: str = DTYPE, trust_remote_code: bool = TRUST,
 ) -> None:
     """Generate text for one-off prompts and print it on stdout."""
-    from .errors import UsageError
     from .runtime.generate import GenerateJob
     from .runtime.launch import launch
 
-    if max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+    _check_sampling(prompts=prompt, chat=chat, max_tokens=max_tokens, max_seq_len=max_seq_len,
+                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype)
@@ -153,11 +270,18 @@ def demo(
     from .writer.split import split_checkpoint
     from .writer.verify import verify_pack
 
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise UsageError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
     con = err_console()
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+    _check_device(device, 2)
     con.print("[bold]1/4[/] SmolLM2-135M MoE checkpoint (built once, then cached)")
     ckpt = build_demo_checkpoint(default_demo_dir(False))
     pack = out or ckpt.parent / f"{ckpt.name}-tp2"
@@ -176,10 +300,6 @@ def demo(
     con.print(f"    ok: {report.files_checked} files, {report.bytes_hashed / 2**20:.0f} MiB hashed in {report.seconds:.1f} s")
     con.print(f"[bold]4/4[/] run on {device} ({'NCCL' if device == 'cuda' else 'gloo'}), 2 ranks, greedy, {dtype}")
     job = GenerateJob(prompts=DEMO_PROMPTS, chat=True, max_tokens=max_tokens, labelled=True)
-    if dtype not in ("auto", "bfloat16", "float16", "float32"):
-        from .errors import UsageError
-
-        raise UsageError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
     spec = LaunchSpec(path=pack.resolve(), world_size=2, device=device, dtype=None if dtype == "auto" else dtype)
     raise typer.Exit(launch(spec, job))
 
