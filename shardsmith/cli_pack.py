@@ -77,7 +77,8 @@ def verify(
 ) -> None:
     """Check a pack: sizes and XXH3-128 of every file, manifests, plan coverage, shapes, completeness.
 
-    Exits 0 when intact, 2 with the list of every problem otherwise.
+    Exits 0 when intact, 2 with the list of every problem otherwise; 1 when OUT is no pack (a
+    checkpoint, say), --rank is outside the pack or --against is not a checkpoint.
     """
     from .errors import IntegrityError, format_problems
     from .ui import emit_json, err_console, human_bytes
@@ -94,7 +95,8 @@ def verify(
                   f"{human_bytes(rep.bytes_hashed)} hashed{what} in {rep.seconds:.1f} s", highlight=False)
         return
     # raised, not typer.Exit(2): the entry point maps error classes to exit codes (IntegrityError -> 2)
-    raise IntegrityError(format_problems(f"{out}: pack is damaged or incomplete", list(rep.problems)), list(rep.problems))
+    header = f"{out}: {rep.summary}" if rep.summary else f"{out}: pack is damaged or incomplete"
+    raise IntegrityError(format_problems(header, list(rep.problems), limit=20), list(rep.problems))
 
 
 def export(

@@ -187,3 +187,57 @@ def test_export_catches_a_corrupted_rank(pack: Path, tmp_path: Path) -> None:
     assert code == 2 and str(victim) in msg and "xxh3_128" in msg
     assert not (tmp_path / "r1.tar.zst").exists() and not (tmp_path / "r1.tar.zst.partial").exists()
     assert cli("export", bad, "--rank", 0, tmp_path / "r0.tar.zst")[0] == 0  # the other rank is intact
+
+
+# -- verify: usage errors exit 1, damage exits 2 with a leading line where it helps ------------
+
+
+def test_verify_usage_errors(pack: Path, ckpt: Path, tmp_path: Path) -> None:
+    code, msg = cli("verify", tmp_path / "nonexistent")
+    assert code == 1 and f"{tmp_path / 'nonexistent'}: no such directory" in msg
+    code, msg = cli("verify", ckpt)
+    assert code == 1 and "this looks like a checkpoint (config.json + safetensors), not a pack" in msg
+    assert "`shardsmith split`" in msg and "--against CKPT" in msg
+    code, msg = cli("verify", pack, "--rank", 5)
+    assert code == 1 and "--rank 5: outside [0, 2)" in msg
+    code, msg = cli("verify", pack, "--against", tmp_path / "nonexistent")
+    assert code == 1 and f"--against {tmp_path / 'nonexistent'}: no such checkpoint directory" in msg
+    code, msg = cli("verify", pack, "--against", pack)
+    assert code == 1 and "is a pack" in msg
+
+
+def test_verify_damage_still_exits_2(pack: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(pack, bad)
+    (bad / "pack.yaml").unlink()  # a pack that lost its manifest is damaged, not a usage error
+    code, msg = cli("verify", bad)
+    assert code == 2 and "pack.yaml" in msg
+
+
+def test_verify_partial_pack_hints_at_rank(ckpt: Path, pack: Path, tmp_path: Path) -> None:
+    assert cli("split", ckpt, tmp_path / "some", "--tp", 4, "--ranks", "1,2")[0] == 0
+    code, msg = cli("verify", tmp_path / "some")
+    assert code == 2 and "this pack holds ranks [1, 2] only; pass --rank R to check one" in msg
+    assert "rank-0-of-4: missing" in msg
+    assert cli("verify", tmp_path / "some", "--rank", 2)[0] == 0
+
+    assert cli("export", pack, "--rank", 1, tmp_path / "r1.tar.zst")[0] == 0
+    assert cli("import", tmp_path / "r1.tar.zst", tmp_path / "node1")[0] == 0
+    code, msg = cli("verify", tmp_path / "node1")
+    assert code == 2 and "holds ranks [1] only; pass --rank R" in msg
+    assert cli("verify", tmp_path / "node1", "--rank", 1)[0] == 0
+
+
+def test_verify_against_another_model_says_so_in_one_line(pack: Path, tiny) -> None:
+    code, msg = cli("verify", pack, "--against", tiny("deepseek-v3"))
+    lead, *rest = msg.splitlines()
+    assert code == 2 and "is another checkpoint, not the source of this pack" in lead
+    assert "architecture: pack.yaml records 'MixtralForCausalLM'" in lead and "no tensor compared" in lead
+    assert len(rest) <= 10 and not any("differs from source" in line for line in rest)
+    assert cli("verify", pack, "--against", tiny("mixtral"))[0] == 0
+
+
+def test_verify_against_same_model_other_weights(pack: Path, tiny) -> None:
+    """Same architecture, other files (tied embeddings): still named another checkpoint, not hundreds of diffs."""
+    code, msg = cli("verify", pack, "--against", tiny("mixtral-tied"))
+    assert code == 2 and "is another checkpoint" in msg.splitlines()[0] and len(msg.splitlines()) <= 11

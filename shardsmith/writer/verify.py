@@ -29,13 +29,14 @@ from pathlib import Path
 
 import xxhash
 
-from ..errors import IntegrityError, ManifestError, PlanError
+from ..errors import IntegrityError, ManifestError, PlanError, UsageError
 from .coverage import plan_problems
 from .manifest import (BANK_ALIGN, DENSE_ALIGN, FORMAT, FORMAT_VERSION, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST,
                        check_identity, load_yaml, rank_dir)
 from .stwriter import DATA_START_ALIGN, PADDING_PREFIX, read_header
 
 RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
+MISMATCH_LINES = 10  # identity differences listed when --against names another checkpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,9 @@ class VerifyReport:
         out_dir: the pack; problems: every problem found, sorted (empty when intact);
         ranks: ranks checked; files_checked: weight and copied files hashed;
         bytes_hashed: bytes read from the pack; tensors_compared: source tensors compared
-        (``against``); deep, against: the options; seconds: wall time.
+        (``against``); deep, against: the options; seconds: wall time;
+        summary: one line to lead the problems with, or "" (the pack holds only some ranks;
+        ``against`` is another checkpoint).
     """
 
     out_dir: str
@@ -58,6 +61,7 @@ class VerifyReport:
     deep: bool
     against: str | None
     seconds: float
+    summary: str = ""
 
     @property
     def ok(self) -> bool:
@@ -241,28 +245,67 @@ def _unexpected(root: Path, world: int, selected: set[int], expected: set[str]) 
     return out
 
 
+def _check_target(root: Path) -> str | None:
+    """Raise :class:`UsageError` when ``root`` is no pack at all; a problem line for an unfinished one."""
+    partial = root.with_name(root.name + ".partial")
+    if not root.exists():
+        if partial.is_dir():
+            return f"{root}: no pack here ({partial.name} holds an unfinished split: rerun split with --resume)"
+        raise UsageError(f"{root}: no such directory")
+    if not root.is_dir():
+        raise UsageError(f"{root}: not a directory (verify takes a pack directory written by split)")
+    if (root / PACK_MANIFEST).exists():
+        return None
+    if (root / "config.json").is_file() and any(root.glob("*.safetensors*")):
+        raise UsageError(f"{root}: this looks like a checkpoint (config.json + safetensors), not a pack; did you mean "
+                         f"`shardsmith split` or `verify PACK --against CKPT`?")
+    if not (root / PLAN_FILE).exists() and not any(RANK_DIR.fullmatch(p.name) for p in root.iterdir()):
+        raise UsageError(f"{root}: not a pack (no {PACK_MANIFEST}, {PLAN_FILE} or rank-<r>-of-<N> directories)")
+    return None  # a pack that lost its pack.yaml: reported below as damage
+
+
+def _open_against(against: Path):
+    """The checkpoint ``--against`` names, opened (headers validated); usage and source errors raised."""
+    from ..checkpoint import open_checkpoint
+
+    if not against.is_dir():
+        raise UsageError(f"--against {against}: no such checkpoint directory")
+    if (against / PACK_MANIFEST).exists():
+        raise UsageError(f"--against {against}: is a pack; --against takes the checkpoint the pack was split from")
+    ckpt = open_checkpoint(against)
+    if ckpt.header_only:
+        raise UsageError(f"--against {against}: header-only checkpoint (.safetensors.json); nothing to compare")
+    return ckpt
+
+
 def verify_pack(out_dir: str | os.PathLike, *, deep: bool = False, against: str | os.PathLike | None = None,
                 rank: int | None = None, workers: int | None = None) -> VerifyReport:
     """Check the pack at ``out_dir`` and return every problem found (never raises for a bad pack).
 
     Args:
         deep: also hash each tensor and bank array. against: source checkpoint to compare with.
-        rank: check only this rank (a partial pack from ``split --ranks``).
+        rank: check only this rank (a partial pack from ``split --ranks``, or an imported rank).
         workers: hashing threads (default ``min(4, cpus)``).
+
+    Raises:
+        UsageError: ``out_dir`` does not exist or is no pack (a checkpoint, say); ``rank`` is
+            outside the pack's world; ``against`` is not a checkpoint directory.
+        SourceError: the ``against`` checkpoint is malformed (as :func:`~shardsmith.checkpoint.open_checkpoint`).
     """
     t0 = time.perf_counter()
     root = Path(out_dir)
     problems: list[str] = []
     checked: list[int] = []
+    summary = ""
 
     def report(files: int = 0, nbytes: int = 0, compared: int = 0) -> VerifyReport:
         return VerifyReport(str(root), tuple(sorted(set(problems))), tuple(checked), files, nbytes, compared, deep,
-                            str(against) if against else None, time.perf_counter() - t0)
+                            str(against) if against else None, time.perf_counter() - t0, summary if problems else "")
 
-    if not root.is_dir():
-        partial = root.with_name(root.name + ".partial")
-        problems.append(f"{root}: no pack here" + (f" ({partial.name} holds an unfinished split: rerun split with --resume)"
-                                                   if partial.is_dir() else ""))
+    unfinished = _check_target(root)
+    ckpt = _open_against(Path(against)) if against is not None else None
+    if unfinished:
+        problems.append(unfinished)
         return report()
     try:
         doc = load_yaml(root / PACK_MANIFEST)
@@ -274,10 +317,9 @@ def verify_pack(out_dir: str | os.PathLike, *, deep: bool = False, against: str 
     if not isinstance(world, int) or world < 1:
         problems.append(f"{PACK_MANIFEST}: world_size {world!r} is not a positive integer")
         return report()
-    plan = _load_plan(root, doc, problems)
     if rank is not None and not 0 <= rank < world:
-        problems.append(f"--rank {rank}: outside [0, {world}) of this pack")
-        return report()
+        raise UsageError(f"--rank {rank}: outside [0, {world}) of the pack {root} (world_size={world})")
+    plan = _load_plan(root, doc, problems)
     checked = [rank] if rank is not None else list(range(world))
     expected = {PACK_MANIFEST, PLAN_FILE}
     jobs: list = []
@@ -288,6 +330,9 @@ def verify_pack(out_dir: str | os.PathLike, *, deep: bool = False, against: str 
         else:
             jobs.append((rec["path"], root / rec["path"], rec.get("bytes"), rec.get("xxh3_128"), []))
     manifests = {r: m for r in checked if (m := _check_rank(root, r, world, doc, plan, problems, jobs, expected))}
+    held = [r for r in range(world) if (root / rank_dir(r, world)).is_dir()]
+    if rank is None and held and len(held) < world:
+        summary = f"pack is incomplete: this pack holds ranks {held} only; pass --rank R to check one"
     problems += _unexpected(root, world, set(checked), expected)
 
     def run(job: tuple) -> tuple[tuple, int, str, list[str]]:
@@ -311,10 +356,16 @@ def verify_pack(out_dir: str | os.PathLike, *, deep: bool = False, against: str 
                 if found != t.get("xxh3_128"):
                     problems.append(f"{where}: tensor {t['name']!r} xxh3_128 expected {t.get('xxh3_128')}, found {found}")
     compared = 0
-    if against is not None and plan is not None:
-        from .verify_against import compare_with_source
+    if ckpt is not None and plan is not None:
+        from .verify_against import compare_with_source, source_mismatch
 
-        more, compared, read = compare_with_source(root, Path(against), doc, plan, manifests)
-        problems += more
-        nbytes += read
+        if differs := source_mismatch(doc, plan, ckpt):
+            n = len(differs)
+            summary = (f"--against {against} is another checkpoint, not the source of this pack "
+                       f"({n} difference{'s' if n != 1 else ''} in identity, first: {differs[0]}); no tensor compared")
+            problems += [f"--against: {d}" for d in differs[:MISMATCH_LINES]]
+        else:
+            more, compared, read = compare_with_source(root, ckpt, doc, plan, manifests)
+            problems += more
+            nbytes += read
     return report(len(jobs), nbytes, compared)

@@ -8,6 +8,10 @@ its dense entry, or its slot in the layer's expert bank. Together with the cover
 :mod:`.coverage` (the ranges tile each axis), this is the source rebuilt from the rank slices:
 every source byte is compared wherever the pack holds it, copies (replicated tensors, KV heads)
 included. Memory: the tensor being compared plus one rank's shard (``<= 3 x`` the largest tensor).
+
+First :func:`source_mismatch` compares the checkpoint's identity (architecture, tensor names, shard
+names and sizes) with what ``pack.yaml`` and the plan record: another model is said to be one in a
+few lines instead of hundreds of differing tensors.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from ..checkpoint import open_checkpoint
-from ..errors import PlanError, SourceError
+from ..checkpoint import Checkpoint
+from ..errors import PlanError
 from ..plans.resolve import ResolvedPlan
 from .manifest import rank_dir
 from .slicing import bank_specs
@@ -52,19 +56,49 @@ def _locations(plan: ResolvedPlan, manifests: dict[int, dict], world: int) -> di
     return loc
 
 
-def compare_with_source(root: Path, ckpt_dir: Path, doc: dict, plan: ResolvedPlan,
+def source_mismatch(doc: dict, plan: ResolvedPlan, ckpt: Checkpoint) -> list[str]:
+    """How checkpoint ``ckpt`` differs in identity from the source ``pack.yaml`` records.
+
+    Compares the architecture, the shard file names and sizes, and the tensor names with the
+    plan's; any difference means ``ckpt`` is another checkpoint, not a damaged copy of the source
+    (a damaged copy keeps names and sizes: the byte comparison then finds where it differs).
+
+    Returns:
+        one line per difference, empty when the identity matches.
+    """
+    from ..plans import family_of
+
+    src = doc.get("source") or {}
+    out = []
+    try:
+        arch = family_of(ckpt.config)
+    except PlanError:
+        arch = ckpt.architecture
+    if src.get("architecture") and src.get("architecture") != arch:
+        out.append(f"architecture: pack.yaml records {src.get('architecture')!r}, {ckpt.root} is {arch!r}")
+    missing, extra = plan.tensors.keys() - ckpt.tensors.keys(), ckpt.tensors.keys() - plan.tensors.keys()
+    if missing or extra:
+        out.append(f"tensors: {len(missing)} of the plan's {len(plan.tensors)} are not in {ckpt.root}, "
+                   f"which has {len(extra)} the plan lacks")
+    recorded = {f.get("name"): f.get("bytes") for f in src.get("files") or []}
+    for name in sorted(recorded.keys() - ckpt.files.keys()):
+        out.append(f"source file {name}: recorded in pack.yaml, absent from {ckpt.root}")
+    for name in sorted(ckpt.files.keys() - recorded.keys()):
+        out.append(f"source file {name}: in {ckpt.root}, not recorded in pack.yaml")
+    for name in sorted(recorded.keys() & ckpt.files.keys()):
+        if recorded[name] != ckpt.files[name].size:
+            out.append(f"source file {name}: pack.yaml records {recorded[name]} bytes, {ckpt.root} has {ckpt.files[name].size}")
+    return out
+
+
+def compare_with_source(root: Path, ckpt: Checkpoint, doc: dict, plan: ResolvedPlan,
                         manifests: dict[int, dict]) -> tuple[list[str], int, int]:
-    """Compare the pack at ``root`` (ranks in ``manifests``) with checkpoint ``ckpt_dir``.
+    """Compare the pack at ``root`` (ranks in ``manifests``) with the opened checkpoint ``ckpt``.
 
     Returns:
         ``(problems, source tensors compared, bytes read from source and pack)``.
     """
-    try:
-        ckpt = open_checkpoint(ckpt_dir)
-    except SourceError as e:
-        return [f"--against {ckpt_dir}: {e}"], 0, 0
-    if ckpt.header_only:
-        return [f"--against {ckpt_dir}: header-only checkpoint; nothing to compare"], 0, 0
+    ckpt_dir = ckpt.root
     problems: list[str] = []
     for name in sorted(plan.tensors.keys() - ckpt.tensors.keys()):
         problems.append(f"plan.json: tensor {name!r} is not in the source {ckpt_dir}")
