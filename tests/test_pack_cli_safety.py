@@ -241,3 +241,15 @@ def test_verify_against_same_model_other_weights(pack: Path, tiny) -> None:
     """Same architecture, other files (tied embeddings): still named another checkpoint, not hundreds of diffs."""
     code, msg = cli("verify", pack, "--against", tiny("mixtral-tied"))
     assert code == 2 and "is another checkpoint" in msg.splitlines()[0] and len(msg.splitlines()) <= 11
+
+
+# -- checkpoint: a dangling shard symlink is named as one -------------------------------------
+
+
+def test_dangling_shard_symlink_is_named(ckpt: Path, tmp_path: Path) -> None:
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    shard.unlink()
+    shard.symlink_to(tmp_path / "gone" / shard.name)
+    code, msg = cli("split", ckpt, tmp_path / "out", "--tp", 2)
+    assert code == 1 and f"{shard} is a broken symlink to {tmp_path / 'gone' / shard.name}" in msg
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

@@ -160,6 +160,9 @@ def _shard_path(root: Path, name: str, problems: list[str]) -> Path | None:
     h = root / (rel + HEADER_SUFFIX)
     if h.exists():
         return h.resolve()
+    if p.is_symlink():
+        problems.append(f"{name}: listed in {INDEX_NAME} but {p} is a broken symlink to {os.readlink(p)}")
+        return None
     problems.append(f"{name}: listed in {INDEX_NAME} but neither it nor {name}{HEADER_SUFFIX} exists in {root}")
     return None
 
