@@ -54,13 +54,16 @@ class GenerateJob:
 
                 template = load_chat_format(engine.root, trust_remote_code=self.trust_remote_code)
             log.info("loaded in %.1f s", engine.load_seconds)
-            out = sys.stdout
-            for prompt in self.prompts:
-                text = template.render([{"role": "user", "content": prompt}]) if template else prompt
-                ids = codec.encode(text)
+            encoded = [codec.encode(template.render([{"role": "user", "content": p}]) if template else p)
+                       for p in self.prompts]
+            for i, ids in enumerate(encoded, 1):  # every prompt checked before the first answer is printed
+                if not ids:
+                    raise UsageError(f"--prompt #{i} is empty after tokenization")
                 if len(ids) + self.max_tokens > engine.max_seq_len:
-                    raise UsageError(f"prompt ({len(ids)} tokens) + --max-tokens {self.max_tokens} exceeds the "
-                                     f"context of {engine.max_seq_len} tokens (--max-seq-len)")
+                    raise UsageError(f"--prompt #{i} ({len(ids)} tokens) + --max-tokens {self.max_tokens} exceeds "
+                                     f"the context of {engine.max_seq_len} tokens (--max-seq-len)")
+            out = sys.stdout
+            for prompt, ids in zip(self.prompts, encoded):
                 params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
                                         top_p=self.top_p, seed=self.seed, stop_token_ids=tuple(codec.eos_token_ids))
                 if self.labelled:
