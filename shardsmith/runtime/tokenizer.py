@@ -79,8 +79,12 @@ class Codec:
         self.eos_token_ids = tuple(sorted(eos))
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in it are matched, none are added."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; special tokens written in it are matched, none are added.
+
+        ``encode_batch`` rather than ``encode``: it releases the GIL while it works, so a long
+        prompt tokenized on a worker thread does not stall the server's event loop.
+        """
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (invalid UTF-8 becomes U+FFFD)."""
