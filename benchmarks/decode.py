@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
+from shardsmith.runtime.launch import free_port  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 QUESTION = "What is the capital of France?"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chat_ids(checkpoint: Path) -> list[int]:

@@ -27,13 +27,13 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
+from shardsmith.testing.ranks import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 GiB = 1 << 30
@@ -157,26 +157,7 @@ def _rank(rank: int, ws: int, port: int, job: dict, queue) -> None:
 
 
 def run_world(ws: int, job: dict, timeout: float) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, ws, port, job, queue)) for r in range(ws)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = queue.get(timeout=timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    if status != "ok":
-        raise RuntimeError(payload)
-    return payload
+    return run_ranks(_rank, ws, job, timeout=timeout, join_timeout=60)
 
 
 def decode_mode(a: argparse.Namespace) -> list[dict]:

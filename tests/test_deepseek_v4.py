@@ -16,21 +16,17 @@ reference's greedy tokens, and every step's argmax must be the reference's next 
 from __future__ import annotations
 
 import json
-import socket
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from shardsmith.runtime.launch import free_port
 
 PROMPT_LEN, STEPS = 250, 32
 ATOL = 1e-4  # float32 logits (|logits| < 5); observed: 0 at TP=1 prefill, ~5e-6 elsewhere
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dequantized_copy(src: Path, dst: Path) -> Path:

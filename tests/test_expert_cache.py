@@ -4,7 +4,6 @@ capacity edges, and identical decisions on every rank (2 gloo ranks, one routing
 from __future__ import annotations
 
 import random
-import socket
 import traceback
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from shardsmith.errors import UsageError
 from shardsmith.runtime.offload.slots import SlotTable, belady, simulate
+from shardsmith.testing.ranks import run_ranks
 
 
 def test_hits_misses_and_lru_order():
@@ -101,10 +101,6 @@ def _trace(seed: int, steps: int, layers: int, experts: int, k: int) -> list[lis
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, pack: str, queue) -> None:
@@ -144,28 +140,13 @@ def _rank_main(rank: int, world_size: int, port: int, pack: str, queue) -> None:
 
 
 def test_every_rank_makes_the_same_decisions(tmp_path):
-    import torch.multiprocessing as mp
-
     from shardsmith.testing import tiny_mixtral
     from shardsmith.writer.split import split_checkpoint
 
     src = tiny_mixtral(tmp_path / "src", experts=8)
     pack = tmp_path / "tp2"
     split_checkpoint(src, pack, world_size=2)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(pack), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        status, logs = queue.get(timeout=180)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert status == "ok", logs
+    logs = run_ranks(_rank_main, 2, str(pack), timeout=180)
     for name, (r0, r1) in logs.items():
         assert len(r0) > 20, name
         assert r0 == r1, f"{name}: ranks disagree"

@@ -4,7 +4,6 @@ world sizes 1 and 2 (bf16 and FP8 tiny Mixtral); the FP4 expert maths; GPU-only 
 
 from __future__ import annotations
 
-import socket
 import traceback
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from shardsmith.errors import RuntimeLoadError, UsageError
 from shardsmith.runtime.offload import OffloadConfig
 from shardsmith.runtime.offload.host_bank import load_host_banks
+from shardsmith.testing.ranks import run_ranks
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 7]
 BACKENDS = {
@@ -100,24 +100,7 @@ def _rank_main(rank: int, world_size: int, port: int, cases, queue) -> None:
 
 
 def test_backends_match_resident_world_size_2(packs):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, _cases(packs, 2), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = queue.get(timeout=200)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert status == "ok", payload
+    payload = run_ranks(_rank_main, 2, _cases(packs, 2), timeout=200)
     _check({k: (torch.from_numpy(v[0]), *v[1:]) for k, v in payload.items()})
 
 

@@ -183,7 +183,7 @@ def _die_or_drive(rank: int, port: int, path: str, who_dies: int, queue) -> None
 def test_a_dead_rank_fails_the_others_fast(tiny, who_dies):
     import torch.multiprocessing as mp
 
-    from test_runtime_tp import free_port
+    from shardsmith.runtime.launch import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()

@@ -12,24 +12,19 @@ layer and Qwen2-MoE's shared expert. FP8 runs both dequantized at load (the defa
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from shardsmith.testing.ranks import run_ranks
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 7, 250, 11, 64]
 STEPS = 16
 SEQ = 64
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, cases: list[tuple], jobs: list[tuple], queue) -> None:
@@ -74,23 +69,7 @@ def run_ranks_jobs(world_size: int, cases: list[tuple], jobs: list[tuple], timeo
     Returns:
         rank 0's results: key -> one result per job (logits as numpy ``[T, V]``, or token ids).
     """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, cases, jobs, queue)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        status, payload = queue.get(timeout=timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert status == "ok", payload
-    return payload
+    return run_ranks(_rank_main, world_size, cases, jobs, timeout=timeout)
 
 
 JOBS = [("logits", PROMPT), ("generate", PROMPT, STEPS),

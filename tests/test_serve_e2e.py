@@ -11,13 +11,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from shardsmith.runtime.launch import free_port
 
 httpx = pytest.importorskip("httpx")
 
@@ -26,10 +26,6 @@ READY_TIMEOUT_S = 180.0
 MODEL = "smollm2-tp2"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
