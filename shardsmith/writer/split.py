@@ -188,21 +188,14 @@ def split_checkpoint(
     if out.exists():
         shutil.rmtree(out)  # a pack or an empty directory (check_out)
     os.replace(partial, out)
-    _fsync_dir(out.parent)
+    _fsync(out.parent)
     reused = sum(1 for p in layout.files if p in journal.files) - stats["written"]
     return SplitResult(str(out), pack_id, world_size, layout.ranks, stats["written"], reused, stats["read"],
                        stats["bytes_written"], time.perf_counter() - t0, stats["window"], tuple(notes))
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -305,6 +298,6 @@ def _stream(ckpt, plan, layout: PackLayout, root: Path, journal: Journal, worker
         raise errors[0]
     written = [p for p in todo_files if p in journal.files]
     with ThreadPoolExecutor(workers) as pool:  # one flush at the end lets the kernel write back in bulk
-        list(pool.map(lambda p: _fsync_path(root / p), written))
+        list(pool.map(lambda p: _fsync(root / p), written))
     return {"read": total, "written": len(written), "window": window.limit,
             "bytes_written": sum(layout.files[p].layout.size for p in written)}
