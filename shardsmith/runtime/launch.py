@@ -334,19 +334,25 @@ def _supervise(procs: list, reports=None) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     failed, since, reported, escalated = False, None, set(), 0
     try:
-        while any(p.is_alive() for p in procs):
-            multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
+        while True:
+            alive = [p.sentinel for p in procs if p.is_alive()]
+            if not alive and len(reported) == len(procs):
+                break
+            multiprocessing.connection.wait(alive, timeout=0.2 if alive else 0)
             drain()  # a rank blocked writing a long report must not wait for us
-            for r, p in enumerate(procs):
-                if p.exitcode is None or r in reported:
-                    continue
-                reported.add(r)
-                if p.exitcode != 0 and since is None:
-                    what = "raised an error" if any(x.rank == r for x in received) else _describe(p.exitcode)
-                    rest = "; stopping the other ranks" if any(q.is_alive() for q in procs) else ""
-                    log.error("rank %d (pid %d) %s%s", r, p.pid, what, rest)
-                    failed = True
-                    _terminate(procs[0])
+            exited = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in reported]
+            reported.update(exited)
+            bad = sorted((r for r in exited if procs[r].exitcode != 0), key=lambda r: _blame(r, procs, received))
+            if bad and since is None:
+                # Several ranks can go down within one poll: name the cause (a rank killed by a signal,
+                # or one that reported its own error) before those that only saw a peer vanish.
+                rest = "; stopping the other ranks" if any(q.is_alive() for q in procs) else ""
+                for i, r in enumerate(bad):
+                    what = "raised an error" if any(x.rank == r for x in received) else _describe(procs[r].exitcode)
+                    log.error("rank %d (pid %d) %s%s", r, procs[r].pid, what, rest if i == 0 else "")
+                failed = True
+                _terminate(procs[0])
+            if exited:
                 since = since or time.monotonic()  # exit 0: rank 0 done, or a follower released by shutdown
             if stop.is_set() and since is None:
                 since = time.monotonic()
@@ -370,6 +376,13 @@ def _supervise(procs: list, reports=None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _blame(rank: int, procs: list, received: list[RankReport]) -> tuple[int, int]:
+    """Sort key putting the likeliest root cause first: killed by a signal, then own error, then the rest."""
+    code = procs[rank].exitcode
+    own = [x for x in received if x.rank == rank]
+    return (0 if code is not None and code < 0 else 1 if own and not all(x.lost for x in own) else 2, rank)
 
 
 def _raise_reports(received: list[RankReport], world_size: int) -> None:
