@@ -64,17 +64,6 @@ def _offload(moe_backend: str, expert_cache_gb: float | None, expert_policy: str
                                   expert_policy=expert_policy or "hot")
 
 
-def _check_offload(path: Path) -> None:
-    """Refuse expert offload for a model the registry does not offload (DeepSeek-V4), before any rank starts."""
-    import json
-
-    from .runtime.models import OFFLOAD_V4, family_for
-
-    config = path / "config.json"
-    if config.is_file() and not family_for(json.loads(config.read_text(encoding="utf-8"))).offload:
-        raise UsageError(OFFLOAD_V4)
-
-
 def _check_device(device: str, world_size: int | None) -> None:
     """``--device`` is cpu or cuda; for cuda, torch sees a GPU per local rank (``world_size`` None: unknown yet)."""
 
@@ -150,8 +139,6 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
         raise UsageError(f"--dist-port must be in 1..65535, got {dist_port}")
     ws = pack_world_size(path, tp=tp, from_checkpoint=from_checkpoint)
     _check_tokenizer(path)
-    if offload is not None:
-        _check_offload(path)
     if under_torchrun() and dist_port is not None:
         raise UsageError("--dist-port is not used under torchrun (torchrun owns the rendezvous: --master-port)")
     _check_device(device, ws)

@@ -154,14 +154,20 @@ def test_encoding_without_trust_remote_code_is_refused(v4: dict) -> None:
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == v4["codec"].decode(v4["completion"])
 
 
-def test_expert_offload_is_refused_before_ranks_start(v4: dict) -> None:
-    from typer.testing import CliRunner
+def test_generate_with_offloaded_experts_gives_transformers_answer(v4: dict) -> None:
+    """``generate --moe-backend hybrid`` at TP=2: FP4 experts in host banks, a 4-slot cache, a share on the host."""
+    import subprocess
+    import sys
 
-    from shardsmith.cli import app
-    from shardsmith.errors import UsageError
+    from shardsmith.runtime.launch import free_port
 
-    r = CliRunner().invoke(app, ["serve", str(v4["pack"]), "--moe-backend", "cpu"], standalone_mode=False)
-    assert isinstance(r.exception, UsageError) and "not supported for DeepSeek-V4" in str(r.exception)
+    out = subprocess.run([sys.executable, "-m", "shardsmith.cli", "generate", str(v4["pack"]), *SERVE,
+                          "--moe-backend", "hybrid", "--expert-cache-gb", str((4 * 104448 + 1024) / 2**30),
+                          "--max-tokens", str(MAX_TOKENS), "--prompt", PROMPT, "--dist-port", str(free_port())],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == v4["codec"].decode(v4["completion"]) + "\n"
+    assert "expert offload: backend hybrid" in out.stderr and "cache 4/32 experts" in out.stderr
 
 
 def test_engine_restarts_each_request_and_refuses_a_rewind(v4: dict) -> None:

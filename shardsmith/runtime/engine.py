@@ -127,7 +127,7 @@ class Engine:
             fp8: ``load`` dequantizes FP8 block weights once to ``dtype``; ``on-the-fly`` keeps
                 them FP8 and dequantizes per matmul (see :mod:`~shardsmith.runtime.parallel`).
             offload: place routed experts in host memory with a device expert cache
-                (:mod:`shardsmith.runtime.offload`; Mixtral family only); None keeps every expert resident.
+                (:mod:`shardsmith.runtime.offload`); None keeps every expert resident.
 
         Raises:
             RuntimeLoadError: on every rank, listing each rank's load problem (missing,

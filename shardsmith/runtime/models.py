@@ -4,7 +4,7 @@
 architecture (``config.json``)         builder             expert offload   a step may start at
 =====================================  ==================  ===============  ===============================
 Mixtral, Qwen3-MoE, Qwen2-MoE          :func:`build_moe`   yes              any position (KV cache by pos)
-``DeepseekV4ForCausalLM``              :func:`build_v4`    no (FP4 banks)   0, or where the last step ended
+``DeepseekV4ForCausalLM``              :func:`build_v4`    yes (FP4 slots)  0, or where the last step ended
 =====================================  ==================  ===============  ===============================
 
 Every model has the interface the engine drives: ``setup_cache(max_seq_len, device, dtype)``,
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import RuntimeLoadError, UsageError
+from ..errors import RuntimeLoadError
 from . import deepseek_v4
 from .config import FAMILIES as MOE_ARCHITECTURES
 from .parallel import Shards
@@ -35,14 +35,12 @@ class ModelFamily:
     Attributes:
         name: for messages.
         build: ``build(weights, *, rank, dtype, block, device, offload) -> (model, offload runtime | None)``.
-        offload: routed experts may be placed in host memory (``--moe-backend`` other than resident).
         rewinds: a step may start at any position up to where the last one ended; False: only at
             0 (a new sequence) or exactly where the last step ended (state that cannot rewind).
     """
 
     name: str
     build: Callable[..., tuple[nn.Module, Any]]
-    offload: bool
     rewinds: bool
 
 
@@ -66,22 +64,28 @@ def build_moe(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int],
 
 def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
              offload: Any = None) -> tuple[nn.Module, Any]:
-    """:class:`~shardsmith.runtime.deepseek_v4.DeepseekV4`, every expert resident.
+    """:class:`~shardsmith.runtime.deepseek_v4.DeepseekV4`, experts resident or offloaded.
 
-    Raises:
-        UsageError: ``offload`` was requested (not supported for FP4 expert banks yet).
+    Offloaded FP4 experts stay packed in host memory and in the device slots (half a byte per
+    weight plus one UE8M0 byte per 32) and are expanded per use with the same SwiGLU clamp and
+    float32 accumulation as the resident bank.
     """
+    args = deepseek_v4.V4Args.from_config(weights.config)
+    model = deepseek_v4.DeepseekV4(args, Shards(weights.plan, rank, dtype, block))
+    offloaded = None
     if offload is not None:
-        raise UsageError(OFFLOAD_V4)
-    model = deepseek_v4.DeepseekV4(deepseek_v4.V4Args.from_config(weights.config), Shards(weights.plan, rank, dtype, block))
-    deepseek_v4.assign_weights(model, weights.dense(), weights.banks(), device=device)
-    return model, None
+        from .offload import attach_offload
+        from .offload.compute import ExpertMath
+
+        offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block,
+                                   bank_type=deepseek_v4.moe.ExpertBank,
+                                   math=ExpertMath(limit=args.swiglu_limit, accumulate_f32=True))
+    deepseek_v4.assign_weights(model, weights.dense(), {} if offloaded else weights.banks(), device=device)
+    return model, offloaded
 
 
-OFFLOAD_V4 = ("--moe-backend: expert offload is not supported for DeepSeek-V4 yet (its FP4 expert banks have no "
-              "host bank/cache path); serve it with --moe-backend resident")
-MOE = ModelFamily("Mixtral family", build_moe, offload=True, rewinds=True)
-DEEPSEEK_V4 = ModelFamily("DeepSeek-V4", build_v4, offload=False, rewinds=False)
+MOE = ModelFamily("Mixtral family", build_moe, rewinds=True)
+DEEPSEEK_V4 = ModelFamily("DeepSeek-V4", build_v4, rewinds=False)
 MODELS: dict[str, ModelFamily] = {**{a: MOE for a in MOE_ARCHITECTURES},
                                   **{a: DEEPSEEK_V4 for a in deepseek_v4.ARCHITECTURES}}
 

@@ -12,18 +12,45 @@ format           weights                        scales
 ``fp4``          e2m1 packed two per int8 byte  ``float8_e8m0fnu`` per 1x32 group (DeepSeek-V4)
 ===============  =============================  ===========================================
 
+The arithmetic around the matmuls (SwiGLU clamp, accumulation dtype) is the family's
+:class:`ExpertMath`; FP4 is expanded by :func:`shardsmith.runtime.deepseek_v4.quant.dequantize_fp4`.
+
 Legend: n = tokens routed to the expert, D = hidden, I_r = this rank's intermediate share.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from ..deepseek_v4.quant import dequantize_fp4
 from ..parallel import dequantize_blocks
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-FP4_GROUP = 32
+
+@dataclass(frozen=True, slots=True)
+class ExpertMath:
+    """The model family's expert arithmetic, so offloaded experts compute what its resident bank does.
+
+    Attributes:
+        limit: SwiGLU clamp ``L`` (DeepSeek-V4 ``swiglu_limit``): ``silu(min(g, L)) * clamp(u, -L, L)``;
+            0 means no clamp (Mixtral / Qwen-MoE).
+        accumulate_f32: weight and sum the experts' outputs in float32, cast once at the end
+            (DeepSeek-V4's ``ExpertBank``); else each weighted output is cast to the activation
+            dtype and summed there (the Mixtral-family ``ExpertBank``).
+    """
+
+    limit: float = 0.0
+    accumulate_f32: bool = False
+
+    def accumulator(self, x: torch.Tensor) -> torch.Tensor:
+        """Zeros ``[T, D]`` to :meth:`torch.Tensor.index_add_` contributions into."""
+        return torch.zeros(x.shape, dtype=torch.float32 if self.accumulate_f32 else x.dtype, device=x.device)
+
+    def contribution(self, y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Expert output ``y [n, D]`` times its routing weights ``w [n]``, in the accumulator's dtype."""
+        return y.float() * w.float()[:, None] if self.accumulate_f32 else (y * w[:, None]).to(dtype)
 
 
 def bank_format(gate_up: torch.Tensor) -> str:
@@ -33,18 +60,6 @@ def bank_format(gate_up: torch.Tensor) -> str:
     if gate_up.dtype in (torch.int8, torch.uint8):
         return "fp4"
     return "dense"
-
-
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[R, C/2]`` packed e2m1 (low nibble first) with ``[R, C/32]`` UE8M0 scales -> ``[R, C]`` ``dtype``.
-
-    Source: the OCP MX e2m1 element encoding (sign bit 3, magnitudes :data:`E2M1`), as
-    :func:`shardsmith.testing.quant.quantize_fp4_group` writes it.
-    """
-    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=packed.device)
-    u8 = packed.view(torch.uint8)
-    vals = torch.stack((lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]), dim=-1).reshape(u8.shape[0], -1)
-    return (vals * scale.float().repeat_interleave(FP4_GROUP, dim=1)).to(dtype)
 
 
 def expert_weights(arrays: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -68,9 +83,15 @@ def expert_weights(arrays: dict[str, torch.Tensor], dtype: torch.dtype,
     return dequantize_fp4(gu[:i_r], s[:s_r], dtype), dequantize_fp4(gu[i_r:], s[s_r:], dtype), dequantize_fp4(down, ds, dtype)
 
 
-def swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate h) * up h)``: ``[n, D] -> [n, D]`` partial over this rank's share (as the resident path)."""
-    return F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+def swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """``down(act(gate h, up h))``: ``[n, D] -> [n, D]`` partial over this rank's share (as the resident path).
+
+    ``act(g, u) = silu(g) * u``, or with ``limit`` L > 0 ``silu(min(g, L)) * clamp(u, -L, L)`` (DeepSeek-V4).
+    """
+    g, u = F.linear(h, gate), F.linear(h, up)
+    if limit:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    return F.linear(F.silu(g) * u, down)
 
 
 def routed(index_host: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .compute import expert_weights, routed, swiglu
+from .compute import ExpertMath, expert_weights, routed, swiglu
 from .host_bank import HostBanks
 
 
@@ -38,11 +38,13 @@ class CpuExperts:
     """Compute routed experts of any layer on the host.
 
     Args:
-        host: the rank's host banks; layers: bank layer keys in model order; block: FP8 block size.
+        host: the rank's host banks; layers: bank layer keys in model order; block: FP8 block size;
+        math: the family's SwiGLU clamp and accumulation (:class:`~.compute.ExpertMath`).
     """
 
-    def __init__(self, host: HostBanks, layers: list[str], block: tuple[int, int] | None) -> None:
-        self.host, self.layers, self.block = host, layers, block
+    def __init__(self, host: HostBanks, layers: list[str], block: tuple[int, int] | None,
+                 math: ExpertMath = ExpertMath()) -> None:
+        self.host, self.layers, self.block, self.math = host, layers, block, math
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-experts")
         self.experts_computed = 0
 
@@ -54,15 +56,15 @@ class CpuExperts:
             x: ``[T, D]`` host; index: ``[T, K]`` host; weight: ``[T, K]`` host; experts: which to compute.
 
         Returns:
-            expert -> ``(tok [n], contribution [n, D] in x.dtype)``, as the resident path adds them.
+            expert -> ``(tok [n], contribution [n, D])`` in the accumulator's dtype, as the resident path adds them.
         """
         bank = self.host.layers[self.layers[layer]]
         out = {}
         for e in experts:
             tok, k = routed(index, e)
             gate, up, down = expert_weights({name: a[e] for name, a in bank.items()}, x.dtype, self.block)
-            y = swiglu(x[tok], gate, up, down)
-            out[e] = (tok, (y * weight[tok, k, None]).to(x.dtype))
+            y = swiglu(x[tok], gate, up, down, self.math.limit)
+            out[e] = (tok, self.math.contribution(y, weight[tok, k], x.dtype))
         self.experts_computed += len(experts)
         return out
 

@@ -151,7 +151,8 @@ def _slot_chunks(arrays: dict[str, torch.Tensor], chunk_bytes: int) -> list[tupl
     return out
 
 
-def load_host_banks(weights, *, pin: str = "auto", chunk_bytes: int = CHUNK_BYTES) -> HostBanks:
+def load_host_banks(weights, *, pin: str = "auto", chunk_bytes: int = CHUNK_BYTES,
+                    layers: set[str] | None = None) -> HostBanks:
     """Read this rank's expert banks into host memory and pin them (when CUDA is present).
 
     Args:
@@ -161,6 +162,7 @@ def load_host_banks(weights, *, pin: str = "auto", chunk_bytes: int = CHUNK_BYTE
         pin: ``auto`` (pin when CUDA is available; if refused, log the reason and fall back to
             pageable memory), ``require`` (refusal is an error), ``off``.
         chunk_bytes: upper bound of one ``cudaHostRegister`` call, in bytes.
+        layers: read only these bank layers (None: every bank of the rank).
 
     Raises:
         RuntimeLoadError: ``pin="require"`` and page-locking is refused (e.g. ``ulimit -l``, or no
@@ -181,8 +183,10 @@ def load_host_banks(weights, *, pin: str = "auto", chunk_bytes: int = CHUNK_BYTE
                     "host-to-GPU expert copies will be slower and synchronous", reason)
     hb = HostBanks({}, pinned=do_pin, pin_error=reason if pin != "off" else None)
     jobs = _read_jobs(weights)
+    if jobs is not None and layers is not None:
+        jobs = [j for j in jobs if j[0] in layers]
     if jobs is None:  # not a pack: take the arrays we are given
-        hb.layers = {layer: dict(arrays) for layer, arrays in weights.banks().items()}
+        hb.layers = {layer: dict(arrays) for layer, arrays in weights.banks().items() if layers is None or layer in layers}
         hb.nbytes = hb.array_bytes = sum(a.numel() * a.element_size() for arr in hb.layers.values() for a in arr.values())
         if do_pin:
             _pin_or_fall_back(hb, [c for arr in hb.layers.values() for c in _slot_chunks(arr, chunk_bytes)], pin)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
-from .compute import expert_weights, routed, swiglu
+from .compute import ExpertMath, expert_weights, routed, swiglu
 from .cpu_backend import CpuExperts
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
 from .host_bank import HostBanks, load_host_banks
@@ -107,10 +107,10 @@ class OffloadRuntime:
     """
 
     def __init__(self, config: OffloadConfig, host: HostBanks, layers: list[str], *, device: torch.device,
-                 dtype: torch.dtype, dim: int, block: tuple[int, int] | None) -> None:
+                 dtype: torch.dtype, dim: int, block: tuple[int, int] | None, math: ExpertMath = ExpertMath()) -> None:
         self.config, self.host, self.layers, self.device, self.dtype, self.dim = config, host, layers, device, dtype, dim
-        self.block = block
-        self.cpu = CpuExperts(host, layers, block)
+        self.block, self.math = block, math
+        self.cpu = CpuExperts(host, layers, block, math)
         self.cache: ExpertCache | None = None
         self.probe: ProbeResult | None = None
         self.backend, self.hybrid_fraction = config.backend, config.hybrid_fraction or 0.0
@@ -212,12 +212,12 @@ class OffloadRuntime:
             for e, (tok, y) in fut.result().items():
                 contrib[e] = (tok.to(x.device), y.to(x.device, non_blocking=True))
             self.cpu_experts += len(to_host)
-        out = torch.zeros_like(x)
+        out = self.math.accumulator(x)
         for e in experts:
             tok, y = contrib[e]
             out.index_add_(0, tok, y)
         self.step_s += time.perf_counter() - t0
-        return out
+        return out.to(x.dtype)
 
     def _host_share(self, layer: int, experts: list[int]) -> list[int]:
         """Experts the host computes: all (``cpu``), or the last ``round(f * misses)`` misses (``hybrid``)."""
@@ -233,8 +233,8 @@ class OffloadRuntime:
         tok, k = routed(index_h, e)
         tok_d, k_d = tok.to(x.device, non_blocking=True), k.to(x.device, non_blocking=True)
         gate, up, down = expert_weights(self.cache.arrays(slot), x.dtype, self.block)
-        y = swiglu(x[tok_d], gate, up, down)
-        return tok_d, (y * weight[tok_d, k_d, None]).to(x.dtype)
+        y = swiglu(x[tok_d], gate, up, down, self.math.limit)
+        return tok_d, self.math.contribution(y, weight[tok_d, k_d], x.dtype)
 
     # ------------------------------------------------------------ counters
 
@@ -277,30 +277,42 @@ def _agree(values: list[float], device: torch.device, op) -> list[float]:
 
 
 def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: torch.device,
-                   dtype: torch.dtype, block: tuple[int, int] | None) -> OffloadRuntime:
+                   dtype: torch.dtype, block: tuple[int, int] | None, bank_type: type[nn.Module] | None = None,
+                   math: ExpertMath = ExpertMath()) -> OffloadRuntime:
     """Read the rank's banks into host memory and swap the model's expert banks for offloaded ones.
 
-    Call on the ``meta`` model before :func:`~shardsmith.runtime.model.assign_weights` (pass it no
-    banks), then :meth:`OffloadRuntime.start` once the dense weights and KV cache are placed.
+    Call on the ``meta`` model before the family's ``assign_weights`` (pass it no banks), then
+    :meth:`OffloadRuntime.start` once the dense weights and KV cache are placed.
+
+    Args:
+        model: the built model; its ``bank_type`` modules, named ``<layer>.<moe>.experts`` with
+            ``<layer>`` a bank layer key, are replaced (banks of other layers, e.g. DeepSeek-V4's
+            MTP layers, are not read).
+        bank_type: the family's resident expert bank class (default: the Mixtral family's
+            :class:`~shardsmith.runtime.moe.ExpertBank`); math: its expert arithmetic.
 
     Raises:
-        RuntimeLoadError: from :func:`~.host_bank.load_host_banks` or a model without expert banks.
-        UsageError: an unknown backend.
+        RuntimeLoadError: from :func:`~.host_bank.load_host_banks`.
+        UsageError: an unknown backend; a model MoE layer with no bank in the pack.
     """
     from ..moe import ExpertBank
 
     if config.backend not in BACKENDS:
         raise UsageError(f"moe backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
-    pin = config.pin if torch.device(device).type == "cuda" else "off"
-    host = load_host_banks(weights, pin=pin)
-    owners = [name for name, m in model.named_modules() if isinstance(m, ExpertBank)]  # model order
+    bank_type = bank_type or ExpertBank
+    owners = [name for name, m in model.named_modules() if isinstance(m, bank_type)]  # model order
     keys = {name.rsplit(".", 2)[0]: name for name in owners}  # model.layers.N.<moe>.experts -> model.layers.N
     layers = list(keys)
+    if not layers:
+        raise UsageError(f"expert offload: the model has no {bank_type.__name__} modules to offload")
+    pin = config.pin if torch.device(device).type == "cuda" else "off"
+    host = load_host_banks(weights, pin=pin, layers=set(layers))
     missing = sorted(set(keys) ^ set(host.layers))
     if missing:
+        host.close()
         raise UsageError(f"expert offload: model MoE layers and host banks differ: {missing}")
     rt = OffloadRuntime(config, host, layers, device=torch.device(device), dtype=dtype,
-                        dim=next(iter(host.layers.values()))["down"].shape[1], block=block)
+                        dim=next(iter(host.layers.values()))["down"].shape[1], block=block, math=math)
     for i, layer in enumerate(layers):
         name = keys[layer]
         owner, _, leaf = name.rpartition(".")

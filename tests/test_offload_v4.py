@@ -1,0 +1,105 @@
+"""DeepSeek-V4 with offloaded FP4 experts on CPU: the ``gpu`` (slot cache on a CPU pool), ``cpu`` and
+``hybrid`` backends give the resident model's logits and greedy tokens at world sizes 1 and 2, the
+slots hold packed FP4 (half a byte per weight), and only the decoder layers' banks are read (the MTP
+layer's are not)."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardsmith.runtime.offload import OffloadConfig
+from shardsmith.testing.ranks import run_ranks
+
+PROMPT = [3, 17, 42, 99, 5, 8, 61, 7, 200, 13]
+BACKENDS = {
+    "gpu-12slots": OffloadConfig(backend="gpu", cache_slots=12, probe=False),
+    "cpu": OffloadConfig(backend="cpu", probe=False),
+    "hybrid": OffloadConfig(backend="hybrid", cache_slots=2, hybrid_fraction=0.5, probe=False),
+}
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory) -> dict[int, Path]:
+    from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
+    from shardsmith.writer.split import split_checkpoint
+
+    root = tmp_path_factory.mktemp("offload-v4")
+    src = tiny_deepseek_v4(root / "src")
+    out = {}
+    for ws in (1, 2):
+        out[ws] = root / f"tp{ws}"
+        split_checkpoint(src, out[ws], world_size=ws)
+    return out
+
+
+def _run(rank: int, world_size: int, path: str) -> dict:
+    """Rank 0's float32 logits ``[T, V]``, greedy tokens and offload stats per backend; others follow."""
+    from shardsmith.runtime.engine import Engine, SamplingParams
+
+    out = {}
+    for name in ("resident", *BACKENDS):
+        eng = Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=64,
+                          offload=BACKENDS.get(name))
+        if rank == 0:
+            logits = eng.logits(PROMPT).numpy()
+            tokens = [s.token_id for s in eng.generate(PROMPT, SamplingParams(max_tokens=6))]
+            stats = eng.offload.stats() if eng.offload else None
+            if eng.offload:
+                layers = eng.offload.host.layers
+                stats["layers"] = sorted(layers)
+                stats["dtypes"] = {a: str(t.dtype) for a, t in next(iter(layers.values())).items()}
+                stats["pool_dtype"] = str(eng.offload.cache.pool["gate_up"].dtype) if eng.offload.cache else None
+            out[name] = (logits, tokens, stats)
+            eng.shutdown()
+        else:
+            eng.follow()
+        if eng.offload:
+            eng.offload.close()
+    return out
+
+
+def _rank_main(rank: int, world_size: int, port: int, path: str, queue) -> None:
+    try:
+        from shardsmith.runtime.parallel import init_distributed
+
+        init_distributed(rank, world_size, master_port=port)
+        out = _run(rank, world_size, path)
+        if rank == 0:
+            queue.put(("ok", out))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+def _check(results: dict, world_size: int) -> None:
+    want, want_tokens, _ = results["resident"]
+    for name in BACKENDS:
+        logits, tokens, stats = results[name]
+        # per-expert matmuls instead of the resident bank's batched decode path: float32 rounding only
+        torch.testing.assert_close(torch.from_numpy(logits), torch.from_numpy(want), atol=2e-4, rtol=1e-4, msg=name)
+        assert tokens == want_tokens, name
+        assert stats["layers"] == [f"layers.{i}" for i in range(4)]  # no mtp.* banks read
+        assert stats["dtypes"]["gate_up"] == "torch.int8" and stats["dtypes"]["gate_up_scale"] == "torch.float8_e8m0fnu"
+        if name.startswith("gpu"):
+            assert stats["pool_dtype"] == "torch.int8"  # slots hold packed FP4
+            assert stats["hits"] > 0 and stats["misses"] > 0
+            assert stats["bytes_copied"] == stats["misses"] * stats["slot_bytes"]
+            # one expert's rank shard, packed: I_r = 512 / world_size rows of w1 and w3 [I_r, 256/2] I8
+            # + [I_r, 256/32] UE8M0, w2 [256, I_r/2] + [256, I_r/32]
+            i_r = 512 // world_size
+            assert stats["slot_bytes"] == 2 * i_r * (128 + 8) + 256 * (i_r // 2 + i_r // 32)
+            assert stats["host_bytes"] >= 4 * 8 * stats["slot_bytes"]  # 4 layers x 8 experts (+ file alignment)
+        else:
+            assert stats["host_experts"] > 0
+
+
+def test_v4_offload_matches_resident_world_size_1(packs):
+    _check(_run(0, 1, str(packs[1])), 1)
+
+
+def test_v4_offload_matches_resident_world_size_2(packs):
+    _check(run_ranks(_rank_main, 2, str(packs[2]), timeout=300), 2)
