@@ -4,7 +4,8 @@ Names, dtypes and per-layer shapes come from the raw headers in
 ``shared/real-inventories/deepseek-v4-flash-0731-reap160/``; the config is the release's with the
 layer and expert counts changed. ``--layers 4`` keeps layers 0-3 (sliding, sliding, CSA, HCA; the
 first three hash-routed), ``--experts N`` keeps routed experts ``0..N-1`` (router rows, bias and
-``tid2eid`` follow), ``--mtp M`` keeps draft layers ``mtp.0..M-1``.
+``tid2eid`` follow; past the inventory's 160, expert ``j`` takes expert 0's names and shapes, so
+``--experts 256`` gives the unpruned release's count), ``--mtp M`` keeps draft layers ``mtp.0..M-1``.
 
 Values (sane scales, valid formats): FP8 e4m3 ``N(0, 16^2)`` with UE8M0 block scales making the
 weight's std about ``fan_in^-0.5``; FP4 experts as random e2m1 codes (rms 2.9) with 1x32 UE8M0
@@ -48,7 +49,11 @@ def inventory(root: Path) -> dict[str, tuple[str, list[int]]]:
 
 
 def select(tensors: dict, *, layers: int, experts: int, mtp: int) -> dict[str, tuple[str, list[int]]]:
-    """Tensors kept at ``layers``/``experts``/``mtp``, router shapes cut to ``experts``."""
+    """Tensors kept at ``layers``/``experts``/``mtp``, router shapes set to ``experts``.
+
+    Experts past the inventory's count are added with expert 0's names (index replaced) and shapes.
+    """
+    have = 1 + max((int(m.group(1)) for n in tensors if (m := re.search(r"\.experts\.(\d+)\.", n))), default=-1)
     keep = {}
     for name, (dt, shape) in tensors.items():
         m = re.match(r"(layers|mtp)\.(\d+)\.", name)
@@ -60,6 +65,9 @@ def select(tensors: dict, *, layers: int, experts: int, mtp: int) -> dict[str, t
         if re.search(r"\.ffn\.gate\.(weight|bias)$", name):
             shape = [experts, *shape[1:]]
         keep[name] = (dt, list(shape))
+        if e and int(e.group(1)) == 0:
+            for j in range(have, experts):
+                keep[name.replace(".experts.0.", f".experts.{j}.")] = (dt, list(shape))
     return keep
 
 

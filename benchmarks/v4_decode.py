@@ -8,6 +8,14 @@ all-reduce (CUDA events, or wall time on CPU), giving per token:
     attention (compute, excluding its wo_b all-reduce), MoE (router, experts, shared expert),
     attention all-reduce, MoE all-reduce, other (embedding and its all-reduce, head mixer, LM head)
 
+With ``--cache-fraction F`` (repeatable), each TP also decodes with the routed experts offloaded
+(``--moe-backend gpu``: FP4 experts in pinned host banks, a GPU slot cache of ``F`` x every routed
+expert's bytes at TP=1, the same bytes per GPU at every TP, policy ``hot``), after a warm-up
+decode that fills the cache; each offloaded row reports tokens/s, hit rate, copied bytes per token
+and rank, achieved and probed host-to-GPU GB/s, and the floor::
+
+    floor_s_per_token = copied_bytes_per_token / probe_h2d_bytes_per_s + resident_s_per_token
+
 Per-layer figures are scaled to the real 43 layers by kind (2 sliding, 21 CSA, 20 HCA: each
 kind's measured mean; a kind not in the checkpoint takes the mean of the others) and weight bytes
 per rank are scaled the same way from the plan. Rows go to
@@ -17,6 +25,7 @@ Examples::
 
     python benchmarks/gen_v4_checkpoint.py /data/v4-4l --layers 4 --experts 160
     python benchmarks/v4_decode.py /data/v4-4l --work /data/v4-packs --device cuda --tp 1,2
+    python benchmarks/v4_decode.py /data/v4-2l-256 --device cuda --tp 1,2 --cache-fraction 0.25 --cache-fraction 0.125
     python benchmarks/v4_decode.py --tiny --work /tmp/v4-bench --device cpu --dtype float32   # CPU smoke
 """
 
@@ -100,11 +109,14 @@ def instrument(model, timers: Timers) -> None:
             mod.register_forward_hook(post)
 
 
-def decode(model, prompt: torch.Tensor, steps: int, sync, timers: Timers | None = None) -> tuple[float, list[int]]:
+def decode(model, prompt: torch.Tensor, steps: int, sync, timers: Timers | None = None,
+           after_prefill=None) -> tuple[float, list[int]]:
     """Prefill ``prompt``, decode ``steps`` greedy tokens (timers on for the decode only); returns
-    (decode seconds, tokens)."""
+    (decode seconds, tokens). ``after_prefill()`` runs between the two (e.g. to zero counters)."""
     logits = model(prompt, 0)
     sync()
+    if after_prefill is not None:
+        after_prefill()
     if timers is not None:
         timers.on = True
     t0, pos, out = time.perf_counter(), prompt.shape[0], []
@@ -157,6 +169,9 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         mem.update(gpu_peak_bytes=torch.cuda.max_memory_allocated() if cuda else 0)
         local = {"rank": rank, "ready_s": ready, "decode_s": seconds, "instrumented_decode_s": t_inst,
                  "tokens": tokens, "spans_ms": spans, "memory": mem, "plan_bytes": plan_bytes(weights.plan, rank)}
+        del model
+        local["offload"] = [offloaded_decode(weights, dev, a, prompt, sync, barrier, world, f)
+                            for f in a.get("cache_fractions") or []]
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(local))
         if world > 1:
             torch.distributed.barrier()
@@ -164,6 +179,57 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
     except Exception:
         (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, sync, barrier, world: int,
+                     fraction: float) -> dict:
+    """Build the model with offloaded experts (a cache of ``fraction`` x the TP=1 expert bytes), warm
+    the cache with one decode, then time a second decode of the same tokens; this rank's numbers."""
+    from shardsmith.runtime.models import build_v4
+    from shardsmith.runtime.offload import OffloadConfig
+
+    bank_bytes = sum(t.numel() * t.element_size() for layer, arrays in weights.banks().items()
+                     if not layer.startswith("mtp.") for t in arrays.values())
+    cache_bytes = int(fraction * bank_bytes * world)  # this rank's share x world size = the TP=1 bytes
+    dtype = getattr(torch, a["dtype"])
+    cfg = OffloadConfig(backend="gpu", cache_bytes=cache_bytes, policy="hot", probe=dev.type == "cuda")
+    barrier()
+    t0 = time.perf_counter()
+    model, rt = build_v4(weights, rank=weights.rank, dtype=dtype, block=(128, 128), device=dev, offload=cfg)
+    model.setup_cache(a["prompt"] + 2 * a["tokens"] + 8, dev, dtype)
+    rt.start()
+    sync()
+    barrier()
+    ready = time.perf_counter() - t0
+    decode(model, prompt, a["tokens"], sync)  # warm-up: fills the cache with this prompt's experts
+    seconds, tokens = decode(model, prompt, a["tokens"], sync, after_prefill=rt.reset_stats)
+    st = rt.stats()
+    out = {"cache_fraction_at_tp1": fraction, "cache_bytes_per_gpu": st.get("pool_bytes", 0), "ready_s": ready,
+           "decode_s": seconds, "tokens": tokens, "ready_log": rt.ready_line(),
+           "decode_tokens_counted": st["tokens"],
+           **{k: st.get(k) for k in ("backend", "slots", "hit_rate", "misses", "slot_bytes", "bytes_copied",
+                                     "h2d_gb_per_s", "probe_h2d_gb_per_s", "host_bytes", "host_pinned")}}
+    rt.close()
+    del model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def offload_rows(ranks: list[dict], resident: dict, tp: int, tokens: int) -> list[dict]:
+    """One row per cache fraction: rank 0's cache numbers, the slowest rank's time, the floor."""
+    rows = []
+    for i, o in enumerate(ranks[0]["offload"]):
+        decode_s = max(r["offload"][i]["decode_s"] for r in ranks)
+        per_token = o["bytes_copied"] / max(1, o["decode_tokens_counted"])  # counters zeroed after the prefill
+        bw = (o.get("probe_h2d_gb_per_s") or 0) * 1e9
+        floor_s = (per_token / bw if bw else 0.0) + resident["ms_per_token"] / 1e3
+        rows.append({"tp": tp, "run": "offload", **{k: v for k, v in o.items() if k != "tokens"},
+                     "tokens_per_s": tokens / decode_s, "ms_per_token": 1e3 * decode_s / tokens,
+                     "bytes_copied_per_token_per_rank": per_token, "resident_tokens_per_s": resident["tokens_per_s"],
+                     "floor_tokens_per_s": 1 / floor_s, "time_per_token_over_floor": (decode_s / tokens) / floor_s,
+                     "tokens_match_resident": o["tokens"] == ranks[0]["tokens"]})
+    return rows
 
 
 def plan_bytes(plan, rank: int) -> dict:
@@ -239,7 +305,8 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        opts = {"pack": str(pack), "device": a.device, "dtype": a.dtype, "prompt": a.prompt, "tokens": a.tokens}
+        opts = {"pack": str(pack), "device": a.device, "dtype": a.dtype, "prompt": a.prompt, "tokens": a.tokens,
+                "cache_fractions": a.cache_fraction}
         try:
             mp.spawn(rank_main, args=(tp, port, opts, out), nprocs=tp, join=True)
         except Exception:
@@ -251,9 +318,35 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
     row = {"tp": tp, "device": a.device, "dtype": a.dtype, "layers": args.n_layers, "layer_kinds": list(args.kinds),
            "experts": args.n_experts, "hidden": args.dim, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
            "split_seconds": split_s}
-    row.update(summarize(ranks, args.kinds, a.tokens))
-    print(json.dumps({k: v for k, v in row.items() if k != "layer_kinds"}, indent=1), flush=True)
-    return row
+    row.update(summarize(ranks, args.kinds, a.tokens), run="resident")
+    rows = [row, *(base | o for o in offload_rows(ranks, row, tp, a.tokens)
+                   for base in [{k: row[k] for k in ("device", "dtype", "layers", "experts", "hidden")}])]
+    for r in rows:
+        print(json.dumps({k: v for k, v in r.items() if k not in ("layer_kinds", "ready_log")}, indent=1), flush=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    """Side by side: tokens/s per TP and run, with TP=2/TP=1 ratios at equal cache bytes per GPU."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="DeepSeek-V4 decode (checkpoint layers; offload: same cache bytes per GPU at every TP)")
+    for col in ("tp", "run", "cache/GPU GiB", "hit rate", "MB copied/token/rank", "H2D GB/s (probe)",
+                "tok/s", "floor tok/s", "vs TP=1"):
+        t.add_column(col, justify="right")
+    first = {(r["run"], r.get("cache_fraction_at_tp1")): r["tokens_per_s"] for r in rows if r["tp"] == rows[0]["tp"]}
+    for r in rows:
+        key = (r["run"], r.get("cache_fraction_at_tp1"))
+        off = r["run"] == "offload"
+        t.add_row(str(r["tp"]), r["run"] + (f" {r['cache_fraction_at_tp1']:.3g}" if off else ""),
+                  f"{r['cache_bytes_per_gpu'] / 2**30:.2f}" if off else "-",
+                  f"{r['hit_rate']:.1%}" if off else "-",
+                  f"{r['bytes_copied_per_token_per_rank'] / 1e6:.0f}" if off else "-",
+                  f"{r['h2d_gb_per_s']:.1f} ({r['probe_h2d_gb_per_s'] or 0:.1f})" if off else "-",
+                  f"{r['tokens_per_s']:.1f}", f"{r['floor_tokens_per_s']:.1f}" if off else "-",
+                  f"{r['tokens_per_s'] / first[key]:.2f}x" if key in first else "-")
+    Console(stderr=True, width=160).print(t)
 
 
 def main() -> None:
@@ -266,6 +359,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens")
+    ap.add_argument("--cache-fraction", type=float, action="append", default=[],
+                    help="also decode with offloaded experts and a cache of this share of the TP=1 expert bytes")
     ap.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
     a = ap.parse_args()
     if a.tiny:
@@ -278,9 +373,11 @@ def main() -> None:
         raise SystemExit("give a checkpoint directory or --tiny")
     else:
         ckpt = a.checkpoint
-    rows = [run_tp(a, ckpt, int(tp)) for tp in a.tp.split(",")]
+    rows = [r for tp in a.tp.split(",") for r in run_tp(a, ckpt, int(tp))]
     for row in rows:  # greedy tokens of every TP against the first one's (bf16: may drift late)
-        row["tokens_match_first_tp"] = row["tokens"] == rows[0]["tokens"]
+        if row["run"] == "resident":
+            row["tokens_match_first_tp"] = row["tokens"] == rows[0]["tokens"]
+    print_table(rows)
     if not a.no_save:
         from _results import save_results
 
