@@ -11,12 +11,19 @@ copies, the probe's pinned GB/s, and the floor::
 
     floor_s_per_token = missed_bytes_per_token / probe_h2d_bytes_per_s + resident_s_per_token
 
+With ``--hf-baseline`` (decode mode), the same run then times transformers + accelerate on the
+same checkpoint with the same experts in host RAM (``_hf_baseline``: ``hf_accelerate_experts_cpu``,
+and ``hf_accelerate_auto`` under our TP=1 GPU bytes) and adds ``speedup_vs_hf`` to our offloaded
+rows. Our rows sample (temperature 1, seeded), the baseline decodes greedily: the same number of
+forwards per token, different tokens.
+
 ``sweep``: slot-table hit rates (LRU, hot set, Belady's optimum) on the SmolLM2 MoE routing trace
 (captured by decoding with the real checkpoint, ``--smollm2``) and on a synthetic Zipf trace.
 
 Examples (two H200s; CPU at tiny size with ``--device cpu --tiny``)::
 
     python benchmarks/decode_offload.py --make --pack-root /tmp/offload-packs --device cuda
+    python benchmarks/decode_offload.py --pack-root /tmp/offload-packs --device cuda --tp 1 2 --hf-baseline
     python benchmarks/decode_offload.py --pack-root /tmp/offload-packs --device cpu --tiny --make
     python benchmarks/decode_offload.py --mode sweep --smollm2 ~/.cache/shardsmith/demo/smollm2-moe-bf16
 """
@@ -36,6 +43,8 @@ import torch
 from shardsmith.testing.ranks import run_ranks  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _hf_baseline import bench_prompt  # noqa: E402
+
 GiB = 1 << 30
 
 
@@ -104,8 +113,7 @@ def _rank(rank: int, ws: int, port: int, job: dict, queue) -> None:
 
         init_distributed(rank, ws, master_port=port, device=job["device"])
         rows = []
-        rng = random.Random(job["seed"])
-        prompt = [rng.randrange(3, job["vocab"]) for _ in range(job["prompt_tokens"])]
+        prompt = bench_prompt(seed=job["seed"], vocab=job["vocab"], tokens=job["prompt_tokens"])
         params = SamplingParams(max_tokens=job["tokens"], temperature=1.0, seed=job["seed"])
         warm = SamplingParams(max_tokens=job["warmup_tokens"], temperature=1.0, seed=job["seed"] + 1)
         for run in job["runs"]:
@@ -216,7 +224,57 @@ def decode_mode(a: argparse.Namespace) -> list[dict]:
     for r in rows:
         if r["tp"] != a.tp[0] and r["run"] in base:
             r["speedup_vs_tp%d" % a.tp[0]] = r["tokens_per_s"] / base[r["run"]]["tokens_per_s"]
+    if a.hf_baseline:
+        rows += hf_baseline(a, root / "src", rows, cache_bytes=cache_bytes)
     return rows
+
+
+def hf_baseline(a: argparse.Namespace, src: Path, ours: list[dict], *, cache_bytes: int) -> list[dict]:
+    """transformers + accelerate rows after ``ours`` (their ranks have exited); adds ``speedup_vs_hf`` to ours.
+
+    The ``auto`` row's GPU budget is what our TP=1 offloaded run holds: the checkpoint's dense
+    bytes + ``cache_bytes``. A baseline that fails becomes a ``skipped`` row so that our rows are
+    still saved.
+    """
+    from _hf_baseline import checkpoint_bytes, hf_offload_rows
+
+    if not (src / "config.json").is_file():
+        return [{"run": "hf_baseline", "tp": 1, "skipped": f"no checkpoint at {src} (build it with --make)"}]
+    gpu_bytes = checkpoint_bytes(src)["dense"] + cache_bytes
+    try:  # a few warm-up tokens: accelerate has no cache to fill, only CUDA and cuBLAS to start
+        rows = hf_offload_rows(src, device=a.device, gpu_bytes=gpu_bytes, tokens=a.hf_tokens or a.tokens,
+                               warmup_tokens=min(a.warmup_tokens, 4), prompt_tokens=a.prompt_tokens, seed=a.seed)
+    except Exception as e:  # noqa: BLE001 - keep our rows; the traceback goes to stderr
+        traceback.print_exc()
+        rows = [{"run": "hf_baseline", "tp": 1, "skipped": f"{type(e).__name__}: {e}"[:400]}]
+    for r in rows:
+        print(json.dumps(r), file=sys.stderr)
+    ref = next((r for r in rows if r["run"] in ("hf_accelerate_experts_cpu", "hf_cpu") and "tokens_per_s" in r), None)
+    if ref is not None:
+        for r in ours:
+            if r["run"] != "resident":
+                r |= {"speedup_vs_hf": r["tokens_per_s"] / ref["tokens_per_s"], "speedup_vs_hf_run": ref["run"]}
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    """The decode rows side by side on stderr: tokens/s, cache hit rate, copied MiB per token, floor, ratios."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def num(v, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    ratios = sorted({k for r in rows for k in r if k.startswith("speedup_vs_")} - {"speedup_vs_hf_run"})
+    t = Table("run", "tp", "tokens/s", "hit rate", "copied MiB/token", "floor tokens/s", "time/floor", *ratios,
+              "note", title="decode with routed experts in host memory")
+    for r in rows:
+        copied = r.get("bytes_copied_per_token")
+        t.add_row(r["run"], str(r.get("tp", "-")), num(r.get("tokens_per_s"), ".1f"), num(r.get("hit_rate"), ".3f"),
+                  num(None if copied is None else copied / 2**20, ".2f"), num(r.get("floor_tokens_per_s"), ".1f"),
+                  num(r.get("time_per_token_over_floor"), ".2f"), *(num(r.get(k), ".2f") for k in ratios),
+                  r.get("skipped") or r.get("hf_expert_format") or "")
+    Console(stderr=True, width=200).print(t)
 
 
 # ------------------------------------------------------------------ policy sweep
@@ -306,9 +364,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1500)
     p.add_argument("--smollm2", default=None, help="SmolLM2 MoE checkpoint for the sweep's real routing trace")
+    p.add_argument("--hf-baseline", action="store_true",
+                   help="then time transformers + accelerate on the same checkpoint, experts in host RAM (needs accelerate)")
+    p.add_argument("--hf-tokens", type=int, default=None, help="tokens per baseline run (default: --tokens)")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
     rows = decode_mode(a) if a.mode == "decode" else sweep_mode(a)
+    if a.mode == "decode":
+        print_table(rows)
     if not a.no_save:
         from _results import save_results
 
