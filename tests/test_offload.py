@@ -219,3 +219,22 @@ def test_pinned_chunks_never_split_an_expert(packs):
         for a in arrays.values():
             assert a[0].is_pinned() and a[-1].is_pinned()
     hb.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_index_staging_is_one_async_copy_with_the_right_values():
+    """:func:`to_device` returns the parts' values, and the host does not wait for queued kernels."""
+    from shardsmith.runtime.staging import to_device
+
+    parts = [torch.tensor([3, 1, 4]), torch.tensor([], dtype=torch.int64), torch.tensor([1, 5, 9, 2, 6])]
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(), torch.cuda.Event()
+    start.record()
+    for _ in range(20):  # ~tens of ms queued on the stream
+        a = a @ a / 64
+    got = to_device(parts, torch.device("cuda"))
+    end.record()
+    assert not end.query()  # had to_device synchronised the stream, the matmuls would be done
+    assert [g.tolist() for g in got] == [p.tolist() for p in parts] and all(g.is_cuda for g in got)

@@ -19,4 +19,6 @@ timeout 170 python3 benchmarks/decode_offload.py --make --pack-root /tmp/op --de
     --experts 32 --tokens 48 --cache-fraction 0.25 --hf-baseline --hf-tokens 8 2>&1 | tee "$OUT/decode_offload_hf.log" | tail -30
 echo "mixtral+hf $((SECONDS - t0)) s"
 cp benchmarks/results/decode_offload-*-"$SHARDSMITH_HOST".json "$OUT/" 2>/dev/null
+
+timeout 90 python3 -m pytest tests/test_offload.py -m gpu -q -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 true

@@ -32,6 +32,7 @@ from torch import nn
 from ..dtypes import DTYPES
 from ..errors import RuntimeLoadError
 from .parallel import Shards, all_reduce, dequantize_blocks
+from .staging import to_device
 
 if TYPE_CHECKING:
     from .config import ModelArgs
@@ -107,8 +108,11 @@ class ExpertBank(nn.Module):
             ``[T, D]`` in ``x.dtype``, to be all-reduced by the caller.
         """
         out = torch.zeros_like(x)
-        for e in index.unique().tolist():
-            tok, slot = torch.where(index == e)  # [n], [n]
+        index_h = index.cpu()  # the one host sync: ids -> rows per expert on the host
+        experts = index_h.unique().tolist()
+        flat = to_device([t for e in experts for t in torch.where(index_h == e)], x.device)  # one async copy
+        for i, e in enumerate(experts):
+            tok, slot = flat[2 * i], flat[2 * i + 1]  # [n], [n]
             gate, up, down = self._weights(e, x.dtype)
             h = x[tok]  # [n, D]
             y = F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)  # [n, D]

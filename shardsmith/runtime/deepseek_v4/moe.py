@@ -34,6 +34,7 @@ from torch import nn
 from ...dtypes import DTYPES
 from ...errors import RuntimeLoadError
 from ..parallel import Shards, all_reduce
+from ..staging import to_device
 from .config import V4Args
 from .quant import dequantize_fp4
 
@@ -85,22 +86,22 @@ class ExpertBank(nn.Module):
         w = weight.flatten()  # [P]
         if len(pairs) <= BATCHED_PAIRS:
             slot = {e: u for u, e in enumerate(experts)}
-            sel = torch.tensor(experts, device=x.device)
-            u = torch.tensor([slot[e] for e in pairs], device=x.device)  # [P] -> position in sel
+            sel, u = to_device([torch.tensor(experts), torch.tensor([slot[e] for e in pairs])], x.device)  # u: [P]
             tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
             gate_up = dequantize_fp4(self.gate_up[sel], self.gate_up_scale[sel], x.dtype)[u]  # [P, 2*I_r, D]
             down = dequantize_fp4(self.down[sel], self.down_scale[sel], x.dtype)[u]  # [P, D, I_r]
             gate, up = torch.bmm(gate_up, x[tok, :, None]).squeeze(-1).chunk(2, dim=-1)  # [P, I_r] each
             y = torch.bmm(down, swiglu(gate, up, self.limit)[..., None]).squeeze(-1)  # [P, D]
             return out.index_add_(0, tok, y.float() * w[:, None]).to(x.dtype)
-        for e in experts:
-            p = [i for i, ee in enumerate(pairs) if ee == e]
-            tok = torch.tensor([i // K for i in p], device=x.device)  # [n]
+        rows = {e: [i for i, ee in enumerate(pairs) if ee == e] for e in experts}  # pair positions per expert
+        flat = to_device([torch.tensor(v) for e in experts for v in (rows[e], [i // K for i in rows[e]])], x.device)
+        for j, e in enumerate(experts):
+            p, tok = flat[2 * j], flat[2 * j + 1]  # [n] pair positions, [n] token rows
             gate_up = dequantize_fp4(self.gate_up[e], self.gate_up_scale[e], x.dtype)  # [2*I_r, D]
             down = dequantize_fp4(self.down[e], self.down_scale[e], x.dtype)  # [D, I_r]
             gate, up = F.linear(x[tok], gate_up).chunk(2, dim=-1)  # [n, I_r] each
             y = F.linear(swiglu(gate, up, self.limit), down)  # [n, D]
-            out.index_add_(0, tok, y.float() * w[torch.tensor(p, device=x.device), None])
+            out.index_add_(0, tok, y.float() * w[p, None])
         return out.to(x.dtype)
 
 

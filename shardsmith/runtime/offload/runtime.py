@@ -9,7 +9,8 @@ is left (or ``cache_bytes``), agreeing on the smallest slot count across ranks, 
 
 One MoE layer, GPU backend (one host sync: the ``[T, K]`` expert ids)::
 
-    ids -> host; hits/misses from the slot table (same on every rank)
+    ids -> host; hits/misses from the slot table (same on every rank); every expert's token
+        rows back to the device in one pinned async copy (:mod:`~shardsmith.runtime.staging`)
     copy stream: misses -> slots (one batch, after the compute stream's pending reads)
     compute stream: hits ... wait(copy) ... misses;  hybrid: the host computes its share meanwhile
     contributions summed in expert order (bitwise as the resident path on the same device)
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
+from ..staging import to_device
 from .compute import ExpertMath, expert_weights, routed, swiglu
 from .cpu_backend import CpuExperts
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
@@ -196,6 +198,9 @@ class OffloadRuntime:
         if to_host:
             fut = self.cpu.submit(layer, x.cpu(), index_h, weight.cpu(), to_host)
         on_gpu = [e for e in experts if e not in set(to_host)]
+        rows = [routed(index_h, e) for e in on_gpu]  # (tok [n], k [n]) per expert, on the host
+        flat = to_device([t for tk in rows for t in tk], x.device)  # one async copy, no stream sync
+        where = {e: (flat[2 * i], flat[2 * i + 1]) for i, e in enumerate(on_gpu)}
         n = self.cache.n_slots if self.cache is not None else 1
         for i in range(0, len(on_gpu), n):
             wave = on_gpu[i: i + n]
@@ -207,7 +212,7 @@ class OffloadRuntime:
                 if group is late:
                     self.cache.wait()
                 for e, s in group:
-                    contrib[e] = self._gpu_expert(x, index, index_h, weight, e, s)
+                    contrib[e] = self._gpu_expert(x, weight, *where[e], s)
         if fut is not None:
             for e, (tok, y) in fut.result().items():
                 contrib[e] = (tok.to(x.device), y.to(x.device, non_blocking=True))
@@ -229,9 +234,7 @@ class OffloadRuntime:
         k = round(self.hybrid_fraction * len(missing))
         return missing[len(missing) - k:] if k else []
 
-    def _gpu_expert(self, x, index, index_h, weight, e: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tok, k = routed(index_h, e)
-        tok_d, k_d = tok.to(x.device, non_blocking=True), k.to(x.device, non_blocking=True)
+    def _gpu_expert(self, x, weight, tok_d, k_d, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         gate, up, down = expert_weights(self.cache.arrays(slot), x.dtype, self.block)
         y = swiglu(x[tok_d], gate, up, down, self.math.limit)
         return tok_d, self.math.contribution(y, weight[tok_d, k_d], x.dtype)

@@ -1,0 +1,33 @@
+"""Small host-to-device index transfers without a stream synchronisation.
+
+A ``cudaMemcpyAsync`` from pageable host memory synchronises the stream before it starts (CUDA
+Runtime API, "API synchronization behavior": "for transfers from pageable host memory to device
+memory, a stream sync is performed before the copy is initiated"), so ``torch.tensor(ids,
+device="cuda")`` or ``t.to("cuda", non_blocking=True)`` on a plain CPU tensor makes the host wait
+for every queued kernel. Per-expert index tensors built that way cost one such wait per expert per
+layer. :func:`to_device` packs them into one page-locked buffer (torch's caching host allocator,
+which keeps the block alive until the copy has run) and issues a single asynchronous copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copy 1-D host tensors of one dtype to ``device`` with one asynchronous copy.
+
+    Args:
+        parts: 1-D CPU tensors ``[n_i]`` of one dtype (e.g. int64 token rows per expert).
+        device: target; on a non-CUDA device the parts are returned unchanged.
+
+    Returns:
+        ``[n_i]`` device tensors in order: views of one device buffer.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not parts:
+        return list(parts)
+    sizes = [p.numel() for p in parts]
+    staged = torch.empty(sum(sizes), dtype=parts[0].dtype, pin_memory=True)
+    torch.cat(parts, out=staged)
+    return list(staged.to(device, non_blocking=True).split(sizes))
