@@ -152,6 +152,23 @@ def timed_greedy(model: Any, prompt: list[int], *, tokens: int, device: str) -> 
     return out, time.perf_counter() - t0
 
 
+def input_device(model: Any, default: str) -> str:
+    """Where the token ids go: the device of the input embedding's ``device_map`` entry.
+
+    ``device_map="auto"`` under a GPU budget smaller than one decoder layer puts every module on
+    the CPU; the model then runs there and its inputs must be CPU tensors.
+    """
+    dm = getattr(model, "hf_device_map", None)
+    if not dm:
+        return default
+    emb = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), "")
+    entry = max((k for k in dm if not k or emb == k or emb.startswith(k + ".")), key=len, default=None)
+    dev = dm.get(entry) if entry is not None else None
+    if dev in ("cpu", "disk") and all(v in ("cpu", "disk") for v in dm.values()):
+        return "cpu"
+    return default
+
+
 def placement(model: Any) -> dict[str, Any]:
     """``device_map`` summary: map entries per device, and the parameter bytes behind accelerate's offload hooks.
 
@@ -226,24 +243,25 @@ def hf_offload_rows(src: Path, *, device: str, gpu_bytes: int | None, tokens: in
                 row["gpu_bytes_budget"] = gpu_bytes
             try:
                 model, load_s = load_model(src, device_map=device_map, max_memory=max_memory, fp8=fp8)
-                timed_greedy(model, prompt, tokens=max(2, warmup_tokens), device=run_device)
-                _, decode_s = timed_greedy(model, prompt, tokens=tokens, device=run_device)
+                where = input_device(model, run_device)  # "auto" may place every layer on the CPU
+                timed_greedy(model, prompt, tokens=max(2, warmup_tokens), device=where)
+                _, decode_s = timed_greedy(model, prompt, tokens=tokens, device=where)
                 row |= {"decode_tokens": tokens - 1, "decode_s": decode_s, "tokens_per_s": (tokens - 1) / decode_s,
-                        "load_s": load_s, **placement(model),
+                        "load_s": load_s, "input_device": where, **placement(model),
                         "hf_experts_implementation": getattr(model.config, "_experts_implementation", None)}
                 # accelerate copies every offloaded module's weights at every forward: one forward per token
                 row["bytes_copied_per_token"] = row["offloaded_param_bytes"]
-            except Exception as e:  # noqa: BLE001 - an FP8 path that cannot run is a row that says why
-                if fp8 != "native":
-                    raise
-                row["skipped"] = f"transformers FP8 on {device}: {type(e).__name__}: {e}"[:400]
+            except Exception as e:  # noqa: BLE001 - a placement that cannot run is a row that says why
+                what = f"transformers FP8 on {device}" if fp8 == "native" else f"{run} on {device}"
+                row["skipped"] = f"{what}: {type(e).__name__}: {e}"[:400]
                 traceback.print_exc()
-                fp8_modes.remove("native")  # the next placement goes straight to the dequantized copy
+                if fp8 == "native":
+                    fp8_modes.remove("native")  # the next placement goes straight to the dequantized copy
             model = None  # here, not in the except clause: its traceback holds the model until the clause ends
             _free()
             rows.append(row)
-            if "skipped" not in row:
-                break  # this placement ran: no dequantized retry
+            if "skipped" not in row or fp8 != "native":
+                break  # this placement ran, or failed for a reason a dequantized retry would not change
     return rows
 
 
