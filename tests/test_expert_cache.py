@@ -77,6 +77,64 @@ def test_capacity_edges():
     assert t.admit([]) == ([], [])
 
 
+class _ReferenceTable:
+    """The policy as specified, by brute force: scan the whole LRU order for the victim, sort every
+    count by ``(-count, key)`` for the hot set (the oracle for :class:`SlotTable`'s O(K) version)."""
+
+    def __init__(self, n: int, hot_fraction: float, refresh: int, decay: int) -> None:
+        self.n, self.n_hot, self.refresh, self.decay = n, int(hot_fraction * n), refresh, decay
+        self.order: list = []  # least recent first
+        self.slot: dict = {}
+        self.free = list(range(n - 1, -1, -1))
+        self.count: dict = {}
+        self.hot: set = set()
+        self.requests = 0
+
+    def admit(self, keys: list) -> list:
+        for k in keys:
+            self.count[k] = self.count.get(k, 0.0) + 1.0
+        self.requests += 1
+        if self.requests % self.decay == 0:
+            self.count = {k: v / 2 for k, v in self.count.items() if v >= 0.5}
+        if self.requests % self.refresh == 0 and self.n_hot:
+            self.hot = {k for k, _ in sorted(self.count.items(), key=lambda kv: (-kv[1], kv[0]))[: self.n_hot]}
+        out = []
+        for k in keys:
+            if k in self.slot:
+                self.order.remove(k)
+                self.order.append(k)
+                out.append((k, True, self.slot[k], None))
+                continue
+            victim = None
+            if not self.free:
+                free = [v for v in self.order if v not in keys]
+                victim = next((v for v in free if v not in self.hot), free[0])
+                self.order.remove(victim)
+            slot = self.slot.pop(victim) if victim is not None else self.free.pop()
+            self.slot[k] = slot
+            self.order.append(k)
+            out.append((k, False, slot, victim))
+        return out
+
+
+@pytest.mark.parametrize("slots,hot_fraction", [(4, 0.5), (40, 0.75), (200, 0.25)])
+def test_hot_policy_matches_the_brute_force_reference(slots, hot_fraction):
+    """Same hits, slots and victims as the specification on a skewed multi-layer trace with decay."""
+    rng = random.Random(slots)
+    weights = [1 / (i + 1) for i in range(64)]
+    trace = [[(layer, e) for e in sorted(set(rng.choices(range(64), weights, k=6)))]
+             for _ in range(300) for layer in range(8)]
+    table = SlotTable(slots, policy="hot", hot_fraction=hot_fraction, refresh=7, decay=50, log=True)
+    ref = _ReferenceTable(slots, hot_fraction, refresh=7, decay=50)
+    for req in trace:
+        for i in range(0, len(req), slots):
+            table.admit(req[i: i + slots])
+            want = ref.admit(req[i: i + slots])
+            got = [(d.key, d.hit, d.slot, d.evicted) for d in table.decisions[-len(want):]]
+            assert got == want
+    assert table.hot_set == ref.hot and table.evictions > 0
+
+
 def test_simulated_rates_are_bounded_by_belady():
     rng = random.Random(0)
     trace = [[(layer, e) for e in rng.sample(range(16), 2)] for _ in range(100) for layer in range(4)]

@@ -53,7 +53,7 @@ class Decision:
 
 
 class SlotTable:
-    """Map expert keys to ``n_slots`` slots; deterministic, host-side, O(S) per eviction at worst.
+    """Map expert keys to ``n_slots`` slots; deterministic, host-side, O(K) per eviction (K keys per request).
 
     Args:
         n_slots: S, slots in the pool (>= 1).
@@ -79,6 +79,8 @@ class SlotTable:
         self.n_slots, self.refresh, self.decay = n_slots, max(1, refresh), max(1, decay)
         self.n_hot = int(hot_fraction * n_slots) if self.policy is Policy.HOT else 0
         self._lru: OrderedDict[Key, int] = OrderedDict()  # key -> slot, least recent first
+        self._cold: OrderedDict[Key, None] = OrderedDict()  # resident keys outside the hot set, same order
+        # (kept only when there is a hot set; without one every resident key is cold and _lru is the order)
         self._free = list(range(n_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._count: dict[Key, float] = {}
         self._hot: frozenset[Key] = frozenset()
@@ -123,6 +125,8 @@ class SlotTable:
             slot = self._lru.get(key)
             if slot is not None:
                 self._lru.move_to_end(key)
+                if self.n_hot and key in self._cold:
+                    self._cold.move_to_end(key)
                 self.hits += 1
                 hit, evicted = True, None
             else:
@@ -133,8 +137,11 @@ class SlotTable:
                 else:
                     evicted = self._victim(needed)
                     slot = self._lru.pop(evicted)
+                    self._cold.pop(evicted, None)
                     self.evictions += 1
                 self._lru[key] = slot
+                if self.n_hot and key not in self._hot:
+                    self._cold[key] = None
                 misses.append((key, slot))
             slots.append(slot)
             if self.decisions is not None:
@@ -142,18 +149,17 @@ class SlotTable:
         return slots, misses
 
     def _victim(self, needed: set[Key]) -> Key:
-        """Least recently used key outside the request, preferring keys outside the hot set."""
-        fallback = None
-        for key in self._lru:  # least recent first
-            if key in needed:
-                continue
-            if key not in self._hot:
+        """Least recently used key outside the request, preferring keys outside the hot set.
+
+        O(K) for K keys in the request: the non-hot resident keys are kept in their own LRU order.
+        """
+        for key in self._cold if self.n_hot else ():  # least recent first
+            if key not in needed:
                 return key
-            if fallback is None:
-                fallback = key
-        if fallback is None:  # cannot happen while len(keys) <= n_slots
-            raise UsageError("no evictable slot")
-        return fallback
+        for key in self._lru:  # every resident key outside the request is hot
+            if key not in needed:
+                return key
+        raise UsageError("no evictable slot")  # cannot happen while len(keys) <= n_slots
 
     def _tick(self, keys: list[Key]) -> None:
         if self.policy is not Policy.HOT:
@@ -164,14 +170,25 @@ class SlotTable:
         if self._requests % self.decay == 0:
             self._count = {k: v / 2 for k, v in self._count.items() if v >= 0.5}
         if self._requests % self.refresh == 0 and self.n_hot:
-            ranked = sorted(self._count.items(), key=lambda kv: (-kv[1], kv[0]))
-            self._hot = frozenset(k for k, _ in ranked[: self.n_hot])
+            self._hot = top_keys(self._count, self.n_hot)
+            self._cold = OrderedDict((k, None) for k in self._lru if k not in self._hot)
 
     def stats(self) -> dict[str, float]:
         """Counters: ``slots``, ``resident``, ``hot``, ``hits``, ``misses``, ``evictions``, ``hit_rate``."""
         total = self.hits + self.misses
         return {"slots": self.n_slots, "resident": len(self._lru), "hot": len(self._hot), "hits": self.hits,
                 "misses": self.misses, "evictions": self.evictions, "hit_rate": self.hits / total if total else 0.0}
+
+
+def top_keys(count: dict[Key, float], n: int) -> frozenset[Key]:
+    """The ``n`` keys with the highest counts, ties broken by the smaller key (as sorting by
+    ``(-count, key)`` would), in O(N log N) on the counts alone plus a sort of the tied keys."""
+    if n >= len(count):
+        return frozenset(count)
+    threshold = sorted(count.values(), reverse=True)[n - 1]
+    above = [k for k, v in count.items() if v > threshold]
+    tied = sorted(k for k, v in count.items() if v == threshold)
+    return frozenset(above + tied[: n - len(above)])
 
 
 def simulate(trace: list[list[Key]], n_slots: int, *, policy: Policy | str, **kw) -> float:
