@@ -1,5 +1,5 @@
 """DeepSeek-V4 with offloaded FP4 experts on CPU: the ``gpu`` (slot cache on a CPU pool), ``cpu`` and
-``hybrid`` backends give the resident model's logits and greedy tokens at world sizes 1 and 2, the
+``hybrid`` backends give the resident model's logits and greedy tokens at world sizes 1, 2 and 4, the
 slots hold packed FP4 (half a byte per weight), and only the decoder layers' banks are read (the MTP
 layer's are not)."""
 
@@ -30,7 +30,7 @@ def packs(tmp_path_factory) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("offload-v4")
     src = tiny_deepseek_v4(root / "src")
     out = {}
-    for ws in (1, 2):
+    for ws in (1, 2, 4):
         out[ws] = root / f"tp{ws}"
         split_checkpoint(src, out[ws], world_size=ws)
     return out
@@ -101,5 +101,6 @@ def test_v4_offload_matches_resident_world_size_1(packs):
     _check(_run(0, 1, str(packs[1])), 1)
 
 
-def test_v4_offload_matches_resident_world_size_2(packs):
-    _check(run_ranks(_rank_main, 2, str(packs[2]), timeout=300), 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_v4_offload_matches_resident_across_ranks(packs, world_size):
+    _check(run_ranks(_rank_main, world_size, str(packs[world_size]), timeout=300), world_size)
