@@ -196,3 +196,9 @@ def test_slice_bytes_matches_numpy(tmp_path: Path) -> None:
     raw = np.frombuffer(a.tobytes(), dtype=np.uint8)
     got = slice_bytes(raw, "I16", (2, 3, 4), 1, 1, 2)
     assert np.array_equal(np.frombuffer(np.ascontiguousarray(got).tobytes(), dtype=np.int16).reshape(2, 2, 4), a[:, 1:3])
+
+
+def test_a_pack_given_as_a_checkpoint_is_named_as_such(tmp_path: Path) -> None:
+    (tmp_path / "pack.yaml").write_text("format: shardsmith-pack\n")
+    expect(tmp_path, "neither model.safetensors.index.json nor model.safetensors found",
+           "a shardsmith pack, not a Hugging Face checkpoint")

@@ -30,6 +30,7 @@ def test_offloaded_generate_matches_resident(smollm2_pack, backend: str) -> None
     assert f"expert offload: backend {backend}" in log
     if backend == "gpu":
         assert "policy hot" in log and "GiB/GPU" in log
+        assert "--moe-backend gpu on a CPU device" in log and "H2D" not in log  # said once, no bogus probe
 
 
 def test_unknown_backend_is_a_usage_error(smollm2_pack) -> None:

@@ -220,3 +220,11 @@ def test_block_cut_refused_with_tensor_dim_size_block_world(tiny) -> None:
     msg = str(exc.value)
     assert "model.layers.0.self_attn.q_b_proj.weight dim 0" in msg and "size 1536" in msg
     assert "128-element quantization block" in msg and "world_size=3" in msg
+
+
+def test_more_ranks_than_query_heads_names_the_valid_sizes() -> None:
+    from shardsmith.plans import hf_moe
+
+    config = {"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    with pytest.raises(PlanError, match=r"9 query heads cannot be split over world_size=13 .*valid world sizes: 1 to 9"):
+        hf_moe.build(config, 13)

@@ -111,14 +111,13 @@ def test_refuses_non_empty_out_unless_force(tiny, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(UsageError, match="not empty"):
-        split_checkpoint(tiny("qwen3-moe"), out, world_size=2)
-    with pytest.raises(UsageError, match="not a shardsmith pack"):  # --force replaces only a pack
-        split_checkpoint(tiny("qwen3-moe"), out, world_size=2, force=True)
+    for force in (False, True):  # not a pack: no hint to --force, which replaces only a pack
+        with pytest.raises(UsageError, match="not empty and is not a shardsmith pack"):
+            split_checkpoint(tiny("qwen3-moe"), out, world_size=2, force=force)
     assert (out / "keep.txt").read_text() == "mine"
     (out / "keep.txt").unlink()
     split_checkpoint(tiny("qwen3-moe"), out, world_size=2)
-    with pytest.raises(UsageError, match="not empty"):
+    with pytest.raises(UsageError, match="holds a pack .pass --force to replace it"):
         split_checkpoint(tiny("qwen3-moe"), out, world_size=2)
     split_checkpoint(tiny("qwen3-moe"), out, world_size=2, force=True)
     assert verify_pack(out).ok

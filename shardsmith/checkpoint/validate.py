@@ -203,7 +203,9 @@ def open_checkpoint(root: str | os.PathLike) -> Checkpoint:
     elif (root / SINGLE_NAME).exists() or (root / (SINGLE_NAME + HEADER_SUFFIX)).exists():
         shard_names = [SINGLE_NAME]
     else:
-        problems.append(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+        hint = (" (it holds pack.yaml: a shardsmith pack, not a Hugging Face checkpoint; split reads the checkpoint "
+                "the pack was made from)" if (root / "pack.yaml").is_file() else "")
+        problems.append(f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found{hint}")
         shard_names = []
 
     files: dict[str, ShardFile] = {}

@@ -20,6 +20,7 @@ Legend: D = hidden, I = intermediate, E = experts, R/C = rows/columns.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +172,8 @@ def write_shards(out_dir: Path, units: list[TensorUnit], *,
     from safetensors.torch import save_file
 
     shards = _pack(units, shard_bytes)
+    umask = os.umask(0)
+    os.umask(umask)
     weight_map: dict[str, str] = {}
     for k, shard in enumerate(shards, start=1):
         fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
@@ -178,6 +181,7 @@ def write_shards(out_dir: Path, units: list[TensorUnit], *,
         for u in shard:
             tensors.update(u.make())
         save_file(tensors, str(out_dir / fname), metadata={"format": "pt"})
+        (out_dir / fname).chmod(0o666 & ~umask)  # safetensors writes through a 0600 temporary file
         weight_map.update(dict.fromkeys(tensors, fname))
         yield fname
     index = {"metadata": {"total_size": sum(u.nbytes for u in units)}, "weight_map": weight_map}

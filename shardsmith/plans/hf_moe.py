@@ -44,7 +44,8 @@ def _attention_rules(config: dict, world_size: int) -> tuple[tuple[Rule, ...], t
     norms = Rule(L + r"\.self_attn\.(q_norm|k_norm)\.weight|" + L + r"\.self_attn\.o_proj\.bias",
                  Layout.REPLICATED, note="per-head norms; o_proj bias added once after the all-reduce")
     if heads < world_size:
-        raise PlanError(f"attention: {heads} query heads cannot be split over world_size={world_size}")
+        raise PlanError(f"attention: {heads} query heads cannot be split over world_size={world_size} (each rank "
+                        f"needs a whole query head); valid world sizes: 1 to {heads}")
     if world_size <= kv:
         how = f"whole KV groups ({kv} groups of {group} query heads)"
         rules = (
@@ -84,7 +85,7 @@ def build(config: dict, world_size: int) -> Plan:
     """The Mixtral / Qwen-MoE plan for ``world_size`` ranks.
 
     Raises:
-        PlanError: more ranks than query heads.
+        PlanError: more ranks than query heads (naming the valid sizes).
     """
     attn, notes = _attention_rules(config, world_size)
     rules = (

@@ -71,9 +71,9 @@ def check_out(ckpt_root: Path, shards: list[Path], out: Path, *, force: bool) ->
     if out.exists():
         if not out.is_dir():
             raise UsageError(f"{out}: exists and is not a directory; split writes a directory (remove it first)")
-        if not force and any(out.iterdir()):
-            raise UsageError(f"{out}: exists and is not empty (pass --force to replace the pack there)")
-        if not is_ours(out):
+        if not force and any(out.iterdir()) and is_ours(out):
+            raise UsageError(f"{out}: exists and holds a pack (pass --force to replace it)")
+        if any(out.iterdir()) and not is_ours(out):
             raise UsageError(f"{out}: exists, is not empty and is not a shardsmith pack (no {PACK_MANIFEST}); "
                              f"--force only replaces a pack or an empty directory: remove it yourself if it is not needed")
     if partial.is_symlink() or (partial.exists() and not (partial.is_dir() and is_ours(partial))):

@@ -55,7 +55,8 @@ class OffloadConfig:
         policy: ``hot`` (LRU with a frequency-pinned hot set) or ``lru``; hot_fraction: its share.
         pin: ``auto``, ``require`` or ``off`` (:func:`~.host_bank.load_host_banks`).
         hybrid_fraction: share of misses for the host in ``hybrid`` (None: the probe's balance).
-        probe: run the start-up probe (off: no measurements, ``auto`` means ``gpu``/``cpu``).
+        probe: run the start-up probe on a CUDA device (off, or on a CPU device: no measurements, ``auto``
+            means ``gpu`` on CUDA and ``cpu`` otherwise).
         log_decisions: keep the slot table's decision log (tests).
     """
 
@@ -126,19 +127,24 @@ class OffloadRuntime:
         slot_bytes = slot_nbytes(sig)
         c = self.config
         requested = c.backend
-        if c.probe:
+        cuda = self.device.type == "cuda"
+        if not cuda and requested in ("gpu", "hybrid"):
+            log.warning("--moe-backend %s on a CPU device: the expert 'cache' is more host memory and nothing is "
+                        "copied over a link (useful for tests); on a host without a GPU use --moe-backend cpu",
+                        requested)
+        if c.probe and cuda:  # no host-to-device link to measure on a CPU device
             self.probe = run_probe(self.host, self.cpu, device=self.device, dim=self.dim, dtype=self.dtype,
                                    slot_bytes=slot_bytes, requested=requested, hybrid_fraction=c.hybrid_fraction)
             bw, cpu_s = _agree([self.probe.h2d_gb_per_s, -self.probe.cpu_s_per_expert], self.device, dist.ReduceOp.MIN)
             from .probe import decide
 
             self.backend, self.hybrid_fraction, reason = decide(
-                requested, cuda=self.device.type == "cuda", h2d_gb_per_s=bw, slot_bytes=slot_bytes,
+                requested, cuda=cuda, h2d_gb_per_s=bw, slot_bytes=slot_bytes,
                 cpu_s_per_expert=-cpu_s, hybrid_fraction=c.hybrid_fraction)
             self.probe = ProbeResult(bw, self.host.pinned, -cpu_s, slot_bytes, self.backend, self.hybrid_fraction,
                                      reason, self.probe.cpu_isa)
         elif requested == "auto":
-            self.backend = "gpu" if self.device.type == "cuda" else "cpu"
+            self.backend = "gpu" if cuda else "cpu"
         if self.backend == "cpu":
             self.hybrid_fraction = 1.0
         else:
