@@ -106,8 +106,21 @@ class ExpertBank(nn.Module):
 
         Returns:
             ``[T, D]`` in ``x.dtype``, to be all-reduced by the caller.
+
+        A decode step (``T == 1``) of dense banks gathers its K experts by their ids on the device
+        (no host sync, so the host keeps queueing kernels) and adds them in ascending expert order
+        with the same kernels as the general path, which needs one host sync (the ids).
         """
         out = torch.zeros_like(x)
+        if x.shape[0] == 1 and self.block is None:
+            ids, order = index[0].sort()  # [K] ascending, as the general path adds them
+            w = weight[0, order]  # [K]
+            gate_up, down = self.gate_up.index_select(0, ids), self.down.index_select(0, ids)  # [K, 2*I_r, D], [K, D, I_r]
+            i_r = gate_up.shape[1] // 2
+            for k in range(ids.shape[0]):
+                y = F.linear(F.silu(F.linear(x, gate_up[k, :i_r])) * F.linear(x, gate_up[k, i_r:]), down[k])  # [1, D]
+                out.add_((y * w[k: k + 1, None]).to(out.dtype))  # [1, 1]: promotes like the general path
+            return out
         index_h = index.cpu()  # the one host sync: ids -> rows per expert on the host
         experts = index_h.unique().tolist()
         flat = to_device([t for e in experts for t in torch.where(index_h == e)], x.device)  # one async copy

@@ -72,27 +72,27 @@ class ExpertBank(nn.Module):
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Partial sum ``[T, D]`` of the selected experts over this rank's intermediate share.
 
-        One host sync (the expert ids). Up to :data:`BATCHED_PAIRS` (token, expert) pairs (decode)
-        the selected experts are expanded together and applied with two batched matmuls; more
-        (prefill) go expert by expert, so at most one expert is expanded at a time.
+        Up to :data:`BATCHED_PAIRS` (token, expert) pairs (decode) each pair's expert is gathered by
+        its id on the device, expanded and applied with two batched matmuls: no host sync, so the
+        host keeps queueing kernels. More pairs (prefill) go expert by expert after one host sync
+        (the ids), so at most one expert is expanded at a time.
 
         Args:
             x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` float32 routing weights.
         """
         T, K = index.shape
-        pairs = index.flatten().tolist()  # [P = T*K], the one sync
-        experts = sorted(set(pairs))
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        w = weight.flatten()  # [P]
-        if len(pairs) <= BATCHED_PAIRS:
-            slot = {e: u for u, e in enumerate(experts)}
-            sel, u = to_device([torch.tensor(experts), torch.tensor([slot[e] for e in pairs])], x.device)  # u: [P]
+        w = weight.flatten()  # [P = T*K]
+        if T * K <= BATCHED_PAIRS:
+            sel = index.flatten()  # [P] expert of each pair, on the device
             tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
-            gate_up = dequantize_fp4(self.gate_up[sel], self.gate_up_scale[sel], x.dtype)[u]  # [P, 2*I_r, D]
-            down = dequantize_fp4(self.down[sel], self.down_scale[sel], x.dtype)[u]  # [P, D, I_r]
+            gate_up = dequantize_fp4(self.gate_up[sel], self.gate_up_scale[sel], x.dtype)  # [P, 2*I_r, D]
+            down = dequantize_fp4(self.down[sel], self.down_scale[sel], x.dtype)  # [P, D, I_r]
             gate, up = torch.bmm(gate_up, x[tok, :, None]).squeeze(-1).chunk(2, dim=-1)  # [P, I_r] each
             y = torch.bmm(down, swiglu(gate, up, self.limit)[..., None]).squeeze(-1)  # [P, D]
             return out.index_add_(0, tok, y.float() * w[:, None]).to(x.dtype)
+        pairs = index.flatten().tolist()  # the one sync
+        experts = sorted(set(pairs))
         rows = {e: [i for i, ee in enumerate(pairs) if ee == e] for e in experts}  # pair positions per expert
         flat = to_device([torch.tensor(v) for e in experts for v in (rows[e], [i // K for i in rows[e]])], x.device)
         for j, e in enumerate(experts):
