@@ -151,6 +151,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--gloo-gather-max", type=int, nargs="+", default=None,
+                    help="run each TP > 1 once per value of SHARDSMITH_GLOO_GATHER_MAX (0: gloo's ring "
+                         "all-reduce for every size) to compare the CPU all-reduce paths side by side")
     a = ap.parse_args()
     from _results import save_results
 
@@ -158,11 +161,16 @@ def main() -> None:
     root = a.pack_root / ckpt.name
     ids = chat_ids(ckpt)
     rows = []
-    for tp in a.tp:
+    variants = [(tp, g) for tp in a.tp for g in (a.gloo_gather_max if a.gloo_gather_max and tp > 1 else [None])]
+    for tp, gather_max in variants:
         pack = ensure_pack(ckpt, root, tp)
+        if gather_max is not None:  # inherited by the spawned ranks, read when they import the runtime
+            os.environ["SHARDSMITH_GLOO_GATHER_MAX"] = str(gather_max)
         rep = spawn(tp, {"mode": "decode", "path": str(pack), "device": a.device, "ids": ids,
                          "tokens": a.tokens, "repeat": a.repeat})
+        os.environ.pop("SHARDSMITH_GLOO_GATHER_MAX", None)
         row = {"tp": tp, "device": a.device, "source": "pack", "checkpoint": ckpt.name,
+               **({"gloo_gather_max_elements": gather_max} if gather_max is not None else {}),
                "prompt_tokens": len(ids), "new_tokens": a.tokens,
                "seconds_to_ready": round(rep["seconds_to_ready"], 3), "load_seconds": round(rep["load_seconds_max"], 3),
                "prefill_seconds": round(rep["prefill_seconds"], 3), "tokens_per_s": round(rep["tokens_per_s"], 3),
@@ -170,6 +178,11 @@ def main() -> None:
                "threads_per_rank": rep["threads"], "first_tokens": rep["tokens"][:8]}
         print(row, flush=True)
         rows.append(row)
+    base = rows[0]["tokens_per_s"]
+    print(f"{'tp':>3} {'gloo gather max':>16} {'tokens/s':>9} {'ms/token':>9} {'vs first':>9}")
+    for r in rows:
+        print(f"{r['tp']:>3} {str(r.get('gloo_gather_max_elements', '-')):>16} {r['tokens_per_s']:>9.2f} "
+              f"{r['ms_per_token']:>9.1f} {r['tokens_per_s'] / base:>8.2f}x")
     save_results("decode", rows, extra={"load_average": os.getloadavg()})
 
 
