@@ -2,6 +2,7 @@
 
 TP=2 loads a pack split here, TP=1 the checkpoint itself; greedy decoding of the chat prompt must
 agree token for token (bf16, the checkpoint's dtype). The block-FP8 build at TP=2 says "Paris" too.
+In float32, greedy text of a few prompts is the same at world sizes 1, 2 and 4.
 """
 
 from __future__ import annotations
@@ -50,3 +51,18 @@ def test_smollm2_fp8_tp2_says_paris(smollm2_fp8, chat_ids):
     tp2 = run_ranks_jobs(2, [("ckpt", str(smollm2_fp8), True, None)], [("generate", chat_ids, STEPS)])["ckpt"][0]
     text = AutoTokenizer.from_pretrained(smollm2_fp8).decode(tp2)
     assert "Paris" in text, text
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+
+
+def test_smollm2_greedy_is_the_same_at_world_sizes_1_2_and_4(smollm2_bf16, smollm2_pack):
+    """Issue 7's check, on CPU: float32 greedy text of a few prompts at TP 1, 2 and 4 (uneven heads:
+    9 query heads as 3/2/2/2, 3 KV heads copied to the ranks that read them)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_bf16)
+    jobs = [("generate", tok(p)["input_ids"], 8) for p in PROMPTS]
+    got = {ws: run_ranks_jobs(ws, [("pack", str(smollm2_pack(ws)), False, "float32")], jobs)["pack"]
+           for ws in (1, 2, 4)}
+    assert got[2] == got[1] and got[4] == got[1], {ws: [tok.decode(t) for t in v] for ws, v in got.items()}
