@@ -46,6 +46,7 @@ def _run(rank: int, world_size: int, path: str) -> dict:
                           offload=BACKENDS.get(name))
         if rank == 0:
             logits = eng.logits(PROMPT).numpy()
+            short = eng.logits(PROMPT[:8]).numpy()  # 8 tokens x top-2 = 16 pairs: the batched decode path
             tokens = [s.token_id for s in eng.generate(PROMPT, SamplingParams(max_tokens=6))]
             stats = eng.offload.stats() if eng.offload else None
             if eng.offload:
@@ -53,7 +54,7 @@ def _run(rank: int, world_size: int, path: str) -> dict:
                 stats["layers"] = sorted(layers)
                 stats["dtypes"] = {a: str(t.dtype) for a, t in next(iter(layers.values())).items()}
                 stats["pool_dtype"] = str(eng.offload.cache.pool["gate_up"].dtype) if eng.offload.cache else None
-            out[name] = (logits, tokens, stats)
+            out[name] = (logits, tokens, stats, short)
             eng.shutdown()
         else:
             eng.follow()
@@ -76,15 +77,17 @@ def _rank_main(rank: int, world_size: int, port: int, path: str, queue) -> None:
 
 
 def _check(results: dict, world_size: int) -> None:
-    want, want_tokens, _ = results["resident"]
+    want, want_tokens, _, want_short = results["resident"]
     for name in BACKENDS:
-        logits, tokens, stats = results[name]
+        logits, tokens, stats, short = results[name]
         # per-expert matmuls instead of the resident bank's batched decode path: float32 rounding only
         torch.testing.assert_close(torch.from_numpy(logits), torch.from_numpy(want), atol=2e-4, rtol=1e-4, msg=name)
         assert tokens == want_tokens, name
         assert stats["layers"] == [f"layers.{i}" for i in range(4)]  # no mtp.* banks read
         assert stats["dtypes"]["gate_up"] == "torch.int8" and stats["dtypes"]["gate_up_scale"] == "torch.float8_e8m0fnu"
         if name.startswith("gpu"):
+            # decode-sized steps run the resident bank's own batched maths on the gathered slots: same bits
+            torch.testing.assert_close(torch.from_numpy(short), torch.from_numpy(want_short), atol=0, rtol=0)
             assert stats["pool_dtype"] == "torch.int8"  # slots hold packed FP4
             assert stats["hits"] > 0 and stats["misses"] > 0
             assert stats["bytes_copied"] == stats["misses"] * stats["slot_bytes"]

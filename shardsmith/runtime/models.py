@@ -79,7 +79,8 @@ def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], 
 
         offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block,
                                    bank_type=deepseek_v4.moe.ExpertBank,
-                                   math=ExpertMath(limit=args.swiglu_limit, accumulate_f32=True))
+                                   math=ExpertMath(limit=args.swiglu_limit, accumulate_f32=True,
+                                                   batched_pairs=deepseek_v4.moe.BATCHED_PAIRS))
     deepseek_v4.assign_weights(model, weights.dense(), {} if offloaded else weights.banks(), device=device)
     return model, offloaded
 

@@ -49,6 +49,22 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def pairs_swiglu(arrays: dict[str, torch.Tensor], x: torch.Tensor, limit: float) -> torch.Tensor:
+    """One expert per (token, expert) pair, expanded together: ``[P, D]`` outputs in ``x.dtype``.
+
+    Args:
+        arrays: each pair's expert, gathered: ``gate_up [P, 2*I_r, D/2]`` I8, ``gate_up_scale
+            [P, 2*I_r, D/32]``, ``down [P, D, I_r/2]``, ``down_scale [P, D, I_r/32]``.
+        x: ``[P, D]`` each pair's token row. limit: SwiGLU clamp.
+
+    Shared by the resident bank and the offloaded experts' decode path, so both give the same bits.
+    """
+    gate_up = dequantize_fp4(arrays["gate_up"], arrays["gate_up_scale"], x.dtype)  # [P, 2*I_r, D]
+    down = dequantize_fp4(arrays["down"], arrays["down_scale"], x.dtype)  # [P, D, I_r]
+    gate, up = torch.bmm(gate_up, x[:, :, None]).squeeze(-1).chunk(2, dim=-1)  # [P, I_r] each
+    return torch.bmm(down, swiglu(gate, up, limit)[..., None]).squeeze(-1)  # [P, D]
+
+
 class ExpertBank(nn.Module):
     """One layer's routed experts on this rank, FP4 weights expanded one expert at a time.
 
@@ -86,10 +102,7 @@ class ExpertBank(nn.Module):
         if T * K <= BATCHED_PAIRS:
             sel = index.flatten()  # [P] expert of each pair, on the device
             tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
-            gate_up = dequantize_fp4(self.gate_up[sel], self.gate_up_scale[sel], x.dtype)  # [P, 2*I_r, D]
-            down = dequantize_fp4(self.down[sel], self.down_scale[sel], x.dtype)  # [P, D, I_r]
-            gate, up = torch.bmm(gate_up, x[tok, :, None]).squeeze(-1).chunk(2, dim=-1)  # [P, I_r] each
-            y = torch.bmm(down, swiglu(gate, up, self.limit)[..., None]).squeeze(-1)  # [P, D]
+            y = pairs_swiglu({a: getattr(self, a)[sel] for a in ARRAYS}, x[tok], self.limit)  # [P, D]
             return out.index_add_(0, tok, y.float() * w[:, None]).to(x.dtype)
         pairs = index.flatten().tolist()  # the one sync
         experts = sorted(set(pairs))

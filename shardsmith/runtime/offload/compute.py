@@ -39,10 +39,14 @@ class ExpertMath:
         accumulate_f32: weight and sum the experts' outputs in float32, cast once at the end
             (DeepSeek-V4's ``ExpertBank``); else each weighted output is cast to the activation
             dtype and summed there (the Mixtral-family ``ExpertBank``).
+        batched_pairs: up to this many (token, expert) pairs (a decode step), FP4 slots are
+            gathered and expanded together exactly as the resident bank's decode path does
+            (:func:`shardsmith.runtime.deepseek_v4.moe.pairs_swiglu`; DeepSeek-V4: 16); 0: never.
     """
 
     limit: float = 0.0
     accumulate_f32: bool = False
+    batched_pairs: int = 0
 
     def accumulator(self, x: torch.Tensor) -> torch.Tensor:
         """Zeros ``[T, D]`` to :meth:`torch.Tensor.index_add_` contributions into."""

@@ -199,6 +199,11 @@ class OffloadRuntime:
         index_h = index.cpu()  # the one host sync of the layer
         experts = index_h.unique().tolist()
         to_host = self._host_share(layer, experts)
+        if (not to_host and index.numel() <= self.math.batched_pairs and self.cache is not None
+                and len(experts) <= self.cache.n_slots and "gate_up_scale" in self.cache.pool):
+            out = self._run_pairs(layer, x, index_h, weight, experts)
+            self.step_s += time.perf_counter() - t0
+            return out
         contrib: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         fut = None
         if to_host:
@@ -229,6 +234,33 @@ class OffloadRuntime:
             out.index_add_(0, tok, y)
         self.step_s += time.perf_counter() - t0
         return out.to(x.dtype)
+
+    def _run_pairs(self, layer: int, x: torch.Tensor, index_h: torch.Tensor, weight: torch.Tensor,
+                   experts: list[int]) -> torch.Tensor:
+        """A decode step's FP4 experts, batched per pair as the resident DeepSeek-V4 bank does.
+
+        The hits' pairs are computed while the misses copy; then the misses'. Outputs land at their
+        pair positions and are summed in pair order, so the result is the resident path's bits.
+        """
+        from ..deepseek_v4.moe import pairs_swiglu
+
+        T, K = index_h.shape
+        pairs = index_h.flatten().tolist()  # [P]
+        slots, missed = self.cache.fetch(layer, experts)
+        slot_of, missed = dict(zip(experts, slots)), set(missed)
+        y = torch.empty(T * K, x.shape[1], dtype=x.dtype, device=x.device)  # [P, D]
+        for late in (False, True):
+            group = [p for p, e in enumerate(pairs) if (e in missed) == late]
+            if not group:
+                continue
+            if late:
+                self.cache.wait()
+            pos, slot = to_device([torch.tensor(group), torch.tensor([slot_of[pairs[p]] for p in group])], x.device)
+            arrays = {name: pool[slot] for name, pool in self.cache.pool.items()}
+            y[pos] = pairs_swiglu(arrays, x[pos // K], self.math.limit)
+        tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return out.index_add_(0, tok, y.float() * weight.flatten()[:, None]).to(x.dtype)
 
     def _host_share(self, layer: int, experts: list[int]) -> list[int]:
         """Experts the host computes: all (``cpu``), or the last ``round(f * misses)`` misses (``hybrid``)."""
