@@ -49,6 +49,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def expert_swiglu(arrays: dict[str, torch.Tensor], x: torch.Tensor, limit: float) -> torch.Tensor:
+    """One FP4 expert on its token rows: ``x [n, D] -> [n, D]`` in ``x.dtype``.
+
+    Args:
+        arrays: the expert's ``gate_up [2*I_r, D/2]`` I8, ``gate_up_scale [2*I_r, D/32]``,
+            ``down [D, I_r/2]``, ``down_scale [D, I_r/32]``; limit: SwiGLU clamp.
+
+    Shared by the resident bank and offloaded experts (slots or host banks): the same bits.
+    """
+    gate_up = dequantize_fp4(arrays["gate_up"], arrays["gate_up_scale"], x.dtype)  # [2*I_r, D]
+    down = dequantize_fp4(arrays["down"], arrays["down_scale"], x.dtype)  # [D, I_r]
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, I_r] each
+    return F.linear(swiglu(gate, up, limit), down)
+
+
 def pairs_swiglu(arrays: dict[str, torch.Tensor], x: torch.Tensor, limit: float) -> torch.Tensor:
     """One expert per (token, expert) pair, expanded together: ``[P, D]`` outputs in ``x.dtype``.
 
@@ -110,10 +125,7 @@ class ExpertBank(nn.Module):
         flat = to_device([torch.tensor(v) for e in experts for v in (rows[e], [i // K for i in rows[e]])], x.device)
         for j, e in enumerate(experts):
             p, tok = flat[2 * j], flat[2 * j + 1]  # [n] pair positions, [n] token rows
-            gate_up = dequantize_fp4(self.gate_up[e], self.gate_up_scale[e], x.dtype)  # [2*I_r, D]
-            down = dequantize_fp4(self.down[e], self.down_scale[e], x.dtype)  # [D, I_r]
-            gate, up = F.linear(x[tok], gate_up).chunk(2, dim=-1)  # [n, I_r] each
-            y = F.linear(swiglu(gate, up, self.limit), down)  # [n, D]
+            y = expert_swiglu({a: getattr(self, a)[e] for a in ARRAYS}, x[tok], self.limit)  # [n, D]
             out.index_add_(0, tok, y.float() * w[p, None])
         return out.to(x.dtype)
 

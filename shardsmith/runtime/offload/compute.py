@@ -87,6 +87,22 @@ def expert_weights(arrays: dict[str, torch.Tensor], dtype: torch.dtype,
     return dequantize_fp4(gu[:i_r], s[:s_r], dtype), dequantize_fp4(gu[i_r:], s[s_r:], dtype), dequantize_fp4(down, ds, dtype)
 
 
+def expert_output(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: tuple[int, int] | None,
+                  limit: float = 0.0) -> torch.Tensor:
+    """One expert on its token rows ``x [n, D] -> [n, D]`` (``x.dtype``), with the resident bank's kernels.
+
+    FP4 experts (DeepSeek-V4) go through :func:`shardsmith.runtime.deepseek_v4.moe.expert_swiglu`
+    (one gate+up matmul, as the V4 bank); dense and FP8 ones through :func:`expert_weights` and
+    :func:`swiglu` (separate gate and up, as the Mixtral-family bank).
+    """
+    if bank_format(arrays["gate_up"]) == "fp4":
+        from ..deepseek_v4.moe import expert_swiglu
+
+        return expert_swiglu(arrays, x, limit)
+    gate, up, down = expert_weights(arrays, x.dtype, block)
+    return swiglu(x, gate, up, down, limit)
+
+
 def swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
     """``down(act(gate h, up h))``: ``[n, D] -> [n, D]`` partial over this rank's share (as the resident path).
 

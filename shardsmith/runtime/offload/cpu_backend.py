@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .compute import ExpertMath, expert_weights, routed, swiglu
+from .compute import ExpertMath, expert_output, routed
 from .host_bank import HostBanks
 
 
@@ -62,8 +62,7 @@ class CpuExperts:
         out = {}
         for e in experts:
             tok, k = routed(index, e)
-            gate, up, down = expert_weights({name: a[e] for name, a in bank.items()}, x.dtype, self.block)
-            y = swiglu(x[tok], gate, up, down, self.math.limit)
+            y = expert_output({name: a[e] for name, a in bank.items()}, x[tok], self.block, self.math.limit)
             out[e] = (tok, self.math.contribution(y, weight[tok, k], x.dtype))
         self.experts_computed += len(experts)
         return out

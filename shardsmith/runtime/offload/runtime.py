@@ -29,7 +29,7 @@ from torch import nn
 
 from ...errors import UsageError
 from ..staging import to_device
-from .compute import ExpertMath, expert_weights, routed, swiglu
+from .compute import ExpertMath, expert_output, routed
 from .cpu_backend import CpuExperts
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
 from .host_bank import HostBanks, load_host_banks
@@ -273,8 +273,7 @@ class OffloadRuntime:
         return missing[len(missing) - k:] if k else []
 
     def _gpu_expert(self, x, weight, tok_d, k_d, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up, down = expert_weights(self.cache.arrays(slot), x.dtype, self.block)
-        y = swiglu(x[tok_d], gate, up, down, self.math.limit)
+        y = expert_output(self.cache.arrays(slot), x[tok_d], self.block, self.math.limit)
         return tok_d, self.math.contribution(y, weight[tok_d, k_d], x.dtype)
 
     # ------------------------------------------------------------ counters
