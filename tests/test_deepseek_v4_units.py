@@ -63,6 +63,14 @@ def test_fp4_dequantization_matches_reference() -> None:
     torch.testing.assert_close(dequantize_fp4(packed, scale, torch.float32), dequantize_fp4_group(packed, scale),
                                atol=0, rtol=0)
     assert ue8m0_to_float(torch.tensor([2.0 ** -3, 1.0, 64.0]).to(torch.float8_e8m0fnu)).tolist() == [0.125, 1.0, 64.0]
+    # rows starting at odd byte offsets cannot be read as 16-bit words: the per-byte table, same values
+    wide = torch.cat((torch.zeros(48, 1, dtype=torch.int8), packed), dim=1)[:, 1:]
+    assert wide.stride(0) % 2 == 1
+    torch.testing.assert_close(dequantize_fp4(wide, scale, torch.float32), dequantize_fp4_group(packed, scale),
+                               atol=0, rtol=0)
+    # batched experts [E, R, C/2] (the decode paths' gathers)
+    both = dequantize_fp4(torch.stack((packed, packed.flip(0))), torch.stack((scale, scale.flip(0))), torch.bfloat16)
+    torch.testing.assert_close(both[1], dequantize_fp4_group(packed.flip(0), scale.flip(0)).bfloat16(), atol=0, rtol=0)
 
 
 def test_rope_inverse_restores_input() -> None:
