@@ -73,3 +73,14 @@ def test_mixtral_decode_path_is_bitwise_the_general_path(models) -> None:
         one = bank(x[:1], index[:1], weight[:1])
         torch.testing.assert_close(one, both[:1], atol=0, rtol=0)
     bank.to(torch.float32)
+
+
+def test_mixtral_experts_past_the_gather_budget_take_the_synced_path(models, monkeypatch) -> None:
+    """Gathering copies the experts: past ``DECODE_GATHER_MAX_BYTES`` the decode step reads the ids instead."""
+    from shardsmith.runtime import moe
+
+    model = models["mixtral"]["meta"]
+    model.setup_cache(64, torch.device("meta"), torch.float32)
+    monkeypatch.setattr(moe, "DECODE_GATHER_MAX_BYTES", 0)
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        model(torch.empty(1, dtype=torch.int64, device="meta"), 0)

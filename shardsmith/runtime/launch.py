@@ -339,8 +339,8 @@ def _supervise(procs: list, reports=None) -> int:
             if not alive and len(reported) == len(procs):
                 break
             multiprocessing.connection.wait(alive, timeout=0.2 if alive else 0)
-            drain()  # a rank blocked writing a long report must not wait for us
             exited = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in reported]
+            drain()  # after: an exited rank's report is in by now; and one blocked writing must not wait
             reported.update(exited)
             bad = sorted((r for r in exited if procs[r].exitcode != 0), key=lambda r: _blame(r, procs, received))
             if bad and since is None:

@@ -57,7 +57,7 @@ def build_moe(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int],
         from .offload import attach_offload
 
         offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block)
-    assign_weights(model, weights.dense(), {} if offloaded else weights.banks(), device=device,
+    assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device,
                    tied=args.tie_embeddings)
     return model, offloaded
 
@@ -81,7 +81,7 @@ def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], 
                                    bank_type=deepseek_v4.moe.ExpertBank,
                                    math=ExpertMath(limit=args.swiglu_limit, accumulate_f32=True,
                                                    batched_pairs=deepseek_v4.moe.BATCHED_PAIRS))
-    deepseek_v4.assign_weights(model, weights.dense(), {} if offloaded else weights.banks(), device=device)
+    deepseek_v4.assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device)
     return model, offloaded
 
 

@@ -57,6 +57,11 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# A decode step gathers its experts (no host sync) while their bytes are at most this; past it the
+# copy (read + write + read) costs more than the one host sync it saves. Not yet tuned on GPU.
+DECODE_GATHER_MAX_BYTES = 64 << 20
+
+
 class ExpertBank(nn.Module):
     """One layer's routed experts on this rank: buffers ``gate_up``, ``down`` (and FP8 scales)."""
 
@@ -107,12 +112,15 @@ class ExpertBank(nn.Module):
         Returns:
             ``[T, D]`` in ``x.dtype``, to be all-reduced by the caller.
 
-        A decode step (``T == 1``) of dense banks gathers its K experts by their ids on the device
-        (no host sync, so the host keeps queueing kernels) and adds them in ascending expert order
-        with the same kernels as the general path, which needs one host sync (the ids).
+        A decode step (``T == 1``) of dense banks whose K experts total at most
+        :data:`DECODE_GATHER_MAX_BYTES` gathers them by id on the device (no host sync, so the host
+        keeps queueing kernels) and adds them in ascending expert order with the general path's
+        kernels. Larger experts take the general path, which needs one host sync (the ids) but
+        reads the weights in place: gathering copies them, three times their bytes in memory traffic.
         """
         out = torch.zeros_like(x)
-        if x.shape[0] == 1 and self.block is None:
+        k_bytes = index.shape[1] * (self.gate_up[0].nbytes + self.down[0].nbytes)
+        if x.shape[0] == 1 and self.block is None and k_bytes <= DECODE_GATHER_MAX_BYTES:
             ids, order = index[0].sort()  # [K] ascending, as the general path adds them
             w = weight[0, order]  # [K]
             gate_up, down = self.gate_up.index_select(0, ids), self.down.index_select(0, ids)  # [K, 2*I_r, D], [K, D, I_r]

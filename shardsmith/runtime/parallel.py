@@ -70,7 +70,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if ws == 1:
         return x
     if x.device.type == "cpu" and x.numel() <= GATHER_REDUCE_MAX_ELEMENTS and dist.get_backend() == "gloo":
-        parts = [torch.empty_like(x) for _ in range(ws)]
+        parts = [torch.empty(x.shape, dtype=x.dtype) for _ in range(ws)]  # contiguous, whatever x's strides
         dist.all_gather(parts, x.contiguous())
         return x.copy_(torch.stack(parts).sum(dim=0))
     dist.all_reduce(x)

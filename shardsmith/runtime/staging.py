@@ -18,13 +18,19 @@ def to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Ten
     """Copy 1-D host tensors of one dtype to ``device`` with one asynchronous copy.
 
     Args:
-        parts: 1-D CPU tensors ``[n_i]`` of one dtype (e.g. int64 token rows per expert).
+        parts: 1-D CPU tensors ``[n_i]`` of one dtype (e.g. int64 token rows per expert; build
+            empty ones with that dtype too: ``torch.tensor([])`` is float32).
         device: target; on a non-CUDA device the parts are returned unchanged.
 
     Returns:
         ``[n_i]`` device tensors in order: views of one device buffer.
+
+    Raises:
+        ValueError: parts of more than one dtype.
     """
     device = torch.device(device)
+    if len({p.dtype for p in parts}) > 1:
+        raise ValueError(f"to_device stages parts of one dtype, got {sorted({str(p.dtype) for p in parts})}")
     if device.type != "cuda" or not parts:
         return list(parts)
     sizes = [p.numel() for p in parts]

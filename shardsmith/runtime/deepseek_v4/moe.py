@@ -64,18 +64,24 @@ def expert_swiglu(arrays: dict[str, torch.Tensor], x: torch.Tensor, limit: float
     return F.linear(swiglu(gate, up, limit), down)
 
 
-def pairs_swiglu(arrays: dict[str, torch.Tensor], x: torch.Tensor, limit: float) -> torch.Tensor:
-    """One expert per (token, expert) pair, expanded together: ``[P, D]`` outputs in ``x.dtype``.
+def expand_pairs(arrays: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gathered FP4 experts, one per (token, expert) pair, expanded: ``gate_up [P, 2*I_r, D]`` and
+    ``down [P, D, I_r]`` in ``dtype``.
 
     Args:
-        arrays: each pair's expert, gathered: ``gate_up [P, 2*I_r, D/2]`` I8, ``gate_up_scale
-            [P, 2*I_r, D/32]``, ``down [P, D, I_r/2]``, ``down_scale [P, D, I_r/32]``.
-        x: ``[P, D]`` each pair's token row. limit: SwiGLU clamp.
-
-    Shared by the resident bank and the offloaded experts' decode path, so both give the same bits.
+        arrays: ``gate_up [P, 2*I_r, D/2]`` I8, ``gate_up_scale [P, 2*I_r, D/32]``,
+            ``down [P, D, I_r/2]``, ``down_scale [P, D, I_r/32]``.
     """
-    gate_up = dequantize_fp4(arrays["gate_up"], arrays["gate_up_scale"], x.dtype)  # [P, 2*I_r, D]
-    down = dequantize_fp4(arrays["down"], arrays["down_scale"], x.dtype)  # [P, D, I_r]
+    return (dequantize_fp4(arrays["gate_up"], arrays["gate_up_scale"], dtype),
+            dequantize_fp4(arrays["down"], arrays["down_scale"], dtype))
+
+
+def apply_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, limit: float) -> torch.Tensor:
+    """``[P, D]`` outputs of expanded experts (:func:`expand_pairs`) on each pair's token row ``x [P, D]``.
+
+    Two batched matmuls over all P pairs. Shared by the resident bank and the offloaded experts'
+    decode path: the same inputs in the same order give the same bits on any device.
+    """
     gate, up = torch.bmm(gate_up, x[:, :, None]).squeeze(-1).chunk(2, dim=-1)  # [P, I_r] each
     return torch.bmm(down, swiglu(gate, up, limit)[..., None]).squeeze(-1)  # [P, D]
 
@@ -117,12 +123,15 @@ class ExpertBank(nn.Module):
         if T * K <= BATCHED_PAIRS:
             sel = index.flatten()  # [P] expert of each pair, on the device
             tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
-            y = pairs_swiglu({a: getattr(self, a)[sel] for a in ARRAYS}, x[tok], self.limit)  # [P, D]
+            gate_up, down = expand_pairs({a: getattr(self, a)[sel] for a in ARRAYS}, x.dtype)
+            y = apply_pairs(gate_up, down, x[tok], self.limit)  # [P, D]
+            # repeated rows (every pair of a token): index_add_ adds them in index order on CPU and CUDA
             return out.index_add_(0, tok, y.float() * w[:, None]).to(x.dtype)
         pairs = index.flatten().tolist()  # the one sync
         experts = sorted(set(pairs))
         rows = {e: [i for i, ee in enumerate(pairs) if ee == e] for e in experts}  # pair positions per expert
-        flat = to_device([torch.tensor(v) for e in experts for v in (rows[e], [i // K for i in rows[e]])], x.device)
+        flat = to_device([torch.tensor(v, dtype=torch.int64) for e in experts for v in (rows[e], [i // K for i in rows[e]])],
+                         x.device)
         for j, e in enumerate(experts):
             p, tok = flat[2 * j], flat[2 * j + 1]  # [n] pair positions, [n] token rows
             y = expert_swiglu({a: getattr(self, a)[e] for a in ARRAYS}, x[tok], self.limit)  # [n, D]

@@ -79,10 +79,10 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     lead = packed.shape[:-1]
     u8 = packed.view(torch.uint8) if packed.dtype != torch.uint8 else packed
     try:
-        words = u8.view(torch.int16).int() & 0xFFFF  # [..., R, C/4]
-    except RuntimeError:  # odd width or an odd byte offset
+        words = u8.view(torch.int16)  # [..., R, C/4]
+    except RuntimeError:  # odd width, offset or stride: no 16-bit view of these bytes
         vals = F.embedding(u8.int(), _byte_lut(packed.device, dtype))  # [..., R, C/2, 2]
     else:
-        vals = F.embedding(words, _word_lut(packed.device, dtype))  # [..., R, C/4, 4]
+        vals = F.embedding(words.int() & 0xFFFF, _word_lut(packed.device, dtype))  # [..., R, C/4, 4]
     vals = vals.view(*lead, -1, FP4_GROUP)  # [..., R, C/32, 32]
     return (vals * ue8m0_to_float(scale).to(dtype)[..., None]).view(*lead, -1)

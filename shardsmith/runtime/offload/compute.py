@@ -41,7 +41,7 @@ class ExpertMath:
             dtype and summed there (the Mixtral-family ``ExpertBank``).
         batched_pairs: up to this many (token, expert) pairs (a decode step), FP4 slots are
             gathered and expanded together exactly as the resident bank's decode path does
-            (:func:`shardsmith.runtime.deepseek_v4.moe.pairs_swiglu`; DeepSeek-V4: 16); 0: never.
+            (:func:`shardsmith.runtime.deepseek_v4.moe.apply_pairs`; DeepSeek-V4: 16); 0: never.
     """
 
     limit: float = 0.0

@@ -29,7 +29,7 @@ from torch import nn
 
 from ...errors import UsageError
 from ..staging import to_device
-from .compute import ExpertMath, expert_output, routed
+from .compute import ExpertMath, bank_format, expert_output, routed
 from .cpu_backend import CpuExperts
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
 from .host_bank import HostBanks, load_host_banks
@@ -200,7 +200,7 @@ class OffloadRuntime:
         experts = index_h.unique().tolist()
         to_host = self._host_share(layer, experts)
         if (not to_host and index.numel() <= self.math.batched_pairs and self.cache is not None
-                and len(experts) <= self.cache.n_slots and "gate_up_scale" in self.cache.pool):
+                and len(experts) <= self.cache.n_slots and bank_format(self.cache.pool["gate_up"]) == "fp4"):
             out = self._run_pairs(layer, x, index_h, weight, experts)
             self.step_s += time.perf_counter() - t0
             return out
@@ -239,26 +239,32 @@ class OffloadRuntime:
                    experts: list[int]) -> torch.Tensor:
         """A decode step's FP4 experts, batched per pair as the resident DeepSeek-V4 bank does.
 
-        The hits' pairs are computed while the misses copy; then the misses'. Outputs land at their
-        pair positions and are summed in pair order, so the result is the resident path's bits.
+        The hits' slots are expanded while the misses copy, then the misses', each into its pairs'
+        rows; one pair of batched matmuls over all pairs in pair order follows, so the step is the
+        resident one's maths on the same inputs (:func:`~shardsmith.runtime.deepseek_v4.moe.apply_pairs`).
         """
-        from ..deepseek_v4.moe import pairs_swiglu
+        from ..deepseek_v4.moe import apply_pairs, expand_pairs
 
         T, K = index_h.shape
         pairs = index_h.flatten().tolist()  # [P]
         slots, missed = self.cache.fetch(layer, experts)
         slot_of, missed = dict(zip(experts, slots)), set(missed)
-        y = torch.empty(T * K, x.shape[1], dtype=x.dtype, device=x.device)  # [P, D]
-        for late in (False, True):
-            group = [p for p, e in enumerate(pairs) if (e in missed) == late]
-            if not group:
+        groups = [[p for p, e in enumerate(pairs) if (e in missed) == late] for late in (False, True)]
+        staged = to_device([torch.tensor(g, dtype=torch.int64) for g in groups]
+                           + [torch.tensor([slot_of[pairs[p]] for p in g], dtype=torch.int64) for g in groups], x.device)
+        gate_up = down = None
+        for late, pos, slot in ((False, staged[0], staged[2]), (True, staged[1], staged[3])):
+            if pos.numel() == 0:
                 continue
             if late:
                 self.cache.wait()
-            pos, slot = to_device([torch.tensor(group), torch.tensor([slot_of[pairs[p]] for p in group])], x.device)
-            arrays = {name: pool[slot] for name, pool in self.cache.pool.items()}
-            y[pos] = pairs_swiglu(arrays, x[pos // K], self.math.limit)
+            gu, dn = expand_pairs({name: pool[slot] for name, pool in self.cache.pool.items()}, x.dtype)
+            if gate_up is None:
+                gate_up = gu.new_empty((T * K, *gu.shape[1:]))  # [P, 2*I_r, D]
+                down = dn.new_empty((T * K, *dn.shape[1:]))  # [P, D, I_r]
+            gate_up[pos], down[pos] = gu, dn
         tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
+        y = apply_pairs(gate_up, down, x[tok], self.math.limit)  # [P, D]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         return out.index_add_(0, tok, y.float() * weight.flatten()[:, None]).to(x.dtype)
 
