@@ -107,3 +107,21 @@ def test_v4_offload_matches_resident_world_size_1(packs):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_v4_offload_matches_resident_across_ranks(packs, world_size):
     _check(run_ranks(_rank_main, world_size, str(packs[world_size]), timeout=300), world_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_v4_offloaded_decode_step_is_the_resident_bits_on_cuda(packs):
+    """On the GPU: slots gathered by pair, one [P] expansion and one bmm pair, as the resident bank."""
+    from shardsmith.runtime.engine import Engine
+
+    got = {}
+    for name, cfg in (("resident", None), ("gpu", OffloadConfig(backend="gpu", cache_slots=12, pin="require"))):
+        eng = Engine.load(packs[1], rank=0, world_size=1, device="cuda", dtype=torch.bfloat16, max_seq_len=64,
+                          offload=cfg)
+        got[name] = [eng.logits(PROMPT[:8]) for _ in range(3)]  # cold cache (misses), then warmer (hits)
+        if eng.offload:
+            assert eng.offload.stats()["misses"] > 0 and eng.offload.stats()["hits"] > 0
+            eng.offload.close()
+    for want, have in zip(got["resident"], got["gpu"]):
+        torch.testing.assert_close(have, want, atol=0, rtol=0)
