@@ -32,7 +32,7 @@ from torch import nn
 from ..dtypes import DTYPES
 from ..errors import RuntimeLoadError
 from .parallel import Shards, all_reduce, dequantize_blocks
-from .staging import to_device
+from .staging import rows_by_expert
 
 if TYPE_CHECKING:
     from .config import ModelArgs
@@ -131,9 +131,7 @@ class ExpertBank(nn.Module):
             return out
         index_h = index.cpu()  # the one host sync: ids -> rows per expert on the host
         experts = index_h.unique().tolist()
-        flat = to_device([t for e in experts for t in torch.where(index_h == e)], x.device)  # one async copy
-        for i, e in enumerate(experts):
-            tok, slot = flat[2 * i], flat[2 * i + 1]  # [n], [n]
+        for e, (tok, slot) in rows_by_expert(index_h, experts, x.device).items():  # [n], [n]
             gate, up, down = self._weights(e, x.dtype)
             h = x[tok]  # [n, D]
             y = F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)  # [n, D]

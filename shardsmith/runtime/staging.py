@@ -37,3 +37,18 @@ def to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Ten
     staged = torch.empty(sum(sizes), dtype=parts[0].dtype, pin_memory=True)
     torch.cat(parts, out=staged)
     return list(staged.to(device, non_blocking=True).split(sizes))
+
+
+def rows_by_expert(index: torch.Tensor, experts: list[int],
+                   device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Where each expert is routed: its token rows and top-k columns, on ``device`` in one copy.
+
+    Args:
+        index: ``[T, K]`` expert ids on the host (T = tokens, K = experts per token).
+        experts: the experts to locate (each appears in ``index``).
+
+    Returns:
+        expert -> ``(tok [n], k [n])`` int64 with ``index[tok, k] == expert``, in row-major order.
+    """
+    flat = to_device([t for e in experts for t in torch.where(index == e)], device)
+    return {e: (flat[2 * i], flat[2 * i + 1]) for i, e in enumerate(experts)}

@@ -34,7 +34,7 @@ from torch import nn
 from ...dtypes import DTYPES
 from ...errors import RuntimeLoadError
 from ..parallel import Shards, all_reduce
-from ..staging import to_device
+from ..staging import rows_by_expert
 from .config import V4Args
 from .quant import dequantize_fp4
 
@@ -127,15 +127,10 @@ class ExpertBank(nn.Module):
             y = apply_pairs(gate_up, down, x[tok], self.limit)  # [P, D]
             # repeated rows (every pair of a token): index_add_ adds them in index order on CPU and CUDA
             return out.index_add_(0, tok, y.float() * w[:, None]).to(x.dtype)
-        pairs = index.flatten().tolist()  # the one sync
-        experts = sorted(set(pairs))
-        rows = {e: [i for i, ee in enumerate(pairs) if ee == e] for e in experts}  # pair positions per expert
-        flat = to_device([torch.tensor(v, dtype=torch.int64) for e in experts for v in (rows[e], [i // K for i in rows[e]])],
-                         x.device)
-        for j, e in enumerate(experts):
-            p, tok = flat[2 * j], flat[2 * j + 1]  # [n] pair positions, [n] token rows
+        index_h = index.cpu()  # the one sync
+        for e, (tok, k) in rows_by_expert(index_h, index_h.unique().tolist(), x.device).items():  # [n], [n]
             y = expert_swiglu({a: getattr(self, a)[e] for a in ARRAYS}, x[tok], self.limit)  # [n, D]
-            out.index_add_(0, tok, y.float() * w[p, None])
+            out.index_add_(0, tok, y.float() * weight[tok, k, None])
         return out.to(x.dtype)
 
 

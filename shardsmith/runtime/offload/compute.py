@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..deepseek_v4.moe import expert_swiglu
 from ..deepseek_v4.quant import dequantize_fp4
 from ..parallel import dequantize_blocks
 
@@ -96,8 +97,6 @@ def expert_output(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: tuple
     :func:`swiglu` (separate gate and up, as the Mixtral-family bank).
     """
     if bank_format(arrays["gate_up"]) == "fp4":
-        from ..deepseek_v4.moe import expert_swiglu
-
         return expert_swiglu(arrays, x, limit)
     gate, up, down = expert_weights(arrays, x.dtype, block)
     return swiglu(x, gate, up, down, limit)
@@ -112,8 +111,3 @@ def swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     if limit:
         g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
     return F.linear(F.silu(g) * u, down)
-
-
-def routed(index_host: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows and top-k columns routed to expert ``e`` (host tensors, no device sync)."""
-    return torch.where(index_host == e)

@@ -17,7 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .compute import ExpertMath, expert_output, routed
+from ..staging import rows_by_expert
+from .compute import ExpertMath, expert_output
 from .host_bank import HostBanks
 
 
@@ -60,8 +61,7 @@ class CpuExperts:
         """
         bank = self.host.layers[self.layers[layer]]
         out = {}
-        for e in experts:
-            tok, k = routed(index, e)
+        for e, (tok, k) in rows_by_expert(index, experts, index.device).items():
             y = expert_output({name: a[e] for name, a in bank.items()}, x[tok], self.block, self.math.limit)
             out[e] = (tok, self.math.contribution(y, weight[tok, k], x.dtype))
         self.experts_computed += len(experts)

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
-from ..staging import to_device
-from .compute import ExpertMath, bank_format, expert_output, routed
+from ..deepseek_v4.moe import apply_pairs, expand_pairs
+from ..staging import rows_by_expert, to_device
+from .compute import ExpertMath, bank_format, expert_output
 from .cpu_backend import CpuExperts
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
 from .host_bank import HostBanks, load_host_banks
@@ -118,6 +119,7 @@ class OffloadRuntime:
         self.probe: ProbeResult | None = None
         self.backend, self.hybrid_fraction = config.backend, config.hybrid_fraction or 0.0
         self.tokens, self.cpu_experts, self.step_s = 0, 0, 0.0
+        self.pairs_max = 0  # (token, expert) pairs up to which a step takes _run_pairs (set by start)
 
     # ------------------------------------------------------------ start-up
 
@@ -151,6 +153,8 @@ class OffloadRuntime:
             n = self._slots(slot_bytes)
             self.cache = ExpertCache(self.host, self.layers, n, self.device, policy=c.policy,
                                      hot_fraction=c.hot_fraction, log=c.log_decisions)
+            if bank_format(self.cache.pool["gate_up"]) == "fp4":  # decode-sized steps batched per pair
+                self.pairs_max = self.math.batched_pairs
         log.info("%s", self.ready_line())
 
     def _slots(self, slot_bytes: int) -> int:
@@ -199,8 +203,7 @@ class OffloadRuntime:
         index_h = index.cpu()  # the one host sync of the layer
         experts = index_h.unique().tolist()
         to_host = self._host_share(layer, experts)
-        if (not to_host and index.numel() <= self.math.batched_pairs and self.cache is not None
-                and len(experts) <= self.cache.n_slots and bank_format(self.cache.pool["gate_up"]) == "fp4"):
+        if not to_host and index.numel() <= self.pairs_max and len(experts) <= self.cache.n_slots:
             out = self._run_pairs(layer, x, index_h, weight, experts)
             self.step_s += time.perf_counter() - t0
             return out
@@ -209,9 +212,7 @@ class OffloadRuntime:
         if to_host:
             fut = self.cpu.submit(layer, x.cpu(), index_h, weight.cpu(), to_host)
         on_gpu = [e for e in experts if e not in set(to_host)]
-        rows = [routed(index_h, e) for e in on_gpu]  # (tok [n], k [n]) per expert, on the host
-        flat = to_device([t for tk in rows for t in tk], x.device)  # one async copy, no stream sync
-        where = {e: (flat[2 * i], flat[2 * i + 1]) for i, e in enumerate(on_gpu)}
+        where = rows_by_expert(index_h, on_gpu, x.device)  # (tok [n], k [n]) per expert, one async copy
         n = self.cache.n_slots if self.cache is not None else 1
         for i in range(0, len(on_gpu), n):
             wave = on_gpu[i: i + n]
@@ -243,8 +244,6 @@ class OffloadRuntime:
         rows; one pair of batched matmuls over all pairs in pair order follows, so the step is the
         resident one's maths on the same inputs (:func:`~shardsmith.runtime.deepseek_v4.moe.apply_pairs`).
         """
-        from ..deepseek_v4.moe import apply_pairs, expand_pairs
-
         T, K = index_h.shape
         pairs = index_h.flatten().tolist()  # [P]
         slots, missed = self.cache.fetch(layer, experts)
