@@ -153,20 +153,22 @@ def timed_greedy(model: Any, prompt: list[int], *, tokens: int, device: str) -> 
 
 
 def input_device(model: Any, default: str) -> str:
-    """Where the token ids go: the device of the input embedding's ``device_map`` entry.
+    """Where the token ids go: where the input embedding runs.
 
-    ``device_map="auto"`` under a GPU budget smaller than one decoder layer puts every module on
-    the CPU; the model then runs there and its inputs must be CPU tensors.
+    An accelerate hook on the embedding (``_hf_hook.execution_device``) moves its inputs there
+    itself; without one the ids must sit on the embedding weight's own device. ``device_map="auto"``
+    under a GPU budget smaller than one decoder layer put the embedding on the CPU with no hook (the
+    2026-11-30 H200 run failed in ``F.embedding`` with CUDA ids), so the map alone does not decide.
     """
-    dm = getattr(model, "hf_device_map", None)
-    if not dm:
+    emb = model.get_input_embeddings()
+    hook = getattr(emb, "_hf_hook", None)
+    dev = getattr(hook, "execution_device", None)
+    if dev is not None:
+        return f"cuda:{dev}" if isinstance(dev, int) else str(dev)
+    weight = getattr(emb, "weight", None)
+    if weight is None or weight.device.type == "meta":
         return default
-    emb = next((n for n, m in model.named_modules() if m is model.get_input_embeddings()), "")
-    entry = max((k for k in dm if not k or emb == k or emb.startswith(k + ".")), key=len, default=None)
-    dev = dm.get(entry) if entry is not None else None
-    if dev in ("cpu", "disk") and all(v in ("cpu", "disk") for v in dm.values()):
-        return "cpu"
-    return default
+    return str(weight.device)
 
 
 def placement(model: Any) -> dict[str, Any]:

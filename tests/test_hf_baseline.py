@@ -52,20 +52,24 @@ def test_experts_cpu_device_map_places_exactly_the_experts() -> None:
         assert (dm[owners[0]] == "cpu") == (".mlp.experts." in name), name
 
 
-def test_input_device_follows_the_embedding_when_auto_puts_everything_on_the_cpu() -> None:
-    """On the H200s, ``device_map="auto"`` under our GPU budget put every layer on the CPU; the ids must follow."""
+def test_input_device_follows_the_embedding() -> None:
+    """On the H200s, ``device_map="auto"`` left the embedding on the CPU with no hook; the ids must follow it."""
+    from types import SimpleNamespace
+
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    model = MixtralForCausalLM(cfg)  # weights on the CPU, no accelerate hooks
+    model.hf_device_map = hfb.experts_cpu_device_map(model, gpu=0)  # the map names GPU 0, the weight is here
+    assert hfb.input_device(model, "cuda:0") == "cpu"
+    emb = model.get_input_embeddings()
+    emb._hf_hook = SimpleNamespace(execution_device=0)  # accelerate moves the inputs to GPU 0 itself
+    assert hfb.input_device(model, "cpu") == "cuda:0"
+    emb._hf_hook = SimpleNamespace(execution_device=None)
     with torch.device("meta"):
-        model = MixtralForCausalLM(cfg)
-    model.hf_device_map = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
-    assert hfb.input_device(model, "cuda:0") == "cpu"
-    model.hf_device_map = hfb.experts_cpu_device_map(model, gpu=0)  # experts offloaded, the rest on GPU 0
-    assert hfb.input_device(model, "cuda:0") == "cuda:0"
-    model.hf_device_map = {"": "cpu"}
-    assert hfb.input_device(model, "cuda:0") == "cpu"
+        meta = MixtralForCausalLM(cfg)
+    assert hfb.input_device(meta, "cuda:0") == "cuda:0"  # no weight to follow: the run's device
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])

@@ -109,19 +109,40 @@ def test_v4_offload_matches_resident_across_ranks(packs, world_size):
     _check(run_ranks(_rank_main, world_size, str(packs[world_size]), timeout=300), world_size)
 
 
+def _slots_vs_resident_bf16(path: Path, device: str) -> None:
+    """bf16 on ``device``: 8-token steps (16 pairs: the batched path) bit for bit, greedy decode steps alike.
+
+    The cache (12 slots of 32 experts) misses on the first pass and hits during greedy decode, where
+    the same experts recur step after step (repeated 8-token passes touch ~25 experts in one layer
+    order, which LRU alone never hits).
+    """
+    from shardsmith.runtime.engine import Engine, SamplingParams
+
+    got = {}
+    for name, cfg in (("resident", None), ("gpu", OffloadConfig(backend="gpu", cache_slots=12, probe=False,
+                                                                pin="require" if device == "cuda" else "auto"))):
+        eng = Engine.load(path, rank=0, world_size=1, device=device, dtype=torch.bfloat16, max_seq_len=64,
+                          offload=cfg)
+        logits = [eng.logits(PROMPT[:8]) for _ in range(2)]
+        tokens = [s.token_id for s in eng.generate(PROMPT, SamplingParams(max_tokens=8))]
+        got[name] = (logits, tokens)
+        if eng.offload:
+            stats = eng.offload.stats()
+            assert stats["misses"] > 0 and stats["hits"] > 0, stats
+            eng.offload.close()
+        eng.shutdown()
+    for want, have in zip(got["resident"][0], got["gpu"][0]):
+        torch.testing.assert_close(have, want, atol=0, rtol=0)
+    assert got["gpu"][1] == got["resident"][1]
+
+
+def test_v4_offloaded_steps_are_the_resident_bits_in_bf16(packs):
+    """The CPU twin of the CUDA check below: bf16 rounding, not float32, as on a GPU."""
+    _slots_vs_resident_bf16(packs[1], "cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_v4_offloaded_decode_step_is_the_resident_bits_on_cuda(packs):
     """On the GPU: slots gathered by pair, one [P] expansion and one bmm pair, as the resident bank."""
-    from shardsmith.runtime.engine import Engine
-
-    got = {}
-    for name, cfg in (("resident", None), ("gpu", OffloadConfig(backend="gpu", cache_slots=12, pin="require"))):
-        eng = Engine.load(packs[1], rank=0, world_size=1, device="cuda", dtype=torch.bfloat16, max_seq_len=64,
-                          offload=cfg)
-        got[name] = [eng.logits(PROMPT[:8]) for _ in range(3)]  # cold cache (misses), then warmer (hits)
-        if eng.offload:
-            assert eng.offload.stats()["misses"] > 0 and eng.offload.stats()["hits"] > 0
-            eng.offload.close()
-    for want, have in zip(got["resident"], got["gpu"]):
-        torch.testing.assert_close(have, want, atol=0, rtol=0)
+    _slots_vs_resident_bf16(packs[1], "cuda")
