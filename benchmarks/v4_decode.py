@@ -2,7 +2,8 @@
 
 For each TP: ``shardsmith split`` the checkpoint into a pack, start one process per rank (NCCL on
 CUDA, gloo on CPU), load the pack, prefill a random prompt and decode greedily. Two decode runs:
-a plain one (tokens/s) and one with timers around every layer's attention and MoE and around each
+a plain one (tokens/s), the same with one-token steps as piecewise CUDA graphs (``resident
+graphs``: ``DeepseekV4.use_decode_graphs``; on CPU the same pieces run eagerly), and an eager one with timers around every layer's attention and MoE and around each
 all-reduce (CUDA events, or wall time on CPU), giving per token:
 
     attention (compute, excluding its wo_b all-reduce), MoE (router, experts, shared expert),
@@ -11,7 +12,7 @@ all-reduce (CUDA events, or wall time on CPU), giving per token:
 With ``--cache-fraction F`` (repeatable), each TP also decodes with the routed experts offloaded
 (``--moe-backend gpu``: FP4 experts in pinned host banks, a GPU slot cache of ``F`` x every routed
 expert's bytes at TP=1, the same bytes per GPU at every TP, policy ``hot``), after a warm-up
-decode that fills the cache; each offloaded row reports tokens/s, hit rate, copied bytes per token
+decode that fills the cache, eagerly and then graphed (``offload graphs``); each offloaded row reports tokens/s, hit rate, copied bytes per token
 and rank, achieved and probed host-to-GPU GB/s, and the floor::
 
     floor_s_per_token = copied_bytes_per_token / probe_h2d_bytes_per_s + resident_s_per_token
@@ -162,13 +163,17 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         prompt = torch.randint(0, model.args.vocab_size, (a["prompt"],), generator=torch.Generator().manual_seed(0)).to(dev)
         decode(model, prompt[:8], 4, sync)  # warm-up (kernels, allocator)
         seconds, tokens = decode(model, prompt, a["tokens"], sync)
+        model.use_decode_graphs(dev)
+        decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
+        graphed_s, graphed_tokens = decode(model, prompt, a["tokens"], sync)
+        model.graphs = None  # the instrumented run below is eager (events inside a graph would be captured)
         timers = Timers(cuda)
         instrument(model, timers)
         t_inst, _ = decode(model, prompt, a["tokens"], sync, timers)
         spans = {k: v / a["tokens"] for k, v in timers.totals_ms().items()}  # ms per decode token
         mem.update(gpu_peak_bytes=torch.cuda.max_memory_allocated() if cuda else 0)
         local = {"rank": rank, "ready_s": ready, "decode_s": seconds, "instrumented_decode_s": t_inst,
-                 "tokens": tokens, "spans_ms": spans, "memory": mem, "plan_bytes": plan_bytes(weights.plan, rank)}
+                 "tokens": tokens, "graphed_decode_s": graphed_s, "graphed_tokens": graphed_tokens, "spans_ms": spans, "memory": mem, "plan_bytes": plan_bytes(weights.plan, rank)}
         del model
         local["offload"] = [offloaded_decode(weights, dev, a, prompt, sync, barrier, world, f)
                             for f in a.get("cache_fractions") or []]
@@ -202,13 +207,19 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     barrier()
     ready = time.perf_counter() - t0
     decode(model, prompt, a["tokens"], sync)  # warm-up: fills the cache with this prompt's experts
-    seconds, tokens = decode(model, prompt, a["tokens"], sync, after_prefill=rt.reset_stats)
-    st = rt.stats()
-    out = {"cache_fraction_at_tp1": fraction, "cache_bytes_per_gpu": st.get("pool_bytes", 0), "ready_s": ready,
-           "decode_s": seconds, "tokens": tokens, "ready_log": rt.ready_line(),
-           "decode_tokens_counted": st["tokens"],
-           **{k: st.get(k) for k in ("backend", "slots", "hit_rate", "misses", "slot_bytes", "bytes_copied",
-                                     "h2d_gb_per_s", "probe_h2d_gb_per_s", "host_bytes", "host_pinned")}}
+
+    def timed() -> dict:
+        seconds, tokens = decode(model, prompt, a["tokens"], sync, after_prefill=rt.reset_stats)
+        st = rt.stats()
+        return {"decode_s": seconds, "tokens": tokens, "decode_tokens_counted": st["tokens"],
+                **{k: st.get(k) for k in ("backend", "slots", "hit_rate", "misses", "slot_bytes", "bytes_copied",
+                                          "h2d_gb_per_s", "probe_h2d_gb_per_s", "host_bytes", "host_pinned")}}
+
+    out = {"cache_fraction_at_tp1": fraction, "cache_bytes_per_gpu": rt.stats().get("pool_bytes", 0),
+           "ready_s": ready, "ready_log": rt.ready_line(), **timed()}
+    model.use_decode_graphs(dev)  # the same model and warm cache, one-token steps as graphed pieces
+    decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
+    out["graphed"] = timed()
     rt.close()
     del model
     if dev.type == "cuda":
@@ -216,19 +227,24 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     return out
 
 
-def offload_rows(ranks: list[dict], resident: dict, tp: int, tokens: int) -> list[dict]:
-    """One row per cache fraction: rank 0's cache numbers, the slowest rank's time, the floor."""
+def offload_rows(ranks: list[dict], resident: dict, graphed: dict, tp: int, tokens: int) -> list[dict]:
+    """Two rows per cache fraction (eager, graphed): rank 0's cache numbers, the slowest rank's time,
+    the floor (against the resident run of the same mode)."""
     rows = []
-    for i, o in enumerate(ranks[0]["offload"]):
-        decode_s = max(r["offload"][i]["decode_s"] for r in ranks)
-        per_token = o["bytes_copied"] / max(1, o["decode_tokens_counted"])  # counters zeroed after the prefill
-        bw = (o.get("probe_h2d_gb_per_s") or 0) * 1e9
-        floor_s = (per_token / bw if bw else 0.0) + resident["ms_per_token"] / 1e3
-        rows.append({"tp": tp, "run": "offload", **{k: v for k, v in o.items() if k != "tokens"},
-                     "tokens_per_s": tokens / decode_s, "ms_per_token": 1e3 * decode_s / tokens,
-                     "bytes_copied_per_token_per_rank": per_token, "resident_tokens_per_s": resident["tokens_per_s"],
-                     "floor_tokens_per_s": 1 / floor_s, "time_per_token_over_floor": (decode_s / tokens) / floor_s,
-                     "tokens_match_resident": o["tokens"] == ranks[0]["tokens"]})
+    for i, first in enumerate(ranks[0]["offload"]):
+        for run, base, pick in (("offload", resident, lambda o: o), ("offload graphs", graphed, lambda o: o["graphed"])):
+            o = pick(first)
+            decode_s = max(pick(r["offload"][i])["decode_s"] for r in ranks)
+            per_token = o["bytes_copied"] / max(1, o["decode_tokens_counted"])  # counters zeroed after the prefill
+            bw = (o.get("probe_h2d_gb_per_s") or 0) * 1e9
+            floor_s = (per_token / bw if bw else 0.0) + base["ms_per_token"] / 1e3
+            keep = {k: v for k, v in first.items() if k not in ("tokens", "graphed")} | \
+                {k: v for k, v in o.items() if k not in ("tokens", "graphed")}
+            rows.append({"tp": tp, "run": run, **keep,
+                         "tokens_per_s": tokens / decode_s, "ms_per_token": 1e3 * decode_s / tokens,
+                         "bytes_copied_per_token_per_rank": per_token, "resident_tokens_per_s": base["tokens_per_s"],
+                         "floor_tokens_per_s": 1 / floor_s, "time_per_token_over_floor": (decode_s / tokens) / floor_s,
+                         "tokens_match_resident": o["tokens"] == ranks[0]["tokens"]})
     return rows
 
 
@@ -319,8 +335,11 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
            "experts": args.n_experts, "hidden": args.dim, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
            "split_seconds": split_s}
     row.update(summarize(ranks, args.kinds, a.tokens), run="resident")
-    rows = [row, *(base | o for o in offload_rows(ranks, row, tp, a.tokens)
-                   for base in [{k: row[k] for k in ("device", "dtype", "layers", "experts", "hidden")}])]
+    common = {k: row[k] for k in ("device", "dtype", "layers", "experts", "hidden")}
+    graphed_s = max(r["graphed_decode_s"] for r in ranks)
+    graphed = {"tp": tp, **common, "run": "resident graphs", "tokens_per_s": a.tokens / graphed_s,
+               "ms_per_token": 1e3 * graphed_s / a.tokens, "tokens_match_eager": ranks[0]["graphed_tokens"] == row["tokens"]}
+    rows = [row, graphed, *(common | o for o in offload_rows(ranks, row, graphed, tp, a.tokens))]
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k not in ("layer_kinds", "ready_log")}, indent=1), flush=True)
     return rows
@@ -338,7 +357,7 @@ def print_table(rows: list[dict]) -> None:
     first = {(r["run"], r.get("cache_fraction_at_tp1")): r["tokens_per_s"] for r in rows if r["tp"] == rows[0]["tp"]}
     for r in rows:
         key = (r["run"], r.get("cache_fraction_at_tp1"))
-        off = r["run"] == "offload"
+        off = r["run"].startswith("offload")
         t.add_row(str(r["tp"]), r["run"] + (f" {r['cache_fraction_at_tp1']:.3g}" if off else ""),
                   f"{r['cache_bytes_per_gpu'] / 2**30:.2f}" if off else "-",
                   f"{r['hit_rate']:.1%}" if off else "-",

@@ -28,6 +28,8 @@ FROM_CKPT = typer.Option(False, "--from-checkpoint", help="Load an unsplit check
 TP = typer.Option(None, "--tp", help="Ranks for --from-checkpoint (a pack's world_size is read from pack.yaml).")
 VERIFY = typer.Option(False, "--verify-hashes", help="Hash every weight file against the manifest before loading.")
 MAX_SEQ = typer.Option(2048, "--max-seq-len", help="Context length in tokens (prompt + completion), per request.")
+EAGER = typer.Option(False, "--enforce-eager",
+                     help="Launch every kernel eagerly: no CUDA graphs for decode steps (DeepSeek-V4 on CUDA).")
 DTYPE = typer.Option("auto", "--dtype", help="Compute dtype: auto (the config's torch_dtype), bfloat16, float16 or float32.")
 MOE_BACKEND = typer.Option("resident", "--moe-backend",
                            help="Routed experts: resident (all on the device), or kept in host RAM and run by "
@@ -125,7 +127,7 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
-          verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto"):
+          verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto", enforce_eager: bool = False):
     from .runtime.launch import LaunchSpec, pack_world_size, under_torchrun
 
     _check_device(device, None)
@@ -144,7 +146,7 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
     _check_device(device, ws)
     return LaunchSpec(path=path.resolve(), world_size=ws, device=device, dist_port=dist_port,
                       from_checkpoint=from_checkpoint, verify_hashes=verify_hashes, max_seq_len=max_seq_len,
-                      offload=offload, dtype=None if dtype == "auto" else dtype)
+                      offload=offload, dtype=None if dtype == "auto" else dtype, cuda_graphs=not enforce_eager)
 
 
 def _check_sampling(*, prompts: list[str], chat: bool, max_tokens: int, max_seq_len: int, temperature: float,
@@ -183,7 +185,7 @@ def serve(
     max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes",
                                           help="Larger request bodies get HTTP 413 (default 4 MiB)."),
     moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
-    dtype: str = DTYPE, trust_remote_code: bool = TRUST,
+    dtype: str = DTYPE, trust_remote_code: bool = TRUST, enforce_eager: bool = EAGER,
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
     from .runtime.launch import launch
@@ -195,7 +197,8 @@ def serve(
         raise UsageError("--served-model-name must not be empty")
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, max_seq_len=max_seq_len,
-                 offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype)
+                 offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
+                 enforce_eager=enforce_eager)
     _check_port(host, port)
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
                                            trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes)))
@@ -213,7 +216,7 @@ def generate(
     device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
     tp: int | None = TP, verify_hashes: bool = VERIFY, max_seq_len: int = MAX_SEQ,
     moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
-    dtype: str = DTYPE, trust_remote_code: bool = TRUST,
+    dtype: str = DTYPE, trust_remote_code: bool = TRUST, enforce_eager: bool = EAGER,
 ) -> None:
     """Generate text for one-off prompts and print it on stdout."""
     from .runtime.generate import GenerateJob
@@ -223,7 +226,8 @@ def generate(
                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, max_seq_len=max_seq_len,
-                 offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype)
+                 offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
+                 enforce_eager=enforce_eager)
     if chat and not trust_remote_code:  # a missing template, or one that is checkpoint code, fails before ranks start
         from .runtime.chat import load_chat_format
 

@@ -109,7 +109,8 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, *, rank: int, world_size: int, device: str = "cpu", from_checkpoint: bool = False,
              verify_hashes: bool = False, max_seq_len: int = 2048, dtype: torch.dtype | None = None,
-             load_timeout_s: float = 1800.0, offload: "OffloadConfig | None" = None, fp8: str = "load") -> "Engine":
+             load_timeout_s: float = 1800.0, offload: "OffloadConfig | None" = None, fp8: str = "load",
+             cuda_graphs: bool = True) -> "Engine":
         """Load rank ``rank``'s weights and build its model; collective over all ranks.
 
         The model is the registry's for the config's architecture (:mod:`~shardsmith.runtime.models`:
@@ -128,6 +129,9 @@ class Engine:
                 them FP8 and dequantizes per matmul (see :mod:`~shardsmith.runtime.parallel`).
             offload: place routed experts in host memory with a device expert cache
                 (:mod:`shardsmith.runtime.offload`); None keeps every expert resident.
+            cuda_graphs: on CUDA, run one-token decode steps of models that support it
+                (DeepSeek-V4) as piecewise CUDA graphs (:mod:`~shardsmith.runtime.cuda_graphs`);
+                False runs every kernel eagerly (``--enforce-eager``).
 
         Raises:
             RuntimeLoadError: on every rank, listing each rank's load problem (missing,
@@ -160,6 +164,8 @@ class Engine:
                     if hasattr(m, "dequantize_"):
                         m.dequantize_(dtype)
             model.setup_cache(max_seq_len, dev, dtype)
+            if cuda_graphs and dev.type == "cuda" and hasattr(model, "use_decode_graphs"):
+                model.use_decode_graphs(dev)
             engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
                          device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group, family=family)
             engine.offload = offloaded

@@ -61,6 +61,7 @@ class LaunchSpec:
         offload: routed experts in host memory with a device expert cache
             (:class:`~shardsmith.runtime.offload.runtime.OffloadConfig`); None keeps every
             expert resident on the device.
+        cuda_graphs: passed to ``Engine.load`` (False: ``--enforce-eager``).
     """
 
     path: Path
@@ -72,6 +73,7 @@ class LaunchSpec:
     max_seq_len: int = 2048
     dtype: str | None = None
     offload: Any = None  # OffloadConfig | None; typed loosely so --help stays free of torch
+    cuda_graphs: bool = True
 
 
 class Job(Protocol):
@@ -168,7 +170,8 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
 
     load = partial(Engine.load, spec.path, rank=rank, world_size=world_size, device=device,
                    from_checkpoint=spec.from_checkpoint, verify_hashes=spec.verify_hashes,
-                   max_seq_len=spec.max_seq_len, dtype=spec.dtype, offload=spec.offload)
+                   max_seq_len=spec.max_seq_len, dtype=spec.dtype, offload=spec.offload,
+                   cuda_graphs=spec.cuda_graphs)
     if rank == 0:
         return job(load)
     engine = load()

@@ -28,12 +28,13 @@ import torch
 from torch import nn
 
 from ...errors import UsageError
+from ..cuda_graphs import GraphedPiece, GraphPool
 from ..model import install_buffers
-from ..parallel import Shards
+from ..parallel import Shards, all_reduce
 from .attention import Attention
 from .config import V4Args
 from .hyper import HyperHead, HyperMixer, expand
-from .moe import MoE
+from .moe import BATCHED_PAIRS, ExpertBank, MoE
 from .ops import RMSNorm, inv_freq
 from .quant import ue8m0_to_float
 
@@ -60,6 +61,37 @@ class Block(nn.Module):
         x, post, comb = self.hc_ffn(streams)
         return expand(streams, self.ffn(self.ffn_norm(x), ids), post, comb)
 
+    # The same layer as pieces around its attention, for the graphed decode (each piece a CUDA graph):
+    # the same kernels in the same order as forward, so the same bits.
+
+    def attn_in(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streams [T, m, D]`` -> attention input ``[T, D]`` (normed), ``post [T, m]``, ``comb [T, m, m]``."""
+        x, post, comb = self.hc_attn(streams)
+        return self.attn_norm(x), post, comb
+
+    def ffn_in(self, streams: torch.Tensor, attn_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+               ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Streams after attention, then the MoE's input, routing and shared-expert partial.
+
+        Returns ``(streams [T, m, D], x [T, D], index [T, K], weight [T, K], shared [T, D], post, comb)``.
+        """
+        streams = expand(streams, attn_out, post, comb)
+        x, post, comb = self.hc_ffn(streams)
+        x = self.ffn_norm(x)
+        index, weight = self.ffn.route(x, ids)
+        return streams, x, index, weight, self.ffn.shared(x), post, comb
+
+    def ffn_out(self, streams: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor) -> tuple[torch.Tensor]:
+        """The layer's one all-reduce (routed + shared partials) spread onto the streams: ``([T, m, D],)``."""
+        return (expand(streams, all_reduce(routed + shared), post, comb),)
+
+    def ffn_block(self, streams: torch.Tensor, attn_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                  ids: torch.Tensor) -> tuple[torch.Tensor]:
+        """:meth:`ffn_in`, the routed experts, :meth:`ffn_out`: everything after attention, ``([T, m, D],)``."""
+        streams, x, index, weight, shared, post, comb = self.ffn_in(streams, attn_out, post, comb, ids)
+        return self.ffn_out(streams, self.ffn.experts(x, index, weight), shared, post, comb)
+
 
 class DeepseekV4(nn.Module):
     """DeepSeek-V4 on one rank: vocab-parallel ``embed``, blocks, ``hc_head``, ``norm``, vocab-parallel ``head``.
@@ -82,6 +114,7 @@ class DeepseekV4(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = shards.lm_head("head.weight")
         self.pos, self.max_seq_len = 0, 0
+        self.graphs: DecodeGraphs | None = None  # one-token steps as piecewise CUDA graphs (use_decode_graphs)
 
     @classmethod
     def from_weights(cls, weights, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
@@ -128,13 +161,72 @@ class DeepseekV4(nn.Module):
                              f"got start={start} (its compressor state cannot rewind: restart at 0)")
         if self.max_seq_len and start + T > self.max_seq_len:
             raise UsageError(f"{start + T} positions exceed max_seq_len={self.max_seq_len}")
-        x = self.embed(ids)  # [T, D]
-        streams = x[:, None, :].expand(T, self.args.hc_mult, x.shape[-1]).contiguous()  # [T, m, D]
+        if T == 1 and self.graphs is not None:
+            logits = self.graphs.step(ids, start)
+            self.pos = start + T
+            return logits
+        (streams,) = self.embed_streams(ids)
         for layer in self.layers:
             streams = layer(streams, ids, start)
         self.pos = start + T
-        h = self.norm(self.hc_head(streams[-1:] if last_only else streams))  # [T or 1, D]
-        return self.head(h)  # [T or 1, V]
+        return self.logits(streams[-1:] if last_only else streams)[0]  # [T or 1, V]
+
+    def embed_streams(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
+        """Token ids ``[T]`` -> ``([T, m, D],)``: the vocab-parallel embedding copied to every stream."""
+        x = self.embed(ids)  # [T, D]
+        return (x[:, None, :].expand(ids.shape[0], self.args.hc_mult, x.shape[-1]).contiguous(),)
+
+    def logits(self, streams: torch.Tensor) -> tuple[torch.Tensor]:
+        """Streams ``[T, m, D]`` -> ``([T, V] float32,)``: head mixer, final norm, vocab-parallel head."""
+        return (self.head(self.norm(self.hc_head(streams))),)
+
+    def use_decode_graphs(self, device: torch.device | str) -> None:
+        """Run one-token steps as piecewise CUDA graphs (:mod:`~shardsmith.runtime.cuda_graphs`).
+
+        On a CPU device nothing is captured: the same pieces run eagerly through static buffers
+        (what tests check against the plain forward). Call after the weights and offload are in place.
+        """
+        self.graphs = DecodeGraphs(self, torch.device(device))
+
+
+class DecodeGraphs:
+    """A DeepSeek-V4 one-token step as graphed pieces with the attention (and offloaded experts) between.
+
+    Per step: ``embed`` -> per layer [``attn_in`` graph, attention eager, ``ffn`` graph] -> ``head``
+    graph. A layer whose routed experts are resident and sync-free for one token (the bank's batched
+    pair path, ``top_k <= BATCHED_PAIRS``) captures routing, experts, shared expert and the
+    all-reduce in one ``ffn`` graph; an offloaded layer (the expert cache reads the routed ids on the
+    host) captures ``ffn_in`` and ``ffn_out`` and runs its experts eagerly between them.
+    """
+
+    def __init__(self, model: DeepseekV4, device: torch.device) -> None:
+        self.model, self.pool = model, GraphPool(device)
+        self.embed = GraphedPiece(model.embed_streams, self.pool, "embed")
+        self.head = GraphedPiece(model.logits, self.pool, "head")
+        self.layers = []
+        for i, layer in enumerate(model.layers):
+            resident = isinstance(layer.ffn.experts, ExpertBank) and layer.ffn.top_k <= BATCHED_PAIRS
+            pieces = {"attn_in": GraphedPiece(layer.attn_in, self.pool, f"layers.{i}.attn_in")}
+            if resident:
+                pieces["ffn"] = GraphedPiece(layer.ffn_block, self.pool, f"layers.{i}.ffn")
+            else:
+                pieces["ffn_in"] = GraphedPiece(layer.ffn_in, self.pool, f"layers.{i}.ffn_in")
+                pieces["ffn_out"] = GraphedPiece(layer.ffn_out, self.pool, f"layers.{i}.ffn_out")
+            self.layers.append(pieces)
+
+    def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """One token ``ids [1]`` at position ``start``: float32 logits ``[1, V]`` (a fresh tensor)."""
+        (streams,) = self.embed(ids)
+        for layer, pieces in zip(self.model.layers, self.layers):
+            x, post, comb = pieces["attn_in"](streams)
+            attn_out = layer.attn(x, start)
+            if "ffn" in pieces:
+                (streams,) = pieces["ffn"](streams, attn_out, post, comb, ids)
+            else:
+                streams, x, index, weight, shared, post, comb = pieces["ffn_in"](streams, attn_out, post, comb, ids)
+                routed = layer.ffn.experts(x, index, weight)
+                (streams,) = pieces["ffn_out"](streams, routed, shared, post, comb)
+        return self.head(streams)[0].clone()  # the static output is overwritten by the next step
 
 
 def buffer_name(source: str, fp8_weights: set[str]) -> str:

@@ -86,6 +86,17 @@ def apply_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, limi
     return torch.bmm(down, swiglu(gate, up, limit)[..., None]).squeeze(-1)  # [P, D]
 
 
+def combine_pairs(y: torch.Tensor, weight: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's routed sum ``[T, D]`` in ``dtype`` from its pairs' outputs ``y [P = T*K, D]``
+    (token-major, as :func:`apply_pairs` gets them) and routing weights ``weight [P]``.
+
+    A float32 sum over the K pairs of each token: a reduction in a fixed order on CPU and CUDA
+    (``index_add_`` with repeated rows is atomic, so run-to-run nondeterministic, on CUDA), so the
+    resident bank, the offloaded slots and a captured graph give the same bits.
+    """
+    return (y.float() * weight[:, None]).view(tokens, -1, y.shape[-1]).sum(dim=1).to(dtype)
+
+
 class ExpertBank(nn.Module):
     """One layer's routed experts on this rank, FP4 weights expanded one expert at a time.
 
@@ -118,15 +129,13 @@ class ExpertBank(nn.Module):
             x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` float32 routing weights.
         """
         T, K = index.shape
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        w = weight.flatten()  # [P = T*K]
         if T * K <= BATCHED_PAIRS:
             sel = index.flatten()  # [P] expert of each pair, on the device
             tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
             gate_up, down = expand_pairs({a: getattr(self, a)[sel] for a in ARRAYS}, x.dtype)
             y = apply_pairs(gate_up, down, x[tok], self.limit)  # [P, D]
-            # repeated rows (every pair of a token): index_add_ adds them in index order on CPU and CUDA
-            return out.index_add_(0, tok, y.float() * w[:, None]).to(x.dtype)
+            return combine_pairs(y, weight.flatten(), T, x.dtype)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         index_h = index.cpu()  # the one sync
         for e, (tok, k) in rows_by_expert(index_h, index_h.unique().tolist(), x.device).items():  # [n], [n]
             y = expert_swiglu({a: getattr(self, a)[e] for a in ARRAYS}, x[tok], self.limit)  # [n, D]
@@ -171,8 +180,12 @@ class MoE(nn.Module):
         weight = scores.gather(1, index)
         return index, weight / (weight.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
 
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's partial ``[T, D]`` over this rank's intermediate share (not reduced)."""
+        se = self.shared_experts
+        return se.w2(swiglu(se.w1(x), se.w3(x), self.limit))
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         index, weight = self.route(x, ids)
-        se = self.shared_experts
-        partial = self.experts(x, index, weight) + se.w2(swiglu(se.w1(x), se.w3(x), self.limit))
-        return all_reduce(partial)
+        shared = self.shared(x)
+        return all_reduce(self.experts(x, index, weight) + shared)

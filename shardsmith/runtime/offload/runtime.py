@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
-from ..deepseek_v4.moe import apply_pairs, expand_pairs
+from ..deepseek_v4.moe import apply_pairs, combine_pairs, expand_pairs
 from ..staging import rows_by_expert, to_device
 from .compute import ExpertMath, bank_format, expert_output
 from .cpu_backend import CpuExperts
@@ -264,8 +264,7 @@ class OffloadRuntime:
             gate_up[pos], down[pos] = gu, dn
         tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
         y = apply_pairs(gate_up, down, x[tok], self.math.limit)  # [P, D]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        return out.index_add_(0, tok, y.float() * weight.flatten()[:, None]).to(x.dtype)
+        return combine_pairs(y, weight.flatten(), T, x.dtype)
 
     def _host_share(self, layer: int, experts: list[int]) -> list[int]:
         """Experts the host computes: all (``cpu``), or the last ``round(f * misses)`` misses (``hybrid``)."""

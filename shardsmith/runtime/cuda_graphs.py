@@ -1,0 +1,110 @@
+"""Piecewise CUDA graphs for decode steps: the static-shape pieces of a step, captured once, replayed.
+
+A decode step (one new token) is hundreds of small kernels; launched one by one from Python, the
+host is the bottleneck (RESULTS.md: a 2-layer DeepSeek-V4 step is ~15 ms of launches for well under
+1 ms of GPU work). The pieces of a step whose shapes do not depend on the position (the
+hyper-connection mixers, norms, router, resident experts, shared expert, their all-reduces, the
+embedding and the head) are captured as CUDA graphs and replayed with one launch each; the pieces
+that grow with the sequence (attention over the window and compressed entries) and the offloaded
+experts (which read the routed expert ids on the host) run eagerly between them, as in vLLM's
+piecewise graphs. Collectives inside a piece are captured too (NCCL supports stream capture), so
+every rank must capture and replay the same pieces in the same order: they do, because every rank
+runs the same step.
+
+Semantics of :class:`GraphedPiece` (the contract the model relies on, identical on CPU where
+nothing is captured):
+
+* the first call copies its inputs into static buffers, runs the piece once eagerly (warm-up:
+  ``torch.compile``, cuBLAS handles, NCCL communicators), captures it and replays it;
+* later calls copy the inputs into the static buffers and replay;
+* the returned tensors are the piece's static outputs: the **next call of the same piece
+  overwrites them**, so a caller must be done with them (or copy them) by then. On CPU the piece
+  runs eagerly and its results are copied into static outputs, so the same misuse shows up in CPU
+  tests.
+
+All pieces of one model share one memory pool; captures happen in execution order during the first
+graphed step, and replays follow the same order (PyTorch's rule for sharing a pool between graphs:
+``torch.cuda.graph`` documentation, "sharing memory across captures").
+
+Source: PyTorch CUDA graphs notes (https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+class GraphPool:
+    """The memory pool and capture stream shared by a model's pieces (one per model and device)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.capture = device.type == "cuda"
+        self.handle = torch.cuda.graph_pool_handle() if self.capture else None
+        self.stream = torch.cuda.Stream(device) if self.capture else None
+        self.pieces = 0
+        self.replays = 0
+
+
+class GraphedPiece:
+    """One static-shape piece ``fn(*inputs) -> tuple of tensors``, captured on first use.
+
+    Args:
+        fn: the piece; its inputs and outputs are tensors whose shapes are fixed for this piece
+            (one piece per layer and role; a different shape needs a different piece).
+        pool: the model's :class:`GraphPool`.
+        name: for errors (``layers.3.ffn``).
+
+    Raises:
+        ValueError: a later call's input shapes or dtypes differ from the captured ones.
+    """
+
+    def __init__(self, fn: Callable[..., Tensors], pool: GraphPool, name: str) -> None:
+        self.fn, self.pool, self.name = fn, pool, name
+        self.inputs: list[torch.Tensor] | None = None
+        self.outputs: Tensors = ()
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self, *inputs: torch.Tensor) -> Tensors:
+        if self.inputs is None:
+            self.inputs = [x.clone() for x in inputs]
+            if self.pool.capture:
+                self._capture()
+            else:
+                self.outputs = tuple(y.clone() for y in self.fn(*self.inputs))
+                return self.outputs
+        else:
+            self._load(inputs)
+        if self.graph is not None:
+            self.graph.replay()
+            self.pool.replays += 1
+        else:  # CPU: eager into the static outputs, so outputs are overwritten as on the GPU
+            for out, y in zip(self.outputs, self.fn(*self.inputs)):
+                out.copy_(y)
+        return self.outputs
+
+    def _load(self, inputs: Sequence[torch.Tensor]) -> None:
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"graphed piece {self.name}: {len(inputs)} inputs, captured with {len(self.inputs)}")
+        for i, (static, x) in enumerate(zip(self.inputs, inputs)):
+            if x.shape != static.shape or x.dtype != static.dtype:
+                raise ValueError(f"graphed piece {self.name}: input {i} is {tuple(x.shape)} {x.dtype}, "
+                                 f"captured as {tuple(static.shape)} {static.dtype}")
+            if x.data_ptr() != static.data_ptr():
+                static.copy_(x)
+
+    def _capture(self) -> None:
+        side = self.pool.stream
+        side.wait_stream(torch.cuda.current_stream(self.pool.device))
+        with torch.cuda.stream(side):
+            self.fn(*self.inputs)  # warm-up: compiles, allocates handles, initialises communicators
+        torch.cuda.current_stream(self.pool.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool.handle, stream=side):
+            self.outputs = tuple(self.fn(*self.inputs))
+        self.graph = graph
+        self.pool.pieces += 1

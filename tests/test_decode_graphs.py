@@ -1,0 +1,123 @@
+"""Piecewise decode graphs (DeepSeek-V4): one-token steps through the graphed pieces give the plain
+forward's logits bit for bit, with resident and offloaded experts, at world sizes 1 and 2.
+
+On CPU nothing is captured, but every piece runs through its static input and output buffers, so a
+piece whose outputs are read after the next call overwrote them fails here as it would on a GPU.
+The ``gpu`` test captures real CUDA graphs (run by ``benchmarks/gpu/v4_offload.sh``).
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardsmith.runtime.cuda_graphs import GraphedPiece, GraphPool
+from shardsmith.runtime.offload import OffloadConfig
+from shardsmith.testing.ranks import run_ranks
+
+PROMPT = [3, 17, 42, 99, 5, 8, 61, 7, 200, 13]
+STEPS = 6
+OFFLOAD = OffloadConfig(backend="gpu", cache_slots=12, probe=False)
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory) -> dict[int, Path]:
+    from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
+    from shardsmith.writer.split import split_checkpoint
+
+    root = tmp_path_factory.mktemp("graphs-v4")
+    src = tiny_deepseek_v4(root / "src")
+    out = {}
+    for ws in (1, 2):
+        out[ws] = root / f"tp{ws}"
+        split_checkpoint(src, out[ws], world_size=ws)
+    return out
+
+
+def _decode(model, steps: int) -> list:
+    """Prefill ``PROMPT`` then ``steps`` greedy one-token steps; every step's logits as float32 numpy
+    (bf16 widens exactly; numpy, not torch, crosses the rank queue)."""
+    device = next(model.buffers()).device
+    logits = [model(torch.tensor(PROMPT, device=device), 0)]
+    pos = len(PROMPT)
+    for _ in range(steps):
+        token = logits[-1][-1].argmax().reshape(1)
+        logits.append(model(token.to(device), pos))
+        pos += 1
+    return [t.float().cpu().numpy() for t in logits]
+
+
+def _eager_vs_graphed(path: str, rank: int, world_size: int, device: str, dtype: torch.dtype) -> dict:
+    """Per expert placement: eager, first graphed and replayed decodes, layer 0's pieces, captures."""
+    from shardsmith.runtime.engine import Engine
+
+    out = {}
+    for name, offload in (("resident", None), ("offloaded", OFFLOAD)):
+        eng = Engine.load(path, rank=rank, world_size=world_size, device=device, dtype=dtype, max_seq_len=64,
+                          offload=offload, cuda_graphs=False)
+        eager = _decode(eng.model, STEPS)
+        eng.model.use_decode_graphs(eng.device)
+        graphed = _decode(eng.model, STEPS)  # captures during the first one-token step
+        again = _decode(eng.model, STEPS)  # replays only
+        out[name] = {"runs": (eager, graphed, again), "pieces": sorted(eng.model.graphs.layers[0]),
+                     "captured": eng.model.graphs.pool.pieces}
+        if eng.offload:
+            eng.offload.close()
+    return out
+
+
+def _check(out: dict, captured: bool) -> None:
+    for name, got in out.items():
+        eager, graphed, again = got["runs"]
+        assert len(eager) == STEPS + 1
+        for i, (want, have, have2) in enumerate(zip(eager, graphed, again)):
+            torch.testing.assert_close(torch.from_numpy(have), torch.from_numpy(want), atol=0, rtol=0,
+                                       msg=f"{name} step {i}")
+            torch.testing.assert_close(torch.from_numpy(have2), torch.from_numpy(want), atol=0, rtol=0,
+                                       msg=f"{name} step {i}, replayed")
+        # resident experts: one piece after attention; offloaded: two around the eager experts
+        pieces = ["attn_in", "ffn"] if name == "resident" else ["attn_in", "ffn_in", "ffn_out"]
+        assert got["pieces"] == pieces, name
+        assert got["captured"] == ((2 + 4 * len(pieces)) if captured else 0), name  # embed, head, 4 layers
+
+
+def _rank_main(rank: int, world_size: int, port: int, path: str, queue) -> None:
+    try:
+        from shardsmith.runtime.parallel import init_distributed
+
+        init_distributed(rank, world_size, master_port=port)
+        out = _eager_vs_graphed(path, rank, world_size, "cpu", torch.float32)
+        if rank == 0:
+            queue.put(("ok", out))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_decode_pieces_match_the_forward_world_size_1(packs, dtype):
+    _check(_eager_vs_graphed(str(packs[1]), 0, 1, "cpu", dtype), captured=False)
+
+
+def test_graphed_decode_pieces_match_the_forward_across_ranks(packs):
+    _check(run_ranks(_rank_main, 2, str(packs[2]), timeout=300), captured=False)
+
+
+def test_a_piece_overwrites_its_outputs_and_rejects_other_shapes():
+    pool = GraphPool(torch.device("cpu"))
+    piece = GraphedPiece(lambda x: (x * 2,), pool, "double")
+    (first,) = piece(torch.ones(3))
+    (second,) = piece(torch.full((3,), 5.0))
+    assert second is first and first.tolist() == [10.0, 10.0, 10.0]  # the static output, overwritten
+    with pytest.raises(ValueError, match=r"graphed piece double: input 0 is \(4,\).*captured as \(3,\)"):
+        piece(torch.ones(4))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_decode_graphs_match_eager_on_cuda(packs):
+    """Real CUDA graphs (bf16): the captured pieces give the eager kernels' bits."""
+    _check(_eager_vs_graphed(str(packs[1]), 0, 1, "cuda", torch.bfloat16), captured=True)
