@@ -130,6 +130,12 @@ def decode(model, prompt: torch.Tensor, steps: int, sync, timers: Timers | None 
     return time.perf_counter() - t0, out
 
 
+def progress(rank: int, world: int, what: str) -> None:
+    """Rank 0's progress on stderr, so a run stopped by a time limit still says how far it got."""
+    if rank == 0:
+        print(f"[tp={world}] {what}", file=sys.stderr, flush=True)
+
+
 def rss_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -139,6 +145,9 @@ def rss_bytes() -> int:
 
 def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
     """One rank: load the pack, decode plain and instrumented; write this rank's numbers."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(a.get("hang_s") or 1e9, exit=True)  # a hung rank says where, then exits
     try:
         from shardsmith.runtime.deepseek_v4 import DeepseekV4
         from shardsmith.runtime.parallel import init_distributed
@@ -163,9 +172,11 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         prompt = torch.randint(0, model.args.vocab_size, (a["prompt"],), generator=torch.Generator().manual_seed(0)).to(dev)
         decode(model, prompt[:8], 4, sync)  # warm-up (kernels, allocator)
         seconds, tokens = decode(model, prompt, a["tokens"], sync)
+        progress(rank, world, f"resident eager {a['tokens'] / seconds:.1f} tok/s")
         model.use_decode_graphs(dev)
         decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
         graphed_s, graphed_tokens = decode(model, prompt, a["tokens"], sync)
+        progress(rank, world, f"resident graphed {a['tokens'] / graphed_s:.1f} tok/s")
         model.graphs = None  # the instrumented run below is eager (events inside a graph would be captured)
         timers = Timers(cuda)
         instrument(model, timers)
@@ -180,10 +191,13 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(local))
         if world > 1:
             torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
     except Exception:
         (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
+    if world > 1:  # no destroy_process_group: it can hang once NCCL work was captured (pytorch#115388)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, sync, barrier, world: int,
@@ -220,6 +234,8 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     model.use_decode_graphs(dev)  # the same model and warm cache, one-token steps as graphed pieces
     decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
     out["graphed"] = timed()
+    progress(weights.rank, world, f"offload {fraction:g}: eager {a['tokens'] / out['decode_s']:.1f}, "
+                                  f"graphed {a['tokens'] / out['graphed']['decode_s']:.1f} tok/s")
     rt.close()
     del model
     if dev.type == "cuda":
@@ -322,7 +338,7 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
         port = s.getsockname()[1]
         s.close()
         opts = {"pack": str(pack), "device": a.device, "dtype": a.dtype, "prompt": a.prompt, "tokens": a.tokens,
-                "cache_fractions": a.cache_fraction}
+                "cache_fractions": a.cache_fraction, "hang_s": a.hang_s}
         try:
             mp.spawn(rank_main, args=(tp, port, opts, out), nprocs=tp, join=True)
         except Exception:
@@ -380,6 +396,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens")
     ap.add_argument("--cache-fraction", type=float, action="append", default=[],
                     help="also decode with offloaded experts and a cache of this share of the TP=1 expert bytes")
+    ap.add_argument("--hang-s", type=float, default=None,
+                    help="a rank still running after this many seconds dumps its stacks and exits")
     ap.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
     a = ap.parse_args()
     if a.tiny:

@@ -8,17 +8,23 @@ set -uo pipefail
 source benchmarks/gpu/env.sh
 inv=.inv/deepseek-v4-flash-0731-reap160
 t0=$SECONDS
-(python3 benchmarks/gen_v4_checkpoint.py /tmp/v4ck --layers 2 --experts 256 --mtp 0 --inventory "$inv" \
-    > "$OUT/gen.log" 2>&1) &
-gen=$!
-timeout 240 python3 -m pytest tests/test_decode_graphs.py tests/test_offload_v4.py tests/test_offload.py -m gpu \
-    -q -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-ok=${PIPESTATUS[0]}
-echo "gpu tests rc=$ok $((SECONDS - t0)) s"
-if [ "$ok" != 0 ]; then kill $gen; exit 1; fi
-wait $gen; tail -1 "$OUT/gen.log"; echo "gen $((SECONDS - t0)) s"
-timeout 330 python3 benchmarks/v4_decode.py /tmp/v4ck --work /tmp/v4p --device cuda --tp 1,2 --prompt 32 --tokens 32 \
-    --cache-fraction 0.25 --cache-fraction 0.0625 2>&1 | tee "$OUT/v4_graphs.log" | grep -v '^ \|^{\|^}' | tail -25
+if [ "${SKIP_TESTS:-0}" = 1 ]; then  # the checks passed on this host already: only the benchmark
+    timeout 150 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4ck --layers 2 --experts 256 --mtp 0 --inventory "$inv" \
+        > "$OUT/gen.log" 2>&1
+else
+    (python3 benchmarks/gen_v4_checkpoint.py /tmp/v4ck --layers 2 --experts 256 --mtp 0 --inventory "$inv" \
+        > "$OUT/gen.log" 2>&1) &
+    gen=$!
+    timeout 240 python3 -m pytest tests/test_decode_graphs.py tests/test_offload_v4.py tests/test_offload.py -m gpu \
+        -q -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+    ok=${PIPESTATUS[0]}
+    echo "gpu tests rc=$ok $((SECONDS - t0)) s"
+    if [ "$ok" != 0 ]; then kill $gen; exit 1; fi
+    wait $gen
+fi
+tail -1 "$OUT/gen.log"; echo "gen $((SECONDS - t0)) s"
+timeout 300 python3 benchmarks/v4_decode.py /tmp/v4ck --work /tmp/v4p --device cuda --tp 1,2 --prompt 32 --tokens 32 \
+    --hang-s 240 --cache-fraction 0.25 --cache-fraction 0.0625 2>&1 | tee "$OUT/v4_graphs.log" | grep '^\[tp=\|│\|Thread\|File\|Error' | tail -60
 echo "v4 $((SECONDS - t0)) s"
 cp benchmarks/results/v4_decode-*-"$SHARDSMITH_HOST".json "$OUT/" 2>/dev/null
 true
