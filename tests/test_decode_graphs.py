@@ -37,12 +37,12 @@ def packs(tmp_path_factory) -> dict[int, Path]:
     return out
 
 
-def _decode(model, steps: int) -> list:
-    """Prefill ``PROMPT`` then ``steps`` greedy one-token steps; every step's logits as float32 numpy
+def _decode(model, steps: int, prompt: list[int] = PROMPT) -> list:
+    """Prefill ``prompt`` then ``steps`` greedy one-token steps; every step's logits as float32 numpy
     (bf16 widens exactly; numpy, not torch, crosses the rank queue)."""
     device = next(model.buffers()).device
-    logits = [model(torch.tensor(PROMPT, device=device), 0)]
-    pos = len(PROMPT)
+    logits = [model(torch.tensor(prompt, device=device), 0)]
+    pos = len(prompt)
     for _ in range(steps):
         token = logits[-1][-1].argmax().reshape(1)
         logits.append(model(token.to(device), pos))
@@ -59,10 +59,12 @@ def _eager_vs_graphed(path: str, rank: int, world_size: int, device: str, dtype:
         eng = Engine.load(path, rank=rank, world_size=world_size, device=device, dtype=dtype, max_seq_len=64,
                           offload=offload, cuda_graphs=False)
         eager = _decode(eng.model, STEPS)
+        eager_one = _decode(eng.model, 3, PROMPT[:1])  # a one-token prompt: the first step is graphed too
         eng.model.use_decode_graphs(eng.device)
         graphed = _decode(eng.model, STEPS)  # captures during the first one-token step
         again = _decode(eng.model, STEPS)  # replays only
-        out[name] = {"runs": (eager, graphed, again), "pieces": sorted(eng.model.graphs.layers[0]),
+        one = _decode(eng.model, 3, PROMPT[:1])
+        out[name] = {"runs": (eager + eager_one, graphed + one, again + one), "pieces": sorted(eng.model.graphs.layers[0]),
                      "captured": eng.model.graphs.pool.pieces}
         if eng.offload:
             eng.offload.close()
@@ -72,7 +74,7 @@ def _eager_vs_graphed(path: str, rank: int, world_size: int, device: str, dtype:
 def _check(out: dict, captured: bool) -> None:
     for name, got in out.items():
         eager, graphed, again = got["runs"]
-        assert len(eager) == STEPS + 1
+        assert len(eager) == STEPS + 1 + 4
         for i, (want, have, have2) in enumerate(zip(eager, graphed, again)):
             torch.testing.assert_close(torch.from_numpy(have), torch.from_numpy(want), atol=0, rtol=0,
                                        msg=f"{name} step {i}")

@@ -83,14 +83,29 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Attend new tokens ``x`` ``[T, D]`` at positions ``[start, start + T)``; returns ``[T, D]`` (reduced)."""
-        T, d = x.shape[0], self.head_dim
-        positions = torch.arange(start, start + T, device=x.device)
+        positions = torch.arange(start, start + x.shape[0], device=x.device)
         cos, sin = rope_cos_sin(positions, self.freqs)  # [T, r/2]
+        q, kv, q_lora = self.project(x, cos, sin)
+        return self.output(self.core(x, q, kv, q_lora, positions, start), cos, sin)
+
+    # forward in three parts: the graphed decode captures project and output, and runs core eagerly
+    # (its window and compressor state grow with the sequence)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries ``[T, n, d]``, the new key/value rows ``[T, d]`` (RoPE applied) and ``q_lora [T, q_lora]``."""
+        T, d = x.shape[0], self.head_dim
         q_lora = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = rms_unweighted(self.wq_b(q_lora).view(T, self.n_heads, d), self.eps)  # [T, n, d]
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, d]
-        keys = kv if self.win is None else torch.cat((self.win, kv))  # [S, d]
+        return q, kv, q_lora
+
+    def core(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
+             positions: torch.Tensor, start: int) -> torch.Tensor:
+        """Update the window and compressor state with the new rows; attention output ``[T, n, d]``."""
+        T = x.shape[0]
+        # the window must not alias kv: a graphed decode's kv is a static buffer, rewritten next step
+        keys = kv.clone() if self.win is None else torch.cat((self.win, kv))  # [S, d]
         first = start + T - keys.shape[0]  # position of keys[0]
         self.win = keys[max(0, keys.shape[0] - (self.window - 1)):]
         entries = select = None
@@ -104,9 +119,14 @@ class Attention(nn.Module):
         for a in range(0, T, QUERY_CHUNK):
             b = min(T, a + QUERY_CHUNK)
             out[a:b] = self._attend(q[a:b], keys, first, start + a, entries, None if select is None else select[a:b])
+        return out
+
+    def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""
+        T = out.shape[0]
         groups = self.wo_a.weight.shape[0] // self.o_rank  # G: whole output groups of this rank's heads
         out = apply_rope(out, cos, -sin).reshape(T, groups, -1)  # [T, G, n*d/G]
-        wa = self.wo_a.dense_weight(x.dtype).view(groups, self.o_rank, -1)  # [G, o, n*d/G]
+        wa = self.wo_a.dense_weight(out.dtype).view(groups, self.o_rank, -1)  # [G, o, n*d/G]
         y = torch.einsum("tgi,goi->tgo", out, wa).reshape(T, -1)  # [T, G*o]
         return self.wo_b(y)
 

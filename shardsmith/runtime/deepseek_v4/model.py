@@ -35,7 +35,7 @@ from .attention import Attention
 from .config import V4Args
 from .hyper import HyperHead, HyperMixer, expand
 from .moe import BATCHED_PAIRS, ExpertBank, MoE
-from .ops import RMSNorm, inv_freq
+from .ops import RMSNorm, inv_freq, rope_cos_sin
 from .quant import ue8m0_to_float
 
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
@@ -64,18 +64,24 @@ class Block(nn.Module):
     # The same layer as pieces around its attention, for the graphed decode (each piece a CUDA graph):
     # the same kernels in the same order as forward, so the same bits.
 
-    def attn_in(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``streams [T, m, D]`` -> attention input ``[T, D]`` (normed), ``post [T, m]``, ``comb [T, m, m]``."""
-        x, post, comb = self.hc_attn(streams)
-        return self.attn_norm(x), post, comb
+    def attn_in(self, streams: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Mixer, norm and attention projections: ``(x [T, D], q [T, n, d], kv [T, d], q_lora, post, comb)``.
 
-    def ffn_in(self, streams: torch.Tensor, attn_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-               ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Streams after attention, then the MoE's input, routing and shared-expert partial.
-
-        Returns ``(streams [T, m, D], x [T, D], index [T, K], weight [T, K], shared [T, D], post, comb)``.
+        ``cos``/``sin`` ``[T, r/2]``: this layer's RoPE at the new positions.
         """
-        streams = expand(streams, attn_out, post, comb)
+        x, post, comb = self.hc_attn(streams)
+        x = self.attn_norm(x)
+        return (x, *self.attn.project(x, cos, sin), post, comb)
+
+    def ffn_in(self, streams: torch.Tensor, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               post: torch.Tensor, comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Attention output projection onto the streams, then the MoE's input, routing and shared partial.
+
+        Args:
+            attn: the attention core's ``[T, n, d]``. Returns ``(streams [T, m, D], x [T, D],
+            index [T, K], weight [T, K], shared [T, D], post, comb)``.
+        """
+        streams = expand(streams, self.attn.output(attn, cos, sin), post, comb)
         x, post, comb = self.hc_ffn(streams)
         x = self.ffn_norm(x)
         index, weight = self.ffn.route(x, ids)
@@ -86,10 +92,10 @@ class Block(nn.Module):
         """The layer's one all-reduce (routed + shared partials) spread onto the streams: ``([T, m, D],)``."""
         return (expand(streams, all_reduce(routed + shared), post, comb),)
 
-    def ffn_block(self, streams: torch.Tensor, attn_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                  ids: torch.Tensor) -> tuple[torch.Tensor]:
-        """:meth:`ffn_in`, the routed experts, :meth:`ffn_out`: everything after attention, ``([T, m, D],)``."""
-        streams, x, index, weight, shared, post, comb = self.ffn_in(streams, attn_out, post, comb, ids)
+    def ffn_block(self, streams: torch.Tensor, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  post: torch.Tensor, comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor]:
+        """:meth:`ffn_in`, the routed experts, :meth:`ffn_out`: everything after the attention core."""
+        streams, x, index, weight, shared, post, comb = self.ffn_in(streams, attn, cos, sin, post, comb, ids)
         return self.ffn_out(streams, self.ffn.experts(x, index, weight), shared, post, comb)
 
 
@@ -192,11 +198,13 @@ class DeepseekV4(nn.Module):
 class DecodeGraphs:
     """A DeepSeek-V4 one-token step as graphed pieces with the attention (and offloaded experts) between.
 
-    Per step: ``embed`` -> per layer [``attn_in`` graph, attention eager, ``ffn`` graph] -> ``head``
-    graph. A layer whose routed experts are resident and sync-free for one token (the bank's batched
-    pair path, ``top_k <= BATCHED_PAIRS``) captures routing, experts, shared expert and the
-    all-reduce in one ``ffn`` graph; an offloaded layer (the expert cache reads the routed ids on the
-    host) captures ``ffn_in`` and ``ffn_out`` and runs its experts eagerly between them.
+    Per step: ``embed`` -> per layer [``attn_in`` graph (mixer, norm, attention projections),
+    attention core eager (window, compressor, indexer, softmax), ``ffn`` graph (output projection
+    and its all-reduce, mixer, MoE)] -> ``head`` graph. A layer whose routed experts are resident
+    and sync-free for one token (the bank's batched pair path, ``top_k <= BATCHED_PAIRS``) captures
+    routing, experts, shared expert and the all-reduce in its ``ffn`` graph; an offloaded layer (the
+    expert cache reads the routed ids on the host) captures ``ffn_in`` and ``ffn_out`` and runs its
+    experts eagerly between them.
     """
 
     def __init__(self, model: DeepseekV4, device: torch.device) -> None:
@@ -216,14 +224,20 @@ class DecodeGraphs:
 
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """One token ``ids [1]`` at position ``start``: float32 logits ``[1, V]`` (a fresh tensor)."""
+        positions = torch.arange(start, start + 1, device=ids.device)
+        rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin per RoPE table (main, compressed)
         (streams,) = self.embed(ids)
         for layer, pieces in zip(self.model.layers, self.layers):
-            x, post, comb = pieces["attn_in"](streams)
-            attn_out = layer.attn(x, start)
+            attn = layer.attn
+            if id(attn.freqs) not in rope:
+                rope[id(attn.freqs)] = rope_cos_sin(positions, attn.freqs)
+            cos, sin = rope[id(attn.freqs)]
+            x, q, kv, q_lora, post, comb = pieces["attn_in"](streams, cos, sin)
+            out = attn.core(x, q, kv, q_lora, positions, start)  # eager: window and compressor state
             if "ffn" in pieces:
-                (streams,) = pieces["ffn"](streams, attn_out, post, comb, ids)
+                (streams,) = pieces["ffn"](streams, out, cos, sin, post, comb, ids)
             else:
-                streams, x, index, weight, shared, post, comb = pieces["ffn_in"](streams, attn_out, post, comb, ids)
+                streams, x, index, weight, shared, post, comb = pieces["ffn_in"](streams, out, cos, sin, post, comb, ids)
                 routed = layer.ffn.experts(x, index, weight)
                 (streams,) = pieces["ffn_out"](streams, routed, shared, post, comb)
         return self.head(streams)[0].clone()  # the static output is overwritten by the next step
