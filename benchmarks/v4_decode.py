@@ -130,6 +130,46 @@ def decode(model, prompt: torch.Tensor, steps: int, sync, timers: Timers | None 
     return time.perf_counter() - t0, out
 
 
+def profile_steps(model, prompt: torch.Tensor, a: dict, sync, rank: int, world: int, name: str) -> dict:
+    """Where a decode step's time goes (``--profile DIR``), over 8 one-token steps after the prompt.
+
+    GPU: ``torch.profiler`` (CUPTI) device time per token, summed over every kernel and copy (ops
+    on two streams that overlap count twice), and device ops per token. Host: ``cProfile`` over the
+    same steps (run again), rank 0's top functions by own time written to
+    ``DIR/tp{world}-{name}-host.txt``. Every rank runs both (the steps are collective); rank 0 reports.
+    """
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = 8
+
+    def run(start, stop) -> None:
+        logits, pos = model(prompt, 0), prompt.shape[0]
+        sync()
+        start()
+        for _ in range(steps):
+            logits = model(logits[-1].argmax().view(1), pos)
+            pos += 1
+        sync()
+        stop()
+
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prompt.is_cuda else []))
+    run(prof.start, prof.stop)
+    device = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    device_us = sum(e.device_time_total for e in device)
+    host = cProfile.Profile()
+    run(host.enable, host.disable)
+    if rank == 0:
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(30)
+        Path(a["profile"]).mkdir(parents=True, exist_ok=True)
+        (Path(a["profile"]) / f"tp{world}-{name}-host.txt").write_text(text.getvalue())
+    return {"gpu_ms_per_token": device_us / 1e3 / steps, "gpu_ops_per_token": len(device) / steps}
+
+
 def progress(rank: int, world: int, what: str) -> None:
     """Rank 0's progress on stderr, so a run stopped by a time limit still says how far it got."""
     if rank == 0:
@@ -150,7 +190,7 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
     faulthandler.dump_traceback_later(a.get("hang_s") or 1e9, exit=True)  # a hung rank says where, then exits
     try:
         from shardsmith.runtime.deepseek_v4 import DeepseekV4
-        from shardsmith.runtime.parallel import init_distributed
+        from shardsmith.runtime.parallel import dequantize_fp8_, init_distributed
         from shardsmith.runtime.weights import load_rank_weights
 
         cuda = a["device"] == "cuda"
@@ -165,6 +205,8 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         weights = load_rank_weights(a["pack"], rank=rank, world_size=world)
         model = DeepseekV4.from_weights(weights, device=dev, dtype=getattr(torch, a["dtype"]),
                                         max_seq_len=a["prompt"] + 2 * a["tokens"] + 8)
+        if a["fp8"] == "load":  # as Engine.load does by default
+            dequantize_fp8_(model, getattr(torch, a["dtype"]))
         sync()
         barrier()
         ready = time.perf_counter() - t0
@@ -177,6 +219,7 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
         graphed_s, graphed_tokens = decode(model, prompt, a["tokens"], sync)
         progress(rank, world, f"resident graphed {a['tokens'] / graphed_s:.1f} tok/s")
+        prof = profile_steps(model, prompt, a, sync, rank, world, "resident-graphs") if a.get("profile") else {}
         model.graphs = None  # the instrumented run below is eager (events inside a graph would be captured)
         timers = Timers(cuda)
         instrument(model, timers)
@@ -184,7 +227,8 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         spans = {k: v / a["tokens"] for k, v in timers.totals_ms().items()}  # ms per decode token
         mem.update(gpu_peak_bytes=torch.cuda.max_memory_allocated() if cuda else 0)
         local = {"rank": rank, "ready_s": ready, "decode_s": seconds, "instrumented_decode_s": t_inst,
-                 "tokens": tokens, "graphed_decode_s": graphed_s, "graphed_tokens": graphed_tokens, "spans_ms": spans, "memory": mem, "plan_bytes": plan_bytes(weights.plan, rank)}
+                 "tokens": tokens, "graphed_decode_s": graphed_s, "graphed_tokens": graphed_tokens, "profile": prof,
+                 "spans_ms": spans, "memory": mem, "plan_bytes": plan_bytes(weights.plan, rank)}
         del model
         local["offload"] = [offloaded_decode(weights, dev, a, prompt, sync, barrier, world, f)
                             for f in a.get("cache_fractions") or []]
@@ -206,6 +250,7 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     the cache with one decode, then time a second decode of the same tokens; this rank's numbers."""
     from shardsmith.runtime.models import build_v4
     from shardsmith.runtime.offload import OffloadConfig
+    from shardsmith.runtime.parallel import dequantize_fp8_
 
     bank_bytes = sum(t.numel() * t.element_size() for layer, arrays in weights.banks().items()
                      if not layer.startswith("mtp.") for t in arrays.values())
@@ -215,6 +260,8 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     barrier()
     t0 = time.perf_counter()
     model, rt = build_v4(weights, rank=weights.rank, dtype=dtype, block=(128, 128), device=dev, offload=cfg)
+    if a["fp8"] == "load":
+        dequantize_fp8_(model, dtype)
     model.setup_cache(a["prompt"] + 2 * a["tokens"] + 8, dev, dtype)
     rt.start()
     sync()
@@ -234,6 +281,8 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     model.use_decode_graphs(dev)  # the same model and warm cache, one-token steps as graphed pieces
     decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
     out["graphed"] = timed()
+    if a.get("profile"):
+        out["graphed"]["profile"] = profile_steps(model, prompt, a, sync, weights.rank, world, f"offload{fraction:g}-graphs")
     progress(weights.rank, world, f"offload {fraction:g}: eager {a['tokens'] / out['decode_s']:.1f}, "
                                   f"graphed {a['tokens'] / out['graphed']['decode_s']:.1f} tok/s")
     rt.close()
@@ -254,8 +303,8 @@ def offload_rows(ranks: list[dict], resident: dict, graphed: dict, tp: int, toke
             per_token = o["bytes_copied"] / max(1, o["decode_tokens_counted"])  # counters zeroed after the prefill
             bw = (o.get("probe_h2d_gb_per_s") or 0) * 1e9
             floor_s = (per_token / bw if bw else 0.0) + base["ms_per_token"] / 1e3
-            keep = {k: v for k, v in first.items() if k not in ("tokens", "graphed")} | \
-                {k: v for k, v in o.items() if k not in ("tokens", "graphed")}
+            keep = {k: v for k, v in first.items() if k not in ("tokens", "graphed", "profile")} | \
+                {k: v for k, v in o.items() if k not in ("tokens", "graphed", "profile")} | (o.get("profile") or {})
             rows.append({"tp": tp, "run": run, **keep,
                          "tokens_per_s": tokens / decode_s, "ms_per_token": 1e3 * decode_s / tokens,
                          "bytes_copied_per_token_per_rank": per_token, "resident_tokens_per_s": base["tokens_per_s"],
@@ -338,7 +387,8 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
         port = s.getsockname()[1]
         s.close()
         opts = {"pack": str(pack), "device": a.device, "dtype": a.dtype, "prompt": a.prompt, "tokens": a.tokens,
-                "cache_fractions": a.cache_fraction, "hang_s": a.hang_s}
+                "cache_fractions": a.cache_fraction, "hang_s": a.hang_s,
+                "profile": str(a.profile) if a.profile else None, "fp8": a.fp8}
         try:
             mp.spawn(rank_main, args=(tp, port, opts, out), nprocs=tp, join=True)
         except Exception:
@@ -347,14 +397,15 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(tp)]
     config = json.loads((ckpt / "config.json").read_text())
     args = V4Args.from_config(config)
-    row = {"tp": tp, "device": a.device, "dtype": a.dtype, "layers": args.n_layers, "layer_kinds": list(args.kinds),
+    row = {"tp": tp, "device": a.device, "dtype": a.dtype, "fp8": a.fp8, "layers": args.n_layers, "layer_kinds": list(args.kinds),
            "experts": args.n_experts, "hidden": args.dim, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
            "split_seconds": split_s}
     row.update(summarize(ranks, args.kinds, a.tokens), run="resident")
-    common = {k: row[k] for k in ("device", "dtype", "layers", "experts", "hidden")}
+    common = {k: row[k] for k in ("device", "dtype", "fp8", "layers", "experts", "hidden")}
     graphed_s = max(r["graphed_decode_s"] for r in ranks)
     graphed = {"tp": tp, **common, "run": "resident graphs", "tokens_per_s": a.tokens / graphed_s,
-               "ms_per_token": 1e3 * graphed_s / a.tokens, "tokens_match_eager": ranks[0]["graphed_tokens"] == row["tokens"]}
+               "ms_per_token": 1e3 * graphed_s / a.tokens, "tokens_match_eager": ranks[0]["graphed_tokens"] == row["tokens"],
+               **ranks[0]["profile"]}
     rows = [row, graphed, *(common | o for o in offload_rows(ranks, row, graphed, tp, a.tokens))]
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k not in ("layer_kinds", "ready_log")}, indent=1), flush=True)
@@ -396,8 +447,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens")
     ap.add_argument("--cache-fraction", type=float, action="append", default=[],
                     help="also decode with offloaded experts and a cache of this share of the TP=1 expert bytes")
+    ap.add_argument("--fp8", choices=("load", "on-the-fly"), default="load",
+                    help="FP8 dense weights: dequantized once at load (the runtime's default) or per matmul")
     ap.add_argument("--hang-s", type=float, default=None,
                     help="a rank still running after this many seconds dumps its stacks and exits")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="also profile the graphed runs' one-token steps: GPU time per token in the rows, "
+                         "rank 0's host profile as text files in this folder")
     ap.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
     a = ap.parse_args()
     if a.tiny:

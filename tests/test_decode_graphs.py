@@ -116,6 +116,14 @@ def test_a_piece_overwrites_its_outputs_and_rejects_other_shapes():
     assert second is first and first.tolist() == [10.0, 10.0, 10.0]  # the static output, overwritten
     with pytest.raises(ValueError, match=r"graphed piece double: input 0 is \(4,\).*captured as \(3,\)"):
         piece(torch.ones(4))
+    # a piece fed by another reads that piece's output in place, and refuses a different source later
+    plus = GraphedPiece(lambda x: (x + 1,), pool, "plus")
+    (third,) = plus(first)
+    assert plus.adopted == [True] and plus.inputs[0] is first and third.tolist() == [11.0] * 3
+    piece(torch.ones(3))
+    assert plus(first)[0].tolist() == [3.0] * 3  # no copy: the new contents of double's output
+    with pytest.raises(ValueError, match="graphed piece plus: input 0 was another piece's output"):
+        plus(torch.ones(3))
 
 
 @pytest.mark.gpu

@@ -15,8 +15,10 @@ Semantics of :class:`GraphedPiece` (the contract the model relies on, identical 
 nothing is captured):
 
 * the first call copies its inputs into static buffers, runs the piece once eagerly (warm-up:
-  ``torch.compile``, cuBLAS handles, NCCL communicators), captures it and replays it;
-* later calls copy the inputs into the static buffers and replay;
+  ``torch.compile``, cuBLAS handles, NCCL communicators), captures it and replays it; an input that
+  is another piece's static output is not copied but read where it is (piece B reads piece A's
+  output in place: A rewrites it only at its next call, after B has run);
+* later calls copy the inputs into the static buffers (none for adopted inputs) and replay;
 * the returned tensors are the piece's static outputs: the **next call of the same piece
   overwrites them**, so a caller must be done with them (or copy them) by then. On CPU the piece
   runs eagerly and its results are copied into static outputs, so the same misuse shows up in CPU
@@ -48,6 +50,7 @@ class GraphPool:
         self.stream = torch.cuda.Stream(device) if self.capture else None
         self.pieces = 0
         self.replays = 0
+        self.static: set[int] = set()  # data_ptr of every piece's static outputs (stable across steps)
 
 
 class GraphedPiece:
@@ -60,22 +63,28 @@ class GraphedPiece:
         name: for errors (``layers.3.ffn``).
 
     Raises:
-        ValueError: a later call's input shapes or dtypes differ from the captured ones.
+        ValueError: a later call's input shapes or dtypes differ from the captured ones, or an input
+            read in place from another piece comes from elsewhere.
     """
 
     def __init__(self, fn: Callable[..., Tensors], pool: GraphPool, name: str) -> None:
         self.fn, self.pool, self.name = fn, pool, name
         self.inputs: list[torch.Tensor] | None = None
+        self.adopted: list[bool] = []  # inputs read in place from another piece's static output
         self.outputs: Tensors = ()
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def __call__(self, *inputs: torch.Tensor) -> Tensors:
         if self.inputs is None:
-            self.inputs = [x.clone() for x in inputs]
+            # another piece's static output is read in place (its address never changes); the rest is copied
+            self.adopted = [x.data_ptr() in self.pool.static for x in inputs]
+            self.inputs = [x if adopt else x.clone() for x, adopt in zip(inputs, self.adopted)]
             if self.pool.capture:
                 self._capture()
             else:
                 self.outputs = tuple(y.clone() for y in self.fn(*self.inputs))
+            self.pool.static.update(y.data_ptr() for y in self.outputs)
+            if self.graph is None:
                 return self.outputs
         else:
             self._load(inputs)
@@ -94,8 +103,12 @@ class GraphedPiece:
             if x.shape != static.shape or x.dtype != static.dtype:
                 raise ValueError(f"graphed piece {self.name}: input {i} is {tuple(x.shape)} {x.dtype}, "
                                  f"captured as {tuple(static.shape)} {static.dtype}")
-            if x.data_ptr() != static.data_ptr():
-                static.copy_(x)
+            if x.data_ptr() == static.data_ptr():
+                continue
+            if self.adopted[i]:  # copying would overwrite the piece that owns the buffer
+                raise ValueError(f"graphed piece {self.name}: input {i} was another piece's output when "
+                                 "captured and is a different tensor now")
+            static.copy_(x)
 
     def _capture(self) -> None:
         side = self.pool.stream

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ..errors import RankLostError, RuntimeLoadError, UsageError, format_problems
 from .models import ModelFamily, family_for
-from .parallel import clamp_threads, install_rank_zero_logging
+from .parallel import clamp_threads, dequantize_fp8_, install_rank_zero_logging
 from .sampling import choose, make_generator
 from .weights import load_rank_weights
 
@@ -160,9 +160,7 @@ class Engine:
             if fp8 not in ("load", "on-the-fly"):
                 raise UsageError(f"fp8 must be 'load' or 'on-the-fly', got {fp8!r}")
             if fp8 == "load":
-                for m in model.modules():
-                    if hasattr(m, "dequantize_"):
-                        m.dequantize_(dtype)
+                dequantize_fp8_(model, dtype)
             model.setup_cache(max_seq_len, dev, dtype)
             if cuda_graphs and dev.type == "cuda" and hasattr(model, "use_decode_graphs"):
                 model.use_decode_graphs(dev)

@@ -167,6 +167,13 @@ class RowParallelLinear(_Linear):
         return y if self.bias is None else y + self.bias
 
 
+def dequantize_fp8_(model: nn.Module, dtype: torch.dtype) -> None:
+    """Dequantize every FP8 block-scaled linear of ``model`` to ``dtype`` once (``Engine.load(fp8="load")``)."""
+    for m in model.modules():
+        if hasattr(m, "dequantize_"):
+            m.dequantize_(dtype)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split by vocabulary: rank r holds ids ``[start, start + n_r)`` (uneven shares).
 

@@ -136,14 +136,17 @@ class Attention(nn.Module):
         T = q.shape[0]
         lo, hi = max(0, q0 - self.window + 1 - first), q0 + T - first  # window keys any query here sees
         k = keys[lo:hi]  # [S, d]
-        dist = torch.arange(q0, q0 + T, device=q.device)[:, None] - torch.arange(first + lo, first + hi, device=q.device)[None, :]
-        mask = (dist >= 0) & (dist < self.window)  # [T, S]
+        mask = None  # one query (decode) sees all of [lo, hi): itself last, the oldest inside its window
+        if T > 1:
+            dist = torch.arange(q0, q0 + T, device=q.device)[:, None] - torch.arange(first + lo, first + hi, device=q.device)[None, :]
+            mask = (dist >= 0) & (dist < self.window)  # [T, S]
         if entries is not None and entries.shape[0]:
+            mask = torch.cat((select.new_ones(T, k.shape[0]) if mask is None else mask, select), dim=1)  # [T, S + C]
             k = torch.cat((k, entries))
-            mask = torch.cat((mask, select), dim=1)  # [T, S + C]
         scale = self.head_dim ** -0.5
         logits = torch.einsum("tnd,sd->nts", q.float(), k.float()) * scale  # [n, T, S+C]
-        logits = logits.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
         sink = self.attn_sink.float()[:, None, None].expand(-1, T, 1)
         logits = torch.cat((logits, sink), dim=-1)
         probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
