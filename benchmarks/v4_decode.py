@@ -215,11 +215,16 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         decode(model, prompt[:8], 4, sync)  # warm-up (kernels, allocator)
         seconds, tokens = decode(model, prompt, a["tokens"], sync)
         progress(rank, world, f"resident eager {a['tokens'] / seconds:.1f} tok/s")
-        model.use_decode_graphs(dev)
-        decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
-        graphed_s, graphed_tokens = decode(model, prompt, a["tokens"], sync)
-        progress(rank, world, f"resident graphed {a['tokens'] / graphed_s:.1f} tok/s")
-        prof = profile_steps(model, prompt, a, sync, rank, world, "resident-graphs") if a.get("profile") else {}
+        graphed_s, graphed_tokens, prof = float("nan"), [], {}
+        try:  # a failing capture costs its rows, not the run (every rank fails alike)
+            model.use_decode_graphs(dev)
+            decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
+            graphed_s, graphed_tokens = decode(model, prompt, a["tokens"], sync)
+            progress(rank, world, f"resident graphed {a['tokens'] / graphed_s:.1f} tok/s")
+            prof = profile_steps(model, prompt, a, sync, rank, world, "resident-graphs") if a.get("profile") else {}
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            prof = {"graphs_error": f"{type(e).__name__}: {e}"[:500]}
+            progress(rank, world, f"resident graphed FAILED: {prof['graphs_error']}")
         model.graphs = None  # the instrumented run below is eager (events inside a graph would be captured)
         timers = Timers(cuda)
         instrument(model, timers)
@@ -278,13 +283,19 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
 
     out = {"cache_fraction_at_tp1": fraction, "cache_bytes_per_gpu": rt.stats().get("pool_bytes", 0),
            "ready_s": ready, "ready_log": rt.ready_line(), **timed()}
-    model.use_decode_graphs(dev)  # the same model and warm cache, one-token steps as graphed pieces
-    decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
-    out["graphed"] = timed()
-    if a.get("profile"):
-        out["graphed"]["profile"] = profile_steps(model, prompt, a, sync, weights.rank, world, f"offload{fraction:g}-graphs")
-    progress(weights.rank, world, f"offload {fraction:g}: eager {a['tokens'] / out['decode_s']:.1f}, "
-                                  f"graphed {a['tokens'] / out['graphed']['decode_s']:.1f} tok/s")
+    try:
+        model.use_decode_graphs(dev)  # the same model and warm cache, one-token steps as graphed pieces
+        decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
+        out["graphed"] = timed()
+        if a.get("profile"):
+            out["graphed"]["profile"] = profile_steps(model, prompt, a, sync, weights.rank, world,
+                                                      f"offload{fraction:g}-graphs")
+        progress(weights.rank, world, f"offload {fraction:g}: eager {a['tokens'] / out['decode_s']:.1f}, "
+                                      f"graphed {a['tokens'] / out['graphed']['decode_s']:.1f} tok/s")
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        out["graphed"] = {**{k: v for k, v in out.items() if k != "graphed"}, "decode_s": float("nan"),
+                          "profile": {"graphs_error": f"{type(e).__name__}: {e}"[:500]}}
+        progress(weights.rank, world, f"offload {fraction:g} graphed FAILED: {out['graphed']['profile']}")
     rt.close()
     del model
     if dev.type == "cuda":

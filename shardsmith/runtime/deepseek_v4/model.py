@@ -23,6 +23,7 @@ Legend: T = new tokens, m = hyper-connection streams, D = hidden, V = vocabulary
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ from ..parallel import Shards, all_reduce
 from .attention import Attention
 from .config import V4Args
 from .hyper import HyperHead, HyperMixer, expand
-from .moe import BATCHED_PAIRS, ExpertBank, MoE
+from .moe import BATCHED_PAIRS, ExpertBank, MoE, apply_pairs, combine_pairs, expand_pairs
 from .ops import RMSNorm, inv_freq, rope_cos_sin
 from .quant import ue8m0_to_float
 
@@ -91,6 +92,23 @@ class Block(nn.Module):
                 comb: torch.Tensor) -> tuple[torch.Tensor]:
         """The layer's one all-reduce (routed + shared partials) spread onto the streams: ``([T, m, D],)``."""
         return (expand(streams, all_reduce(routed + shared), post, comb),)
+
+    def ffn_slots(self, streams: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+                  shared: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *,
+                  pool: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        """:meth:`ffn_out` after applying offloaded experts already in the expert cache's slots.
+
+        Args:
+            slots: ``[P = T*K]`` the slot of each (token, expert) pair, token-major; pool: the
+                cache's arrays ``[S, ...]`` (packed FP4, as the resident bank's). The resident
+                bank's pair maths (:func:`expand_pairs`, :func:`apply_pairs`, :func:`combine_pairs`):
+                the same bits.
+        """
+        T, K = weight.shape
+        tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
+        gate_up, down = expand_pairs({name: p[slots] for name, p in pool.items()}, x.dtype)
+        routed = combine_pairs(apply_pairs(gate_up, down, x[tok], self.ffn.limit), weight.flatten(), T, x.dtype)
+        return self.ffn_out(streams, routed, shared, post, comb)
 
     def ffn_block(self, streams: torch.Tensor, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   post: torch.Tensor, comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor]:
@@ -202,13 +220,16 @@ class DecodeGraphs:
     attention core eager (window, compressor, indexer, softmax), ``ffn`` graph (output projection
     and its all-reduce, mixer, MoE)] -> ``head`` graph. A layer whose routed experts are resident
     and sync-free for one token (the bank's batched pair path, ``top_k <= BATCHED_PAIRS``) captures
-    routing, experts, shared expert and the all-reduce in its ``ffn`` graph; an offloaded layer (the
-    expert cache reads the routed ids on the host) captures ``ffn_in`` and ``ffn_out`` and runs its
-    experts eagerly between them.
+    routing, experts, shared expert and the all-reduce in its ``ffn`` graph. An offloaded layer
+    captures ``ffn_in`` (through routing), then the host reads the routed ids, updates the slot table
+    and copies the misses (:meth:`OffloadRuntime.decode_slots`), and ``ffn_slots`` (the experts on
+    their slots, the all-reduce) replays; a step the pair path cannot take (experts on the host,
+    more experts than slots) runs its experts eagerly and replays ``ffn_out``.
     """
 
     def __init__(self, model: DeepseekV4, device: torch.device) -> None:
         self.model, self.pool = model, GraphPool(device)
+        self.outputs: dict[int, torch.Tensor] = {}  # offloaded layer -> its output streams' one buffer
         self.embed = GraphedPiece(model.embed_streams, self.pool, "embed")
         self.head = GraphedPiece(model.logits, self.pool, "head")
         self.layers = []
@@ -238,8 +259,19 @@ class DecodeGraphs:
                 (streams,) = pieces["ffn"](streams, out, cos, sin, post, comb, ids)
             else:
                 streams, x, index, weight, shared, post, comb = pieces["ffn_in"](streams, out, cos, sin, post, comb, ids)
-                routed = layer.ffn.experts(x, index, weight)
-                (streams,) = pieces["ffn_out"](streams, routed, shared, post, comb)
+                runtime, i = layer.ffn.experts.runtime, layer.ffn.experts.layer
+                slots, routed = runtime.decode_slots(i, x, index, weight)  # host: ids, slot table, copies
+                if slots is not None:  # every expert in a slot: the experts are captured too
+                    if "ffn_slots" not in pieces:
+                        pieces["ffn_slots"] = GraphedPiece(partial(layer.ffn_slots, pool=runtime.cache.pool),
+                                                           self.pool, f"layers.{i}.ffn_slots")
+                    (streams,) = pieces["ffn_slots"](streams, x, slots, weight, shared, post, comb)
+                else:
+                    (streams,) = pieces["ffn_out"](streams, routed, shared, post, comb)
+                # one address for the layer's output whichever piece made it: the next pieces read it in place
+                out_buf = self.outputs.setdefault(i, streams)
+                if streams is not out_buf:
+                    streams = out_buf.copy_(streams)
         return self.head(streams)[0].clone()  # the static output is overwritten by the next step
 
 

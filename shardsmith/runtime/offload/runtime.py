@@ -198,15 +198,52 @@ class OffloadRuntime:
     def run_layer(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The layer's routed partial ``[T, D]``, summed in ascending expert order as the resident path."""
         t0 = time.perf_counter()
+        index_h, experts, to_host = self._prepare(layer, x, index)
+        if self._pairs(index_h, experts, to_host):
+            out = self._run_pairs(layer, x, index_h, weight, experts)
+        else:
+            out = self._run_general(layer, x, index_h, weight, experts, to_host)
+        self.step_s += time.perf_counter() - t0
+        return out
+
+    def decode_slots(self, layer: int, x: torch.Tensor, index: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """For a graphed decode step: the slot of every pair, or the routed partial when there are none.
+
+        When the step takes the pair path (FP4 slots, no expert on the host, all fit), the step's
+        experts are made resident, their misses copied, the current stream made to wait for the
+        copies, and ``(slots [P = T*K] int64 on the device, None)`` returned: the caller applies
+        the experts from ``cache.pool`` (a captured graph can, the pool never moves). Otherwise
+        ``(None, routed [T, D])`` from :meth:`run_layer`'s general path.
+        """
+        t0 = time.perf_counter()
+        index_h, experts, to_host = self._prepare(layer, x, index)
+        if not self._pairs(index_h, experts, to_host):
+            out = (None, self._run_general(layer, x, index_h, weight, experts, to_host))
+        else:
+            slots, _ = self.cache.fetch(layer, experts)
+            slot_of = dict(zip(experts, slots))
+            (pair_slots,) = to_device([torch.tensor([slot_of[e] for e in index_h.flatten().tolist()])], x.device)
+            self.cache.wait()
+            out = (pair_slots, None)
+        self.step_s += time.perf_counter() - t0
+        return out
+
+    def _prepare(self, layer: int, x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Count tokens, read the routed ids (the one host sync of the layer): ``(index [T, K] on the
+        host, the distinct experts ascending, those the host computes)``."""
         if layer == 0:
             self.tokens += x.shape[0]
-        index_h = index.cpu()  # the one host sync of the layer
+        index_h = index.cpu()
         experts = index_h.unique().tolist()
-        to_host = self._host_share(layer, experts)
-        if not to_host and index.numel() <= self.pairs_max and len(experts) <= self.cache.n_slots:
-            out = self._run_pairs(layer, x, index_h, weight, experts)
-            self.step_s += time.perf_counter() - t0
-            return out
+        return index_h, experts, self._host_share(layer, experts)
+
+    def _pairs(self, index_h: torch.Tensor, experts: list[int], to_host: list[int]) -> bool:
+        return not to_host and index_h.numel() <= self.pairs_max and len(experts) <= self.cache.n_slots
+
+    def _run_general(self, layer: int, x: torch.Tensor, index_h: torch.Tensor, weight: torch.Tensor,
+                     experts: list[int], to_host: list[int]) -> torch.Tensor:
+        """Expert by expert on slots (in waves of at most ``n_slots``) and on the host."""
         contrib: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         fut = None
         if to_host:
@@ -233,7 +270,6 @@ class OffloadRuntime:
         for e in experts:
             tok, y = contrib[e]
             out.index_add_(0, tok, y)
-        self.step_s += time.perf_counter() - t0
         return out.to(x.dtype)
 
     def _run_pairs(self, layer: int, x: torch.Tensor, index_h: torch.Tensor, weight: torch.Tensor,
