@@ -26,17 +26,19 @@ def host_name() -> str:
 def save_results(benchmark: str, rows: list[dict], *, extra: dict | None = None) -> Path:
     """Write the run and return its path (overwrites a run of the same day and host).
 
-    The commit is ``git rev-parse --short HEAD``, else ``$SHARDSMITH_COMMIT`` (a copied tree with no
-    ``.git``, e.g. on the GPU host).
+    The commit is ``$SHARDSMITH_COMMIT`` when set (a copied tree, e.g. on the GPU host, whose ``.git``
+    may not be the tree's: one there reported the session's first commit for later trees), else
+    ``git rev-parse --short HEAD``.
     """
     import os
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        commit = None
-    commit = commit or os.environ.get("SHARDSMITH_COMMIT")
+    commit = os.environ.get("SHARDSMITH_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip() or None
+        except OSError:
+            commit = None
     doc = {"benchmark": benchmark, "date": dt.date.today().isoformat(), "host": host_name(), "commit": commit,
            "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
            **(extra or {}), "rows": rows}

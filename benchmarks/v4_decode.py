@@ -420,7 +420,7 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
     common = {k: row[k] for k in ("device", "dtype", "fp8", "layers", "experts", "hidden")}
     graphed_s = max(r["graphed_decode_s"] for r in ranks)
     graphed = {"tp": tp, **common, "run": "resident graphs", "tokens_per_s": a.tokens / graphed_s,
-               "ms_per_token": 1e3 * graphed_s / a.tokens, "tokens_match_eager": ranks[0]["graphed_tokens"] == row["tokens"],
+               "ms_per_token": 1e3 * graphed_s / a.tokens, "tokens_match_eager": ranks[0]["graphed_tokens"] == ranks[0]["tokens"],
                **ranks[0]["profile"]}
     rows = [row, graphed, *(common | o for o in offload_rows(ranks, row, graphed, tp, a.tokens))]
     for r in rows:
