@@ -54,3 +54,14 @@ def test_metrics_render_offload_stats() -> None:
     for line in ("expert_cache_slots 12.0", "expert_cache_hits_total 30.0", "expert_cache_hit_rate 0.75",
                  "expert_h2d_gb_per_s 50.0", "expert_host_bytes 1073741824.0"):
         assert any(l.endswith(line) for l in text.splitlines()), line
+
+
+def test_enforce_eager_turns_cuda_graphs_off_for_every_rank(smollm2_pack) -> None:
+    from shardsmith.cli_serve import _spec
+
+    common = dict(device="cpu", dist_port=None, from_checkpoint=False, tp=None, verify_hashes=False, max_seq_len=64)
+    assert _spec(smollm2_pack(2), **common).cuda_graphs is True  # on by default (used on CUDA only)
+    assert _spec(smollm2_pack(2), **common, enforce_eager=True).cuda_graphs is False
+    proc = subprocess.run([sys.executable, "-m", "shardsmith.cli", "generate", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert "--enforce-eager" in proc.stdout
