@@ -93,11 +93,12 @@ def _check(out: dict, captured: bool) -> None:
         # the pieces used in some layer. Resident: one after the attention core; offloaded: ffn_in,
         # then ffn_slots (experts in slots); hybrid: ffn_slots when no expert goes to the host, else
         # the eager experts and ffn_out (both happen: one output buffer for the next layer either way)
-        assert got["pieces"] == {"resident": ["attn_in", "ffn"], "offloaded": ["attn_in", "ffn_in", "ffn_slots"],
+        # (the first step captures both of ffn_slots and ffn_out: none is captured later, mid-serving)
+        assert got["pieces"] == {"resident": ["attn_in", "ffn"], "offloaded": ["attn_in", "ffn_in", "ffn_out", "ffn_slots"],
                                  "hybrid": ["attn_in", "ffn_in", "ffn_out", "ffn_slots"]}[name], got["pieces"]
-        per_layer = 2 if name == "resident" else 3
-        if captured:  # embed, head and 4 layers' pieces (hybrid: both kinds of steps happen)
-            assert got["captured"] >= 2 + 4 * per_layer, (name, got["captured"])
+        per_layer = 2 if name == "resident" else 4
+        if captured:  # embed, head and 4 layers' pieces, all in the first graphed step
+            assert got["captured"] == 2 + 4 * per_layer, (name, got["captured"])
         else:
             assert got["captured"] == 0
 
@@ -124,6 +125,23 @@ def test_graphed_decode_pieces_match_the_forward_across_ranks(packs):
     _check(run_ranks(_rank_main, 2, str(packs[2]), timeout=300), captured=False)
 
 
+def test_a_resident_bank_past_the_pair_path_runs_its_experts_between_pieces(tmp_path):
+    """top_k > BATCHED_PAIRS: the resident bank syncs on its ids, so its experts run eagerly."""
+    from shardsmith.runtime.engine import Engine
+    from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
+    from shardsmith.writer.split import split_checkpoint
+
+    split_checkpoint(tiny_deepseek_v4(tmp_path / "src", layers=2, experts=20, top_k=17), tmp_path / "tp1",
+                     world_size=1)
+    eng = Engine.load(tmp_path / "tp1", rank=0, world_size=1, dtype=torch.float32, max_seq_len=32)
+    eager = _decode(eng.model, 3)
+    eng.model.use_decode_graphs(eng.device)
+    graphed = _decode(eng.model, 3)
+    assert sorted(eng.model.graphs.layers[0]) == ["attn_in", "ffn_in", "ffn_out"]
+    for want, have in zip(eager, graphed):
+        torch.testing.assert_close(torch.from_numpy(have), torch.from_numpy(want), atol=0, rtol=0)
+
+
 def test_a_piece_overwrites_its_outputs_and_rejects_other_shapes():
     pool = GraphPool(torch.device("cpu"))
     piece = GraphedPiece(lambda x: (x * 2,), pool, "double")
@@ -140,6 +158,19 @@ def test_a_piece_overwrites_its_outputs_and_rejects_other_shapes():
     assert plus(first)[0].tolist() == [3.0] * 3  # no copy: the new contents of double's output
     with pytest.raises(ValueError, match="graphed piece plus: input 0 was another piece's output"):
         plus(torch.ones(3))
+    # a first call that fails leaves nothing half-built: the next call starts over
+    calls = []
+
+    def flaky(x):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("capture failed")
+        return (x - 1,)
+
+    piece = GraphedPiece(flaky, pool, "flaky")
+    with pytest.raises(RuntimeError, match="capture failed"):
+        piece(torch.ones(2))
+    assert piece.inputs is None and piece(torch.ones(2))[0].tolist() == [0.0, 0.0]
 
 
 @pytest.mark.gpu

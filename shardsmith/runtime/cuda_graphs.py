@@ -77,12 +77,13 @@ class GraphedPiece:
     def __call__(self, *inputs: torch.Tensor) -> Tensors:
         if self.inputs is None:
             # another piece's static output is read in place (its address never changes); the rest is copied
-            self.adopted = [x.data_ptr() in self.pool.static for x in inputs]
-            self.inputs = [x if adopt else x.clone() for x, adopt in zip(inputs, self.adopted)]
+            adopted = [x.data_ptr() in self.pool.static for x in inputs]
+            static = [x if adopt else x.clone() for x, adopt in zip(inputs, adopted)]
             if self.pool.capture:
-                self._capture()
+                self.outputs, self.graph = self._capture(static)
             else:
-                self.outputs = tuple(y.clone() for y in self.fn(*self.inputs))
+                self.outputs = tuple(y.clone() for y in self.fn(*static))
+            self.inputs, self.adopted = static, adopted  # only once captured: a failed capture retries
             self.pool.static.update(y.data_ptr() for y in self.outputs)
             if self.graph is None:
                 return self.outputs
@@ -110,14 +111,16 @@ class GraphedPiece:
                                  "captured and is a different tensor now")
             static.copy_(x)
 
-    def _capture(self) -> None:
+    def _capture(self, inputs: list[torch.Tensor]) -> tuple[Tensors, torch.cuda.CUDAGraph]:
         side = self.pool.stream
         side.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(side):
-            self.fn(*self.inputs)  # warm-up: compiles, allocates handles, initialises communicators
+            self.fn(*inputs)  # warm-up: compiles, allocates handles, initialises communicators
         torch.cuda.current_stream(self.pool.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool.handle, stream=side):
-            self.outputs = tuple(self.fn(*self.inputs))
-        self.graph = graph
+        # thread_local: another thread's unrelated CUDA call (a /metrics scrape resolving copy events)
+        # must not invalidate this capture; this thread's own unsafe calls still fail it
+        with torch.cuda.graph(graph, pool=self.pool.handle, stream=side, capture_error_mode="thread_local"):
+            outputs = tuple(self.fn(*inputs))
         self.pool.pieces += 1
+        return outputs, graph

@@ -246,33 +246,50 @@ class DecodeGraphs:
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """One token ``ids [1]`` at position ``start``: float32 logits ``[1, V]`` (a fresh tensor)."""
         positions = torch.arange(start, start + 1, device=ids.device)
-        rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin per RoPE table (main, compressed)
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin per RoPE table (equal per kind)
         (streams,) = self.embed(ids)
-        for layer, pieces in zip(self.model.layers, self.layers):
+        for i, (layer, pieces) in enumerate(zip(self.model.layers, self.layers)):
             attn = layer.attn
-            if id(attn.freqs) not in rope:
-                rope[id(attn.freqs)] = rope_cos_sin(positions, attn.freqs)
-            cos, sin = rope[id(attn.freqs)]
+            table = "main" if attn.kind == "sliding" else "compress"
+            if table not in rope:
+                rope[table] = rope_cos_sin(positions, attn.freqs)
+            cos, sin = rope[table]
             x, q, kv, q_lora, post, comb = pieces["attn_in"](streams, cos, sin)
             out = attn.core(x, q, kv, q_lora, positions, start)  # eager: window and compressor state
             if "ffn" in pieces:
                 (streams,) = pieces["ffn"](streams, out, cos, sin, post, comb, ids)
             else:
-                streams, x, index, weight, shared, post, comb = pieces["ffn_in"](streams, out, cos, sin, post, comb, ids)
-                runtime, i = layer.ffn.experts.runtime, layer.ffn.experts.layer
-                slots, routed = runtime.decode_slots(i, x, index, weight)  # host: ids, slot table, copies
-                if slots is not None:  # every expert in a slot: the experts are captured too
-                    if "ffn_slots" not in pieces:
-                        pieces["ffn_slots"] = GraphedPiece(partial(layer.ffn_slots, pool=runtime.cache.pool),
-                                                           self.pool, f"layers.{i}.ffn_slots")
-                    (streams,) = pieces["ffn_slots"](streams, x, slots, weight, shared, post, comb)
-                else:
-                    (streams,) = pieces["ffn_out"](streams, routed, shared, post, comb)
-                # one address for the layer's output whichever piece made it: the next pieces read it in place
-                out_buf = self.outputs.setdefault(i, streams)
-                if streams is not out_buf:
-                    streams = out_buf.copy_(streams)
+                streams = self._ffn_split(i, layer, pieces, streams, out, cos, sin, post, comb, ids)
         return self.head(streams)[0].clone()  # the static output is overwritten by the next step
+
+    def _ffn_split(self, i: int, layer: Block, pieces: dict, streams, out, cos, sin, post, comb, ids) -> torch.Tensor:
+        """Everything after the attention core of a layer whose experts run between two pieces."""
+        mid, x, index, weight, shared, post, comb = pieces["ffn_in"](streams, out, cos, sin, post, comb, ids)
+        runtime = getattr(layer.ffn.experts, "runtime", None)
+        slots = routed = None
+        if runtime is not None:  # offloaded: host reads the ids, updates the slot table, copies misses
+            slots, routed = runtime.decode_slots(layer.ffn.experts.layer, x, index, weight)
+            if runtime.cache is not None and "ffn_slots" not in pieces:
+                pieces["ffn_slots"] = GraphedPiece(partial(layer.ffn_slots, pool=runtime.cache.pool),
+                                                   self.pool, f"layers.{i}.ffn_slots")
+        else:  # a resident bank without the sync-free pair path (top_k > BATCHED_PAIRS)
+            routed = layer.ffn.experts(x, index, weight)
+        if slots is not None:  # every expert in a slot: the experts are captured too
+            (streams,) = pieces["ffn_slots"](mid, x, slots, weight, shared, post, comb)
+        else:
+            (streams,) = pieces["ffn_out"](mid, routed, shared, post, comb)
+        # capture the other piece now too, on dummy experts (slot 0, zeros; its result is discarded), so
+        # that no capture happens later in the middle of serving; every rank takes the same path here
+        if "ffn_slots" in pieces and pieces["ffn_slots"].inputs is None:
+            pieces["ffn_slots"](mid, x, torch.zeros(weight.numel(), dtype=torch.int64, device=x.device), weight,
+                                shared, post, comb)
+        if pieces["ffn_out"].inputs is None:
+            pieces["ffn_out"](mid, torch.zeros_like(x), shared, post, comb)
+        # one address for the layer's output whichever piece made it: the next pieces read it in place
+        out_buf = self.outputs.setdefault(i, streams)
+        if streams is not out_buf:
+            streams = out_buf.copy_(streams)
+        return streams
 
 
 def buffer_name(source: str, fp8_weights: set[str]) -> str:
