@@ -116,11 +116,12 @@ def _rank(rank: int, ws: int, port: int, job: dict, queue) -> None:
         prompt = bench_prompt(seed=job["seed"], vocab=job["vocab"], tokens=job["prompt_tokens"])
         params = SamplingParams(max_tokens=job["tokens"], temperature=1.0, seed=job["seed"])
         warm = SamplingParams(max_tokens=job["warmup_tokens"], temperature=1.0, seed=job["seed"] + 1)
-        for run in job["runs"]:
+        for run, graphs in [(r, g) for r in job["runs"] for g in job["graphs"]]:
             offload = None if run == "resident" else OffloadConfig(
                 backend=run, cache_bytes=job["cache_bytes"], policy=job["policy"], pin="auto")
             eng = Engine.load(job["pack"], rank=rank, world_size=ws, device=job["device"], offload=offload,
-                              max_seq_len=job["prompt_tokens"] + job["tokens"] + job["warmup_tokens"] + 8)
+                              max_seq_len=job["prompt_tokens"] + job["tokens"] + job["warmup_tokens"] + 8,
+                              cuda_graphs=graphs)
             if rank == 0:
                 list(eng.generate(prompt, warm))
                 if eng.offload:
@@ -138,8 +139,8 @@ def _rank(rank: int, ws: int, port: int, job: dict, queue) -> None:
                         first = time.perf_counter()
                 sync()
                 dt = time.perf_counter() - first
-                row = {"run": run, "decode_tokens": n - 1, "decode_s": dt, "tokens_per_s": (n - 1) / dt,
-                       "load_s": eng.load_seconds}
+                row = {"run": run + (" graphs" if graphs else ""), "cuda_graphs": graphs,
+                       "decode_tokens": n - 1, "decode_s": dt, "tokens_per_s": (n - 1) / dt, "load_s": eng.load_seconds}
                 if eng.offload:
                     s = eng.offload.stats()
                     decode_tokens = max(1, s["tokens"])
@@ -205,14 +206,15 @@ def decode_mode(a: argparse.Namespace) -> list[dict]:
     for ws in a.tp:
         job = dict(pack=str(root / f"tp{ws}"), device=a.device, cache_bytes=cache_bytes, policy=a.policy,
                    runs=["resident", *a.backend], tokens=a.tokens, warmup_tokens=a.warmup_tokens,
+                   graphs={"on": [True], "off": [False], "both": [False, True]}[a.graphs],
                    prompt_tokens=a.prompt_tokens, seed=a.seed, vocab=cfg["vocab_size"])
         got = run_world(ws, job, timeout=a.timeout)
-        resident = next(r for r in got if r["run"] == "resident")
         for r in got:
+            resident = next(x for x in got if x["run"] == "resident" + (" graphs" if r["run"].endswith(" graphs") else ""))
             r |= {"tp": ws, "cache_bytes_per_gpu": cache_bytes, "cache_fraction_at_tp1": a.cache_fraction,
                   "experts_per_layer": n_exp, "layers": cfg["num_hidden_layers"], "top_k": cfg["num_experts_per_tok"],
                   "hidden": cfg["hidden_size"], "intermediate": cfg["intermediate_size"], "device": a.device}
-            if r["run"] != "resident":
+            if r is not resident:
                 bw = (r.get("probe_h2d_gb_per_s") or 0) * 1e9
                 copy_s = r["bytes_copied_per_token"] / bw if bw else 0.0
                 floor = copy_s + 1 / resident["tokens_per_s"]
@@ -252,7 +254,7 @@ def hf_baseline(a: argparse.Namespace, src: Path, ours: list[dict], *, cache_byt
     ref = next((r for r in rows if r["run"] in ("hf_accelerate_experts_cpu", "hf_cpu") and "tokens_per_s" in r), None)
     if ref is not None:
         for r in ours:
-            if r["run"] != "resident":
+            if not r["run"].startswith("resident"):
                 r |= {"speedup_vs_hf": r["tokens_per_s"] / ref["tokens_per_s"], "speedup_vs_hf_run": ref["run"]}
     return rows
 
@@ -367,8 +369,13 @@ def main() -> None:
     p.add_argument("--hf-baseline", action="store_true",
                    help="then time transformers + accelerate on the same checkpoint, experts in host RAM (needs accelerate)")
     p.add_argument("--hf-tokens", type=int, default=None, help="tokens per baseline run (default: --tokens)")
+    p.add_argument("--graphs", choices=["on", "off", "both"], default=None,
+                   help="decode steps as CUDA graphs (the runtime's default), eager, or both side by side "
+                        "(default: both on CUDA, off on CPU)")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
+    if a.graphs is None:
+        a.graphs = "both" if a.device == "cuda" else "off"
     rows = decode_mode(a) if a.mode == "decode" else sweep_mode(a)
     if a.mode == "decode":
         print_table(rows)

@@ -178,3 +178,87 @@ def test_a_piece_overwrites_its_outputs_and_rejects_other_shapes():
 def test_captured_decode_graphs_match_eager_on_cuda(packs):
     """Real CUDA graphs (bf16): the captured pieces give the eager kernels' bits."""
     _check(_eager_vs_graphed(str(packs[1]), 0, 1, "cuda", torch.bfloat16), captured=True)
+
+
+# ------------------------------------------------------------------ the Mixtral family
+
+FAMILY = {  # name -> (checkpoint builder kwargs, Engine.load kwargs, expected pieces of layer 0)
+    "mixtral": ({"family": "mixtral"}, {}, ["attn_in", "ffn"]),
+    # FP8 banks kept FP8: the bank syncs on its ids, so its experts run between ffn_in and ffn_out
+    "mixtral-fp8": ({"family": "mixtral", "fp8": True}, {"fp8": "on-the-fly"}, ["attn_in", "ffn_in", "ffn_out"]),
+    "mixtral-offloaded": ({"family": "mixtral"}, {"offload": OffloadConfig(backend="gpu", cache_slots=3, probe=False)},
+                          ["attn_in", "ffn_in", "ffn_out"]),
+    "qwen2-shared-expert": ({"family": "qwen2"}, {}, ["attn_in", "ffn"]),
+}
+
+
+@pytest.fixture(scope="module")
+def family_packs(tmp_path_factory) -> dict[tuple[str, int], Path]:
+    from shardsmith.testing.tiny import tiny_mixtral, tiny_qwen_moe
+    from shardsmith.writer.split import split_checkpoint
+
+    root = tmp_path_factory.mktemp("graphs-family")
+    srcs = {"mixtral": tiny_mixtral(root / "mixtral"), "mixtral-fp8": tiny_mixtral(root / "mixtral-fp8", fp8=True),
+            "qwen2": tiny_qwen_moe(root / "qwen2", qwen2=True, dense_layers=(1,))}
+    out = {}
+    for name, src in srcs.items():
+        for ws in (1, 2):
+            out[name, ws] = root / f"{name}-tp{ws}"
+            split_checkpoint(src, out[name, ws], world_size=ws)
+    return out
+
+
+def _family_eager_vs_graphed(packs: dict, rank: int, world_size: int, device: str, dtype: torch.dtype) -> dict:
+    from shardsmith.runtime.engine import Engine
+
+    out = {}
+    for name, (build, load, _) in FAMILY.items():
+        key = "mixtral-fp8" if build.get("fp8") else build["family"]
+        eng = Engine.load(packs[key, world_size], rank=rank, world_size=world_size, device=device, dtype=dtype,
+                          max_seq_len=64, cuda_graphs=False, **load)
+        eager = _decode(eng.model, STEPS)
+        eng.model.use_decode_graphs(eng.device)
+        graphed, again = _decode(eng.model, STEPS), _decode(eng.model, STEPS)
+        out[name] = {"runs": (eager, graphed, again), "pieces": sorted(eng.model.graphs.layers[0]),
+                     "captured": eng.model.graphs.pool.pieces, "layers": len(eng.model.graphs.layers)}
+        if eng.offload:
+            eng.offload.close()
+    return out
+
+
+def _family_check(out: dict, captured: bool) -> None:
+    for name, got in out.items():
+        eager, graphed, again = got["runs"]
+        for i, (want, have, have2) in enumerate(zip(eager, graphed, again)):
+            torch.testing.assert_close(torch.from_numpy(have), torch.from_numpy(want), atol=0, rtol=0, msg=f"{name} {i}")
+            torch.testing.assert_close(torch.from_numpy(have2), torch.from_numpy(want), atol=0, rtol=0, msg=f"{name} {i}")
+        assert got["pieces"] == FAMILY[name][2], (name, got["pieces"])
+        if captured:
+            assert got["captured"] >= 2 + 2 * got["layers"], (name, got["captured"])
+
+
+def _family_rank_main(rank: int, world_size: int, port: int, packs: dict, queue) -> None:
+    try:
+        from shardsmith.runtime.parallel import init_distributed
+
+        init_distributed(rank, world_size, master_port=port)
+        out = _family_eager_vs_graphed(packs, rank, world_size, "cpu", torch.float32)
+        if rank == 0:
+            queue.put(("ok", out))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+def test_mixtral_family_graphed_pieces_match_the_forward_world_size_1(family_packs):
+    _family_check(_family_eager_vs_graphed(family_packs, 0, 1, "cpu", torch.float32), captured=False)
+
+
+def test_mixtral_family_graphed_pieces_match_the_forward_across_ranks(family_packs):
+    _family_check(run_ranks(_family_rank_main, 2, family_packs, timeout=300), captured=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mixtral_family_captured_graphs_match_eager_on_cuda(family_packs):
+    _family_check(_family_eager_vs_graphed(family_packs, 0, 1, "cuda", torch.bfloat16), captured=True)

@@ -23,7 +23,8 @@ from torch import nn
 
 from ..errors import RuntimeLoadError, format_problems
 from .config import ModelArgs, rope_tables
-from .moe import MLP, SparseMoe
+from .cuda_graphs import GraphedPiece, GraphPool
+from .moe import MLP, ExpertBank, SparseMoe
 from .parallel import HeadShard, Shards
 
 
@@ -72,13 +73,24 @@ class Attention(nn.Module):
         self.cache_k = self.cache_v = None  # [K, S_max, d], set by Transformer.setup_cache
 
     def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.core(*self.project(x, cos, sin), start))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``q [T, H, d]``, ``k [T, K, d]`` (normed if Qwen3, RoPE applied) and ``v [T, K, d]``."""
         T, d = x.shape[0], self.head_dim
         q = self.q_proj(x).view(T, self.n_heads, d)  # [T, H, d]
         k = self.k_proj(x).view(T, self.n_kv, d)  # [T, K, d]
         v = self.v_proj(x).view(T, self.n_kv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """Write ``k``/``v`` at ``[start, start + T)`` of the cache, attend: ``[T, H*d]`` (before ``o_proj``).
+
+        Its shapes grow with the position, so the graphed decode runs it eagerly between pieces.
+        """
+        T, d = q.shape[0], self.head_dim
         end = start + T
         self.cache_k[:, start:end] = k.transpose(0, 1)
         self.cache_v[:, start:end] = v.transpose(0, 1)
@@ -88,14 +100,14 @@ class Attention(nn.Module):
             keys, values = keys.index_select(0, idx), values.index_select(0, idx)  # [H, S, d]
         mask = None
         if T > 1 or self.window:
-            qpos = torch.arange(start, end, device=x.device)[:, None]  # [T, 1]
-            kpos = torch.arange(end, device=x.device)[None, :]  # [1, S]
+            qpos = torch.arange(start, end, device=q.device)[:, None]  # [T, 1]
+            kpos = torch.arange(end, device=q.device)[None, :]  # [1, S]
             mask = kpos <= qpos
             if self.window:
                 mask &= qpos - kpos < self.window
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
                                            enable_gqa=self.gqa and self.n_kv != self.n_heads)  # [H, T, d]
-        return self.o_proj(o.transpose(0, 1).reshape(T, self.n_heads * d))
+        return o.transpose(0, 1).reshape(T, self.n_heads * d)
 
 
 class DecoderLayer(nn.Module):
@@ -119,6 +131,28 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), start, cos, sin)
         return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
+    # The same layer as pieces around the attention core, for the graphed decode (the same kernels
+    # in the same order as forward, so the same bits).
+
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Norm and projections: ``(q, k, v)`` for :meth:`Attention.core`."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def ffn_block(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor]:
+        """``o_proj`` and its all-reduce, the residual, then the whole MoE (or MLP) block: ``([T, D],)``."""
+        x = x + self.self_attn.o_proj(o)
+        return (x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x)),)
+
+    def ffn_in(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Up to the router: ``(x [T, D] after attention, h [T, D] normed, index [T, K], weight [T, K])``."""
+        x = x + self.self_attn.o_proj(o)
+        h = self.post_attention_layernorm(x)
+        return (x, h, *getattr(self, self.ffn_name).route(h))
+
+    def ffn_out(self, x: torch.Tensor, h: torch.Tensor, routed: torch.Tensor) -> tuple[torch.Tensor]:
+        """The routed partial (computed between the pieces) plus shared expert, all-reduce, residual."""
+        return (x + getattr(self, self.ffn_name).finish(h, routed),)
+
 
 class Transformer(nn.Module):
     """The causal LM: vocab-parallel embedding, decoder layers, final norm, vocab-parallel LM head.
@@ -141,6 +175,7 @@ class Transformer(nn.Module):
         self.model.norm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
         self.lm_head = shards.lm_head("model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight", vocab)
         self.cos = self.sin = None
+        self.graphs: DecodeGraphs | None = None  # one-token steps as piecewise CUDA graphs (use_decode_graphs)
         shards.raise_problems()
 
     def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -157,11 +192,70 @@ class Transformer(nn.Module):
     def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
         """Run ``ids`` ``[T]`` at positions ``[start, start + T)``; returns float32 logits ``[T or 1, V]``."""
         cos, sin = self.cos[start: start + ids.shape[0]], self.sin[start: start + ids.shape[0]]  # [T, d]
-        x = self.model.embed_tokens(ids)  # [T, D]
+        if ids.shape[0] == 1 and self.graphs is not None:
+            return self.graphs.step(ids, start, cos, sin)
+        (x,) = self.embed(ids)  # [T, D]
         for layer in self.model.layers:
             x = layer(x, start, cos, sin)
-        x = self.model.norm(x[-1:] if last_only else x)
-        return self.lm_head(x)  # [T or 1, V]
+        return self.logits(x[-1:] if last_only else x)[0]  # [T or 1, V]
+
+    def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
+        """Token ids ``[T]`` -> ``([T, D],)`` (vocab-parallel, all-reduced)."""
+        return (self.model.embed_tokens(ids),)
+
+    def logits(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        """Hidden ``[T, D]`` -> ``([T, V] float32,)``: final norm and the vocab-parallel head."""
+        return (self.lm_head(self.model.norm(x)),)
+
+    def use_decode_graphs(self, device: torch.device | str) -> None:
+        """Run one-token steps as piecewise CUDA graphs (:mod:`~shardsmith.runtime.cuda_graphs`).
+
+        On a CPU device nothing is captured: the pieces run eagerly through static buffers (what
+        tests check against the plain forward). Call after the weights and offload are in place.
+        """
+        self.graphs = DecodeGraphs(self, torch.device(device))
+
+
+class DecodeGraphs:
+    """A one-token step as graphed pieces with the attention core (and host-synced experts) between.
+
+    Per step: ``embed`` -> per layer [``attn_in`` graph (norm, q/k/v projections, RoPE), attention
+    core eager (KV cache write, SDPA over the cached positions), ``ffn`` graph (``o_proj`` and its
+    all-reduce, residual, norm, router, experts, shared expert, all-reduce, residual)] -> ``head``
+    graph. A layer whose routed experts sync the host (offloaded, FP8 banks, or more than
+    :data:`~shardsmith.runtime.moe.DECODE_GATHER_MAX_BYTES` of experts per token) captures
+    ``ffn_in`` (through the router) and ``ffn_out`` and runs its experts eagerly between them.
+    """
+
+    def __init__(self, model: Transformer, device: torch.device) -> None:
+        self.model, self.pool = model, GraphPool(device)
+        self.embed = GraphedPiece(model.embed, self.pool, "embed")
+        self.head = GraphedPiece(model.logits, self.pool, "head")
+        self.layers = []
+        for i, layer in enumerate(model.model.layers):
+            ffn = getattr(layer, layer.ffn_name)
+            whole = not isinstance(ffn, SparseMoe) or (isinstance(ffn.experts, ExpertBank)
+                                                       and ffn.experts.decode_sync_free(ffn.top_k))
+            pieces = {"attn_in": GraphedPiece(layer.attn_in, self.pool, f"layers.{i}.attn_in")}
+            if whole:
+                pieces["ffn"] = GraphedPiece(layer.ffn_block, self.pool, f"layers.{i}.ffn")
+            else:
+                pieces["ffn_in"] = GraphedPiece(layer.ffn_in, self.pool, f"layers.{i}.ffn_in")
+                pieces["ffn_out"] = GraphedPiece(layer.ffn_out, self.pool, f"layers.{i}.ffn_out")
+            self.layers.append(pieces)
+
+    def step(self, ids: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One token ``ids [1]`` at ``start`` (``cos``/``sin`` ``[1, d]``): float32 logits ``[1, V]`` (fresh)."""
+        (x,) = self.embed(ids)
+        for layer, pieces in zip(self.model.model.layers, self.layers):
+            o = layer.self_attn.core(*pieces["attn_in"](x, cos, sin), start)  # eager: the KV cache grows
+            if "ffn" in pieces:
+                (x,) = pieces["ffn"](x, o)
+            else:
+                x, h, index, weight = pieces["ffn_in"](x, o)
+                routed = getattr(layer, layer.ffn_name).experts(h, index, weight)
+                (x,) = pieces["ffn_out"](x, h, routed)
+        return self.head(x)[0].clone()  # the static output is overwritten by the next step
 
 
 def install_buffers(model: nn.Module, expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor],

@@ -103,6 +103,10 @@ class ExpertBank(nn.Module):
                 dequantize_blocks(gu[i_r:], s[s_r:], self.block, dtype),
                 dequantize_blocks(down, self.down_scale[e], self.block, dtype))
 
+    def decode_sync_free(self, k: int) -> bool:
+        """Whether a one-token step over ``k`` experts takes the gathered path (no host sync)."""
+        return self.block is None and k * (self.gate_up[0].nbytes + self.down[0].nbytes) <= DECODE_GATHER_MAX_BYTES
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Partial sum over this rank's intermediate share of the selected experts.
 
@@ -119,8 +123,7 @@ class ExpertBank(nn.Module):
         reads the weights in place: gathering copies them, three times their bytes in memory traffic.
         """
         out = torch.zeros_like(x)
-        k_bytes = index.shape[1] * (self.gate_up[0].nbytes + self.down[0].nbytes)
-        if x.shape[0] == 1 and self.block is None and k_bytes <= DECODE_GATHER_MAX_BYTES:
+        if x.shape[0] == 1 and self.decode_sync_free(index.shape[1]):
             ids, order = index[0].sort()  # [K] ascending, as the general path adds them
             w = weight[0, order]  # [K]
             gate_up, down = self.gate_up.index_select(0, ids), self.down.index_select(0, ids)  # [K, 2*I_r, D], [K, D, I_r]
@@ -161,13 +164,22 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = shards.linear(prefix + ".shared_expert_gate", shape=(1, args.dim)) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        index, weight = self.route(x)
+        return self.finish(x, self.experts(x, index, weight))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index [T, K], weight [T, K])``: top-k of the softmaxed router (renormalised if the config says)."""
         probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
         weight, index = torch.topk(probs, self.top_k, dim=-1)  # [T, K], [T, K]
         if self.norm_topk:
             weight = weight / weight.sum(dim=-1, keepdim=True)
         if not self.keep_f32:
             weight = weight.to(x.dtype)
-        out = self.experts(x, index, weight)  # [T, D] partial
+        return index, weight
+
+    def finish(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The routed partial ``[T, D]`` plus the shared expert's, all-reduced: the layer's output."""
+        out = routed
         if self.shared_expert is not None:  # sigmoid(g) * sum_r partial_r == sum_r sigmoid(g) * partial_r
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(out)
