@@ -29,7 +29,7 @@ TP = typer.Option(None, "--tp", help="Ranks for --from-checkpoint (a pack's worl
 VERIFY = typer.Option(False, "--verify-hashes", help="Hash every weight file against the manifest before loading.")
 MAX_SEQ = typer.Option(2048, "--max-seq-len", help="Context length in tokens (prompt + completion), per request.")
 EAGER = typer.Option(False, "--enforce-eager",
-                     help="Launch every kernel eagerly: no CUDA graphs for decode steps (DeepSeek-V4 on CUDA).")
+                     help="Launch every kernel eagerly: no CUDA graphs for decode steps (used on CUDA only).")
 DTYPE = typer.Option("auto", "--dtype", help="Compute dtype: auto (the config's torch_dtype), bfloat16, float16 or float32.")
 MOE_BACKEND = typer.Option("resident", "--moe-backend",
                            help="Routed experts: resident (all on the device), or kept in host RAM and run by "

@@ -129,9 +129,9 @@ class Engine:
                 them FP8 and dequantizes per matmul (see :mod:`~shardsmith.runtime.parallel`).
             offload: place routed experts in host memory with a device expert cache
                 (:mod:`shardsmith.runtime.offload`); None keeps every expert resident.
-            cuda_graphs: on CUDA, run one-token decode steps of models that support it
-                (DeepSeek-V4) as piecewise CUDA graphs (:mod:`~shardsmith.runtime.cuda_graphs`);
-                False runs every kernel eagerly (``--enforce-eager``).
+            cuda_graphs: on CUDA, run one-token decode steps as piecewise CUDA graphs (both
+                model families; :mod:`~shardsmith.runtime.cuda_graphs`); False runs every kernel
+                eagerly (``--enforce-eager``).
 
         Raises:
             RuntimeLoadError: on every rank, listing each rank's load problem (missing,
