@@ -1,15 +1,16 @@
 """Piecewise CUDA graphs for decode steps: the static-shape pieces of a step, captured once, replayed.
 
 A decode step (one new token) is hundreds of small kernels; launched one by one from Python, the
-host is the bottleneck (RESULTS.md: a 2-layer DeepSeek-V4 step is ~15 ms of launches for well under
-1 ms of GPU work). The pieces of a step whose shapes do not depend on the position (the
-hyper-connection mixers, norms, router, resident experts, shared expert, their all-reduces, the
-embedding and the head) are captured as CUDA graphs and replayed with one launch each; the pieces
-that grow with the sequence (attention over the window and compressed entries) and the offloaded
-experts (which read the routed expert ids on the host) run eagerly between them, as in vLLM's
-piecewise graphs. Collectives inside a piece are captured too (NCCL supports stream capture), so
-every rank must capture and replay the same pieces in the same order: they do, because every rank
-runs the same step.
+host is the bottleneck (RESULTS.md, 2xH200: a 2-layer DeepSeek-V4 step took 9-14 ms eagerly and
+3-4 ms captured, of which 2.3-3.5 ms is GPU work). The pieces of a step whose shapes do not depend on
+the position (norms, projections, hyper-connection mixers, router, resident experts, shared expert,
+their all-reduces, the embedding and the head) are captured as CUDA graphs and replayed with one
+launch each; what grows with the sequence (the attention core over the KV cache or window and
+compressed entries) and what needs the host (reading routed expert ids to place offloaded experts
+in cache slots, or to run experts that are not gathered on the device) runs eagerly between them,
+as in vLLM's piecewise graphs. Collectives inside a piece are captured too (NCCL supports stream
+capture), so every rank must capture and replay the same pieces in the same order: they do,
+because every rank runs the same step with the same (replicated) routing.
 
 Semantics of :class:`GraphedPiece` (the contract the model relies on, identical on CPU where
 nothing is captured):
