@@ -128,7 +128,6 @@ def _rank(rank: int, ws: int, port: int, job: dict, queue) -> None:
                     eng.offload.reset_stats()
                 sync = torch.cuda.synchronize if job["device"] == "cuda" else (lambda: None)
                 sync()
-                t0 = time.perf_counter()
                 first = None
                 n = 0
                 for s in eng.generate(prompt, params):

@@ -302,7 +302,7 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
                           "profile": {"graphs_error": f"{type(e).__name__}: {e}"[:500]}}
         progress(weights.rank, world, f"offload {fraction:g} graphed FAILED: {out['graphed']['profile']}")
     rt.close()
-    del model
+    model = None  # frees the device memory before the next fraction (timed() holds the name)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out

@@ -99,3 +99,21 @@ def real_v4():
     if not REAL_V4.is_dir():
         pytest.skip(f"real inventory not found at {REAL_V4}")
     return open_checkpoint(REAL_V4)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_packs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """The tiny DeepSeek-V4 checkpoint split at world sizes 1, 2 and 4: ``{world_size: pack}``.
+
+    Tests must not modify them.
+    """
+    from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
+    from shardsmith.writer.split import split_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-v4-packs")
+    src = tiny_deepseek_v4(root / "src")
+    out = {}
+    for ws in (1, 2, 4):
+        out[ws] = root / f"tp{ws}"
+        split_checkpoint(src, out[ws], world_size=ws)
+    return out

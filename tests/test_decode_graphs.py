@@ -31,17 +31,8 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def packs(tmp_path_factory) -> dict[int, Path]:
-    from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
-    from shardsmith.writer.split import split_checkpoint
-
-    root = tmp_path_factory.mktemp("graphs-v4")
-    src = tiny_deepseek_v4(root / "src")
-    out = {}
-    for ws in (1, 2):
-        out[ws] = root / f"tp{ws}"
-        split_checkpoint(src, out[ws], world_size=ws)
-    return out
+def packs(tiny_v4_packs) -> dict[int, Path]:
+    return tiny_v4_packs
 
 
 def _decode(model, steps: int, prompt: list[int] = PROMPT) -> list:
@@ -103,12 +94,15 @@ def _check(out: dict, captured: bool) -> None:
             assert got["captured"] == 0
 
 
-def _rank_main(rank: int, world_size: int, port: int, path: str, queue) -> None:
+def _rank_main(rank: int, world_size: int, port: int, which: str, arg, queue) -> None:
+    """One gloo rank of ``_eager_vs_graphed`` (``which="v4"``, arg: the pack) or
+    ``_family_eager_vs_graphed`` (``"family"``, arg: the packs)."""
     try:
         from shardsmith.runtime.parallel import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
-        out = _eager_vs_graphed(path, rank, world_size, "cpu", torch.float32)
+        run = _eager_vs_graphed if which == "v4" else _family_eager_vs_graphed
+        out = run(arg, rank, world_size, "cpu", torch.float32)
         if rank == 0:
             queue.put(("ok", out))
     except BaseException:
@@ -122,7 +116,7 @@ def test_graphed_decode_pieces_match_the_forward_world_size_1(packs, dtype):
 
 
 def test_graphed_decode_pieces_match_the_forward_across_ranks(packs):
-    _check(run_ranks(_rank_main, 2, str(packs[2]), timeout=300), captured=False)
+    _check(run_ranks(_rank_main, 2, "v4", str(packs[2]), timeout=300), captured=False)
 
 
 def test_a_resident_bank_past_the_pair_path_runs_its_experts_between_pieces(tmp_path):
@@ -237,25 +231,12 @@ def _family_check(out: dict, captured: bool) -> None:
             assert got["captured"] >= 2 + 2 * got["layers"], (name, got["captured"])
 
 
-def _family_rank_main(rank: int, world_size: int, port: int, packs: dict, queue) -> None:
-    try:
-        from shardsmith.runtime.parallel import init_distributed
-
-        init_distributed(rank, world_size, master_port=port)
-        out = _family_eager_vs_graphed(packs, rank, world_size, "cpu", torch.float32)
-        if rank == 0:
-            queue.put(("ok", out))
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise
-
-
 def test_mixtral_family_graphed_pieces_match_the_forward_world_size_1(family_packs):
     _family_check(_family_eager_vs_graphed(family_packs, 0, 1, "cpu", torch.float32), captured=False)
 
 
 def test_mixtral_family_graphed_pieces_match_the_forward_across_ranks(family_packs):
-    _family_check(run_ranks(_family_rank_main, 2, family_packs, timeout=300), captured=False)
+    _family_check(run_ranks(_rank_main, 2, "family", family_packs, timeout=300), captured=False)
 
 
 @pytest.mark.gpu

@@ -24,17 +24,8 @@ BACKENDS = {
 
 
 @pytest.fixture(scope="module")
-def packs(tmp_path_factory) -> dict[int, Path]:
-    from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
-    from shardsmith.writer.split import split_checkpoint
-
-    root = tmp_path_factory.mktemp("offload-v4")
-    src = tiny_deepseek_v4(root / "src")
-    out = {}
-    for ws in (1, 2, 4):
-        out[ws] = root / f"tp{ws}"
-        split_checkpoint(src, out[ws], world_size=ws)
-    return out
+def packs(tiny_v4_packs) -> dict[int, Path]:
+    return tiny_v4_packs
 
 
 def _run(rank: int, world_size: int, path: str) -> dict:

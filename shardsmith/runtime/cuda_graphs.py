@@ -125,3 +125,17 @@ class GraphedPiece:
             outputs = tuple(self.fn(*inputs))
         self.pool.pieces += 1
         return outputs, graph
+
+
+def layer_pieces(layer, pool: GraphPool, index: int, *, whole: bool) -> dict[str, GraphedPiece]:
+    """A decoder layer's pieces around its attention core: ``attn_in`` and either ``ffn`` (everything
+    after the core in one graph, ``whole``) or ``ffn_in`` and ``ffn_out`` (experts run eagerly between).
+
+    ``layer`` has the methods of those names (both model families' decoder layers do).
+    """
+    pieces = {"attn_in": GraphedPiece(layer.attn_in, pool, f"layers.{index}.attn_in")}
+    names = ("ffn_block",) if whole else ("ffn_in", "ffn_out")
+    for name in names:
+        key = "ffn" if name == "ffn_block" else name
+        pieces[key] = GraphedPiece(getattr(layer, name), pool, f"layers.{index}.{key}")
+    return pieces

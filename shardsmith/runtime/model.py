@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import RuntimeLoadError, format_problems
 from .config import ModelArgs, rope_tables
-from .cuda_graphs import GraphedPiece, GraphPool
+from .cuda_graphs import GraphedPiece, GraphPool, layer_pieces
 from .moe import MLP, ExpertBank, SparseMoe
 from .parallel import HeadShard, Shards
 
@@ -236,13 +236,7 @@ class DecodeGraphs:
             ffn = getattr(layer, layer.ffn_name)
             whole = not isinstance(ffn, SparseMoe) or (isinstance(ffn.experts, ExpertBank)
                                                        and ffn.experts.decode_sync_free(ffn.top_k))
-            pieces = {"attn_in": GraphedPiece(layer.attn_in, self.pool, f"layers.{i}.attn_in")}
-            if whole:
-                pieces["ffn"] = GraphedPiece(layer.ffn_block, self.pool, f"layers.{i}.ffn")
-            else:
-                pieces["ffn_in"] = GraphedPiece(layer.ffn_in, self.pool, f"layers.{i}.ffn_in")
-                pieces["ffn_out"] = GraphedPiece(layer.ffn_out, self.pool, f"layers.{i}.ffn_out")
-            self.layers.append(pieces)
+            self.layers.append(layer_pieces(layer, self.pool, i, whole=whole))
 
     def step(self, ids: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One token ``ids [1]`` at ``start`` (``cos``/``sin`` ``[1, d]``): float32 logits ``[1, V]`` (fresh)."""

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ...errors import UsageError
-from ..cuda_graphs import GraphedPiece, GraphPool
+from ..cuda_graphs import GraphedPiece, GraphPool, layer_pieces
 from ..model import install_buffers
 from ..parallel import Shards, all_reduce
 from .attention import Attention
@@ -235,13 +235,7 @@ class DecodeGraphs:
         self.layers = []
         for i, layer in enumerate(model.layers):
             resident = isinstance(layer.ffn.experts, ExpertBank) and layer.ffn.top_k <= BATCHED_PAIRS
-            pieces = {"attn_in": GraphedPiece(layer.attn_in, self.pool, f"layers.{i}.attn_in")}
-            if resident:
-                pieces["ffn"] = GraphedPiece(layer.ffn_block, self.pool, f"layers.{i}.ffn")
-            else:
-                pieces["ffn_in"] = GraphedPiece(layer.ffn_in, self.pool, f"layers.{i}.ffn_in")
-                pieces["ffn_out"] = GraphedPiece(layer.ffn_out, self.pool, f"layers.{i}.ffn_out")
-            self.layers.append(pieces)
+            self.layers.append(layer_pieces(layer, self.pool, i, whole=resident))
 
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """One token ``ids [1]`` at position ``start``: float32 logits ``[1, V]`` (a fresh tensor)."""
