@@ -109,7 +109,8 @@ def test_tokenizer_matches_gguf_tokenizer(smollm2_bf16: Path, gguf_path: Path):
 
 class TestBF16:
     @pytest.fixture(scope="class")
-    def moe(self, smollm2_bf16: Path):
+    @classmethod
+    def moe(cls, smollm2_bf16: Path):
         model = transformers.MixtralForCausalLM.from_pretrained(smollm2_bf16, dtype=torch.float32)
         return model.eval(), transformers.AutoTokenizer.from_pretrained(smollm2_bf16)
 
