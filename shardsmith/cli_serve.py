@@ -52,6 +52,14 @@ def _offload(moe_backend: str, expert_cache_gb: float | None, expert_policy: str
     """
     if moe_backend not in MOE_BACKENDS:
         raise UsageError(f"--moe-backend must be one of {', '.join(MOE_BACKENDS)}, got {moe_backend!r}")
+    from .runtime.offload.slots import Policy
+
+    policies = [p.value for p in Policy]
+    if expert_policy is not None and expert_policy not in policies:  # the bad value first, then where it applies
+        raise UsageError(f"--expert-policy must be one of {', '.join(policies)}, got {expert_policy!r}")
+    if moe_backend == "cpu" and expert_cache_gb is not None:
+        raise UsageError("--expert-cache-gb sizes the GPU expert cache, which --moe-backend cpu does not use "
+                         "(it computes every routed expert on the host): drop it, or use gpu|hybrid|auto")
     if moe_backend == "resident":
         given = [name for name, value in (("--expert-cache-gb", expert_cache_gb), ("--expert-policy", expert_policy))
                  if value is not None]

@@ -65,3 +65,17 @@ def test_enforce_eager_turns_cuda_graphs_off_for_every_rank(smollm2_pack) -> Non
     proc = subprocess.run([sys.executable, "-m", "shardsmith.cli", "generate", "--help"], capture_output=True,
                           text=True, timeout=120)
     assert "--enforce-eager" in proc.stdout
+
+
+@pytest.mark.parametrize(("backend", "gb", "policy", "message"), [
+    ("resident", None, "bogus", "--expert-policy must be one of lru, hot, got 'bogus'"),  # the value before where
+    ("gpu", None, "bogus", "--expert-policy must be one of"),
+    ("cpu", 1.0, None, "--expert-cache-gb sizes the GPU expert cache, which --moe-backend cpu does not use"),
+    ("resident", 1.0, None, "--expert-cache-gb only applies to offloaded experts"),
+])
+def test_offload_options_name_the_bad_value(backend, gb, policy, message) -> None:
+    from shardsmith.cli_serve import _offload
+    from shardsmith.errors import UsageError
+
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _offload(backend, gb, policy)

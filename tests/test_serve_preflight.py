@@ -80,7 +80,7 @@ def _refused(proc: subprocess.CompletedProcess, match: str) -> None:
      "--max-tokens 8 leaves no room for the prompt in --max-seq-len 3"),
     (("generate", "{pack}", "--prompt", "x", "--from-checkpoint", "--tp", "2"),
      "{pack} is a pack (it has pack.yaml), not a checkpoint; drop --from-checkpoint"),
-    (("generate", "{pack}", "--prompt", "x", "--expert-policy", "bogus"),
+    (("generate", "{pack}", "--prompt", "x", "--expert-policy", "lru"),
      "--expert-policy only applies to offloaded experts: add --moe-backend"),
     (("generate", "{pack}", "--prompt", "x", "--expert-cache-gb", "-1"),
      "--expert-cache-gb only applies to offloaded experts"),
