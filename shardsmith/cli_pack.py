@@ -92,7 +92,8 @@ def verify(
         what = " + tensor hashes" if deep else ""
         what += f" + {rep.tensors_compared} source tensors compared" if against else ""
         con.print(f"[bold green]intact[/] {out}: ranks {','.join(map(str, rep.ranks))}, {rep.files_checked} files, "
-                  f"{human_bytes(rep.bytes_hashed)} hashed{what} in {rep.seconds:.1f} s", highlight=False)
+                  f"{human_bytes(rep.bytes_hashed)} read{' (pack, then pack and source again)' if against else ''}"
+                  f"{what} in {rep.seconds:.1f} s", highlight=False)
         return
     # raised, not typer.Exit(2): the entry point maps error classes to exit codes (IntegrityError -> 2)
     header = f"{out}: {rep.summary}" if rep.summary else f"{out}: pack is damaged or incomplete"

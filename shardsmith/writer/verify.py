@@ -46,7 +46,8 @@ class VerifyReport:
     Attributes:
         out_dir: the pack; problems: every problem found, sorted (empty when intact);
         ranks: ranks checked; files_checked: weight and copied files hashed;
-        bytes_hashed: bytes read from the pack; tensors_compared: source tensors compared
+        bytes_hashed: bytes read and hashed: the pack's files once, plus with ``against`` the
+            source and pack bytes read again for the comparison; tensors_compared: source tensors compared
         (``against``); deep, against: the options; seconds: wall time;
         summary: one line to lead the problems with, or "" (the pack holds only some ranks;
         ``against`` is another checkpoint).
