@@ -56,18 +56,29 @@ def _eager_vs_graphed(path: str, rank: int, world_size: int, device: str, dtype:
     for name, offload in CONFIGS.items():
         eng = Engine.load(path, rank=rank, world_size=world_size, device=device, dtype=dtype, max_seq_len=64,
                           offload=offload, cuda_graphs=False)
-        eager = _decode(eng.model, STEPS)
-        eager_one = _decode(eng.model, 3, PROMPT[:1])  # a one-token prompt: the first step is graphed too
-        eng.model.use_decode_graphs(eng.device)
-        graphed = _decode(eng.model, STEPS)  # captures during the first one-token step
-        again = _decode(eng.model, STEPS)  # replays only
-        one = _decode(eng.model, 3, PROMPT[:1])
-        used = sorted({k for layer in eng.model.graphs.layers for k, piece in layer.items() if piece.inputs is not None})
-        out[name] = {"runs": (eager + eager_one, graphed + one, again + one), "pieces": used,
-                     "captured": eng.model.graphs.pool.pieces}
-        if eng.offload:
-            eng.offload.close()
+        got = _eager_then_graphed(eng)
+        out[name] = {"runs": got["runs"], "pieces": got["used"], "captured": got["captured"]}
     return out
+
+
+def _eager_then_graphed(eng) -> dict:
+    """Decode eagerly, then through the graphed pieces (captured on the first one-token step, then
+    replayed); the same for a one-token prompt, whose first step is graphed too.
+
+    Returns ``runs`` (eager, first graphed, replayed: logits per step), ``used`` (piece names used
+    in any layer), ``layer0`` (layer 0's pieces), ``captured`` (graphs captured) and ``layers``.
+    """
+    eager = _decode(eng.model, STEPS) + _decode(eng.model, 3, PROMPT[:1])
+    eng.model.use_decode_graphs(eng.device)
+    graphed = _decode(eng.model, STEPS)
+    again = _decode(eng.model, STEPS)
+    one = _decode(eng.model, 3, PROMPT[:1])
+    graphs = eng.model.graphs
+    if eng.offload:
+        eng.offload.close()
+    return {"runs": (eager, graphed + one, again + one), "layer0": sorted(graphs.layers[0]),
+            "used": sorted({k for layer in graphs.layers for k, piece in layer.items() if piece.inputs is not None}),
+            "captured": graphs.pool.pieces, "layers": len(graphs.layers)}
 
 
 def _check(out: dict, captured: bool) -> None:
@@ -210,13 +221,8 @@ def _family_eager_vs_graphed(packs: dict, rank: int, world_size: int, device: st
         key = "mixtral-fp8" if build.get("fp8") else build["family"]
         eng = Engine.load(packs[key, world_size], rank=rank, world_size=world_size, device=device, dtype=dtype,
                           max_seq_len=64, cuda_graphs=False, **load)
-        eager = _decode(eng.model, STEPS)
-        eng.model.use_decode_graphs(eng.device)
-        graphed, again = _decode(eng.model, STEPS), _decode(eng.model, STEPS)
-        out[name] = {"runs": (eager, graphed, again), "pieces": sorted(eng.model.graphs.layers[0]),
-                     "captured": eng.model.graphs.pool.pieces, "layers": len(eng.model.graphs.layers)}
-        if eng.offload:
-            eng.offload.close()
+        got = _eager_then_graphed(eng)
+        out[name] = {"runs": got["runs"], "pieces": got["layer0"], "captured": got["captured"], "layers": got["layers"]}
     return out
 
 

@@ -35,7 +35,7 @@ from ..parallel import Shards, all_reduce
 from .attention import Attention
 from .config import V4Args
 from .hyper import HyperHead, HyperMixer, expand
-from .moe import BATCHED_PAIRS, ExpertBank, MoE, apply_pairs, combine_pairs, expand_pairs
+from .moe import ExpertBank, MoE, expand_pairs, routed_pairs
 from .ops import RMSNorm, inv_freq, rope_cos_sin
 from .quant import ue8m0_to_float
 
@@ -104,11 +104,8 @@ class Block(nn.Module):
                 bank's pair maths (:func:`expand_pairs`, :func:`apply_pairs`, :func:`combine_pairs`):
                 the same bits.
         """
-        T, K = weight.shape
-        tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
         gate_up, down = expand_pairs({name: p[slots] for name, p in pool.items()}, x.dtype)
-        routed = combine_pairs(apply_pairs(gate_up, down, x[tok], self.ffn.limit), weight.flatten(), T, x.dtype)
-        return self.ffn_out(streams, routed, shared, post, comb)
+        return self.ffn_out(streams, routed_pairs(gate_up, down, x, weight, self.ffn.limit), shared, post, comb)
 
     def ffn_block(self, streams: torch.Tensor, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   post: torch.Tensor, comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor]:
@@ -219,7 +216,7 @@ class DecodeGraphs:
     Per step: ``embed`` -> per layer [``attn_in`` graph (mixer, norm, attention projections),
     attention core eager (window, compressor, indexer, softmax), ``ffn`` graph (output projection
     and its all-reduce, mixer, MoE)] -> ``head`` graph. A layer whose routed experts are resident
-    and sync-free for one token (the bank's batched pair path, ``top_k <= BATCHED_PAIRS``) captures
+    and sync-free for one token (the bank's batched pair path, ``ExpertBank.decode_sync_free``) captures
     routing, experts, shared expert and the all-reduce in its ``ffn`` graph. An offloaded layer
     captures ``ffn_in`` (through routing), then the host reads the routed ids, updates the slot table
     and copies the misses (:meth:`OffloadRuntime.decode_slots`), and ``ffn_slots`` (the experts on
@@ -234,7 +231,7 @@ class DecodeGraphs:
         self.head = GraphedPiece(model.logits, self.pool, "head")
         self.layers = []
         for i, layer in enumerate(model.layers):
-            resident = isinstance(layer.ffn.experts, ExpertBank) and layer.ffn.top_k <= BATCHED_PAIRS
+            resident = isinstance(layer.ffn.experts, ExpertBank) and layer.ffn.experts.decode_sync_free(layer.ffn.top_k)
             self.layers.append(layer_pieces(layer, self.pool, i, whole=resident))
 
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:

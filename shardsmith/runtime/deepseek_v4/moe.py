@@ -97,6 +97,22 @@ def combine_pairs(y: torch.Tensor, weight: torch.Tensor, tokens: int, dtype: tor
     return (y.float() * weight[:, None]).view(tokens, -1, y.shape[-1]).sum(dim=1).to(dtype)
 
 
+def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 limit: float) -> torch.Tensor:
+    """Each token's routed sum ``[T, D]`` (``x.dtype``) from its pairs' expanded experts.
+
+    Args:
+        gate_up: ``[P = T*K, 2*I_r, D]``, down: ``[P, D, I_r]`` (:func:`expand_pairs`), token-major;
+        x: ``[T, D]``; weight: ``[T, K]`` float32 routing weights; limit: SwiGLU clamp.
+
+    :func:`apply_pairs` on each pair's token row, then :func:`combine_pairs`: the one pair path of
+    the resident bank, the offloaded slots and the captured decode piece.
+    """
+    T, K = weight.shape
+    tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
+    return combine_pairs(apply_pairs(gate_up, down, x[tok], limit), weight.flatten(), T, x.dtype)
+
+
 class ExpertBank(nn.Module):
     """One layer's routed experts on this rank, FP4 weights expanded one expert at a time.
 
@@ -117,6 +133,11 @@ class ExpertBank(nn.Module):
                                        "(I8 packed e2m1 with F8_E8M0 scales)")
             self.register_buffer(name, torch.empty(shape, dtype=DTYPES[dt].torch_dtype, device="meta"))
 
+    @staticmethod
+    def decode_sync_free(pairs: int) -> bool:
+        """Whether a step of ``pairs`` (token, expert) pairs takes the batched path (no host sync)."""
+        return pairs <= BATCHED_PAIRS
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Partial sum ``[T, D]`` of the selected experts over this rank's intermediate share.
 
@@ -129,12 +150,10 @@ class ExpertBank(nn.Module):
             x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` float32 routing weights.
         """
         T, K = index.shape
-        if T * K <= BATCHED_PAIRS:
+        if self.decode_sync_free(T * K):
             sel = index.flatten()  # [P] expert of each pair, on the device
-            tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
-            gate_up, down = expand_pairs({a: getattr(self, a)[sel] for a in ARRAYS}, x.dtype)
-            y = apply_pairs(gate_up, down, x[tok], self.limit)  # [P, D]
-            return combine_pairs(y, weight.flatten(), T, x.dtype)
+            return routed_pairs(*expand_pairs({a: getattr(self, a)[sel] for a in ARRAYS}, x.dtype), x, weight,
+                                self.limit)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         index_h = index.cpu()  # the one sync
         for e, (tok, k) in rows_by_expert(index_h, index_h.unique().tolist(), x.device).items():  # [n], [n]

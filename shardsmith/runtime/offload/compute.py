@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..deepseek_v4.moe import expert_swiglu
+from ..deepseek_v4.moe import swiglu as clamped_swiglu
 from ..deepseek_v4.quant import dequantize_fp4
 from ..parallel import dequantize_blocks
 
@@ -107,7 +108,4 @@ def swiglu(h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 
     ``act(g, u) = silu(g) * u``, or with ``limit`` L > 0 ``silu(min(g, L)) * clamp(u, -L, L)`` (DeepSeek-V4).
     """
-    g, u = F.linear(h, gate), F.linear(h, up)
-    if limit:
-        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    return F.linear(F.silu(g) * u, down)
+    return F.linear(clamped_swiglu(F.linear(h, gate), F.linear(h, up), limit), down)

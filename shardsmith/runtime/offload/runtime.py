@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
-from ..deepseek_v4.moe import apply_pairs, combine_pairs, expand_pairs
+from ..deepseek_v4.moe import expand_pairs, routed_pairs
 from ..staging import rows_by_expert, to_device
 from .compute import ExpertMath, bank_format, expert_output
 from .cpu_backend import CpuExperts
@@ -278,7 +278,7 @@ class OffloadRuntime:
 
         The hits' slots are expanded while the misses copy, then the misses', each into its pairs'
         rows; one pair of batched matmuls over all pairs in pair order follows, so the step is the
-        resident one's maths on the same inputs (:func:`~shardsmith.runtime.deepseek_v4.moe.apply_pairs`).
+        resident one's maths on the same inputs (:func:`~shardsmith.runtime.deepseek_v4.moe.routed_pairs`).
         """
         T, K = index_h.shape
         pairs = index_h.flatten().tolist()  # [P]
@@ -298,9 +298,7 @@ class OffloadRuntime:
                 gate_up = gu.new_empty((T * K, *gu.shape[1:]))  # [P, 2*I_r, D]
                 down = dn.new_empty((T * K, *dn.shape[1:]))  # [P, D, I_r]
             gate_up[pos], down[pos] = gu, dn
-        tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
-        y = apply_pairs(gate_up, down, x[tok], self.math.limit)  # [P, D]
-        return combine_pairs(y, weight.flatten(), T, x.dtype)
+        return routed_pairs(gate_up, down, x, weight, self.math.limit)
 
     def _host_share(self, layer: int, experts: list[int]) -> list[int]:
         """Experts the host computes: all (``cpu``), or the last ``round(f * misses)`` misses (``hybrid``)."""
