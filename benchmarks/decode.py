@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from shardsmith.runtime.launch import free_port  # noqa: E402
+from shardsmith.runtime.serve.launch import free_port  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 QUESTION = "What is the capital of France?"
@@ -45,8 +45,8 @@ def rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
     try:
         import torch  # noqa: F401
 
-        from shardsmith.runtime.engine import Engine, SamplingParams
-        from shardsmith.runtime.parallel import init_distributed
+        from shardsmith.runtime.engine.engine import Engine, SamplingParams
+        from shardsmith.runtime.layers.parallel import init_distributed
 
         if job["mode"] == "read-floor":  # plain sequential read of this rank's bytes
             t0 = time.perf_counter()

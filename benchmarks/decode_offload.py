@@ -107,9 +107,9 @@ def _rank(rank: int, ws: int, port: int, job: dict, queue) -> None:
     try:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ["LOCAL_RANK"] = str(rank)
-        from shardsmith.runtime.engine import Engine, SamplingParams
+        from shardsmith.runtime.engine.engine import Engine, SamplingParams
         from shardsmith.runtime.offload import OffloadConfig
-        from shardsmith.runtime.parallel import init_distributed
+        from shardsmith.runtime.layers.parallel import init_distributed
 
         init_distributed(rank, ws, master_port=port, device=job["device"])
         rows = []
@@ -185,7 +185,7 @@ def decode_mode(a: argparse.Namespace) -> list[dict]:
                 split_checkpoint(src, root / f"tp{ws}", world_size=ws)
         print(f"packs ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     cfg = json.loads((root / f"tp{a.tp[0]}" / "config.json").read_text())
-    from shardsmith.pack import open_rank
+    from shardsmith.pack.reader import open_rank
     from shardsmith.runtime.offload.expert_cache import slot_nbytes, slot_signature
     from shardsmith.runtime.offload.host_bank import load_host_banks
 
@@ -285,8 +285,8 @@ def smollm2_trace(path: Path, tokens: int) -> list[list[tuple[int, int]]]:
     """Per decode token and MoE layer, the selected experts of the real SmolLM2 MoE (TP=1, CPU)."""
     from tokenizers import Tokenizer
 
-    from shardsmith.runtime.engine import Engine, SamplingParams
-    from shardsmith.runtime.moe import ExpertBank
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
+    from shardsmith.runtime.models.mixtral.moe import ExpertBank
 
     eng = Engine.load(path, rank=0, world_size=1, from_checkpoint=True, max_seq_len=tokens + 64)
     trace: list[list[tuple[int, int]]] = []

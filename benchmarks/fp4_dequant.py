@@ -7,7 +7,7 @@ expert's ``gate_up [2*I/tp, D/2]`` and ``down [D, I/(2*tp)]`` (D = 4096, I = 204
 - ``byte_index``: ``lut256[bytes]`` by advanced indexing (the runtime until this benchmark);
 - ``byte_embedding``: the same table through ``F.embedding``;
 - ``word_embedding``: a 65536-entry table of four values per 16-bit word through ``F.embedding``
-  (:func:`shardsmith.runtime.deepseek_v4.quant.dequantize_fp4` now);
+  (:func:`shardsmith.runtime.layers.quant.dequantize_fp4` now);
 
 each followed by the scale multiply, checked bit-identical to the first, and the bf16 matvec of the
 expanded matrix for scale. Example: ``python benchmarks/fp4_dequant.py [--threads 2] [--device cpu]``
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
-    from shardsmith.runtime.deepseek_v4.quant import FP4_GROUP, _byte_lut, dequantize_fp4, ue8m0_to_float
+    from shardsmith.runtime.layers.quant import FP4_GROUP, _byte_lut, dequantize_fp4, ue8m0_to_float
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -79,7 +79,7 @@ class Timers:
 def instrument(model, timers: Timers) -> None:
     """Time every layer's attention and MoE, and every all-reduce inside them."""
     from shardsmith.runtime import parallel
-    from shardsmith.runtime.deepseek_v4 import moe
+    from shardsmith.runtime.models.deepseek_v4 import moe
 
     where = {"part": None}
     inner = parallel.all_reduce
@@ -194,9 +194,9 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
 
     faulthandler.dump_traceback_later(a.get("hang_s") or 1e9, exit=True)  # a hung rank says where, then exits
     try:
-        from shardsmith.runtime.deepseek_v4 import DeepseekV4
-        from shardsmith.runtime.parallel import dequantize_fp8_, init_distributed
-        from shardsmith.runtime.weights import load_rank_weights
+        from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
+        from shardsmith.runtime.layers.parallel import dequantize_fp8_, init_distributed
+        from shardsmith.runtime.engine.loader import load_rank_weights
 
         cuda = a["device"] == "cuda"
         if not cuda:
@@ -258,9 +258,9 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
                      fraction: float) -> dict:
     """Build the model with offloaded experts (a cache of ``fraction`` x the TP=1 expert bytes), warm
     the cache with one decode, then time a second decode of the same tokens; this rank's numbers."""
-    from shardsmith.runtime.models import build_v4
+    from shardsmith.runtime.models.registry import build_v4
     from shardsmith.runtime.offload import OffloadConfig
-    from shardsmith.runtime.parallel import dequantize_fp8_
+    from shardsmith.runtime.layers.parallel import dequantize_fp8_
 
     bank_bytes = sum(t.numel() * t.element_size() for layer, arrays in weights.banks().items()
                      if not layer.startswith("mtp.") for t in arrays.values())
@@ -389,7 +389,7 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
 
     import torch.multiprocessing as mp
 
-    from shardsmith.runtime.deepseek_v4 import V4Args
+    from shardsmith.runtime.models.deepseek_v4 import V4Args
     from shardsmith.writer.split import split_checkpoint
 
     pack = a.work / f"tp{tp}"

@@ -1,8 +1,8 @@
-"""CLI commands ``serve``, ``generate`` and ``demo``: thin wrappers over :mod:`shardsmith.runtime.launch`.
+"""CLI commands ``serve``, ``generate`` and ``demo``: thin wrappers over :mod:`shardsmith.runtime.serve.launch`.
 
 Every command starts one process per rank (or runs as one rank under ``torchrun``); rank 0 runs the
-HTTP server (:class:`~shardsmith.runtime.server.ServeJob`) or prints answers
-(:class:`~shardsmith.runtime.generate.GenerateJob`). Imports stay inside the commands so that
+HTTP server (:class:`~shardsmith.runtime.serve.server.ServeJob`) or prints answers
+(:class:`~shardsmith.runtime.serve.generate.GenerateJob`). Imports stay inside the commands so that
 ``shardsmith --help`` does not import torch.
 
 Pre-flight: every check that can fail without loading weights runs here, before any rank starts,
@@ -86,7 +86,7 @@ def _check_device(device: str, world_size: int | None) -> None:
 
     import torch
 
-    from .runtime.launch import under_torchrun
+    from shardsmith.runtime.serve.launch import under_torchrun
 
     need = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -112,7 +112,7 @@ def _check_port(host: str, port: int) -> None:
     import os
     import socket
 
-    from .runtime.launch import under_torchrun
+    from shardsmith.runtime.serve.launch import under_torchrun
 
     if not 0 < port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {port}")
@@ -136,7 +136,7 @@ def _check_port(host: str, port: int) -> None:
 
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
           verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto", enforce_eager: bool = False):
-    from .runtime.launch import LaunchSpec, pack_world_size, under_torchrun
+    from shardsmith.runtime.serve.launch import LaunchSpec, pack_world_size, under_torchrun
 
     _check_device(device, None)
     if not path.is_dir():
@@ -196,8 +196,8 @@ def serve(
     dtype: str = DTYPE, trust_remote_code: bool = TRUST, enforce_eager: bool = EAGER,
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
-    from .runtime.launch import launch
-    from .runtime.server import ServeJob
+    from shardsmith.runtime.serve.launch import launch
+    from shardsmith.runtime.serve.server import ServeJob
 
     if max_request_bytes < 1:
         raise UsageError(f"--max-request-bytes must be at least 1, got {max_request_bytes}")
@@ -227,8 +227,8 @@ def generate(
     dtype: str = DTYPE, trust_remote_code: bool = TRUST, enforce_eager: bool = EAGER,
 ) -> None:
     """Generate text for one-off prompts and print it on stdout."""
-    from .runtime.generate import GenerateJob
-    from .runtime.launch import launch
+    from shardsmith.runtime.serve.generate import GenerateJob
+    from shardsmith.runtime.serve.launch import launch
 
     _check_sampling(prompts=prompt, chat=chat, max_tokens=max_tokens, max_seq_len=max_seq_len,
                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -237,7 +237,7 @@ def generate(
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
                  enforce_eager=enforce_eager)
     if chat and not trust_remote_code:  # a missing template, or one that is checkpoint code, fails before ranks start
-        from .runtime.chat import load_chat_format
+        from shardsmith.runtime.serve.chat import load_chat_format
 
         load_chat_format(path)
     job = GenerateJob(prompts=tuple(prompt), chat=chat, max_tokens=max_tokens, temperature=temperature,
@@ -263,8 +263,8 @@ def demo(
 ) -> None:
     """Build the SmolLM2 MoE checkpoint if missing, split it at TP=2, verify it, answer a few prompts."""
     from .demo.smollm2 import build_demo_checkpoint, default_demo_dir
-    from .runtime.generate import GenerateJob
-    from .runtime.launch import LaunchSpec, launch
+    from shardsmith.runtime.serve.generate import GenerateJob
+    from shardsmith.runtime.serve.launch import LaunchSpec, launch
     from .ui import err_console
     from .writer.split import split_checkpoint
     from .writer.verify import verify_pack

@@ -1,4 +1,4 @@
-"""DeepSeek's ``encoding/`` chat format (:mod:`shardsmith.runtime.encoding`): opt-in, loaded from its
+"""DeepSeek's ``encoding/`` chat format (:mod:`shardsmith.runtime.serve.encoding`): opt-in, loaded from its
 file without touching ``sys.path``, and every way it can be broken reported clearly."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from shardsmith.errors import UsageError
-from shardsmith.runtime.chat import ChatTemplate, ChatTemplateError, load_chat_format
-from shardsmith.runtime.encoding import MessageEncoding, RemoteCodeError
+from shardsmith.runtime.serve.chat import ChatTemplate, ChatTemplateError, load_chat_format
+from shardsmith.runtime.serve.encoding import MessageEncoding, RemoteCodeError
 from shardsmith.testing.tokenizer import deepseek_tokenizer
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

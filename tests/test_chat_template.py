@@ -1,4 +1,4 @@
-"""Chat templates rendered by :mod:`shardsmith.runtime.chat` against transformers' ``apply_chat_template``.
+"""Chat templates rendered by :mod:`shardsmith.runtime.serve.chat` against transformers' ``apply_chat_template``.
 
 Both read the same ``tokenizer_config.json`` (a tiny byte-level BPE trained in ``tmp_path``);
 the rendered text and the token ids must be identical.
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardsmith.runtime.chat import ChatTemplate, ChatTemplateError
-from shardsmith.runtime.tokenizer import Codec
+from shardsmith.runtime.serve.chat import ChatTemplate, ChatTemplateError
+from shardsmith.runtime.serve.tokenizer import Codec
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardsmith.runtime.cuda_graphs import GraphedPiece, GraphPool
+from shardsmith.runtime.engine.cuda_graphs import GraphedPiece, GraphPool
 from shardsmith.runtime.offload import OffloadConfig
 from shardsmith.testing.ranks import run_ranks
 
@@ -50,7 +50,7 @@ def _decode(model, steps: int, prompt: list[int] = PROMPT) -> list:
 
 def _eager_vs_graphed(path: str, rank: int, world_size: int, device: str, dtype: torch.dtype) -> dict:
     """Per expert placement: eager, first graphed and replayed decodes, layer 0's pieces, captures."""
-    from shardsmith.runtime.engine import Engine
+    from shardsmith.runtime.engine.engine import Engine
 
     out = {}
     for name, offload in CONFIGS.items():
@@ -109,7 +109,7 @@ def _rank_main(rank: int, world_size: int, port: int, which: str, arg, queue) ->
     """One gloo rank of ``_eager_vs_graphed`` (``which="v4"``, arg: the pack) or
     ``_family_eager_vs_graphed`` (``"family"``, arg: the packs)."""
     try:
-        from shardsmith.runtime.parallel import init_distributed
+        from shardsmith.runtime.layers.parallel import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         run = _eager_vs_graphed if which == "v4" else _family_eager_vs_graphed
@@ -132,7 +132,7 @@ def test_graphed_decode_pieces_match_the_forward_across_ranks(packs):
 
 def test_a_resident_bank_past_the_pair_path_runs_its_experts_between_pieces(tmp_path):
     """top_k > BATCHED_PAIRS: the resident bank syncs on its ids, so its experts run eagerly."""
-    from shardsmith.runtime.engine import Engine
+    from shardsmith.runtime.engine.engine import Engine
     from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
     from shardsmith.writer.split import split_checkpoint
 
@@ -214,7 +214,7 @@ def family_packs(tmp_path_factory) -> dict[tuple[str, int], Path]:
 
 
 def _family_eager_vs_graphed(packs: dict, rank: int, world_size: int, device: str, dtype: torch.dtype) -> dict:
-    from shardsmith.runtime.engine import Engine
+    from shardsmith.runtime.engine.engine import Engine
 
     out = {}
     for name, (build, load, _) in FAMILY.items():

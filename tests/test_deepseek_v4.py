@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shardsmith.runtime.launch import free_port
+from shardsmith.runtime.serve.launch import free_port
 
 PROMPT_LEN, STEPS = 250, 32
 ATOL = 1e-4  # float32 logits (|logits| < 5); observed: 0 at TP=1 prefill, ~5e-6 elsewhere
@@ -84,8 +84,8 @@ def _rank_main(rank: int, world_size: int, port: int, path: str, from_checkpoint
     """One rank process: load, run the prompt and the reference tokens; rank 0 saves its logits."""
     import torch.distributed as dist
 
-    from shardsmith.runtime.deepseek_v4 import DeepseekV4
-    from shardsmith.runtime.weights import load_rank_weights
+    from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
+    from shardsmith.runtime.engine.loader import load_rank_weights
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -126,8 +126,8 @@ def check(out: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
 
 
 def test_world_size_1_matches_transformers(v4: dict) -> None:
-    from shardsmith.runtime.deepseek_v4 import DeepseekV4
-    from shardsmith.runtime.weights import load_rank_weights
+    from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
+    from shardsmith.runtime.engine.loader import load_rank_weights
 
     weights = load_rank_weights(v4["ckpt"], rank=0, world_size=1, from_checkpoint=True)
     model = DeepseekV4.from_weights(weights, dtype=torch.float32, max_seq_len=PROMPT_LEN + STEPS)
@@ -152,8 +152,8 @@ def test_tensor_parallel_matches_transformers(v4: dict, world_size: int, source:
 
 def test_start_must_continue_the_sequence(v4: dict) -> None:
     from shardsmith.errors import UsageError
-    from shardsmith.runtime.deepseek_v4 import DeepseekV4
-    from shardsmith.runtime.weights import load_rank_weights
+    from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
+    from shardsmith.runtime.engine.loader import load_rank_weights
 
     model = DeepseekV4.from_weights(load_rank_weights(v4["ckpt"], rank=0, world_size=1, from_checkpoint=True),
                                     dtype=torch.float32, max_seq_len=64)

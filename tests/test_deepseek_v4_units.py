@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from shardsmith.errors import RuntimeLoadError
-from shardsmith.runtime.deepseek_v4 import V4Args
-from shardsmith.runtime.deepseek_v4.ops import apply_rope, inv_freq
-from shardsmith.runtime.deepseek_v4.quant import dequantize_fp4, ue8m0_to_float
+from shardsmith.runtime.models.deepseek_v4 import V4Args
+from shardsmith.runtime.models.deepseek_v4.ops import apply_rope, inv_freq
+from shardsmith.runtime.layers.quant import dequantize_fp4, ue8m0_to_float
 from shardsmith.testing.quant import dequantize_fp4_group, quantize_fp4_group
 
 REAL_CONFIG = Path(__file__).resolve().parents[1].parent / "shared/real-inventories/deepseek-v4-flash-0731-reap160/config.json"
@@ -83,9 +83,9 @@ def test_rope_inverse_restores_input() -> None:
 
 
 def test_missing_and_unexpected_tensors_are_all_listed(tiny) -> None:
-    from shardsmith.runtime.deepseek_v4 import DeepseekV4, assign_weights
-    from shardsmith.runtime.parallel import Shards
-    from shardsmith.runtime.weights import load_rank_weights
+    from shardsmith.runtime.models.deepseek_v4 import DeepseekV4, assign_weights
+    from shardsmith.runtime.layers.parallel import Shards
+    from shardsmith.runtime.engine.loader import load_rank_weights
 
     w = load_rank_weights(tiny("deepseek-v4"), rank=0, world_size=1, from_checkpoint=True)
     model = DeepseekV4(V4Args.from_config(w.config), Shards(w.plan, 0, torch.float32))

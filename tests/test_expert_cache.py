@@ -165,9 +165,9 @@ def _rank_main(rank: int, world_size: int, port: int, pack: str, queue) -> None:
     try:
         import torch.distributed as dist
 
-        from shardsmith.runtime.engine import Engine, SamplingParams
+        from shardsmith.runtime.engine.engine import Engine, SamplingParams
         from shardsmith.runtime.offload import OffloadConfig
-        from shardsmith.runtime.parallel import init_distributed
+        from shardsmith.runtime.layers.parallel import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         logs = {}

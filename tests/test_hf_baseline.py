@@ -74,7 +74,7 @@ def test_input_device_follows_the_embedding() -> None:
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_greedy_loop_matches_generate_and_our_engine(checkpoints: dict[str, Path], fmt: str) -> None:
-    from shardsmith.runtime.engine import Engine, SamplingParams
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
 
     prompt = hfb.bench_prompt(seed=0, vocab=SHAPE["vocab"], tokens=8)
     model, _ = hfb.load_model(checkpoints[fmt] / "src", device_map="cpu", dtype=torch.float32,

@@ -8,7 +8,7 @@ import os
 import signal
 
 import pytest
-from shardsmith.runtime.launch import _supervise
+from shardsmith.runtime.serve.launch import _supervise
 
 
 def _exit(code: int) -> None:
@@ -30,7 +30,7 @@ def _dead_ranks(codes: list[int]) -> list:
 def test_signal_killed_rank_is_named_first_when_both_exits_land_in_one_poll(caplog: pytest.LogCaptureFixture) -> None:
     """Rank 1 SIGKILLed, rank 0 exited 1 after losing it; both are down before the supervisor looks."""
     procs = _dead_ranks([1, -signal.SIGKILL])
-    with caplog.at_level(logging.ERROR, logger="shardsmith.runtime.launch"):
+    with caplog.at_level(logging.ERROR, logger="shardsmith.runtime.serve.launch"):
         code = _supervise(procs)
     lines = [r.getMessage() for r in caplog.records]
     assert code == 1
@@ -40,6 +40,6 @@ def test_signal_killed_rank_is_named_first_when_both_exits_land_in_one_poll(capl
 
 def test_clean_exit_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
     procs = _dead_ranks([0, 0])
-    with caplog.at_level(logging.ERROR, logger="shardsmith.runtime.launch"):
+    with caplog.at_level(logging.ERROR, logger="shardsmith.runtime.serve.launch"):
         assert _supervise(procs) == 0
     assert caplog.records == []

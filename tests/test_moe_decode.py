@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardsmith.runtime.parallel import Shards
-from shardsmith.runtime.weights import load_rank_weights
+from shardsmith.runtime.layers.parallel import Shards
+from shardsmith.runtime.engine.loader import load_rank_weights
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
     """The tiny Mixtral and DeepSeek-V4 built on ``meta`` from their TP=1 packs, and the loaded ones."""
     from shardsmith.runtime import deepseek_v4
-    from shardsmith.runtime.config import ModelArgs
-    from shardsmith.runtime.engine import Engine
-    from shardsmith.runtime.model import Transformer
+    from shardsmith.runtime.models.mixtral.config import ModelArgs
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.models.mixtral.model import Transformer
     from shardsmith.testing import tiny_mixtral
     from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
     from shardsmith.writer.split import split_checkpoint
@@ -60,7 +60,7 @@ def test_decode_step_has_no_host_sync(models, name: str) -> None:
 
 def test_mixtral_decode_path_is_bitwise_the_general_path(models) -> None:
     """Row 0 of a 2-row call (general path; the rows use disjoint experts) equals the 1-row call."""
-    from shardsmith.runtime.moe import ExpertBank
+    from shardsmith.runtime.models.mixtral.moe import ExpertBank
 
     bank = _bank(models["mixtral"]["engine"].model, ExpertBank)
     g = torch.Generator().manual_seed(0)

@@ -43,7 +43,7 @@ def packs(tmp_path_factory) -> dict[tuple[str, int], Path]:
 def _run_cases(rank: int, world_size: int, cases: list[tuple[str, str, str]],
                dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict:
     """Rank 0's ``[T, V]`` logits and greedy tokens per case, resident first; others follow."""
-    from shardsmith.runtime.engine import Engine, SamplingParams
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
 
     out = {}
     for key, path, backend in cases:
@@ -88,7 +88,7 @@ def test_backends_match_resident_world_size_1(packs):
 
 def _rank_main(rank: int, world_size: int, port: int, cases, queue) -> None:
     try:
-        from shardsmith.runtime.parallel import init_distributed
+        from shardsmith.runtime.layers.parallel import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         out = _run_cases(rank, world_size, cases, ("float32",))
@@ -106,7 +106,7 @@ def test_backends_match_resident_world_size_2(packs):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_host_banks_match_the_pack_bit_for_bit(packs, fmt):
-    from shardsmith.pack import open_rank
+    from shardsmith.pack.reader import open_rank
 
     for rank in (0, 1):
         rp = open_rank(packs[(fmt, 2)], rank, 2)
@@ -124,7 +124,7 @@ def test_host_banks_match_the_pack_bit_for_bit(packs, fmt):
 
 
 def test_host_banks_are_one_world_size_th_of_the_experts(packs):
-    from shardsmith.pack import open_rank
+    from shardsmith.pack.reader import open_rank
 
     one = load_host_banks(open_rank(packs[("bf16", 1)], 0, 1), pin="off").array_bytes
     two = [load_host_banks(open_rank(packs[("bf16", 2)], r, 2), pin="off").array_bytes for r in (0, 1)]
@@ -132,8 +132,8 @@ def test_host_banks_are_one_world_size_th_of_the_experts(packs):
 
 
 def test_host_banks_from_checkpoint_weights(packs):
-    from shardsmith.pack import open_rank
-    from shardsmith.runtime.weights import load_rank_weights
+    from shardsmith.pack.reader import open_rank
+    from shardsmith.runtime.engine.loader import load_rank_weights
 
     ck = load_host_banks(load_rank_weights(packs[("fp8", 0)], rank=1, world_size=2, from_checkpoint=True), pin="off")
     pk = load_host_banks(open_rank(packs[("fp8", 2)], 1, 2), pin="off")
@@ -144,7 +144,7 @@ def test_host_banks_from_checkpoint_weights(packs):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_pinning_required_without_cuda_is_a_clear_error(packs):
-    from shardsmith.pack import open_rank
+    from shardsmith.pack.reader import open_rank
 
     with pytest.raises(RuntimeLoadError, match="cannot page-lock.*no CUDA device.*pageable"):
         load_host_banks(open_rank(packs[("bf16", 1)], 0, 1), pin="require")
@@ -188,7 +188,7 @@ def test_fp4_expert_maths_matches_the_reference_quantizer():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cache_with_copy_stream_matches_resident(packs):
-    from shardsmith.runtime.engine import Engine
+    from shardsmith.runtime.engine.engine import Engine
 
     for fmt in ("bf16", "fp8"):
         ref = Engine.load(packs[(fmt, 1)], rank=0, world_size=1, device="cuda", dtype=torch.bfloat16, max_seq_len=64)
@@ -211,7 +211,7 @@ def test_gpu_cache_with_copy_stream_matches_resident(packs):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_chunks_never_split_an_expert(packs):
-    from shardsmith.pack import open_rank
+    from shardsmith.pack.reader import open_rank
 
     hb = load_host_banks(open_rank(packs[("bf16", 1)], 0, 1), pin="require", chunk_bytes=1 << 20)
     assert hb.pinned and len(hb._registered) > len(hb.layers) * 2
@@ -225,7 +225,7 @@ def test_pinned_chunks_never_split_an_expert(packs):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_index_staging_is_one_async_copy_with_the_right_values():
     """:func:`to_device` returns the parts' values, and the host does not wait for queued kernels."""
-    from shardsmith.runtime.staging import to_device
+    from shardsmith.runtime.layers.staging import to_device
 
     parts = [torch.tensor([3, 1, 4]), torch.tensor([], dtype=torch.int64), torch.tensor([1, 5, 9, 2, 6])]
     a = torch.randn(4096, 4096, device="cuda")

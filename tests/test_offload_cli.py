@@ -41,7 +41,7 @@ def test_unknown_backend_is_a_usage_error(smollm2_pack) -> None:
 
 
 def test_metrics_render_offload_stats() -> None:
-    from shardsmith.runtime.metrics import Metrics
+    from shardsmith.runtime.serve.metrics import Metrics
 
     class Stats:
         def stats(self) -> dict:

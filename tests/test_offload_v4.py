@@ -30,7 +30,7 @@ def packs(tiny_v4_packs) -> dict[int, Path]:
 
 def _run(rank: int, world_size: int, path: str) -> dict:
     """Rank 0's float32 logits ``[T, V]``, greedy tokens and offload stats per backend; others follow."""
-    from shardsmith.runtime.engine import Engine, SamplingParams
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
 
     out = {}
     for name in ("resident", *BACKENDS):
@@ -57,7 +57,7 @@ def _run(rank: int, world_size: int, path: str) -> dict:
 
 def _rank_main(rank: int, world_size: int, port: int, path: str, queue) -> None:
     try:
-        from shardsmith.runtime.parallel import init_distributed
+        from shardsmith.runtime.layers.parallel import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         out = _run(rank, world_size, path)
@@ -107,7 +107,7 @@ def _slots_vs_resident_bf16(path: Path, device: str) -> None:
     the same experts recur step after step (repeated 8-token passes touch ~25 experts in one layer
     order, which LRU alone never hits).
     """
-    from shardsmith.runtime.engine import Engine, SamplingParams
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
 
     got = {}
     for name, cfg in (("resident", None), ("gpu", OffloadConfig(backend="gpu", cache_slots=12, probe=False,

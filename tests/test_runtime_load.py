@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardsmith.errors import RuntimeLoadError, UsageError
-from shardsmith.runtime.engine import Engine, SamplingParams
-from shardsmith.runtime.sampling import choose, filter_logits, make_generator
+from shardsmith.runtime.engine.engine import Engine, SamplingParams
+from shardsmith.runtime.engine.sampling import choose, filter_logits, make_generator
 
 K_PROJ = "model.layers.1.self_attn.k_proj.weight"
 
@@ -91,7 +91,7 @@ def test_pack_for_another_world_size_is_refused(tiny, tmp_path):
 
 def test_pack_missing_a_tensor_is_named(tiny, tmp_path):
     """A rank manifest edited to drop a tensor (hash fixed up) fails the load, naming it."""
-    from shardsmith.writer.manifest import dump_yaml, load_yaml, stamp
+    from shardsmith.pack.format import dump_yaml, load_yaml, stamp
     from shardsmith.writer.split import split_checkpoint
 
     out = tmp_path / "p1"
@@ -160,8 +160,8 @@ def test_sampling_filters_and_seed():
 def _die_or_drive(rank: int, port: int, path: str, who_dies: int, queue) -> None:
     import os
 
-    from shardsmith.runtime.engine import RankLostError
-    from shardsmith.runtime.parallel import init_distributed
+    from shardsmith.runtime.engine.engine import RankLostError
+    from shardsmith.runtime.layers.parallel import init_distributed
 
     init_distributed(rank, 2, master_port=port)
     eng = Engine.load(path, rank=rank, world_size=2, from_checkpoint=True, max_seq_len=32)
@@ -183,7 +183,7 @@ def _die_or_drive(rank: int, port: int, path: str, who_dies: int, queue) -> None
 def test_a_dead_rank_fails_the_others_fast(tiny, who_dies):
     import torch.multiprocessing as mp
 
-    from shardsmith.runtime.launch import free_port
+    from shardsmith.runtime.serve.launch import free_port
 
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from shardsmith.cli import app
-from shardsmith.runtime.launch import RankFilter, pack_world_size
+from shardsmith.runtime.serve.launch import RankFilter, pack_world_size
 
 runner = CliRunner()
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from shardsmith.runtime.launch import free_port as _free_port
+from shardsmith.runtime.serve.launch import free_port as _free_port
 
 PARIS = "The capital of France is Paris."
 

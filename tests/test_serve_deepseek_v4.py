@@ -61,7 +61,7 @@ def greedy(model_dir: Path, prompts: list[list[int]], eos: tuple[int, ...]) -> l
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Checkpoints and pack, the three servers (ready), the tokenizer and transformers' answers."""
-    from shardsmith.runtime.tokenizer import Codec
+    from shardsmith.runtime.serve.tokenizer import Codec
     from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
     from shardsmith.testing.tokenizer import deepseek_tokenizer
     from shardsmith.writer.split import split_checkpoint
@@ -159,7 +159,7 @@ def test_generate_with_offloaded_experts_gives_transformers_answer(v4: dict) -> 
     import subprocess
     import sys
 
-    from shardsmith.runtime.launch import free_port
+    from shardsmith.runtime.serve.launch import free_port
 
     out = subprocess.run([sys.executable, "-m", "shardsmith.cli", "generate", str(v4["pack"]), *SERVE,
                           "--moe-backend", "hybrid", "--expert-cache-gb", str((4 * 104448 + 1024) / 2**30),
@@ -173,7 +173,7 @@ def test_generate_with_offloaded_experts_gives_transformers_answer(v4: dict) -> 
 def test_engine_restarts_each_request_and_refuses_a_rewind(v4: dict) -> None:
     """Every request starts at position 0 (the V4 state resets); a step elsewhere is refused before it runs."""
     from shardsmith.errors import UsageError
-    from shardsmith.runtime.engine import Engine, SamplingParams
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
 
     eng = Engine.load(v4["ckpt"], rank=0, world_size=1, from_checkpoint=True, dtype=torch.float32, max_seq_len=64)
     eng.warmup()

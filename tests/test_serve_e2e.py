@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shardsmith.runtime.launch import free_port
+from shardsmith.runtime.serve.launch import free_port
 
 httpx = pytest.importorskip("httpx")
 

@@ -31,9 +31,9 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 from test_serve_e2e import Server  # noqa: E402  (same directory; pytest puts it on sys.path)
 
-from shardsmith.runtime.metrics import Metrics  # noqa: E402
-from shardsmith.runtime.server import create_app  # noqa: E402
-from shardsmith.runtime.worker import EngineWorker  # noqa: E402
+from shardsmith.runtime.serve.metrics import Metrics  # noqa: E402
+from shardsmith.runtime.serve.server import create_app  # noqa: E402
+from shardsmith.runtime.serve.worker import EngineWorker  # noqa: E402
 from shardsmith.writer.split import split_checkpoint  # noqa: E402
 
 

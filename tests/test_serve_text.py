@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shardsmith.runtime.tokenizer import REPLACEMENT, Codec, IncrementalDetokenizer, StopStrings
-from shardsmith.runtime.worker import stream_text
+from shardsmith.runtime.serve.tokenizer import REPLACEMENT, Codec, IncrementalDetokenizer, StopStrings
+from shardsmith.runtime.serve.worker import stream_text
 
 TEXTS = [
     "The capital of France is Paris.",

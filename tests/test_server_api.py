@@ -13,10 +13,10 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from shardsmith.runtime.metrics import Histogram, Metrics  # noqa: E402
-from shardsmith.runtime.protocol import SSE_DONE, sse  # noqa: E402
-from shardsmith.runtime.server import create_app  # noqa: E402
-from shardsmith.runtime.worker import EngineWorker  # noqa: E402
+from shardsmith.runtime.serve.metrics import Histogram, Metrics  # noqa: E402
+from shardsmith.runtime.serve.protocol import SSE_DONE, sse  # noqa: E402
+from shardsmith.runtime.serve.server import create_app  # noqa: E402
+from shardsmith.runtime.serve.worker import EngineWorker  # noqa: E402
 
 MODEL = "smollm2-moe-tp2"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}

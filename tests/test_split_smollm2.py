@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardsmith.pack import open_rank
+from shardsmith.pack.reader import open_rank
 from shardsmith.writer.split import split_checkpoint
 from shardsmith.writer.verify import verify_pack
 

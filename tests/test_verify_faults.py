@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from shardsmith.cli import app
 from shardsmith.errors import IntegrityError, exit_code_for
-from shardsmith.writer.manifest import dump_yaml, stamp
+from shardsmith.pack.format import dump_yaml, stamp
 from shardsmith.writer.split import split_checkpoint
 
 runner = CliRunner()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..runtime.launch import free_port
+from shardsmith.runtime.serve.launch import free_port
 
 
 def run_ranks(target: Callable[..., None], world_size: int, *args: Any, timeout: float = 300.0,

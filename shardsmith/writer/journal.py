@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .manifest import hash_file
+from shardsmith.pack.format import hash_file
 from .stwriter import FileDigest
 
 JOURNAL = "journal.jsonl"

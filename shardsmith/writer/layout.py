@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plans.resolve import ResolvedPlan
-from .manifest import BANK_ALIGN, DENSE_ALIGN, FORMAT, FORMAT_VERSION, rank_dir
+from shardsmith.pack.format import BANK_ALIGN, DENSE_ALIGN, FORMAT, FORMAT_VERSION, rank_dir
 from .slicing import bank_specs
 from .stwriter import Entry, FileLayout, layout_file
 

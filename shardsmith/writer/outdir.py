@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from .journal import JOURNAL
-from .manifest import PACK_MANIFEST
+from shardsmith.pack.format import PACK_MANIFEST
 
 _RANK_DIR = re.compile(r"rank-\d+-of-\d+")
 

@@ -19,7 +19,7 @@ from ..plans.resolve import ResolvedPlan
 from ..plans.serialize import plan_to_dict
 from .journal import Journal
 from .layout import PackLayout
-from .manifest import (FORMAT, FORMAT_VERSION, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, dump_yaml, files_to_copy,
+from shardsmith.pack.format import (FORMAT, FORMAT_VERSION, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, dump_yaml, files_to_copy,
                        rank_dir, stamp)
 
 

@@ -22,7 +22,7 @@ from pathlib import PurePosixPath, Path
 import xxhash
 
 from ..errors import IntegrityError, ManifestError, UsageError
-from .manifest import PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity, rank_dir
+from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity, rank_dir
 
 _BUF = 1 << 20  # tar stream buffer and copy size: tarfile's stream re-slices its buffer per record otherwise
 
@@ -100,13 +100,13 @@ def export_rank(out_dir: str | os.PathLike, rank: int, archive: str | os.PathLik
     Raises:
         UsageError: ``out_dir`` is not a directory; ``archive`` is a directory, in a missing
             directory, inside the pack, or exists (without ``force``).
-        RuntimeLoadError / ManifestError: as :func:`shardsmith.pack.open_rank`.
-        IntegrityError: as :func:`shardsmith.pack.open_rank`, or a file's bytes differ from its
+        RuntimeLoadError / ManifestError: as :func:`shardsmith.pack.reader.open_rank`.
+        IntegrityError: as :func:`shardsmith.pack.reader.open_rank`, or a file's bytes differ from its
             manifest record (the partial archive is removed).
     """
     import zstandard
 
-    from ..pack import open_pack, open_rank
+    from shardsmith.pack.reader import open_pack, open_rank
 
     t0 = time.perf_counter()
     root, archive = Path(out_dir), Path(archive)

@@ -31,7 +31,7 @@ import xxhash
 
 from ..errors import IntegrityError, ManifestError, PlanError, UsageError
 from .coverage import plan_problems
-from .manifest import (BANK_ALIGN, DENSE_ALIGN, FORMAT, FORMAT_VERSION, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST,
+from shardsmith.pack.format import (BANK_ALIGN, DENSE_ALIGN, FORMAT, FORMAT_VERSION, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST,
                        check_identity, load_yaml, rank_dir)
 from .stwriter import DATA_START_ALIGN, PADDING_PREFIX, read_header
 

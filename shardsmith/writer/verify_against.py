@@ -25,7 +25,7 @@ import xxhash
 from ..checkpoint import Checkpoint
 from ..errors import PlanError
 from ..plans.resolve import ResolvedPlan
-from .manifest import rank_dir
+from shardsmith.pack.format import rank_dir
 from .slicing import bank_specs
 from .split import shard_pieces
 

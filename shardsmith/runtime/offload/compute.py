@@ -1,7 +1,7 @@
 """One routed expert's SwiGLU from its arrays in stored format, wherever they live.
 
 Shared by the GPU cache (arrays are slot views of the pool) and the CPU backend (arrays are views
-of the host banks), so both compute exactly what the resident :class:`~shardsmith.runtime.moe.ExpertBank`
+of the host banks), so both compute exactly what the resident :class:`~shardsmith.runtime.models.mixtral.moe.ExpertBank`
 computes. Stored formats, by the dtype of ``gate_up``:
 
 ===============  =============================  ===========================================
@@ -13,7 +13,7 @@ format           weights                        scales
 ===============  =============================  ===========================================
 
 The arithmetic around the matmuls (SwiGLU clamp, accumulation dtype) is the family's
-:class:`ExpertMath`; FP4 is expanded by :func:`shardsmith.runtime.deepseek_v4.quant.dequantize_fp4`.
+:class:`ExpertMath`; FP4 is expanded by :func:`shardsmith.runtime.layers.quant.dequantize_fp4`.
 
 Legend: n = tokens routed to the expert, D = hidden, I_r = this rank's intermediate share.
 """
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..deepseek_v4.moe import expert_swiglu
-from ..deepseek_v4.moe import swiglu as clamped_swiglu
-from ..deepseek_v4.quant import dequantize_fp4
-from ..parallel import dequantize_blocks
+from shardsmith.runtime.models.deepseek_v4.moe import expert_swiglu
+from shardsmith.runtime.models.deepseek_v4.moe import swiglu as clamped_swiglu
+from shardsmith.runtime.layers.quant import dequantize_fp4
+from shardsmith.runtime.layers.parallel import dequantize_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ class ExpertMath:
             dtype and summed there (the Mixtral-family ``ExpertBank``).
         batched_pairs: up to this many (token, expert) pairs (a decode step), FP4 slots are
             gathered and expanded together exactly as the resident bank's decode path does
-            (:func:`shardsmith.runtime.deepseek_v4.moe.apply_pairs`; DeepSeek-V4: 16); 0: never.
+            (:func:`shardsmith.runtime.models.deepseek_v4.moe.apply_pairs`; DeepSeek-V4: 16); 0: never.
     """
 
     limit: float = 0.0
@@ -93,7 +93,7 @@ def expert_output(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: tuple
                   limit: float = 0.0) -> torch.Tensor:
     """One expert on its token rows ``x [n, D] -> [n, D]`` (``x.dtype``), with the resident bank's kernels.
 
-    FP4 experts (DeepSeek-V4) go through :func:`shardsmith.runtime.deepseek_v4.moe.expert_swiglu`
+    FP4 experts (DeepSeek-V4) go through :func:`shardsmith.runtime.models.deepseek_v4.moe.expert_swiglu`
     (one gate+up matmul, as the V4 bank); dense and FP8 ones through :func:`expert_weights` and
     :func:`swiglu` (separate gate and up, as the Mixtral-family bank).
     """

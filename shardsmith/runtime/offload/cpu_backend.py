@@ -2,7 +2,7 @@
 
 The host path reads each selected expert's arrays where they lie (no copy), dequantizes FP8/FP4 to
 the compute dtype and runs the same SwiGLU as the GPU path. Threads: every rank's process gets
-``cores // ranks_on_this_host`` intra-op threads (:func:`~shardsmith.runtime.parallel.clamp_threads`),
+``cores // ranks_on_this_host`` intra-op threads (:func:`~shardsmith.runtime.layers.parallel.clamp_threads`),
 so the ranks' CPU work is partitioned and never oversubscribes the host. bf16 matmuls go to oneDNN,
 which uses AMX tiles where the CPU has them (``amx_bf16``) and AVX-512 BF16 otherwise; the ready
 log says which (:func:`cpu_matmul_isa`).
@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..staging import rows_by_expert
+from shardsmith.runtime.layers.staging import rows_by_expert
 from .compute import ExpertMath, expert_output
 from .host_bank import HostBanks
 

@@ -22,7 +22,7 @@ Host memory per rank is the rank's bank bytes (1/world_size of the model's exper
 pack slices every expert on its intermediate dim) plus the gaps between arrays (< 4 KiB each).
 
 Example:
-    >>> from shardsmith.pack import open_rank
+    >>> from shardsmith.pack.reader import open_rank
     >>> hb = load_host_banks(open_rank("out/", 0, 2), pin="auto")  # doctest: +SKIP
     >>> hb.layers["model.layers.0"]["gate_up"].shape  # doctest: +SKIP
     torch.Size([8, 1536, 576])
@@ -156,8 +156,8 @@ def load_host_banks(weights, *, pin: str = "auto", chunk_bytes: int = CHUNK_BYTE
     """Read this rank's expert banks into host memory and pin them (when CUDA is present).
 
     Args:
-        weights: a :class:`~shardsmith.pack.RankPack` (bank files read directly), or any
-            :class:`~shardsmith.runtime.weights.RankWeights` (its ``banks()`` arrays are used as
+        weights: a :class:`~shardsmith.pack.reader.RankPack` (bank files read directly), or any
+            :class:`~shardsmith.runtime.engine.loader.RankWeights` (its ``banks()`` arrays are used as
             they are, e.g. the ``--from-checkpoint`` copies).
         pin: ``auto`` (pin when CUDA is available; if refused, log the reason and fall back to
             pageable memory), ``require`` (refusal is an error), ``off``.

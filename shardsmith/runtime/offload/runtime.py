@@ -1,6 +1,6 @@
 """Offloaded routed experts wired into the model: options, the per-layer module, the counters.
 
-:func:`attach_offload` swaps every :class:`~shardsmith.runtime.moe.ExpertBank` of a built (``meta``)
+:func:`attach_offload` swaps every :class:`~shardsmith.runtime.models.mixtral.moe.ExpertBank` of a built (``meta``)
 model for an :class:`OffloadedExperts` with the same ``forward(x, index, weight)`` contract, so the
 MoE layer, its router and its single all-reduce stay as they are. The expert banks are read into
 host memory (:mod:`.host_bank`) instead of being assigned to the model. :meth:`OffloadRuntime.start`
@@ -10,7 +10,7 @@ is left (or ``cache_bytes``), agreeing on the smallest slot count across ranks, 
 One MoE layer, GPU backend (one host sync: the ``[T, K]`` expert ids)::
 
     ids -> host; hits/misses from the slot table (same on every rank); every expert's token
-        rows back to the device in one pinned async copy (:mod:`~shardsmith.runtime.staging`)
+        rows back to the device in one pinned async copy (:mod:`~shardsmith.runtime.layers.staging`)
     copy stream: misses -> slots (one batch, after the compute stream's pending reads)
     compute stream: hits ... wait(copy) ... misses;  hybrid: the host computes its share meanwhile
     contributions summed in expert order (bitwise as the resident path on the same device)
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
-from ..deepseek_v4.moe import expand_pairs, routed_pairs
-from ..staging import rows_by_expert, to_device
+from shardsmith.runtime.models.deepseek_v4.moe import expand_pairs, routed_pairs
+from shardsmith.runtime.layers.staging import rows_by_expert, to_device
 from .compute import ExpertMath, bank_format, expert_output
 from .cpu_backend import CpuExperts
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
@@ -91,7 +91,7 @@ class OffloadConfig:
 
 
 class OffloadedExperts(nn.Module):
-    """Drop-in for :class:`~shardsmith.runtime.moe.ExpertBank`: ``(x [T, D], index [T, K], weight [T, K]) -> [T, D]`` partial."""
+    """Drop-in for :class:`~shardsmith.runtime.models.mixtral.moe.ExpertBank`: ``(x [T, D], index [T, K], weight [T, K]) -> [T, D]`` partial."""
 
     def __init__(self, runtime: "OffloadRuntime", layer: int) -> None:
         super().__init__()
@@ -278,7 +278,7 @@ class OffloadRuntime:
 
         The hits' slots are expanded while the misses copy, then the misses', each into its pairs'
         rows; one pair of batched matmuls over all pairs in pair order follows, so the step is the
-        resident one's maths on the same inputs (:func:`~shardsmith.runtime.deepseek_v4.moe.routed_pairs`).
+        resident one's maths on the same inputs (:func:`~shardsmith.runtime.models.deepseek_v4.moe.routed_pairs`).
         """
         T, K = index_h.shape
         pairs = index_h.flatten().tolist()  # [P]
@@ -367,13 +367,13 @@ def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: 
             ``<layer>`` a bank layer key, are replaced (banks of other layers, e.g. DeepSeek-V4's
             MTP layers, are not read).
         bank_type: the family's resident expert bank class (default: the Mixtral family's
-            :class:`~shardsmith.runtime.moe.ExpertBank`); math: its expert arithmetic.
+            :class:`~shardsmith.runtime.models.mixtral.moe.ExpertBank`); math: its expert arithmetic.
 
     Raises:
         RuntimeLoadError: from :func:`~.host_bank.load_host_banks`.
         UsageError: an unknown backend; a model MoE layer with no bank in the pack.
     """
-    from ..moe import ExpertBank
+    from shardsmith.runtime.models.mixtral.moe import ExpertBank
 
     if config.backend not in BACKENDS:
         raise UsageError(f"moe backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")

@@ -21,7 +21,7 @@ from pathlib import Path
 import xxhash
 import yaml
 
-from ..errors import ManifestError
+from shardsmith.errors import ManifestError
 
 FORMAT = "shardsmith-pack"
 FORMAT_VERSION = 1

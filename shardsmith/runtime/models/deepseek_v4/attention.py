@@ -31,10 +31,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..parallel import Shards
-from .compressor import Compressor, Indexer, visible
-from .config import V4Args
-from .ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
+from shardsmith.runtime.layers.parallel import Shards
+from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
+from shardsmith.runtime.models.deepseek_v4.config import V4Args
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
 
 QUERY_CHUNK = 1024
 

@@ -11,7 +11,7 @@ the others' next collective raise; the engine turns that into :class:`RankLostEr
 group's timeout is long (idle followers wait in it); the load ends with a ``monitored_barrier``
 (``load_timeout_s``) that names ranks that never finished loading, then every rank's load error is
 gathered and raised on all ranks. On NCCL, a peer dying mid-step is noticed only at the default
-group's timeout (see :func:`~shardsmith.runtime.parallel.init_distributed`).
+group's timeout (see :func:`~shardsmith.runtime.layers.parallel.init_distributed`).
 
 Example:
     >>> eng = Engine.load("out/", rank=0, world_size=1)  # doctest: +SKIP
@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..errors import RankLostError, RuntimeLoadError, UsageError, format_problems
-from .models import ModelFamily, family_for
-from .parallel import clamp_threads, dequantize_fp8_, install_rank_zero_logging
-from .sampling import choose, make_generator
-from .weights import load_rank_weights
+from shardsmith.errors import RankLostError, RuntimeLoadError, UsageError, format_problems
+from shardsmith.runtime.models.registry import ModelFamily, family_for
+from shardsmith.runtime.layers.parallel import clamp_threads, dequantize_fp8_, install_rank_zero_logging
+from shardsmith.runtime.engine.sampling import choose, make_generator
+from shardsmith.runtime.engine.loader import load_rank_weights
 
 if TYPE_CHECKING:
-    from .offload import OffloadConfig
+    from shardsmith.runtime.offload import OffloadConfig
 
 log = logging.getLogger("shardsmith.runtime")
 FORWARD, SHUTDOWN = 1, 2
@@ -92,7 +92,7 @@ class Engine:
         of the KV cache (prompt + generated); load_seconds: time from :meth:`load` start to ready
         on this rank; eos_token_ids: from ``generation_config.json`` / ``config.json``;
         rank, world_size, device, dtype, vocab_size; family: the model's registry entry
-        (:mod:`~shardsmith.runtime.models`).
+        (:mod:`~shardsmith.runtime.models.registry`).
     """
 
     def __init__(self, model: torch.nn.Module, *, config: dict, root: Path, rank: int, world_size: int,
@@ -113,11 +113,11 @@ class Engine:
              cuda_graphs: bool = True) -> "Engine":
         """Load rank ``rank``'s weights and build its model; collective over all ranks.
 
-        The model is the registry's for the config's architecture (:mod:`~shardsmith.runtime.models`:
+        The model is the registry's for the config's architecture (:mod:`~shardsmith.runtime.models.registry`:
         the Mixtral family or DeepSeek-V4).
 
         ``torch.distributed`` must already be initialised when ``world_size > 1``
-        (:func:`~shardsmith.runtime.parallel.init_distributed`).
+        (:func:`~shardsmith.runtime.layers.parallel.init_distributed`).
 
         Args:
             path: a pack directory, or a checkpoint with ``from_checkpoint``.
@@ -126,11 +126,11 @@ class Engine:
             max_seq_len: KV cache positions; load_timeout_s: how long rank 0 waits for the
                 slowest rank to finish loading before naming it.
             fp8: ``load`` dequantizes FP8 block weights once to ``dtype``; ``on-the-fly`` keeps
-                them FP8 and dequantizes per matmul (see :mod:`~shardsmith.runtime.parallel`).
+                them FP8 and dequantizes per matmul (see :mod:`~shardsmith.runtime.layers.parallel`).
             offload: place routed experts in host memory with a device expert cache
                 (:mod:`shardsmith.runtime.offload`); None keeps every expert resident.
             cuda_graphs: on CUDA, run one-token decode steps as piecewise CUDA graphs (both
-                model families; :mod:`~shardsmith.runtime.cuda_graphs`); False runs every kernel
+                model families; :mod:`~shardsmith.runtime.engine.cuda_graphs`); False runs every kernel
                 eagerly (``--enforce-eager``).
 
         Raises:
@@ -313,7 +313,7 @@ def _command_group(rank: int, world_size: int) -> object | None:
         return None
     if not dist.is_initialized():
         raise RuntimeLoadError(f"world_size={world_size} but torch.distributed is not initialised "
-                               "(call shardsmith.runtime.parallel.init_distributed first)")
+                               "(call shardsmith.runtime.layers.parallel.init_distributed first)")
     if dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeLoadError(f"launched as rank {rank} of {world_size} but the process group is rank "
                                f"{dist.get_rank()} of {dist.get_world_size()}")

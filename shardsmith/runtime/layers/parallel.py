@@ -20,7 +20,7 @@ compute dtype). With ``fp8="on-the-fly"`` they stay FP8 (the mmap'd bytes) and a
 per matmul (:func:`dequantize_blocks`): FP8 memory, one extra elementwise pass per use. A fused
 FP8 block GEMM kernel on GPU is future work.
 
-Weights are buffers created on the ``meta`` device; :func:`shardsmith.runtime.model.assign_weights`
+Weights are buffers created on the ``meta`` device; :func:`shardsmith.runtime.models.mixtral.model.assign_weights`
 replaces them with the rank's tensors. Legend: T = tokens, D = hidden, V = vocabulary.
 """
 
@@ -34,9 +34,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import RuntimeLoadError, format_problems
-from ..plans.resolve import ResolvedPlan, TensorPlan
-from .dist import clamp_threads, init_distributed, install_rank_zero_logging  # noqa: F401  (re-exported)
+from shardsmith.errors import RuntimeLoadError, format_problems
+from shardsmith.plans.resolve import ResolvedPlan, TensorPlan
+from shardsmith.runtime.engine.dist import clamp_threads, init_distributed, install_rank_zero_logging  # noqa: F401  (re-exported)
 
 # ------------------------------------------------------------------ group helpers
 
@@ -325,7 +325,7 @@ class Shards:
         With ``expert_shape`` (one source expert tensor's global shape) and ``n_experts``, a
         mismatch with the source is recorded in :attr:`problems`.
         """
-        from ..writer.slicing import bank_specs
+        from shardsmith.writer.slicing import bank_specs
 
         if self._banks is None:
             self._banks = {(s.layer, s.name): s for specs in bank_specs(self.plan, self.rank).values() for s in specs}

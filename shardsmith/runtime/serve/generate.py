@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from shardsmith.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +41,16 @@ class GenerateJob:
     trust_remote_code: bool = False
 
     def __call__(self, load) -> int:
-        from .engine import SamplingParams
-        from .tokenizer import Codec
-        from .worker import stream_text
+        from shardsmith.runtime.engine.engine import SamplingParams
+        from shardsmith.runtime.serve.tokenizer import Codec
+        from shardsmith.runtime.serve.worker import stream_text
 
         engine = load()
         try:
             codec = Codec(engine.root)
             template = None
             if self.chat:
-                from .chat import load_chat_format
+                from shardsmith.runtime.serve.chat import load_chat_format
 
                 template = load_chat_format(engine.root, trust_remote_code=self.trust_remote_code)
             log.info("loaded in %.1f s", engine.load_seconds)

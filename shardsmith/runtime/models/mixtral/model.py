@@ -2,7 +2,7 @@
 
 Module names mirror the Hugging Face checkpoints (``model.layers.N.self_attn.q_proj.weight``), so
 a buffer's name is its source tensor's name and loading is a strict name-for-name assignment
-(:func:`assign_weights`). Every layer comes from :class:`~shardsmith.runtime.parallel.Shards`, so
+(:func:`assign_weights`). Every layer comes from :class:`~shardsmith.runtime.layers.parallel.Shards`, so
 this file knows nothing about ranks beyond its local head counts.
 
 One sequence at a time (batch 1), a static KV cache of ``max_seq_len`` positions per layer and
@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import RuntimeLoadError, format_problems
-from .config import ModelArgs, rope_tables
-from .cuda_graphs import GraphedPiece, GraphPool, layer_pieces
-from .moe import MLP, ExpertBank, SparseMoe
-from .parallel import HeadShard, Shards
+from shardsmith.errors import RuntimeLoadError, format_problems
+from shardsmith.runtime.models.mixtral.config import ModelArgs, rope_tables
+from shardsmith.runtime.engine.cuda_graphs import GraphedPiece, GraphPool, layer_pieces
+from shardsmith.runtime.models.mixtral.moe import MLP, ExpertBank, SparseMoe
+from shardsmith.runtime.layers.parallel import HeadShard, Shards
 
 
 class RMSNorm(nn.Module):
@@ -208,7 +208,7 @@ class Transformer(nn.Module):
         return (self.lm_head(self.model.norm(x)),)
 
     def use_decode_graphs(self, device: torch.device | str) -> None:
-        """Run one-token steps as piecewise CUDA graphs (:mod:`~shardsmith.runtime.cuda_graphs`).
+        """Run one-token steps as piecewise CUDA graphs (:mod:`~shardsmith.runtime.engine.cuda_graphs`).
 
         On a CPU device nothing is captured: the pieces run eagerly through static buffers (what
         tests check against the plain forward). Call after the weights and offload are in place.
@@ -223,7 +223,7 @@ class DecodeGraphs:
     core eager (KV cache write, SDPA over the cached positions), ``ffn`` graph (``o_proj`` and its
     all-reduce, residual, norm, router, experts, shared expert, all-reduce, residual)] -> ``head``
     graph. A layer whose routed experts sync the host (offloaded, FP8 banks, or more than
-    :data:`~shardsmith.runtime.moe.DECODE_GATHER_MAX_BYTES` of experts per token) captures
+    :data:`~shardsmith.runtime.models.mixtral.moe.DECODE_GATHER_MAX_BYTES` of experts per token) captures
     ``ffn_in`` (through the router) and ``ffn_out`` and runs its experts eagerly between them.
     """
 

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UsageError
-from .metrics import Metrics
-from .tokenizer import Codec, IncrementalDetokenizer, StopStrings
+from shardsmith.errors import UsageError
+from shardsmith.runtime.serve.metrics import Metrics
+from shardsmith.runtime.serve.tokenizer import Codec, IncrementalDetokenizer, StopStrings
 
 log = logging.getLogger(__name__)
 

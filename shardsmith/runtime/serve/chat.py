@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShardsmithError
+from shardsmith.errors import ShardsmithError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -158,7 +158,7 @@ def has_template(root: Path) -> bool:
 def load_chat_format(root: Path, *, trust_remote_code: bool = False):
     """The chat format of checkpoint (or pack) ``root``: its Jinja template, else DeepSeek's ``encoding/``.
 
-    Returns a :class:`ChatTemplate` or an :class:`~shardsmith.runtime.encoding.MessageEncoding`;
+    Returns a :class:`ChatTemplate` or an :class:`~shardsmith.runtime.serve.encoding.MessageEncoding`;
     both have ``render(messages)`` and ``source``.
 
     Raises:
@@ -167,7 +167,7 @@ def load_chat_format(root: Path, *, trust_remote_code: bool = False):
     """
     root = Path(root)
     if not has_template(root) and (root / "encoding").is_dir():
-        from .encoding import MessageEncoding
+        from shardsmith.runtime.serve.encoding import MessageEncoding
 
         return MessageEncoding.from_dir(root, trust_remote_code=trust_remote_code)
     return ChatTemplate.from_dir(root)

@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from .protocol import SSE_DONE, APIError, chat_logprobs, completion_logprobs, sse, usage
+from shardsmith.runtime.serve.protocol import SSE_DONE, APIError, chat_logprobs, completion_logprobs, sse, usage
 
 CLIENT_CLOSED = 499  # nginx's code for a client that went away mid-response; used in metrics only
 

@@ -5,7 +5,7 @@ mapped once (``MAP_PRIVATE``, read-only use; pages load on first touch) and each
 array is a view into that mapping with its rank-local shape. Format: ``manifests/README.md``.
 
 Example:
-    >>> from shardsmith.pack import open_rank
+    >>> from shardsmith.pack.reader import open_rank
     >>> rp = open_rank("packs/v4-tp4", rank=1, world_size=4)  # doctest: +SKIP
     >>> rp.dense()["layers.0.attn.wq_b.weight"].shape  # doctest: +SKIP
     torch.Size([8192, 1024])
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .dtypes import DTYPES
-from .errors import IntegrityError, ManifestError, RuntimeLoadError, format_problems
-from .plans.resolve import ResolvedPlan
-from .plans.serialize import plan_from_dict
-from .writer.manifest import (BANK_ALIGN, DENSE_ALIGN, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity,
+from shardsmith.dtypes import DTYPES
+from shardsmith.errors import IntegrityError, ManifestError, RuntimeLoadError, format_problems
+from shardsmith.plans.resolve import ResolvedPlan
+from shardsmith.plans.serialize import plan_from_dict
+from shardsmith.pack.format import (BANK_ALIGN, DENSE_ALIGN, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity,
                               hash_file, load_yaml, rank_dir)
-from .writer.stwriter import read_header
+from shardsmith.writer.stwriter import read_header
 
 if TYPE_CHECKING:
     import torch
@@ -179,7 +179,7 @@ def open_rank(out_dir: str | os.PathLike, rank: int, world_size: int, *, verify_
         ManifestError: a manifest is missing, unparsable, of another version or edited.
         IntegrityError: listing every file, tensor and expected-vs-found value that differs.
     """
-    from .writer.layout import expected_entries
+    from shardsmith.writer.layout import expected_entries
 
     pack = open_pack(out_dir)
     if pack.world_size != world_size:

@@ -19,8 +19,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import RuntimeLoadError
-from .chat import token_content
+from shardsmith.errors import RuntimeLoadError
+from shardsmith.runtime.serve.chat import token_content
 
 REPLACEMENT = "\ufffd"
 

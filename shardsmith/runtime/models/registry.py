@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import RuntimeLoadError
-from . import deepseek_v4
-from .config import FAMILIES as MOE_ARCHITECTURES
-from .parallel import Shards
+from shardsmith.errors import RuntimeLoadError
+from shardsmith.runtime.models import deepseek_v4
+from shardsmith.runtime.models.mixtral.config import FAMILIES as MOE_ARCHITECTURES
+from shardsmith.runtime.layers.parallel import Shards
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +46,15 @@ class ModelFamily:
 
 def build_moe(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
               offload: Any = None) -> tuple[nn.Module, Any]:
-    """The Mixtral-family :class:`~shardsmith.runtime.model.Transformer`, experts resident or offloaded."""
-    from .config import ModelArgs
-    from .model import Transformer, assign_weights
+    """The Mixtral-family :class:`~shardsmith.runtime.models.mixtral.model.Transformer`, experts resident or offloaded."""
+    from shardsmith.runtime.models.mixtral.config import ModelArgs
+    from shardsmith.runtime.models.mixtral.model import Transformer, assign_weights
 
     args = ModelArgs.from_config(weights.config)
     model = Transformer(args, Shards(weights.plan, rank, dtype, block))
     offloaded = None
     if offload is not None:  # swaps the expert banks for host banks + a device cache
-        from .offload import attach_offload
+        from shardsmith.runtime.offload import attach_offload
 
         offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block)
     assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device,
@@ -64,7 +64,7 @@ def build_moe(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int],
 
 def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
              offload: Any = None) -> tuple[nn.Module, Any]:
-    """:class:`~shardsmith.runtime.deepseek_v4.DeepseekV4`, experts resident or offloaded.
+    """:class:`~shardsmith.runtime.models.deepseek_v4.DeepseekV4`, experts resident or offloaded.
 
     Offloaded FP4 experts stay packed in host memory and in the device slots (half a byte per
     weight plus one UE8M0 byte per 32) and are expanded per use with the same SwiGLU clamp and
@@ -74,8 +74,8 @@ def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], 
     model = deepseek_v4.DeepseekV4(args, Shards(weights.plan, rank, dtype, block))
     offloaded = None
     if offload is not None:
-        from .offload import attach_offload
-        from .offload.compute import ExpertMath
+        from shardsmith.runtime.offload import attach_offload
+        from shardsmith.runtime.offload.compute import ExpertMath
 
         offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block,
                                    bank_type=deepseek_v4.moe.ExpertBank,

@@ -6,7 +6,7 @@ Both sources present the same :class:`RankWeights` interface, so the model loade
 source                 dense()                              banks()
 =====================  ===================================  ======================================
 pack (default)         mmap views of ``dense-*.safetensors``  mmap views of ``experts-<layer>``
-                       (:func:`shardsmith.pack.open_rank`)   bank arrays
+                       (:func:`shardsmith.pack.reader.open_rank`)   bank arrays
 ``--from-checkpoint``  each shard cut from the mmap'd       each layer's bank assembled from the
                        source (copies; only its pages read) experts' shards (one copy per bank)
 =====================  ===================================  ======================================
@@ -29,12 +29,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..checkpoint import open_checkpoint
-from ..dtypes import DTYPES
-from ..errors import RuntimeLoadError
-from ..plans import plan_checkpoint
-from ..plans.resolve import ResolvedPlan
-from ..writer.slicing import bank_specs, cut
+from shardsmith.checkpoint import open_checkpoint
+from shardsmith.dtypes import DTYPES
+from shardsmith.errors import RuntimeLoadError
+from shardsmith.plans import plan_checkpoint
+from shardsmith.plans.resolve import ResolvedPlan
+from shardsmith.writer.slicing import bank_specs, cut
 
 
 @runtime_checkable
@@ -149,7 +149,7 @@ def load_rank_weights(path: str | os.PathLike, *, rank: int, world_size: int, fr
         hint = " (it looks like a checkpoint: pass --from-checkpoint)" if (path / "config.json").is_file() else ""
         raise RuntimeLoadError(f"{path}: not a shardsmith pack, no pack.yaml{hint}")
     try:
-        from ..pack import open_rank
+        from shardsmith.pack.reader import open_rank
     except ImportError as e:  # pragma: no cover - until the pack reader lands
         raise RuntimeLoadError(f"{path}: this build cannot read packs ({e}); pass --from-checkpoint") from e
     weights = open_rank(path, rank, world_size, verify_hashes=verify_hashes)

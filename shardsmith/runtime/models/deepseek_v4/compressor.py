@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel import Shards
-from .ops import RMSNorm, apply_rope, rope_cos_sin
+from shardsmith.runtime.layers.parallel import Shards
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rope_cos_sin
 
 
 class Compressor(nn.Module):

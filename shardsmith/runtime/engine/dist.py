@@ -1,6 +1,6 @@
 """Process start-up for rank processes: the process group, per-rank CPU threads, rank-0-only logs.
 
-Re-exported by :mod:`shardsmith.runtime.parallel`. Backends: gloo on CPU, NCCL on CUDA. Failure
+Re-exported by :mod:`shardsmith.runtime.layers.parallel`. Backends: gloo on CPU, NCCL on CUDA. Failure
 detection: gloo notices a dead peer at once (its TCP connection closes); NCCL only when a
 collective exceeds the group's timeout.
 """

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from .chat import ChatTemplateError
+from shardsmith.errors import UsageError
+from shardsmith.runtime.serve.chat import ChatTemplateError
 
 ENCODING_DIR = "encoding"
 
@@ -50,7 +50,7 @@ def encoding_module_path(root: Path) -> Path:
 
 
 class MessageEncoding:
-    """A checkpoint's ``encode_messages``, with :class:`~shardsmith.runtime.chat.ChatTemplate`'s ``render``.
+    """A checkpoint's ``encode_messages``, with :class:`~shardsmith.runtime.serve.chat.ChatTemplate`'s ``render``.
 
     Attributes:
         source: the module file, for messages.

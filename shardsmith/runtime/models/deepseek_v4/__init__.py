@@ -14,15 +14,15 @@ module                  contents
 ======================  ===================================================================
 
 Example:
-    >>> from shardsmith.runtime.deepseek_v4 import DeepseekV4  # doctest: +SKIP
-    >>> from shardsmith.runtime.weights import load_rank_weights  # doctest: +SKIP
+    >>> from shardsmith.runtime.models.deepseek_v4 import DeepseekV4  # doctest: +SKIP
+    >>> from shardsmith.runtime.engine.loader import load_rank_weights  # doctest: +SKIP
     >>> w = load_rank_weights("ckpt/", rank=0, world_size=1, from_checkpoint=True)  # doctest: +SKIP
     >>> model = DeepseekV4.from_weights(w, dtype=torch.float32)  # doctest: +SKIP
     >>> logits = model(torch.tensor([0, 5, 7]), 0)  # [1, V]  # doctest: +SKIP
 """
 
-from .config import V4Args
-from .model import DeepseekV4, assign_weights
+from shardsmith.runtime.models.deepseek_v4.config import V4Args
+from shardsmith.runtime.models.deepseek_v4.model import DeepseekV4, assign_weights
 
 ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 

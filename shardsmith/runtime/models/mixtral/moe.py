@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..dtypes import DTYPES
-from ..errors import RuntimeLoadError
-from .parallel import Shards, all_reduce, dequantize_blocks
-from .staging import rows_by_expert
+from shardsmith.dtypes import DTYPES
+from shardsmith.errors import RuntimeLoadError
+from shardsmith.runtime.layers.parallel import Shards, all_reduce, dequantize_blocks
+from shardsmith.runtime.layers.staging import rows_by_expert
 
 if TYPE_CHECKING:
-    from .config import ModelArgs
+    from shardsmith.runtime.models.mixtral.config import ModelArgs
 
 
 class MLP(nn.Module):

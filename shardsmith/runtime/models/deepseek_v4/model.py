@@ -12,7 +12,7 @@ source tensor                      module buffer                      why
 =================================  =================================  ===========================
 
 ``mtp.*`` draft layers stay in the pack and are not loaded. Every parallel layer comes from
-:class:`~shardsmith.runtime.parallel.Shards`; this file knows nothing about ranks. One sequence at a
+:class:`~shardsmith.runtime.layers.parallel.Shards`; this file knows nothing about ranks. One sequence at a
 time (batch 1); the state (sliding windows, compressor buffers and entries) continues from the
 last position, so a step must start at 0 (a new sequence) or where the previous one ended.
 Source of the maths: transformers ``modeling_deepseek_v4.py`` (``DeepseekV4Model``).
@@ -28,16 +28,16 @@ from functools import partial
 import torch
 from torch import nn
 
-from ...errors import UsageError
-from ..cuda_graphs import GraphedPiece, GraphPool, layer_pieces
-from ..model import install_buffers
-from ..parallel import Shards, all_reduce
-from .attention import Attention
-from .config import V4Args
-from .hyper import HyperHead, HyperMixer, expand
-from .moe import ExpertBank, MoE, expand_pairs, routed_pairs
-from .ops import RMSNorm, inv_freq, rope_cos_sin
-from .quant import ue8m0_to_float
+from shardsmith.errors import UsageError
+from shardsmith.runtime.engine.cuda_graphs import GraphedPiece, GraphPool, layer_pieces
+from shardsmith.runtime.models.mixtral.model import install_buffers
+from shardsmith.runtime.layers.parallel import Shards, all_reduce
+from shardsmith.runtime.models.deepseek_v4.attention import Attention
+from shardsmith.runtime.models.deepseek_v4.config import V4Args
+from shardsmith.runtime.models.deepseek_v4.hyper import HyperHead, HyperMixer, expand
+from shardsmith.runtime.models.deepseek_v4.moe import ExpertBank, MoE, expand_pairs, routed_pairs
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, inv_freq, rope_cos_sin
+from shardsmith.runtime.layers.quant import ue8m0_to_float
 
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
 
@@ -202,7 +202,7 @@ class DeepseekV4(nn.Module):
         return (self.head(self.norm(self.hc_head(streams))),)
 
     def use_decode_graphs(self, device: torch.device | str) -> None:
-        """Run one-token steps as piecewise CUDA graphs (:mod:`~shardsmith.runtime.cuda_graphs`).
+        """Run one-token steps as piecewise CUDA graphs (:mod:`~shardsmith.runtime.engine.cuda_graphs`).
 
         On a CPU device nothing is captured: the same pieces run eagerly through static buffers
         (what tests check against the plain forward). Call after the weights and offload are in place.

@@ -30,12 +30,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import UsageError
-from .chat import ChatTemplate, ChatTemplateError, load_chat_format
-from .encoding import MessageEncoding, RemoteCodeError
-from .metrics import Metrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid, validation_error
-from .worker import EngineWorker, Job, State, TextEvent
+from shardsmith.errors import UsageError
+from shardsmith.runtime.serve.chat import ChatTemplate, ChatTemplateError, load_chat_format
+from shardsmith.runtime.serve.encoding import MessageEncoding, RemoteCodeError
+from shardsmith.runtime.serve.metrics import Metrics
+from shardsmith.runtime.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid, validation_error
+from shardsmith.runtime.serve.worker import EngineWorker, Job, State, TextEvent
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Service:
         Raises:
             APIError: 400 (invalid or unsupported), 404 (unknown model), 503 (not ready).
         """
-        from .engine import SamplingParams
+        from shardsmith.runtime.engine.engine import SamplingParams
 
         if req.model != self.model_name:
             raise APIError(404, f"model '{req.model}' does not exist; this server serves '{self.model_name}'",
@@ -224,7 +224,7 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app over ``worker``; ``model_name`` is the id clients must send as ``model``;
     ``trust_remote_code``: see :class:`Service`; ``max_request_bytes``: see :class:`BodyLimit`."""
-    from .streaming import chat_response, completion_response
+    from shardsmith.runtime.serve.streaming import chat_response, completion_response
 
     app = FastAPI(title="shardsmith", docs_url=None, redoc_url=None, openapi_url=None)
     svc = Service(worker, model_name=model_name, metrics=metrics, trust_remote_code=trust_remote_code)

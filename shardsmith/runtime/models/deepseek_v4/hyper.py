@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import rms_unweighted
+from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
 
 
 def _meta(*shape: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import RuntimeLoadError
+from shardsmith.errors import RuntimeLoadError
 
 KIND_OF_RATIO = {0: "sliding", 4: "csa", 128: "hca"}
 _KIND_OF_TYPE = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",

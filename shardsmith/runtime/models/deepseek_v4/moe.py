@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...dtypes import DTYPES
-from ...errors import RuntimeLoadError
-from ..parallel import Shards, all_reduce
-from ..staging import rows_by_expert
-from .config import V4Args
-from .quant import dequantize_fp4
+from shardsmith.dtypes import DTYPES
+from shardsmith.errors import RuntimeLoadError
+from shardsmith.runtime.layers.parallel import Shards, all_reduce
+from shardsmith.runtime.layers.staging import rows_by_expert
+from shardsmith.runtime.models.deepseek_v4.config import V4Args
+from shardsmith.runtime.layers.quant import dequantize_fp4
 
 ARRAYS = ("gate_up", "gate_up_scale", "down", "down_scale")
 BATCHED_PAIRS = 16  # (token, expert) pairs up to which experts are expanded together

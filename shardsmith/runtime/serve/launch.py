@@ -38,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import EXIT_CODES, RankLostError, ShardsmithError, UsageError, exit_code_for
+from shardsmith.errors import EXIT_CODES, RankLostError, ShardsmithError, UsageError, exit_code_for
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
     """Body of one rank: join the group, load, then ``job`` (rank 0) or ``Engine.follow()``."""
     import torch.distributed as dist
 
-    from .parallel import clamp_threads, init_distributed
+    from shardsmith.runtime.layers.parallel import clamp_threads, init_distributed
 
     clamp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     device = f"cuda:{local_rank}" if spec.device.startswith("cuda") else "cpu"
@@ -166,7 +166,7 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
     elif world_size > 1:
         init_distributed(rank, world_size, master_addr=os.environ["MASTER_ADDR"],
                          master_port=int(os.environ["MASTER_PORT"]), device=spec.device, timeout_s=COLLECTIVE_TIMEOUT_S)
-    from .engine import Engine
+    from shardsmith.runtime.engine.engine import Engine
 
     load = partial(Engine.load, spec.path, rank=rank, world_size=world_size, device=device,
                    from_checkpoint=spec.from_checkpoint, verify_hashes=spec.verify_hashes,

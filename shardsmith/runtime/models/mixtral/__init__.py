@@ -1,0 +1,1 @@
+"""The Mixtral / Qwen3-MoE / Qwen2-MoE family: config, decoder, MoE layer."""
