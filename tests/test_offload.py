@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardsmith.errors import RuntimeLoadError, UsageError
-from shardsmith.runtime.offload import OffloadConfig
+from shardsmith.runtime.offload import OffloadConfig, host_kernel
 from shardsmith.runtime.offload.host_bank import load_host_banks
 from shardsmith.testing.ranks import run_ranks
 
@@ -71,9 +71,16 @@ def _check(results: dict) -> None:
         if backend == "resident":
             continue
         want, want_tokens, _ = results[(f"{fmt}/resident", dtype)]
-        # same device, same kernels, contributions added in expert order: bitwise equal
-        torch.testing.assert_close(logits, want, atol=0, rtol=0, msg=f"{key} {dtype}")
-        assert tokens == want_tokens, (key, dtype)
+        if backend in ("cpu", "hybrid") and host_kernel.available():
+            # host experts by the stored-format kernel: float32 accumulation, another summation order
+            tol = 1e-4 if dtype == "float32" else 3e-2
+            torch.testing.assert_close(logits, want, atol=tol * want.abs().max().item(), rtol=tol, msg=f"{key} {dtype}")
+            if dtype == "float32":
+                assert tokens == want_tokens, (key, dtype)
+        else:
+            # same device, same kernels, contributions added in expert order: bitwise equal
+            torch.testing.assert_close(logits, want, atol=0, rtol=0, msg=f"{key} {dtype}")
+            assert tokens == want_tokens, (key, dtype)
         if backend.startswith("gpu"):
             assert stats["misses"] > 0 and stats["bytes_copied"] == stats["misses"] * stats["slot_bytes"]
         if backend == "gpu-3slots":
@@ -165,6 +172,8 @@ def test_probe_never_picks_a_slower_backend():
     assert decide("auto", cuda=True, h2d_gb_per_s=50, slot_bytes=slot, cpu_s_per_expert=2e-3)[:2] == ("gpu", 0.0)
     backend, f, _ = decide("auto", cuda=True, h2d_gb_per_s=5, slot_bytes=slot, cpu_s_per_expert=1e-3)
     assert backend == "hybrid" and 0.5 < f < 1  # host faster than a 2.5 ms copy: it takes the larger share
+    backend, f, _ = decide("auto", cuda=True, h2d_gb_per_s=50, slot_bytes=slot, cpu_s_per_expert=0.5e-3)
+    assert backend == "hybrid" and 0.3 < f < 0.4  # host 2x slower than the copy: still a third of the misses
     assert decide("auto", cuda=False, h2d_gb_per_s=0, slot_bytes=slot, cpu_s_per_expert=1e-3)[0] == "cpu"
     assert decide("gpu", cuda=True, h2d_gb_per_s=5, slot_bytes=slot, cpu_s_per_expert=1e-6)[0] == "gpu"
 

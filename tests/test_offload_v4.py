@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardsmith.runtime.offload import OffloadConfig
+from shardsmith.runtime.offload import OffloadConfig, host_kernel
 from shardsmith.testing.ranks import run_ranks
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 7, 200, 13]
@@ -72,8 +72,13 @@ def _check(results: dict, world_size: int) -> None:
     want, want_tokens, _, want_short = results["resident"]
     for name in BACKENDS:
         logits, tokens, stats, short = results[name]
-        # the resident bank's own per-expert and per-pair kernels, on the same CPU: the same bits
-        torch.testing.assert_close(torch.from_numpy(logits), torch.from_numpy(want), atol=0, rtol=0, msg=name)
+        if name in ("cpu", "hybrid") and host_kernel.available():
+            # host experts by the stored-format kernel (float32 accumulation): float32 rounding apart
+            torch.testing.assert_close(torch.from_numpy(logits), torch.from_numpy(want), msg=name,
+                                       atol=1e-4 * float(abs(want).max()), rtol=1e-4)
+        else:
+            # the resident bank's own per-expert and per-pair kernels, on the same CPU: the same bits
+            torch.testing.assert_close(torch.from_numpy(logits), torch.from_numpy(want), atol=0, rtol=0, msg=name)
         assert tokens == want_tokens, name
         assert stats["layers"] == [f"layers.{i}" for i in range(4)]  # no mtp.* banks read
         assert stats["dtypes"]["gate_up"] == "torch.int8" and stats["dtypes"]["gate_up_scale"] == "torch.float8_e8m0fnu"

@@ -1,7 +1,10 @@
 """Routed experts computed on the host, straight from the host banks (``--moe-backend cpu|hybrid``).
 
-The host path reads each selected expert's arrays where they lie (no copy), dequantizes FP8/FP4 to
-the compute dtype and runs the same SwiGLU as the GPU path. Threads: every rank's process gets
+The host path reads each selected expert's arrays where they lie (no copy) and computes them with
+the stored-format kernel (:mod:`.host_kernel`: FP4, FP8 and bf16 decoded in registers, float32
+accumulation, equal to the GPU path within float32 rounding); formats it does not take, or a
+machine where it cannot be compiled, dequantize to the compute dtype and run the same SwiGLU as
+the GPU path (:func:`~.compute.expert_output`). Threads: every rank's process gets
 ``cores // ranks_on_this_host`` intra-op threads (:func:`~shardsmith.runtime.layers.parallel.clamp_threads`),
 so the ranks' CPU work is partitioned and never oversubscribes the host. bf16 matmuls go to oneDNN,
 which uses AMX tiles where the CPU has them (``amx_bf16``) and AVX-512 BF16 otherwise; the ready
@@ -20,6 +23,7 @@ import torch
 from shardsmith.runtime.layers.staging import rows_by_expert
 from .compute import ExpertMath, expert_output
 from .host_bank import HostBanks
+from .host_kernel import expert_swiglu_host, supports
 
 
 @functools.cache
@@ -41,11 +45,13 @@ class CpuExperts:
     Args:
         host: the rank's host banks; layers: bank layer keys in model order; block: FP8 block size;
         math: the family's SwiGLU clamp and accumulation (:class:`~.compute.ExpertMath`).
+        kernel: use the stored-format host kernel where it takes the bank (else the reference path).
     """
 
     def __init__(self, host: HostBanks, layers: list[str], block: tuple[int, int] | None,
-                 math: ExpertMath = ExpertMath()) -> None:
+                 math: ExpertMath = ExpertMath(), *, kernel: bool = True) -> None:
         self.host, self.layers, self.block, self.math = host, layers, block, math
+        self.kernel = kernel
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-experts")
         self.experts_computed = 0
 
@@ -60,9 +66,11 @@ class CpuExperts:
             expert -> ``(tok [n], contribution [n, D])`` in the accumulator's dtype, as the resident path adds them.
         """
         bank = self.host.layers[self.layers[layer]]
+        fast = self.kernel and supports({name: a[0] for name, a in bank.items()})
+        expert = expert_swiglu_host if fast else expert_output
         out = {}
         for e, (tok, k) in rows_by_expert(index, experts, index.device).items():
-            y = expert_output({name: a[e] for name, a in bank.items()}, x[tok], self.block, self.math.limit)
+            y = expert({name: a[e] for name, a in bank.items()}, x[tok], self.block, self.math.limit)
             out[e] = (tok, self.math.contribution(y, weight[tok, k], x.dtype))
         self.experts_computed += len(experts)
         return out

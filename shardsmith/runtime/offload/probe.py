@@ -5,10 +5,13 @@ Costs per missed expert (one rank, decode, one token):
 * GPU path: ``slot_bytes / h2d_bytes_per_s`` (the copy; the GPU matmul is negligible beside it);
 * CPU path: ``cpu_s_per_expert`` (dequantize + three matvecs on the host, measured).
 
-``auto`` never picks a slower backend: ``hybrid`` only when the host computes an expert faster than
-it can be copied, else ``gpu`` (with a GPU), ``cpu`` without one. In ``hybrid`` the two paths run in
-parallel, so the share ``f`` of misses sent to the host that balances them is
-``f = t_copy / (t_copy + t_cpu)``.
+In ``hybrid`` the two paths run in parallel, so the share ``f`` of misses sent to the host that
+balances them is ``f = t_copy / (t_copy + t_cpu)``, and n misses then take
+``n * t_copy * t_cpu / (t_copy + t_cpu)`` instead of ``n * t_copy``: a gain whenever the host
+computes at all, but a hybrid step also pays a host round trip (ids and activations out, partial
+sums back). ``auto`` therefore picks ``hybrid`` only where the balanced split saves at least
+:data:`HYBRID_MIN_GAIN` of the miss time (``t_cpu <= 4 * t_copy``), else ``gpu`` (with a GPU),
+``cpu`` without one: never a backend the measurements say is slower.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import torch
 
 from .cpu_backend import CpuExperts, cpu_matmul_isa
 from .host_bank import HostBanks
+
+
+HYBRID_MIN_GAIN = 0.2  # share of the copy-only miss time a hybrid split must save for ``auto`` to pick it
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +110,10 @@ def decide(requested: str, *, cuda: bool, h2d_gb_per_s: float, slot_bytes: int, 
     if requested == "auto":
         if not cuda:
             return "cpu", 1.0, "no CUDA device"
-        if t_cpu < t_copy:
-            return "hybrid", balance, f"host faster than the copy ({costs})"
-        return "gpu", 0.0, f"copying is faster ({costs})"
+        saved = t_copy / (t_copy + t_cpu) if t_copy != float("inf") else 1.0  # 1 - t_cpu / (t_copy + t_cpu)
+        if saved >= HYBRID_MIN_GAIN:
+            return "hybrid", balance, f"host and link together save {saved:.0%} of the miss time ({costs})"
+        return "gpu", 0.0, f"copying alone is within {HYBRID_MIN_GAIN:.0%} of a hybrid split ({costs})"
     if requested == "hybrid":
         f = balance if hybrid_fraction is None else hybrid_fraction
         return "hybrid", f, f"as requested; {f:.2f} of misses to the host ({costs})"

@@ -1,0 +1,128 @@
+"""Routed experts computed on the host: the stored-format kernel against the expand-then-matmul path
+and against the host's memory floor, per expert and per token.
+
+For DeepSeek-V4-Flash expert shapes (D = 4096, I = 2048 / tp) in three stored formats (FP4 e2m1 +
+UE8M0 per 32 as V4 ships them, FP8 e4m3 + float32 128x128 block scales, bf16), at 1, 4 and 8 tokens
+routed to the expert, rows give:
+
+- ``kernel_ms_per_expert``: :func:`shardsmith.runtime.offload.host_kernel.expert_swiglu_host`;
+- ``reference_ms_per_expert``: :func:`shardsmith.runtime.offload.compute.expert_output` (the path the
+  ``cpu`` and ``hybrid`` backends took before: expand to the compute dtype, then matmul);
+- ``floor_ms_per_expert``: the expert's stored bytes over the host read bandwidth measured here with
+  the same threads (a float32 sum over 1 GiB), the time no kernel can beat at batch 1.
+
+Experts are cycled through ``--experts`` distinct copies (more bytes than the last-level cache) so
+every call reads its weights from memory, as a decode step does. Example:
+``python benchmarks/host_experts.py --threads 16 --tp 1`` (on the GPU host: the numbers behind
+``--moe-backend auto``'s choice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+D, I_FULL = 4096, 2048  # DeepSeek-V4-Flash hidden and routed-expert intermediate
+
+
+def make_expert(fmt: str, inter: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One expert's arrays in stored format, random but finite (no NaN codes)."""
+    def raw(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+
+    if fmt == "fp4":
+        scale = lambda r, c: torch.randint(118, 124, (r, c), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)  # noqa: E731
+        return {"gate_up": raw(2 * inter, D // 2).view(torch.int8), "gate_up_scale": scale(2 * inter, D // 32),
+                "down": raw(D, inter // 2).view(torch.int8), "down_scale": scale(D, inter // 32)}
+    if fmt == "fp8":
+        f8 = lambda r, c: (raw(r, c) & 0xF7).view(torch.float8_e4m3fn)  # noqa: E731  (bit 3 clear: never NaN)
+        blocks = lambda r, c: torch.rand(-(-r // 128), -(-c // 128), generator=g) * 1e-3  # noqa: E731
+        return {"gate_up": f8(2 * inter, D), "gate_up_scale": blocks(2 * inter, D), "down": f8(D, inter),
+                "down_scale": blocks(D, inter)}
+    return {"gate_up": torch.randn(2 * inter, D, generator=g).bfloat16(), "down": torch.randn(D, inter, generator=g).bfloat16()}
+
+
+def read_bandwidth(repeat: int = 5) -> float:
+    """Host read bandwidth in bytes/s with the current threads: a float32 sum over 1 GiB, best of ``repeat``."""
+    buf = torch.ones(1 << 28)
+    buf.sum()
+    best = min(_timed(buf.sum) for _ in range(repeat))
+    return buf.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def per_expert_s(fn, experts: list[dict], x: torch.Tensor, repeat: int) -> float:
+    """Seconds per expert call, cycling through ``experts`` ``repeat`` times (after one warm pass)."""
+    for e in experts:
+        fn(e, x)
+    t = time.perf_counter()
+    for _ in range(repeat):
+        for e in experts:
+            fn(e, x)
+    return (time.perf_counter() - t) / (repeat * len(experts))
+
+
+def main() -> None:
+    from shardsmith.runtime.offload import host_kernel
+    from shardsmith.runtime.offload.compute import expert_output
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--tp", type=int, default=1, help="intermediate share: I = 2048 / tp")
+    p.add_argument("--formats", default="fp4,fp8,bf16")
+    p.add_argument("--tokens", default="1,4,8")
+    p.add_argument("--experts", type=int, default=8, help="distinct experts cycled through")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", help="activation dtype")
+    p.add_argument("--no-save", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    if not host_kernel.available():
+        sys.exit("the host expert kernel could not be compiled on this machine (see the warning above)")
+    act = getattr(torch, a.dtype)
+    inter = I_FULL // a.tp
+    bw = read_bandwidth()
+    print(f"threads {a.threads}, read bandwidth {bw / 1e9:.1f} GB/s, expert intermediate {inter} (tp {a.tp})", file=sys.stderr)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for fmt in a.formats.split(","):
+        experts = [make_expert(fmt, inter, g) for _ in range(a.experts)]
+        nbytes = sum(t.numel() * t.element_size() for t in experts[0].values())
+        block = (128, 128) if fmt == "fp8" else None
+        for n in (int(t) for t in a.tokens.split(",")):
+            x = torch.randn(n, D, generator=g).to(act)
+            kern = per_expert_s(lambda e, x: host_kernel.expert_swiglu_host(e, x, block), experts, x, a.repeat)
+            ref = per_expert_s(lambda e, x: expert_output(e, x, block), experts, x, max(1, a.repeat // 2))
+            floor = nbytes / bw
+            rows.append({"format": fmt, "tokens": n, "tp": a.tp, "threads": a.threads, "activation_dtype": a.dtype,
+                         "expert_bytes": nbytes, "read_gb_per_s": round(bw / 1e9, 2),
+                         "kernel_ms_per_expert": round(kern * 1e3, 3),
+                         "kernel_ms_per_expert_token": round(kern * 1e3 / n, 3),
+                         "reference_ms_per_expert": round(ref * 1e3, 3),
+                         "floor_ms_per_expert": round(floor * 1e3, 3),
+                         "kernel_over_floor": round(kern / floor, 2),
+                         "reference_over_kernel": round(ref / kern, 2)})
+    hdr = ("format", "tokens", "expert_bytes", "kernel_ms_per_expert", "kernel_ms_per_expert_token",
+           "reference_ms_per_expert", "floor_ms_per_expert", "kernel_over_floor", "reference_over_kernel")
+    print(" ".join(f"{h:>14.14}" for h in hdr))
+    for r in rows:
+        print(" ".join(f"{r[h]!s:>14.14}" for h in hdr))
+    if not a.no_save:
+        from _results import save_results
+
+        save_results("host_experts", rows)
+
+
+if __name__ == "__main__":
+    main()
