@@ -17,5 +17,7 @@ no Triton to import or run this package. Triton comes with the ``kernels`` extra
 
 from shardsmith.runtime.layers.kernels._common import KernelError, triton_available
 from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear, fp8_linear_reference
+from shardsmith.runtime.layers.kernels.fused_moe import fused_experts, fused_experts_reference
 
-__all__ = ["KernelError", "fp8_linear", "fp8_linear_reference", "triton_available"]
+__all__ = ["KernelError", "fp8_linear", "fp8_linear_reference", "fused_experts", "fused_experts_reference",
+           "triton_available"]
