@@ -1,7 +1,8 @@
 """The fused decode kernels against their PyTorch references on small shapes, on CPU.
 
 Without a GPU the Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here
-before the kernels are first imported); the tests skip, saying why, when triton is not installed.
+before the kernels are first imported); with one, the same small (ragged) shapes run compiled on
+it. The tests skip, saying why, when triton is not installed.
 Each check compares kernel and reference with a float64 truth (the reference on float64 inputs)
 and with each other: bf16 outputs land near 4e-3 (the interpreter truncates float32 to bf16
 where the GPU rounds, which doubles the error), so 1.5e-2 passes and a wrong scale, nibble or
@@ -16,7 +17,8 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shardsmith.runtime.layers.kernels import (KernelError, fp8_linear, fp8_linear_reference, fused_experts,
@@ -36,9 +38,9 @@ TOL = 1.5e-2
     (19, 130, 128, (128, 128), False, None),   # M past one 16-row tile
 ])
 def test_fp8_linear_matches_reference(m, n, k, block, ue8m0, split_k):
-    gen = torch.Generator().manual_seed(m * 1000 + n)
+    gen = torch.Generator(device=DEV).manual_seed(m * 1000 + n)
     w, scale = random_fp8_linear(n, k, block, ue8m0=ue8m0, gen=gen)
-    x = torch.randn(m, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen, device=DEV).bfloat16()
     out = fp8_linear(x, w, scale, block, split_k=split_k, backend="triton")
     ref = fp8_linear_reference(x, w, scale, block)
     truth = fp8_linear_reference(x.double(), w, scale, block)
@@ -49,19 +51,19 @@ def test_fp8_linear_matches_reference(m, n, k, block, ue8m0, split_k):
 
 @needs_triton
 def test_fp8_linear_keeps_leading_dims_and_float32():
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator(device=DEV).manual_seed(7)
     w, scale = random_fp8_linear(64, 256, (128, 128), ue8m0=True, gen=gen)
-    x = torch.randn(2, 3, 256, generator=gen)  # float32 activations: a float32 dot
+    x = torch.randn(2, 3, 256, generator=gen, device=DEV)  # float32 activations: a float32 dot
     out = fp8_linear(x, w, scale, backend="triton")
     assert out.shape == (2, 3, 64) and out.dtype == torch.float32
     assert rel_error(out, fp8_linear_reference(x.double(), w, scale, (128, 128))) < 1e-5
 
 
 def _bank_case(fp4: bool, tokens: int, top_k: int, experts: int, dim: int, inter: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=DEV).manual_seed(seed)
     bank = random_bank(experts, dim, inter, fp4=fp4, gen=gen)
     ids, weights = random_routing(tokens, top_k, experts, gen=gen)
-    return bank, ids, weights, torch.randn(tokens, dim, generator=gen).bfloat16()
+    return bank, ids, weights, torch.randn(tokens, dim, generator=gen, device=DEV).bfloat16()
 
 
 @needs_triton

@@ -84,8 +84,11 @@ def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale) -> bool:
                                 f"{None if down_scale is None else tuple(down_scale.shape)}")
         elif gate_up.dtype != down.dtype or gate_up.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             problems.append(f"bank dtype {gate_up.dtype}/{down.dtype}: FP4 (int8/uint8 + UE8M0) or one float dtype")
-    for name, t in (("gate_up", gate_up), ("down", down), ("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
-        if t is not None and t.stride(-1) != 1:
+    for name, t in (("ids", ids), ("weights", weights), ("gate_up", gate_up), ("down", down),
+                    ("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
+        if t is not None and t.device != x.device:
+            problems.append(f"{name} is on {t.device}, x on {x.device}: one device")
+        if t is not None and name not in ("ids", "weights") and t.stride(-1) != 1:
             problems.append(f"{name} rows must be contiguous (last stride 1, got {t.stride(-1)})")
     if problems:
         raise KernelError("fused_experts: " + "; ".join(problems))
@@ -95,7 +98,7 @@ def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale) -> bool:
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                   down_scale: torch.Tensor | None = None, *, limit: float = 0.0, block_i: int = 32,
-                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3, backend: str = "auto") -> torch.Tensor:
+                  block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3, backend: str = "auto") -> torch.Tensor:
     """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
 
     Every selected expert's bytes are read once per call however many tokens chose it, straight from
@@ -109,7 +112,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         gate_up, down, gate_up_scale, down_scale: the bank (module table); scales only for FP4.
         limit: SwiGLU clamp ``L`` (DeepSeek-V4's ``swiglu_limit``; 0 = none).
         block_i, block_n: intermediate rows per gate_up program, hidden rows per down program;
-        num_warps, num_stages: Triton launch options.
+        block_k: elements of the reduction dim (D, then I_r) per loop step; num_warps, num_stages: Triton launch options.
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
@@ -150,9 +153,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     k._gate_up_kernel[(P, triton.cdiv(I, block_i))](
         x, sorted_ids, order, gate_up, gs, h, P, x.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0),
         gs.stride(1), float(limit), TOP_K=TOP_K, D=D, I=I, HAS_LIMIT=bool(limit), BLOCK_I=block_i,
-        BLOCK_D=min(128, triton.next_power_of_2(D)), **common)
+        BLOCK_D=min(block_k, triton.next_power_of_2(D)), **common)
     k._down_kernel[(P, triton.cdiv(D, block_n))](
         h, sorted_ids, order, down, ds, route, y, P, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1),
-        D=D, I=I, BLOCK_N=block_n, BLOCK_K=min(128, triton.next_power_of_2(I)), **common)
+        D=D, I=I, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(I)), **common)
     k._combine_kernel[(T, triton.cdiv(D, 1024))](y, out, D=D, TOP_K=TOP_K, BLOCK=1024, num_warps=4)
     return out
