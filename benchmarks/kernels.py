@@ -31,6 +31,7 @@ HBM_GBPS = 4800.0  # H200 datasheet
 DENSE = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wo_b": (4096, 8192), "shared_w13": (4096, 4096),
          "shared_w2": (4096, 2048)}
 TOKENS = (1, 4, 16)
+EXPERTS, HIDDEN, TOP_K = 256, 4096, 6  # V4-Flash
 
 
 def graph_seconds(calls: list, replays: int) -> float:
@@ -56,6 +57,16 @@ def graph_seconds(calls: list, replays: int) -> float:
             times.append(start.elapsed_time(end) / 1e3 / len(calls))
     del graph
     return statistics.median(times)
+
+
+def try_seconds(calls: list, replays: int, what: str) -> float | None:
+    """:func:`graph_seconds`, or None (the error printed) when a launch configuration fails to build or run."""
+    try:
+        return graph_seconds(calls, replays)
+    except Exception as err:  # noqa: BLE001 (a failed configuration must not stop the others)
+        print(f"FAILED {what}: {type(err).__name__}: {str(err)[:300]}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
 
 
 def copy_gbps() -> float:
@@ -99,9 +110,10 @@ def bench_fp8(a, ceiling: float, configs: list[dict], shapes: dict, with_refs: b
                                                     a.replays)
                 del bf16
             for cfg in configs:
-                sec = graph_seconds([lambda w=w, s=s: fp8_linear(x, w, s, (128, 128), **cfg) for w, s in sets],
-                                    a.replays)
-                rows.append(row("fp8_linear", f"{name} [{n}, {k}]", m, _cfg(cfg), sec, nbytes, refs, ceiling))
+                sec = try_seconds([lambda w=w, s=s: fp8_linear(x, w, s, (128, 128), **cfg) for w, s in sets],
+                                  a.replays, f"fp8_linear {name} M={m} {cfg}")
+                if sec is not None:
+                    rows.append(row("fp8_linear", f"{name} [{n}, {k}]", m, _cfg(cfg), sec, nbytes, refs, ceiling))
         del sets, f32
     return rows
 
@@ -112,23 +124,24 @@ def bench_experts(a, ceiling: float, configs: list[dict], banks: list[tuple[bool
 
     gen, rows = torch.Generator(device="cuda").manual_seed(2), []
     for fp4, inter in banks:
-        bank = random_bank(256, 4096, inter, fp4=fp4, gen=gen)
+        bank = random_bank(EXPERTS, HIDDEN, inter, fp4=fp4, gen=gen)
         per_expert = sum(t[0].nbytes for t in bank.values())
         for tokens in TOKENS:
-            routes = [random_routing(tokens, 6, 256, gen=gen) for _ in range(a.rotate)]
-            x = torch.randn(tokens, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)
+            routes = [random_routing(tokens, TOP_K, EXPERTS, gen=gen) for _ in range(a.rotate)]
+            x = torch.randn(tokens, HIDDEN, generator=gen, device="cuda", dtype=torch.bfloat16)
             distinct = statistics.mean(len(set(ids.flatten().tolist())) for ids, _ in routes)
-            nbytes = int(distinct * per_expert) + 4 * tokens * 4096 + 12 * tokens * 6
+            nbytes = int(distinct * per_expert) + 4 * tokens * HIDDEN + 12 * tokens * TOP_K  # x in, out, ids+weights
             refs = {}
             if with_refs:
-                refs["expand_bmm"] = graph_seconds([lambda i=i, w=w: fused_experts_reference(x, i, w, **bank, limit=10.0)
-                                                    for i, w in routes], a.replays)
+                ref = [lambda i=i, w=w: fused_experts_reference(x, i, w, **bank, limit=10.0) for i, w in routes]
+                refs["expand_bmm"] = graph_seconds(ref, a.replays)
             for cfg in configs:
-                sec = graph_seconds([lambda i=i, w=w: fused_experts(x, i, w, **bank, limit=10.0, **cfg)
-                                     for i, w in routes], a.replays)
-                shape = f"{'fp4' if fp4 else 'bf16'} E=256 D=4096 I_r={inter} top-6"
-                rows.append(row("fused_experts", shape, tokens, _cfg(cfg), sec, nbytes, refs, ceiling,
-                                distinct_experts=round(distinct, 1)))
+                shape = f"{'fp4' if fp4 else 'bf16'} E={EXPERTS} D={HIDDEN} I_r={inter} top-{TOP_K}"
+                sec = try_seconds([lambda i=i, w=w: fused_experts(x, i, w, **bank, limit=10.0, **cfg)
+                                   for i, w in routes], a.replays, f"fused_experts {shape} T={tokens} {cfg}")
+                if sec is not None:
+                    rows.append(row("fused_experts", shape, tokens, _cfg(cfg), sec, nbytes, refs, ceiling,
+                                    distinct_experts=round(distinct, 1)))
         del bank
         torch.cuda.empty_cache()
     return rows
@@ -186,7 +199,8 @@ def main() -> None:
         TOKENS = keep
         print_table(sweep, "launch configurations")
         for key in sorted({(r["kernel"], r["shape"], r["tokens"]) for r in sweep}):
-            best = min((r for r in sweep if (r["kernel"], r["shape"], r["tokens"]) == key), key=lambda r: r["kernel_us"])
+            best = min((r for r in sweep if (r["kernel"], r["shape"], r["tokens"]) == key),
+                       key=lambda r: r["kernel_us"])
             print("best", *key, best["config"], best["kernel_us"], "us")
     rows = [{"kernel": "device_copy", "copy_GBps": round(ceiling, 1)}]
     rows += bench_fp8(a, ceiling, _parse(a.fp8_config), DENSE, with_refs=True)

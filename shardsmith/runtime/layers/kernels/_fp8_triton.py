@@ -17,7 +17,8 @@ import triton.language as tl
 
 @triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                       K_ITERS: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, UE8M0: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+                       K_ITERS: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, UE8M0: tl.constexpr,
+                       SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -67,7 +68,8 @@ def launch(x, w, scale, out, ws, *, block: tuple[int, int], ue8m0: bool, splits:
     N = w.shape[0]
     grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, 16))
     _fp8_linear_kernel[grid](x, w, scale, ws if splits > 1 else out, M, N, K, x.stride(0), w.stride(0),
-                             scale.stride(0), K_ITERS=k_per_split // block_k, SCALE_N=block[0], SCALE_K=block[1], UE8M0=ue8m0,
+                             scale.stride(0), K_ITERS=k_per_split // block_k, SCALE_N=block[0], SCALE_K=block[1],
+                             UE8M0=ue8m0,
                              SPLIT=splits > 1, DOT_F32=dot_f32, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
                              num_warps=num_warps, num_stages=num_stages)
     if splits > 1:

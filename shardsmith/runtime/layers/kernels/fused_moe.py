@@ -98,7 +98,8 @@ def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale) -> bool:
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                   down_scale: torch.Tensor | None = None, *, limit: float = 0.0, block_i: int = 32,
-                  block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3, backend: str = "auto") -> torch.Tensor:
+                  block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                  backend: str = "auto") -> torch.Tensor:
     """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
 
     Every selected expert's bytes are read once per call however many tokens chose it, straight from
@@ -112,7 +113,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         gate_up, down, gate_up_scale, down_scale: the bank (module table); scales only for FP4.
         limit: SwiGLU clamp ``L`` (DeepSeek-V4's ``swiglu_limit``; 0 = none).
         block_i, block_n: intermediate rows per gate_up program, hidden rows per down program;
-        block_k: elements of the reduction dim (D, then I_r) per loop step; num_warps, num_stages: Triton launch options.
+        block_k: elements of the reduction dim (D, then I_r) per loop step;
+        num_warps, num_stages: Triton launch options.
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
