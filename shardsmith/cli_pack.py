@@ -42,24 +42,36 @@ def split(
     workers: int = typer.Option(0, "--workers", help="Cutting/writing threads (0: min(4, CPUs))."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
+    from rich.markup import escape
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     from .ui import emit_json, err_console, human_bytes
     from .writer.split import split_checkpoint
 
     con = err_console()
-    with Progress(TextColumn("split"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=con, transient=True, disable=json_out and not con.is_terminal) as bar:
-        task = bar.add_task("split", total=None)
-        result = split_checkpoint(checkpoint, out, world_size=tp, align=align, ranks=_ranks(ranks), resume=resume,
-                                  force=force, max_file_bytes=max_file_bytes, workers=workers or None,
-                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+    try:
+        with Progress(TextColumn("split"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=con, transient=True, disable=not con.is_terminal) as bar:
+            task = bar.add_task("split", total=None)
+            result = split_checkpoint(checkpoint, out, world_size=tp, align=align, ranks=_ranks(ranks), resume=resume,
+                                      force=force, max_file_bytes=max_file_bytes, workers=workers or None,
+                                      progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except KeyboardInterrupt:
+        partial = out.with_name(out.name + ".partial")
+        hint = (f"{partial} holds the work done so far: run the same split with --resume to continue it"
+                if partial.is_dir() else "nothing was written")
+        con.print(f"[bold red]interrupted:[/] {escape(hint)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     for note in result.notes:
-        con.print(f"[yellow]note:[/] {note}", highlight=False)
+        con.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     if json_out:
         from dataclasses import asdict
 
         emit_json(asdict(result))
+        return
+    if result.already_complete:
+        con.print(f"[bold green]already complete[/] {result.out_dir}: ranks {','.join(map(str, result.ranks))} of "
+                  f"{result.world_size}; pack_id {result.pack_id}", highlight=False)
         return
     rate = result.bytes_read / result.seconds / 1e9 if result.seconds else 0.0
     con.print(f"[bold green]wrote[/] {result.out_dir}: ranks {','.join(map(str, result.ranks))} of {result.world_size}, "

@@ -1,8 +1,9 @@
 """Open a checkpoint directory and validate every shard header eagerly, reporting every problem at once.
 
 Checks (each a :class:`~shardsmith.errors.SourceError` line naming file, tensor, value and rule):
-``config.json`` parses; the index (or single file) exists; every index entry names a file inside
-the directory (Hugging Face cache symlinks into ``../../blobs`` are followed) that exists, or its
+``config.json`` parses and the plan fields it holds are well typed (:mod:`.config`); the index (or
+single file) exists; every index entry is a plain relative file name (non-empty, no ``..``, within
+the system's name limits) naming a regular file inside the directory (Hugging Face cache symlinks into ``../../blobs`` are followed) that exists, or its
 ``.safetensors.json`` header; headers parse, with no duplicate names; dtypes are known; sizes match
 dtype x shape (``F4`` counts 4-bit elements); offsets neither overlap nor leave gaps nor pass the
 end of the file (a truncated shard names the first tensor past its end); index and headers agree.
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from ..dtypes import DTYPES, dtype
 from ..errors import SourceError, format_problems
+from .config import config_problems
 from .reader import HEADER_SUFFIX, INDEX_NAME, MAX_HEADER_BYTES, SINGLE_NAME, Checkpoint, ShardFile, TensorInfo
 
 def _parse_json(text: str, problems: list[str], duplicate: str) -> object:
@@ -36,7 +38,7 @@ def _parse_json(text: str, problems: list[str], duplicate: str) -> object:
 def _load_json(path: Path, problems: list[str], what: str) -> dict | None:
     try:
         data = _parse_json(path.read_text(), problems, f"{path.name}: duplicate key {{key}} in {what}")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         problems.append(f"{path.name}: cannot parse {what}: {e}")
         return None
     if not isinstance(data, dict):
@@ -54,8 +56,11 @@ def _read_header(path: Path, name: str, problems: list[str]) -> tuple[dict | Non
     if path.name.endswith(HEADER_SUFFIX):
         try:
             header = _load_json_text(path.read_text(), name, problems)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             problems.append(f"{path.name}: cannot parse safetensors header: {e}")
+            return None, 0, 0, True
+        if not isinstance(header, dict):
+            problems.append(f"{path.name}: header is not a JSON object")
             return None, 0, 0, True
         return header, path.stat().st_size, 0, True
     size = path.stat().st_size
@@ -81,7 +86,7 @@ def _read_header(path: Path, name: str, problems: list[str]) -> tuple[dict | Non
         # json keeps the last of duplicate keys silently; re-parse slowly only if counts disagree
         if isinstance(header, dict) and len(header) - ("__metadata__" in header) != text.count('"data_offsets"'):
             header = _load_json_text(text, name, problems)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         problems.append(f"{name}: header is not valid JSON: {e}")
         return None, size, 0, False
     if not isinstance(header, dict):
@@ -105,15 +110,17 @@ def _check_entries(
             problems.append(f"{name}: tensor {tname!r} entry lacks dtype, shape or data_offsets")
             continue
         dt, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
                 and 0 <= offs[0] <= offs[1]):
             problems.append(f"{name}: tensor {tname!r} has invalid data_offsets {offs!r}")
             continue
         # a bad dtype or shape is reported, but the entry still counts for the offset checks so
         # that one bad entry does not also show up as a gap or as trailing bytes
-        if dt not in DTYPES:
+        if not isinstance(dt, str):
+            problems.append(f"{name}: tensor {tname!r} has dtype {dt!r}, which is not a string (such as \"BF16\")")
+        elif dt not in DTYPES:
             problems.append(f"{name}: tensor {tname!r} has unknown dtype {dt!r} (known: {', '.join(sorted(DTYPES))})")
-        elif not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
+        elif not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)):
             problems.append(f"{name}: tensor {tname!r} has invalid shape {shape!r}")
         else:
             want = dtype(dt).nbytes(shape)
@@ -149,17 +156,44 @@ def _check_entries(
     return [i for _, _, i in infos]
 
 
+NAME_MAX = 255  # bytes per path component (Linux NAME_MAX)
+PATH_MAX = 4095  # bytes per path (Linux PATH_MAX less the terminating NUL)
+
+
+def shard_name_problem(name: str) -> str | None:
+    """Why index entry ``name`` cannot name a shard file inside the checkpoint directory, or ``None``.
+
+    Rules: non-empty; no NUL byte; relative, with no ``..`` component (a Hugging Face index names
+    files beside it, or in subdirectories); every component at most :data:`NAME_MAX` bytes and the
+    whole at most :data:`PATH_MAX` bytes of UTF-8.
+    """
+    if not name or os.path.normpath(name) == ".":
+        return f"{name!r} names no file (an empty path or only '.' and '/')"
+    if "\0" in name:
+        return f"{name[:60]!r} contains a NUL byte"
+    if os.path.isabs(name) or ".." in Path(name).parts:
+        return f"entry {name[:80]!r} names a path outside the checkpoint directory (absolute, or with '..')"
+    raw = name.encode("utf-8", "surrogatepass")
+    if len(raw) > PATH_MAX or any(len(part) > NAME_MAX for part in raw.split(b"/")):
+        return (f"entry {name[:60]!r}... ({len(raw)} bytes) is too long for a file name "
+                f"(at most {NAME_MAX} bytes per component, {PATH_MAX} in all)")
+    return None
+
+
 def _shard_path(root: Path, name: str, problems: list[str]) -> Path | None:
-    rel = os.path.normpath(name)
-    if os.path.isabs(name) or rel == ".." or rel.startswith(".." + os.sep):
-        problems.append(f"{INDEX_NAME}: entry {name!r} names a path outside the checkpoint directory")
+    why = shard_name_problem(name)
+    if why:
+        problems.append(f"{INDEX_NAME}: {why}")
         return None
+    rel = os.path.normpath(name)
     p = root / rel
-    if p.exists():
-        return p.resolve()  # follows Hugging Face cache symlinks into ../../blobs
     h = root / (rel + HEADER_SUFFIX)
-    if h.exists():
-        return h.resolve()
+    for cand in (p, h):
+        if cand.exists():
+            if not cand.resolve().is_file():
+                problems.append(f"{name}: listed in {INDEX_NAME} but {cand} is not a regular file")
+                return None
+            return cand.resolve()  # follows Hugging Face cache symlinks into ../../blobs
     if p.is_symlink():
         problems.append(f"{name}: listed in {INDEX_NAME} but {p} is a broken symlink to {os.readlink(p)}")
         return None
@@ -170,7 +204,7 @@ def _shard_path(root: Path, name: str, problems: list[str]) -> Path | None:
 def open_checkpoint(root: str | os.PathLike) -> Checkpoint:
     """Open checkpoint directory ``root`` and validate every shard header eagerly.
 
-    Checks: ``config.json`` parses; the index (or single file) exists; every index entry's file
+    Checks: ``config.json`` parses and its plan fields are well typed; the index (or single file) exists; every index entry's file
     exists inside the directory (symlinks followed); every header parses with no duplicate names;
     dtypes are known; sizes match dtype x shape; offsets neither overlap nor leave gaps nor pass
     the end of the file; every tensor the index lists is in its shard and vice versa.
@@ -186,6 +220,8 @@ def open_checkpoint(root: str | os.PathLike) -> Checkpoint:
     config = _load_json(cfg_path, problems, "config.json") if cfg_path.exists() else None
     if config is None and not cfg_path.exists():
         problems.append(f"{root}: no config.json")
+    if config is not None:
+        problems += config_problems(config)
     inf_path = root / "inference" / "config.json"
     inference_config = _load_json(inf_path, problems, "inference/config.json") if inf_path.exists() else None
 

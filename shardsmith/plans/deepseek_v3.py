@@ -26,15 +26,21 @@ holds an even number of them, so e.g. world_size=128 is refused naming the cut.
 
 from __future__ import annotations
 
+from ..checkpoint.config import config_int
 from .core import BankArray, BankRole, Layout, Plan, Rule
 
 L = r"(model\.layers\.\d+)"
 
 
 def build(config: dict, world_size: int) -> Plan:
-    """The DeepSeek-V3 plan for ``world_size`` ranks (cuts inside blocks fail at resolve time)."""
-    nope, rope = int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"])
-    v_head = int(config["v_head_dim"])
+    """The DeepSeek-V3 plan for ``world_size`` ranks (cuts inside blocks fail at resolve time).
+
+    Raises:
+        SourceError: ``qk_nope_head_dim``, ``qk_rope_head_dim`` or ``v_head_dim`` missing from
+            config.json or not a valid count.
+    """
+    nope, rope = config_int(config, "qk_nope_head_dim"), config_int(config, "qk_rope_head_dim")
+    v_head = config_int(config, "v_head_dim")
     rules = (
         Rule(r"model\.embed_tokens\.weight|" + L + r"\.embed_tokens\.weight", Layout.VOCAB, 0,
              note="vocab-parallel embedding (MTP layer's copy too)"),

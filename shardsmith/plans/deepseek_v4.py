@@ -21,6 +21,7 @@ gate (router), hc_* mixers, mtp extras replicated
 
 from __future__ import annotations
 
+from ..checkpoint.config import config_int
 from ..errors import PlanError
 from .core import BankArray, BankRole, Layout, Plan, Rule, Split
 
@@ -29,7 +30,7 @@ L = r"((?:layers|mtp)\.\d+)"  # layer key: a backbone layer or an MTP draft laye
 
 def valid_world_sizes(config: dict) -> list[int]:
     """World sizes (up to 64) that divide both the attention heads and ``o_groups``."""
-    heads, groups = int(config["num_attention_heads"]), int(config.get("o_groups", 1))
+    heads, groups = config_int(config, "num_attention_heads"), config_int(config, "o_groups", default=1)
     return [w for w in range(1, 65) if heads % w == 0 and groups % w == 0]
 
 
@@ -39,11 +40,13 @@ def build(config: dict, world_size: int) -> Plan:
     Raises:
         PlanError: ``world_size`` does not divide the heads or ``o_groups`` (wq_b and wo_a are
             split by whole heads and whole output groups), naming the valid sizes.
+        SourceError: ``num_attention_heads``, ``head_dim``, ``o_groups`` or ``o_lora_rank`` not a
+            valid count in config.json (or the first two missing).
     """
-    heads = int(config["num_attention_heads"])
-    head_dim = int(config["head_dim"])
-    groups = int(config.get("o_groups", 1))
-    o_rank = int(config.get("o_lora_rank", 0)) or head_dim * heads // groups
+    heads = config_int(config, "num_attention_heads")
+    head_dim = config_int(config, "head_dim")
+    groups = config_int(config, "o_groups", default=1)
+    o_rank = config_int(config, "o_lora_rank", default=0) or head_dim * heads // groups
     for what, n in (("num_attention_heads", heads), ("o_groups", groups)):
         if n % world_size:
             raise PlanError(

@@ -24,7 +24,8 @@ norms, router gate, shared_expert_gate                replicated
 
 from __future__ import annotations
 
-from ..errors import PlanError
+from ..checkpoint.config import CONFIG, config_int
+from ..errors import PlanError, SourceError
 from .core import BankArray, BankRole, Layout, Plan, Rule, Split, check_block_cuts, partition_units
 
 L = r"(model\.layers\.\d+)"
@@ -33,9 +34,12 @@ ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausal
 
 
 def _attention_rules(config: dict, world_size: int) -> tuple[tuple[Rule, ...], tuple[str, ...]]:
-    heads = int(config["num_attention_heads"])
-    kv = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    heads = config_int(config, "num_attention_heads")
+    kv = config_int(config, "num_key_value_heads", default=heads)
+    head_dim = config_int(config, "head_dim", default=0) or config_int(config, "hidden_size") // heads
+    if heads % kv:
+        raise SourceError(f"{CONFIG}: num_key_value_heads is {kv}, which does not divide num_attention_heads={heads} "
+                          f"(every KV head serves a whole number of query heads)")
     group = heads // kv
     qkv = r"\.self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)"
     q = r"\.self_attn\.q_proj\.(weight|bias)"
@@ -86,6 +90,7 @@ def build(config: dict, world_size: int) -> Plan:
 
     Raises:
         PlanError: more ranks than query heads (naming the valid sizes).
+        SourceError: a config.json field the attention split needs is missing or not a valid count.
     """
     attn, notes = _attention_rules(config, world_size)
     rules = (

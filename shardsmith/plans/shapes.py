@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from ..checkpoint import TensorInfo
+from ..checkpoint.config import config_int
 from ..errors import PlanError, format_problems
 
 Expect = list[tuple[str, tuple[int, ...]]]  # (regex over tensor names, expected logical shape)
@@ -18,18 +19,16 @@ Counts = list[tuple[str, str, int]]  # (regex whose group 1 is a layer index, la
 
 
 def _ints(config: dict, *keys: str) -> list[int]:
-    missing = [k for k in keys if config.get(k) is None]
-    if missing:
-        raise PlanError(f"config.json lacks {', '.join(missing)}, needed to plan this architecture")
-    return [int(config[k]) for k in keys]
+    return [config_int(config, k) for k in keys]
 
 
 def _hf_moe(config: dict) -> tuple[Expect, Counts, int]:
     hidden, heads, vocab, layers = _ints(config, "hidden_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
-    kv = int(config.get("num_key_value_heads") or heads)
-    d = int(config.get("head_dim") or hidden // heads)
-    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
-    inter = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0)
+    kv = config_int(config, "num_key_value_heads", default=heads)
+    d = config_int(config, "head_dim", default=0) or hidden // heads
+    experts = config_int(config, "num_local_experts", default=0) or config_int(config, "num_experts", default=0)
+    inter = (config_int(config, "moe_intermediate_size", default=0)
+             or config_int(config, "intermediate_size", default=0))
     L = r"model\.layers\.\d+"
     expect = [
         (r"model\.embed_tokens\.weight|lm_head\.weight", (vocab, hidden)),
@@ -69,7 +68,7 @@ def _deepseek_v3(config: dict) -> tuple[Expect, Counts, int]:
     hidden, heads, vocab, layers = _ints(config, "hidden_size", "num_attention_heads", "vocab_size", "num_hidden_layers")
     nope, rope, v, kv_lora, experts, inter = _ints(config, "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                                                    "kv_lora_rank", "n_routed_experts", "moe_intermediate_size")
-    q_lora = config.get("q_lora_rank")
+    q_lora = config_int(config, "q_lora_rank", default=0)
     L = r"model\.layers\.\d+"
     expect = [
         (r"model\.embed_tokens\.weight|lm_head\.weight", (vocab, hidden)),
@@ -82,7 +81,7 @@ def _deepseek_v3(config: dict) -> tuple[Expect, Counts, int]:
     ]
     if q_lora:
         expect.append((L + r"\.self_attn\.q_b_proj\.weight", (heads * (nope + rope), int(q_lora))))
-    mtp = int(config.get("num_nextn_predict_layers") or 0)
+    mtp = config_int(config, "num_nextn_predict_layers", default=0)
     return expect, [(r"model\.layers\.(\d+)\.", "num_hidden_layers + num_nextn_predict_layers", layers + mtp)], experts
 
 
@@ -103,6 +102,7 @@ def check_shapes(family: str, config: dict, tensors: dict[str, TensorInfo], expe
 
     Raises:
         PlanError: listing every tensor whose shape, and every count, disagrees with config.json.
+        SourceError: a field the family's shapes need is missing from config.json or not a count.
     """
     if family not in FAMILY_SHAPES:
         return

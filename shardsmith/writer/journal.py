@@ -20,6 +20,7 @@ from shardsmith.pack.format import hash_file
 from .stwriter import FileDigest
 
 JOURNAL = "journal.jsonl"
+JOURNAL_TMP = "journal.tmp"  # the journal being rewritten by :meth:`Journal.open`, renamed over JOURNAL
 
 
 class Journal:
@@ -48,7 +49,7 @@ class Journal:
         j = cls(root, key)
         notes: list[str] = []
         if not j.path.exists():
-            return j, ["no journal in the partial directory: starting over"]
+            return j, ["no journal in the partial directory (interrupted before its first record): starting over"]
         lines = j.path.read_text().splitlines()
         recs = []
         for line in lines:
@@ -76,7 +77,7 @@ class Journal:
 
     def open(self) -> None:
         """Rewrite the journal with the key and the records kept so far, then append from here."""
-        tmp = self.path.with_suffix(".tmp")
+        tmp = self.path.with_name(JOURNAL_TMP)
         with open(tmp, "w") as fh:
             fh.write(json.dumps({"key": self.key}) + "\n")
             for name, (n, h) in self.sources.items():

@@ -8,7 +8,11 @@ there. Rules (symlinks resolved before comparing paths):
 - an existing ``OUT`` must be a directory, not a symlink; ``force`` replaces it only when it is
   empty, a pack (holds ``pack.yaml``) or a partial split of ours;
 - an existing ``OUT.partial`` (restarted or resumed) must be a partial split of ours: empty, or
-  holding ``journal.jsonl``, ``pack.yaml`` or only ``rank-<r>-of-<N>`` directories.
+  holding ``journal.jsonl``, ``pack.yaml`` or only ``rank-<r>-of-<N>`` directories and the
+  journal's temporary file (a split killed while writing its first journal);
+- ``--resume`` with no ``OUT.partial`` and a finished pack at ``OUT`` of the same split (plan hash,
+  ranks, source file names and sizes, no source newer than the pack) has nothing left to do
+  (:func:`finished_pack`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import UsageError
-from .journal import JOURNAL
-from shardsmith.pack.format import PACK_MANIFEST
+from ..errors import ManifestError, UsageError
+from ..pack.format import PACK_MANIFEST, load_yaml
+from .journal import JOURNAL, JOURNAL_TMP
 
 _RANK_DIR = re.compile(r"rank-\d+-of-\d+")
 
@@ -33,7 +37,41 @@ def is_ours(d: Path) -> bool:
     names = {p.name: p for p in d.iterdir()}
     if not names or PACK_MANIFEST in names or JOURNAL in names:
         return True
-    return all(_RANK_DIR.fullmatch(n) and p.is_dir() and not p.is_symlink() for n, p in names.items())
+    return all((_RANK_DIR.fullmatch(n) and p.is_dir() and not p.is_symlink())
+               or (n == JOURNAL_TMP and p.is_file() and not p.is_symlink()) for n, p in names.items())
+
+
+def finished_pack(out: Path, *, plan_hash: str, world_size: int, ranks: tuple[int, ...],
+                  sources: list[tuple[str, Path]]) -> str | None:
+    """Whether ``out`` already holds the finished pack this split would write.
+
+    Args:
+        plan_hash: XXH3-128 of the plan file this split writes; ranks: the ranks it writes;
+        sources: the source shards as (index name, path), in index order.
+
+    Returns:
+        ``None`` when ``out/pack.yaml`` records the same plan hash, world size, ranks and source
+        files (names and sizes) and no source file is newer than it; else why not (one phrase).
+    """
+    manifest = out / PACK_MANIFEST
+    try:
+        doc = load_yaml(manifest)
+    except ManifestError as e:
+        return f"its {PACK_MANIFEST} cannot be read: {e}"
+    plan = doc.get("plan") if isinstance(doc.get("plan"), dict) else {}
+    src = doc.get("source") if isinstance(doc.get("source"), dict) else {}
+    files = src.get("files") if isinstance(src.get("files"), list) else []
+    recorded = [(f.get("name"), f.get("bytes")) for f in files if isinstance(f, dict)]
+    if plan.get("xxh3_128") != plan_hash or doc.get("world_size") != world_size:
+        return "another plan or world size"
+    if doc.get("ranks_written") != list(ranks):
+        return f"ranks {doc.get('ranks_written')!r} written, this split writes {list(ranks)}"
+    if recorded != [(name, path.stat().st_size) for name, path in sources]:
+        return "other source files or sizes"
+    newest = max((path.stat().st_mtime_ns for _, path in sources), default=0)
+    if newest > manifest.stat().st_mtime_ns:
+        return "a source file changed after the pack was written"
+    return None
 
 
 def _overlap(target: Path, protected: Path, what: str, flag: str) -> str | None:
@@ -79,3 +117,28 @@ def check_out(ckpt_root: Path, shards: list[Path], out: Path, *, force: bool) ->
     if partial.is_symlink() or (partial.exists() and not (partial.is_dir() and is_ours(partial))):
         raise UsageError(f"{partial}: exists and is not a partial split of shardsmith (no {JOURNAL}); "
                          f"split works there, so remove or rename it first")
+
+
+def unfinished_split(root: Path) -> str | None:
+    """A problem line when ``root`` is the ``OUT.partial`` of an interrupted split, else ``None``.
+
+    ``root`` counts as one when its name ends in ``.partial``, it has no ``pack.yaml`` and
+    :func:`is_ours` holds (a journal, or only rank directories and the journal's temporary file).
+    """
+    if not (root.name.endswith(".partial") and root.is_dir() and not root.is_symlink()):
+        return None
+    if (root / PACK_MANIFEST).exists() or not any(root.iterdir()) or not is_ours(root):
+        return None
+    out = root.with_name(root.name[: -len(".partial")])
+    return (f"{root}: an unfinished split into {out} (no {PACK_MANIFEST} yet): rerun the same `shardsmith split` "
+            f"with --resume to continue it")
+
+
+def rank_of_pack(root: Path) -> tuple[int, int, Path] | None:
+    """``(rank, world_size, pack)`` when ``root`` is a ``rank-<r>-of-<N>`` directory of the pack one
+    level up (its parent holds ``pack.yaml``), else ``None``."""
+    m = re.fullmatch(r"rank-(\d+)-of-(\d+)", root.resolve().name)
+    parent = root.resolve().parent
+    if m is None or not (parent / PACK_MANIFEST).is_file():
+        return None
+    return int(m.group(1)), int(m.group(2)), parent

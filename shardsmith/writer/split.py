@@ -40,10 +40,11 @@ import xxhash
 from ..checkpoint import open_checkpoint, slice_bytes
 from ..errors import SourceError, UsageError
 from ..plans import plan_checkpoint
+from ..pack.format import PACK_MANIFEST, load_yaml
 from ..plans.resolve import TensorPlan
 from .journal import Journal
 from .layout import DEFAULT_MAX_FILE_BYTES, PackLayout, layout_pack
-from .outdir import check_out, partial_dir
+from .outdir import check_out, finished_pack, partial_dir
 from .packdocs import finalize_pack, plan_json
 from .slicing import cut
 from .stwriter import FileWriter
@@ -62,6 +63,7 @@ class SplitResult:
         bytes_read: source bytes read; bytes_written: bytes of weight files written now.
         seconds: wall time; window_bytes: the in-flight source cap (see the module docstring).
         notes: what resume dropped or decided.
+        already_complete: ``resume`` found this very split finished at ``out_dir`` and did nothing.
     """
 
     out_dir: str
@@ -75,6 +77,7 @@ class SplitResult:
     seconds: float
     window_bytes: int
     notes: tuple[str, ...] = field(default=())
+    already_complete: bool = False
 
 
 def shard_pieces(raw: np.ndarray, tp: TensorPlan, rank: int) -> list[np.ndarray]:
@@ -131,7 +134,9 @@ def split_checkpoint(
     Args:
         world_size: tensor-parallel ranks; align: cut unit in logical elements (``--align``).
         ranks: write only these ranks (``pack.yaml`` still lists all; verify with ``rank=``).
-        resume: reuse finished files of an interrupted split into the same ``out_dir``.
+        resume: reuse finished files of an interrupted split into the same ``out_dir``; with no
+            ``OUT.partial`` and this very split finished at ``out_dir``, return at once saying so
+            (``files_written`` 0, a note).
         force: replace an existing pack (or partial split) at ``out_dir``; never anything else
             (:mod:`.outdir`).
         max_file_bytes: size at which a rank's dense tensors start a new file.
@@ -155,11 +160,22 @@ def split_checkpoint(
         raise SourceError(f"{ckpt.root}: {n} of {len(ckpt.files)} shard(s) are header-only (.safetensors.json); "
                           f"split needs the tensor data (download the shards first)")
     shards = [f.path for f in ckpt.files.values()]
-    check_out(ckpt.root, shards, out, force=force)
     plan = plan_checkpoint(ckpt, world_size, align=align)
     layout = layout_pack(plan, ranks=ranks, max_file_bytes=max_file_bytes)
     plan_bytes = plan_json(plan)
     partial = partial_dir(out)
+    if resume and not force and not partial.exists() and (out / PACK_MANIFEST).is_file() and not out.is_symlink():
+        check_out(ckpt.root, shards, out, force=True)  # the source rules still hold
+        why = finished_pack(out, plan_hash=xxhash.xxh3_128(plan_bytes).hexdigest(), world_size=world_size,
+                            ranks=layout.ranks, sources=[(f.name, f.path) for f in ckpt.files.values()])
+        if why is not None:
+            raise UsageError(f"{out}: holds a finished pack of another split ({why}); --resume continues only the "
+                             f"same split: pass --force to replace it")
+        return SplitResult(str(out), str(load_yaml(out / PACK_MANIFEST).get("pack_id")), world_size, layout.ranks,
+                           0, len(layout.files), 0, 0, time.perf_counter() - t0, 0,
+                           (f"{out} already holds this finished pack (same plan, ranks and source files): nothing to "
+                            f"resume; `shardsmith verify {out}` checks it",), already_complete=True)
+    check_out(ckpt.root, shards, out, force=force)
     key = {"format_version": 1, "plan_xxh3_128": xxhash.xxh3_128(plan_bytes).hexdigest(),
            "ranks": list(layout.ranks), "max_file_bytes": max_file_bytes,
            "source": [[f.name, f.size, f.path.stat().st_mtime_ns] for f in ckpt.files.values()]}
@@ -291,6 +307,9 @@ def _stream(ckpt, plan, layout: PackLayout, root: Path, journal: Journal, worker
                 if failed.is_set():
                     break
                 journal.source_done(shard.name, shard.size, h.hexdigest())
+    except BaseException:  # Ctrl-C or a read error: queued tensors are dropped, not written
+        failed.set()
+        raise
     finally:
         for w in writers.values():
             w.abort()

@@ -180,11 +180,32 @@ def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, dst: Path) -> tuple[
     return n, h.hexdigest(), b"".join(keep) if keep is not None else None
 
 
+def _check_dest(dest: Path) -> None:
+    """Refuse an import destination that import cannot create by renaming a new directory into place.
+
+    Raises:
+        UsageError: ``dest`` names no directory of its own (``.``, ``..``, ``/``), is a symlink,
+            an existing file, or a non-empty directory.
+    """
+    if dest.name in ("", ".", ".."):
+        raise UsageError(f"{dest}: names an existing directory by '.', '..' or '/'; import creates a new "
+                         f"directory: give its name, such as {dest / 'rank-0'}")
+    if dest.is_symlink():
+        raise UsageError(f"{dest}: is a symlink to {os.readlink(dest)}; import creates a new directory and renames it "
+                         f"into place: name a path that does not exist yet (or the directory itself)")
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"{dest}: exists and is a file, not a directory; import creates a directory "
+                         f"(remove the file or choose another DEST)")
+    if dest.exists() and any(dest.iterdir()):
+        raise UsageError(f"{dest}: exists and is not empty; import needs a new or empty directory")
+
+
 def import_rank(archive: str | os.PathLike, dest: str | os.PathLike) -> TransportResult:
     """Unpack an :func:`export_rank` archive into ``dest``, checking every file's size and hash.
 
     Raises:
-        UsageError: ``archive`` is missing or not a file; ``dest`` exists and is not empty.
+        UsageError: ``archive`` is missing or not a file; ``dest`` is ``.``, a symlink, a file or a
+            non-empty directory.
         IntegrityError: damaged, truncated or unexpected content (``dest`` is then not created).
     """
     import yaml
@@ -196,8 +217,7 @@ def import_rank(archive: str | os.PathLike, dest: str | os.PathLike) -> Transpor
         raise UsageError(f"{archive}: no such archive")
     if not archive.is_file():
         raise UsageError(f"{archive}: not a file (give the .tar.zst written by export)")
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UsageError(f"{dest}: exists and is not empty")
+    _check_dest(dest)
     tmp = dest.with_name(f".{dest.name}.import-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     expect: dict[str, tuple[int, str]] = {}

@@ -31,6 +31,7 @@ import xxhash
 
 from ..errors import IntegrityError, ManifestError, PlanError, UsageError
 from .coverage import plan_problems
+from .outdir import unfinished_split
 from shardsmith.pack.format import (BANK_ALIGN, DENSE_ALIGN, FORMAT, FORMAT_VERSION, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST,
                        check_identity, load_yaml, rank_dir)
 from .stwriter import DATA_START_ALIGN, PADDING_PREFIX, read_header
@@ -257,6 +258,8 @@ def _check_target(root: Path) -> str | None:
         raise UsageError(f"{root}: not a directory (verify takes a pack directory written by split)")
     if (root / PACK_MANIFEST).exists():
         return None
+    if note := unfinished_split(root):  # OUT.partial itself
+        return note
     if (root / "config.json").is_file() and any(root.glob("*.safetensors*")):
         raise UsageError(f"{root}: this looks like a checkpoint (config.json + safetensors), not a pack; did you mean "
                          f"`shardsmith split` or `verify PACK --against CKPT`?")
