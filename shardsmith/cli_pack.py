@@ -64,10 +64,13 @@ def split(
         raise typer.Exit(130) from None
     for note in result.notes:
         con.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    from .pack.format import PACK_MANIFEST, root_digest
+
+    digest = root_digest((Path(result.out_dir) / PACK_MANIFEST).read_bytes())
     if json_out:
         from dataclasses import asdict
 
-        emit_json(asdict(result))
+        emit_json({**asdict(result), "root_digest": digest})
         return
     if result.already_complete:
         con.print(f"[bold green]already complete[/] {result.out_dir}: ranks {','.join(map(str, result.ranks))} of "
@@ -78,6 +81,8 @@ def split(
               f"{result.files_written} files ({human_bytes(result.bytes_written)}), {result.files_reused} reused; "
               f"read {human_bytes(result.bytes_read)} in {result.seconds:.1f} s ({rate:.2f} GB/s); pack_id {result.pack_id}",
               highlight=False)
+    con.print(f"root digest {digest} (pin it: shardsmith verify OUT --expect {digest}; serve --expect-digest {digest})",
+              highlight=False)
 
 
 def verify(
@@ -85,6 +90,7 @@ def verify(
     deep: bool = typer.Option(False, "--deep", help="Also hash each tensor and bank array."),
     against: Optional[Path] = typer.Option(None, "--against", help="Compare every shard byte for byte with this checkpoint."),
     rank: Optional[int] = typer.Option(None, "--rank", help="Check only this rank (a pack written with --ranks)."),
+    expect: Optional[str] = typer.Option(None, "--expect", help="The root digest split printed; any other pack fails."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON on stdout."),
 ) -> None:
     """Check a pack: sizes and XXH3-128 of every file, manifests, plan coverage, shapes, completeness.
@@ -96,7 +102,7 @@ def verify(
     from .ui import emit_json, err_console, human_bytes
     from .writer.verify import verify_pack
 
-    rep = verify_pack(out, deep=deep, against=against, rank=rank)
+    rep = verify_pack(out, deep=deep, against=against, rank=rank, expect=expect)
     con = err_console()
     if json_out:
         emit_json(rep.to_dict())

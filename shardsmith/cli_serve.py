@@ -26,7 +26,9 @@ DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (NCCL, rank r 
 DIST_PORT = typer.Option(None, "--dist-port", help="Rendezvous port on 127.0.0.1 (default: a free port).")
 FROM_CKPT = typer.Option(False, "--from-checkpoint", help="Load an unsplit checkpoint, slicing at start-up (needs --tp).")
 TP = typer.Option(None, "--tp", help="Ranks for --from-checkpoint (a pack's world_size is read from pack.yaml).")
-VERIFY = typer.Option(False, "--verify-hashes", help="Hash every weight file against the manifest before loading.")
+VERIFY = typer.Option(True, "--verify-hashes/--no-verify",
+                      help="Hash every pack file (XXH3-128) against its manifest as it is read; --no-verify skips it.")
+DIGEST = typer.Option(None, "--expect-digest", help="Refuse the pack unless its root digest (printed by split) is this.")
 MAX_SEQ = typer.Option(2048, "--max-seq-len", help="Context length in tokens (prompt + completion), per request.")
 EAGER = typer.Option(False, "--enforce-eager",
                      help="Launch every kernel eagerly: no CUDA graphs for decode steps (used on CUDA only).")
@@ -135,12 +137,19 @@ def _check_port(host: str, port: int) -> None:
 
 
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
-          verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto", enforce_eager: bool = False):
+          verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto", enforce_eager: bool = False,
+          expect_digest: str | None = None):
     from shardsmith.runtime.serve.launch import LaunchSpec, pack_world_size, under_torchrun
 
     _check_device(device, None)
     if not path.is_dir():
         raise UsageError(f"{path}: not a directory")
+    if expect_digest is not None:
+        if from_checkpoint:
+            raise UsageError("--expect-digest pins a pack; it does not apply with --from-checkpoint")
+        from shardsmith.pack.reader import open_pack
+
+        open_pack(path, expect_digest=expect_digest)  # ManifestError (exit 2) naming both digests
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UsageError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
     if max_seq_len < 2:
@@ -188,7 +197,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP listen address."),
     port: int = typer.Option(8000, "--port", help="HTTP port."),
     device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
-    tp: int | None = TP, verify_hashes: bool = VERIFY, max_seq_len: int = MAX_SEQ,
+    tp: int | None = TP, verify_hashes: bool = VERIFY, expect_digest: str | None = DIGEST, max_seq_len: int = MAX_SEQ,
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model id for clients (default: the directory name)."),
     max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes",
                                           help="Larger request bodies get HTTP 413 (default 4 MiB)."),
@@ -204,7 +213,7 @@ def serve(
     if served_model_name is not None and not served_model_name.strip():
         raise UsageError("--served-model-name must not be empty")
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
-                 verify_hashes=verify_hashes, max_seq_len=max_seq_len,
+                 verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
                  enforce_eager=enforce_eager)
     _check_port(host, port)
@@ -222,7 +231,7 @@ def generate(
     seed: int | None = typer.Option(None, "--seed"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
-    tp: int | None = TP, verify_hashes: bool = VERIFY, max_seq_len: int = MAX_SEQ,
+    tp: int | None = TP, verify_hashes: bool = VERIFY, expect_digest: str | None = DIGEST, max_seq_len: int = MAX_SEQ,
     moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
     dtype: str = DTYPE, trust_remote_code: bool = TRUST, enforce_eager: bool = EAGER,
 ) -> None:
@@ -233,7 +242,7 @@ def generate(
     _check_sampling(prompts=prompt, chat=chat, max_tokens=max_tokens, max_seq_len=max_seq_len,
                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
-                 verify_hashes=verify_hashes, max_seq_len=max_seq_len,
+                 verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
                  enforce_eager=enforce_eager)
     if chat and not trust_remote_code:  # a missing template, or one that is checkpoint code, fails before ranks start

@@ -229,17 +229,14 @@ def slice_bytes(
 
 
 def bytes_to_tensor(data: bytearray | memoryview, dtype_name: str, shape: tuple[int, ...]) -> "torch.Tensor":
-    """Interpret raw little-endian bytes as a tensor of ``dtype_name`` and ``shape``.
+    """Interpret raw little-endian bytes as a tensor of ``dtype_name`` and ``shape`` (no copy of ``data``).
 
-    ``F4`` (and any dtype this torch lacks) becomes ``uint8`` with the last dim in bytes.
+    ``F4`` (and any dtype this torch lacks) becomes ``uint8`` with the last dim in bytes
+    (:func:`shardsmith.pack.format.typed_view`, the one typed view of bytes).
     """
     import torch
 
-    d = DTYPES[dtype_name]
+    from shardsmith.pack.format import typed_view
+
     t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    tdt = d.torch_dtype
-    if tdt is None:
-        if d.bits < 8 and shape:
-            shape = (*shape[:-1], shape[-1] * d.bits // 8)
-        return t.reshape(shape)
-    return t.view(tdt).reshape(shape)
+    return typed_view(t, dtype_name, shape)

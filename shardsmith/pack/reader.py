@@ -1,8 +1,11 @@
 """Read a pack written by ``shardsmith split``: the pack manifest, the plan, one rank's tensors.
 
 The runtime calls :func:`open_rank` and gets memory-mapped, zero-copy tensors: every weight file is
-mapped once (``MAP_PRIVATE``, read-only use; pages load on first touch) and each tensor or bank
-array is a view into that mapping with its rank-local shape. Format: ``manifests/README.md``.
+mapped once (``MAP_PRIVATE``, read-only use) and each tensor or bank array is a view into that
+mapping with its rank-local shape. Before a byte of weight data is read the rank passes the one
+rank check (:func:`shardsmith.pack.check.check_rank`: safe paths, no links, manifests, headers,
+sizes); with ``verify`` (the default) each file is hashed (XXH3-128, the manifest's digest) when it
+is first mapped, and a file whose bytes differ is refused. Format: ``manifests/README.md``.
 
 Example:
     >>> from shardsmith.pack.reader import open_rank
@@ -20,13 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardsmith.dtypes import DTYPES
+import xxhash
+
 from shardsmith.errors import IntegrityError, ManifestError, RuntimeLoadError, format_problems
+from shardsmith.pack.check import check_rank, copied_file_jobs, lstat_inside
+from shardsmith.pack.coverage import plan_problems
+from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, check_identity, hash_file, load_yaml, rank_dir, root_digest, typed_view
+from shardsmith.pack.records import FileRecord, PackManifest, RankManifest, TensorRecord, parse_pack_manifest
 from shardsmith.plans.resolve import ResolvedPlan
-from shardsmith.plans.serialize import plan_from_dict
-from shardsmith.pack.format import (BANK_ALIGN, DENSE_ALIGN, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity,
-                              hash_file, load_yaml, rank_dir)
-from shardsmith.writer.stwriter import read_header
 
 if TYPE_CHECKING:
     import torch
@@ -37,48 +41,97 @@ class Pack:
     """A pack's manifest and plan.
 
     Attributes:
-        root: the pack directory; doc: ``pack.yaml`` as parsed; world_size: ranks;
-        pack_id: the pack's identity; plan: the resolved plan rebuilt from ``plan.json``.
+        root: the pack directory; doc: ``pack.yaml``, parsed; world_size: ranks;
+        pack_id: the pack's identity; plan: the resolved plan rebuilt from ``plan.json``;
+        digest: the root digest (XXH3-128 of ``pack.yaml``'s bytes, :func:`~.format.root_digest`).
     """
 
     root: Path
-    doc: dict
+    doc: PackManifest
     world_size: int
     pack_id: str
     plan: ResolvedPlan
+    digest: str
 
 
-def open_pack(out_dir: str | os.PathLike) -> Pack:
-    """Open the pack at ``out_dir``: ``pack.yaml`` (format, version, own hash) and ``plan.json``.
+def read_pack_manifest(root: Path, problems: list[str]) -> tuple[PackManifest | None, str | None]:
+    """``pack.yaml`` of ``root``, parsed and checked (format, version, own hash, schema); and its root digest.
 
-    Raises:
-        ManifestError: ``pack.yaml`` missing, unparsable, of another format version or edited.
-        IntegrityError: ``plan.json`` missing or not the bytes ``pack.yaml`` records.
+    Problems are added to ``problems``; the manifest is ``None`` when it cannot be used at all.
     """
-    root = Path(out_dir)
-    doc = load_yaml(root / PACK_MANIFEST)
-    problems = check_identity(doc, f"{root / PACK_MANIFEST}")
-    if problems:
-        raise ManifestError(format_problems(f"{root}: bad pack manifest", problems))
-    rec = doc.get("plan") or {}
-    path = root / PLAN_FILE
+    st, why = lstat_inside(root, PACK_MANIFEST)
+    if st is None:
+        problems.append(f"{PACK_MANIFEST}: {why}" + (" (a split that did not finish leaves no pack.yaml)" if why == "missing" else ""))
+        return None, None
     try:
-        data = path.read_bytes()
+        data = (root / PACK_MANIFEST).read_bytes()
+        raw = load_yaml(root / PACK_MANIFEST)
+        problems += check_identity(raw, PACK_MANIFEST)
+        return parse_pack_manifest(raw, PACK_MANIFEST), root_digest(data)
     except OSError as e:
-        raise IntegrityError(f"{path}: cannot read: {e}") from None
-    import xxhash
+        problems.append(f"{PACK_MANIFEST}: cannot read: {e.strerror}")
+    except ManifestError as e:
+        problems.append(str(e).replace(f"{root / PACK_MANIFEST}", PACK_MANIFEST))
+    return None, None
 
-    found = xxhash.xxh3_128(data).hexdigest()
-    if len(data) != rec.get("bytes") or found != rec.get("xxh3_128"):
-        raise IntegrityError(f"{path}: expected {rec.get('bytes')} bytes xxh3_128 {rec.get('xxh3_128')}, "
-                             f"found {len(data)} bytes xxh3_128 {found}")
+
+def load_plan(root: Path, doc: PackManifest, problems: list[str]) -> ResolvedPlan | None:
+    """``plan.json``, checked against ``pack.yaml`` (bytes, XXH3-128, world size) and rebuilt.
+
+    The plan is returned only when every check holds and its values and coverage are sound
+    (:func:`~.coverage.plan_problems`), so the arithmetic later run on it cannot fail.
+    """
+    from shardsmith.plans.serialize import plan_from_dict
+
+    st, why = lstat_inside(root, PLAN_FILE)
+    if st is None:
+        problems.append(f"{PLAN_FILE}: {why}")
+        return None
+    data = (root / PLAN_FILE).read_bytes()
+    rec = doc.plan
+    found = (len(data), xxhash.xxh3_128(data).hexdigest())
+    if found != (rec.bytes, rec.xxh3_128):
+        problems.append(f"{PLAN_FILE}: (bytes, xxh3_128) expected {(rec.bytes, rec.xxh3_128)}, found {found}")
+        return None
     try:
         plan = plan_from_dict(json.loads(data))
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"{path}: not valid JSON: {e}") from None
-    if plan.world_size != doc.get("world_size"):
-        raise ManifestError(f"{path}: world_size {plan.world_size} but pack.yaml says {doc.get('world_size')}")
-    return Pack(root, doc, int(doc["world_size"]), str(doc.get("pack_id")), plan)
+        if plan.world_size != doc.world_size:
+            problems.append(f"{PLAN_FILE}: world_size expected {doc.world_size} (pack.yaml), found {plan.world_size}")
+            return None
+        more = plan_problems(plan)
+    except (ValueError, ManifestError) as e:
+        problems.append(f"{PLAN_FILE}: cannot rebuild the plan: {e}")
+        return None
+    except (KeyError, TypeError, IndexError, AttributeError, ZeroDivisionError, OverflowError, RecursionError) as e:
+        problems.append(f"{PLAN_FILE}: cannot rebuild the plan: malformed ({type(e).__name__}: {e})")
+        return None
+    problems += more
+    return None if more else plan
+
+
+def open_pack(out_dir: str | os.PathLike, *, expect_digest: str | None = None) -> Pack:
+    """Open the pack at ``out_dir``: ``pack.yaml`` (schema, format, version, own hash) and ``plan.json``.
+
+    Args:
+        expect_digest: the root digest the pack must have (as ``split`` printed it).
+
+    Raises:
+        ManifestError: ``pack.yaml`` missing, unparsable, of another format version, edited, or
+            not of ``expect_digest``.
+        IntegrityError: ``plan.json`` missing, not the bytes ``pack.yaml`` records, or unsound.
+    """
+    root = Path(out_dir)
+    problems: list[str] = []
+    doc, digest = read_pack_manifest(root, problems)
+    if doc is None or problems:
+        raise ManifestError(format_problems(f"{root}: bad pack manifest", problems))
+    if expect_digest is not None and digest != expect_digest.strip().lower():
+        raise ManifestError(f"{root / PACK_MANIFEST}: root digest expected {expect_digest}, found {digest} "
+                            f"(this is not the pack that digest pins)")
+    plan = load_plan(root, doc, problems)
+    if plan is None:
+        raise IntegrityError(format_problems(f"{root}: bad plan", problems), problems)
+    return Pack(root, doc, doc.world_size, doc.pack_id, plan, digest)
 
 
 @dataclass(slots=True)
@@ -89,7 +142,8 @@ class RankPack:
         rank, world_size: this rank and the pack's world size.
         root: the pack directory (``config.json``, tokenizer and chat template live there).
         config: parsed ``config.json`` (empty if the pack carries none).
-        plan: the resolved plan; manifest: the rank's ``manifest.yaml``; dir: the rank directory.
+        plan: the resolved plan; manifest: the rank's manifest; dir: the rank directory.
+        verify: hash each weight file against the manifest when it is first mapped.
     """
 
     rank: int
@@ -97,120 +151,104 @@ class RankPack:
     root: Path
     config: dict
     plan: ResolvedPlan
-    manifest: dict
+    manifest: RankManifest
     dir: Path
+    verify: bool = True
     _maps: dict = field(default_factory=dict, repr=False)
 
-    def _base(self, rec: dict) -> "torch.Tensor":
+    def check_file(self, rec: FileRecord) -> None:
+        """Hash weight file ``rec`` (one sequential read) and refuse it if its bytes differ.
+
+        Raises:
+            IntegrityError: naming the file, the recorded and the found digest.
+        """
+        n, found = hash_file(self.dir / rec.path)
+        if (n, found) != (rec.bytes, rec.xxh3_128):
+            where = f"{self.dir.name}/{rec.path}"
+            what = f"xxh3_128 expected {rec.xxh3_128}, found {found}" + (f" ({n} bytes, expected {rec.bytes})" if n != rec.bytes else "")
+            raise IntegrityError(f"{self.root}: {where}: {what}; the file is damaged, refused before use "
+                                 f"(shardsmith verify {self.root} --rank {self.rank})", [f"{where}: {what}"])
+
+    def _base(self, rec: FileRecord) -> "torch.Tensor":
         import torch
 
-        base = self._maps.get(rec["path"])
+        base = self._maps.get(rec.path)
         if base is None:
-            storage = torch.UntypedStorage.from_file(str(self.dir / rec["path"]), shared=False, nbytes=rec["bytes"])
-            base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (rec["bytes"],), (1,))
-            self._maps[rec["path"]] = base
+            if self.verify:
+                self.check_file(rec)
+            storage = torch.UntypedStorage.from_file(str(self.dir / rec.path), shared=False, nbytes=rec.bytes)
+            base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (rec.bytes,), (1,))
+            self._maps[rec.path] = base
         return base
 
-    def _view(self, rec: dict, t: dict) -> "torch.Tensor":
-        d = DTYPES[t["dtype"]]
-        raw = self._base(rec)[t["offset"]: t["offset"] + t["bytes"]]
-        shape = tuple(t["shape"])
-        tdt = d.torch_dtype
-        if tdt is None:  # F4: packed bytes, last dim in bytes
-            return raw.view(*shape[:-1], shape[-1] * d.bits // 8) if shape else raw
-        return raw.view(tdt).view(shape)
+    def _view(self, rec: FileRecord, t: TensorRecord) -> "torch.Tensor":
+        return typed_view(self._base(rec)[t.offset: t.offset + t.bytes], t.dtype, t.shape)
 
     def dense(self) -> dict[str, "torch.Tensor"]:
-        """Every dense tensor: source name -> zero-copy view, rank-local shape (F4 as ``uint8``)."""
-        return {t["name"]: self._view(rec, t) for rec in self.manifest["files"] if rec["kind"] == "dense"
-                for t in rec["tensors"]}
+        """Every dense tensor: source name -> zero-copy view, rank-local shape (F4 as ``uint8``).
+
+        Raises:
+            IntegrityError: with ``verify``, a dense file whose bytes differ from the manifest.
+        """
+        return {t.name: self._view(rec, t) for rec in self.manifest.files if rec.kind == "dense" for t in rec.tensors}
 
     def banks(self) -> dict[str, dict[str, "torch.Tensor"]]:
-        """Expert banks: layer key -> array name -> zero-copy view (``gate_up [E, 2*I_r, H]``, ...)."""
-        return {rec["layer"]: {t["name"]: self._view(rec, t) for t in rec["tensors"]}
-                for rec in self.manifest["files"] if rec["kind"] == "bank"}
+        """Expert banks: layer key -> array name -> zero-copy view (``gate_up [E, 2*I_r, H]``, ...).
+
+        Raises:
+            IntegrityError: with ``verify``, a bank file whose bytes differ from the manifest.
+        """
+        return {rec.layer: {t.name: self._view(rec, t) for t in rec.tensors}
+                for rec in self.manifest.files if rec.kind == "bank"}
 
 
-def _check_files(rp: RankPack, verify_hashes: bool) -> list[str]:
-    problems = []
-    d = rank_dir(rp.rank, rp.world_size)
-    for rec in rp.manifest.get("files", []):
-        path = rp.dir / rec["path"]
-        where = f"{d}/{rec['path']}"
-        try:
-            size = path.stat().st_size
-        except OSError:
-            problems.append(f"{where}: missing")
-            continue
-        if size != rec["bytes"]:
-            problems.append(f"{where}: size expected {rec['bytes']} bytes, found {size}")
-            continue
-        try:
-            header, _ = read_header(path)
-        except IntegrityError as e:
-            problems.append(str(e))
-            continue
-        meta = header.get("__metadata__") or {}
-        for k, want in (("rank", str(rp.rank)), ("world_size", str(rp.world_size)), ("kind", rec["kind"])):
-            if meta.get(k) != want:
-                problems.append(f"{where}: header metadata {k} expected {want!r}, found {meta.get(k)!r}")
-        align = BANK_ALIGN if rec["kind"] == "bank" else DENSE_ALIGN
-        for t in rec["tensors"]:
-            if t["offset"] % align:
-                problems.append(f"{where}: tensor {t['name']!r} offset {t['offset']} not {align}-byte aligned")
-        if verify_hashes:
-            _, found = hash_file(path)
-            if found != rec["xxh3_128"]:
-                problems.append(f"{where}: xxh3_128 expected {rec['xxh3_128']}, found {found}")
-    return problems
-
-
-def open_rank(out_dir: str | os.PathLike, rank: int, world_size: int, *, verify_hashes: bool = False) -> RankPack:
+def open_rank(out_dir: str | os.PathLike, rank: int, world_size: int, *, verify: bool = True,
+              verify_hashes: bool = False, expect_digest: str | None = None) -> RankPack:
     """Open rank ``rank`` of the pack at ``out_dir`` for a runtime of ``world_size`` ranks.
 
-    Checks, before returning: ``pack.yaml`` and ``plan.json`` (:func:`open_pack`); the world size;
-    the rank manifest's format, own hash, rank, world size and ``pack_id``, and its hash in
-    ``pack.yaml``; that it lists exactly the tensors and bank arrays the plan gives this rank with
-    their dtypes and shapes; every file's size, header metadata stamps and alignment; with
-    ``verify_hashes`` every file's XXH3-128 too (reads every byte).
+    Checks, before returning and before reading any weight data: ``pack.yaml`` and ``plan.json``
+    (:func:`open_pack`, with ``expect_digest``); the world size; the one rank check
+    (:func:`~shardsmith.pack.check.check_rank`). With ``verify_hashes`` every weight file is hashed
+    now; with ``verify`` (default) each is hashed when first mapped by :meth:`RankPack.dense` /
+    :meth:`RankPack.banks`.
 
     Raises:
         RuntimeLoadError: the pack's world size or rank does not match, or the rank is absent.
-        ManifestError: a manifest is missing, unparsable, of another version or edited.
+        ManifestError: a manifest is missing, unparsable, of another version, edited, or the root
+            digest differs from ``expect_digest``.
         IntegrityError: listing every file, tensor and expected-vs-found value that differs.
     """
-    from shardsmith.writer.layout import expected_entries
-
-    pack = open_pack(out_dir)
+    pack = open_pack(out_dir, expect_digest=expect_digest)
     if pack.world_size != world_size:
         raise RuntimeLoadError(f"{pack.root}: pack is for world_size={pack.world_size}, runtime has world_size={world_size}")
     if not 0 <= rank < world_size:
         raise RuntimeLoadError(f"rank {rank} outside [0, {world_size})")
     d = pack.root / rank_dir(rank, world_size)
-    if not d.is_dir():
-        raise RuntimeLoadError(f"{d}: missing (this pack holds ranks {pack.doc.get('ranks_written')})")
-    manifest = load_yaml(d / RANK_MANIFEST)
-    problems = check_identity(manifest, f"{d.name}/{RANK_MANIFEST}")
+    if not os.path.lexists(d):
+        raise RuntimeLoadError(f"{d}: missing (this pack holds ranks {list(pack.doc.ranks_written)})")
+    chk = check_rank(pack.root, pack.doc, pack.plan, rank)
+    if chk.manifest is None or any("manifest.yaml: own hash" in p or "manifest.yaml: field" in p for p in chk.problems):
+        raise ManifestError(format_problems(f"{d}: bad rank manifest", chk.problems))
+    if chk.problems:
+        raise IntegrityError(format_problems(f"{d}: rank pack does not match its manifest", chk.problems), chk.problems)
+    problems: list[str] = []
+    expected: set[str] = set()
+    copied = copied_file_jobs(pack.root, pack.doc, problems, expected)
     if problems:
-        raise ManifestError(format_problems(f"{d}: bad rank manifest", problems))
-    for k, want in (("rank", rank), ("world_size", world_size), ("pack_id", pack.pack_id)):
-        if manifest.get(k) != want:
-            problems.append(f"{d.name}/{RANK_MANIFEST}: {k} expected {want!r}, found {manifest.get(k)!r}")
-    listed = (pack.doc.get("ranks") or [{}] * world_size)[rank].get("manifest_xxh3_128")
-    if listed is not None and listed != manifest.get("manifest_xxh3_128"):
-        problems.append(f"{d.name}/{RANK_MANIFEST}: pack.yaml records hash {listed}, found {manifest.get('manifest_xxh3_128')}")
-    dense, banks = expected_entries(pack.plan, rank)
-    want = {("dense", e.name): (e.dtype, list(e.shape)) for e in dense.values()}
-    want |= {(layer, e.name): (e.dtype, list(e.shape)) for layer, es in banks.items() for e in es}
-    have = {(rec.get("layer") or "dense", t["name"]): (t["dtype"], list(t["shape"]))
-            for rec in manifest.get("files", []) for t in rec.get("tensors", [])}
-    for key in sorted(want.keys() | have.keys()):
-        if want.get(key) != have.get(key):
-            problems.append(f"{d.name}/{RANK_MANIFEST}: {key[0]} tensor {key[1]!r} expected {want.get(key)}, found {have.get(key)}")
-    cfg_path = pack.root / "config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    rp = RankPack(rank, world_size, pack.root, config, pack.plan, manifest, d)
-    problems += _check_files(rp, verify_hashes)
-    if problems:
-        raise IntegrityError(format_problems(f"{d}: rank pack does not match its manifest", problems), problems)
+        raise IntegrityError(format_problems(f"{pack.root}: copied files do not match pack.yaml", problems), problems)
+    if verify:
+        for job in copied:
+            if hash_file(job.path) != (job.bytes, job.xxh3_128):
+                raise IntegrityError(f"{pack.root}: {job.where}: xxh3_128 differs from pack.yaml's {job.xxh3_128} "
+                                     f"(shardsmith verify {pack.root} --rank {rank})")
+    config: dict = {}
+    if "config.json" in expected:
+        try:
+            config = json.loads((pack.root / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ManifestError(f"{pack.root / 'config.json'}: cannot parse: {e}") from None
+    rp = RankPack(rank, world_size, pack.root, config, pack.plan, chk.manifest, d, verify)
+    if verify_hashes:
+        for rec in chk.manifest.files:
+            rp.check_file(rec)
     return rp

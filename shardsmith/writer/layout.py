@@ -18,12 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plans.resolve import ResolvedPlan
-from shardsmith.pack.format import BANK_ALIGN, DENSE_ALIGN, FORMAT, FORMAT_VERSION, rank_dir
-from .slicing import bank_specs
-from .stwriter import Entry, FileLayout, layout_file
+from shardsmith.pack.banks import BANK_ORDER, bank_specs, expected_entries  # noqa: F401  (re-exported)
+from shardsmith.pack.format import BANK_ALIGN, DENSE_ALIGN, FORMAT, FORMAT_VERSION, Entry, FileLayout, layout_file, rank_dir
 
 DEFAULT_MAX_FILE_BYTES = 4 << 30
-BANK_ORDER = ("gate_up", "gate_up_scale", "down", "down_scale")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,22 +66,6 @@ class PackLayout:
     ranks: tuple[int, ...]
     files: dict[str, PackFile]
     targets: dict[str, tuple[Target, ...]]
-
-
-def expected_entries(plan: ResolvedPlan, rank: int) -> tuple[dict[str, Entry], dict[str, list[Entry]]]:
-    """What rank ``rank`` must hold, from the plan alone.
-
-    Returns:
-        ``(dense, banks)``: dense entries by source name (checkpoint order), and per layer key the
-        bank arrays in :data:`BANK_ORDER` (shapes ``[E, rows, cols]`` in stored elements).
-    """
-    dense = {n: Entry(n, tp.dtype, tp.local_shape(rank), tp.local_nbytes(rank))
-             for n, tp in plan.tensors.items() if tp.bank is None}
-    banks = {}
-    for layer, specs in bank_specs(plan, rank).items():
-        specs = sorted(specs, key=lambda s: BANK_ORDER.index(s.name))
-        banks[layer] = [Entry(s.name, s.dtype, s.shape, s.nbytes) for s in specs]
-    return dense, banks
 
 
 def _meta(rank: int, world_size: int, kind: str, layer: str | None = None) -> dict[str, str]:

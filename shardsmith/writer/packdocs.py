@@ -20,17 +20,12 @@ from ..plans.serialize import plan_to_dict
 from .journal import Journal
 from .layout import PackLayout
 from shardsmith.pack.format import (FORMAT, FORMAT_VERSION, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, dump_yaml, files_to_copy,
-                       rank_dir, stamp)
+                                    pack_id_of, rank_dir, stamp)
 
 
 def plan_json(plan: ResolvedPlan) -> bytes:
     """``plan.json``'s bytes: :func:`plan_to_dict` as compact JSON."""
     return json.dumps(plan_to_dict(plan), separators=(",", ":")).encode()
-
-
-def pack_id_of(plan_hash: str, source_hashes: list[str]) -> str:
-    """XXH3-128 hex of the plan file's hash and the source shard hashes, newline-joined in order."""
-    return xxhash.xxh3_128("\n".join([plan_hash, *source_hashes]).encode()).hexdigest()
 
 
 def _write(path: Path, data: bytes) -> None:

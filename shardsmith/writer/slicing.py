@@ -1,57 +1,21 @@
-"""Cut rank shards out of source tensors and lay routed experts out as expert banks.
+"""One rank's shard of a source tensor as a torch tensor, read from the memory-mapped source.
 
-Pure byte arithmetic over a :class:`~shardsmith.plans.resolve.TensorPlan`; used by ``split``
-(from a whole source tensor in memory), by the runtime's ``--from-checkpoint`` path (straight from
-the memory-mapped source, reading only the rank's pages) and by ``verify --against``.
-
-Expert bank layout (one bank per MoE layer per rank; ``E`` experts, ``I_r`` the rank's share of
-the intermediate dim, ``H`` hidden, both in stored elements of the source dtype):
-
-================  ==========================  ==============================================
-array             shape                       contents
-================  ==========================  ==============================================
-gate_up           ``[E, 2*I_r, H]``           rows ``[0, I_r)`` gate (w1), ``[I_r, 2*I_r)`` up (w3)
-gate_up_scale     ``[E, 2*S_r, H_s]``         the two scale shards stacked the same way
-down              ``[E, H, I_r]``             the down (w2) shard
-down_scale        ``[E, H_s, I_s]``           its scale shard
-================  ==========================  ==============================================
-
-Expert ``e``'s segment ``s`` starts at byte ``(e * n_segments + s) * slot_nbytes`` of its array.
+The byte arithmetic (:func:`~shardsmith.pack.banks.cut`, the expert-bank layout
+:func:`~shardsmith.pack.banks.bank_specs`) lives in :mod:`shardsmith.pack.banks` so the runtime and
+the pack reader need no writer; it is re-exported here for ``split`` and ``verify --against``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
+from shardsmith.pack.banks import BankArraySpec, bank_specs, cut  # noqa: F401  (re-exported: cuts and banks live in pack/)
 
-from ..checkpoint import Checkpoint, bytes_to_tensor, slice_bytes
-from ..errors import PlanError
-from ..plans.core import natural_key
-from ..plans.resolve import ResolvedPlan, TensorPlan
+from ..checkpoint import Checkpoint, bytes_to_tensor
+from ..plans.resolve import TensorPlan
 
 if TYPE_CHECKING:
     import torch
-
-
-def cut(raw: np.ndarray, tp: TensorPlan, rank: int) -> np.ndarray:
-    """Rank ``rank``'s shard of a tensor as contiguous bytes.
-
-    Args:
-        raw: the whole source tensor's bytes (``uint8``, ``nbytes`` long; a memmap is fine).
-        tp: the tensor's plan.
-
-    Returns:
-        ``uint8`` array of ``tp.local_nbytes(rank)`` bytes in its own storage (never a view of
-        ``raw``), laid out as the rank-local shape ``tp.local_shape(rank)``.
-    """
-    if tp.shard_dim is None:
-        return np.array(raw, dtype=np.uint8, copy=True)
-    parts = [slice_bytes(raw, tp.dtype, tp.shape, tp.shard_dim, s, n, name=tp.name) for s, n in tp.ranges[rank]]
-    if len(parts) == 1:
-        return np.array(parts[0], dtype=np.uint8, order="C", copy=True).reshape(-1)
-    return np.concatenate(parts, axis=1).reshape(-1)  # a fresh array
 
 
 def rank_tensor(ckpt: Checkpoint, tp: TensorPlan, rank: int) -> "torch.Tensor":
@@ -66,61 +30,3 @@ def rank_tensor(ckpt: Checkpoint, tp: TensorPlan, rank: int) -> "torch.Tensor":
     info = ckpt.info(tp.name)
     data = cut(ckpt.raw(info), tp, rank)
     return bytes_to_tensor(bytearray(data.tobytes()) if data.size else bytearray(), tp.dtype, tp.local_shape(rank))
-
-
-@dataclass(frozen=True, slots=True)
-class BankArraySpec:
-    """One array of one layer's expert bank on one rank.
-
-    Attributes:
-        layer: layer key (``layers.3``); name: ``gate_up``, ``down``, ``gate_up_scale``, ``down_scale``.
-        dtype: safetensors dtype of the source tensors; shape: ``[E, rows, cols]`` in stored elements.
-        slot_nbytes: bytes of one (expert, segment) shard; n_segments: 2 for gate_up, 1 for down.
-        members: source tensor name per ``(expert, segment)``.
-    """
-
-    layer: str
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    slot_nbytes: int
-    n_segments: int
-    members: dict[tuple[int, int], str]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole array."""
-        return self.slot_nbytes * self.n_segments * self.shape[0]
-
-    def slot_offset(self, expert: int, segment: int) -> int:
-        """Byte offset of ``(expert, segment)`` inside the array."""
-        return (expert * self.n_segments + segment) * self.slot_nbytes
-
-
-def bank_specs(plan: ResolvedPlan, rank: int) -> dict[str, list[BankArraySpec]]:
-    """The expert-bank arrays of rank ``rank``, per layer key in natural order.
-
-    Raises:
-        PlanError: experts of one layer whose shards differ in dtype or shape.
-    """
-    groups: dict[tuple[str, str], list[TensorPlan]] = {}
-    for tp in plan.tensors.values():
-        if tp.bank is not None:
-            groups.setdefault((tp.bank.layer, tp.bank.array_name), []).append(tp)
-    out: dict[str, list[BankArraySpec]] = {}
-    for (layer, name), tps in sorted(groups.items(), key=lambda kv: (natural_key(kv[0][0]), kv[0][1])):
-        first = tps[0]
-        shape = first.local_shape(rank)
-        n_seg = 1 + max(tp.bank.segment for tp in tps)
-        for tp in tps:
-            if tp.dtype != first.dtype or tp.local_shape(rank) != shape:
-                raise PlanError(
-                    f"{layer} bank {name}: {tp.name} is {tp.dtype}{list(tp.local_shape(rank))} on rank {rank} "
-                    f"but {first.name} is {first.dtype}{list(shape)}; all experts of a layer must match"
-                )
-        members = {(tp.bank.expert, tp.bank.segment): tp.name for tp in tps}
-        n_exp = plan.experts[layer]
-        bank_shape = (n_exp, shape[0] * n_seg, *shape[1:])
-        spec = BankArraySpec(layer, name, first.dtype, bank_shape, first.local_nbytes(rank), n_seg, members)
-        out.setdefault(layer, []).append(spec)
-    return out

@@ -5,8 +5,9 @@ written here instead: entries are declared up front (name, dtype, shape, bytes),
 offset and the file size; then data is written with ``pwrite`` at any offset, in any order, while
 the whole file and each entry are hashed (XXH3-128) in file order.
 
-File layout (the safetensors format: 8-byte little-endian header length ``N``, ``N`` bytes of
-header JSON, then the byte buffer), with the two legal additions of ``manifests/README.md``:
+File layout (:func:`shardsmith.pack.format.layout_file`, which this module re-exports with the
+rest of the header arithmetic; the safetensors format: 8-byte little-endian header length ``N``,
+``N`` bytes of header JSON, then the byte buffer), with the two legal additions of ``manifests/README.md``:
 
 - the header JSON is padded with spaces so the byte buffer starts at a multiple of 4096;
 - each entry's data starts at a multiple of ``align`` (64 for dense files, 4096 for banks); the
@@ -21,100 +22,19 @@ as source tensors arrive, thus cost a re-read only when they arrive out of order
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
-from ..errors import IntegrityError, UsageError
+from shardsmith.errors import IntegrityError
+from shardsmith.pack.format import (DATA_START_ALIGN, PADDING_PREFIX, Entry, FileLayout, Placed, layout_file,  # noqa: F401
+                                    read_header)
 
-DATA_START_ALIGN = 4096
-PADDING_PREFIX = "__padding__."
 _CHUNK = 8 << 20
 _ZEROS = bytes(1 << 20)
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One tensor of a file, declared before any data is written.
-
-    Attributes:
-        name: tensor name; dtype: safetensors dtype; shape: header shape; nbytes: data bytes.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Placed:
-    """An :class:`Entry` with its absolute byte offset in the file."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    offset: int
-
-
-@dataclass(frozen=True, slots=True)
-class FileLayout:
-    """A file's bytes before any data: header and where each entry goes.
-
-    Attributes:
-        header: the 8-byte length plus the space-padded header JSON (``data_start`` bytes).
-        entries: the real entries (no padding), in file order, offsets absolute.
-        size: total file bytes.
-    """
-
-    header: bytes
-    entries: tuple[Placed, ...]
-    size: int
-
-    @property
-    def data_start(self) -> int:
-        """Absolute offset of the byte buffer (a multiple of 4096)."""
-        return len(self.header)
-
-
-def layout_file(entries: list[Entry], *, align: int, metadata: dict[str, str]) -> FileLayout:
-    """Place ``entries`` in order, each on an ``align``-byte boundary, and build the header.
-
-    Args:
-        entries: tensors in file order.
-        align: alignment of each entry's data (a power of two dividing 4096).
-        metadata: the header's ``__metadata__`` (strings only).
-
-    Raises:
-        UsageError: a reserved or duplicate name, or a bad alignment.
-    """
-    if align < 1 or DATA_START_ALIGN % align:
-        raise UsageError(f"alignment {align} must divide {DATA_START_ALIGN}")
-    header: dict[str, object] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
-    placed: list[tuple[Entry, int]] = []
-    rel = n_pad = 0
-    for e in entries:
-        if e.name in header or e.name.startswith(PADDING_PREFIX):
-            raise UsageError(f"tensor name {e.name!r} is reserved or repeated in one file")
-        pad = -rel % align
-        if pad:
-            header[f"{PADDING_PREFIX}{n_pad}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [rel, rel + pad]}
-            rel += pad
-            n_pad += 1
-        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [rel, rel + e.nbytes]}
-        placed.append((e, rel))
-        rel += e.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % DATA_START_ALIGN)
-    head = struct.pack("<Q", len(text)) + text
-    start = len(head)
-    return FileLayout(head, tuple(Placed(e.name, e.dtype, e.shape, e.nbytes, start + r) for e, r in placed), start + rel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,26 +151,3 @@ class FileWriter:
         if not self._closed:
             self._closed = True
             os.close(self._fd)
-
-
-def read_header(path: str | os.PathLike) -> tuple[dict, int]:
-    """The header JSON of safetensors file ``path`` and the absolute offset of its byte buffer.
-
-    Raises:
-        IntegrityError: the file is too short or its header is not a JSON object.
-    """
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise IntegrityError(f"{path}: {len(head)} bytes, too short for a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 << 20:
-            raise IntegrityError(f"{path}: header length {n} is implausible")
-        raw = fh.read(n)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IntegrityError(f"{path}: header is not valid JSON: {e}") from None
-    if len(raw) != n or not isinstance(header, dict):
-        raise IntegrityError(f"{path}: header truncated or not a JSON object")
-    return header, 8 + n

@@ -117,12 +117,12 @@ def export_rank(out_dir: str | os.PathLike, rank: int, archive: str | os.PathLik
     world = pack.world_size
     if not 0 <= rank < world:
         raise UsageError(f"--rank {rank}: outside [0, {world}) of the pack {root}")
-    rp = open_rank(root, rank, world)
+    rp = open_rank(root, rank, world, verify=False)  # paths, links, sizes, headers; hashed below as read
     d = rank_dir(rank, world)
-    expect = {c["path"]: (c["bytes"], c["xxh3_128"]) for c in pack.doc.get("copied_files") or []}
-    expect |= {f"{d}/{rec['path']}": (rec["bytes"], rec["xxh3_128"]) for rec in rp.manifest["files"]}
-    names = [PACK_MANIFEST, PLAN_FILE, *(c["path"] for c in pack.doc.get("copied_files") or []),
-             f"{d}/{RANK_MANIFEST}", *(f"{d}/{rec['path']}" for rec in rp.manifest["files"])]
+    expect = {c.path: (c.bytes, c.xxh3_128) for c in pack.doc.copied_files}
+    expect |= {f"{d}/{rec.path}": (rec.bytes, rec.xxh3_128) for rec in rp.manifest.files}
+    names = [PACK_MANIFEST, PLAN_FILE, *(c.path for c in pack.doc.copied_files),
+             f"{d}/{RANK_MANIFEST}", *(f"{d}/{rec.path}" for rec in rp.manifest.files)]
     tmp = archive.with_name(archive.name + ".partial")
     raw_bytes = 0
     cctx = zstandard.ZstdCompressor(level=level, threads=threads or -1, write_checksum=True)
@@ -133,6 +133,8 @@ def export_rank(out_dir: str | os.PathLike, rank: int, archive: str | os.PathLik
                                   copybufsize=_BUF) as tar:
                     for name in names:
                         info = tar.gettarinfo(str(root / name), arcname=name)
+                        if not info.isfile():  # checked by open_rank; a file swapped for a link since is refused too
+                            raise IntegrityError(f"{root / name}: not a regular file (a pack holds no links)")
                         info.uid = info.gid = 0
                         info.uname = info.gname = ""
                         want = expect.get(name)

@@ -3,7 +3,7 @@
 The source is streamed once, one tensor at a time in (file, offset) order, and hashed as it goes
 (each source shard's XXH3-128 is checked against ``pack.yaml``). For each tensor and each rank
 checked, the bytes the plan assigns to that rank (:func:`~.split.shard_pieces`, the same
-arithmetic as :func:`~.slicing.cut`) are compared with what the pack holds at the shard's place:
+arithmetic as :func:`shardsmith.pack.banks.cut`) are compared with what the pack holds at the shard's place:
 its dense entry, or its slot in the layer's expert bank. Together with the coverage check of
 :mod:`.coverage` (the ranges tile each axis), this is the source rebuilt from the rank slices:
 every source byte is compared wherever the pack holds it, copies (replicated tensors, KV heads)
@@ -25,24 +25,25 @@ import xxhash
 from ..checkpoint import Checkpoint
 from ..errors import PlanError
 from ..plans.resolve import ResolvedPlan
+from shardsmith.pack.banks import bank_specs
 from shardsmith.pack.format import rank_dir
-from .slicing import bank_specs
+from shardsmith.pack.records import PackManifest, RankManifest
 from .split import shard_pieces
 
 
-def _locations(plan: ResolvedPlan, manifests: dict[int, dict], world: int) -> dict[tuple[int, str], tuple[str, int, int]]:
+def _locations(plan: ResolvedPlan, manifests: dict[int, RankManifest], world: int) -> dict[tuple[int, str], tuple[str, int, int]]:
     """``(rank, source tensor) -> (pack-relative file, absolute offset, bytes)`` from the manifests."""
     loc: dict[tuple[int, str], tuple[str, int, int]] = {}
     for r, m in manifests.items():
         d = rank_dir(r, world)
         arrays = {}
-        for rec in m.get("files") or []:
-            for t in rec.get("tensors", []):
-                path = f"{d}/{rec['path']}"
-                if rec.get("kind") == "bank":
-                    arrays[(rec.get("layer"), t["name"])] = (path, t["offset"])
+        for rec in m.files:
+            for t in rec.tensors:
+                path = f"{d}/{rec.path}"
+                if rec.kind == "bank":
+                    arrays[(rec.layer, t.name)] = (path, t.offset)
                 else:
-                    loc[(r, t["name"])] = (path, t["offset"], t["bytes"])
+                    loc[(r, t.name)] = (path, t.offset, t.bytes)
         try:
             specs = bank_specs(plan, r)
         except PlanError:
@@ -56,7 +57,7 @@ def _locations(plan: ResolvedPlan, manifests: dict[int, dict], world: int) -> di
     return loc
 
 
-def source_mismatch(doc: dict, plan: ResolvedPlan, ckpt: Checkpoint) -> list[str]:
+def source_mismatch(doc: PackManifest, plan: ResolvedPlan, ckpt: Checkpoint) -> list[str]:
     """How checkpoint ``ckpt`` differs in identity from the source ``pack.yaml`` records.
 
     Compares the architecture, the shard file names and sizes, and the tensor names with the
@@ -68,19 +69,18 @@ def source_mismatch(doc: dict, plan: ResolvedPlan, ckpt: Checkpoint) -> list[str
     """
     from ..plans import family_of
 
-    src = doc.get("source") or {}
     out = []
     try:
         arch = family_of(ckpt.config)
     except PlanError:
         arch = ckpt.architecture
-    if src.get("architecture") and src.get("architecture") != arch:
-        out.append(f"architecture: pack.yaml records {src.get('architecture')!r}, {ckpt.root} is {arch!r}")
+    if doc.architecture and doc.architecture != arch:
+        out.append(f"architecture: pack.yaml records {doc.architecture!r}, {ckpt.root} is {arch!r}")
     missing, extra = plan.tensors.keys() - ckpt.tensors.keys(), ckpt.tensors.keys() - plan.tensors.keys()
     if missing or extra:
         out.append(f"tensors: {len(missing)} of the plan's {len(plan.tensors)} are not in {ckpt.root}, "
                    f"which has {len(extra)} the plan lacks")
-    recorded = {f.get("name"): f.get("bytes") for f in src.get("files") or []}
+    recorded = {f.path: f.bytes for f in doc.source_files}
     for name in sorted(recorded.keys() - ckpt.files.keys()):
         out.append(f"source file {name}: recorded in pack.yaml, absent from {ckpt.root}")
     for name in sorted(ckpt.files.keys() - recorded.keys()):
@@ -91,9 +91,12 @@ def source_mismatch(doc: dict, plan: ResolvedPlan, ckpt: Checkpoint) -> list[str
     return out
 
 
-def compare_with_source(root: Path, ckpt: Checkpoint, doc: dict, plan: ResolvedPlan,
-                        manifests: dict[int, dict]) -> tuple[list[str], int, int]:
+def compare_with_source(root: Path, ckpt: Checkpoint, doc: PackManifest, plan: ResolvedPlan,
+                        manifests: dict[int, RankManifest]) -> tuple[list[str], int, int]:
     """Compare the pack at ``root`` (ranks in ``manifests``) with the opened checkpoint ``ckpt``.
+
+    ``manifests`` must hold only ranks that passed :func:`shardsmith.pack.check.check_rank`, so
+    every file opened here is a checked regular file inside the pack.
 
     Returns:
         ``(problems, source tensors compared, bytes read from source and pack)``.
@@ -104,7 +107,7 @@ def compare_with_source(root: Path, ckpt: Checkpoint, doc: dict, plan: ResolvedP
         problems.append(f"plan.json: tensor {name!r} is not in the source {ckpt_dir}")
     for name in sorted(ckpt.tensors.keys() - plan.tensors.keys()):
         problems.append(f"source {ckpt.tensors[name].file}: tensor {name!r} is missing from plan.json")
-    recorded = {f.get("name"): f for f in (doc.get("source") or {}).get("files", [])}
+    recorded = {f.path: f for f in doc.source_files}
     if set(recorded) != set(ckpt.files):
         problems.append(f"pack.yaml: source files {sorted(recorded)} but {ckpt_dir} has {sorted(ckpt.files)}")
     world = plan.world_size
@@ -156,8 +159,8 @@ def compare_with_source(root: Path, ckpt: Checkpoint, doc: dict, plan: ResolvedP
                                 break
                             k += p.nbytes
             rec = recorded.get(shard.name)
-            if rec is not None and (rec.get("bytes"), rec.get("xxh3_128")) != (shard.size, h.hexdigest()):
-                problems.append(f"source {shard.name}: (bytes, xxh3_128) expected {(rec.get('bytes'), rec.get('xxh3_128'))} "
+            if rec is not None and (rec.bytes, rec.xxh3_128) != (shard.size, h.hexdigest()):
+                problems.append(f"source {shard.name}: (bytes, xxh3_128) expected {(rec.bytes, rec.xxh3_128)} "
                                 f"(pack.yaml), found {(shard.size, h.hexdigest())}")
     finally:
         for fd in fds.values():

@@ -108,7 +108,7 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path, *, rank: int, world_size: int, device: str = "cpu", from_checkpoint: bool = False,
-             verify_hashes: bool = False, max_seq_len: int = 2048, dtype: torch.dtype | None = None,
+             verify_hashes: bool = True, max_seq_len: int = 2048, dtype: torch.dtype | None = None,
              load_timeout_s: float = 1800.0, offload: "OffloadConfig | None" = None, fp8: str = "load",
              cuda_graphs: bool = True) -> "Engine":
         """Load rank ``rank``'s weights and build its model; collective over all ranks.
@@ -121,6 +121,7 @@ class Engine:
 
         Args:
             path: a pack directory, or a checkpoint with ``from_checkpoint``.
+            verify_hashes: hash each pack file (XXH3-128) as it is read and refuse a damaged one (default).
             device: ``cpu`` or ``cuda`` (``cuda:{LOCAL_RANK}``); dtype: compute dtype, a torch dtype
                 or its name (default: the config's ``dtype``/``torch_dtype``, else bfloat16).
             max_seq_len: KV cache positions; load_timeout_s: how long rank 0 waits for the
@@ -147,7 +148,7 @@ class Engine:
         error, engine = None, None
         try:
             weights = load_rank_weights(path, rank=rank, world_size=world_size, from_checkpoint=from_checkpoint,
-                                        verify_hashes=verify_hashes)
+                                        verify=verify_hashes)  # hash each file as it is read (pack.loader)
             config = weights.config
             family = family_for(config)
             if isinstance(dtype, str):

@@ -13,7 +13,7 @@ pack (default)         mmap views of ``dense-*.safetensors``  mmap views of ``ex
 
 The checkpoint path is the baseline a pack must beat: it resolves the same plan
 (:func:`shardsmith.plans.plan_checkpoint`) and slices with the same code as ``split``
-(:mod:`shardsmith.writer.slicing`).
+(:mod:`shardsmith.pack.banks`).
 
 Example:
     >>> w = load_rank_weights("ckpt/", rank=0, world_size=2, from_checkpoint=True)  # doctest: +SKIP
@@ -34,7 +34,8 @@ from shardsmith.dtypes import DTYPES
 from shardsmith.errors import RuntimeLoadError
 from shardsmith.plans import plan_checkpoint
 from shardsmith.plans.resolve import ResolvedPlan
-from shardsmith.writer.slicing import bank_specs, cut
+from shardsmith.pack.banks import bank_specs, cut
+from shardsmith.pack.format import typed_view
 
 
 @runtime_checkable
@@ -92,7 +93,7 @@ class CheckpointRankWeights:
             if tp.bank is None:
                 buf = torch.empty(tp.local_nbytes(self.rank), dtype=torch.uint8)
                 buf.numpy()[:] = cut(self.ckpt.raw(self.ckpt.info(name)), tp, self.rank)
-                out[name] = _typed(buf, tp.dtype, tp.local_shape(self.rank))
+                out[name] = typed_view(buf, tp.dtype, tp.local_shape(self.rank))
         return out
 
     def banks(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -105,7 +106,7 @@ class CheckpointRankWeights:
                 for (expert, segment), name in spec.members.items():
                     off = spec.slot_offset(expert, segment)
                     raw[off: off + spec.slot_nbytes] = cut(self.ckpt.raw(self.ckpt.info(name)), self.plan.tensors[name], self.rank)
-                out.setdefault(layer, {})[spec.name] = _typed(buf, spec.dtype, spec.shape)
+                out.setdefault(layer, {})[spec.name] = typed_view(buf, spec.dtype, spec.shape)
         return out
 
     @property
@@ -114,16 +115,8 @@ class CheckpointRankWeights:
         return sum(self.plan.rank_bytes(self.rank).values())
 
 
-def _typed(buf: torch.Tensor, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """``uint8`` bytes ``buf`` viewed as ``dtype_name`` with ``shape`` (F4 stays bytes)."""
-    tdt = DTYPES[dtype_name].torch_dtype
-    if tdt is None:
-        return buf.view(*shape[:-1], -1) if shape else buf
-    return buf.view(tdt).view(shape)
-
-
 def load_rank_weights(path: str | os.PathLike, *, rank: int, world_size: int, from_checkpoint: bool = False,
-                      verify_hashes: bool = False) -> RankWeights:
+                      verify: bool = True, verify_hashes: bool = False, expect_digest: str | None = None) -> RankWeights:
     """Open rank ``rank``'s weights from a pack (default) or an unsplit checkpoint.
 
     Args:
@@ -131,7 +124,10 @@ def load_rank_weights(path: str | os.PathLike, *, rank: int, world_size: int, fr
             with ``from_checkpoint`` the checkpoint directory.
         rank, world_size: as launched; a pack made for another world size is refused.
         from_checkpoint: slice the source at start-up instead of reading a pack.
-        verify_hashes: check every file's XXH3-128 against the rank manifest (packs only).
+        verify: hash every weight file (XXH3-128, the manifest's digests) as it is first read:
+            dense files when mapped, host banks while they are read (packs only; the default).
+        verify_hashes: hash every file now, before returning (packs only).
+        expect_digest: the pack's root digest as ``split`` printed it; another pack is refused.
 
     Returns:
         a :class:`RankWeights`.
@@ -139,7 +135,8 @@ def load_rank_weights(path: str | os.PathLike, *, rank: int, world_size: int, fr
     Raises:
         RuntimeLoadError: wrong world size or rank, not a pack (with the hint to use
             ``--from-checkpoint``).
-        ManifestError, IntegrityError: from the pack reader.
+        ManifestError, IntegrityError: from the pack reader (a damaged manifest, a link or a path
+            outside the pack, a file whose bytes differ, another root digest).
         SourceError, PlanError: from the checkpoint path.
     """
     path = Path(path)
@@ -148,11 +145,10 @@ def load_rank_weights(path: str | os.PathLike, *, rank: int, world_size: int, fr
     if not (path / "pack.yaml").is_file():
         hint = " (it looks like a checkpoint: pass --from-checkpoint)" if (path / "config.json").is_file() else ""
         raise RuntimeLoadError(f"{path}: not a shardsmith pack, no pack.yaml{hint}")
-    try:
-        from shardsmith.pack.reader import open_rank
-    except ImportError as e:  # pragma: no cover - until the pack reader lands
-        raise RuntimeLoadError(f"{path}: this build cannot read packs ({e}); pass --from-checkpoint") from e
-    weights = open_rank(path, rank, world_size, verify_hashes=verify_hashes)
+    from shardsmith.pack.reader import open_rank
+
+    weights = open_rank(path, rank, world_size, verify=verify or verify_hashes, verify_hashes=verify_hashes,
+                        expect_digest=expect_digest)
     if weights.world_size != world_size or weights.rank != rank:
         raise RuntimeLoadError(f"{path}: pack rank {weights.rank} of {weights.world_size} opened for rank {rank} "
                                f"of world_size={world_size}")

@@ -325,7 +325,7 @@ class Shards:
         With ``expert_shape`` (one source expert tensor's global shape) and ``n_experts``, a
         mismatch with the source is recorded in :attr:`problems`.
         """
-        from shardsmith.writer.slicing import bank_specs
+        from shardsmith.pack.banks import bank_specs
 
         if self._banks is None:
             self._banks = {(s.layer, s.name): s for specs in bank_specs(self.plan, self.rank).values() for s in specs}

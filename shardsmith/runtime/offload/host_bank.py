@@ -2,7 +2,8 @@
 
 Each rank reads only its own bank files (``rank-R-of-N/experts-<layer>.safetensors``): per layer,
 one sequential read of the byte range from the first bank array to the end of the last into one
-fresh, page-aligned anonymous buffer. Each buffer is page-locked **after** it is filled (pinning a
+fresh, page-aligned anonymous buffer; when the pack was opened with ``verify`` (the default) each
+array is hashed (XXH3-128) as its bytes arrive and a damaged one is refused. Each buffer is page-locked **after** it is filled (pinning a
 lazily mapped region first would fault in and zero every page, then the read writes them again),
 with ``cudaHostRegister`` in chunks of whole expert slots below ``chunk_bytes`` (a single
 registration of 512 GiB or more fails on current drivers; whole slots keep every expert's copy
@@ -38,9 +39,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
-from ...dtypes import DTYPES
-from ...errors import RuntimeLoadError, UsageError
+from shardsmith.errors import IntegrityError, RuntimeLoadError, UsageError
+from shardsmith.pack.format import typed_view
 
 log = logging.getLogger("shardsmith.runtime.offload")
 CHUNK_BYTES = 1 << 30  # per cudaHostRegister call
@@ -108,21 +110,26 @@ def check_pinning() -> str | None:
     return err
 
 
-def _view(buf: torch.Tensor, base: int, t: dict) -> torch.Tensor:
-    """Array ``t`` (a manifest tensor record) as a view of ``buf`` holding file bytes from ``base``."""
-    d = DTYPES[t["dtype"]]
-    raw = buf[t["offset"] - base: t["offset"] - base + t["bytes"]]
-    shape = tuple(t["shape"])
-    if d.torch_dtype is None:  # F4: packed bytes, last dim in bytes
-        return raw.view(*shape[:-1], shape[-1] * d.bits // 8)
-    return raw.view(d.torch_dtype).view(shape)
+def _view(buf: torch.Tensor, base: int, t) -> torch.Tensor:
+    """Array ``t`` (a :class:`~shardsmith.pack.records.TensorRecord`) as a view of ``buf`` holding file bytes from ``base``."""
+    return typed_view(buf[t.offset - base: t.offset - base + t.bytes], t.dtype, t.shape)
 
 
-def _read_layer(path: str, start: int, nbytes: int) -> tuple[mmap.mmap, torch.Tensor, float]:
-    """Read ``nbytes`` at ``start`` of ``path`` into a fresh page-aligned buffer, sequentially."""
+def _read_layer(path: str, start: int, nbytes: int, tensors: tuple = (),
+                verify: bool = False) -> tuple[mmap.mmap, torch.Tensor, float]:
+    """Read ``nbytes`` at ``start`` of ``path`` into a fresh page-aligned buffer, sequentially.
+
+    With ``verify``, each array of ``tensors`` is hashed (XXH3-128) from the buffer as soon as its
+    last byte has arrived, while the rest is still being read, and compared with its manifest digest.
+
+    Raises:
+        RuntimeLoadError: a short read.
+        IntegrityError: with ``verify``, an array whose bytes differ from the manifest (file and array named).
+    """
     t0 = time.perf_counter()
     buf = mmap.mmap(-1, max(nbytes, 1))
     mv = memoryview(buf)
+    todo = sorted(tensors, key=lambda t: t.offset) if verify else []
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
@@ -133,6 +140,12 @@ def _read_layer(path: str, start: int, nbytes: int) -> tuple[mmap.mmap, torch.Te
             if n <= 0:
                 raise RuntimeLoadError(f"{path}: short read at byte {start + done} (file changed under the loader?)")
             done += n
+            while todo and todo[0].offset + todo[0].bytes - start <= done:
+                t = todo.pop(0)
+                found = xxhash.xxh3_128(mv[t.offset - start: t.offset - start + t.bytes]).hexdigest()
+                if found != t.xxh3_128:
+                    raise IntegrityError(f"{path}: bank array {t.name!r} xxh3_128 expected {t.xxh3_128}, found {found}; "
+                                         f"the file is damaged (run shardsmith verify on the pack)")
     finally:
         os.close(fd)
         mv.release()
@@ -167,6 +180,8 @@ def load_host_banks(weights, *, pin: str = "auto", chunk_bytes: int = CHUNK_BYTE
     Raises:
         RuntimeLoadError: ``pin="require"`` and page-locking is refused (e.g. ``ulimit -l``, or no
             CUDA), checked on a small buffer before any bank is read; a short read.
+        IntegrityError: ``weights`` is a pack opened with ``verify`` and an array's bytes differ
+            from its manifest digest (hashed while the layer is read).
         UsageError: an unknown ``pin`` mode.
     """
     if pin not in ("auto", "require", "off"):
@@ -193,16 +208,17 @@ def load_host_banks(weights, *, pin: str = "auto", chunk_bytes: int = CHUNK_BYTE
         hb.wall_s = time.perf_counter() - t0
         return hb
     with ThreadPoolExecutor(1, thread_name_prefix="bank-reader") as pool:
-        nxt = pool.submit(_read_layer, *jobs[0][1:4]) if jobs else None
+        verify = bool(getattr(weights, "verify", False))
+        nxt = pool.submit(_read_layer, *jobs[0][1:5], verify) if jobs else None
         for i, (layer, path, start, nbytes, tensors) in enumerate(jobs):
             buf, flat, read_s = nxt.result()
-            nxt = pool.submit(_read_layer, *jobs[i + 1][1:4]) if i + 1 < len(jobs) else None
+            nxt = pool.submit(_read_layer, *jobs[i + 1][1:5], verify) if i + 1 < len(jobs) else None
             hb._buffers.append(buf)
             hb.read_s += read_s
-            arrays = {t["name"]: _view(flat, start, t) for t in tensors}
+            arrays = {t.name: _view(flat, start, t) for t in tensors}
             hb.layers[layer] = arrays
             hb.nbytes += nbytes
-            hb.array_bytes += sum(t["bytes"] for t in tensors)
+            hb.array_bytes += sum(t.bytes for t in tensors)
             if do_pin:
                 do_pin = _pin_or_fall_back(hb, _slot_chunks(arrays, chunk_bytes), pin)
     hb.wall_s = time.perf_counter() - t0
@@ -215,13 +231,12 @@ def _read_jobs(weights) -> list[tuple] | None:
     if manifest is None or root is None:
         return None
     jobs = []
-    for rec in manifest["files"]:
-        if rec["kind"] != "bank":
+    for rec in manifest.files:
+        if rec.kind != "bank" or not rec.tensors:
             continue
-        tensors = [t for t in rec["tensors"] if not t["name"].startswith("__padding__")]
-        start = min(t["offset"] for t in tensors)
-        end = max(t["offset"] + t["bytes"] for t in tensors)
-        jobs.append((rec["layer"], str(root / rec["path"]), start, end - start, tensors))
+        start = min(t.offset for t in rec.tensors)
+        end = max(t.offset + t.bytes for t in rec.tensors)
+        jobs.append((rec.layer, str(root / rec.path), start, end - start, rec.tensors))
     return jobs
 
 

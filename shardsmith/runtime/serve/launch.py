@@ -69,7 +69,7 @@ class LaunchSpec:
     device: str = "cpu"
     dist_port: int | None = None
     from_checkpoint: bool = False
-    verify_hashes: bool = False
+    verify_hashes: bool = True
     max_seq_len: int = 2048
     dtype: str | None = None
     offload: Any = None  # OffloadConfig | None; typed loosely so --help stays free of torch

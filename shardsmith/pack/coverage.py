@@ -12,8 +12,32 @@ Rules checked per tensor (``W`` ranks, ``D`` the size of the shard dim):
 
 from __future__ import annotations
 
-from ..plans.core import Split
-from ..plans.resolve import ResolvedPlan, TensorPlan
+from shardsmith.dtypes import DTYPES
+from shardsmith.plans.core import Split
+from shardsmith.plans.resolve import ResolvedPlan, TensorPlan
+
+
+def _is_int(x: object, lo: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+def value_problems(tp: TensorPlan) -> list[str]:
+    """Values of one tensor's plan that no arithmetic may use: an unknown dtype, a shape or range that
+    is not non-negative integers, a ``shard_dim`` outside the shape, a unit below 1."""
+    where = f"plan.json: tensor {tp.name!r}"
+    if tp.dtype not in DTYPES:
+        return [f"{where}: dtype {tp.dtype!r:.40} is not a safetensors dtype"]
+    if not all(_is_int(d) for d in tp.shape) or len(tp.shape) > 8:
+        return [f"{where}: shape {list(tp.shape)!r:.80} is not a list of at most 8 non-negative integers"]
+    if tp.shard_dim is not None and not (_is_int(tp.shard_dim) and tp.shard_dim < len(tp.shape)):
+        return [f"{where}: shard_dim {tp.shard_dim!r:.40} outside shape {list(tp.shape)}"]
+    if not _is_int(tp.unit, 1):
+        return [f"{where}: unit {tp.unit!r:.40} is not a positive integer"]
+    if not all(_is_int(s) and _is_int(n) for rr in tp.ranges for s, n in rr):
+        return [f"{where}: ranges hold a value that is not a non-negative integer"]
+    if tp.bank is not None and not (_is_int(tp.bank.expert) and tp.bank.segment in (0, 1)):
+        return [f"{where}: bank slot expert {tp.bank.expert!r:.20} segment {tp.bank.segment!r:.20} out of range"]
+    return []
 
 
 def tensor_problems(tp: TensorPlan, world_size: int) -> list[str]:
@@ -59,14 +83,23 @@ def tensor_problems(tp: TensorPlan, world_size: int) -> list[str]:
 
 
 def plan_problems(plan: ResolvedPlan) -> list[str]:
-    """Coverage problems of every tensor of ``plan`` and of its expert banks."""
-    from ..errors import PlanError
-    from .slicing import bank_specs
+    """Value and coverage problems of every tensor of ``plan`` and of its expert banks.
 
+    An empty list means the plan's arithmetic (local shapes, bank specs, cuts) is safe to run.
+    """
+    from shardsmith.errors import PlanError
+    from shardsmith.pack.banks import bank_specs
+
+    out = [p for tp in plan.tensors.values() for p in value_problems(tp)]
+    if out:
+        return out
     out = [p for tp in plan.tensors.values() for p in tensor_problems(tp, plan.world_size)]
     for tp in plan.tensors.values():
         if tp.bank and tp.bank.layer not in plan.experts:
             out.append(f"plan.json: tensor {tp.name!r} in bank {tp.bank.layer!r}, which has no expert count")
+        elif tp.bank and not tp.bank.expert < plan.experts[tp.bank.layer]:
+            out.append(f"plan.json: tensor {tp.name!r} is expert {tp.bank.expert} of bank {tp.bank.layer!r}, "
+                       f"which has {plan.experts[tp.bank.layer]} experts")
     if not out:
         for r in range(plan.world_size):
             try:
