@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import os
+import re
 import signal
 import socket
 import sys
@@ -123,6 +124,10 @@ def pack_world_size(path: Path, *, tp: int | None, from_checkpoint: bool) -> int
         return tp
     manifest = Path(path) / "pack.yaml"
     if not manifest.is_file():
+        if (where := rank_dir_of(Path(path))) is not None:
+            rank, ws, pack = where
+            raise UsageError(f"{path} is rank {rank} of {ws} of the pack at {pack}, not a pack: give the pack "
+                             f"directory ({pack}; each rank loads its own rank-<r>-of-{ws}/ from it)")
         raise UsageError(f"{path}: no pack.yaml; give a pack written by `shardsmith split`, "
                          f"or a checkpoint with --from-checkpoint --tp N")
     import yaml
@@ -133,6 +138,18 @@ def pack_world_size(path: Path, *, tp: int | None, from_checkpoint: bool) -> int
     if tp is not None and tp != ws:
         raise UsageError(f"--tp {tp} does not match the pack's world_size={ws} ({manifest})")
     return ws
+
+
+RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
+
+
+def rank_dir_of(path: Path) -> tuple[int, int, Path] | None:
+    """``(rank, world_size, pack)`` when ``path`` is a rank directory (``rank-<r>-of-<N>/``, as
+    ``manifests/README.md`` lays a pack out) with ``pack.yaml`` or its ``manifest.yaml``; else None."""
+    m = RANK_DIR.fullmatch(path.resolve().name)
+    if m is None or not ((path / "manifest.yaml").is_file() or (path.resolve().parent / "pack.yaml").is_file()):
+        return None
+    return int(m.group(1)), int(m.group(2)), path.resolve().parent
 
 
 def free_port() -> int:
