@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from shardsmith.cli import app
+from shardsmith.errors import UsageError
 from shardsmith.runtime.serve.launch import RankFilter, pack_world_size
 
 runner = CliRunner()
@@ -34,6 +35,17 @@ def test_help_is_fast_and_lists_commands() -> None:
 def test_not_a_pack(tmp_path: Path) -> None:
     r = _run("serve", str(tmp_path))
     assert "no pack.yaml" in str(r.exception)
+
+
+@pytest.mark.parametrize("command", [("serve",), ("generate", "--prompt", "hi")])
+def test_rank_directory_is_named_as_a_rank_of_the_pack(tmp_path: Path, command) -> None:
+    pack = tmp_path / "out"
+    (pack / "rank-1-of-2").mkdir(parents=True)
+    (pack / "pack.yaml").write_text("format: shardsmith-pack\nworld_size: 2\n")
+    (pack / "rank-1-of-2" / "manifest.yaml").write_text("rank: 1\n")
+    r = _run(command[0], str(pack / "rank-1-of-2"), *command[1:])
+    assert isinstance(r.exception, UsageError)
+    assert f"is rank 1 of 2 of the pack at {pack}, not a pack: give the pack directory ({pack};" in str(r.exception)
 
 
 def test_from_checkpoint_needs_tp(tmp_path: Path) -> None:

@@ -54,8 +54,8 @@ class GenerateJob:
 
                 template = load_chat_format(engine.root, trust_remote_code=self.trust_remote_code)
             log.info("loaded in %.1f s", engine.load_seconds)
-            encoded = [codec.encode(template.render([{"role": "user", "content": p}]) if template else p)
-                       for p in self.prompts]
+            encoded = [codec.encode(template.render([{"role": "user", "content": p}])) if template
+                       else codec.encode_prompt(p) for p in self.prompts]
             for i, ids in enumerate(encoded, 1):  # every prompt checked before the first answer is printed
                 if not ids:
                     raise UsageError(f"--prompt #{i} is empty after tokenization")

@@ -19,8 +19,18 @@ Supervision. The parent waits on every child's sentinel. A rank that exits non-z
 killed is reported in one line (rank, pid, exit code or signal) and the others are stopped:
 SIGTERM to rank 0 (graceful: uvicorn drains, the engine shuts down), then SIGTERM, then SIGKILL
 to whatever is left after a grace period, so a dead rank never leaves the server hanging.
-SIGINT/SIGTERM to the parent stop rank 0 the same way. Each child watches its parent and stops
-itself if the parent disappears. Only rank 0 logs, except errors, which every rank reports.
+SIGINT/SIGTERM to the parent stop rank 0 the same way; once rank 0 is gone the other ranks get
+:data:`FOLLOWER_GRACE_S` to leave (they do at once after rank 0's engine shutdown; a rank still
+loading never would) before SIGTERM. A second SIGINT kills every rank at once. The exit code
+after SIGINT is 130 (128 + SIGINT, as shells report it); after SIGTERM, 0 unless a rank failed.
+Each child watches its parent and stops itself if the parent disappears. Only rank 0 logs,
+except errors, which every rank reports.
+
+Processes. Ranks report errors over one ``multiprocessing`` pipe each: no semaphore, so a
+SIGKILLed launcher leaks none. ``spawn`` starts ``multiprocessing``'s resource tracker and hands
+its pipe to every child; the children close their copy at once and the launcher stops the tracker
+when the ranks are down, so no process of ours outlives the launcher (the tracker also exits the
+moment a SIGKILLed launcher's end of its pipe closes).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import os
+import re
 import signal
 import socket
 import sys
@@ -44,6 +55,8 @@ log = logging.getLogger(__name__)
 
 GRACE_S = 20.0        # rank 0's graceful stop (drain, engine shutdown) before SIGTERM to all
 KILL_AFTER_S = 5.0    # SIGTERM to SIGKILL
+FOLLOWER_GRACE_S = 3.0  # after a requested stop, how long the other ranks may outlive rank 0
+SIGINT_EXIT = 128 + signal.SIGINT  # 130: the exit code after Ctrl-C, as a shell reports it
 REPORT_CHARS = 20_000  # a rank's error message sent to the launcher, at most
 COLLECTIVE_TIMEOUT_S = 600.0  # default group; idle followers wait in the engine's own command group
 
@@ -123,6 +136,10 @@ def pack_world_size(path: Path, *, tp: int | None, from_checkpoint: bool) -> int
         return tp
     manifest = Path(path) / "pack.yaml"
     if not manifest.is_file():
+        if (where := rank_dir_of(Path(path))) is not None:
+            rank, ws, pack = where
+            raise UsageError(f"{path} is rank {rank} of {ws} of the pack at {pack}, not a pack: give the pack "
+                             f"directory ({pack}; each rank loads its own rank-<r>-of-{ws}/ from it)")
         raise UsageError(f"{path}: no pack.yaml; give a pack written by `shardsmith split`, "
                          f"or a checkpoint with --from-checkpoint --tp N")
     import yaml
@@ -133,6 +150,18 @@ def pack_world_size(path: Path, *, tp: int | None, from_checkpoint: bool) -> int
     if tp is not None and tp != ws:
         raise UsageError(f"--tp {tp} does not match the pack's world_size={ws} ({manifest})")
     return ws
+
+
+RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
+
+
+def rank_dir_of(path: Path) -> tuple[int, int, Path] | None:
+    """``(rank, world_size, pack)`` when ``path`` is a rank directory (``rank-<r>-of-<N>/``, as
+    ``manifests/README.md`` lays a pack out) with ``pack.yaml`` or its ``manifest.yaml``; else None."""
+    m = RANK_DIR.fullmatch(path.resolve().name)
+    if m is None or not ((path / "manifest.yaml").is_file() or (path.resolve().parent / "pack.yaml").is_file()):
+        return None
+    return int(m.group(1)), int(m.group(2)), path.resolve().parent
 
 
 def free_port() -> int:
@@ -200,7 +229,34 @@ def error_class(err: BaseException) -> type[ShardsmithError]:
     return max(found, key=EXIT_CODES.__getitem__, default=ShardsmithError)  # ties: the outermost
 
 
+def _close_resource_tracker() -> None:
+    """Drop this spawned child's copy of the resource tracker's pipe (ranks create no semaphores or
+    shared memory), so the tracker lives only as long as the launcher."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # no public API; spawn sets _fd in every child
+    fd, tracker._fd = getattr(tracker, "_fd", None), None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _stop_resource_tracker() -> None:
+    """Stop the launcher's resource tracker (after the ranks are down; it exits on its pipe's EOF)."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        try:
+            stop()
+        except Exception:  # noqa: BLE001 - best effort: the tracker also exits with the launcher
+            pass
+
+
 def _child(rank: int, spec: LaunchSpec, job: Job, env: dict[str, str], log_level: int, reports) -> None:
+    _close_resource_tracker()
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "SHARDSMITH_SPAWNED": "1"})
     setup_logging(rank, log_level)
@@ -245,7 +301,7 @@ def _report(reports, rank: int, e: BaseException) -> None:
     if os.environ.get("SHARDSMITH_DEBUG"):
         log.error("rank %d failed", rank, exc_info=e)
     try:
-        reports.put(RankReport(rank, error_class(e).__name__, text, isinstance(e, RankLostError)))
+        reports.send(RankReport(rank, error_class(e).__name__, text, isinstance(e, RankLostError)))
     except Exception:  # noqa: BLE001 - no launcher to tell: say it here
         log.error("rank %d failed: %s", rank, text)
 
@@ -300,23 +356,36 @@ def _spawn_and_supervise(spec: LaunchSpec, job: Job, log_level: int) -> int:
     if not spec.device.startswith("cuda") and "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's pair connections on loopback, like the rendezvous
     ctx = mp.get_context("spawn")
-    reports = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_child, args=(r, spec, job, env, log_level, reports), name=f"shardsmith-rank-{r}")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(spec.world_size)]  # (reader, writer): no semaphore
+    procs = [ctx.Process(target=_child, args=(r, spec, job, env, log_level, pipes[r][1]), name=f"shardsmith-rank-{r}")
              for r in range(spec.world_size)]
     log.info("starting %d rank(s) of %s on %s, rendezvous 127.0.0.1:%d", spec.world_size, spec.path, spec.device, port)
-    for p in procs:
-        p.start()
-    log.info("rank pids: %s", ", ".join(f"rank {r}={p.pid}" for r, p in enumerate(procs)))
     try:
-        return _supervise(procs, reports)
+        for p in procs:
+            p.start()
+        for _, writer in pipes:
+            writer.close()  # the children hold theirs: a reader sees EOF once its rank is gone
+        log.info("rank pids: %s", ", ".join(f"rank {r}={p.pid}" for r, p in enumerate(procs)))
+        return _supervise(procs, [reader for reader, _ in pipes])
     finally:
-        reports.close()
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join()
+        for reader, _ in pipes:
+            reader.close()
+        _stop_resource_tracker()
 
 
-def _supervise(procs: list, reports=None) -> int:
+def _supervise(procs: list, reports: list | None = None) -> int:
     """Wait for the ranks; on the first exit or a signal, stop the rest in bounded time.
 
-    Returns rank 0's exit code if it failed, else 1 if any rank failed unexpectedly, else 0.
+    Args:
+        procs: the rank processes, rank order. reports: per rank, the read end of its report pipe.
+
+    Returns:
+        130 after SIGINT; else rank 0's exit code if it failed, else 1 if any rank failed
+        unexpectedly, else 0.
 
     Raises:
         ShardsmithError: the errors the ranks reported (:func:`_raise_reports`), once they are down.
@@ -324,14 +393,25 @@ def _supervise(procs: list, reports=None) -> int:
     received: list[RankReport] = []
 
     def drain() -> None:
-        while reports is not None and not reports.empty():
-            received.append(reports.get())
+        for conn in reports or ():
+            try:
+                while not conn.closed and conn.poll():
+                    received.append(conn.recv())
+            except (EOFError, OSError):  # the rank is gone and said nothing more
+                conn.close()
 
     stop = threading.Event()
+    signals: list[int] = []
 
     def on_signal(signum, _frame) -> None:
         if not stop.is_set():
             log.info("received %s; stopping", signal.Signals(signum).name)
+        elif signum == signal.SIGINT and signal.SIGINT in signals:
+            log.info("received SIGINT again; killing every rank")
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        signals.append(signum)
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -360,11 +440,15 @@ def _supervise(procs: list, reports=None) -> int:
             if stop.is_set() and since is None:
                 since = time.monotonic()
                 _terminate(procs[0])
+            if stop.is_set() and escalated == 0 and procs[0].exitcode is not None:
+                since = min(since, time.monotonic() - GRACE_S + FOLLOWER_GRACE_S)  # rank 0 gone: no drain to wait for
             waited = 0.0 if since is None else time.monotonic() - since
             if escalated == 0 and waited > GRACE_S:
                 left = [r for r, p in enumerate(procs) if p.is_alive()]
-                log.error("rank(s) %s still running %.0f s after the stop began; sending SIGTERM", left, GRACE_S)
-                failed, escalated = True, 1
+                if left and not (stop.is_set() and procs[0].exitcode is not None):
+                    log.error("rank(s) %s still running %.0f s after the stop began; sending SIGTERM", left, GRACE_S)
+                    failed = True
+                escalated = 1
                 for p in procs:
                     _terminate(p)
             elif escalated == 1 and waited > GRACE_S + KILL_AFTER_S:
@@ -374,8 +458,12 @@ def _supervise(procs: list, reports=None) -> int:
                         p.kill()
         drain()
         _raise_reports([r for r in received if not (stop.is_set() and r.lost)], len(procs))  # Ctrl-C: no noise
+        if signal.SIGINT in signals:
+            return SIGINT_EXIT
         rank0 = procs[0].exitcode
-        return rank0 if rank0 and rank0 > 0 and not stop.is_set() else int(failed or bool(rank0))
+        if stop.is_set():  # SIGTERM: a requested stop; ranks killed by it are not failures
+            return int(failed)
+        return rank0 if rank0 and rank0 > 0 else int(failed or bool(rank0))
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -35,7 +35,7 @@ from shardsmith.runtime.serve.chat import ChatTemplate, ChatTemplateError, load_
 from shardsmith.runtime.serve.encoding import MessageEncoding, RemoteCodeError
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid, validation_error
-from shardsmith.runtime.serve.worker import EngineWorker, Job, State, TextEvent
+from shardsmith.runtime.serve.worker import EngineWorker, Job, ServerStopping, State, TextEvent
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class Service:
             want, top_n = req.logprobs, req.top_logprobs or 0
         else:
             if isinstance(prompt, str):
-                prompt_ids = codec.encode(prompt)
+                prompt_ids = codec.encode_prompt(prompt)  # BOS as the tokenizer adds it (issue 13)
             else:
                 prompt_ids = list(prompt)
                 vocab = min(codec.vocab_size, getattr(engine, "vocab_size", codec.vocab_size))
@@ -161,6 +161,8 @@ class Service:
             while (item := await job.events.get()) is not None:
                 if isinstance(item, UsageError):
                     raise invalid(f"the engine refused the request: {item}")
+                if isinstance(item, ServerStopping):
+                    raise APIError(503, str(item), type="server_error", code="server_shutting_down")
                 if isinstance(item, Exception):
                     raise APIError(500, str(item), type="server_error", code="engine_failed")
                 yield item
@@ -295,14 +297,19 @@ class ServeJob:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __call__(self, load) -> int:
-        """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean, 1 failed)."""
-        import signal
+        """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
+        stopped by SIGTERM, 130 stopped by SIGINT, 1 failed).
 
-        import uvicorn
+        A signal ends every request at once (:meth:`EngineWorker.interrupt`: streams get a last
+        error event, then ``[DONE]``), then uvicorn stops and the engine shuts down, releasing the
+        other ranks. A signal while the engine is still loading returns at once: the caller exits
+        the process under the load.
+        """
+        import signal
 
         metrics = Metrics()
         failed = threading.Event()
-        holder: dict[str, uvicorn.Server] = {}
+        holder: dict[str, Any] = {}
 
         def on_fatal(message: str) -> None:
             failed.set()
@@ -312,13 +319,11 @@ class ServeJob:
         worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal)
         app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
                          max_request_bytes=self.max_request_bytes)
-        server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port, log_config=None,
-                                               access_log=False, timeout_graceful_shutdown=5, lifespan="off"))
+        server = _server(app, host=self.host, port=self.port, worker=worker)
         holder["server"] = server
-        # uvicorn re-raises a captured signal after its graceful stop; make that a no-op so the
-        # engine still shuts down (followers exit) instead of the process dying on the spot.
+        # Before uvicorn captures the signals, and after it re-raises them on its way out: the same stop.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
+            signal.signal(sig, server.handle_exit)
         worker.start()
         log.info("serving %s on http://%s:%d (ready once every rank has loaded and warmed up)",
                  self.model_name, self.host, self.port)
@@ -327,8 +332,34 @@ class ServeJob:
         except SystemExit as e:  # uvicorn exits when it cannot bind
             log.error("HTTP server failed to start on %s:%d (exit %s)", self.host, self.port, e.code)
             failed.set()
+        stopped_by = server.stopped_by
+        if stopped_by is not None and worker.state is State.LOADING:
+            log.info("stopped while loading (%s)", signal.Signals(stopped_by).name)
+            return 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
         if not failed.is_set() and not worker.stop(timeout=15.0):
             log.error("engine did not shut down within 15 s")
             return 1
         log.info("server stopped")
-        return 1 if failed.is_set() else 0
+        return 1 if failed.is_set() else 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
+
+
+def _server(app: FastAPI, *, host: str, port: int, worker: EngineWorker):
+    """A ``uvicorn.Server`` whose signal handling first ends every request (:meth:`EngineWorker.interrupt`),
+    so its graceful shutdown finds no open stream to wait for and cancel."""
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        stopped_by: int | None = None
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.stopped_by is None:
+                self.stopped_by = sig
+                why = f"the server is shutting down ({signal.Signals(sig).name})"
+                # a thread, not this handler: interrupt() takes locks the interrupted code may hold
+                threading.Thread(target=worker.interrupt, args=(why,), name="shardsmith-interrupt", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return Server(uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
+                                 timeout_graceful_shutdown=5, lifespan="off"))

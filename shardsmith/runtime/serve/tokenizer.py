@@ -81,10 +81,27 @@ class Codec:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in it are matched, none are added.
 
-        ``encode_batch`` rather than ``encode``: it releases the GIL while it works, so a long
-        prompt tokenized on a worker thread does not stall the server's event loop.
+        For text that already carries its special tokens: a rendered chat template (it writes
+        its own BOS). ``encode_batch`` rather than ``encode``: it releases the GIL while it works,
+        so a long prompt tokenized on a worker thread does not stall the server's event loop.
         """
         return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a plain prompt, with the special tokens the tokenizer's configuration adds.
+
+        As transformers' ``tokenizer(text)`` does: the ``post_processor`` of ``tokenizer.json``
+        adds them (DeepSeek's ``TemplateProcessing`` puts BOS first; converters write
+        ``tokenizer_config.json``'s ``add_bos_token`` into it; SmolLM2 adds none). Unlike
+        transformers, a BOS is never doubled: when the text itself starts with the tokens the
+        post-processor would put in front, they are not added again.
+        """
+        plain = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        full = self._tok.encode_batch([text], add_special_tokens=True)[0].ids
+        front = _front(full, plain)
+        if front and plain[:front] == full[:front]:
+            return full[front:]
+        return full
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (invalid UTF-8 becomes U+FFFD)."""
@@ -104,6 +121,15 @@ class Codec:
     def token_str(self, token_id: int) -> str:
         """One token as text for ``logprobs`` (a partial character shows as U+FFFD, as OpenAI does)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def _front(full: list[int], plain: list[int]) -> int:
+    """How many tokens a post-processor put before ``plain`` in ``full`` (0 when it is not a
+    prefix-and-suffix wrapper of ``plain``)."""
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return start
+    return 0
 
 
 def _has_type(node, name: str) -> bool:

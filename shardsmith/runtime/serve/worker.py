@@ -9,6 +9,11 @@ pushes :class:`TextEvent` items into the job's ``asyncio.Queue`` with
 A request the engine refuses up front (``UsageError``: nothing was broadcast yet) fails alone.
 Any other exception from the engine (a rank died: gloo/NCCL report a closed peer) is fatal: the job and every queued job get a 500, ``/health`` turns 503, and ``on_fatal`` stops the
 server, so the launcher exits non-zero instead of hanging.
+
+Stopping (SIGINT/SIGTERM): :meth:`EngineWorker.interrupt` ends the running job at its next token
+and every queued one with :class:`ServerStopping` (streams send it as their last event), so the
+HTTP server's graceful shutdown has nothing left to wait for. A load still running when the stop
+comes is not waited for (the process exits under it) and never reports "ready".
 """
 
 from __future__ import annotations
@@ -83,6 +88,10 @@ def stream_text(steps: Iterable, codec: Codec, prompt_ids: list[int], *, stop: I
             close()
 
 
+class ServerStopping(Exception):
+    """The server is stopping (a signal): the request ends now, with this message."""
+
+
 class State(enum.Enum):
     LOADING = "loading"
     READY = "ready"
@@ -143,6 +152,8 @@ class EngineWorker:
         self.error: str | None = None
         self.engine: Any = None
         self.codec: Codec | None = None
+        self.stopping: str | None = None  # why, once interrupt() was called
+        self._current: Job | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -151,6 +162,16 @@ class EngineWorker:
         """Queue ``job`` behind the running one (FIFO)."""
         self.metrics.queued(+1)
         self._jobs.put(job)
+
+    def interrupt(self, message: str) -> None:
+        """End the running job (at its next token) and every queued one with :class:`ServerStopping`;
+        refuse jobs submitted later. Any thread; not from a signal handler (it takes the queue's lock)."""
+        self.stopping = message
+        job = self._current
+        if job is not None:
+            job.cancelled.set()
+            job.emit(ServerStopping(message))
+        self._drain(message, stopping=True)
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Finish the running job, shut the engine down (followers exit), join. False on timeout."""
@@ -176,44 +197,62 @@ class EngineWorker:
                 log.info("%s", offload.ready_line())
         except Exception as e:  # noqa: BLE001 - any load failure ends the server with its reason
             log.debug("engine load failed", exc_info=True)
+            if self.stopping is not None:  # a rank went down with the stop: not a failure to report
+                self.state = State.STOPPED
+                return
             self._fail(f"engine failed to load: {type(e).__name__}: {e}")
             self._drain(f"engine failed to load: {e}")
+            return
+        if self.stopping is not None:  # stopped while loading: release the followers, never say "ready"
+            self._shutdown()
+            self._drain(self.stopping, stopping=True)
             return
         self.state = State.READY
         self.metrics.set_ready(True, load_seconds=float(getattr(self.engine, "load_seconds", 0.0)),
                                ready_seconds=time.perf_counter() - self._started)
         log.info("ready: every rank loaded and warmed up in %.1f s", time.perf_counter() - self._started)
         while (job := self._jobs.get()) is not None:
-            if self.state is not State.READY:
+            if self.stopping is not None:
+                self._reject(job, self.stopping, stopping=True)
+            elif self.state is not State.READY:
                 self._reject(job, self.error or "engine is not ready")
-                continue
-            self._serve(job)
+            else:
+                self._serve(job)
         if self.state is State.READY:
-            self.state = State.STOPPED
-            self.metrics.set_ready(False)
-            try:
-                self.engine.shutdown()
-            except Exception as e:  # noqa: BLE001
-                log.error("engine shutdown failed: %s: %s", type(e).__name__, e)
+            self._shutdown()
 
-    def _reject(self, job: Job, message: str) -> None:
+    def _shutdown(self) -> None:
+        self.state = State.STOPPED
+        self.metrics.set_ready(False)
+        try:
+            self.engine.shutdown()
+        except Exception as e:  # noqa: BLE001
+            log.error("engine shutdown failed: %s: %s", type(e).__name__, e)
+
+    def _reject(self, job: Job, message: str, *, stopping: bool = False) -> None:
         self.metrics.queued(-1)
-        job.emit(RuntimeError(message))
+        job.emit(ServerStopping(message) if stopping else RuntimeError(message))
 
-    def _drain(self, message: str) -> None:
+    def _drain(self, message: str, *, stopping: bool = False) -> None:
         while True:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
-            if job is not None:
-                self._reject(job, message)
+            if job is None:  # stop() was called: keep its sentinel for the engine thread
+                self._jobs.put(None)
+                return
+            self._reject(job, message, stopping=stopping)
 
     def _serve(self, job: Job) -> None:
         m = self.metrics
         m.started(len(job.prompt_ids))
         last = job.arrival
+        self._current = job
         try:
+            if self.stopping is not None:  # interrupt() may have looked before _current was set
+                job.emit(ServerStopping(self.stopping))
+                return
             if job.cancelled.is_set():
                 return
             steps = self.engine.generate(job.prompt_ids, job.params)
@@ -236,5 +275,6 @@ class EngineWorker:
             self._drain("engine failed; the server is stopping")
             return
         finally:
+            self._current = None
             m.finished(time.perf_counter() - job.arrival)
         job.emit(None)
