@@ -7,6 +7,10 @@ Mixtral, Qwen3-MoE, Qwen2-MoE          :func:`build_moe`   yes              any 
 ``DeepseekV4ForCausalLM``              :func:`build_v4`    yes (FP4 slots)  0, or where the last step ended
 =====================================  ==================  ===============  ===============================
 
+DeepSeek-V3 (``DeepseekV3ForCausalLM``, also R1 and V3.1) is built by
+:func:`shardsmith.runtime.models.deepseek_v3.build`: experts offloadable (FP8 slots), a step may
+start at any position (latent KV cache by position).
+
 Every model has the interface the engine drives: ``setup_cache(max_seq_len, device, dtype)``,
 ``model(ids [T], start, last_only=) -> float32 logits [T or 1, V]`` and ``model.args.vocab_size``.
 A builder makes the model on ``meta`` from the rank's plan and fills it from the rank's weights
@@ -24,6 +28,7 @@ from torch import nn
 
 from shardsmith.errors import RuntimeLoadError
 from shardsmith.runtime.models import deepseek_v4
+from shardsmith.runtime.models import deepseek_v3
 from shardsmith.runtime.models.mixtral.config import FAMILIES as MOE_ARCHITECTURES
 from shardsmith.runtime.layers.parallel import Shards
 
@@ -87,8 +92,10 @@ def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], 
 
 MOE = ModelFamily("Mixtral family", build_moe, rewinds=True)
 DEEPSEEK_V4 = ModelFamily("DeepSeek-V4", build_v4, rewinds=False)
+DEEPSEEK_V3 = ModelFamily("DeepSeek-V3", deepseek_v3.build, rewinds=True)
 MODELS: dict[str, ModelFamily] = {**{a: MOE for a in MOE_ARCHITECTURES},
                                   **{a: DEEPSEEK_V4 for a in deepseek_v4.ARCHITECTURES}}
+MODELS.update({a: DEEPSEEK_V3 for a in deepseek_v3.ARCHITECTURES})
 
 
 def family_for(config: dict) -> ModelFamily:
