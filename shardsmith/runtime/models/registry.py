@@ -5,6 +5,7 @@ architecture (``config.json``)         builder             expert offload   a st
 =====================================  ==================  ===============  ===============================
 Mixtral, Qwen3-MoE, Qwen2-MoE          :func:`build_moe`   yes              any position (KV cache by pos)
 ``DeepseekV4ForCausalLM``              :func:`build_v4`    yes (FP4 slots)  0, or where the last step ended
+``GptOssForCausalLM``                  ``gpt_oss.build``   no (resident)    any position (KV cache by pos)
 =====================================  ==================  ===============  ===============================
 
 Every model has the interface the engine drives: ``setup_cache(max_seq_len, device, dtype)``,
@@ -24,6 +25,7 @@ from torch import nn
 
 from shardsmith.errors import RuntimeLoadError
 from shardsmith.runtime.models import deepseek_v4
+from shardsmith.runtime.models import gpt_oss  # gpt-oss
 from shardsmith.runtime.models.mixtral.config import FAMILIES as MOE_ARCHITECTURES
 from shardsmith.runtime.layers.parallel import Shards
 
@@ -89,6 +91,8 @@ MOE = ModelFamily("Mixtral family", build_moe, rewinds=True)
 DEEPSEEK_V4 = ModelFamily("DeepSeek-V4", build_v4, rewinds=False)
 MODELS: dict[str, ModelFamily] = {**{a: MOE for a in MOE_ARCHITECTURES},
                                   **{a: DEEPSEEK_V4 for a in deepseek_v4.ARCHITECTURES}}
+GPT_OSS = ModelFamily("gpt-oss", gpt_oss.build, rewinds=True)  # gpt-oss
+MODELS.update({a: GPT_OSS for a in gpt_oss.ARCHITECTURES})  # gpt-oss
 
 
 def family_for(config: dict) -> ModelFamily:
