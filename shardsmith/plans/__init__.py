@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..checkpoint import Checkpoint
 from ..errors import PlanError
-from . import deepseek_v3, deepseek_v4, hf_moe
+from . import deepseek_v3, deepseek_v4, gpt_oss, hf_moe
 from .core import Layout, Plan, Rule, Split, partition_units
 from .resolve import BankSlot, ResolvedPlan, TensorPlan, resolve
 from .shapes import check_banks, check_shapes
@@ -29,9 +29,11 @@ FAMILIES: dict[str, tuple[str, Callable[[dict, int], Plan]]] = {
     "DeepseekV4ForCausalLM": ("deepseek-v4", deepseek_v4.build),
     "DeepseekV3ForCausalLM": ("deepseek-v3", deepseek_v3.build),
     **{arch: ("mixtral", hf_moe.build) for arch in hf_moe.ARCHITECTURES},
+    **{arch: ("gpt-oss", gpt_oss.build) for arch in gpt_oss.ARCHITECTURES},
 }
 MODEL_TYPES = {"deepseek_v4": "DeepseekV4ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MODEL_TYPES["gpt_oss"] = "GptOssForCausalLM"
 
 
 def family_of(config: dict) -> str:

@@ -13,6 +13,7 @@ import re
 from ..checkpoint import TensorInfo
 from ..checkpoint.config import config_int
 from ..errors import PlanError, format_problems
+from .gpt_oss import expected_shapes as gpt_oss_shapes
 
 Expect = list[tuple[str, tuple[int, ...]]]  # (regex over tensor names, expected logical shape)
 Counts = list[tuple[str, str, int]]  # (regex whose group 1 is a layer index, label, expected count)
@@ -85,7 +86,8 @@ def _deepseek_v3(config: dict) -> tuple[Expect, Counts, int]:
     return expect, [(r"model\.layers\.(\d+)\.", "num_hidden_layers + num_nextn_predict_layers", layers + mtp)], experts
 
 
-FAMILY_SHAPES = {"deepseek-v4": _deepseek_v4, "deepseek-v3": _deepseek_v3, "mixtral": _hf_moe}
+FAMILY_SHAPES = {"deepseek-v4": _deepseek_v4, "deepseek-v3": _deepseek_v3, "mixtral": _hf_moe,
+                 "gpt-oss": gpt_oss_shapes}
 
 
 def _logical(info: TensorInfo) -> tuple[int, ...]:

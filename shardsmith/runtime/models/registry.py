@@ -5,6 +5,7 @@ architecture (``config.json``)         builder             expert offload   a st
 =====================================  ==================  ===============  ===============================
 Mixtral, Qwen3-MoE, Qwen2-MoE          :func:`build_moe`   yes              any position (KV cache by pos)
 ``DeepseekV4ForCausalLM``              :func:`build_v4`    yes (FP4 slots)  0, or where the last step ended
+``GptOssForCausalLM``                  ``gpt_oss.build``   no (resident)    any position (KV cache by pos)
 =====================================  ==================  ===============  ===============================
 
 DeepSeek-V3 (``DeepseekV3ForCausalLM``, also R1 and V3.1) is built by
@@ -29,6 +30,7 @@ from torch import nn
 from shardsmith.errors import RuntimeLoadError
 from shardsmith.runtime.models import deepseek_v4
 from shardsmith.runtime.models import deepseek_v3
+from shardsmith.runtime.models import gpt_oss
 from shardsmith.runtime.models.mixtral.config import FAMILIES as MOE_ARCHITECTURES
 from shardsmith.runtime.layers.parallel import Shards
 
@@ -96,6 +98,8 @@ DEEPSEEK_V3 = ModelFamily("DeepSeek-V3", deepseek_v3.build, rewinds=True)
 MODELS: dict[str, ModelFamily] = {**{a: MOE for a in MOE_ARCHITECTURES},
                                   **{a: DEEPSEEK_V4 for a in deepseek_v4.ARCHITECTURES}}
 MODELS.update({a: DEEPSEEK_V3 for a in deepseek_v3.ARCHITECTURES})
+GPT_OSS = ModelFamily("gpt-oss", gpt_oss.build, rewinds=True)
+MODELS.update({a: GPT_OSS for a in gpt_oss.ARCHITECTURES})
 
 
 def family_for(config: dict) -> ModelFamily:

@@ -1,0 +1,215 @@
+"""The gpt-oss causal LM on one rank, built on ``meta`` from the rank's plan and filled from its weights.
+
+Module names mirror the release checkpoint (``model.layers.N.self_attn.q_proj.weight``), so loading
+is a strict name-for-name assignment (:func:`assign_weights`) with one spelled-out rename:
+
+============================================  ===============================  ==================
+source tensors                                module buffer                    why
+============================================  ===============================  ==================
+``...experts.<proj>_blocks`` + ``_scales``    ``...experts.<proj>`` (dtype)    MXFP4 expanded at load
+============================================  ===============================  ==================
+
+Attention (transformers ``modeling_gpt_oss.py`` ``eager_attention_forward``; OpenAI's reference
+``sdpa`` with ``S``): GQA over this rank's heads, q/k/v/o with biases, scale ``d^-0.5``, every
+head's learned sink logit joins its softmax as an extra column that is then dropped (the weights
+of a row sum to less than 1); even layers attend to the last ``sliding_window`` positions
+(``q - k < window``), odd layers to all. RoPE rotates halves with YaRN cos/sin tables
+(:func:`~shardsmith.runtime.models.gpt_oss.config.rope_tables`). RMSNorm weights stay float32, as
+transformers keeps them. One sequence at a time (batch 1) over a static KV cache of
+``max_seq_len`` positions of the rank's KV heads; a step may start at any cached position.
+
+Legend: T = new tokens, S = cached positions, D = hidden, H = local query heads, K = local KV
+heads, d = head dim, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardsmith.runtime.layers.parallel import HeadShard, Shards
+from shardsmith.runtime.models.gpt_oss.config import GptOssArgs, rope_tables
+from shardsmith.runtime.models.gpt_oss.moe import MoE, expand_mxfp4
+from shardsmith.runtime.models.mixtral.model import install_buffers
+
+
+class RMSNorm(nn.Module):
+    """``(w * x / rms(x)).to(dtype)`` with a float32 weight (transformers ``GptOssRMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.empty(dim, dtype=torch.float32, device="meta"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves: ``x [T, n, d]``, ``cos``/``sin`` ``[T, d/2]`` (YaRN-scaled)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None], sin[:, None]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class Attention(nn.Module):
+    """This rank's heads with sinks; ``o_proj``'s all-reduce (bias added once after) is its collective."""
+
+    def __init__(self, args: GptOssArgs, shards: Shards, prefix: str, window: int | None) -> None:
+        super().__init__()
+        self.head_dim, self.window, self.scale = args.head_dim, window, args.head_dim ** -0.5
+        q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        before = len(shards.problems)
+        self.q_proj = shards.linear(prefix + ".q_proj", bias=True, shape=(q_rows, args.dim))
+        self.k_proj = shards.linear(prefix + ".k_proj", bias=True, shape=(kv_rows, args.dim))
+        self.v_proj = shards.linear(prefix + ".v_proj", bias=True, shape=(kv_rows, args.dim))
+        self.o_proj = shards.linear(prefix + ".o_proj", bias=True, shape=(args.dim, q_rows))
+        sinks = shards.tensor(prefix + ".sinks", (args.n_heads,))
+        if len(shards.problems) > before:  # the load fails; shapes here do not matter
+            heads = HeadShard(args.n_heads, args.n_kv_heads, tuple(range(args.n_heads)))
+        else:
+            heads = shards.heads(prefix, args.head_dim, args.n_heads // args.n_kv_heads)
+        self.n_heads, self.n_kv = heads.n_heads, heads.n_kv_heads
+        self.kv_index = torch.tensor(heads.kv_index)  # [H]: the local KV head each query head reads
+        n_sinks = sinks.local_shape(shards.rank)[0] if sinks is not None and len(shards.problems) == before else self.n_heads
+        self.register_buffer("sinks", torch.empty(n_sinks, dtype=shards.dtype, device="meta"))
+        self.cache_k = self.cache_v = None  # [K, S_max, d], set by GptOss.setup_cache
+
+    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T, d = x.shape[0], self.head_dim
+        q = apply_rope(self.q_proj(x).view(T, self.n_heads, d), cos, sin)  # [T, H, d]
+        k = apply_rope(self.k_proj(x).view(T, self.n_kv, d), cos, sin)  # [T, K, d]
+        v = self.v_proj(x).view(T, self.n_kv, d)
+        end = start + T
+        self.cache_k[:, start:end] = k.transpose(0, 1)
+        self.cache_v[:, start:end] = v.transpose(0, 1)
+        lo = max(0, start - self.window + 1) if self.window else 0  # older keys are outside every window
+        idx = self.kv_index.to(x.device)
+        keys = self.cache_k[:, lo:end].index_select(0, idx)  # [H, S, d]
+        values = self.cache_v[:, lo:end].index_select(0, idx)
+        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * self.scale  # [H, T, S]
+        qpos = torch.arange(start, end, device=x.device)[:, None]  # [T, 1]
+        kpos = torch.arange(lo, end, device=x.device)[None, :]  # [1, S]
+        allowed = kpos <= qpos
+        if self.window:
+            allowed &= qpos - kpos < self.window
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        sink = self.sinks.to(scores.dtype)[:, None, None].expand(-1, T, 1)  # [H, T, 1]
+        logits = torch.cat((scores, sink), dim=-1)
+        probs = F.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]  # drop the sink
+        o = torch.matmul(probs, values)  # [H, T, d]
+        return self.o_proj(o.transpose(0, 1).reshape(T, self.n_heads * d))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MoE blocks with residuals."""
+
+    def __init__(self, args: GptOssArgs, shards: Shards, i: int) -> None:
+        super().__init__()
+        prefix = f"model.layers.{i}"
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args, shards, prefix + ".self_attn", args.windows[i])
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MoE(args, shards, prefix + ".mlp")
+
+    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), start, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GptOss(nn.Module):
+    """gpt-oss on one rank: vocab-parallel embedding, decoder layers, final norm, vocab-parallel LM head.
+
+    Args:
+        args: configuration; shards: this rank's plan and compute dtype.
+
+    Raises:
+        RuntimeLoadError: listing every tensor the config needs that the source lacks or shapes
+            differently.
+    """
+
+    def __init__(self, args: GptOssArgs, shards: Shards) -> None:
+        super().__init__()
+        self.args = args
+        vocab = (args.vocab_size, args.dim)
+        self.model = nn.Module()
+        self.model.embed_tokens = shards.embedding("model.embed_tokens.weight", vocab)
+        self.model.layers = nn.ModuleList(DecoderLayer(args, shards, i) for i in range(args.n_layers))
+        self.model.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = shards.lm_head("model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight", vocab)
+        self.cos = self.sin = None
+        shards.raise_problems()
+
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the static KV cache (``[K, max_seq_len, d]`` per layer) and the RoPE tables."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            shape = (attn.n_kv, max_seq_len, self.args.head_dim)
+            attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
+            attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+        cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, d/2] float32
+        self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
+        """Run ``ids`` ``[T]`` at positions ``[start, start + T)``; float32 logits ``[T or 1, V]``."""
+        cos, sin = self.cos[start: start + ids.shape[0]], self.sin[start: start + ids.shape[0]]  # [T, d/2]
+        x = self.model.embed_tokens(ids)  # [T, D]
+        for layer in self.model.layers:
+            x = layer(x, start, cos, sin)
+        x = x[-1:] if last_only else x
+        return self.lm_head(self.model.norm(x))
+
+
+def assign_weights(model: GptOss, dense: dict[str, torch.Tensor], *, device: torch.device) -> None:
+    """Replace every ``meta`` buffer of ``model`` by the rank's tensor of the same name, strictly.
+
+    MXFP4 expert weights (``<proj>_blocks`` with ``<proj>_scales``) are expanded to the compute
+    dtype into ``<proj>``; every other tensor is cast to its buffer's dtype (no copy when it
+    already matches, so on CPU the buffer is the mmap view itself).
+
+    Raises:
+        RuntimeLoadError: listing every missing, unexpected, mis-shaped or unpaired tensor.
+    """
+    expected = dict(model.named_buffers())
+    if model.args.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    given: dict[str, object] = {}
+    packed: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in dense.items():
+        stem, _, part = name.rpartition("_")
+        if ".mlp.experts." in name and part in ("blocks", "scales"):
+            packed.setdefault(stem, {})[part] = t
+        else:
+            given[name] = t
+    for stem, parts in packed.items():
+        meta = expected.get(stem)
+        given[stem] = _Packed(parts.get("blocks"), parts.get("scales"), meta.shape if meta is not None else None)
+
+    def convert(name: str, t, meta: torch.Tensor) -> torch.Tensor | str:
+        if isinstance(t, _Packed):
+            if t.blocks is None or t.scales is None:
+                return f"MXFP4 needs both {name}_blocks and {name}_scales; {'blocks' if t.blocks is None else 'scales'} missing"
+            t = expand_mxfp4(t.blocks, t.scales, meta.dtype)
+            if isinstance(t, str):
+                return t
+        return t.to(device=device, dtype=meta.dtype)
+
+    install_buffers(model, expected, given, convert, what="the rank's gpt-oss weights")
+    if model.args.tie_embeddings:
+        model.lm_head._buffers["weight"] = model.model.embed_tokens.weight
+
+
+class _Packed:
+    """An MXFP4 (blocks, scales) pair standing in for its expanded tensor ``[E, N, K]`` in
+    :func:`install_buffers`; ``shape`` is what the blocks expand to (else ``fallback``, when a part
+    is missing, so that the missing part is what gets reported)."""
+
+    def __init__(self, blocks: torch.Tensor | None, scales: torch.Tensor | None, fallback: torch.Size | None) -> None:
+        self.blocks, self.scales = blocks, scales
+        if blocks is not None and scales is not None and blocks.dim() == 4:
+            self.shape = (*blocks.shape[:2], blocks.shape[2] * 2 * blocks.shape[3])
+        else:
+            self.shape = tuple(fallback) if fallback is not None else tuple((blocks if blocks is not None else scales).shape)

@@ -1,0 +1,118 @@
+"""gpt-oss's MoE block on one rank: a replicated router with bias and the rank's share of every expert.
+
+Every expert is split on its intermediate dim (TP-within-expert, :mod:`shardsmith.plans.gpt_oss`):
+the rank holds whole interleaved gate/up pairs and the matching columns of the down projection, so
+each rank computes a partial ``[T, D]`` for every selected expert and the layer all-reduces once.
+The down bias is not split: it is added once, after the all-reduce, weighted by the routing weight
+as the reference adds it inside each expert.
+
+Experts are resident and dequantized from MXFP4 once at load (:func:`expand_mxfp4`) to the compute
+dtype: simple and exact, but 4x (bf16) the MXFP4 bytes in memory; keeping them packed and expanding
+per use, or offloading them as MXFP4 slots, is future work.
+
+==========================  ====================  =================================================
+buffer                      shape (rank-local)    contents
+==========================  ====================  =================================================
+``gate_up_proj``            ``[E, 2*I_r, D]``     row ``2j`` gate channel j, row ``2j+1`` up channel j
+``gate_up_proj_bias``       ``[E, 2*I_r]``        split with its rows (column-parallel)
+``down_proj``               ``[E, D, I_r]``       row-parallel: partial sums
+``down_proj_bias``          ``[E, D]``            whole; added once after the all-reduce
+==========================  ====================  =================================================
+
+Maths (transformers ``GptOssTopKRouter`` / ``GptOssExperts``, OpenAI's gpt-oss ``swiglu``): router
+``logits = x W^T + b``, top-k of the logits, softmax over those k; per expert
+``gate = min(g, limit)``, ``up = clamp(u, -limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``.
+Legend: T = tokens, D = hidden, E = experts, K = experts per token, I_r = this rank's channels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardsmith.runtime.layers.parallel import Shards, all_reduce
+from shardsmith.runtime.layers.quant import dequantize_fp4
+from shardsmith.runtime.models.gpt_oss.config import GptOssArgs
+
+MX_BLOCK = 32
+
+
+def expand_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | str:
+    """MXFP4 ``blocks`` uint8 ``[E, N, K/32, 16]`` with E8M0 ``scales`` uint8 ``[E, N, K/32]`` -> ``[E, N, K]``.
+
+    Low nibble first, ``e2m1 * 2^(scale - 127)`` (OCP MX spec; transformers ``integrations/mxfp4.py``);
+    exact in bf16 and wider. Returns a message instead when the shapes do not pair up.
+    """
+    if blocks.dim() != 4 or blocks.shape[-1] != MX_BLOCK // 2 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        return (f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not pair up "
+                f"(blocks [E, N, K/32, 16], scales [E, N, K/32])")
+    e, n, g, b = blocks.shape
+    return dequantize_fp4(blocks.reshape(e, n, g * b), scales, dtype)
+
+
+def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """``[n, 2*I_r]`` interleaved gate/up -> ``[n, I_r]``: gpt-oss's clamped SwiGLU."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class Experts(nn.Module):
+    """One layer's experts on this rank (buffers in the module docstring's table)."""
+
+    def __init__(self, args: GptOssArgs, shards: Shards, prefix: str) -> None:
+        super().__init__()
+        self.alpha, self.limit = args.alpha, args.limit
+        e, d, i = args.n_experts, args.dim, args.expert_dim
+        shapes = {"gate_up_proj": (e, 2 * i, d), "down_proj": (e, d, i)}
+        for proj, (_, rows, cols) in shapes.items():
+            blocks = shards.tensor(f"{prefix}.{proj}_blocks", (e, rows, cols // MX_BLOCK, MX_BLOCK // 2))
+            shards.tensor(f"{prefix}.{proj}_scales", (e, rows, cols // MX_BLOCK))
+            local = blocks.local_shape(shards.rank)[:2] if blocks is not None else (e, rows)
+            width = blocks.local_shape(shards.rank)[2] * MX_BLOCK if blocks is not None else cols
+            self.register_buffer(proj, torch.empty((*local, width), dtype=shards.dtype, device="meta"))
+        bias = shards.tensor(f"{prefix}.gate_up_proj_bias", (e, 2 * i))
+        gu_bias = bias.local_shape(shards.rank) if bias is not None else (e, 2 * i)
+        shards.tensor(f"{prefix}.down_proj_bias", (e, d))
+        self.register_buffer("gate_up_proj_bias", torch.empty(gu_bias, dtype=shards.dtype, device="meta"))
+        self.register_buffer("down_proj_bias", torch.empty((e, d), dtype=shards.dtype, device="meta"))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's partial ``[T, D]`` of the selected experts, without the down bias.
+
+        Args:
+            x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` routing weights.
+        """
+        out = torch.zeros_like(x)
+        index_h = index.cpu()  # one host sync: the rows of each selected expert
+        for e in index_h.unique().tolist():
+            tok, slot = (t.to(x.device) for t in torch.where(index_h == e))  # [n], [n]
+            h = F.linear(x[tok], self.gate_up_proj[e], self.gate_up_proj_bias[e])  # [n, 2*I_r]
+            y = F.linear(swiglu(h, self.alpha, self.limit), self.down_proj[e])  # [n, D]
+            out.index_add_(0, tok, y * weight[tok, slot, None])
+        return out
+
+    def bias(self, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``sum_k weight[t, k] * down_proj_bias[index[t, k]]``: ``[T, D]``, the same on every rank."""
+        return (self.down_proj_bias[index] * weight[..., None]).sum(dim=1)
+
+
+class MoE(nn.Module):
+    """Router, this rank's expert partials, one all-reduce, then the down biases once."""
+
+    def __init__(self, args: GptOssArgs, shards: Shards, prefix: str) -> None:
+        super().__init__()
+        self.top_k = args.top_k
+        self.router = shards.linear(prefix + ".router", bias=True, shape=(args.n_experts, args.dim))
+        self.experts = Experts(args, shards, prefix + ".experts")
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index [T, K], weight [T, K])``: top-k router logits, softmax over the k (in ``x.dtype``)."""
+        top, index = torch.topk(self.router(x), self.top_k, dim=-1)  # [T, K]
+        return index, F.softmax(top, dim=-1, dtype=top.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        index, weight = self.route(x)
+        return all_reduce(self.experts(x, index, weight)) + self.experts.bias(index, weight)
