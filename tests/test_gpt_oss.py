@@ -12,6 +12,7 @@ reference's greedy tokens, and every step's logits must match.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -223,11 +224,23 @@ def test_tensor_parallel_matches_transformers(oss: dict, world_size: int) -> Non
     check({k: torch.from_numpy(v) for k, v in out.items()}, oss["ref"])
 
 
-def test_the_clamp_binds_in_this_checkpoint(oss: dict) -> None:
-    """Without the SwiGLU clamp the logits move: the comparison above does test the clamp."""
+@pytest.mark.parametrize("feature", ["clamp", "sinks", "window", "yarn"])
+def test_each_gpt_oss_feature_moves_the_logits(oss: dict, feature: str) -> None:
+    """Without the SwiGLU clamp, the sinks, the sliding window or YaRN's scaling the logits move: the
+    comparison with transformers does test each of them on this checkpoint."""
+    from shardsmith.runtime.models.gpt_oss.config import rope_tables
+
     model = load_model(oss["packs"][1], 0, 1)
     for layer in model.model.layers:
-        layer.mlp.experts.limit = float("inf")
+        if feature == "clamp":
+            layer.mlp.experts.limit = float("inf")
+        elif feature == "sinks":
+            layer.self_attn.sinks = torch.full_like(layer.self_attn.sinks, float("-inf"))
+        elif feature == "window":
+            layer.self_attn.window = None
+    if feature == "yarn":
+        plain = {**model.args.rope, "rope_type": "default"}
+        model.cos, model.sin = rope_tables(dataclasses.replace(model.args, rope=plain), PROMPT_LEN)
     assert (model(oss["ids"], 0, last_only=False) - oss["ref"]["prefill"]).abs().max() > 1e-2
 
 
