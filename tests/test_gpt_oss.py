@@ -253,3 +253,22 @@ def test_greedy_decode_equals_the_prefill_argmax_path(oss: dict) -> None:
     assert tokens == oss["ref"]["tokens"].tolist()
     logits = engine.logits(prompt + tokens[:-1])  # [T, V]
     assert logits[PROMPT_LEN - 1:].argmax(-1).tolist() == tokens
+
+
+def test_load_names_every_bad_expert_tensor(oss: dict) -> None:
+    """A missing MXFP4 scale and a mis-shaped bias are both reported, by name, in one error."""
+    from shardsmith.errors import RuntimeLoadError
+    from shardsmith.runtime.engine.loader import load_rank_weights
+    from shardsmith.runtime.layers.parallel import Shards
+    from shardsmith.runtime.models.gpt_oss import GptOss, GptOssArgs, assign_weights
+
+    weights = load_rank_weights(oss["packs"][2], rank=1, world_size=2)
+    model = GptOss(GptOssArgs.from_config(weights.config), Shards(weights.plan, 1, torch.float32))
+    dense = dict(weights.dense())
+    del dense[X.format(0) + "down_proj_scales"]
+    dense[X.format(1) + "gate_up_proj_bias"] = dense[X.format(1) + "gate_up_proj_bias"][:, :64]
+    with pytest.raises(RuntimeLoadError) as e:
+        assign_weights(model, dense, device=torch.device("cpu"))
+    msg = str(e.value)
+    assert "model.layers.0.mlp.experts.down_proj_scales" in msg and "scales missing" in msg
+    assert "'model.layers.1.mlp.experts.gate_up_proj_bias': shape [8, 64], the model needs [8, 256]" in msg
