@@ -272,3 +272,19 @@ def test_load_names_every_bad_expert_tensor(oss: dict) -> None:
     msg = str(e.value)
     assert "model.layers.0.mlp.experts.down_proj_scales" in msg and "scales missing" in msg
     assert "'model.layers.1.mlp.experts.gate_up_proj_bias': shape [8, 64], the model needs [8, 256]" in msg
+
+
+def test_kv_heads_copied_past_the_kv_heads_match_transformers(tmp_path: Path) -> None:
+    """One KV head at TP=2: both ranks hold a copy of it (``kv-copies``) and read it for their query heads."""
+    from shardsmith.checkpoint import open_checkpoint
+    from shardsmith.plans import plan_checkpoint
+    from shardsmith.testing.ranks import run_ranks
+    from shardsmith.testing.tiny_gpt_oss import tiny_gpt_oss
+
+    ckpt = tiny_gpt_oss(tmp_path / "ckpt", layers=2, kv_heads=1, seed=1)
+    k = plan_checkpoint(open_checkpoint(ckpt), 2).tensors["model.layers.0.self_attn.k_proj.weight"]
+    assert k.split.value == "kv-copies" and k.ranges == (((0, 16),), ((0, 16),))
+    ids = torch.randint(3, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
+    ref = reference_run(ckpt, ids)
+    out = run_ranks(_rank_main, 2, str(ckpt), True, ids, ref["tokens"], timeout=240)
+    check({k: torch.from_numpy(v) for k, v in out.items()}, ref)
