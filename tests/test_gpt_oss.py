@@ -175,6 +175,23 @@ def test_plan_refuses_cuts_inside_an_mxfp4_block(oss: dict) -> None:
         build_plan({**config, "intermediate_size": 240}, 2)
 
 
+@pytest.mark.parametrize("world_size, blocks, heads", [(3, [30, 30, 30], [24, 24, 16]), (4, [23, 23, 22, 22], [16] * 4),
+                                                      (8, [12, 12, 11, 11, 11, 11, 11, 11], [8] * 8)])
+def test_plan_of_gpt_oss_20b_shapes(tmp_path: Path, world_size: int, blocks: list[int], heads: list[int]) -> None:
+    """The release's shapes (90 MXFP4 blocks of intermediate, 8 KV groups of 8 heads) deal uneven shares."""
+    from shardsmith.checkpoint import open_checkpoint
+    from shardsmith.plans import plan_checkpoint
+    from shardsmith.testing.tiny_gpt_oss import gpt_oss_20b_headers
+
+    plan = plan_checkpoint(open_checkpoint(gpt_oss_20b_headers(tmp_path / "20b")), world_size)
+    gate_up, down = plan.tensors[X.format(1) + "gate_up_proj_blocks"], plan.tensors[X.format(1) + "down_proj_scales"]
+    assert [n for ((_, n),) in down.ranges] == blocks
+    assert [n for ((_, n),) in gate_up.ranges] == [64 * b for b in blocks]
+    assert gate_up.local_shape(0) == (32, 64 * blocks[0], 90, 16)
+    sinks = plan.tensors["model.layers.1.self_attn.sinks"]
+    assert [n for ((_, n),) in sinks.ranges] == heads
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_split_verifies_and_reassembles_bit_for_bit(oss: dict, world_size: int) -> None:
     from safetensors.torch import load_file
