@@ -192,6 +192,21 @@ def test_plan_of_gpt_oss_20b_shapes(tmp_path: Path, world_size: int, blocks: lis
     assert [n for ((_, n),) in sinks.ranges] == heads
 
 
+def test_plan_refuses_a_config_that_contradicts_the_tensors(tmp_path: Path) -> None:
+    import json
+
+    from shardsmith.checkpoint import open_checkpoint
+    from shardsmith.errors import PlanError
+    from shardsmith.plans import plan_checkpoint
+    from shardsmith.testing.tiny_gpt_oss import gpt_oss_20b_headers
+
+    root = gpt_oss_20b_headers(tmp_path / "20b")
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "intermediate_size": 2816}))
+    with pytest.raises(PlanError, match=r"gate_up_proj_blocks.*\[32, 5760, 90, 16\].*implies \[32, 5632, 90, 16\]"):
+        plan_checkpoint(open_checkpoint(root), 2)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_split_verifies_and_reassembles_bit_for_bit(oss: dict, world_size: int) -> None:
     from safetensors.torch import load_file
