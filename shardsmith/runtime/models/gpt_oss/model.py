@@ -197,7 +197,7 @@ def assign_weights(model: GptOss, dense: dict[str, torch.Tensor], *, device: tor
         if isinstance(t, _Packed):
             if t.blocks is None or t.scales is None:
                 return f"MXFP4 needs both {name}_blocks and {name}_scales; {'blocks' if t.blocks is None else 'scales'} missing"
-            t = expand_mxfp4(t.blocks, t.scales, meta.dtype)
+            t = expand_mxfp4(t.blocks.to(device), t.scales.to(device), meta.dtype)  # expand on the device
             if isinstance(t, str):
                 return t
         return t.to(device=device, dtype=meta.dtype)
