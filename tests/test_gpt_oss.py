@@ -12,6 +12,7 @@ reference's greedy tokens, and every step's logits must match.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,38 @@ def test_plan_refuses_cuts_inside_an_mxfp4_block(oss: dict) -> None:
         build_plan({**config, "intermediate_size": 240}, 2)
 
 
+@pytest.mark.parametrize("world_size, blocks, heads", [(3, [30, 30, 30], [24, 24, 16]), (4, [23, 23, 22, 22], [16] * 4),
+                                                      (8, [12, 12, 11, 11, 11, 11, 11, 11], [8] * 8)])
+def test_plan_of_gpt_oss_20b_shapes(tmp_path: Path, world_size: int, blocks: list[int], heads: list[int]) -> None:
+    """The release's shapes (90 MXFP4 blocks of intermediate, 8 KV groups of 8 heads) deal uneven shares."""
+    from shardsmith.checkpoint import open_checkpoint
+    from shardsmith.plans import plan_checkpoint
+    from shardsmith.testing.tiny_gpt_oss import gpt_oss_20b_headers
+
+    plan = plan_checkpoint(open_checkpoint(gpt_oss_20b_headers(tmp_path / "20b")), world_size)
+    gate_up, down = plan.tensors[X.format(1) + "gate_up_proj_blocks"], plan.tensors[X.format(1) + "down_proj_scales"]
+    assert [n for ((_, n),) in down.ranges] == blocks
+    assert [n for ((_, n),) in gate_up.ranges] == [64 * b for b in blocks]
+    assert gate_up.local_shape(0) == (32, 64 * blocks[0], 90, 16)
+    sinks = plan.tensors["model.layers.1.self_attn.sinks"]
+    assert [n for ((_, n),) in sinks.ranges] == heads
+
+
+def test_plan_refuses_a_config_that_contradicts_the_tensors(tmp_path: Path) -> None:
+    import json
+
+    from shardsmith.checkpoint import open_checkpoint
+    from shardsmith.errors import PlanError
+    from shardsmith.plans import plan_checkpoint
+    from shardsmith.testing.tiny_gpt_oss import gpt_oss_20b_headers
+
+    root = gpt_oss_20b_headers(tmp_path / "20b")
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "intermediate_size": 2816}))
+    with pytest.raises(PlanError, match=r"gate_up_proj_blocks.*\[32, 5760, 90, 16\].*implies \[32, 5632, 90, 16\]"):
+        plan_checkpoint(open_checkpoint(root), 2)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_split_verifies_and_reassembles_bit_for_bit(oss: dict, world_size: int) -> None:
     from safetensors.torch import load_file
@@ -223,11 +256,23 @@ def test_tensor_parallel_matches_transformers(oss: dict, world_size: int) -> Non
     check({k: torch.from_numpy(v) for k, v in out.items()}, oss["ref"])
 
 
-def test_the_clamp_binds_in_this_checkpoint(oss: dict) -> None:
-    """Without the SwiGLU clamp the logits move: the comparison above does test the clamp."""
+@pytest.mark.parametrize("feature", ["clamp", "sinks", "window", "yarn"])
+def test_each_gpt_oss_feature_moves_the_logits(oss: dict, feature: str) -> None:
+    """Without the SwiGLU clamp, the sinks, the sliding window or YaRN's scaling the logits move: the
+    comparison with transformers does test each of them on this checkpoint."""
+    from shardsmith.runtime.models.gpt_oss.config import rope_tables
+
     model = load_model(oss["packs"][1], 0, 1)
     for layer in model.model.layers:
-        layer.mlp.experts.limit = float("inf")
+        if feature == "clamp":
+            layer.mlp.experts.limit = float("inf")
+        elif feature == "sinks":
+            layer.self_attn.sinks = torch.full_like(layer.self_attn.sinks, float("-inf"))
+        elif feature == "window":
+            layer.self_attn.window = None
+    if feature == "yarn":
+        plain = {**model.args.rope, "rope_type": "default"}
+        model.cos, model.sin = rope_tables(dataclasses.replace(model.args, rope=plain), PROMPT_LEN)
     assert (model(oss["ids"], 0, last_only=False) - oss["ref"]["prefill"]).abs().max() > 1e-2
 
 
@@ -240,3 +285,38 @@ def test_greedy_decode_equals_the_prefill_argmax_path(oss: dict) -> None:
     assert tokens == oss["ref"]["tokens"].tolist()
     logits = engine.logits(prompt + tokens[:-1])  # [T, V]
     assert logits[PROMPT_LEN - 1:].argmax(-1).tolist() == tokens
+
+
+def test_load_names_every_bad_expert_tensor(oss: dict) -> None:
+    """A missing MXFP4 scale and a mis-shaped bias are both reported, by name, in one error."""
+    from shardsmith.errors import RuntimeLoadError
+    from shardsmith.runtime.engine.loader import load_rank_weights
+    from shardsmith.runtime.layers.parallel import Shards
+    from shardsmith.runtime.models.gpt_oss import GptOss, GptOssArgs, assign_weights
+
+    weights = load_rank_weights(oss["packs"][2], rank=1, world_size=2)
+    model = GptOss(GptOssArgs.from_config(weights.config), Shards(weights.plan, 1, torch.float32))
+    dense = dict(weights.dense())
+    del dense[X.format(0) + "down_proj_scales"]
+    dense[X.format(1) + "gate_up_proj_bias"] = dense[X.format(1) + "gate_up_proj_bias"][:, :64]
+    with pytest.raises(RuntimeLoadError) as e:
+        assign_weights(model, dense, device=torch.device("cpu"))
+    msg = str(e.value)
+    assert "model.layers.0.mlp.experts.down_proj_scales" in msg and "scales missing" in msg
+    assert "'model.layers.1.mlp.experts.gate_up_proj_bias': shape [8, 64], the model needs [8, 256]" in msg
+
+
+def test_kv_heads_copied_past_the_kv_heads_match_transformers(tmp_path: Path) -> None:
+    """One KV head at TP=2: both ranks hold a copy of it (``kv-copies``) and read it for their query heads."""
+    from shardsmith.checkpoint import open_checkpoint
+    from shardsmith.plans import plan_checkpoint
+    from shardsmith.testing.ranks import run_ranks
+    from shardsmith.testing.tiny_gpt_oss import tiny_gpt_oss
+
+    ckpt = tiny_gpt_oss(tmp_path / "ckpt", layers=2, kv_heads=1, seed=1)
+    k = plan_checkpoint(open_checkpoint(ckpt), 2).tensors["model.layers.0.self_attn.k_proj.weight"]
+    assert k.split.value == "kv-copies" and k.ranges == (((0, 16),), ((0, 16),))
+    ids = torch.randint(3, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
+    ref = reference_run(ckpt, ids)
+    out = run_ranks(_rank_main, 2, str(ckpt), True, ids, ref["tokens"], timeout=240)
+    check({k: torch.from_numpy(v) for k, v in out.items()}, ref)

@@ -72,3 +72,40 @@ def tiny_gpt_oss(root: Path, *, layers: int = 4, hidden: int = 128, heads: int =
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
     }
     return write_checkpoint(root, t, config, max_shard_bytes=1 << 20)
+
+
+def gpt_oss_20b_headers(root: Path, *, layers: int = 2) -> Path:
+    """``openai/gpt-oss-20b``'s tensor names, dtypes and shapes as a header-only checkpoint (no data).
+
+    Release shapes: hidden 2880, 64 query / 8 KV heads of 64, 32 experts of intermediate 2880
+    (90 MXFP4 blocks: uneven shares at TP 4), vocab 201088; only the first ``layers`` of 24.
+    """
+    from .headers import write_header_only
+
+    hidden, inter, experts, vocab, q, kv = 2880, 2880, 32, 201088, 64 * 64, 8 * 64
+    specs = {"model.embed_tokens.weight": ("BF16", [vocab, hidden])}
+    for i in range(layers):
+        p, a, x = f"model.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp.experts"
+        specs[f"{p}.input_layernorm.weight"] = ("BF16", [hidden])
+        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            specs[f"{a}.{proj}.weight"], specs[f"{a}.{proj}.bias"] = ("BF16", [rows, hidden]), ("BF16", [rows])
+        specs[f"{a}.o_proj.weight"], specs[f"{a}.o_proj.bias"] = ("BF16", [hidden, q]), ("BF16", [hidden])
+        specs[f"{a}.sinks"] = ("BF16", [64])
+        specs[f"{p}.post_attention_layernorm.weight"] = ("BF16", [hidden])
+        specs[f"{p}.mlp.router.weight"], specs[f"{p}.mlp.router.bias"] = ("BF16", [experts, hidden]), ("BF16", [experts])
+        specs[f"{x}.gate_up_proj_blocks"] = ("U8", [experts, 2 * inter, hidden // 32, 16])
+        specs[f"{x}.gate_up_proj_scales"] = ("U8", [experts, 2 * inter, hidden // 32])
+        specs[f"{x}.gate_up_proj_bias"] = ("BF16", [experts, 2 * inter])
+        specs[f"{x}.down_proj_blocks"] = ("U8", [experts, hidden, inter // 32, 16])
+        specs[f"{x}.down_proj_scales"] = ("U8", [experts, hidden, inter // 32])
+        specs[f"{x}.down_proj_bias"] = ("BF16", [experts, hidden])
+    specs["model.norm.weight"] = ("BF16", [hidden])
+    specs["lm_head.weight"] = ("BF16", [vocab, hidden])
+    config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": hidden,
+              "intermediate_size": inter, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+              "num_hidden_layers": layers, "num_local_experts": experts, "num_experts_per_tok": 4,
+              "vocab_size": vocab, "sliding_window": 128, "swiglu_limit": 7.0, "rope_theta": 150000,
+              "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "original_max_position_embeddings": 4096, "truncate": False},
+              "quantization_config": {"quant_method": "mxfp4"}}
+    return write_header_only(root, specs, config)

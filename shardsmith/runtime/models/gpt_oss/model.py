@@ -12,8 +12,8 @@ source tensors                                module buffer                    w
 Attention (transformers ``modeling_gpt_oss.py`` ``eager_attention_forward``; OpenAI's reference
 ``sdpa`` with ``S``): GQA over this rank's heads, q/k/v/o with biases, scale ``d^-0.5``, every
 head's learned sink logit joins its softmax as an extra column that is then dropped (the weights
-of a row sum to less than 1); even layers attend to the last ``sliding_window`` positions
-(``q - k < window``), odd layers to all. RoPE rotates halves with YaRN cos/sin tables
+of a row sum to less than 1); ``sliding_attention`` layers (``layer_types``; the even ones in the
+release) attend to the last ``sliding_window`` positions (``q - k < window``), the others to all. RoPE rotates halves with YaRN cos/sin tables
 (:func:`~shardsmith.runtime.models.gpt_oss.config.rope_tables`). RMSNorm weights stay float32, as
 transformers keeps them. One sequence at a time (batch 1) over a static KV cache of
 ``max_seq_len`` positions of the rank's KV heads; a step may start at any cached position.
@@ -78,6 +78,11 @@ class Attention(nn.Module):
         self.cache_k = self.cache_v = None  # [K, S_max, d], set by GptOss.setup_cache
 
     def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x [T, D]`` at positions ``[start, start + T)`` -> ``[T, D]`` (all-reduced, ``o_proj`` bias once).
+
+        Writes the new keys and values into the cache, then attends to the cached positions the
+        window allows; the softmax runs in the compute dtype, as transformers' eager path does.
+        """
         T, d = x.shape[0], self.head_dim
         q = apply_rope(self.q_proj(x).view(T, self.n_heads, d), cos, sin)  # [T, H, d]
         k = apply_rope(self.k_proj(x).view(T, self.n_kv, d), cos, sin)  # [T, K, d]
@@ -192,7 +197,7 @@ def assign_weights(model: GptOss, dense: dict[str, torch.Tensor], *, device: tor
         if isinstance(t, _Packed):
             if t.blocks is None or t.scales is None:
                 return f"MXFP4 needs both {name}_blocks and {name}_scales; {'blocks' if t.blocks is None else 'scales'} missing"
-            t = expand_mxfp4(t.blocks, t.scales, meta.dtype)
+            t = expand_mxfp4(t.blocks.to(device), t.scales.to(device), meta.dtype)  # expand on the device
             if isinstance(t, str):
                 return t
         return t.to(device=device, dtype=meta.dtype)

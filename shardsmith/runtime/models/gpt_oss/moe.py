@@ -59,6 +59,13 @@ def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def _local(shards: Shards, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Rank-local shape of source tensor ``name`` whose global shape the config says is ``shape``;
+    a missing or mis-shaped tensor is recorded in ``shards.problems`` and ``shape`` returned."""
+    tp = shards.tensor(name, shape)
+    return tp.local_shape(shards.rank) if tp is not None and tuple(tp.shape) == shape else shape
+
+
 class Experts(nn.Module):
     """One layer's experts on this rank (buffers in the module docstring's table)."""
 
@@ -66,18 +73,14 @@ class Experts(nn.Module):
         super().__init__()
         self.alpha, self.limit = args.alpha, args.limit
         e, d, i = args.n_experts, args.dim, args.expert_dim
-        shapes = {"gate_up_proj": (e, 2 * i, d), "down_proj": (e, d, i)}
-        for proj, (_, rows, cols) in shapes.items():
-            blocks = shards.tensor(f"{prefix}.{proj}_blocks", (e, rows, cols // MX_BLOCK, MX_BLOCK // 2))
-            shards.tensor(f"{prefix}.{proj}_scales", (e, rows, cols // MX_BLOCK))
-            local = blocks.local_shape(shards.rank)[:2] if blocks is not None else (e, rows)
-            width = blocks.local_shape(shards.rank)[2] * MX_BLOCK if blocks is not None else cols
-            self.register_buffer(proj, torch.empty((*local, width), dtype=shards.dtype, device="meta"))
-        bias = shards.tensor(f"{prefix}.gate_up_proj_bias", (e, 2 * i))
-        gu_bias = bias.local_shape(shards.rank) if bias is not None else (e, 2 * i)
-        shards.tensor(f"{prefix}.down_proj_bias", (e, d))
+        for proj, rows, cols in (("gate_up_proj", 2 * i, d), ("down_proj", d, i)):
+            e_, rows_r, blocks_r, _ = _local(shards, f"{prefix}.{proj}_blocks", (e, rows, cols // MX_BLOCK, MX_BLOCK // 2))
+            _local(shards, f"{prefix}.{proj}_scales", (e, rows, cols // MX_BLOCK))
+            self.register_buffer(proj, torch.empty((e_, rows_r, blocks_r * MX_BLOCK), dtype=shards.dtype, device="meta"))
+        gu_bias = _local(shards, f"{prefix}.gate_up_proj_bias", (e, 2 * i))
+        down_bias = _local(shards, f"{prefix}.down_proj_bias", (e, d))
         self.register_buffer("gate_up_proj_bias", torch.empty(gu_bias, dtype=shards.dtype, device="meta"))
-        self.register_buffer("down_proj_bias", torch.empty((e, d), dtype=shards.dtype, device="meta"))
+        self.register_buffer("down_proj_bias", torch.empty(down_bias, dtype=shards.dtype, device="meta"))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """This rank's partial ``[T, D]`` of the selected experts, without the down bias.
