@@ -36,10 +36,11 @@ def test_fp8_linear_v4_shapes(gen, name, ue8m0):
     w, scale = random_fp8_linear(n, k, (128, 128), ue8m0=ue8m0, gen=gen)
     for m in (1, 4, 16):
         x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-        out = fp8_linear(x, w, scale, (128, 128), backend="triton")
         truth = fp8_linear_reference(x.float(), w, scale, (128, 128))
         ref = fp8_linear_reference(x, w, scale, (128, 128))
-        assert rel_error(out, truth) < TOL, (name, m, rel_error(out, truth), rel_error(ref, truth))
+        for gemv in (0, 4):  # the 16-row tl.dot, and the register GEMV for M <= 4
+            out = fp8_linear(x, w, scale, (128, 128), gemv_max_m=gemv, backend="triton")
+            assert rel_error(out, truth) < TOL, (name, m, gemv, rel_error(out, truth), rel_error(ref, truth))
 
 
 @pytest.fixture(scope="module", params=[(True, 2048), (True, 1024), (False, 1024)],
@@ -57,6 +58,9 @@ def test_fused_experts_v4_shapes(gen, v4_bank):
         truth = fused_experts_reference(x.float(), ids, weights, **v4_bank, limit=3.0)
         ref = fused_experts_reference(x, ids, weights, **v4_bank, limit=3.0)
         assert rel_error(out, truth) < TOL, (tokens, rel_error(out, truth), rel_error(ref, truth))
+        if "gate_up_scale" in v4_bank:  # FP4 through Triton's microscaling dot as well
+            scaled = fused_experts(x, ids, weights, **v4_bank, limit=3.0, scaled_dot=True, backend="triton")
+            assert rel_error(scaled, truth) < TOL, (tokens, rel_error(scaled, truth))
         again = fused_experts(x, ids, weights, **v4_bank, limit=3.0, backend="triton")
         assert torch.equal(out, again), "run-to-run differences: a race or an atomic"
 

@@ -99,7 +99,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                   down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                   down_scale: torch.Tensor | None = None, *, limit: float = 0.0, block_i: int = 32,
                   block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                  backend: str = "auto") -> torch.Tensor:
+                  scaled_dot: bool = False, backend: str = "auto") -> torch.Tensor:
     """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
 
     Every selected expert's bytes are read once per call however many tokens chose it, straight from
@@ -114,7 +114,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         limit: SwiGLU clamp ``L`` (DeepSeek-V4's ``swiglu_limit``; 0 = none).
         block_i, block_n: intermediate rows per gate_up program, hidden rows per down program;
         block_k: elements of the reduction dim (D, then I_r) per loop step;
-        num_warps, num_stages: Triton launch options.
+        num_warps, num_stages: Triton launch options; scaled_dot: FP4 through ``tl.dot_scaled``
+            (compiled GPUs only: Triton's interpreter lacks it) instead of the in-register decode.
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
@@ -134,6 +135,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         return fused_experts_reference(x, ids, weights, gate_up, down, gate_up_scale, down_scale, limit=limit)
     import triton
 
+    if scaled_dot and interpreting():
+        raise KernelError("fused_experts: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled)")
+
     from shardsmith.runtime.layers.kernels import _moe_triton as k
 
     (T, D), TOP_K = x.shape, ids.shape[1]
@@ -150,7 +154,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)
     y = torch.empty((P, D), dtype=torch.float32, device=x.device)
     out = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    common = dict(FP4=fp4, DOT_F32=x.dtype == torch.float32 or interpreting(), BLOCK_P=triton.next_power_of_2(P),
+    common = dict(FP4=fp4, SCALED_DOT=scaled_dot and fp4, DOT_F32=x.dtype == torch.float32 or interpreting(),
+                  BLOCK_P=triton.next_power_of_2(P),
                   BLOCK_M=BLOCK_M, num_warps=num_warps, num_stages=num_stages)
     k._gate_up_kernel[(P, triton.cdiv(I, block_i))](
         x, sorted_ids, order, gate_up, gs, h, P, x.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0),
