@@ -171,8 +171,7 @@ def _parse(text: str | None) -> list[dict]:
     return [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in text.split(","))] if text else [{}]
 
 
-FP8_SWEEP = [dict(block_n=bn, num_stages=st, gemv_max_m=gm) for bn, st in ((32, 3), (64, 3), (128, 3), (32, 4))
-             for gm in (0, 4)]
+FP8_SWEEP = [dict(block_n=bn, num_stages=st) for bn, st in ((32, 3), (64, 3), (128, 3), (32, 4), (64, 4))]
 MOE_SWEEP = [dict(block_i=bi, block_n=bn, block_k=bk, scaled_dot=sd)
              for bi, bn, bk in ((32, 64, 128), (64, 128, 128), (32, 64, 256), (64, 128, 256)) for sd in (False, True)]
 

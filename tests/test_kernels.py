@@ -31,18 +31,17 @@ TOL = 1.5e-2
 
 
 @needs_triton
-@pytest.mark.parametrize(("m", "n", "k", "block", "ue8m0", "split_k", "gemv"), [
-    (1, 200, 300, (128, 128), True, None, 0),     # ragged N and K, V4's UE8M0, split-K
-    (3, 200, 300, (128, 128), True, None, 4),     # the same through the register GEMV (M padded to 4)
-    (5, 256, 512, (128, 128), False, 1, 4),       # F32 weight_scale_inv (V3 / Mixtral-FP8), no split, M > 4
-    (16, 96, 160, (32, 32), True, 3, 0),          # 32x32 blocks, ragged last split
-    (19, 130, 128, (128, 128), False, None, 0),   # M past one 16-row tile
+@pytest.mark.parametrize(("m", "n", "k", "block", "ue8m0", "split_k"), [
+    (1, 200, 300, (128, 128), True, None),     # ragged N and K, V4's UE8M0, split-K
+    (5, 256, 512, (128, 128), False, 1),       # F32 weight_scale_inv (V3 / Mixtral-FP8), no split
+    (16, 96, 160, (32, 32), True, 3),          # 32x32 blocks, ragged last split
+    (19, 130, 128, (128, 128), False, None),   # M past one 16-row tile
 ])
-def test_fp8_linear_matches_reference(m, n, k, block, ue8m0, split_k, gemv):
+def test_fp8_linear_matches_reference(m, n, k, block, ue8m0, split_k):
     gen = torch.Generator(device=DEV).manual_seed(m * 1000 + n)
     w, scale = random_fp8_linear(n, k, block, ue8m0=ue8m0, gen=gen)
     x = torch.randn(m, k, generator=gen, device=DEV).bfloat16()
-    out = fp8_linear(x, w, scale, block, split_k=split_k, gemv_max_m=gemv, backend="triton")
+    out = fp8_linear(x, w, scale, block, split_k=split_k, backend="triton")
     ref = fp8_linear_reference(x, w, scale, block)
     truth = fp8_linear_reference(x.double(), w, scale, block)
     assert out.shape == (m, n) and out.dtype == torch.bfloat16

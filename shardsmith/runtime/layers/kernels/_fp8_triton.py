@@ -2,12 +2,12 @@
 
 One program owns a ``[BLOCK_M, BLOCK_N]`` tile of the output and a contiguous range of K (split-K):
 it streams its FP8 weight rows once, widens them to bf16 in registers, multiplies by the padded
-token tile with ``tl.dot`` (M is padded to 16, the smallest dot shape), or for a few tokens with
-float32 multiply-adds and a row sum (``USE_DOT`` off), and applies the block scale to the float32
-partial of each K block. With ``SPLIT`` the partials go to a float32 workspace
-``[S, M, N]`` that :func:`_sum_splits` adds in a fixed order and casts, so results do not depend on
-scheduling. The design follows the decode GEMV layout of DeepSeek's DeepGEMM and vLLM's
-``w8a8_block_fp8_matmul`` (scale applied to the accumulator per K block), written anew.
+token tile with ``tl.dot`` (M is padded to 16, the smallest dot shape) and applies the block scale
+to the float32 partial of each K block, as vLLM's ``w8a8_block_fp8_matmul`` does (written anew).
+With ``SPLIT`` the partials go to a float32 workspace ``[S, M, N]`` that :func:`_sum_splits` adds
+in a fixed order and casts, so results do not depend on scheduling. A register GEMV (multiply-adds
+and a row sum instead of the padded dot for M <= 4) ran 2.7-30x slower on the H200 and was dropped
+(``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import triton.language as tl
 @triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                        K_ITERS: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, UE8M0: tl.constexpr,
-                       SPLIT: tl.constexpr, DOT_F32: tl.constexpr, USE_DOT: tl.constexpr,
+                       SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -35,9 +35,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_
                     other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :], mask=n_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        if not USE_DOT:  # GEMV for M <= 4: multiply-adds in registers, no shared-memory operand staging
-            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        elif DOT_F32:  # float32 activations, or the interpreter (whose bf16 dot is wrong: triton 3.6, numpy 2.4)
+        if DOT_F32:  # float32 activations, or the interpreter (whose bf16 dot is wrong: triton 3.6, numpy 2.4)
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             part = tl.dot(x, tl.trans(w.to(x.dtype)))  # [BLOCK_M, BLOCK_N] float32
@@ -65,15 +63,15 @@ def _sum_splits(ws_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexp
 
 
 def launch(x, w, scale, out, ws, *, block: tuple[int, int], ue8m0: bool, splits: int, k_per_split: int,
-           block_n: int, block_k: int, num_warps: int, num_stages: int, dot_f32: bool, block_m: int) -> None:
+           block_n: int, block_k: int, num_warps: int, num_stages: int, dot_f32: bool) -> None:
     """Run the kernel(s) into ``out [M, N]`` (and workspace ``ws [splits, M, N]`` float32 when ``splits > 1``)."""
     M, K = x.shape
     N = w.shape[0]
-    grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))
+    grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, 16))
     _fp8_linear_kernel[grid](x, w, scale, ws if splits > 1 else out, M, N, K, x.stride(0), w.stride(0),
                              scale.stride(0), K_ITERS=k_per_split // block_k, SCALE_N=block[0], SCALE_K=block[1],
                              UE8M0=ue8m0,
-                             SPLIT=splits > 1, DOT_F32=dot_f32, USE_DOT=block_m >= 16, BLOCK_M=block_m,
+                             SPLIT=splits > 1, DOT_F32=dot_f32, BLOCK_M=16,
                              BLOCK_N=block_n, BLOCK_K=block_k,
                              num_warps=num_warps, num_stages=num_stages)
     if splits > 1:

@@ -73,8 +73,8 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[i
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), *,
-               split_k: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 4,
-               gemv_max_m: int = 0, backend: str = "auto") -> torch.Tensor:
+               split_k: int | None = None, block_n: int = 32, num_warps: int = 4, num_stages: int = 4,
+               backend: str = "auto") -> torch.Tensor:
     """``x @ (w * scale).T`` with the FP8 weight read once and never dequantized to memory.
 
     Built for decode (M = 1..16 tokens, one 16-row tile); larger M runs in 16-row tiles, correct
@@ -86,8 +86,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         x: ``[..., K]`` activations; w: ``[N, K]`` float8_e4m3fn; scale: ``[ceil(N/b0), ceil(K/b1)]``
             float32 or UE8M0; block: ``(b0, b1)`` elements.
         split_k: K splits (default: from the multiprocessor count); block_n: output features per
-            program; num_warps, num_stages: Triton launch options; gemv_max_m: up to this many
-            tokens, multiply-adds in registers replace the 16-row ``tl.dot`` (0: always the dot).
+            program; num_warps, num_stages: Triton launch options (defaults: the fastest of the
+            H200 sweep in ``benchmarks/kernels.py``).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
@@ -116,9 +116,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     scale = (scale.view(torch.uint8) if ue8m0 else scale).contiguous()
     block_k = min(BLOCK_K_MAX, block[1])
     k_blocks = -(-K // block_k)
-    block_m = 16 if M > gemv_max_m else 1 << (M - 1).bit_length()
     if split_k is None:
-        tiles = -(-N // block_n) * -(-M // block_m)
+        tiles = -(-N // block_n) * -(-M // 16)
         split_k = max(1, min(k_blocks, -(-2 * sm_count(x.device) // tiles)))
     k_per_split = -(-k_blocks // max(1, split_k)) * block_k
     splits = -(-K // k_per_split)
@@ -126,5 +125,5 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     _fp8_triton.launch(x2, w, scale, out, ws, block=block, ue8m0=ue8m0, splits=splits, k_per_split=k_per_split,
                        block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                       dot_f32=x.dtype == torch.float32 or interpreting(), block_m=block_m)
+                       dot_f32=x.dtype == torch.float32 or interpreting())
     return out.view(*lead, N)
