@@ -54,6 +54,7 @@ def test_fp8_linear_keeps_leading_dims_and_float32():
     gen = torch.Generator(device=DEV).manual_seed(7)
     w, scale = random_fp8_linear(64, 256, (128, 128), ue8m0=True, gen=gen)
     x = torch.randn(2, 3, 256, generator=gen, device=DEV)  # float32 activations: a float32 dot
+    scale = scale.view(torch.float8_e8m0fnu)  # the dtype a V4 pack stores
     out = fp8_linear(x, w, scale, backend="triton")
     assert out.shape == (2, 3, 64) and out.dtype == torch.float32
     assert rel_error(out, fp8_linear_reference(x.double(), w, scale, (128, 128))) < 1e-5
@@ -83,10 +84,12 @@ def test_fused_experts_matches_reference(fp4, tokens, limit):
 
 @needs_triton
 def test_fused_experts_long_run_and_slot_pool_view():
-    """18 tokens all choosing expert 5 (two 16-row chunks of one run), from a strided slot-pool view."""
+    """18 tokens all choosing expert 5 (two 16-row chunks of one run), from a strided slot-pool view
+    with the pack's scale dtype (float8_e8m0fnu)."""
     bank, ids, weights, x = _bank_case(True, tokens=18, top_k=2, experts=16, dim=64, inter=32, seed=3)
     ids[:, 0] = 5
     ids[:, 1] = torch.where(ids[:, 1] == 5, 6, ids[:, 1])
+    bank = {name: t.view(torch.float8_e8m0fnu) if name.endswith("_scale") else t for name, t in bank.items()}
     pool = {name: t[::2] for name, t in bank.items()}  # slots 0..7 = experts 0, 2, ..., 14; rows contiguous
     slot_ids = ids // 2
     out = fused_experts(x, slot_ids, weights, **pool, backend="triton")
