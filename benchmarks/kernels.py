@@ -69,11 +69,22 @@ def try_seconds(calls: list, replays: int, what: str) -> float | None:
         return None
 
 
+def check(call, want: torch.Tensor, what: str) -> float | None:
+    """``||call() - want|| / ||want||`` (the bf16 reference), or None when the call fails."""
+    from shardsmith.runtime.layers.kernels.testing import rel_error
+
+    try:
+        return round(rel_error(call(), want), 5)
+    except Exception as err:  # noqa: BLE001
+        print(f"FAILED {what}: {type(err).__name__}: {str(err)[:300]}", file=sys.stderr)
+        return None
+
+
 def copy_gbps() -> float:
     """Device-to-device copy bandwidth (bytes read + written), GB/s: the measured memory ceiling."""
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    a = torch.empty(1 << 29, dtype=torch.float32, device="cuda")  # 2 GiB
     b = torch.empty_like(a)
-    return 2 * a.numel() / graph_seconds([lambda: b.copy_(a)], 10) / 1e9
+    return 2 * a.nbytes / graph_seconds([lambda: b.copy_(a)], 10) / 1e9
 
 
 def row(kernel: str, shape: str, tokens: int, config: str, seconds: float, nbytes: int, refs: dict, ceiling: float,
@@ -109,11 +120,14 @@ def bench_fp8(a, ceiling: float, configs: list[dict], shapes: dict, with_refs: b
                 refs["bf16_linear"] = graph_seconds([lambda wb=wb: torch.nn.functional.linear(x, wb) for wb in bf16],
                                                     a.replays)
                 del bf16
+            want = fp8_linear_reference(x, *sets[0], (128, 128))
             for cfg in configs:
+                err = check(lambda: fp8_linear(x, *sets[0], (128, 128), **cfg), want, f"fp8_linear {name} {cfg}")
                 sec = try_seconds([lambda w=w, s=s: fp8_linear(x, w, s, (128, 128), **cfg) for w, s in sets],
                                   a.replays, f"fp8_linear {name} M={m} {cfg}")
                 if sec is not None:
-                    rows.append(row("fp8_linear", f"{name} [{n}, {k}]", m, _cfg(cfg), sec, nbytes, refs, ceiling))
+                    rows.append(row("fp8_linear", f"{name} [{n}, {k}]", m, _cfg(cfg), sec, nbytes, refs, ceiling,
+                                    rel_err_vs_reference=err))
         del sets, f32
     return rows
 
@@ -135,13 +149,15 @@ def bench_experts(a, ceiling: float, configs: list[dict], banks: list[tuple[bool
             if with_refs:
                 ref = [lambda i=i, w=w: fused_experts_reference(x, i, w, **bank, limit=10.0) for i, w in routes]
                 refs["expand_bmm"] = graph_seconds(ref, a.replays)
+            want = fused_experts_reference(x, *routes[0], **bank, limit=10.0)
             for cfg in configs:
                 shape = f"{'fp4' if fp4 else 'bf16'} E={EXPERTS} D={HIDDEN} I_r={inter} top-{TOP_K}"
+                err = check(lambda: fused_experts(x, *routes[0], **bank, limit=10.0, **cfg), want, f"{shape} {cfg}")
                 sec = try_seconds([lambda i=i, w=w: fused_experts(x, i, w, **bank, limit=10.0, **cfg)
                                    for i, w in routes], a.replays, f"fused_experts {shape} T={tokens} {cfg}")
                 if sec is not None:
                     rows.append(row("fused_experts", shape, tokens, _cfg(cfg), sec, nbytes, refs, ceiling,
-                                    distinct_experts=round(distinct, 1)))
+                                    distinct_experts=round(distinct, 1), rel_err_vs_reference=err))
         del bank
         torch.cuda.empty_cache()
     return rows
@@ -155,10 +171,9 @@ def _parse(text: str | None) -> list[dict]:
     return [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in text.split(","))] if text else [{}]
 
 
-FP8_SWEEP = [dict(block_n=bn, num_stages=st) for bn in (32, 64, 128) for st in (3, 4)]
-MOE_SWEEP = [dict(block_i=bi, block_n=bn, block_k=bk, num_warps=nw)
-             for bi, bn, bk in ((16, 32, 128), (32, 64, 128), (64, 128, 128), (32, 64, 256), (16, 64, 256))
-             for nw in (4, 8)]
+FP8_SWEEP = [dict(block_n=bn, num_stages=st) for bn, st in ((32, 3), (64, 3), (128, 3), (32, 4), (64, 4))]
+MOE_SWEEP = [dict(block_i=bi, block_n=bn, block_k=bk, scaled_dot=sd)
+             for bi, bn, bk in ((32, 64, 128), (64, 128, 128), (32, 64, 256), (64, 128, 256)) for sd in (False, True)]
 
 
 def print_table(rows: list[dict], title: str) -> None:
@@ -166,12 +181,14 @@ def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("kernel", "shape", "M", "config", "us", "GB/s", "of 4.8 TB/s", "ref us", "x ref", "bf16 us", "x bf16"):
+    for col in ("kernel", "shape", "M", "config", "err", "us", "GB/s", "of 4.8 TB/s", "ref us", "x ref", "bf16 us",
+                "x bf16"):
         t.add_column(col)
     for r in rows:
         ref = r.get("dequant_linear_us", r.get("expand_bmm_us"))
         x_ref = r.get("speedup_vs_dequant_linear", r.get("speedup_vs_expand_bmm"))
-        t.add_row(r["kernel"], r["shape"], str(r["tokens"]), r["config"], f"{r['kernel_us']:.1f}",
+        t.add_row(r["kernel"], r["shape"], str(r["tokens"]), r["config"], str(r.get("rel_err_vs_reference")),
+                  f"{r['kernel_us']:.1f}",
                   f"{r['kernel_GBps']:.0f}", f"{r['share_of_4800_GBps']:.0%}", "-" if ref is None else f"{ref:.1f}",
                   "-" if x_ref is None else f"{x_ref:.2f}", str(r.get("bf16_linear_us", "-")),
                   str(r.get("speedup_vs_bf16_linear", "-")))
@@ -191,21 +208,23 @@ def main() -> None:
         sys.exit("kernels.py times CUDA graphs: it needs a CUDA GPU")
     ceiling = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: device copy {ceiling:.0f} GB/s (read + write)")
+    fp8_cfgs, moe_cfgs = _parse(a.fp8_config), _parse(a.moe_config)
     if a.sweep:
-        global TOKENS
-        keep, TOKENS = TOKENS, (1, 16)
         sweep = bench_fp8(a, ceiling, FP8_SWEEP, {k: DENSE[k] for k in ("wq_b", "wo_b")}, with_refs=False)
         sweep += bench_experts(a, ceiling, MOE_SWEEP, [(True, 2048)], with_refs=False)
-        TOKENS = keep
         print_table(sweep, "launch configurations")
-        for key in sorted({(r["kernel"], r["shape"], r["tokens"]) for r in sweep}):
-            best = min((r for r in sweep if (r["kernel"], r["shape"], r["tokens"]) == key),
-                       key=lambda r: r["kernel_us"])
-            print("best", *key, best["config"], best["kernel_us"], "us")
+        for kernel, cfgs, space in (("fp8_linear", fp8_cfgs, FP8_SWEEP), ("fused_experts", moe_cfgs, MOE_SWEEP)):
+            total = {}  # config -> summed time over the sweep's shapes and batches, correct runs only
+            for r in sweep:
+                if r["kernel"] == kernel:
+                    ok = r["rel_err_vs_reference"] is not None and r["rel_err_vs_reference"] < 2e-2
+                    total[r["config"]] = total.get(r["config"], 0.0) + (r["kernel_us"] if ok else float("inf"))
+            best = min(total, key=total.get)
+            print(f"best {kernel}: {best} ({total[best]:.1f} us summed over the sweep)")
+            cfgs.append(next(c for c in space if _cfg(c) == best))
     rows = [{"kernel": "device_copy", "copy_GBps": round(ceiling, 1)}]
-    rows += bench_fp8(a, ceiling, _parse(a.fp8_config), DENSE, with_refs=True)
-    rows += bench_experts(a, ceiling, _parse(a.moe_config), [(True, 2048), (True, 1024), (False, 1024)],
-                          with_refs=True)
+    rows += bench_fp8(a, ceiling, fp8_cfgs, DENSE, with_refs=True)
+    rows += bench_experts(a, ceiling, moe_cfgs, [(True, 2048), (True, 1024), (False, 1024)], with_refs=True)
     print_table(rows[1:], f"fused decode kernels, {torch.cuda.get_device_name()}, CUDA-graph replays, bf16 activations")
     if not a.no_save:
         from _results import save_results

@@ -6,8 +6,8 @@ it. The tests skip, saying why, when triton is not installed.
 Each check compares kernel and reference with a float64 truth (the reference on float64 inputs)
 and with each other: bf16 outputs land near 4e-3 (the interpreter truncates float32 to bf16
 where the GPU rounds, which doubles the error), so 1.5e-2 passes and a wrong scale, nibble or
-row fails by orders of magnitude. Outputs are poisoned (NaN) first by allocating fresh buffers
-and every element must be finite. GPU shapes are in ``test_kernels_gpu.py``.
+row fails by orders of magnitude. Inputs are fresh random draws (never zeros); a NaN or inf
+anywhere fails (``rel_error`` is then inf). GPU shapes are in ``test_kernels_gpu.py``.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def test_fp8_linear_keeps_leading_dims_and_float32():
     gen = torch.Generator(device=DEV).manual_seed(7)
     w, scale = random_fp8_linear(64, 256, (128, 128), ue8m0=True, gen=gen)
     x = torch.randn(2, 3, 256, generator=gen, device=DEV)  # float32 activations: a float32 dot
+    scale = scale.view(torch.float8_e8m0fnu)  # the dtype a V4 pack stores
     out = fp8_linear(x, w, scale, backend="triton")
     assert out.shape == (2, 3, 64) and out.dtype == torch.float32
     assert rel_error(out, fp8_linear_reference(x.double(), w, scale, (128, 128))) < 1e-5
@@ -83,10 +84,12 @@ def test_fused_experts_matches_reference(fp4, tokens, limit):
 
 @needs_triton
 def test_fused_experts_long_run_and_slot_pool_view():
-    """18 tokens all choosing expert 5 (two 16-row chunks of one run), from a strided slot-pool view."""
+    """18 tokens all choosing expert 5 (two 16-row chunks of one run), from a strided slot-pool view
+    with the pack's scale dtype (float8_e8m0fnu)."""
     bank, ids, weights, x = _bank_case(True, tokens=18, top_k=2, experts=16, dim=64, inter=32, seed=3)
     ids[:, 0] = 5
     ids[:, 1] = torch.where(ids[:, 1] == 5, 6, ids[:, 1])
+    bank = {name: t.view(torch.float8_e8m0fnu) if name.endswith("_scale") else t for name, t in bank.items()}
     pool = {name: t[::2] for name, t in bank.items()}  # slots 0..7 = experts 0, 2, ..., 14; rows contiguous
     slot_ids = ids // 2
     out = fused_experts(x, slot_ids, weights, **pool, backend="triton")

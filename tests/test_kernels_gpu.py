@@ -36,10 +36,11 @@ def test_fp8_linear_v4_shapes(gen, name, ue8m0):
     w, scale = random_fp8_linear(n, k, (128, 128), ue8m0=ue8m0, gen=gen)
     for m in (1, 4, 16):
         x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-        out = fp8_linear(x, w, scale, (128, 128), backend="triton")
         truth = fp8_linear_reference(x.float(), w, scale, (128, 128))
         ref = fp8_linear_reference(x, w, scale, (128, 128))
-        assert rel_error(out, truth) < TOL, (name, m, rel_error(out, truth), rel_error(ref, truth))
+        for block_n in (32, 128):  # the default, and a wider tile (no split-K on wq_b)
+            out = fp8_linear(x, w, scale, (128, 128), block_n=block_n, backend="triton")
+            assert rel_error(out, truth) < TOL, (name, m, block_n, rel_error(out, truth), rel_error(ref, truth))
 
 
 @pytest.fixture(scope="module", params=[(True, 2048), (True, 1024), (False, 1024)],
@@ -53,11 +54,14 @@ def test_fused_experts_v4_shapes(gen, v4_bank):
     for tokens in (1, 4, 16):
         ids, weights = random_routing(tokens, 6, 256, gen=gen)
         x = torch.randn(tokens, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)
-        out = fused_experts(x, ids, weights, **v4_bank, limit=3.0, backend="triton")
+        out = fused_experts(x, ids, weights, **v4_bank, limit=3.0, scaled_dot=False, backend="triton")
         truth = fused_experts_reference(x.float(), ids, weights, **v4_bank, limit=3.0)
         ref = fused_experts_reference(x, ids, weights, **v4_bank, limit=3.0)
         assert rel_error(out, truth) < TOL, (tokens, rel_error(out, truth), rel_error(ref, truth))
-        again = fused_experts(x, ids, weights, **v4_bank, limit=3.0, backend="triton")
+        if "gate_up_scale" in v4_bank:  # FP4 through Triton's microscaling dot as well
+            scaled = fused_experts(x, ids, weights, **v4_bank, limit=3.0, scaled_dot=True, backend="triton")
+            assert rel_error(scaled, truth) < TOL, (tokens, rel_error(scaled, truth))
+        again = fused_experts(x, ids, weights, **v4_bank, limit=3.0, scaled_dot=False, backend="triton")
         assert torch.equal(out, again), "run-to-run differences: a race or an atomic"
 
 

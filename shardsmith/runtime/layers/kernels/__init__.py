@@ -12,7 +12,14 @@ kernel                   replaces (the reference)            what it reads
 
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on
 CUDA tensors (or on CPU under ``TRITON_INTERPRET=1``) and the reference otherwise, so callers need
-no Triton to import or run this package. Triton comes with the ``kernels`` extra.
+no Triton to import or run this package. Triton comes with the ``kernels`` extra. Measured on an
+H200: ``benchmarks/RESULTS.md`` (kernels).
+
+Wiring (not done here): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and calls
+``fp8_linear(x, self.weight, self.weight_scale_inv, self.block)`` instead of dequantizing; a V4
+``ExpertBank`` (resident, or the expert cache's slot pool with slot ids) calls
+``fused_experts(x, index, weight, gate_up, down, gate_up_scale, down_scale, limit=swiglu_limit)``
+for decode steps; Mixtral-family bf16 banks pass ``gate_up`` and ``down`` alone and ``limit=0``.
 """
 
 from shardsmith.runtime.layers.kernels._common import KernelError, triton_available

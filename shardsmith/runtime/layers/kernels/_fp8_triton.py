@@ -3,10 +3,11 @@
 One program owns a ``[BLOCK_M, BLOCK_N]`` tile of the output and a contiguous range of K (split-K):
 it streams its FP8 weight rows once, widens them to bf16 in registers, multiplies by the padded
 token tile with ``tl.dot`` (M is padded to 16, the smallest dot shape) and applies the block scale
-to the float32 partial of each K block. With ``SPLIT`` the partials go to a float32 workspace
-``[S, M, N]`` that :func:`_sum_splits` adds in a fixed order and casts, so results do not depend on
-scheduling. The design follows the decode GEMV layout of DeepSeek's DeepGEMM and vLLM's
-``w8a8_block_fp8_matmul`` (scale applied to the accumulator per K block), written anew.
+to the float32 partial of each K block, as vLLM's ``w8a8_block_fp8_matmul`` does (written anew).
+With ``SPLIT`` the partials go to a float32 workspace ``[S, M, N]`` that :func:`_sum_splits` adds
+in a fixed order and casts, so results do not depend on scheduling. A register GEMV (multiply-adds
+and a row sum instead of the padded dot for M <= 4) ran 2.7-30x slower on the H200 and was dropped
+(``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def launch(x, w, scale, out, ws, *, block: tuple[int, int], ue8m0: bool, splits:
     _fp8_linear_kernel[grid](x, w, scale, ws if splits > 1 else out, M, N, K, x.stride(0), w.stride(0),
                              scale.stride(0), K_ITERS=k_per_split // block_k, SCALE_N=block[0], SCALE_K=block[1],
                              UE8M0=ue8m0,
-                             SPLIT=splits > 1, DOT_F32=dot_f32, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                             SPLIT=splits > 1, DOT_F32=dot_f32, BLOCK_M=16,
+                             BLOCK_N=block_n, BLOCK_K=block_k,
                              num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _sum_splits[(triton.cdiv(M * N, 1024),)](ws, out, M * N, SPLITS=splits, BLOCK=1024, num_warps=4)

@@ -55,31 +55,39 @@ def _run_rows(sorted_ptr, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s_ptr, s_stride, k0, KDIM,
-              FP4: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+              FP4: tl.constexpr, SCALED_DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_F32: tl.constexpr):
     """``acc += a[a_rows, k0:k0+BLOCK_K] @ W[w_rows, k0:k0+BLOCK_K].T`` (W FP4-packed or plain)."""
-    w_mask = (w_rows >= 0)[:, None]
+    ks = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_ptr + a_rows[:, None] * a_stride + ks[None, :], mask=row_mask[:, None] & (ks < KDIM)[None, :],
+                other=0.0)  # [BLOCK_M, BLOCK_K]
+    w_ok = w_rows >= 0
     if FP4:
-        cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # packed byte columns
-        c_mask = (cols < KDIM // 2)[None, :]
-        a_off = a_rows[:, None] * a_stride + 2 * cols[None, :]
-        a_even = tl.load(a_ptr + a_off, mask=row_mask[:, None] & c_mask, other=0.0)
-        a_odd = tl.load(a_ptr + a_off + 1, mask=row_mask[:, None] & c_mask, other=0.0)
-        byte = tl.load(w_ptr + w_rows[:, None] * w_stride + cols[None, :], mask=w_mask & c_mask, other=0)
-        byte = byte.to(tl.int32) & 0xFF
-        scale = _ue8m0(tl.load(s_ptr + w_rows[:, None] * s_stride + (cols // 16)[None, :], mask=w_mask & c_mask,
-                               other=0))
-        lo, hi = _e2m1(byte & 0xF) * scale, _e2m1(byte >> 4) * scale  # element 2i is the low nibble
-        if DOT_F32:
-            acc += tl.dot(a_even.to(tl.float32), tl.trans(lo), input_precision="ieee")
-            acc += tl.dot(a_odd.to(tl.float32), tl.trans(hi), input_precision="ieee")
+        G: tl.constexpr = BLOCK_K // 32  # scale groups in this step
+        g = k0 // 32 + tl.arange(0, G)
+        s_mask = w_ok[:, None] & (g < KDIM // 32)[None, :]
+        scale_u8 = tl.load(s_ptr + w_rows[:, None] * s_stride + g[None, :], mask=s_mask, other=0)  # [BLOCK_R, G]
+        if SCALED_DOT:  # Triton's microscaling dot (OCP MX e2m1 + E8M0 per 32): it upcasts on Hopper
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            byte = tl.load(w_ptr + w_rows[None, :] * w_stride + kb[:, None],
+                           mask=w_ok[None, :] & (kb < KDIM // 2)[:, None], other=0)  # [BLOCK_K/2, BLOCK_R]
+            acc = tl.dot_scaled(a, None, "bf16", byte, scale_u8, "e2m1", acc)
         else:
-            acc += tl.dot(a_even, tl.trans(lo.to(a_even.dtype)))
-            acc += tl.dot(a_odd, tl.trans(hi.to(a_odd.dtype)))
+            b = tl.arange(0, 16)
+            kb = k0 // 2 + (tl.arange(0, G) * 16)[:, None] + b[None, :]  # [G, 16] byte columns
+            byte = tl.load(w_ptr + w_rows[:, None, None] * w_stride + kb[None, :, :],
+                           mask=w_ok[:, None, None] & (kb < KDIM // 2)[None, :, :], other=0)
+            byte = byte.to(tl.int32) & 0xFF  # [BLOCK_R, G, 16]
+            scale = _ue8m0(scale_u8)[:, :, None]
+            w = tl.join(_e2m1(byte & 0xF) * scale, _e2m1(byte >> 4) * scale)  # [BLOCK_R, G, 16, 2]: low nibble first
+            w = tl.reshape(w, (BLOCK_R, BLOCK_K))
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
     else:
-        cols = k0 + tl.arange(0, BLOCK_K)
-        c_mask = (cols < KDIM)[None, :]
-        a = tl.load(a_ptr + a_rows[:, None] * a_stride + cols[None, :], mask=row_mask[:, None] & c_mask, other=0.0)
-        w = tl.load(w_ptr + w_rows[:, None] * w_stride + cols[None, :], mask=w_mask & c_mask, other=0.0)
+        w = tl.load(w_ptr + w_rows[:, None] * w_stride + ks[None, :], mask=w_ok[:, None] & (ks < KDIM)[None, :],
+                    other=0.0)
         if DOT_F32:
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
@@ -90,7 +98,8 @@ def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s
 @triton.jit
 def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride_x, stride_we, stride_wr,
                     stride_se, stride_sr, limit, TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
-                    FP4: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_P: tl.constexpr,
+                    FP4: tl.constexpr, SCALED_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
+                    BLOCK_P: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
     skip, e, rows, row_mask = _run_rows(sorted_ptr, P, BLOCK_P, BLOCK_M)
     if skip:
@@ -104,9 +113,9 @@ def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride
     up = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
     for d in range((D + BLOCK_D - 1) // BLOCK_D):
         gate = _rows_dot(gate, x_ptr, tok, stride_x, row_mask, w_e, g_rows, stride_wr, s_e, stride_sr, d * BLOCK_D,
-                         D, FP4, BLOCK_D, DOT_F32)
+                         D, FP4, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
         up = _rows_dot(up, x_ptr, tok, stride_x, row_mask, w_e, u_rows, stride_wr, s_e, stride_sr, d * BLOCK_D,
-                       D, FP4, BLOCK_D, DOT_F32)
+                       D, FP4, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
     if HAS_LIMIT:  # DeepSeek-V4: silu(min(gate, L)) * clamp(up, -L, L)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -117,7 +126,8 @@ def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride
 
 @triton.jit
 def _down_kernel(h_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, route_ptr, y_ptr, P, stride_we, stride_wr, stride_se,
-                 stride_sr, D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, DOT_F32: tl.constexpr,
+                 stride_sr, D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, SCALED_DOT: tl.constexpr,
+                 DOT_F32: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     skip, e, rows, row_mask = _run_rows(sorted_ptr, P, BLOCK_P, BLOCK_M)
     if skip:
@@ -129,7 +139,7 @@ def _down_kernel(h_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, route_ptr, y_ptr, P
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range((I + BLOCK_K - 1) // BLOCK_K):
         acc = _rows_dot(acc, h_ptr, rows, I, row_mask, w_e, d_rows, stride_wr, s_e, stride_sr, k * BLOCK_K, I,
-                        FP4, BLOCK_K, DOT_F32)
+                        FP4, SCALED_DOT, BLOCK_N, BLOCK_K, DOT_F32)
     acc *= tl.load(route_ptr + pair, mask=row_mask, other=0.0)[:, None]
     tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc, mask=row_mask[:, None] & (offs_n < D)[None, :])
 

@@ -73,7 +73,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[i
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), *,
-               split_k: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 4,
+               split_k: int | None = None, block_n: int = 32, num_warps: int = 4, num_stages: int = 4,
                backend: str = "auto") -> torch.Tensor:
     """``x @ (w * scale).T`` with the FP8 weight read once and never dequantized to memory.
 
@@ -86,7 +86,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         x: ``[..., K]`` activations; w: ``[N, K]`` float8_e4m3fn; scale: ``[ceil(N/b0), ceil(K/b1)]``
             float32 or UE8M0; block: ``(b0, b1)`` elements.
         split_k: K splits (default: from the multiprocessor count); block_n: output features per
-            program; num_warps, num_stages: Triton launch options.
+            program; num_warps, num_stages: Triton launch options (defaults: the fastest of the
+            H200 sweep in ``benchmarks/kernels.py``).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
