@@ -33,7 +33,7 @@ def tiny_deepseek_v3_model(root: Path, *, fp8: bool = True, layers: int = 3, den
                            nope: int = 128, rope: int = 64, v_head: int = 128, intermediate: int = 512,
                            moe_intermediate: int = 512, experts: int = 8, shared: int = 1, top_k: int = 3,
                            n_group: int = 4, topk_group: int = 2, vocab: int = 512, yarn: bool = True,
-                           mtp: bool = True, seed: int = 0) -> Path:
+                           rope_interleave: bool | None = None, mtp: bool = True, seed: int = 0) -> Path:
     """Write a ``DeepseekV3ForCausalLM`` checkpoint under ``root`` and return ``root``.
 
     Shapes (``H`` hidden, ``n`` heads, ``E`` experts, ``I``/``I_e`` dense/expert intermediate):
@@ -42,7 +42,8 @@ def tiny_deepseek_v3_model(root: Path, *, fp8: bool = True, layers: int = 3, den
     dense ``mlp.{gate,up}_proj [I, H]``, ``down_proj [H, I]``; MoE ``mlp.gate.weight [E, H]`` BF16,
     ``e_score_correction_bias [E]`` F32, experts and ``shared_experts`` at ``I_e`` (shared:
     ``shared * I_e``). Linears are FP8 (F32 ``weight_scale_inv``) with ``fp8``, else BF16; the
-    MTP layer sits at index ``layers``.
+    MTP layer sits at index ``layers``. ``rope_interleave`` None leaves the key out, as the release
+    does (transformers then interleaves); False asks for rotate-half RoPE.
     """
     g, t = _Gen(seed), {}
     fmt, bf = ("fp8" if fp8 else "bf16"), torch.bfloat16
@@ -104,6 +105,8 @@ def tiny_deepseek_v3_model(root: Path, *, fp8: bool = True, layers: int = 3, den
     }
     if fp8:
         config["quantization_config"] = dict(FP8_CONFIG)
+    if rope_interleave is not None:
+        config["rope_interleave"] = rope_interleave
     return write_checkpoint(root, t, config, max_shard_bytes=4 << 20)
 
 
