@@ -5,10 +5,10 @@ Two tiny checkpoints (:func:`shardsmith.testing.tiny_v3.tiny_deepseek_v3_model`)
 F32 ``weight_scale_inv`` on 128x128 blocks, ragged 192-row edges, a q latent, interleaved RoPE as
 the release) and ``bf16`` (a plain ``q_proj``, ``rope_interleave: false``); both with YaRN
 (``mscale`` != ``mscale_all_dim``), 4 expert groups of which 2 are eligible, a random correction
-bias, a dense first layer, a shared expert and an MTP layer. Each is split at TP 1, 2 and 4. The reference is transformers' ``DeepseekV3ForCausalLM`` in
-float32, loaded from the bf16 checkpoint as it is and from a copy of the FP8 one dequantized here
-block by block (transformers' own FP8 dequantizer refuses the ragged edge blocks: "not divisible
-by scale grid").
+bias, a dense first layer, a shared expert and an MTP layer. Each is split at TP 1, 2 and 4. The
+reference is transformers' ``DeepseekV3ForCausalLM`` in float32, loaded from the bf16 checkpoint as
+it is and from a copy of the FP8 one dequantized here block by block (transformers' own FP8
+dequantizer refuses the ragged edge blocks: "not divisible by scale grid").
 """
 
 from __future__ import annotations
