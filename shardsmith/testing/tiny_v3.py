@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .headers import Spec, write_header_only
 from .tiny import FP8_CONFIG, _Gen, _linear, write_checkpoint
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
@@ -32,7 +33,7 @@ def tiny_deepseek_v3_model(root: Path, *, fp8: bool = True, layers: int = 3, den
                            nope: int = 128, rope: int = 64, v_head: int = 128, intermediate: int = 512,
                            moe_intermediate: int = 512, experts: int = 8, shared: int = 1, top_k: int = 3,
                            n_group: int = 4, topk_group: int = 2, vocab: int = 512, yarn: bool = True,
-                           mtp: bool = True, seed: int = 0) -> Path:
+                           rope_interleave: bool | None = None, mtp: bool = True, seed: int = 0) -> Path:
     """Write a ``DeepseekV3ForCausalLM`` checkpoint under ``root`` and return ``root``.
 
     Shapes (``H`` hidden, ``n`` heads, ``E`` experts, ``I``/``I_e`` dense/expert intermediate):
@@ -41,7 +42,8 @@ def tiny_deepseek_v3_model(root: Path, *, fp8: bool = True, layers: int = 3, den
     dense ``mlp.{gate,up}_proj [I, H]``, ``down_proj [H, I]``; MoE ``mlp.gate.weight [E, H]`` BF16,
     ``e_score_correction_bias [E]`` F32, experts and ``shared_experts`` at ``I_e`` (shared:
     ``shared * I_e``). Linears are FP8 (F32 ``weight_scale_inv``) with ``fp8``, else BF16; the
-    MTP layer sits at index ``layers``.
+    MTP layer sits at index ``layers``. ``rope_interleave`` None leaves the key out, as the release
+    does (transformers then interleaves); False asks for rotate-half RoPE.
     """
     g, t = _Gen(seed), {}
     fmt, bf = ("fp8" if fp8 else "bf16"), torch.bfloat16
@@ -103,7 +105,73 @@ def tiny_deepseek_v3_model(root: Path, *, fp8: bool = True, layers: int = 3, den
     }
     if fp8:
         config["quantization_config"] = dict(FP8_CONFIG)
+    if rope_interleave is not None:
+        config["rope_interleave"] = rope_interleave
     return write_checkpoint(root, t, config, max_shard_bytes=4 << 20)
 
 
-__all__ = ["YARN", "tiny_deepseek_v3_model"]
+# The published deepseek-ai/DeepSeek-V3 config.json (R1 and V3.1 differ in nothing the runtime reads)
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": dict(FP8_CONFIG), "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
+}
+
+
+def deepseek_v3_headers(root: Path, *, layers: int = 4) -> Path:
+    """A header-only (``.safetensors.json``) DeepSeek-V3 with the release's per-layer shapes and dtypes:
+    the first ``min(layers, 3)`` layers dense, the rest MoE (256 experts of 7168x2048), then the MTP
+    layer; FP8 linears with F32 ``weight_scale_inv`` (``kv_a_proj_with_mqa``: 576 rows, 4.5 blocks)."""
+    c = DEEPSEEK_V3_CONFIG
+    H, V, E, I_e = c["hidden_size"], c["vocab_size"], c["n_routed_experts"], c["moe_intermediate_size"]
+    n, qk, kv, c_kv, v = c["num_attention_heads"], 192, 256, c["kv_lora_rank"], c["v_head_dim"]
+    specs: Spec = {"model.embed_tokens.weight": ("BF16", [V, H])}
+
+    def lin(name: str, rows: int, cols: int) -> None:
+        specs[name + ".weight"] = ("F8_E4M3", [rows, cols])
+        specs[name + ".weight_scale_inv"] = ("F32", [-(-rows // 128), -(-cols // 128)])
+
+    def layer(i: int) -> None:
+        p = f"model.layers.{i}"
+        specs[f"{p}.input_layernorm.weight"] = ("BF16", [H])
+        lin(f"{p}.self_attn.q_a_proj", c["q_lora_rank"], H)
+        specs[f"{p}.self_attn.q_a_layernorm.weight"] = ("BF16", [c["q_lora_rank"]])
+        lin(f"{p}.self_attn.q_b_proj", n * qk, c["q_lora_rank"])
+        lin(f"{p}.self_attn.kv_a_proj_with_mqa", c_kv + 64, H)
+        specs[f"{p}.self_attn.kv_a_layernorm.weight"] = ("BF16", [c_kv])
+        lin(f"{p}.self_attn.kv_b_proj", n * kv, c_kv)
+        lin(f"{p}.self_attn.o_proj", H, n * v)
+        specs[f"{p}.post_attention_layernorm.weight"] = ("BF16", [H])
+        mlps = [(f"{p}.mlp", c["intermediate_size"])] if i < c["first_k_dense_replace"] else \
+            [(f"{p}.mlp.experts.{e}", I_e) for e in range(E)] + [(f"{p}.mlp.shared_experts", I_e)]
+        if i >= c["first_k_dense_replace"]:
+            specs[f"{p}.mlp.gate.weight"] = ("BF16", [E, H])
+            specs[f"{p}.mlp.gate.e_score_correction_bias"] = ("F32", [E])
+        for q, inter in mlps:
+            lin(f"{q}.gate_proj", inter, H)
+            lin(f"{q}.up_proj", inter, H)
+            lin(f"{q}.down_proj", H, inter)
+
+    for i in range(layers):
+        layer(i)
+    specs["model.norm.weight"] = ("BF16", [H])
+    specs["lm_head.weight"] = ("BF16", [V, H])
+    p = f"model.layers.{layers}"  # the MTP layer
+    specs[f"{p}.embed_tokens.weight"] = ("BF16", [V, H])
+    specs[f"{p}.enorm.weight"] = specs[f"{p}.hnorm.weight"] = ("BF16", [H])
+    lin(f"{p}.eh_proj", H, 2 * H)
+    layer(layers)
+    specs[f"{p}.shared_head.norm.weight"] = ("BF16", [H])
+    specs[f"{p}.shared_head.head.weight"] = ("BF16", [V, H])
+    return write_header_only(root, specs, {**c, "num_hidden_layers": layers})
+
+
+__all__ = ["DEEPSEEK_V3_CONFIG", "YARN", "deepseek_v3_headers", "tiny_deepseek_v3_model"]
