@@ -78,7 +78,7 @@ class Timers:
 
 def instrument(model, timers: Timers) -> None:
     """Time every layer's attention and MoE, and every all-reduce inside them."""
-    from shardsmith.runtime import parallel
+    from shardsmith.runtime.layers import parallel
     from shardsmith.runtime.models.deepseek_v4 import moe
 
     where = {"part": None}
@@ -195,7 +195,8 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
     faulthandler.dump_traceback_later(a.get("hang_s") or 1e9, exit=True)  # a hung rank says where, then exits
     try:
         from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
-        from shardsmith.runtime.layers.parallel import dequantize_fp8_, init_distributed
+        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.layers.quant import dequantize_fp8_
         from shardsmith.runtime.engine.loader import load_rank_weights
 
         cuda = a["device"] == "cuda"
@@ -260,7 +261,7 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     the cache with one decode, then time a second decode of the same tokens; this rank's numbers."""
     from shardsmith.runtime.models.registry import build_v4
     from shardsmith.runtime.offload import OffloadConfig
-    from shardsmith.runtime.layers.parallel import dequantize_fp8_
+    from shardsmith.runtime.layers.quant import dequantize_fp8_
 
     bank_bytes = sum(t.numel() * t.element_size() for layer, arrays in weights.banks().items()
                      if not layer.startswith("mtp.") for t in arrays.values())

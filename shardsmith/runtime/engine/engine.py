@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from shardsmith.errors import RankLostError, RuntimeLoadError, UsageError, format_problems
 from shardsmith.runtime.models.registry import ModelFamily, family_for
-from shardsmith.runtime.layers.parallel import clamp_threads, dequantize_fp8_, install_rank_zero_logging
+from shardsmith.runtime.layers.parallel import clamp_threads, install_rank_zero_logging
+from shardsmith.runtime.layers.quant import dequantize_fp8_
 from shardsmith.runtime.engine.sampling import choose, make_generator
 from shardsmith.runtime.engine.loader import load_rank_weights
 

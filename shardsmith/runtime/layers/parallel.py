@@ -17,7 +17,7 @@ FP8 block weights (``float8_e4m3fn`` with an F32 ``weight_scale_inv`` per 128x12
 ``inference/kernel.py`` ``weight_dequant``) are loaded as stored and, by default, dequantized once
 at load to the compute dtype (``Engine.load(fp8="load")``: full decode speed, memory of the
 compute dtype). With ``fp8="on-the-fly"`` they stay FP8 (the mmap'd bytes) and are dequantized
-per matmul (:func:`dequantize_blocks`): FP8 memory, one extra elementwise pass per use. A fused
+per matmul (:func:`~shardsmith.runtime.layers.quant.dequantize_blocks`): FP8 memory, one extra elementwise pass per use. A fused
 FP8 block GEMM kernel on GPU is future work.
 
 Weights are buffers created on the ``meta`` device; :func:`shardsmith.runtime.models.mixtral.model.assign_weights`
@@ -36,6 +36,7 @@ from torch import nn
 
 from shardsmith.errors import RuntimeLoadError, format_problems
 from shardsmith.plans.resolve import ResolvedPlan, TensorPlan
+from shardsmith.runtime.layers.quant import dequantize_blocks
 from shardsmith.runtime.engine.dist import clamp_threads, init_distributed, install_rank_zero_logging  # noqa: F401  (re-exported)
 
 # ------------------------------------------------------------------ group helpers
@@ -90,21 +91,6 @@ def all_gather_uneven(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded)
     return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
-
-
-# ------------------------------------------------------------------ FP8 blocks
-
-
-def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """``w.float() * scale`` per block, cropped at ragged edges, in ``dtype``.
-
-    Args:
-        w: ``[R, C]`` ``float8_e4m3fn``; scale: ``[ceil(R/b0), ceil(C/b1)]`` float32
-            (``weight_scale_inv``); block: ``(b0, b1)`` elements.
-    """
-    R, C = w.shape
-    s = scale.repeat_interleave(block[0], 0)[:R].repeat_interleave(block[1], 1)[:, :C]  # [R, C]
-    return (w.float() * s).to(dtype)
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -165,13 +151,6 @@ class RowParallelLinear(_Linear):
             return y
         y = all_reduce(y)
         return y if self.bias is None else y + self.bias
-
-
-def dequantize_fp8_(model: nn.Module, dtype: torch.dtype) -> None:
-    """Dequantize every FP8 block-scaled linear of ``model`` to ``dtype`` once (``Engine.load(fp8="load")``)."""
-    for m in model.modules():
-        if hasattr(m, "dequantize_"):
-            m.dequantize_(dtype)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -56,7 +56,7 @@ def build_moe(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int],
     if offload is not None:  # swaps the expert banks for host banks + a device cache
         from shardsmith.runtime.offload import attach_offload
 
-        offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block)
+        offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype)
     assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device,
                    tied=args.tie_embeddings)
     return model, offloaded
@@ -75,12 +75,8 @@ def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], 
     offloaded = None
     if offload is not None:
         from shardsmith.runtime.offload import attach_offload
-        from shardsmith.runtime.offload.compute import ExpertMath
 
-        offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block,
-                                   bank_type=deepseek_v4.moe.ExpertBank,
-                                   math=ExpertMath(limit=args.swiglu_limit, accumulate_f32=True,
-                                                   batched_pairs=deepseek_v4.moe.BATCHED_PAIRS))
+        offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype)
     deepseek_v4.assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device)
     return model, offloaded
 

@@ -17,8 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from shardsmith.runtime.layers.experts import ExpertMath, expert_output
 from shardsmith.runtime.layers.staging import rows_by_expert
-from .compute import ExpertMath, expert_output
 from .host_bank import HostBanks
 
 
@@ -40,7 +40,7 @@ class CpuExperts:
 
     Args:
         host: the rank's host banks; layers: bank layer keys in model order; block: FP8 block size;
-        math: the family's SwiGLU clamp and accumulation (:class:`~.compute.ExpertMath`).
+        math: the family's SwiGLU clamp and accumulation (:class:`~shardsmith.runtime.layers.experts.ExpertMath`).
     """
 
     def __init__(self, host: HostBanks, layers: list[str], block: tuple[int, int] | None,

@@ -35,7 +35,8 @@ from shardsmith.runtime.layers.parallel import Shards, all_reduce
 from shardsmith.runtime.models.deepseek_v4.attention import Attention
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.hyper import HyperHead, HyperMixer, expand
-from shardsmith.runtime.models.deepseek_v4.moe import ExpertBank, MoE, expand_pairs, routed_pairs
+from shardsmith.runtime.layers.experts import ExpertBank, expand_pairs, routed_pairs
+from shardsmith.runtime.models.deepseek_v4.moe import MoE
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, inv_freq, rope_cos_sin
 from shardsmith.runtime.layers.quant import ue8m0_to_float
 
@@ -231,7 +232,7 @@ class DecodeGraphs:
         self.head = GraphedPiece(model.logits, self.pool, "head")
         self.layers = []
         for i, layer in enumerate(model.layers):
-            resident = isinstance(layer.ffn.experts, ExpertBank) and layer.ffn.experts.decode_sync_free(layer.ffn.top_k)
+            resident = layer.ffn.experts.decode_sync_free()
             self.layers.append(layer_pieces(layer, self.pool, i, whole=resident))
 
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 from shardsmith.errors import RuntimeLoadError, format_problems
 from shardsmith.runtime.models.mixtral.config import ModelArgs, rope_tables
 from shardsmith.runtime.engine.cuda_graphs import GraphedPiece, GraphPool, layer_pieces
-from shardsmith.runtime.models.mixtral.moe import MLP, ExpertBank, SparseMoe
+from shardsmith.runtime.models.mixtral.moe import MLP, SparseMoe
 from shardsmith.runtime.layers.parallel import HeadShard, Shards
 
 
@@ -234,8 +234,7 @@ class DecodeGraphs:
         self.layers = []
         for i, layer in enumerate(model.model.layers):
             ffn = getattr(layer, layer.ffn_name)
-            whole = not isinstance(ffn, SparseMoe) or (isinstance(ffn.experts, ExpertBank)
-                                                       and ffn.experts.decode_sync_free(ffn.top_k))
+            whole = not isinstance(ffn, SparseMoe) or ffn.experts.decode_sync_free()
             self.layers.append(layer_pieces(layer, self.pool, i, whole=whole))
 
     def step(self, ids: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
