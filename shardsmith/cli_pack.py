@@ -30,6 +30,15 @@ def _ranks(text: Optional[str]) -> Optional[tuple[int, ...]]:
         raise UsageError(f"--ranks {text!r}: expected comma-separated rank numbers such as 0,1") from None
 
 
+def _serve_warning(checkpoint: Path) -> str | None:
+    """:func:`shardsmith.families.serve_warning` for the checkpoint's ``config.json`` (split read it already)."""
+    import json
+
+    from .families import serve_warning
+
+    return serve_warning(json.loads((checkpoint / "config.json").read_text()))
+
+
 def split(
     checkpoint: Path = typer.Argument(..., help="Source checkpoint directory."),
     out: Path = typer.Argument(..., help="Pack directory to create."),
@@ -56,10 +65,13 @@ def split(
                                   progress=lambda done, total: bar.update(task, completed=done, total=total))
     for note in result.notes:
         con.print(f"[yellow]note:[/] {note}", highlight=False)
+    unservable = _serve_warning(checkpoint)
+    if unservable:
+        con.print(f"[yellow]warning:[/] {unservable}", highlight=False)
     if json_out:
         from dataclasses import asdict
 
-        emit_json(asdict(result))
+        emit_json({**asdict(result), "servable": unservable is None})
         return
     rate = result.bytes_read / result.seconds / 1e9 if result.seconds else 0.0
     con.print(f"[bold green]wrote[/] {result.out_dir}: ranks {','.join(map(str, result.ranks))} of {result.world_size}, "

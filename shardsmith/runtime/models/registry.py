@@ -1,4 +1,8 @@
-"""Model registry: which model the engine builds for a checkpoint's ``architectures[0]``.
+"""The runtime side of the model registry: builds the model :mod:`shardsmith.families` names.
+
+:mod:`shardsmith.families` is the one table of architectures (plan family, what each stage
+supports, the runtime builder as a dotted path); this module turns a servable family into a
+:class:`ModelFamily` the engine drives. Builders here:
 
 =====================================  ==================  ===============  ===============================
 architecture (``config.json``)         builder             expert offload   a step may start at
@@ -8,7 +12,8 @@ Mixtral, Qwen3-MoE, Qwen2-MoE          :func:`build_moe`   yes              any 
 =====================================  ==================  ===============  ===============================
 
 Every model has the interface the engine drives: ``setup_cache(max_seq_len, device, dtype)``,
-``model(ids [T], start, last_only=) -> float32 logits [T or 1, V]`` and ``model.args.vocab_size``.
+``model(ids [T], start, last_only=) -> float32 logits [T or 1, V]`` and ``model.args.vocab_size``,
+plus the decode pieces :class:`~shardsmith.runtime.engine.cuda_graphs.DecodeGraphs` drives.
 A builder makes the model on ``meta`` from the rank's plan and fills it from the rank's weights
 (no copy on CPU); the engine then dequantizes FP8 and sets up the cache.
 """
@@ -22,10 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardsmith import families
 from shardsmith.errors import RuntimeLoadError
-from shardsmith.runtime.models import deepseek_v4
-from shardsmith.runtime.models.mixtral.config import FAMILIES as MOE_ARCHITECTURES
 from shardsmith.runtime.layers.parallel import Shards
+from shardsmith.runtime.models import deepseek_v4
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,21 +86,20 @@ def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], 
     return model, offloaded
 
 
-MOE = ModelFamily("Mixtral family", build_moe, rewinds=True)
-DEEPSEEK_V4 = ModelFamily("DeepSeek-V4", build_v4, rewinds=False)
-MODELS: dict[str, ModelFamily] = {**{a: MOE for a in MOE_ARCHITECTURES},
-                                  **{a: DEEPSEEK_V4 for a in deepseek_v4.ARCHITECTURES}}
-
-
 def family_for(config: dict) -> ModelFamily:
-    """The registry entry for ``config.json`` (``architectures[0]``, else ``model_type``).
+    """The registry entry for ``config.json`` (:func:`shardsmith.families.architecture_of`).
 
     Raises:
-        RuntimeLoadError: an architecture this runtime does not run (the supported ones listed).
+        RuntimeLoadError: an architecture shardsmith does not know, or one it plans and splits but
+            the runtime does not serve (the served ones listed).
     """
-    arch = (config.get("architectures") or [config.get("model_type")])[0]
-    family = MODELS.get(str(arch)) or MODELS.get(str(config.get("model_type")))
-    if family is None:
-        raise RuntimeLoadError(f"architecture {arch!r} is not supported by the runtime "
-                               f"(supported: {', '.join(a for a in MODELS if a[0].isupper())})")
-    return family
+    arch = families.lookup(config)
+    served = ", ".join(families.served())
+    if arch is None:
+        raise RuntimeLoadError(f"architecture {families.architecture_of(config)!r} is not supported by the runtime "
+                               f"(supported: {served})")
+    fam = arch.family
+    if not fam.servable:
+        raise RuntimeLoadError(f"architecture {arch.name!r} ({fam.label}) can be planned and split but is not "
+                               f"served by this runtime yet (supported: {served})")
+    return ModelFamily(fam.label, families.load(fam.runtime), rewinds=fam.rewinds)
