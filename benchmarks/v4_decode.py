@@ -272,7 +272,7 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     cfg = OffloadConfig(backend="gpu", cache_bytes=cache_bytes, policy="hot", probe=dev.type == "cuda")
     barrier()
     t0 = time.perf_counter()
-    model, rt = build_v4(weights, rank=weights.rank, dtype=dtype, block=(128, 128), device=dev,
+    model, rt = build_v4(weights, rank=weights.rank, dtype=dtype, device=dev,
                          place_experts=lambda m: attach_offload(m, weights, cfg, device=dev, dtype=dtype))
     if a["fp8"] == "load":
         dequantize_fp8_(model, dtype)

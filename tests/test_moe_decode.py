@@ -34,7 +34,7 @@ def models(tmp_path_factory) -> dict:
         pack = root / f"{name}-tp1"
         split_checkpoint(make(root / name), pack, world_size=1)
         w = load_rank_weights(pack, rank=0, world_size=1)
-        shards = Shards(w.plan, 0, torch.float32, (128, 128))
+        shards = Shards(w.plan, 0, torch.float32)
         meta = (Transformer(ModelArgs.from_config(w.config), shards) if name == "mixtral"
                 else deepseek_v4.DeepseekV4(deepseek_v4.V4Args.from_config(w.config), shards))
         out[name] = {"meta": meta, "engine": Engine.load(pack, rank=0, world_size=1, dtype=torch.float32)}

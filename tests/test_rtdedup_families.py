@@ -1,5 +1,5 @@
 """The one registry (``shardsmith/families.py``): what plan, split, the runtime and the Mixtral config
-read from it."""
+read from it, and the quantization block the plan keeps per tensor."""
 
 from __future__ import annotations
 
@@ -79,3 +79,34 @@ def test_plan_and_split_warn_that_v3_is_not_served(tiny, tmp_path) -> None:
     assert json.loads(split.stdout)["servable"] is False
     served = runner.invoke(app, ["plan", str(tiny("mixtral")), "--tp", "2", "--json"])
     assert json.loads(served.stdout)["servable"] is True and "warning" not in served.output
+
+
+def test_detect_quant_uses_the_block_read_once() -> None:
+    from shardsmith.checkpoint.reader import TensorInfo
+    from shardsmith.plans.resolve import detect_quant, fp8_block_size
+
+    assert fp8_block_size({}) == (128, 128)
+    assert fp8_block_size({"quantization_config": {"weight_block_size": [64, 32]}}) == (64, 32)
+    w = TensorInfo("a.weight", "F8_E4M3", (128, 96), "f", 0, 128 * 96)
+    s = TensorInfo("a.weight_scale_inv", "F32", (2, 3), "f", 0, 24)
+    assert detect_quant(w, {w.name: w, s.name: s}, (64, 32)).block == (64, 32)
+    with pytest.raises(PlanError, match="does not match fp8-block blocks \\[128, 128\\]"):
+        detect_quant(w, {w.name: w, s.name: s}, (128, 128))
+
+
+def test_the_plan_keeps_each_quantized_tensors_block_and_reads_old_plans(tiny) -> None:
+    from shardsmith.checkpoint import open_checkpoint
+    from shardsmith.plans import plan_checkpoint
+    from shardsmith.plans.serialize import plan_from_dict, plan_to_dict
+
+    plan = plan_checkpoint(open_checkpoint(tiny("deepseek-v4")), 2)
+    blocks = {(tp.quant, tp.dtype): tp.block for tp in plan.tensors.values()}
+    assert blocks[("fp8-block", "F8_E4M3")] == (128, 128) and blocks[("fp8-block", "F8_E8M0")] == (128, 128)
+    assert blocks[("fp4-group", "I8")] == (1, 16)
+    assert all(tp.block == () for tp in plan.tensors.values() if tp.quant == "none")
+    data = plan_to_dict(plan)
+    assert plan_from_dict(json.loads(json.dumps(data))) == plan
+    for d in data["tensors"].values():  # a plan.json written before the block was kept
+        assert ("block" in d) == (d["quant"] != "none")
+        d.pop("block", None)
+    assert plan_from_dict(data) == plan

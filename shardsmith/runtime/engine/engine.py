@@ -161,15 +161,13 @@ class Engine:
                     raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
                 dtype = DTYPES[dtype]
             dtype = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.bfloat16)
-            block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
             place = None
             if offload is not None:  # swaps the expert banks for host banks + a device cache
                 from shardsmith.runtime.offload import attach_offload
 
                 def place(meta_model):
                     return attach_offload(meta_model, weights, offload, device=dev, dtype=dtype)
-            model, offloaded = family.build(weights, rank=rank, dtype=dtype, block=block, device=dev,
-                                            place_experts=place)
+            model, offloaded = family.build(weights, rank=rank, dtype=dtype, device=dev, place_experts=place)
             if fp8 not in ("load", "on-the-fly"):
                 raise UsageError(f"fp8 must be 'load' or 'on-the-fly', got {fp8!r}")
             if fp8 == "load":

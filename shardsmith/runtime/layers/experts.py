@@ -207,7 +207,7 @@ class ExpertBank(RoutedExperts):
                 scale_dtype = torch.float32 if self.format == "fp8" else DTYPES[scale[1]].torch_dtype
                 self.register_buffer(name + "_scale", torch.empty(scale[0], dtype=scale_dtype, device="meta"))
         if self.format == "fp8":
-            self.block = shards.block
+            self.block = shards.bank_block(layer, "gate_up")
 
     def arrays(self) -> dict[str, torch.Tensor]:
         """The bank's arrays by name, ``[E, ...]`` each."""

@@ -211,12 +211,13 @@ class Shards:
     :meth:`raise_problems` can report every bad tensor at once.
 
     Args:
-        plan: the resolved plan; rank: this rank; dtype: compute dtype of unquantized weights.
-        block: FP8 ``weight_block_size`` from the config (used for ``fp8-block`` tensors).
+        plan: the resolved plan (each ``fp8-block`` tensor keeps its block size,
+            :attr:`~shardsmith.plans.resolve.TensorPlan.block`); rank: this rank; dtype: compute
+            dtype of unquantized weights.
     """
 
-    def __init__(self, plan: ResolvedPlan, rank: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128)) -> None:
-        self.plan, self.rank, self.dtype, self.block = plan, rank, dtype, block
+    def __init__(self, plan: ResolvedPlan, rank: int, dtype: torch.dtype) -> None:
+        self.plan, self.rank, self.dtype = plan, rank, dtype
         self.problems: list[str] = []
         self._banks: dict | None = None
 
@@ -261,7 +262,7 @@ class Shards:
         if tp.quant not in ("none", "fp8-block"):
             raise RuntimeLoadError(f"{tp.name}: {tp.quant} weights are not supported by this runtime")
         cls = {None: ReplicatedLinear, 0: ColumnParallelLinear, 1: RowParallelLinear}[tp.shard_dim]
-        fp8 = self.block if tp.quant == "fp8-block" else None
+        fp8 = tuple(tp.block) if tp.quant == "fp8-block" else None
         return cls(tp.local_shape(self.rank), bias=bias, dtype=self.dtype, fp8_block=fp8, reduce=reduce)
 
     def embedding(self, name: str, shape: tuple[int, int] | None = None) -> VocabParallelEmbedding:
@@ -320,3 +321,16 @@ class Shards:
                     self.problems.append(f"tensor {name!r}: shape {list(self.plan.tensors[name].shape)} in the "
                                          f"source, the config implies {list(expert_shape)}")
         return spec.shape, spec.dtype
+
+    def bank_block(self, layer: str, array: str) -> tuple[int, ...]:
+        """The quantization block of bank ``array`` of ``layer``'s member tensors (``()`` unquantized).
+
+        Raises:
+            RuntimeLoadError: the bank's experts were planned with different blocks.
+        """
+        self.bank_shape(layer, array)
+        spec = self._banks.get((layer, array))
+        blocks = sorted({tuple(self.plan.tensors[n].block) for n in spec.members.values()}) if spec else []
+        if len(blocks) > 1:
+            raise RuntimeLoadError(f"{layer} expert bank {array!r}: its experts have different blocks {blocks}")
+        return blocks[0] if blocks else ()

@@ -39,7 +39,7 @@ class ModelFamily:
 
     Attributes:
         name: for messages.
-        build: ``build(weights, *, rank, dtype, block, device, place_experts) -> (model, placed | None)``:
+        build: ``build(weights, *, rank, dtype, device, place_experts) -> (model, placed | None)``:
             ``place_experts(meta_model)``, when given, puts the routed experts elsewhere (the engine's
             expert offload swaps the banks) and returns what it made; the builder then assigns no banks.
         rewinds: a step may start at any position up to where the last one ended; False: only at
@@ -51,21 +51,21 @@ class ModelFamily:
     rewinds: bool
 
 
-def build_moe(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
+def build_moe(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
               place_experts: Callable[[nn.Module], Any] | None = None) -> tuple[nn.Module, Any]:
     """The Mixtral-family :class:`~shardsmith.runtime.models.mixtral.model.Transformer`, experts resident or offloaded."""
     from shardsmith.runtime.models.mixtral.config import ModelArgs
     from shardsmith.runtime.models.mixtral.model import Transformer, assign_weights
 
     args = ModelArgs.from_config(weights.config)
-    model = Transformer(args, Shards(weights.plan, rank, dtype, block))
+    model = Transformer(args, Shards(weights.plan, rank, dtype))
     offloaded = place_experts(model) if place_experts is not None else None
     assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device,
                    tied=args.tie_embeddings)
     return model, offloaded
 
 
-def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
+def build_v4(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
              place_experts: Callable[[nn.Module], Any] | None = None) -> tuple[nn.Module, Any]:
     """:class:`~shardsmith.runtime.models.deepseek_v4.DeepseekV4`, experts resident or offloaded.
 
@@ -74,7 +74,7 @@ def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], 
     float32 accumulation as the resident bank.
     """
     args = deepseek_v4.V4Args.from_config(weights.config)
-    model = deepseek_v4.DeepseekV4(args, Shards(weights.plan, rank, dtype, block))
+    model = deepseek_v4.DeepseekV4(args, Shards(weights.plan, rank, dtype))
     offloaded = place_experts(model) if place_experts is not None else None
     deepseek_v4.assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device)
     return model, offloaded

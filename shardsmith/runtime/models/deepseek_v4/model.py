@@ -166,9 +166,7 @@ class DeepseekV4(nn.Module):
         Raises:
             RuntimeLoadError: unsupported config, or missing/unexpected/mis-shaped tensors (all listed).
         """
-        config = weights.config
-        block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
-        model = cls(V4Args.from_config(config), Shards(weights.plan, weights.rank, dtype, block))
+        model = cls(V4Args.from_config(weights.config), Shards(weights.plan, weights.rank, dtype))
         assign_weights(model, weights.dense(), weights.banks(), device=torch.device(device))
         model.setup_cache(max_seq_len, torch.device(device), dtype)
         return model
