@@ -286,7 +286,7 @@ def smollm2_trace(path: Path, tokens: int) -> list[list[tuple[int, int]]]:
     from tokenizers import Tokenizer
 
     from shardsmith.runtime.engine.engine import Engine, SamplingParams
-    from shardsmith.runtime.models.mixtral.moe import ExpertBank
+    from shardsmith.runtime.layers.experts import ExpertBank
 
     eng = Engine.load(path, rank=0, world_size=1, from_checkpoint=True, max_seq_len=tokens + 64)
     trace: list[list[tuple[int, int]]] = []

@@ -6,7 +6,7 @@ UE8M0 per 32 as V4 ships them, FP8 e4m3 + float32 128x128 block scales, bf16), a
 routed to the expert, rows give:
 
 - ``kernel_ms_per_expert``: :func:`shardsmith.runtime.offload.host_kernel.expert_swiglu_host`;
-- ``reference_ms_per_expert``: :func:`shardsmith.runtime.offload.compute.expert_output` (the path the
+- ``reference_ms_per_expert``: :func:`shardsmith.runtime.layers.experts.expert_output` (the path the
   ``cpu`` and ``hybrid`` backends took before: expand to the compute dtype, then matmul);
 - ``floor_ms_per_expert``: the expert's stored bytes over the host read bandwidth measured here with
   the same threads (a float32 sum over 1 GiB), the time no kernel can beat at batch 1.
@@ -75,7 +75,7 @@ def per_expert_s(fn, experts: list[dict], x: torch.Tensor, repeat: int) -> float
 
 def main() -> None:
     from shardsmith.runtime.offload import host_kernel
-    from shardsmith.runtime.offload.compute import expert_output
+    from shardsmith.runtime.layers.experts import expert_output
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())

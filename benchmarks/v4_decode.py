@@ -3,7 +3,7 @@
 For each TP: ``shardsmith split`` the checkpoint into a pack, start one process per rank (NCCL on
 CUDA, gloo on CPU), load the pack, prefill a random prompt and decode greedily. Two decode runs:
 a plain one (tokens/s), the same with one-token steps as piecewise CUDA graphs (``resident
-graphs``: ``DeepseekV4.use_decode_graphs``; on CPU the same pieces run eagerly), and an eager one with timers around every layer's attention and MoE and around each
+graphs``: ``engine.cuda_graphs.DecodeGraphs``; on CPU the same pieces run eagerly), and an eager one with timers around every layer's attention and MoE and around each
 all-reduce (CUDA events, or wall time on CPU), giving per token:
 
     attention (compute, excluding its wo_b all-reduce), MoE (router, experts, shared expert),
@@ -78,7 +78,7 @@ class Timers:
 
 def instrument(model, timers: Timers) -> None:
     """Time every layer's attention and MoE, and every all-reduce inside them."""
-    from shardsmith.runtime import parallel
+    from shardsmith.runtime.layers import parallel
     from shardsmith.runtime.models.deepseek_v4 import moe
 
     where = {"part": None}
@@ -194,8 +194,10 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
 
     faulthandler.dump_traceback_later(a.get("hang_s") or 1e9, exit=True)  # a hung rank says where, then exits
     try:
+        from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
         from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
-        from shardsmith.runtime.layers.parallel import dequantize_fp8_, init_distributed
+        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.layers.quant import dequantize_fp8_
         from shardsmith.runtime.engine.loader import load_rank_weights
 
         cuda = a["device"] == "cuda"
@@ -222,15 +224,15 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         progress(rank, world, f"resident eager {a['tokens'] / seconds:.1f} tok/s")
         graphed_s, graphed_tokens, prof = float("nan"), [], {}
         try:  # a failing capture costs its rows, not the run (every rank fails alike)
-            model.use_decode_graphs(dev)
-            decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
-            graphed_s, graphed_tokens = decode(model, prompt, a["tokens"], sync)
+            graphed = DecodeGraphs(model, dev)
+            decode(graphed, prompt[:8], 4, sync)  # warm-up: captures every piece
+            graphed_s, graphed_tokens = decode(graphed, prompt, a["tokens"], sync)
             progress(rank, world, f"resident graphed {a['tokens'] / graphed_s:.1f} tok/s")
-            prof = profile_steps(model, prompt, a, sync, rank, world, "resident-graphs") if a.get("profile") else {}
+            prof = profile_steps(graphed, prompt, a, sync, rank, world, "resident-graphs") if a.get("profile") else {}
         except Exception as e:  # noqa: BLE001 - reported in the row
             prof = {"graphs_error": f"{type(e).__name__}: {e}"[:500]}
             progress(rank, world, f"resident graphed FAILED: {prof['graphs_error']}")
-        model.graphs = None  # the instrumented run below is eager (events inside a graph would be captured)
+        # the instrumented run below is eager, on the model itself (events inside a graph would be captured)
         timers = Timers(cuda)
         instrument(model, timers)
         t_inst, _ = decode(model, prompt, a["tokens"], sync, timers)
@@ -259,8 +261,9 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     """Build the model with offloaded experts (a cache of ``fraction`` x the TP=1 expert bytes), warm
     the cache with one decode, then time a second decode of the same tokens; this rank's numbers."""
     from shardsmith.runtime.models.registry import build_v4
-    from shardsmith.runtime.offload import OffloadConfig
-    from shardsmith.runtime.layers.parallel import dequantize_fp8_
+    from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
+    from shardsmith.runtime.offload import OffloadConfig, attach_offload
+    from shardsmith.runtime.layers.quant import dequantize_fp8_
 
     bank_bytes = sum(t.numel() * t.element_size() for layer, arrays in weights.banks().items()
                      if not layer.startswith("mtp.") for t in arrays.values())
@@ -269,7 +272,8 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     cfg = OffloadConfig(backend="gpu", cache_bytes=cache_bytes, policy="hot", probe=dev.type == "cuda")
     barrier()
     t0 = time.perf_counter()
-    model, rt = build_v4(weights, rank=weights.rank, dtype=dtype, block=(128, 128), device=dev, offload=cfg)
+    model, rt = build_v4(weights, rank=weights.rank, dtype=dtype, device=dev,
+                         place_experts=lambda m: attach_offload(m, weights, cfg, device=dev, dtype=dtype))
     if a["fp8"] == "load":
         dequantize_fp8_(model, dtype)
     model.setup_cache(a["prompt"] + 2 * a["tokens"] + 8, dev, dtype)
@@ -279,8 +283,8 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     ready = time.perf_counter() - t0
     decode(model, prompt, a["tokens"], sync)  # warm-up: fills the cache with this prompt's experts
 
-    def timed() -> dict:
-        seconds, tokens = decode(model, prompt, a["tokens"], sync, after_prefill=rt.reset_stats)
+    def timed(run=model) -> dict:
+        seconds, tokens = decode(run, prompt, a["tokens"], sync, after_prefill=rt.reset_stats)
         st = rt.stats()
         return {"decode_s": seconds, "tokens": tokens, "decode_tokens_counted": st["tokens"],
                 **{k: st.get(k) for k in ("backend", "slots", "hit_rate", "misses", "slot_bytes", "bytes_copied",
@@ -289,11 +293,11 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     out = {"cache_fraction_at_tp1": fraction, "cache_bytes_per_gpu": rt.stats().get("pool_bytes", 0),
            "ready_s": ready, "ready_log": rt.ready_line(), **timed()}
     try:
-        model.use_decode_graphs(dev)  # the same model and warm cache, one-token steps as graphed pieces
-        decode(model, prompt[:8], 4, sync)  # warm-up: captures every piece
-        out["graphed"] = timed()
+        graphed = DecodeGraphs(model, dev)  # the same model and warm cache, one-token steps as graphed pieces
+        decode(graphed, prompt[:8], 4, sync)  # warm-up: captures every piece
+        out["graphed"] = timed(graphed)
         if a.get("profile"):
-            out["graphed"]["profile"] = profile_steps(model, prompt, a, sync, weights.rank, world,
+            out["graphed"]["profile"] = profile_steps(graphed, prompt, a, sync, weights.rank, world,
                                                       f"offload{fraction:g}-graphs")
         progress(weights.rank, world, f"offload {fraction:g}: eager {a['tokens'] / out['decode_s']:.1f}, "
                                       f"graphed {a['tokens'] / out['graphed']['decode_s']:.1f} tok/s")

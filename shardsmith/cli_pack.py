@@ -30,6 +30,15 @@ def _ranks(text: Optional[str]) -> Optional[tuple[int, ...]]:
         raise UsageError(f"--ranks {text!r}: expected comma-separated rank numbers such as 0,1") from None
 
 
+def _serve_warning(checkpoint: Path) -> str | None:
+    """:func:`shardsmith.families.serve_warning` for the checkpoint's ``config.json`` (split read it already)."""
+    import json
+
+    from .families import serve_warning
+
+    return serve_warning(json.loads((checkpoint / "config.json").read_text()))
+
+
 def split(
     checkpoint: Path = typer.Argument(..., help="Source checkpoint directory."),
     out: Path = typer.Argument(..., help="Pack directory to create."),
@@ -67,10 +76,13 @@ def split(
     from .pack.format import PACK_MANIFEST, root_digest
 
     digest = root_digest((Path(result.out_dir) / PACK_MANIFEST).read_bytes())
+    unservable = _serve_warning(checkpoint)
+    if unservable:
+        con.print(f"[yellow]warning:[/] {escape(unservable)}", highlight=False)
     if json_out:
         from dataclasses import asdict
 
-        emit_json({**asdict(result), "root_digest": digest})
+        emit_json({**asdict(result), "root_digest": digest, "servable": unservable is None})
         return
     if result.already_complete:
         con.print(f"[bold green]already complete[/] {result.out_dir}: ranks {','.join(map(str, result.ranks))} of "

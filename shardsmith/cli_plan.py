@@ -50,6 +50,7 @@ def plan(
     """Show the resolved TP plan: layout and per-rank shapes per rule, bytes and memory per rank."""
     from .checkpoint import open_checkpoint
     from .errors import UsageError
+    from .families import serve_warning
     from .plans import plan_checkpoint
     from .report import summarize_plan
     from .ui import emit_json, err_console, human_bytes
@@ -60,9 +61,14 @@ def plan(
         raise UsageError(f"--align must be at least 1, got {align}")
     if tensors and not json_out:
         raise UsageError("--tensors adds per-tensor ranges to the JSON output: use it with --json")
-    resolved = plan_checkpoint(open_checkpoint(checkpoint), tp, align=align)
+    ckpt = open_checkpoint(checkpoint)
+    resolved = plan_checkpoint(ckpt, tp, align=align)
     summary = summarize_plan(resolved)
+    unservable = serve_warning(ckpt.config)
+    summary["servable"] = unservable is None
     if json_out:
+        if unservable:  # the plan is fine; serving it is not
+            err_console().print(f"[yellow]warning:[/] {unservable}", highlight=False)
         if tensors:
             summary["tensors"] = {n: {"layout": t.layout.value, "shard_dim": t.shard_dim, "unit": t.unit,
                                       "ranges": [[list(r) for r in rr] for rr in t.ranges]}
@@ -86,6 +92,8 @@ def plan(
     con.print(r)
     for note in summary["notes"]:
         con.print(f"[yellow]note:[/] {note}", highlight=False)
+    if unservable:
+        con.print(f"[yellow]warning:[/] {unservable}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

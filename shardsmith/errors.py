@@ -58,6 +58,14 @@ class RuntimeLoadError(ShardsmithError):
     """The runtime cannot load a pack: wrong rank or world size, missing or mis-shaped tensor."""
 
 
+class ChatTemplateError(ShardsmithError):
+    """The checkpoint has no usable chat template, or rendering it failed (``raise_exception``).
+
+    Here rather than in ``runtime/serve/chat.py`` so that ``chat`` and ``encoding`` (the
+    DeepSeek-V4 message encoder, a subclass's home) do not import each other.
+    """
+
+
 class RankLostError(ShardsmithError):
     """Another rank died or left the process group mid-run; this rank cannot continue."""
 

@@ -14,7 +14,7 @@ from .dtypes import DTYPES
 from .errors import PlanError
 from .plans import FAMILIES, family_of, plan_checkpoint
 from .plans.core import Layout
-from .plans.resolve import ResolvedPlan, detect_quant
+from .plans.resolve import ResolvedPlan, detect_quant, fp8_block_size
 
 
 def _category(tp_layout: Layout | None, in_bank: bool) -> str:
@@ -47,6 +47,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         problems.append(f"{n} of {len(ckpt.files)} shard(s) are header-only (.safetensors.json): plan works, split needs the data")
     cats: dict[str, dict[str, int]] = {}
     quant = Counter()
+    fp8_block = fp8_block_size(cfg)
     for name, info in ckpt.tensors.items():
         tp = plan.tensors.get(name) if plan else None
         cat = _category(tp.layout if tp else None, bool(tp and tp.bank))
@@ -55,7 +56,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         c["bytes"] += info.nbytes
         if not name.endswith(("_scale_inv", ".scale")) and len(info.shape) == 2:
             try:
-                quant[detect_quant(info, ckpt.tensors, cfg).format] += 1
+                quant[detect_quant(info, ckpt.tensors, fp8_block).format] += 1
             except PlanError as e:
                 problems.append(str(e))
     experts = plan.experts if plan else {}

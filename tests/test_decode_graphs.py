@@ -1,4 +1,4 @@
-"""Piecewise decode graphs (DeepSeek-V4): one-token steps through the graphed pieces give the plain
+"""Piecewise decode graphs (one DecodeGraphs, both families): one-token steps through the graphed pieces give the plain
 forward's logits bit for bit, with resident, offloaded (slots) and hybrid (slots and host) experts,
 at world sizes 1 and 2.
 
@@ -35,10 +35,11 @@ def packs(tiny_v4_packs) -> dict[int, Path]:
     return tiny_v4_packs
 
 
-def _decode(model, steps: int, prompt: list[int] = PROMPT) -> list:
-    """Prefill ``prompt`` then ``steps`` greedy one-token steps; every step's logits as float32 numpy
-    (bf16 widens exactly; numpy, not torch, crosses the rank queue)."""
-    device = next(model.buffers()).device
+def _decode(eng, steps: int, prompt: list[int] = PROMPT) -> list:
+    """Prefill ``prompt`` then ``steps`` greedy one-token steps through ``eng.forward`` (the model, or
+    its decode graphs); every step's logits as float32 numpy (bf16 widens exactly; numpy, not torch,
+    crosses the rank queue)."""
+    model, device = eng.forward, eng.device
     logits = [model(torch.tensor(prompt, device=device), 0)]
     pos = len(prompt)
     for _ in range(steps):
@@ -68,12 +69,12 @@ def _eager_then_graphed(eng) -> dict:
     Returns ``runs`` (eager, first graphed, replayed: logits per step), ``used`` (piece names used
     in any layer), ``layer0`` (layer 0's pieces), ``captured`` (graphs captured) and ``layers``.
     """
-    eager = _decode(eng.model, STEPS) + _decode(eng.model, 3, PROMPT[:1])
-    eng.model.use_decode_graphs(eng.device)
-    graphed = _decode(eng.model, STEPS)
-    again = _decode(eng.model, STEPS)
-    one = _decode(eng.model, 3, PROMPT[:1])
-    graphs = eng.model.graphs
+    eager = _decode(eng, STEPS) + _decode(eng, 3, PROMPT[:1])
+    eng.use_decode_graphs()
+    graphed = _decode(eng, STEPS)
+    again = _decode(eng, STEPS)
+    one = _decode(eng, 3, PROMPT[:1])
+    graphs = eng.graphs
     if eng.offload:
         eng.offload.close()
     return {"runs": (eager, graphed + one, again + one), "layer0": sorted(graphs.layers[0]),
@@ -139,10 +140,10 @@ def test_a_resident_bank_past_the_pair_path_runs_its_experts_between_pieces(tmp_
     split_checkpoint(tiny_deepseek_v4(tmp_path / "src", layers=2, experts=20, top_k=17), tmp_path / "tp1",
                      world_size=1)
     eng = Engine.load(tmp_path / "tp1", rank=0, world_size=1, dtype=torch.float32, max_seq_len=32)
-    eager = _decode(eng.model, 3)
-    eng.model.use_decode_graphs(eng.device)
-    graphed = _decode(eng.model, 3)
-    assert sorted(eng.model.graphs.layers[0]) == ["attn_in", "ffn_in", "ffn_out"]
+    eager = _decode(eng, 3)
+    eng.use_decode_graphs()
+    graphed = _decode(eng, 3)
+    assert sorted(eng.graphs.layers[0]) == ["attn_in", "ffn_in", "ffn_out"]
     for want, have in zip(eager, graphed):
         torch.testing.assert_close(torch.from_numpy(have), torch.from_numpy(want), atol=0, rtol=0)
 

@@ -24,7 +24,7 @@ def test_release_shapes_build_on_meta(tmp_path: Path, world_size: int) -> None:
     ckpt = open_checkpoint(deepseek_v3_headers(tmp_path / "v3", layers=4))
     plan = plan_checkpoint(ckpt, world_size)
     rank = world_size - 1
-    model = DeepseekV3(V3Args.from_config(ckpt.config), Shards(plan, rank, torch.bfloat16, (128, 128)))
+    model = DeepseekV3(V3Args.from_config(ckpt.config), Shards(plan, rank, torch.bfloat16))
     heads = 128 // world_size
     assert len(model.model.layers) == 4 and [isinstance(la.mlp, MoE) for la in model.model.layers] == [False] * 3 + [True]
     attn = model.model.layers[3].self_attn

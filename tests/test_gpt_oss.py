@@ -63,7 +63,7 @@ def load_model(path: Path, rank: int, world_size: int, *, from_checkpoint: bool 
     from shardsmith.runtime.models.gpt_oss import build
 
     weights = load_rank_weights(path, rank=rank, world_size=world_size, from_checkpoint=from_checkpoint)
-    model, _ = build(weights, rank=rank, dtype=torch.float32, block=(128, 128), device=torch.device("cpu"))
+    model, _ = build(weights, rank=rank, dtype=torch.float32, device=torch.device("cpu"))
     model.setup_cache(PROMPT_LEN + STEPS, torch.device("cpu"), torch.float32)
     return model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardsmith.runtime.offload import host_kernel
-from shardsmith.runtime.offload.compute import expert_output
+from shardsmith.runtime.layers.experts import expert_output
 from shardsmith.testing.quant import quantize_fp4_group as quantize_fp4, quantize_fp8_block as quantize_fp8_blocks
 
 pytestmark = pytest.mark.skipif(not host_kernel.available(), reason="host expert kernel could not be compiled here")

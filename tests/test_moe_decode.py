@@ -20,7 +20,7 @@ from shardsmith.runtime.engine.loader import load_rank_weights
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
     """The tiny Mixtral and DeepSeek-V4 built on ``meta`` from their TP=1 packs, and the loaded ones."""
-    from shardsmith.runtime import deepseek_v4
+    from shardsmith.runtime.models import deepseek_v4
     from shardsmith.runtime.models.mixtral.config import ModelArgs
     from shardsmith.runtime.engine.engine import Engine
     from shardsmith.runtime.models.mixtral.model import Transformer
@@ -34,7 +34,7 @@ def models(tmp_path_factory) -> dict:
         pack = root / f"{name}-tp1"
         split_checkpoint(make(root / name), pack, world_size=1)
         w = load_rank_weights(pack, rank=0, world_size=1)
-        shards = Shards(w.plan, 0, torch.float32, (128, 128))
+        shards = Shards(w.plan, 0, torch.float32)
         meta = (Transformer(ModelArgs.from_config(w.config), shards) if name == "mixtral"
                 else deepseek_v4.DeepseekV4(deepseek_v4.V4Args.from_config(w.config), shards))
         out[name] = {"meta": meta, "engine": Engine.load(pack, rank=0, world_size=1, dtype=torch.float32)}
@@ -60,7 +60,7 @@ def test_decode_step_has_no_host_sync(models, name: str) -> None:
 
 def test_mixtral_decode_path_is_bitwise_the_general_path(models) -> None:
     """Row 0 of a 2-row call (general path; the rows use disjoint experts) equals the 1-row call."""
-    from shardsmith.runtime.models.mixtral.moe import ExpertBank
+    from shardsmith.runtime.layers.experts import ExpertBank
 
     bank = _bank(models["mixtral"]["engine"].model, ExpertBank)
     g = torch.Generator().manual_seed(0)
@@ -77,7 +77,7 @@ def test_mixtral_decode_path_is_bitwise_the_general_path(models) -> None:
 
 def test_mixtral_experts_past_the_gather_budget_take_the_synced_path(models, monkeypatch) -> None:
     """Gathering copies the experts: past ``DECODE_GATHER_MAX_BYTES`` the decode step reads the ids instead."""
-    from shardsmith.runtime import moe
+    from shardsmith.runtime.layers import experts as moe
 
     model = models["mixtral"]["meta"]
     model.setup_cache(64, torch.device("meta"), torch.float32)

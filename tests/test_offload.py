@@ -179,7 +179,7 @@ def test_probe_never_picks_a_slower_backend():
 
 
 def test_fp4_expert_maths_matches_the_reference_quantizer():
-    from shardsmith.runtime.offload.compute import expert_weights
+    from shardsmith.runtime.layers.quant import expert_weights
     from shardsmith.testing.quant import dequantize_fp4_group, quantize_fp4_group
 
     g = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ def _rank(rank: int, world_size: int, port: int, _unused, queue) -> None:
     try:
         import torch.distributed as dist
 
-        from shardsmith.runtime import parallel
+        from shardsmith.runtime.layers import parallel
 
         parallel.init_distributed(rank, world_size, master_port=port)
         g = torch.Generator().manual_seed(100 + rank)

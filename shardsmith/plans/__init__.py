@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .. import families
 from ..checkpoint import Checkpoint
 from ..errors import PlanError
-from . import deepseek_v3, deepseek_v4, gpt_oss, hf_moe
 from .core import Layout, Plan, Rule, Split, partition_units
 from .resolve import BankSlot, ResolvedPlan, TensorPlan, resolve
 from .shapes import check_banks, check_shapes
@@ -24,26 +24,19 @@ __all__ = [
     "family_of", "build_plan", "plan_checkpoint", "partition_units",
 ]
 
-# architecture (config.json "architectures"[0]) -> (family name, plan builder)
+# architecture (config.json "architectures"[0]) -> (family name, plan builder), from the one registry
 FAMILIES: dict[str, tuple[str, Callable[[dict, int], Plan]]] = {
-    "DeepseekV4ForCausalLM": ("deepseek-v4", deepseek_v4.build),
-    "DeepseekV3ForCausalLM": ("deepseek-v3", deepseek_v3.build),
-    **{arch: ("mixtral", hf_moe.build) for arch in hf_moe.ARCHITECTURES},
-    **{arch: ("gpt-oss", gpt_oss.build) for arch in gpt_oss.ARCHITECTURES},
+    name: (arch.family.name, families.load(arch.family.plan)) for name, arch in families.ARCHITECTURES.items()
 }
-MODEL_TYPES = {"deepseek_v4": "DeepseekV4ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-               "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-MODEL_TYPES["gpt_oss"] = "GptOssForCausalLM"
 
 
 def family_of(config: dict) -> str:
-    """The architecture key of ``config`` in :data:`FAMILIES`.
+    """The architecture key of ``config`` in :data:`FAMILIES` (:func:`shardsmith.families.architecture_of`).
 
     Raises:
         PlanError: unknown architecture, listing the known ones.
     """
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs else MODEL_TYPES.get(str(config.get("model_type")), str(config.get("model_type")))
+    arch = families.architecture_of(config)
     if arch not in FAMILIES:
         raise PlanError(f"unknown architecture {arch!r}; known: {', '.join(sorted(FAMILIES))}")
     return arch

@@ -89,6 +89,8 @@ class TensorPlan:
         quant: quantization format of the weight (or of the weight this scale follows).
         scale_of: for a scale tensor, its weight's name.
         bank: for a routed-expert tensor, its bank slot.
+        block: the quantization block in stored elements per dim (the weight's, for its scale too),
+            read once at planning (:func:`fp8_block_size`); ``()`` when unquantized.
     """
 
     name: str
@@ -103,6 +105,7 @@ class TensorPlan:
     quant: str = "none"
     scale_of: str | None = None
     bank: BankSlot | None = None
+    block: tuple[int, ...] = ()
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Rank ``rank``'s shape: the source shape with the shard dim's total share length."""
@@ -155,8 +158,18 @@ class ResolvedPlan:
         return out
 
 
-def detect_quant(info: TensorInfo, tensors: dict[str, TensorInfo], config: dict) -> Quant:
+def fp8_block_size(config: dict) -> tuple[int, int]:
+    """FP8 ``weight_block_size`` from ``config.json``'s ``quantization_config``, in elements per dim
+    (128x128 when absent, DeepSeek-V3's convention). Read once per plan; the plan keeps it per tensor."""
+    qc = config.get("quantization_config") or {}
+    return tuple(int(b) for b in (qc.get("weight_block_size") or (128, 128)))
+
+
+def detect_quant(info: TensorInfo, tensors: dict[str, TensorInfo], fp8_block: tuple[int, int]) -> Quant:
     """The quantization format of weight ``info`` from its dtype and its scale tensor, if any.
+
+    Args:
+        fp8_block: the checkpoint's FP8 block size (:func:`fp8_block_size`).
 
     Raises:
         PlanError: a scale tensor whose shape does not match the weight's blocks.
@@ -174,9 +187,7 @@ def detect_quant(info: TensorInfo, tensors: dict[str, TensorInfo], config: dict)
         raise PlanError(f"{scale.name}: scale {list(scale.shape)} for weight {info.name} {list(info.shape)}: only 2-D block scales are supported")
     rows, cols = info.shape
     if info.dtype.startswith("F8_E4") or info.dtype.startswith("F8_E5"):
-        qc = config.get("quantization_config") or {}
-        block = tuple(qc.get("weight_block_size") or (128, 128))
-        fmt, pack = "fp8-block", 1
+        block, fmt, pack = tuple(fp8_block), "fp8-block", 1
     elif info.dtype in ("I8", "U8") and scale.dtype == "F8_E8M0":
         block, fmt, pack = (1, 16), "fp4-group", 2
     elif info.dtype == "F4":
@@ -190,6 +201,11 @@ def detect_quant(info: TensorInfo, tensors: dict[str, TensorInfo], config: dict)
             f"weight {info.name} {list(info.shape)} (expected {list(want)})"
         )
     return Quant(fmt, block, pack, scale.name)
+
+
+def _kept_block(q: Quant) -> tuple[int, ...]:
+    """The block a :class:`TensorPlan` keeps: ``q.block``, or ``()`` when unquantized."""
+    return tuple(q.block) if q.format != "none" else ()
 
 
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
@@ -270,13 +286,14 @@ def resolve(plan: Plan, tensors: dict[str, TensorInfo], config: dict, world_size
     scales: dict[str, tuple[TensorPlan, Quant]] = {}
     memo: dict[str, int] = {}
     shares: dict[tuple, tuple[int, list]] = {}
+    fp8_block = fp8_block_size(config)
     is_scale = {n for n in tensors if n.endswith(SCALE_SUFFIXES)}
     for name, info in tensors.items():
         if name in is_scale:
             continue
         try:
             idx, rule, m = _match(plan, name, memo)
-            q = detect_quant(info, tensors, config)
+            q = detect_quant(info, tensors, fp8_block)
             bank = None
             if rule.bank is not None:
                 layer, expert = m.group(rule.bank.layer_group), int(m.group(rule.bank.expert_group))
@@ -284,7 +301,7 @@ def resolve(plan: Plan, tensors: dict[str, TensorInfo], config: dict, world_size
             if rule.layout is Layout.REPLICATED:
                 rng = ((0, info.shape[0] if info.shape else 1),)
                 tp = TensorPlan(name, info.dtype, info.shape, rule.layout, idx, None, 1, Split.NONE,
-                                (rng,) * world_size, q.format, None, bank)
+                                (rng,) * world_size, q.format, None, bank, _kept_block(q))
             else:
                 dim = rule.shard_dim % len(info.shape)
                 key = (idx, info.dtype, info.shape, q.block, q.pack, dim)  # experts share a few shapes
@@ -292,7 +309,7 @@ def resolve(plan: Plan, tensors: dict[str, TensorInfo], config: dict, world_size
                     shares[key] = _ranges(rule, info, q, dim, world_size, align)
                 unit, ranges = shares[key]
                 tp = TensorPlan(name, info.dtype, info.shape, rule.layout, idx, dim, unit, rule.split,
-                                tuple(ranges), q.format, None, bank)
+                                tuple(ranges), q.format, None, bank, _kept_block(q))
             out[name] = tp
             if q.scale:
                 scales[q.scale] = (tp, q)
@@ -315,12 +332,12 @@ def resolve(plan: Plan, tensors: dict[str, TensorInfo], config: dict, world_size
         if w.shard_dim is None:
             rng = ((0, info.shape[0]),)
             ordered[name] = TensorPlan(name, info.dtype, info.shape, w.layout, -1, None, 1, Split.NONE,
-                                       (rng,) * world_size, q.format, w.name, bank)
+                                       (rng,) * world_size, q.format, w.name, bank, w.block)
         else:
             block = q.block[w.shard_dim]
             ordered[name] = TensorPlan(name, info.dtype, info.shape, w.layout, -1, w.shard_dim,
                                        max(w.unit // block, 1), w.split, tuple(_scale_ranges(list(w.ranges), block)),
-                                       q.format, w.name, bank)
+                                       q.format, w.name, bank, w.block)
     counts = _expert_counts([tp.bank for tp in out.values() if tp.bank is not None])
     return ResolvedPlan(plan.family, world_size, align, plan.notes, ordered, counts)
 

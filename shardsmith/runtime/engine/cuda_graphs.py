@@ -29,12 +29,30 @@ All pieces of one model share one memory pool; captures happen in execution orde
 graphed step, and replays follow the same order (PyTorch's rule for sharing a pool between graphs:
 ``torch.cuda.graph`` documentation, "sharing memory across captures").
 
+:class:`DecodeGraphs` drives any model that exposes its step as pieces (both families do; the model
+files know nothing of graphs, only of the pieces). The model gives ``decode_layers``,
+``decode_step(ids, start)`` (checks and advances the model's own state; returns an opaque per-step
+context its layers read), ``embed_ids(ids) -> (h,)`` and ``logits(h) -> (logits,)``; each layer:
+
+=================================  ======  ====================================================
+layer member                       run     what
+=================================  ======  ====================================================
+``experts``                        -       its :class:`~shardsmith.runtime.layers.experts.RoutedExperts`, or None (dense)
+``attn_in_args(step)``             eager   extra tensor inputs of ``attn_in`` (RoPE at the position)
+``attn_in(h, *args) -> a``         graph   norms, projections (and mixers) before the attention core
+``attn_core(a, step) -> mid``      eager   what grows with the sequence (KV cache, windows, compressor)
+``ffn_block(h, *mid) -> (h,)``     graph   everything after the core, experts included
+``ffn_in(h, *mid)``                graph   up to the router: ``(*carry, x, index, weight)``
+``ffn_out(*carry, x, weight, r)``  graph   the rest, given the routed partial ``r [T, D]``
+=================================  ======  ====================================================
+
 Source: PyTorch CUDA graphs notes (https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -127,11 +145,11 @@ class GraphedPiece:
         return outputs, graph
 
 
-def layer_pieces(layer, pool: GraphPool, index: int, *, whole: bool) -> dict[str, GraphedPiece]:
+def layer_pieces(layer: Any, pool: GraphPool, index: int, *, whole: bool) -> dict[str, GraphedPiece]:
     """A decoder layer's pieces around its attention core: ``attn_in`` and either ``ffn`` (everything
     after the core in one graph, ``whole``) or ``ffn_in`` and ``ffn_out`` (experts run eagerly between).
 
-    ``layer`` has the methods of those names (both model families' decoder layers do).
+    ``layer`` has the methods of those names (the module table).
     """
     pieces = {"attn_in": GraphedPiece(layer.attn_in, pool, f"layers.{index}.attn_in")}
     names = ("ffn_block",) if whole else ("ffn_in", "ffn_out")
@@ -139,3 +157,81 @@ def layer_pieces(layer, pool: GraphPool, index: int, *, whole: bool) -> dict[str
         key = "ffn" if name == "ffn_block" else name
         pieces[key] = GraphedPiece(getattr(layer, name), pool, f"layers.{index}.{key}")
     return pieces
+
+
+class DecodeGraphs:
+    """A one-token step of ``model`` as graphed pieces, the attention core (and experts that need
+    the host) run eagerly between them; calling it runs longer steps through ``model`` itself.
+
+    Per step: ``embed`` -> per layer [``attn_in`` graph, attention core eager, ``ffn`` graph] ->
+    ``head`` graph. A layer whose experts are not sync-free for one token (offloaded, FP8 banks,
+    dense experts past the gather budget, more pairs than the FP4 batch) captures ``ffn_in`` and
+    ``ffn_out`` and runs its experts between them (:meth:`RoutedExperts.decode_slots`); when those
+    experts sit in cache slots (:meth:`RoutedExperts.slot_path`), an ``ffn_slots`` piece applies them
+    in the graph (``ffn_out`` over :meth:`RoutedExperts.apply_slots`).
+
+    Args:
+        model: a model with the pieces of the module table; device: where it runs (CPU: nothing is
+            captured, every piece runs eagerly through its static buffers, as tests check).
+    """
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model, self.pool = model, GraphPool(torch.device(device))
+        self.outputs: dict[int, torch.Tensor] = {}  # split layer -> its output's one buffer
+        self.embed = GraphedPiece(model.embed_ids, self.pool, "embed")
+        self.head = GraphedPiece(model.logits, self.pool, "head")
+        self.layers = [layer_pieces(layer, self.pool, i, whole=layer.experts is None or layer.experts.decode_sync_free())
+                       for i, layer in enumerate(model.decode_layers)]
+
+    def __call__(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
+        """The model's forward (``ids [T]`` at ``start`` -> float32 logits), one-token steps graphed."""
+        if ids.shape[0] == 1:
+            return self.step(ids, start)
+        return self.model(ids, start, last_only=last_only)
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """One token ``ids [1]`` at position ``start``: float32 logits ``[1, V]`` (a fresh tensor)."""
+        step = self.model.decode_step(ids, start)
+        (h,) = self.embed(ids)
+        for i, (layer, pieces) in enumerate(zip(self.model.decode_layers, self.layers)):
+            a = pieces["attn_in"](h, *layer.attn_in_args(step))
+            mid = layer.attn_core(a, step)  # eager: the KV cache / window / compressor state grows
+            if "ffn" in pieces:
+                (h,) = pieces["ffn"](h, *mid)
+            else:
+                h = self._ffn_split(i, layer, pieces, h, mid)
+        return self.head(h)[0].clone()  # the static output is overwritten by the next step
+
+    def _ffn_split(self, i: int, layer: Any, pieces: dict[str, GraphedPiece], h: torch.Tensor,
+                   mid: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Everything after the attention core of a layer whose experts run between two pieces."""
+        *carry, x, index, weight = pieces["ffn_in"](h, *mid)
+        experts = layer.experts
+        slots, routed = experts.decode_slots(x, index, weight)  # host: ids, slot table, miss copies
+        if experts.slot_path() and "ffn_slots" not in pieces:
+            pieces["ffn_slots"] = GraphedPiece(_slots_piece(layer), self.pool, f"layers.{i}.ffn_slots")
+        if slots is not None:  # every expert in a slot: the experts are captured too
+            (h,) = pieces["ffn_slots"](*carry, x, weight, slots)
+        else:
+            (h,) = pieces["ffn_out"](*carry, x, weight, routed)
+        # capture the other piece now too, on dummy experts (slot 0, zeros; its result is discarded), so
+        # that no capture happens later in the middle of serving; every rank takes the same path here
+        if "ffn_slots" in pieces and pieces["ffn_slots"].inputs is None:
+            pieces["ffn_slots"](*carry, x, weight, torch.zeros(weight.numel(), dtype=torch.int64, device=x.device))
+        if pieces["ffn_out"].inputs is None:
+            pieces["ffn_out"](*carry, x, weight, torch.zeros_like(x))
+        # one address for the layer's output whichever piece made it: the next pieces read it in place
+        out = self.outputs.setdefault(i, h)
+        return h if h is out else out.copy_(h)
+
+
+def _slots_piece(layer: Any) -> Callable[..., Tensors]:
+    """``ffn_slots(*carry, x, weight, slots)``: the layer's ``ffn_out`` over its experts applied from
+    their cache slots (device work only, so it is captured)."""
+
+    def ffn_slots(*inputs: torch.Tensor) -> Tensors:
+        *carry, x, weight, slots = inputs
+        return layer.ffn_out(*carry, x, weight, layer.experts.apply_slots(x, weight, slots))
+
+    return ffn_slots

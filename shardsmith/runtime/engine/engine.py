@@ -35,7 +35,9 @@ import torch.distributed as dist
 
 from shardsmith.errors import RankLostError, RuntimeLoadError, UsageError, format_problems
 from shardsmith.runtime.models.registry import ModelFamily, family_for
-from shardsmith.runtime.layers.parallel import clamp_threads, dequantize_fp8_, install_rank_zero_logging
+from shardsmith.runtime.layers.parallel import clamp_threads, install_rank_zero_logging
+from shardsmith.runtime.layers.quant import dequantize_fp8_
+from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
 from shardsmith.runtime.engine.sampling import choose, make_generator
 from shardsmith.runtime.engine.loader import load_rank_weights
 
@@ -92,7 +94,9 @@ class Engine:
         of the KV cache (prompt + generated); load_seconds: time from :meth:`load` start to ready
         on this rank; eos_token_ids: from ``generation_config.json`` / ``config.json``;
         rank, world_size, device, dtype, vocab_size; family: the model's registry entry
-        (:mod:`~shardsmith.runtime.models.registry`).
+        (:mod:`~shardsmith.runtime.models.registry`); graphs: the model's
+        :class:`~shardsmith.runtime.engine.cuda_graphs.DecodeGraphs` once :meth:`use_decode_graphs`
+        ran (None: every step eager); forward: what runs a step (``graphs`` or the model).
     """
 
     def __init__(self, model: torch.nn.Module, *, config: dict, root: Path, rank: int, world_size: int,
@@ -104,6 +108,8 @@ class Engine:
         self.eos_token_ids = _eos_ids(root, config)
         self._group, self._lock, self._request, self._closed = group, threading.Lock(), 0, False
         self.offload = None  # OffloadRuntime when routed experts are offloaded (stats(): cache counters)
+        self.graphs: DecodeGraphs | None = None
+        self.forward = model
         self._pos = 0  # where the last step ended (rank 0): models that cannot rewind continue only there
 
     @classmethod
@@ -156,17 +162,22 @@ class Engine:
                     raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
                 dtype = DTYPES[dtype]
             dtype = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.bfloat16)
-            block = tuple((config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
-            model, offloaded = family.build(weights, rank=rank, dtype=dtype, block=block, device=dev, offload=offload)
+            place = None
+            if offload is not None:  # swaps the expert banks for host banks + a device cache
+                from shardsmith.runtime.offload import attach_offload
+
+                def place(meta_model):
+                    return attach_offload(meta_model, weights, offload, device=dev, dtype=dtype)
+            model, offloaded = family.build(weights, rank=rank, dtype=dtype, device=dev, place_experts=place)
             if fp8 not in ("load", "on-the-fly"):
                 raise UsageError(f"fp8 must be 'load' or 'on-the-fly', got {fp8!r}")
             if fp8 == "load":
                 dequantize_fp8_(model, dtype)
             model.setup_cache(max_seq_len, dev, dtype)
-            if cuda_graphs and dev.type == "cuda" and hasattr(model, "use_decode_graphs"):
-                model.use_decode_graphs(dev)
             engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
                          device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group, family=family)
+            if cuda_graphs and dev.type == "cuda":
+                engine.use_decode_graphs()
             engine.offload = offloaded
         except Exception as e:  # gathered below so that every rank fails with every rank's reason
             error = e
@@ -178,6 +189,15 @@ class Engine:
         engine.load_seconds = time.perf_counter() - t0
         log.info("rank 0 of %d ready in %.2f s (%s, %s)", world_size, engine.load_seconds, dev, dtype)
         return engine
+
+    def use_decode_graphs(self) -> None:
+        """Run one-token steps as piecewise CUDA graphs (:class:`~shardsmith.runtime.engine.cuda_graphs.DecodeGraphs`).
+
+        On a CPU device nothing is captured: the pieces run eagerly through static buffers (what
+        tests check against the plain forward). Call after the weights and offload are in place.
+        """
+        self.graphs = DecodeGraphs(self.model, self.device)
+        self.forward = self.graphs
 
     # ---------------------------------------------------------------- rank 0
 
@@ -252,7 +272,7 @@ class Engine:
                 return
             ids = torch.empty(n, dtype=torch.int64)
             self._collective(lambda: dist.broadcast(ids, src=0, group=self._group))
-            self._collective(lambda: self.model(ids.to(self.device), start, last_only=not all_logits))
+            self._collective(lambda: self.forward(ids.to(self.device), start, last_only=not all_logits))
 
     # ---------------------------------------------------------------- internals
 
@@ -292,7 +312,7 @@ class Engine:
                 self._send(torch.tensor([FORWARD, len(ids), start, int(not last_only)], dtype=torch.int64))
                 self._collective(lambda: dist.broadcast(tokens, src=0, group=self._group))
             self._pos = start + len(ids)
-            return self._collective(lambda: self.model(tokens.to(self.device), start, last_only=last_only)).cpu()
+            return self._collective(lambda: self.forward(tokens.to(self.device), start, last_only=last_only)).cpu()
 
     def _send(self, cmd: torch.Tensor) -> None:
         self._collective(lambda: dist.broadcast(cmd, src=0, group=self._group))

@@ -17,7 +17,7 @@ FP8 block weights (``float8_e4m3fn`` with an F32 ``weight_scale_inv`` per 128x12
 ``inference/kernel.py`` ``weight_dequant``) are loaded as stored and, by default, dequantized once
 at load to the compute dtype (``Engine.load(fp8="load")``: full decode speed, memory of the
 compute dtype). With ``fp8="on-the-fly"`` they stay FP8 (the mmap'd bytes) and are dequantized
-per matmul (:func:`dequantize_blocks`): FP8 memory, one extra elementwise pass per use. A fused
+per matmul (:func:`~shardsmith.runtime.layers.quant.dequantize_blocks`): FP8 memory, one extra elementwise pass per use. A fused
 FP8 block GEMM kernel on GPU is future work.
 
 Weights are buffers created on the ``meta`` device; :func:`shardsmith.runtime.models.mixtral.model.assign_weights`
@@ -36,6 +36,7 @@ from torch import nn
 
 from shardsmith.errors import RuntimeLoadError, format_problems
 from shardsmith.plans.resolve import ResolvedPlan, TensorPlan
+from shardsmith.runtime.layers.quant import dequantize_blocks
 from shardsmith.runtime.engine.dist import clamp_threads, init_distributed, install_rank_zero_logging  # noqa: F401  (re-exported)
 
 # ------------------------------------------------------------------ group helpers
@@ -90,21 +91,6 @@ def all_gather_uneven(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded)
     return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
-
-
-# ------------------------------------------------------------------ FP8 blocks
-
-
-def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """``w.float() * scale`` per block, cropped at ragged edges, in ``dtype``.
-
-    Args:
-        w: ``[R, C]`` ``float8_e4m3fn``; scale: ``[ceil(R/b0), ceil(C/b1)]`` float32
-            (``weight_scale_inv``); block: ``(b0, b1)`` elements.
-    """
-    R, C = w.shape
-    s = scale.repeat_interleave(block[0], 0)[:R].repeat_interleave(block[1], 1)[:, :C]  # [R, C]
-    return (w.float() * s).to(dtype)
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -167,13 +153,6 @@ class RowParallelLinear(_Linear):
         return y if self.bias is None else y + self.bias
 
 
-def dequantize_fp8_(model: nn.Module, dtype: torch.dtype) -> None:
-    """Dequantize every FP8 block-scaled linear of ``model`` to ``dtype`` once (``Engine.load(fp8="load")``)."""
-    for m in model.modules():
-        if hasattr(m, "dequantize_"):
-            m.dequantize_(dtype)
-
-
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split by vocabulary: rank r holds ids ``[start, start + n_r)`` (uneven shares).
 
@@ -232,12 +211,13 @@ class Shards:
     :meth:`raise_problems` can report every bad tensor at once.
 
     Args:
-        plan: the resolved plan; rank: this rank; dtype: compute dtype of unquantized weights.
-        block: FP8 ``weight_block_size`` from the config (used for ``fp8-block`` tensors).
+        plan: the resolved plan (each ``fp8-block`` tensor keeps its block size,
+            :attr:`~shardsmith.plans.resolve.TensorPlan.block`); rank: this rank; dtype: compute
+            dtype of unquantized weights.
     """
 
-    def __init__(self, plan: ResolvedPlan, rank: int, dtype: torch.dtype, block: tuple[int, int] = (128, 128)) -> None:
-        self.plan, self.rank, self.dtype, self.block = plan, rank, dtype, block
+    def __init__(self, plan: ResolvedPlan, rank: int, dtype: torch.dtype) -> None:
+        self.plan, self.rank, self.dtype = plan, rank, dtype
         self.problems: list[str] = []
         self._banks: dict | None = None
 
@@ -282,7 +262,7 @@ class Shards:
         if tp.quant not in ("none", "fp8-block"):
             raise RuntimeLoadError(f"{tp.name}: {tp.quant} weights are not supported by this runtime")
         cls = {None: ReplicatedLinear, 0: ColumnParallelLinear, 1: RowParallelLinear}[tp.shard_dim]
-        fp8 = self.block if tp.quant == "fp8-block" else None
+        fp8 = tuple(tp.block) if tp.quant == "fp8-block" else None
         return cls(tp.local_shape(self.rank), bias=bias, dtype=self.dtype, fp8_block=fp8, reduce=reduce)
 
     def embedding(self, name: str, shape: tuple[int, int] | None = None) -> VocabParallelEmbedding:
@@ -341,3 +321,16 @@ class Shards:
                     self.problems.append(f"tensor {name!r}: shape {list(self.plan.tensors[name].shape)} in the "
                                          f"source, the config implies {list(expert_shape)}")
         return spec.shape, spec.dtype
+
+    def bank_block(self, layer: str, array: str) -> tuple[int, ...]:
+        """The quantization block of bank ``array`` of ``layer``'s member tensors (``()`` unquantized).
+
+        Raises:
+            RuntimeLoadError: the bank's experts were planned with different blocks.
+        """
+        self.bank_shape(layer, array)
+        spec = self._banks.get((layer, array))
+        blocks = sorted({tuple(self.plan.tensors[n].block) for n in spec.members.values()}) if spec else []
+        if len(blocks) > 1:
+            raise RuntimeLoadError(f"{layer} expert bank {array!r}: its experts have different blocks {blocks}")
+        return blocks[0] if blocks else ()

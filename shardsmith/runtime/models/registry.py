@@ -1,19 +1,24 @@
-"""Model registry: which model the engine builds for a checkpoint's ``architectures[0]``.
+"""The runtime side of the model registry: builds the model :mod:`shardsmith.families` names.
+
+:mod:`shardsmith.families` is the one table of architectures (plan family, what each stage
+supports, the runtime builder as a dotted path); this module turns a servable family into a
+:class:`ModelFamily` the engine drives. Builders here:
 
 =====================================  ==================  ===============  ===============================
 architecture (``config.json``)         builder             expert offload   a step may start at
 =====================================  ==================  ===============  ===============================
 Mixtral, Qwen3-MoE, Qwen2-MoE          :func:`build_moe`   yes              any position (KV cache by pos)
 ``DeepseekV4ForCausalLM``              :func:`build_v4`    yes (FP4 slots)  0, or where the last step ended
-``GptOssForCausalLM``                  ``gpt_oss.build``   no (resident)    any position (KV cache by pos)
+``DeepseekV3ForCausalLM``              ``deepseek_v3``     yes (FP8 slots)  any position (latent KV by pos)
+``GptOssForCausalLM``                  ``gpt_oss``         no (resident)    any position (KV cache by pos)
 =====================================  ==================  ===============  ===============================
 
-DeepSeek-V3 (``DeepseekV3ForCausalLM``, also R1 and V3.1) is built by
-:func:`shardsmith.runtime.models.deepseek_v3.build`: experts offloadable (FP8 slots), a step may
-start at any position (latent KV cache by position).
+(``deepseek_v3`` and ``gpt_oss`` are :func:`shardsmith.runtime.models.deepseek_v3.build` and
+:func:`shardsmith.runtime.models.gpt_oss.build`.)
 
 Every model has the interface the engine drives: ``setup_cache(max_seq_len, device, dtype)``,
-``model(ids [T], start, last_only=) -> float32 logits [T or 1, V]`` and ``model.args.vocab_size``.
+``model(ids [T], start, last_only=) -> float32 logits [T or 1, V]`` and ``model.args.vocab_size``,
+plus the decode pieces :class:`~shardsmith.runtime.engine.cuda_graphs.DecodeGraphs` drives.
 A builder makes the model on ``meta`` from the rank's plan and fills it from the rank's weights
 (no copy on CPU); the engine then dequantizes FP8 and sets up the cache.
 """
@@ -27,12 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardsmith import families
 from shardsmith.errors import RuntimeLoadError
-from shardsmith.runtime.models import deepseek_v4
-from shardsmith.runtime.models import deepseek_v3
-from shardsmith.runtime.models import gpt_oss
-from shardsmith.runtime.models.mixtral.config import FAMILIES as MOE_ARCHITECTURES
 from shardsmith.runtime.layers.parallel import Shards
+from shardsmith.runtime.models import deepseek_v4
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +44,9 @@ class ModelFamily:
 
     Attributes:
         name: for messages.
-        build: ``build(weights, *, rank, dtype, block, device, offload) -> (model, offload runtime | None)``.
+        build: ``build(weights, *, rank, dtype, device, place_experts) -> (model, placed | None)``:
+            ``place_experts(meta_model)``, when given, puts the routed experts elsewhere (the engine's
+            expert offload swaps the banks) and returns what it made; the builder then assigns no banks.
         rewinds: a step may start at any position up to where the last one ended; False: only at
             0 (a new sequence) or exactly where the last step ended (state that cannot rewind).
     """
@@ -51,26 +56,22 @@ class ModelFamily:
     rewinds: bool
 
 
-def build_moe(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
-              offload: Any = None) -> tuple[nn.Module, Any]:
+def build_moe(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
+              place_experts: Callable[[nn.Module], Any] | None = None) -> tuple[nn.Module, Any]:
     """The Mixtral-family :class:`~shardsmith.runtime.models.mixtral.model.Transformer`, experts resident or offloaded."""
     from shardsmith.runtime.models.mixtral.config import ModelArgs
     from shardsmith.runtime.models.mixtral.model import Transformer, assign_weights
 
     args = ModelArgs.from_config(weights.config)
-    model = Transformer(args, Shards(weights.plan, rank, dtype, block))
-    offloaded = None
-    if offload is not None:  # swaps the expert banks for host banks + a device cache
-        from shardsmith.runtime.offload import attach_offload
-
-        offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block)
+    model = Transformer(args, Shards(weights.plan, rank, dtype))
+    offloaded = place_experts(model) if place_experts is not None else None
     assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device,
                    tied=args.tie_embeddings)
     return model, offloaded
 
 
-def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
-             offload: Any = None) -> tuple[nn.Module, Any]:
+def build_v4(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
+             place_experts: Callable[[nn.Module], Any] | None = None) -> tuple[nn.Module, Any]:
     """:class:`~shardsmith.runtime.models.deepseek_v4.DeepseekV4`, experts resident or offloaded.
 
     Offloaded FP4 experts stay packed in host memory and in the device slots (half a byte per
@@ -78,39 +79,26 @@ def build_v4(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], 
     float32 accumulation as the resident bank.
     """
     args = deepseek_v4.V4Args.from_config(weights.config)
-    model = deepseek_v4.DeepseekV4(args, Shards(weights.plan, rank, dtype, block))
-    offloaded = None
-    if offload is not None:
-        from shardsmith.runtime.offload import attach_offload
-        from shardsmith.runtime.offload.compute import ExpertMath
-
-        offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block,
-                                   bank_type=deepseek_v4.moe.ExpertBank,
-                                   math=ExpertMath(limit=args.swiglu_limit, accumulate_f32=True,
-                                                   batched_pairs=deepseek_v4.moe.BATCHED_PAIRS))
+    model = deepseek_v4.DeepseekV4(args, Shards(weights.plan, rank, dtype))
+    offloaded = place_experts(model) if place_experts is not None else None
     deepseek_v4.assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device)
     return model, offloaded
 
 
-MOE = ModelFamily("Mixtral family", build_moe, rewinds=True)
-DEEPSEEK_V4 = ModelFamily("DeepSeek-V4", build_v4, rewinds=False)
-DEEPSEEK_V3 = ModelFamily("DeepSeek-V3", deepseek_v3.build, rewinds=True)
-MODELS: dict[str, ModelFamily] = {**{a: MOE for a in MOE_ARCHITECTURES},
-                                  **{a: DEEPSEEK_V4 for a in deepseek_v4.ARCHITECTURES}}
-MODELS.update({a: DEEPSEEK_V3 for a in deepseek_v3.ARCHITECTURES})
-GPT_OSS = ModelFamily("gpt-oss", gpt_oss.build, rewinds=True)
-MODELS.update({a: GPT_OSS for a in gpt_oss.ARCHITECTURES})
-
-
 def family_for(config: dict) -> ModelFamily:
-    """The registry entry for ``config.json`` (``architectures[0]``, else ``model_type``).
+    """The registry entry for ``config.json`` (:func:`shardsmith.families.architecture_of`).
 
     Raises:
-        RuntimeLoadError: an architecture this runtime does not run (the supported ones listed).
+        RuntimeLoadError: an architecture shardsmith does not know, or one it plans and splits but
+            the runtime does not serve (the served ones listed).
     """
-    arch = (config.get("architectures") or [config.get("model_type")])[0]
-    family = MODELS.get(str(arch)) or MODELS.get(str(config.get("model_type")))
-    if family is None:
-        raise RuntimeLoadError(f"architecture {arch!r} is not supported by the runtime "
-                               f"(supported: {', '.join(a for a in MODELS if a[0].isupper())})")
-    return family
+    arch = families.lookup(config)
+    served = ", ".join(families.served())
+    if arch is None:
+        raise RuntimeLoadError(f"architecture {families.architecture_of(config)!r} is not supported by the runtime "
+                               f"(supported: {served})")
+    fam = arch.family
+    if not fam.servable:
+        raise RuntimeLoadError(f"architecture {arch.name!r} ({fam.label}) can be planned and split but is not "
+                               f"served by this runtime yet (supported: {served})")
+    return ModelFamily(fam.label, families.load(fam.runtime), rewinds=fam.rewinds)

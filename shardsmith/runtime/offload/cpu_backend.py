@@ -4,7 +4,7 @@ The host path reads each selected expert's arrays where they lie (no copy) and c
 the stored-format kernel (:mod:`.host_kernel`: FP4, FP8 and bf16 decoded in registers, float32
 accumulation, equal to the GPU path within float32 rounding); formats it does not take, or a
 machine where it cannot be compiled, dequantize to the compute dtype and run the same SwiGLU as
-the GPU path (:func:`~.compute.expert_output`). Threads: every rank's process gets
+the GPU path (:func:`~shardsmith.runtime.layers.experts.expert_output`). Threads: every rank's process gets
 ``cores // ranks_on_this_host`` intra-op threads (:func:`~shardsmith.runtime.layers.parallel.clamp_threads`),
 so the ranks' CPU work is partitioned and never oversubscribes the host. bf16 matmuls go to oneDNN,
 which uses AMX tiles where the CPU has them (``amx_bf16``) and AVX-512 BF16 otherwise; the ready
@@ -20,8 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from shardsmith.runtime.layers.experts import ExpertMath, expert_output
 from shardsmith.runtime.layers.staging import rows_by_expert
-from .compute import ExpertMath, expert_output
 from .host_bank import HostBanks
 from .host_kernel import expert_swiglu_host, supports
 
@@ -44,7 +44,7 @@ class CpuExperts:
 
     Args:
         host: the rank's host banks; layers: bank layer keys in model order; block: FP8 block size;
-        math: the family's SwiGLU clamp and accumulation (:class:`~.compute.ExpertMath`).
+        math: the family's SwiGLU clamp and accumulation (:class:`~shardsmith.runtime.layers.experts.ExpertMath`).
         kernel: use the stored-format host kernel where it takes the bank (else the reference path).
     """
 

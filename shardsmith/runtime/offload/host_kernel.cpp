@@ -13,7 +13,7 @@
 //   bf16: [R, C], no scale.
 // Accumulation is float32; each scale multiplies its block's partial dot product (exact
 // power-of-two scales for fp4, so the result equals the dequantize-then-matmul reference within
-// float32 rounding). The reference is shardsmith/runtime/offload/compute.py (expert_output).
+// float32 rounding). The reference is shardsmith/runtime/layers/experts.py (expert_output).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,6 +1,6 @@
 """Routed experts on the host, read in their stored format by a small C++ kernel (AVX2 + FMA).
 
-The plain path (:func:`shardsmith.runtime.offload.compute.expert_output`, the reference) expands an
+The plain path (:func:`shardsmith.runtime.layers.experts.expert_output`, the reference) expands an
 expert to a dense copy, then multiplies: for a DeepSeek-V4-Flash expert at batch 1 that is 12.75 MB
 of packed FP4 expanded to 50 MB of bf16, written and read again, about 100x the host's memory floor.
 :func:`expert_swiglu_host` decodes the stored bytes in registers instead (``host_kernel.cpp``: FP4
@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .compute import bank_format, clamped_swiglu
+from shardsmith.runtime.layers.experts import swiglu as clamped_swiglu
+from shardsmith.runtime.layers.quant import bank_format
 
 log = logging.getLogger("shardsmith.runtime.offload")
 SOURCE = Path(__file__).with_name("host_kernel.cpp")
@@ -99,7 +100,7 @@ def expert_swiglu_host(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: 
 
     ``down(act(gate x, up x))`` with ``act(g, u) = silu(g) * u``, or with ``limit`` L > 0
     ``silu(min(g, L)) * clamp(u, -L, L)`` (DeepSeek-V4): the function of
-    :func:`~shardsmith.runtime.offload.compute.expert_output` (the reference), computed in float32
+    :func:`~shardsmith.runtime.layers.experts.expert_output` (the reference), computed in float32
     without expanding the weights; equal to the reference within float32 rounding.
 
     Args:

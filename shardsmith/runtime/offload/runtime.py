@@ -1,7 +1,8 @@
 """Offloaded routed experts wired into the model: options, the per-layer module, the counters.
 
-:func:`attach_offload` swaps every :class:`~shardsmith.runtime.models.mixtral.moe.ExpertBank` of a built (``meta``)
-model for an :class:`OffloadedExperts` with the same ``forward(x, index, weight)`` contract, so the
+:func:`attach_offload` swaps every :class:`~shardsmith.runtime.layers.experts.ExpertBank` of a built
+(``meta``) model for an :class:`OffloadedExperts` with the same interface
+(:class:`~shardsmith.runtime.layers.experts.RoutedExperts`), so the
 MoE layer, its router and its single all-reduce stay as they are. The expert banks are read into
 host memory (:mod:`.host_bank`) instead of being assigned to the model. :meth:`OffloadRuntime.start`
 runs after the dense weights and the KV cache are on the device: it sizes the slot pool from what
@@ -28,9 +29,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import UsageError
-from shardsmith.runtime.models.deepseek_v4.moe import expand_pairs, routed_pairs
+from shardsmith.runtime.layers.experts import (ExpertBank, ExpertMath, RoutedExperts, expand_pairs, expert_output,
+                                               routed_pairs)
+from shardsmith.runtime.layers.quant import bank_format
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
-from .compute import ExpertMath, bank_format, expert_output
 from .cpu_backend import CpuExperts
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
 from .host_bank import HostBanks, load_host_banks
@@ -90,8 +92,9 @@ class OffloadConfig:
                    cache_bytes=None if expert_cache_gb is None else int(expert_cache_gb * GiB))
 
 
-class OffloadedExperts(nn.Module):
-    """Drop-in for :class:`~shardsmith.runtime.models.mixtral.moe.ExpertBank`: ``(x [T, D], index [T, K], weight [T, K]) -> [T, D]`` partial."""
+class OffloadedExperts(RoutedExperts):
+    """Drop-in for a resident :class:`~shardsmith.runtime.layers.experts.ExpertBank`: layer ``layer``
+    of the runtime's host banks and slot pool, ``(x [T, D], index [T, K], weight [T, K]) -> [T, D]`` partial."""
 
     def __init__(self, runtime: "OffloadRuntime", layer: int) -> None:
         super().__init__()
@@ -99,6 +102,16 @@ class OffloadedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.runtime.run_layer(self.layer, x, index, weight)
+
+    def slot_path(self) -> bool:
+        return self.runtime.cache is not None and self.runtime.pairs_max > 0
+
+    def decode_slots(self, x: torch.Tensor, index: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.runtime.decode_slots(self.layer, x, index, weight)
+
+    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.runtime.apply_slots(x, weight, slots)
 
 
 class OffloadRuntime:
@@ -229,6 +242,13 @@ class OffloadRuntime:
         self.step_s += time.perf_counter() - t0
         return out
 
+    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The routed partial ``[T, D]`` of experts already in the pool's ``slots [P]`` (one per pair,
+        token-major; from :meth:`decode_slots`): the resident bank's pair maths on the same bits, and
+        only device work, so a graph can capture it (the pool never moves)."""
+        gate_up, down = expand_pairs({name: p[slots] for name, p in self.cache.pool.items()}, x.dtype)
+        return routed_pairs(gate_up, down, x, weight, self.math.limit)
+
     def _prepare(self, layer: int, x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
         """Count tokens, read the routed ids (the one host sync of the layer): ``(index [T, K] on the
         host, the distinct experts ascending, those the host computes)``."""
@@ -278,7 +298,7 @@ class OffloadRuntime:
 
         The hits' slots are expanded while the misses copy, then the misses', each into its pairs'
         rows; one pair of batched matmuls over all pairs in pair order follows, so the step is the
-        resident one's maths on the same inputs (:func:`~shardsmith.runtime.models.deepseek_v4.moe.routed_pairs`).
+        resident one's maths on the same inputs (:func:`~shardsmith.runtime.layers.experts.routed_pairs`).
         """
         T, K = index_h.shape
         pairs = index_h.flatten().tolist()  # [P]
@@ -355,34 +375,35 @@ def _agree(values: list[float], device: torch.device, op) -> list[float]:
 
 
 def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: torch.device,
-                   dtype: torch.dtype, block: tuple[int, int] | None, bank_type: type[nn.Module] | None = None,
-                   math: ExpertMath = ExpertMath()) -> OffloadRuntime:
+                   dtype: torch.dtype) -> OffloadRuntime:
     """Read the rank's banks into host memory and swap the model's expert banks for offloaded ones.
 
     Call on the ``meta`` model before the family's ``assign_weights`` (pass it no banks), then
     :meth:`OffloadRuntime.start` once the dense weights and KV cache are placed.
 
     Args:
-        model: the built model; its ``bank_type`` modules, named ``<layer>.<moe>.experts`` with
-            ``<layer>`` a bank layer key, are replaced (banks of other layers, e.g. DeepSeek-V4's
-            MTP layers, are not read).
-        bank_type: the family's resident expert bank class (default: the Mixtral family's
-            :class:`~shardsmith.runtime.models.mixtral.moe.ExpertBank`); math: its expert arithmetic.
+        model: the built model; its :class:`~shardsmith.runtime.layers.experts.ExpertBank` modules,
+            named ``<layer>.<moe>.experts`` with ``<layer>`` a bank layer key, are replaced (banks of
+            other layers, e.g. DeepSeek-V4's MTP layers, are not read). The banks' own
+            :class:`~shardsmith.runtime.layers.experts.ExpertMath` and FP8 block size are kept, so
+            offloaded experts compute what the resident ones would.
 
     Raises:
         RuntimeLoadError: from :func:`~.host_bank.load_host_banks`.
-        UsageError: an unknown backend; a model MoE layer with no bank in the pack.
+        UsageError: an unknown backend; no expert bank in the model; banks of different maths;
+            a model MoE layer with no bank in the pack.
     """
-    from shardsmith.runtime.models.mixtral.moe import ExpertBank
-
     if config.backend not in BACKENDS:
         raise UsageError(f"moe backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
-    bank_type = bank_type or ExpertBank
-    owners = [name for name, m in model.named_modules() if isinstance(m, bank_type)]  # model order
-    keys = {name.rsplit(".", 2)[0]: name for name in owners}  # model.layers.N.<moe>.experts -> model.layers.N
+    banks = {name: m for name, m in model.named_modules() if isinstance(m, ExpertBank)}  # model order
+    if not banks:
+        raise UsageError("expert offload: the model has no ExpertBank modules to offload")
+    kinds = sorted({(str(b.math), str(b.block)) for b in banks.values()})
+    if len(kinds) > 1:
+        raise UsageError(f"expert offload: the model's expert banks differ in maths or FP8 block: {kinds}")
+    first = next(iter(banks.values()))
+    keys = {name.rsplit(".", 2)[0]: name for name in banks}  # model.layers.N.<moe>.experts -> model.layers.N
     layers = list(keys)
-    if not layers:
-        raise UsageError(f"expert offload: the model has no {bank_type.__name__} modules to offload")
     pin = config.pin if torch.device(device).type == "cuda" else "off"
     host = load_host_banks(weights, pin=pin, layers=set(layers))
     missing = sorted(set(keys) ^ set(host.layers))
@@ -390,7 +411,7 @@ def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: 
         host.close()
         raise UsageError(f"expert offload: model MoE layers and host banks differ: {missing}")
     rt = OffloadRuntime(config, host, layers, device=torch.device(device), dtype=dtype,
-                        dim=next(iter(host.layers.values()))["down"].shape[1], block=block, math=math)
+                        dim=next(iter(host.layers.values()))["down"].shape[1], block=first.block, math=first.math)
     for i, layer in enumerate(layers):
         name = keys[layer]
         owner, _, leaf = name.rpartition(".")

@@ -28,13 +28,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from shardsmith.errors import ShardsmithError
+from shardsmith.errors import ChatTemplateError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-class ChatTemplateError(ShardsmithError):
-    """The checkpoint has no usable chat template, or rendering it failed (``raise_exception``)."""
 
 
 def token_content(value: Any) -> str | None:

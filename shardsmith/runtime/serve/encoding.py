@@ -25,8 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shardsmith.errors import UsageError
-from shardsmith.runtime.serve.chat import ChatTemplateError
+from shardsmith.errors import ChatTemplateError, UsageError
 
 ENCODING_DIR = "encoding"
 

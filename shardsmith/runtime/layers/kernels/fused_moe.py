@@ -4,9 +4,9 @@ Reference: :func:`fused_experts_reference` (the DeepSeek-V4 pair path: gather ea
 ``expand_pairs``, ``routed_pairs``); :func:`fused_experts` is the Triton kernel that replaces it.
 
 A bank is indexed by expert id (the resident bank) or by slot id (the GPU slot pool of the expert
-cache): one layout, one code path. Bank arrays (``runtime/models/deepseek_v4/moe.py``,
-``runtime/models/mixtral/moe.py``; FP4 stays packed, two e2m1 codes per byte, element ``2i`` in the
-low nibble, 1x32 UE8M0 scales, as ``runtime/layers/quant.py`` ``dequantize_fp4`` reads them):
+cache): one layout, one code path. Bank arrays (``runtime/layers/experts.py``; FP4 stays packed,
+two e2m1 codes per byte, element ``2i`` in the low nibble, 1x32 UE8M0 scales, as
+``runtime/layers/quant.py`` ``dequantize_fp4`` reads them):
 
 =================  ================================  ===============================================
 array              FP4 (DeepSeek-V4)                 bf16 (Mixtral family, dequantized V4)
@@ -41,7 +41,7 @@ def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
 
     Shapes and formats as :func:`fused_experts`.
     """
-    from shardsmith.runtime.models.deepseek_v4.moe import expand_pairs, routed_pairs
+    from shardsmith.runtime.layers.experts import expand_pairs, routed_pairs
 
     sel = ids.flatten()  # [P]
     if gate_up_scale is None:

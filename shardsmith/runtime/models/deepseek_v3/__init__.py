@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,16 +30,16 @@ from shardsmith.runtime.models.deepseek_v3.config import ARCHITECTURES, V3Args
 from shardsmith.runtime.models.deepseek_v3.model import DeepseekV3, assign_weights
 
 
-def build(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
-          offload: Any = None) -> tuple[nn.Module, Any]:
+def build(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
+          place_experts: Callable[[nn.Module], Any] | None = None) -> tuple[nn.Module, Any]:
     """:class:`DeepseekV3` for rank ``rank``, routed experts resident or offloaded (the registry's builder).
 
-    Offloaded experts use the Mixtral family's host banks, slots and host executor unchanged (the
-    bank format is the same); FP8 experts stay FP8 in host memory and in the slots.
+    Offloaded experts use the shared host banks, slots and host executor unchanged (the bank format
+    is the Mixtral family's); FP8 experts stay FP8 in host memory and in the slots.
 
     Args:
-        weights: a :class:`~shardsmith.runtime.engine.loader.RankWeights`; block: FP8
-            ``weight_block_size``; offload: an :class:`~shardsmith.runtime.offload.OffloadConfig` or None.
+        weights: a :class:`~shardsmith.runtime.engine.loader.RankWeights`; place_experts: the
+            engine's expert offload, called on the ``meta`` model (then no banks are assigned).
 
     Returns:
         ``(model, offload runtime or None)``; the caller dequantizes FP8 and sets up the cache.
@@ -47,12 +48,8 @@ def build(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], dev
         RuntimeLoadError: an unsupported config, or missing/unexpected/mis-shaped tensors (all listed).
     """
     args = V3Args.from_config(weights.config)
-    model = DeepseekV3(args, Shards(weights.plan, rank, dtype, block))
-    offloaded = None
-    if offload is not None:
-        from shardsmith.runtime.offload import attach_offload
-
-        offloaded = attach_offload(model, weights, offload, device=device, dtype=dtype, block=block)
+    model = DeepseekV3(args, Shards(weights.plan, rank, dtype))
+    offloaded = place_experts(model) if place_experts is not None else None
     assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device)
     return model, offloaded
 

@@ -10,7 +10,7 @@ replicated, so every rank picks the same experts:
 3. the top-``K`` eligible experts by choice score; their weights are ``s`` (no bias), divided by
    their sum (+1e-20) when ``norm_topk_prob``, times ``routed_scaling_factor``.
 
-The routed experts are the Mixtral family's :class:`~shardsmith.runtime.models.mixtral.moe.ExpertBank`
+The routed experts are the shared :class:`~shardsmith.runtime.layers.experts.ExpertBank`
 (same bank layout, same SwiGLU ``down(silu(gate x) * up x)``, FP8 blocks dequantized at load or
 per use); the shared experts (intermediate ``n_shared_experts * moe_intermediate_size``) are its
 :class:`~shardsmith.runtime.models.mixtral.moe.MLP`. Both are split on the intermediate dim, so each
@@ -27,7 +27,8 @@ from torch import nn
 
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
 from shardsmith.runtime.models.deepseek_v3.config import V3Args
-from shardsmith.runtime.models.mixtral.moe import MLP, ExpertBank
+from shardsmith.runtime.layers.experts import ExpertBank, ExpertMath
+from shardsmith.runtime.models.mixtral.moe import MLP
 
 
 class Router(nn.Module):
@@ -74,8 +75,10 @@ class MoE(nn.Module):
         prefix = layer + ".mlp"
         self.top_k = args.top_k
         self.gate = Router(args, shards, prefix + ".gate")
-        self.experts = ExpertBank(shards, layer, shards.dtype, n_experts=args.n_experts, dim=args.dim,
-                                  inter=args.moe_inter)
+        self.experts = ExpertBank(shards, layer, shards.dtype, top_k=args.top_k, math=ExpertMath(),
+                                  formats=("dense", "fp8"), n_experts=args.n_experts,
+                                  expert_shape=(args.moe_inter, args.dim),
+                                  why=f"the config makes {layer} an MoE layer")
         self.shared_experts = (MLP(shards, prefix + ".shared_experts", dim=args.dim,
                                    inter=args.n_shared * args.moe_inter, reduce=False) if args.n_shared else None)
 

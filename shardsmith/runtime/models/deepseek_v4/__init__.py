@@ -24,6 +24,4 @@ Example:
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.model import DeepseekV4, assign_weights
 
-ARCHITECTURES = ("DeepseekV4ForCausalLM",)
-
-__all__ = ["ARCHITECTURES", "DeepseekV4", "V4Args", "assign_weights"]
+__all__ = ["DeepseekV4", "V4Args", "assign_weights"]

@@ -32,23 +32,23 @@ from shardsmith.runtime.models.gpt_oss.model import GptOss, assign_weights
 ARCHITECTURES = ("GptOssForCausalLM", "gpt_oss")
 
 
-def build(weights, *, rank: int, dtype: torch.dtype, block: tuple[int, int], device: torch.device,
-          offload: Any = None) -> tuple[nn.Module, None]:
+def build(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
+          place_experts: Any = None) -> tuple[nn.Module, None]:
     """:class:`GptOss` for rank ``rank``, its experts resident and expanded from MXFP4 at load.
 
     Args:
-        weights: the rank's :class:`~shardsmith.runtime.engine.loader.RankWeights`; block: unused
-            (gpt-oss has no FP8 blocks; the registry's builder signature).
+        weights: the rank's :class:`~shardsmith.runtime.engine.loader.RankWeights`; place_experts:
+            the engine's expert offload (the registry's builder signature; refused here).
 
     Raises:
-        RuntimeLoadError: ``offload`` was asked for (gpt-oss experts are resident only for now),
+        RuntimeLoadError: expert offload was asked for (gpt-oss experts are resident only for now),
             or the weights do not fit the config (every problem listed).
     """
-    if offload is not None:
+    if place_experts is not None:
         raise RuntimeLoadError("gpt-oss: expert offload is not supported yet (its experts are resident, "
                                "expanded from MXFP4 at load); serve without offload")
     args = GptOssArgs.from_config(weights.config)
-    model = GptOss(args, Shards(weights.plan, rank, dtype, block))
+    model = GptOss(args, Shards(weights.plan, rank, dtype))
     assign_weights(model, weights.dense(), device=device)
     return model, None
 

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shardsmith import families
 from shardsmith.errors import RuntimeLoadError
 
-FAMILIES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-            "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe"}
+# architecture -> variant (its model_type), read from the one registry (shardsmith.families)
+FAMILIES = {a.name: a.model_type for a in families.ARCHITECTURES.values() if a.family is families.MIXTRAL}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +74,11 @@ class ModelArgs:
         Raises:
             RuntimeLoadError: an architecture this runtime does not run, or a missing field.
         """
-        arch = (c.get("architectures") or [c.get("model_type")])[0]
-        family = FAMILIES.get(arch) or FAMILIES.get(str(c.get("model_type")))
+        arch = families.architecture_of(c)
+        family = FAMILIES.get(arch)
         if family is None:
             raise RuntimeLoadError(f"architecture {arch!r} is not supported by the runtime "
-                                   f"(supported: {', '.join(k for k in FAMILIES if k[0].isupper())})")
+                                   f"(supported: {', '.join(FAMILIES)})")
         try:
             n_layers, heads = int(c["num_hidden_layers"]), int(c["num_attention_heads"])
             dim = int(c["hidden_size"])

@@ -16,16 +16,17 @@ heads, d = head dim, V = vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.errors import RuntimeLoadError, format_problems
-from shardsmith.runtime.models.mixtral.config import ModelArgs, rope_tables
-from shardsmith.runtime.engine.cuda_graphs import GraphedPiece, GraphPool, layer_pieces
-from shardsmith.runtime.models.mixtral.moe import MLP, ExpertBank, SparseMoe
+from shardsmith.runtime.layers.experts import RoutedExperts
 from shardsmith.runtime.layers.parallel import HeadShard, Shards
+from shardsmith.runtime.models.mixtral.config import ModelArgs, rope_tables
+from shardsmith.runtime.models.mixtral.moe import MLP, SparseMoe
 
 
 class RMSNorm(nn.Module):
@@ -88,7 +89,7 @@ class Attention(nn.Module):
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """Write ``k``/``v`` at ``[start, start + T)`` of the cache, attend: ``[T, H*d]`` (before ``o_proj``).
 
-        Its shapes grow with the position, so the graphed decode runs it eagerly between pieces.
+        Its shapes grow with the position, so a piecewise decode step runs it eagerly between pieces.
         """
         T, d = q.shape[0], self.head_dim
         end = start + T
@@ -131,12 +132,26 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), start, cos, sin)
         return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
-    # The same layer as pieces around the attention core, for the graphed decode (the same kernels
-    # in the same order as forward, so the same bits).
+    # The same layer as pieces around the attention core, for a decode step run piece by piece
+    # (engine/cuda_graphs.py's table): the same kernels in the same order as forward, so the same bits.
+
+    @property
+    def experts(self) -> RoutedExperts | None:
+        """The routed experts (None for a dense MLP layer)."""
+        ffn = getattr(self, self.ffn_name)
+        return ffn.experts if isinstance(ffn, SparseMoe) else None
+
+    def attn_in_args(self, step: "Step") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[1, d]`` at the step's position."""
+        return step.cos, step.sin
 
     def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Norm and projections: ``(q, k, v)`` for :meth:`Attention.core`."""
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attn_core(self, qkv: tuple[torch.Tensor, ...], step: "Step") -> tuple[torch.Tensor]:
+        """:meth:`Attention.core` at the step's position: ``(o [T, H*d],)``."""
+        return (self.self_attn.core(*qkv, step.start),)
 
     def ffn_block(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor]:
         """``o_proj`` and its all-reduce, the residual, then the whole MoE (or MLP) block: ``([T, D],)``."""
@@ -144,14 +159,24 @@ class DecoderLayer(nn.Module):
         return (x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x)),)
 
     def ffn_in(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Up to the router: ``(x [T, D] after attention, h [T, D] normed, index [T, K], weight [T, K])``."""
+        """Up to the router: ``(x [T, D] after attention (the carry), h [T, D] normed (the experts'
+        input), index [T, K], weight [T, K])``."""
         x = x + self.self_attn.o_proj(o)
         h = self.post_attention_layernorm(x)
         return (x, h, *getattr(self, self.ffn_name).route(h))
 
-    def ffn_out(self, x: torch.Tensor, h: torch.Tensor, routed: torch.Tensor) -> tuple[torch.Tensor]:
-        """The routed partial (computed between the pieces) plus shared expert, all-reduce, residual."""
+    def ffn_out(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, routed: torch.Tensor) -> tuple[torch.Tensor]:
+        """The routed partial (computed between the pieces) plus shared expert, all-reduce, residual
+        (``weight``, the routing weights, is part of the common signature and not needed here)."""
         return (x + getattr(self, self.ffn_name).finish(h, routed),)
+
+
+class Step(NamedTuple):
+    """A one-token step's context for the layers' pieces: its position and RoPE ``[1, d]`` there."""
+
+    start: int
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class Transformer(nn.Module):
@@ -175,7 +200,6 @@ class Transformer(nn.Module):
         self.model.norm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
         self.lm_head = shards.lm_head("model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight", vocab)
         self.cos = self.sin = None
-        self.graphs: DecodeGraphs | None = None  # one-token steps as piecewise CUDA graphs (use_decode_graphs)
         shards.raise_problems()
 
     def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -192,64 +216,27 @@ class Transformer(nn.Module):
     def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
         """Run ``ids`` ``[T]`` at positions ``[start, start + T)``; returns float32 logits ``[T or 1, V]``."""
         cos, sin = self.cos[start: start + ids.shape[0]], self.sin[start: start + ids.shape[0]]  # [T, d]
-        if ids.shape[0] == 1 and self.graphs is not None:
-            return self.graphs.step(ids, start, cos, sin)
-        (x,) = self.embed(ids)  # [T, D]
+        (x,) = self.embed_ids(ids)  # [T, D]
         for layer in self.model.layers:
             x = layer(x, start, cos, sin)
         return self.logits(x[-1:] if last_only else x)[0]  # [T or 1, V]
 
-    def embed(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
+    @property
+    def decode_layers(self) -> nn.ModuleList:
+        """The decoder layers, whose pieces a decode step runs in order."""
+        return self.model.layers
+
+    def decode_step(self, ids: torch.Tensor, start: int) -> Step:
+        """The context of a one-token step at ``start`` (the KV cache is indexed by position: no state)."""
+        return Step(start, self.cos[start: start + 1], self.sin[start: start + 1])
+
+    def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
         """Token ids ``[T]`` -> ``([T, D],)`` (vocab-parallel, all-reduced)."""
         return (self.model.embed_tokens(ids),)
 
     def logits(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         """Hidden ``[T, D]`` -> ``([T, V] float32,)``: final norm and the vocab-parallel head."""
         return (self.lm_head(self.model.norm(x)),)
-
-    def use_decode_graphs(self, device: torch.device | str) -> None:
-        """Run one-token steps as piecewise CUDA graphs (:mod:`~shardsmith.runtime.engine.cuda_graphs`).
-
-        On a CPU device nothing is captured: the pieces run eagerly through static buffers (what
-        tests check against the plain forward). Call after the weights and offload are in place.
-        """
-        self.graphs = DecodeGraphs(self, torch.device(device))
-
-
-class DecodeGraphs:
-    """A one-token step as graphed pieces with the attention core (and host-synced experts) between.
-
-    Per step: ``embed`` -> per layer [``attn_in`` graph (norm, q/k/v projections, RoPE), attention
-    core eager (KV cache write, SDPA over the cached positions), ``ffn`` graph (``o_proj`` and its
-    all-reduce, residual, norm, router, experts, shared expert, all-reduce, residual)] -> ``head``
-    graph. A layer whose routed experts sync the host (offloaded, FP8 banks, or more than
-    :data:`~shardsmith.runtime.models.mixtral.moe.DECODE_GATHER_MAX_BYTES` of experts per token) captures
-    ``ffn_in`` (through the router) and ``ffn_out`` and runs its experts eagerly between them.
-    """
-
-    def __init__(self, model: Transformer, device: torch.device) -> None:
-        self.model, self.pool = model, GraphPool(device)
-        self.embed = GraphedPiece(model.embed, self.pool, "embed")
-        self.head = GraphedPiece(model.logits, self.pool, "head")
-        self.layers = []
-        for i, layer in enumerate(model.model.layers):
-            ffn = getattr(layer, layer.ffn_name)
-            whole = not isinstance(ffn, SparseMoe) or (isinstance(ffn.experts, ExpertBank)
-                                                       and ffn.experts.decode_sync_free(ffn.top_k))
-            self.layers.append(layer_pieces(layer, self.pool, i, whole=whole))
-
-    def step(self, ids: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One token ``ids [1]`` at ``start`` (``cos``/``sin`` ``[1, d]``): float32 logits ``[1, V]`` (fresh)."""
-        (x,) = self.embed(ids)
-        for layer, pieces in zip(self.model.model.layers, self.layers):
-            o = layer.self_attn.core(*pieces["attn_in"](x, cos, sin), start)  # eager: the KV cache grows
-            if "ffn" in pieces:
-                (x,) = pieces["ffn"](x, o)
-            else:
-                x, h, index, weight = pieces["ffn_in"](x, o)
-                routed = getattr(layer, layer.ffn_name).experts(h, index, weight)
-                (x,) = pieces["ffn_out"](x, h, routed)
-        return self.head(x)[0].clone()  # the static output is overwritten by the next step
 
 
 def install_buffers(model: nn.Module, expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor],

@@ -1,0 +1,273 @@
+"""Routed experts: the one :class:`ExpertBank`, the SwiGLU and (token, expert) pair maths every
+placement shares (resident bank, offloaded cache slots, host banks).
+
+Every routed expert is split on its intermediate dim (TP-within-expert), so a bank computes this
+rank's partial ``[T, D]`` of the selected experts; the MoE layer adds its shared expert and does
+the one all-reduce. Bank arrays (``manifests/README.md``; E = experts, I_r = this rank's
+intermediate share, D = hidden):
+
+=================  =====================================  ========================================
+array              shape (rank-local)                     contents
+=================  =====================================  ========================================
+``gate_up``        ``[E, 2*I_r, D]`` (FP4: ``D/2`` I8)    rows ``[0, I_r)`` gate (w1), then up (w3)
+``down``           ``[E, D, I_r]`` (FP4: ``I_r/2`` I8)    w2 shard
+``*_scale``        blocks of the above                    FP8: F32 ``weight_scale_inv`` blocks;
+                                                          FP4: UE8M0 per 1x32, stacked the same way
+=================  =====================================  ========================================
+
+Formats (:func:`~shardsmith.runtime.layers.quant.bank_format`) and the paths they take:
+
+======  ===================================  ==================================================
+format  a step with no host sync             otherwise (one host sync: the ids)
+======  ===================================  ==================================================
+dense   one token, K experts gathered by id  expert by expert, gate and up as two matmuls
+        (at most ``DECODE_GATHER_MAX_BYTES``)
+fp8     never (kept FP8 with ``fp8=on-the-fly``)  expert by expert, dequantized per use
+fp4     ``T*K <= ExpertMath.batched_pairs``   expert by expert, one gate+up matmul
+        pairs: expanded, two batched matmuls
+======  ===================================  ==================================================
+
+The family's arithmetic around the matmuls (SwiGLU clamp, accumulation dtype, pair batching) is an
+:class:`ExpertMath`, so offloaded experts compute what the resident bank computes, bit for bit.
+Legend: T = tokens, K = experts per token, P = T*K (token, expert) pairs, n = an expert's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardsmith.dtypes import DTYPES
+from shardsmith.errors import RuntimeLoadError
+from shardsmith.runtime.layers.parallel import Shards
+from shardsmith.runtime.layers.quant import bank_format, dequantize_fp4, expert_weights
+from shardsmith.runtime.layers.staging import rows_by_expert
+
+# A one-token step gathers its dense experts (no host sync) while their bytes are at most this; past
+# it the copy (read + write + read) costs more than the one host sync it saves. Not yet tuned on GPU.
+DECODE_GATHER_MAX_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertMath:
+    """A model family's expert arithmetic, shared by its resident bank and its offloaded experts.
+
+    Attributes:
+        limit: SwiGLU clamp ``L`` (DeepSeek-V4 ``swiglu_limit``): ``silu(min(g, L)) * clamp(u, -L, L)``;
+            0 means no clamp (Mixtral / Qwen-MoE).
+        accumulate_f32: weight and sum the experts' outputs in float32, cast once at the end
+            (DeepSeek-V4); else each weighted output is cast to the activation dtype and summed
+            there (the Mixtral family).
+        batched_pairs: up to this many (token, expert) pairs, FP4 experts are gathered per pair and
+            applied with two batched matmuls (:func:`routed_pairs`; DeepSeek-V4: 16); 0: never.
+    """
+
+    limit: float = 0.0
+    accumulate_f32: bool = False
+    batched_pairs: int = 0
+
+    def accumulator(self, x: torch.Tensor) -> torch.Tensor:
+        """Zeros ``[T, D]`` to :meth:`torch.Tensor.index_add_` contributions into."""
+        return torch.zeros(x.shape, dtype=torch.float32 if self.accumulate_f32 else x.dtype, device=x.device)
+
+    def contribution(self, y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Expert output ``y [n, D]`` times its routing weights ``w [n]``, in the accumulator's dtype."""
+        return y.float() * w.float()[:, None] if self.accumulate_f32 else (y * w[:, None]).to(dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """``silu(min(gate, L)) * clamp(up, -L, L)``; ``silu(gate) * up`` when ``L`` is 0.
+
+    The clamps act on whole elements of the rank's intermediate share, so TP does not change them.
+    """
+    if limit:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+def expert_output(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: tuple[int, int] | None,
+                  limit: float = 0.0) -> torch.Tensor:
+    """One expert on its token rows: ``x [n, D] -> [n, D]`` (``x.dtype``), wherever its arrays live.
+
+    Args:
+        arrays: the expert's ``gate_up``, ``down`` and scales in stored format (a bank row, a cache
+            slot or a host bank row); block: FP8 block size; limit: SwiGLU clamp.
+
+    FP4 experts (DeepSeek-V4) expand ``gate_up`` whole and run one gate+up matmul; dense and FP8
+    ones run gate and up as two matmuls (as each family's bank always has).
+    """
+    if bank_format(arrays["gate_up"]) == "fp4":
+        gate_up = dequantize_fp4(arrays["gate_up"], arrays["gate_up_scale"], x.dtype)  # [2*I_r, D]
+        down = dequantize_fp4(arrays["down"], arrays["down_scale"], x.dtype)  # [D, I_r]
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, I_r] each
+        return F.linear(swiglu(gate, up, limit), down)
+    gate, up, down = expert_weights(arrays, x.dtype, block)
+    return F.linear(swiglu(F.linear(x, gate), F.linear(x, up), limit), down)
+
+
+def expand_pairs(arrays: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 experts gathered one per pair, expanded: ``gate_up [P, 2*I_r, D]``, ``down [P, D, I_r]`` in ``dtype``.
+
+    Args:
+        arrays: ``gate_up [P, 2*I_r, D/2]`` I8, ``gate_up_scale [P, 2*I_r, D/32]``,
+            ``down [P, D, I_r/2]``, ``down_scale [P, D, I_r/32]``.
+    """
+    return (dequantize_fp4(arrays["gate_up"], arrays["gate_up_scale"], dtype),
+            dequantize_fp4(arrays["down"], arrays["down_scale"], dtype))
+
+
+def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 limit: float) -> torch.Tensor:
+    """Each token's routed sum ``[T, D]`` (``x.dtype``) from its pairs' expanded experts.
+
+    Args:
+        gate_up: ``[P, 2*I_r, D]``, down: ``[P, D, I_r]`` (:func:`expand_pairs`), token-major;
+        x: ``[T, D]``; weight: ``[T, K]`` float32 routing weights; limit: SwiGLU clamp.
+
+    Two batched matmuls over all P pairs on each pair's token row, then a float32 sum over each
+    token's K pairs in a fixed order (``index_add_`` with repeated rows is atomic, so run-to-run
+    nondeterministic, on CUDA): the one pair path of the resident bank, the offloaded slots and a
+    captured decode piece, so all three give the same bits on any device.
+    """
+    T, K = weight.shape
+    tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
+    gate, up = torch.bmm(gate_up, x[tok][:, :, None]).squeeze(-1).chunk(2, dim=-1)  # [P, I_r] each
+    y = torch.bmm(down, swiglu(gate, up, limit)[..., None]).squeeze(-1)  # [P, D]
+    return (y.float() * weight.flatten()[:, None]).view(T, K, y.shape[-1]).sum(dim=1).to(x.dtype)
+
+
+class RoutedExperts(nn.Module):
+    """The interface a MoE layer and the decode graphs drive, whatever holds the experts.
+
+    ``forward(x [T, D], index [T, K], weight [T, K]) -> [T, D]``: this rank's partial of the
+    selected experts, to be all-reduced by the caller. A decode step split around its experts calls
+    :meth:`decode_slots` eagerly (the host part) and, when it returns slots, :meth:`apply_slots`
+    (device only, so it can be captured). Implemented by the resident :class:`ExpertBank` and by
+    :class:`~shardsmith.runtime.offload.runtime.OffloadedExperts` (a slot pool over host banks).
+    """
+
+    def decode_sync_free(self) -> bool:
+        """Whether a one-token step runs these experts with no host sync (so it can be captured whole)."""
+        return False
+
+    def slot_path(self) -> bool:
+        """Whether :meth:`decode_slots` may return slots for :meth:`apply_slots` (an expert cache)."""
+        return False
+
+    def decode_slots(self, x: torch.Tensor, index: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(slots [P] int64, None)`` once every pair's expert sits in a slot, else ``(None, routed [T, D])``."""
+        return None, self(x, index, weight)
+
+    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The routed partial ``[T, D]`` from experts already in ``slots`` (see :meth:`decode_slots`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no expert slots")
+
+
+class ExpertBank(RoutedExperts):
+    """One MoE layer's routed experts resident on this rank: buffers ``gate_up``, ``down`` (+ scales).
+
+    Args:
+        shards: the rank's plan; layer: bank layer key (``model.layers.3``, ``layers.3``).
+        dtype: compute dtype (dense banks are stored in it).
+        top_k: K, experts per token (what :meth:`decode_sync_free` is about).
+        math: the family's :class:`ExpertMath`; formats: the bank formats the family runs.
+        n_experts, expert_shape: what the config implies (E; one source expert tensor's global
+            ``(I, D)``), checked against the plan when given.
+        why: why the layer must have a bank (for the missing-bank error).
+
+    Raises:
+        RuntimeLoadError: the plan has no bank for ``layer``, or its format is not in ``formats``.
+    """
+
+    def __init__(self, shards: Shards, layer: str, dtype: torch.dtype, *, top_k: int, math: ExpertMath,
+                 formats: tuple[str, ...], n_experts: int | None = None,
+                 expert_shape: tuple[int, int] | None = None, why: str = "") -> None:
+        super().__init__()
+        self.top_k, self.math, self.format, self.block = top_k, math, "dense", None
+        for name in ("gate_up", "down"):
+            shape_of = None if expert_shape is None else expert_shape if name == "gate_up" else expert_shape[::-1]
+            found = shards.bank_shape(layer, name, shape_of, n_experts)
+            if found is None:
+                raise RuntimeLoadError(f"missing expert bank {layer} {name!r}: {why}")
+            shape, dt = found
+            scale = shards.bank_shape(layer, name + "_scale")
+            self.format = "fp4" if dt == "I8" else "fp8" if dt.startswith("F8") else "dense"
+            if (self.format not in formats or (self.format != "dense" and scale is None)
+                    or (self.format == "fp4" and scale[1] != "F8_E8M0")):
+                raise RuntimeLoadError(f"expert bank {layer} {name!r}: dtype {dt}"
+                                       + (f" with {scale[1]} scales" if scale else "")
+                                       + f"; this model runs {' or '.join(_FORMAT_NAMES[f] for f in formats)} experts")
+            stored = dtype if self.format == "dense" else DTYPES[dt].torch_dtype
+            self.register_buffer(name, torch.empty(shape, dtype=stored, device="meta"))
+            if self.format != "dense":
+                scale_dtype = torch.float32 if self.format == "fp8" else DTYPES[scale[1]].torch_dtype
+                self.register_buffer(name + "_scale", torch.empty(scale[0], dtype=scale_dtype, device="meta"))
+        if self.format == "fp8":
+            self.block = shards.bank_block(layer, "gate_up")
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """The bank's arrays by name, ``[E, ...]`` each."""
+        return dict(self._buffers)
+
+    def dequantize_(self, dtype: torch.dtype) -> None:
+        """Dequantize an FP8 bank to ``dtype`` once (at load); scales are dropped. FP4 stays packed."""
+        if self.format != "fp8":
+            return
+        parts = [expert_weights({a: t[e] for a, t in self.arrays().items()}, dtype, self.block)
+                 for e in range(self.gate_up.shape[0])]
+        self._buffers["gate_up"] = torch.stack([torch.cat((g, u)) for g, u, _ in parts])  # [E, 2*I_r, D]
+        self._buffers["down"] = torch.stack([d for _, _, d in parts])  # [E, D, I_r]
+        del self._buffers["gate_up_scale"], self._buffers["down_scale"]
+        self.format, self.block = "dense", None
+
+    def sync_free(self, tokens: int, k: int) -> bool:
+        """Whether ``tokens`` tokens over ``k`` experts each take a path with no host sync (module table)."""
+        if self.format == "fp4":
+            return tokens * k <= self.math.batched_pairs
+        return (self.format == "dense" and tokens == 1
+                and k * (self.gate_up[0].nbytes + self.down[0].nbytes) <= DECODE_GATHER_MAX_BYTES)
+
+    def decode_sync_free(self) -> bool:
+        return self.sync_free(1, self.top_k)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Partial sum ``[T, D]`` (``x.dtype``) of the selected experts over this rank's share.
+
+        Args:
+            x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` routing weights
+                (float32, or the activation dtype as the family routes).
+
+        A step that :meth:`sync_free` allows gathers its experts by id on the device (no host
+        sync, so the host keeps queueing kernels): FP4 per pair (:func:`routed_pairs`), dense for
+        one token in ascending expert order with the general path's kernels (so the same bits).
+        Otherwise one host sync (the ids), then expert by expert in ascending order, reading each
+        expert in place (at most one FP4/FP8 expert expanded at a time).
+        """
+        T, K = index.shape
+        if self.sync_free(T, K) and self.format == "fp4":
+            sel = index.flatten()  # [P] expert of each pair, on the device
+            return routed_pairs(*expand_pairs({a: t[sel] for a, t in self.arrays().items()}, x.dtype), x, weight,
+                                self.math.limit)
+        out = self.math.accumulator(x)
+        if self.sync_free(T, K):
+            ids, order = index[0].sort()  # [K] ascending, as the general path adds them
+            w = weight[0, order]  # [K]
+            gate_up, down = self.gate_up.index_select(0, ids), self.down.index_select(0, ids)  # [K, 2*I_r, D], [K, D, I_r]
+            i_r = gate_up.shape[1] // 2
+            for k in range(K):
+                y = F.linear(swiglu(F.linear(x, gate_up[k, :i_r]), F.linear(x, gate_up[k, i_r:]), self.math.limit),
+                             down[k])  # [1, D]
+                out.add_(self.math.contribution(y, w[k: k + 1], x.dtype))
+            return out.to(x.dtype)
+        index_h = index.cpu()  # the one host sync: ids -> rows per expert on the host
+        for e, (tok, k) in rows_by_expert(index_h, index_h.unique().tolist(), x.device).items():  # [n], [n]
+            y = expert_output({a: t[e] for a, t in self.arrays().items()}, x[tok], self.block, self.math.limit)
+            out.index_add_(0, tok, self.math.contribution(y, weight[tok, k], x.dtype))
+        return out.to(x.dtype)
+
+
+_FORMAT_NAMES = {"dense": "unquantized", "fp8": "FP8 block", "fp4": "FP4 (I8 packed e2m1 with F8_E8M0 scales)"}

@@ -1,0 +1,161 @@
+"""The package's layers, enforced by reading every module's imports (``ast``, nothing is imported).
+
+==========================  ================================================================
+modules                     must not import
+==========================  ================================================================
+``runtime/``                ``writer/``
+``pack/``                   ``runtime/``, ``writer/``
+``runtime/offload/``        ``runtime/models/`` (it imports ``runtime/layers/``, not a family)
+``runtime/models/``         ``runtime/engine/``, ``runtime/offload/``, ``runtime/serve/``,
+                            ``torch.distributed`` (models call the parallel layers)
+``runtime/serve/encoding``  ``runtime/serve/chat`` (chat imports encoding: no cycle)
+``families.py``             ``torch``, ``runtime/`` (read by ``plan``/``split`` without torch)
+==========================  ================================================================
+
+Imports inside functions count as well as module-level ones; relative imports are resolved.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import shardsmith
+
+PACKAGE = Path(shardsmith.__file__).parent
+
+# (importer prefix, forbidden prefix, why)
+RULES = (
+    ("shardsmith.runtime", "shardsmith.writer", "the runtime reads packs through shardsmith.pack, never the writer"),
+    ("shardsmith.pack", "shardsmith.runtime", "the pack format layer sits below the runtime"),
+    ("shardsmith.pack", "shardsmith.writer", "the pack format layer sits below the writer"),
+    ("shardsmith.runtime.offload", "shardsmith.runtime.models", "offload drives ExpertBanks from runtime.layers, never a model family"),
+    ("shardsmith.runtime.models", "shardsmith.runtime.engine", "model files know nothing of the engine (CUDA graphs, loading)"),
+    ("shardsmith.runtime.models", "shardsmith.runtime.offload", "model files know the offload cache only as an ExpertBank"),
+    ("shardsmith.runtime.models", "shardsmith.runtime.serve", "model files know nothing of serving"),
+    ("shardsmith.runtime.models", "torch.distributed", "model files know nothing of ranks: they call the parallel layers"),
+    ("shardsmith.runtime.serve.encoding", "shardsmith.runtime.serve.chat", "chat imports encoding, never back (no cycle)"),
+    ("shardsmith.families", "torch", "the registry is read by plan/split without torch"),
+    ("shardsmith.families", "shardsmith.runtime", "the registry names runtime builders as dotted paths"),
+)
+
+# TODO(pack/banks.py): writer.slicing.bank_specs and writer.layout.expected_entries are read from the
+# writer until the pack engineer lands shardsmith/pack/banks.py (and pack.reader stops reaching into
+# writer.stwriter); then these go (the lead removes them at merge).
+KNOWN_EXCEPTIONS = {
+    ("shardsmith.runtime.layers.parallel", "shardsmith.writer.slicing"),  # bank_specs
+    ("shardsmith.runtime.engine.loader", "shardsmith.writer.slicing"),  # bank_specs
+    ("shardsmith.pack.reader", "shardsmith.writer.layout"),  # expected_entries
+    ("shardsmith.pack.reader", "shardsmith.writer.stwriter"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    module: str
+    imported: str
+    line: int
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.line} imports {self.imported}: {self.why}"
+
+
+def module_name(path: Path, root: Path) -> str:
+    """``root/pkg/a/b.py`` -> ``pkg.a.b`` (``__init__.py`` names its package)."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, module: str) -> list[tuple[tuple[str, ...], int]]:
+    """Every import statement of ``path``: the absolute names it may import (relative ones
+    resolved; ``from pkg import x`` may import ``pkg`` or the module ``pkg.x``), with its line."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [((alias.name,), node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            out.append(((base, *(f"{base}.{alias.name}" for alias in node.names)), node.lineno))
+    return out
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def violations(root: Path, rules=RULES, known=frozenset()) -> list[Violation]:
+    """Every import under ``root`` (a package directory) that breaks one of ``rules``, sorted."""
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        module = module_name(path, root)
+        for names, line in imports(path, module):
+            for importer, forbidden, why in rules:
+                if not _under(module, importer):
+                    continue
+                hit = next((n for n in names if _under(n, forbidden)), None)  # the statement's first bad name
+                if hit is not None and not any(module == m and _under(hit, f) for m, f in known):
+                    found.add(Violation(module, hit, line, why))
+    return sorted(found, key=lambda v: (v.module, v.line, v.imported))
+
+
+def test_the_package_keeps_its_layers() -> None:
+    bad = violations(PACKAGE, known=KNOWN_EXCEPTIONS)
+    assert not bad, "layering broken:\n" + "\n".join(map(str, bad))
+
+
+def test_known_exceptions_are_still_needed() -> None:
+    """An exception nobody uses any more must go (so the list only shrinks)."""
+    used = {(v.module, f) for v in violations(PACKAGE) for m, f in KNOWN_EXCEPTIONS
+            if v.module == m and _under(v.imported, f)}
+    assert used == KNOWN_EXCEPTIONS, f"unused exceptions: {sorted(KNOWN_EXCEPTIONS - used)}"
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "shardsmith"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_checker_finds_planted_violations(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "runtime/__init__.py": "",
+        "runtime/offload/__init__.py": "",
+        "runtime/offload/runtime.py": "from ..models.mixtral import moe\n",  # relative, resolved
+        "runtime/models/__init__.py": "",
+        "runtime/models/mixtral.py": ("import torch\n\n\ndef f():\n"
+                                      "    import torch.distributed as dist\n"  # inside a function
+                                      "    from shardsmith.runtime.engine import cuda_graphs\n"),
+        "runtime/layers/experts.py": "from shardsmith.writer import slicing\n",
+        "pack/reader.py": "from shardsmith import runtime\nfrom shardsmith.runtime import layers\n",
+        "families.py": "import importlib\n",
+    })
+    got = {(v.module, v.imported, v.line) for v in violations(root)}
+    assert got == {
+        ("shardsmith.runtime.offload.runtime", "shardsmith.runtime.models.mixtral", 1),
+        ("shardsmith.runtime.models.mixtral", "torch.distributed", 5),
+        ("shardsmith.runtime.models.mixtral", "shardsmith.runtime.engine", 6),
+        ("shardsmith.runtime.layers.experts", "shardsmith.writer", 1),
+        ("shardsmith.pack.reader", "shardsmith.runtime", 1),
+        ("shardsmith.pack.reader", "shardsmith.runtime", 2),
+    }, got
+
+
+def test_a_clean_tree_and_a_known_exception_pass(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "runtime/layers/parallel.py": "import torch.distributed\nfrom shardsmith.writer.slicing import bank_specs\n",
+        "runtime/models/m.py": "from shardsmith.runtime.layers import parallel\nimport torch\n",
+        "writer/split.py": "from shardsmith.pack import format\n",
+    })
+    assert [str(v) for v in violations(root)] == [
+        "shardsmith.runtime.layers.parallel:2 imports shardsmith.writer.slicing: "
+        "the runtime reads packs through shardsmith.pack, never the writer"]
+    assert violations(root, known={("shardsmith.runtime.layers.parallel", "shardsmith.writer.slicing")}) == []
