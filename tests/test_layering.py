@@ -40,15 +40,6 @@ RULES = (
     ("shardsmith.families", "shardsmith.runtime", "the registry names runtime builders as dotted paths"),
 )
 
-# TODO(pack/banks.py): writer.slicing.bank_specs and writer.layout.expected_entries are read from the
-# writer until the pack engineer lands shardsmith/pack/banks.py (and pack.reader stops reaching into
-# writer.stwriter); then these go (the lead removes them at merge).
-KNOWN_EXCEPTIONS = {
-    ("shardsmith.runtime.layers.parallel", "shardsmith.writer.slicing"),  # bank_specs
-    ("shardsmith.runtime.engine.loader", "shardsmith.writer.slicing"),  # bank_specs
-    ("shardsmith.pack.reader", "shardsmith.writer.layout"),  # expected_entries
-    ("shardsmith.pack.reader", "shardsmith.writer.stwriter"),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,15 +96,8 @@ def violations(root: Path, rules=RULES, known=frozenset()) -> list[Violation]:
 
 
 def test_the_package_keeps_its_layers() -> None:
-    bad = violations(PACKAGE, known=KNOWN_EXCEPTIONS)
+    bad = violations(PACKAGE)
     assert not bad, "layering broken:\n" + "\n".join(map(str, bad))
-
-
-def test_known_exceptions_are_still_needed() -> None:
-    """An exception nobody uses any more must go (so the list only shrinks)."""
-    used = {(v.module, f) for v in violations(PACKAGE) for m, f in KNOWN_EXCEPTIONS
-            if v.module == m and _under(v.imported, f)}
-    assert used == KNOWN_EXCEPTIONS, f"unused exceptions: {sorted(KNOWN_EXCEPTIONS - used)}"
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
