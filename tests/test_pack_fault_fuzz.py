@@ -26,14 +26,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-import xxhash
 import yaml
 from typer.testing import CliRunner
 
 from shardsmith.cli import app
 from shardsmith.errors import IntegrityError, RuntimeLoadError, ShardsmithError, exit_code_for
-from shardsmith.pack.format import dump_yaml, hash_file, pack_id_of, root_digest, stamp
+from shardsmith.pack.format import hash_file, root_digest
 from shardsmith.pack.reader import open_rank
+from shardsmith.testing.forge import forge, load as _load
 from shardsmith.writer.split import split_checkpoint
 
 TRIALS = 330
@@ -52,42 +52,7 @@ def packs(tiny, tmp_path_factory) -> dict:
     return out
 
 
-# ------------------------------------------------------------------ forging helpers
-
-
-def _load(p: Path) -> dict:
-    return yaml.load(p.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-
-
-def forge(pack: Path, *, plan=None, rank=None, doc=None) -> None:
-    """Apply edits and recompute every hash an attacker can: plan record, pack_id, rank manifests'
-    ``pack_id`` and own hashes, their hashes in ``pack.yaml``, ``pack.yaml``'s own hash.
-
-    ``plan(d)``, ``rank(r, m)``, ``doc(d)`` edit the parsed documents in place (``doc`` runs last).
-    """
-    pj = pack / "plan.json"
-    if plan is not None:
-        d = json.loads(pj.read_bytes())
-        plan(d)
-        pj.write_bytes(json.dumps(d, separators=(",", ":")).encode())
-    data = pj.read_bytes()
-    d = _load(pack / "pack.yaml")
-    d["plan"]["bytes"], d["plan"]["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
-    d["pack_id"] = pack_id_of(d["plan"]["xxh3_128"], [f["xxh3_128"] for f in d["source"]["files"]])
-    for entry in d["ranks"]:
-        mp = pack / entry["dir"] / "manifest.yaml"
-        if entry.get("manifest_xxh3_128") is None or not mp.is_file():
-            continue
-        m = _load(mp)
-        m["pack_id"] = d["pack_id"]
-        if rank is not None:
-            rank(entry["rank"], m)
-        m = stamp(m)
-        mp.write_text(dump_yaml(m))
-        entry["manifest_xxh3_128"] = m["manifest_xxh3_128"]
-    if doc is not None:
-        doc(d)
-    (pack / "pack.yaml").write_text(dump_yaml(stamp(d)))
+# ------------------------------------------------------------------ helpers
 
 
 def _mappings(obj, path=()):

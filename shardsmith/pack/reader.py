@@ -28,7 +28,7 @@ import xxhash
 from shardsmith.errors import IntegrityError, ManifestError, RuntimeLoadError, format_problems
 from shardsmith.pack.check import check_rank, copied_file_jobs, lstat_inside
 from shardsmith.pack.coverage import json_problems, plan_problems
-from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, check_identity, hash_file, load_yaml, rank_dir, root_digest, typed_view
+from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity, hash_file, load_yaml, rank_dir, root_digest, typed_view
 from shardsmith.pack.records import FileRecord, PackManifest, RankManifest, TensorRecord, parse_pack_manifest
 from shardsmith.plans.resolve import ResolvedPlan
 
@@ -231,7 +231,7 @@ def open_rank(out_dir: str | os.PathLike, rank: int, world_size: int, *, verify:
     if not os.path.lexists(d):
         raise RuntimeLoadError(f"{d}: missing (this pack holds ranks {list(pack.doc.ranks_written)})")
     chk = check_rank(pack.root, pack.doc, pack.plan, rank)
-    if chk.manifest is None or any("manifest.yaml: own hash" in p or "manifest.yaml: field" in p for p in chk.problems):
+    if chk.manifest is None or any(p.startswith(f"{d.name}/{RANK_MANIFEST}: ") for p in chk.problems):
         raise ManifestError(format_problems(f"{d}: bad rank manifest", chk.problems))
     if chk.problems:
         raise IntegrityError(format_problems(f"{d}: rank pack does not match its manifest", chk.problems), chk.problems)
