@@ -21,6 +21,54 @@ def _is_int(x: object, lo: int = 0) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= lo
 
 
+_TENSOR_KEYS = {"dtype": str, "shape": list, "layout": str, "rule": int, "shard_dim": (int, type(None)), "unit": int,
+                "partition": str, "quant": str, "ranges": list, "scale_of": str, "bank": dict}
+_OPTIONAL = {"scale_of", "bank", "quant"}
+
+
+def json_problems(data: object) -> list[str]:
+    """JSON types of ``plan.json`` (``manifests/README.md``), checked before the plan is rebuilt: the
+    rebuild coerces (``int("2")``), so a value of another type must be named here, not accepted."""
+    def typed(v: object, t) -> bool:
+        return isinstance(v, t) and not (isinstance(v, bool) and t is not bool)
+
+    if not isinstance(data, dict):
+        return [f"plan.json: expected a JSON object, found {type(data).__name__}"]
+    out = []
+    for key, t in (("family", str), ("world_size", int), ("align", int), ("notes", list), ("experts", dict), ("tensors", dict)):
+        if not typed(data.get(key), t):
+            out.append(f"plan.json: field {key}: expected {t.__name__}, found {data.get(key)!r:.60}")
+    if out:
+        return out
+    if extra := sorted(set(data) - {"family", "world_size", "align", "notes", "experts", "tensors"}):
+        out.append(f"plan.json: unknown keys {extra}")
+    out += [f"plan.json: field experts.{k}: expected a count, found {v!r:.40}" for k, v in data["experts"].items() if not typed(v, int)]
+    for name, d in data["tensors"].items():
+        where = f"plan.json: tensor {name!r}"
+        if not isinstance(d, dict):
+            out.append(f"{where}: expected an object, found {d!r:.40}")
+            continue
+        for key in sorted(set(_TENSOR_KEYS) | set(d)):
+            if key not in _TENSOR_KEYS:
+                out.append(f"{where}: unknown key {key!r:.40}")
+            elif key not in d:
+                if key not in _OPTIONAL:
+                    out.append(f"{where}: field {key} missing")
+            elif not typed(d[key], _TENSOR_KEYS[key]):
+                out.append(f"{where}: field {key}: {d[key]!r:.40} has the wrong type")
+        ranges = d.get("ranges")
+        if isinstance(ranges, list) and not all(
+                isinstance(rr, list) and all(isinstance(r, list) and len(r) == 2 and all(typed(x, int) for x in r) for r in rr)
+                for rr in ranges):
+            out.append(f"{where}: field ranges: not a list per rank of [start, length] integer pairs")
+        bank = d.get("bank")
+        if isinstance(bank, dict) and not (typed(bank.get("layer"), str) and typed(bank.get("expert"), int)
+                                           and typed(bank.get("segment"), int) and typed(bank.get("scale"), bool)
+                                           and typed(bank.get("array"), str) and len(bank) == 5):
+            out.append(f"{where}: field bank: {bank!r:.80} is not {{layer, expert, array, segment, scale}}")
+    return out
+
+
 def value_problems(tp: TensorPlan) -> list[str]:
     """Values of one tensor's plan that no arithmetic may use: an unknown dtype, a shape or range that
     is not non-negative integers, a ``shard_dim`` outside the shape, a unit below 1."""
@@ -100,6 +148,16 @@ def plan_problems(plan: ResolvedPlan) -> list[str]:
         elif tp.bank and not tp.bank.expert < plan.experts[tp.bank.layer]:
             out.append(f"plan.json: tensor {tp.name!r} is expert {tp.bank.expert} of bank {tp.bank.layer!r}, "
                        f"which has {plan.experts[tp.bank.layer]} experts")
+    members: dict[tuple[str, str], set[tuple[int, int]]] = {}
+    for tp in plan.tensors.values():
+        if tp.bank and tp.bank.layer in plan.experts:
+            members.setdefault((tp.bank.layer, tp.bank.array_name), set()).add((tp.bank.expert, tp.bank.segment))
+    for (layer, array), have in sorted(members.items()):
+        n_seg = 1 + max(s for _, s in have)
+        lost = sorted({(e, s) for e in range(plan.experts[layer]) for s in range(n_seg)} - have)
+        if lost:
+            out.append(f"plan.json: bank {layer!r} array {array!r} has no source tensor for (expert, segment) "
+                       f"{lost[:4]}{' ...' if len(lost) > 4 else ''}")
     if not out:
         for r in range(plan.world_size):
             try:

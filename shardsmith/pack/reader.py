@@ -27,8 +27,8 @@ import xxhash
 
 from shardsmith.errors import IntegrityError, ManifestError, RuntimeLoadError, format_problems
 from shardsmith.pack.check import check_rank, copied_file_jobs, lstat_inside
-from shardsmith.pack.coverage import plan_problems
-from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, check_identity, hash_file, load_yaml, rank_dir, root_digest, typed_view
+from shardsmith.pack.coverage import json_problems, plan_problems
+from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity, hash_file, load_yaml, rank_dir, root_digest, typed_view
 from shardsmith.pack.records import FileRecord, PackManifest, RankManifest, TensorRecord, parse_pack_manifest
 from shardsmith.plans.resolve import ResolvedPlan
 
@@ -94,7 +94,11 @@ def load_plan(root: Path, doc: PackManifest, problems: list[str]) -> ResolvedPla
         problems.append(f"{PLAN_FILE}: (bytes, xxh3_128) expected {(rec.bytes, rec.xxh3_128)}, found {found}")
         return None
     try:
-        plan = plan_from_dict(json.loads(data))
+        raw = json.loads(data)
+        if bad := json_problems(raw):
+            problems += bad
+            return None
+        plan = plan_from_dict(raw)
         if plan.world_size != doc.world_size:
             problems.append(f"{PLAN_FILE}: world_size expected {doc.world_size} (pack.yaml), found {plan.world_size}")
             return None
@@ -227,7 +231,7 @@ def open_rank(out_dir: str | os.PathLike, rank: int, world_size: int, *, verify:
     if not os.path.lexists(d):
         raise RuntimeLoadError(f"{d}: missing (this pack holds ranks {list(pack.doc.ranks_written)})")
     chk = check_rank(pack.root, pack.doc, pack.plan, rank)
-    if chk.manifest is None or any("manifest.yaml: own hash" in p or "manifest.yaml: field" in p for p in chk.problems):
+    if chk.manifest is None or any(p.startswith(f"{d.name}/{RANK_MANIFEST}: ") for p in chk.problems):
         raise ManifestError(format_problems(f"{d}: bad rank manifest", chk.problems))
     if chk.problems:
         raise IntegrityError(format_problems(f"{d}: rank pack does not match its manifest", chk.problems), chk.problems)

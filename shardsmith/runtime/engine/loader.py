@@ -30,7 +30,6 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from shardsmith.checkpoint import open_checkpoint
-from shardsmith.dtypes import DTYPES
 from shardsmith.errors import RuntimeLoadError
 from shardsmith.plans import plan_checkpoint
 from shardsmith.plans.resolve import ResolvedPlan
