@@ -22,6 +22,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: flags read as flags (`--resume`); typer's rich help labels every one `<bool>`
+    rich_markup_mode=None,
 )
 
 

@@ -94,10 +94,12 @@ def shard_pieces(raw: np.ndarray, tp: TensorPlan, rank: int) -> list[np.ndarray]
     return [cut(raw, tp, rank)]
 
 
-def _check_args(world_size: int, ranks: tuple[int, ...] | None, max_file_bytes: int, workers: int | None) -> None:
+def _check_args(world_size: int, align: int, ranks: tuple[int, ...] | None, max_file_bytes: int, workers: int | None) -> None:
     """Raise :class:`UsageError` for bad arguments, before anything is read or written."""
     if not isinstance(world_size, int) or world_size < 1:
-        raise UsageError(f"--tp {world_size}: the tensor-parallel world size must be an integer >= 1")
+        raise UsageError(f"--tp must be at least 1, got {world_size}")  # the words of `plan --tp 0`
+    if not isinstance(align, int) or align < 1:
+        raise UsageError(f"--align must be at least 1, got {align}")
     if ranks is not None and (not ranks or any(not 0 <= r < world_size for r in ranks)):
         raise UsageError(f"--ranks {','.join(map(str, ranks))}: each rank must be in [0, {world_size})")
     if max_file_bytes <= 0:
@@ -153,7 +155,7 @@ def split_checkpoint(
     """
     t0 = time.perf_counter()
     out = Path(out_dir)
-    _check_args(world_size, ranks, max_file_bytes, workers)
+    _check_args(world_size, align, ranks, max_file_bytes, workers)
     ckpt = open_checkpoint(ckpt_dir)
     if ckpt.header_only:
         n = sum(f.header_only for f in ckpt.files.values())

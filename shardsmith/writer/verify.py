@@ -31,7 +31,7 @@ import xxhash
 
 from ..errors import IntegrityError, ManifestError, PlanError, UsageError
 from .coverage import plan_problems
-from .outdir import unfinished_split
+from .outdir import rank_of_pack, unfinished_split
 from shardsmith.pack.format import (BANK_ALIGN, DENSE_ALIGN, FORMAT, FORMAT_VERSION, PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST,
                        check_identity, load_yaml, rank_dir)
 from .stwriter import DATA_START_ALIGN, PADDING_PREFIX, read_header
@@ -260,6 +260,10 @@ def _check_target(root: Path) -> str | None:
         return None
     if note := unfinished_split(root):  # OUT.partial itself
         return note
+    if where := rank_of_pack(root):
+        r, n, pack = where
+        raise UsageError(f"{root}: is rank {r} of {n} of the pack {pack}, not a pack itself; verify the pack: "
+                         f"`shardsmith verify {pack} --rank {r}`")
     if (root / "config.json").is_file() and any(root.glob("*.safetensors*")):
         raise UsageError(f"{root}: this looks like a checkpoint (config.json + safetensors), not a pack; did you mean "
                          f"`shardsmith split` or `verify PACK --against CKPT`?")
