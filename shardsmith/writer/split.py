@@ -29,7 +29,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -212,6 +214,16 @@ def split_checkpoint(
                        stats["bytes_written"], time.perf_counter() - t0, stats["window"], tuple(notes))
 
 
+@contextmanager
+def _failing(failed: threading.Event) -> Iterator[None]:
+    """Set ``failed`` when the block raises (``KeyboardInterrupt`` included), then re-raise."""
+    try:
+        yield
+    except BaseException:
+        failed.set()
+        raise
+
+
 def _fsync(path: Path) -> None:
     """Flush a file's data, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -279,7 +291,9 @@ def _stream(ckpt, plan, layout: PackLayout, root: Path, journal: Journal, worker
             window.give(raw.nbytes)
 
     try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="split") as pool:
+        # on Ctrl-C or a read error, _failing sets `failed` before the pool waits on its queue, so
+        # queued tensors are dropped, not written
+        with ThreadPoolExecutor(workers, thread_name_prefix="split") as pool, _failing(failed):
             for p in [p for p, n in remaining.items() if n == 0]:
                 finish(p)
             for shard in shards:
@@ -309,9 +323,6 @@ def _stream(ckpt, plan, layout: PackLayout, root: Path, journal: Journal, worker
                 if failed.is_set():
                     break
                 journal.source_done(shard.name, shard.size, h.hexdigest())
-    except BaseException:  # Ctrl-C or a read error: queued tensors are dropped, not written
-        failed.set()
-        raise
     finally:
         for w in writers.values():
             w.abort()
