@@ -41,8 +41,8 @@ import xxhash
 
 from ..checkpoint import open_checkpoint, slice_bytes
 from ..errors import SourceError, UsageError
-from ..plans import plan_checkpoint
 from ..pack.format import PACK_MANIFEST, load_yaml
+from ..plans import plan_checkpoint
 from ..plans.resolve import TensorPlan
 from .journal import Journal
 from .layout import DEFAULT_MAX_FILE_BYTES, PackLayout, layout_pack
@@ -164,12 +164,15 @@ def split_checkpoint(
         raise SourceError(f"{ckpt.root}: {n} of {len(ckpt.files)} shard(s) are header-only (.safetensors.json); "
                           f"split needs the tensor data (download the shards first)")
     shards = [f.path for f in ckpt.files.values()]
+    partial = partial_dir(out)
+    # --resume after the final rename: OUT holds a pack and no OUT.partial is left (checked below)
+    finished = (resume and not force and not partial.exists() and not out.is_symlink()
+                and (out / PACK_MANIFEST).is_file())
+    check_out(ckpt.root, shards, out, force=force or finished)
     plan = plan_checkpoint(ckpt, world_size, align=align)
     layout = layout_pack(plan, ranks=ranks, max_file_bytes=max_file_bytes)
     plan_bytes = plan_json(plan)
-    partial = partial_dir(out)
-    if resume and not force and not partial.exists() and (out / PACK_MANIFEST).is_file() and not out.is_symlink():
-        check_out(ckpt.root, shards, out, force=True)  # the source rules still hold
+    if finished:
         why = finished_pack(out, plan_hash=xxhash.xxh3_128(plan_bytes).hexdigest(), world_size=world_size,
                             ranks=layout.ranks, sources=[(f.name, f.path) for f in ckpt.files.values()])
         if why is not None:
@@ -179,7 +182,6 @@ def split_checkpoint(
                            0, len(layout.files), 0, 0, time.perf_counter() - t0, 0,
                            (f"{out} already holds this finished pack (same plan, ranks and source files): nothing to "
                             f"resume; `shardsmith verify {out}` checks it",), already_complete=True)
-    check_out(ckpt.root, shards, out, force=force)
     key = {"format_version": 1, "plan_xxh3_128": xxhash.xxh3_128(plan_bytes).hexdigest(),
            "ranks": list(layout.ranks), "max_file_bytes": max_file_bytes,
            "source": [[f.name, f.size, f.path.stat().st_mtime_ns] for f in ckpt.files.values()]}
