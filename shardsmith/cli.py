@@ -24,6 +24,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     # click's plain help: flags read as flags (`--resume`); typer's rich help labels every one `<bool>`
     rich_markup_mode=None,
+    context_settings={"max_content_width": 120},  # click wraps at 80 columns otherwise, even on a wide terminal
 )
 
 
