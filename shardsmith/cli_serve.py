@@ -291,7 +291,10 @@ def demo(
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
     _check_device(device, 2)
     con.print("[bold]1/4[/] SmolLM2-135M MoE checkpoint (built once, then cached)")
-    ckpt = build_demo_checkpoint(default_demo_dir(False))
+    from .ui import step_lines
+
+    with step_lines(con) as say:
+        ckpt = build_demo_checkpoint(default_demo_dir(False), progress=say)
     pack = out or ckpt.parent / f"{ckpt.name}-tp2"
     con.print(f"    {ckpt}\n[bold]2/4[/] split at TP=2 -> {pack}")
     if not (pack / "pack.yaml").is_file():
@@ -305,7 +308,7 @@ def demo(
 
         raise IntegrityError(format_problems(f"{pack}: pack is damaged or incomplete (delete it to split again)",
                                              list(report.problems)), list(report.problems))
-    con.print(f"    ok: {report.files_checked} files, {report.bytes_hashed / 2**20:.0f} MiB hashed in {report.seconds:.1f} s")
+    con.print(f"    ok: {report.files_checked} files, {report.bytes_hashed / 2**20:.0f} MiB read in {report.seconds:.1f} s")
     con.print(f"[bold]4/4[/] run on {device} ({'NCCL' if device == 'cuda' else 'gloo'}), 2 ranks, greedy, {dtype}")
     job = GenerateJob(prompts=DEMO_PROMPTS, chat=True, max_tokens=max_tokens, labelled=True)
     spec = LaunchSpec(path=pack.resolve(), world_size=2, device=device, dtype=None if dtype == "auto" else dtype)

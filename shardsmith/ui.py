@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 
 from rich.console import Console
@@ -32,3 +34,16 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+@contextmanager
+def step_lines(console: Console, indent: str = "    ") -> Iterator[Callable[[str], None]]:
+    """A callback that shows each step line of a long job: one spinner line updated in place on a
+    terminal, else each line printed as it comes (logs keep every step)."""
+    from rich.markup import escape
+
+    if not console.is_terminal:
+        yield lambda line: console.print(f"{indent}{escape(line)}", highlight=False)
+        return
+    with console.status("", spinner="dots") as status:
+        yield lambda line: status.update(f"{indent}{escape(line)}")

@@ -17,7 +17,8 @@ from shardsmith.runtime.models.deepseek_v4.ops import apply_rope, inv_freq
 from shardsmith.runtime.layers.quant import dequantize_fp4, ue8m0_to_float
 from shardsmith.testing.quant import dequantize_fp4_group, quantize_fp4_group
 
-REAL_CONFIG = Path(__file__).resolve().parents[1].parent / "shared/real-inventories/deepseek-v4-flash-0731-reap160/config.json"
+# the release's config.json, verbatim in the shipped header sample (and beside the checkout in shared/)
+REAL_CONFIG = Path(__file__).parent / "fixtures/deepseek-v4-flash-sample/release-config.json"
 
 
 def test_release_config_is_read_like_transformers() -> None:

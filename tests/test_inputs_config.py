@@ -65,9 +65,21 @@ def test_kv_heads_must_divide_query_heads(inventory: Path) -> None:
     _refused(inventory, "config.json: num_key_value_heads is 2", "does not divide num_attention_heads=9")
 
 
-def test_a_missing_field_is_named_with_the_architecture(inventory: Path) -> None:
-    _edit_json(inventory / "config.json", lambda c: c.pop("num_attention_heads"))
-    _refused(inventory, "config.json: field num_attention_heads is missing", "MixtralForCausalLM")
+@pytest.mark.parametrize("edit, word", [(lambda c: c.pop("num_attention_heads"), "missing"),
+                                        (lambda c: c.__setitem__("num_attention_heads", None), "null")])
+def test_a_missing_field_is_named_with_the_architecture(inventory: Path, edit, word: str) -> None:
+    _edit_json(inventory / "config.json", edit)
+    _refused(inventory, f"config.json: field num_attention_heads is {word}", "MixtralForCausalLM")
+
+
+def test_null_optional_fields_count_as_absent(inventory: Path) -> None:
+    """transformers writes unset fields as null: architectures, head_dim, num_key_value_heads."""
+    def edit(c: dict) -> None:
+        c.update(architectures=None, head_dim=None, num_key_value_heads=3, num_experts=None)
+
+    _edit_json(inventory / "config.json", edit)
+    plan = plan_checkpoint(open_checkpoint(inventory), 3)
+    assert plan.family == "mixtral"
 
 
 def test_mixtral_tensors_called_deepseek_v3_name_the_missing_v3_field(inventory: Path) -> None:

@@ -130,8 +130,9 @@ def test_split_refuses_a_foreign_partial_folder(ckpt: Path, tmp_path: Path) -> N
 
 @pytest.mark.parametrize("args, flag", [
     (("--tp", 2, "--workers", -1), "--workers -1"),
-    (("--tp", 0), "--tp 0"),
-    (("--tp", -2), "--tp -2"),
+    (("--tp", 0), "--tp must be at least 1, got 0"),  # as `plan --tp 0` says it
+    (("--tp", -2), "--tp must be at least 1, got -2"),
+    (("--tp", 2, "--align", 0), "--align must be at least 1, got 0"),
     (("--tp", 2, "--max-file-bytes", 0), "--max-file-bytes 0"),
     (("--tp", 2, "--ranks", "2"), "--ranks 2"),
     (("--tp", 2, "--ranks", "-1"), "--ranks -1"),

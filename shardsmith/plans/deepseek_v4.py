@@ -28,18 +28,59 @@ from .core import BankArray, BankRole, Layout, Plan, Rule, Split
 L = r"((?:layers|mtp)\.\d+)"  # layer key: a backbone layer or an MTP draft layer
 
 
+MAX_WORLD_SIZE = 64
+
+
+def _fp8_block(config: dict) -> int:
+    """Rows (= columns) of an FP8 weight block from ``quantization_config``, 1 when unquantized."""
+    qc = config.get("quantization_config") or {}
+    block = qc.get("weight_block_size") if qc.get("quant_method", "fp8") == "fp8" else None
+    return int(block[0]) if block else 1
+
+
+def world_size_problem(config: dict, world_size: int) -> str | None:
+    """Why DeepSeek-V4 cannot be split over ``world_size`` ranks, or ``None`` when it can.
+
+    Constraints, in order: ``wq_b`` is split by whole heads and ``wo_a``/``wo_b`` by whole output
+    groups (``world_size`` divides ``num_attention_heads`` and ``o_groups``); with block-FP8 weights
+    (``quantization_config.weight_block_size`` B) each rank's ``wq_b`` rows (heads/ws x head_dim)
+    and ``wo_a`` rows / ``wo_b`` columns (o_groups/ws x o_lora_rank) are whole blocks, and the
+    shared expert's intermediate dim (``moe_intermediate_size``) holds at least one whole block per
+    rank. These are the cuts :func:`~shardsmith.plans.resolve.resolve` refuses.
+    """
+    heads, head_dim = config_int(config, "num_attention_heads"), config_int(config, "head_dim")
+    groups = config_int(config, "o_groups", default=1)
+    o_rank = config_int(config, "o_lora_rank", default=0) or head_dim * heads // groups
+    for what, n in (("num_attention_heads", heads), ("o_groups", groups)):
+        if n % world_size:
+            return (f"world_size={world_size} does not divide {what}={n} (wq_b is split by whole heads and wo_a by "
+                    f"whole output groups)")
+    block = _fp8_block(config)
+    if block > 1:
+        for what, rows in ((f"wq_b rows per rank ({heads // world_size} heads x head_dim {head_dim})",
+                            heads // world_size * head_dim),
+                           (f"wo_a rows / wo_b columns per rank ({groups // world_size} output groups x o_lora_rank "
+                            f"{o_rank})", groups // world_size * o_rank)):
+            if rows % block:
+                return f"world_size={world_size}: {what} = {rows}, not a whole number of {block}-element FP8 blocks"
+        inter = config_int(config, "moe_intermediate_size", default=0)
+        if inter and -(-inter // block) < world_size:
+            return (f"world_size={world_size}: the shared expert's moe_intermediate_size={inter} holds only "
+                    f"{-(-inter // block)} whole {block}-element FP8 blocks, fewer than the ranks")
+    return None
+
+
 def valid_world_sizes(config: dict) -> list[int]:
-    """World sizes (up to 64) that divide both the attention heads and ``o_groups``."""
-    heads, groups = config_int(config, "num_attention_heads"), config_int(config, "o_groups", default=1)
-    return [w for w in range(1, 65) if heads % w == 0 and groups % w == 0]
+    """World sizes up to :data:`MAX_WORLD_SIZE` that meet every constraint of :func:`world_size_problem`."""
+    return [w for w in range(1, MAX_WORLD_SIZE + 1) if world_size_problem(config, w) is None]
 
 
 def build(config: dict, world_size: int) -> Plan:
     """The DeepSeek-V4 plan for ``world_size`` ranks.
 
     Raises:
-        PlanError: ``world_size`` does not divide the heads or ``o_groups`` (wq_b and wo_a are
-            split by whole heads and whole output groups), naming the valid sizes.
+        PlanError: ``world_size`` breaks a constraint of :func:`world_size_problem` (heads and
+            output groups divided whole, FP8 blocks whole), naming it and the valid sizes.
         SourceError: ``num_attention_heads``, ``head_dim``, ``o_groups`` or ``o_lora_rank`` not a
             valid count in config.json (or the first two missing).
     """
@@ -47,13 +88,9 @@ def build(config: dict, world_size: int) -> Plan:
     head_dim = config_int(config, "head_dim")
     groups = config_int(config, "o_groups", default=1)
     o_rank = config_int(config, "o_lora_rank", default=0) or head_dim * heads // groups
-    for what, n in (("num_attention_heads", heads), ("o_groups", groups)):
-        if n % world_size:
-            raise PlanError(
-                f"DeepSeek-V4: world_size={world_size} does not divide {what}={n} (wq_b is split by "
-                f"whole heads and wo_a by whole output groups); valid world sizes: "
-                f"{', '.join(map(str, valid_world_sizes(config)))}"
-            )
+    why = world_size_problem(config, world_size)
+    if why:
+        raise PlanError(f"DeepSeek-V4: {why}; valid world sizes: {', '.join(map(str, valid_world_sizes(config)))}")
     exact = Split.EXACT
     rules = (
         Rule(r"embed\.weight", Layout.VOCAB, 0, note="vocab-parallel embedding: masked lookup + all-reduce"),

@@ -338,20 +338,25 @@ def resolve(plan: Plan, tensors: dict[str, TensorInfo], config: dict, world_size
             ordered[name] = TensorPlan(name, info.dtype, info.shape, w.layout, -1, w.shard_dim,
                                        max(w.unit // block, 1), w.split, tuple(_scale_ranges(list(w.ranges), block)),
                                        q.format, w.name, bank, w.block)
-    counts = _expert_counts([tp.bank for tp in out.values() if tp.bank is not None])
+    counts = _expert_counts([tp for tp in out.values() if tp.bank is not None])
     return ResolvedPlan(plan.family, world_size, align, plan.notes, ordered, counts)
 
 
-def _expert_counts(slots: list[BankSlot]) -> dict[str, int]:
+def _expert_counts(experts: list[TensorPlan]) -> dict[str, int]:
     """Experts per layer; every expert of a layer must have gate, up and down.
 
+    Args:
+        experts: the routed-expert weights (``bank`` set) of the plan.
+
     Raises:
-        PlanError: listing each layer's missing experts or projections.
+        PlanError: listing each layer's missing experts, and each missing projection by the source
+            tensor name it would have (taken from another expert of the layer that has it).
     """
-    have: dict[str, dict[int, set[tuple[BankArray, int]]]] = {}
-    for s in slots:
-        have.setdefault(s.layer, {}).setdefault(s.expert, set()).add((s.array, s.segment))
-    full = {(BankArray.GATE_UP, 0), (BankArray.GATE_UP, 1), (BankArray.DOWN, 0)}
+    have: dict[str, dict[int, dict[tuple[BankArray, int], str]]] = {}
+    for tp in experts:
+        s = tp.bank
+        have.setdefault(s.layer, {}).setdefault(s.expert, {})[(s.array, s.segment)] = tp.name
+    full = {(BankArray.GATE_UP, 0): "gate (w1)", (BankArray.GATE_UP, 1): "up (w3)", (BankArray.DOWN, 0): "down (w2)"}
     problems = []
     for layer, by_expert in sorted(have.items(), key=lambda kv: natural_key(kv[0])):
         n = max(by_expert) + 1
@@ -359,9 +364,15 @@ def _expert_counts(slots: list[BankSlot]) -> dict[str, int]:
         if missing:
             problems.append(f"layer {layer}: routed experts {missing[:8]} missing (max index {n - 1})")
         for e, parts in sorted(by_expert.items()):
-            if parts != full:
-                names = sorted(f"{a.value}[{s}]" for a, s in full - parts)
-                problems.append(f"layer {layer} expert {e}: missing {', '.join(names)} (gate_up[0]=w1/gate, gate_up[1]=w3/up, down[0]=w2/down)")
+            for slot in sorted(full.keys() - parts.keys()):
+                label = f"{slot[0].value}[{slot[1]}], the {full[slot]} projection"
+                other = next(((o, names[slot]) for o, names in by_expert.items() if slot in names), None)
+                if other is None:
+                    problems.append(f"layer {layer} expert {e}: missing its {label} (no expert of the layer has one)")
+                    continue
+                head, sep, tail = other[1].rpartition(f".{other[0]}.")
+                problems.append(f"layer {layer} expert {e}: missing tensor {head}.{e}.{tail!s} ({label})" if sep else
+                                f"layer {layer} expert {e}: missing its {label} (expert {other[0]} has {other[1]})")
     if problems:
         raise PlanError(format_problems("incomplete routed experts", problems))
     return {layer: max(by_expert) + 1 for layer, by_expert in sorted(have.items(), key=lambda kv: natural_key(kv[0]))}

@@ -29,7 +29,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -39,8 +41,8 @@ import xxhash
 
 from ..checkpoint import open_checkpoint, slice_bytes
 from ..errors import SourceError, UsageError
-from ..plans import plan_checkpoint
 from ..pack.format import PACK_MANIFEST, load_yaml
+from ..plans import plan_checkpoint
 from ..plans.resolve import TensorPlan
 from .journal import Journal
 from .layout import DEFAULT_MAX_FILE_BYTES, PackLayout, layout_pack
@@ -94,10 +96,12 @@ def shard_pieces(raw: np.ndarray, tp: TensorPlan, rank: int) -> list[np.ndarray]
     return [cut(raw, tp, rank)]
 
 
-def _check_args(world_size: int, ranks: tuple[int, ...] | None, max_file_bytes: int, workers: int | None) -> None:
+def _check_args(world_size: int, align: int, ranks: tuple[int, ...] | None, max_file_bytes: int, workers: int | None) -> None:
     """Raise :class:`UsageError` for bad arguments, before anything is read or written."""
     if not isinstance(world_size, int) or world_size < 1:
-        raise UsageError(f"--tp {world_size}: the tensor-parallel world size must be an integer >= 1")
+        raise UsageError(f"--tp must be at least 1, got {world_size}")  # the words of `plan --tp 0`
+    if not isinstance(align, int) or align < 1:
+        raise UsageError(f"--align must be at least 1, got {align}")
     if ranks is not None and (not ranks or any(not 0 <= r < world_size for r in ranks)):
         raise UsageError(f"--ranks {','.join(map(str, ranks))}: each rank must be in [0, {world_size})")
     if max_file_bytes <= 0:
@@ -153,19 +157,22 @@ def split_checkpoint(
     """
     t0 = time.perf_counter()
     out = Path(out_dir)
-    _check_args(world_size, ranks, max_file_bytes, workers)
+    _check_args(world_size, align, ranks, max_file_bytes, workers)
     ckpt = open_checkpoint(ckpt_dir)
     if ckpt.header_only:
         n = sum(f.header_only for f in ckpt.files.values())
         raise SourceError(f"{ckpt.root}: {n} of {len(ckpt.files)} shard(s) are header-only (.safetensors.json); "
                           f"split needs the tensor data (download the shards first)")
     shards = [f.path for f in ckpt.files.values()]
+    partial = partial_dir(out)
+    # --resume after the final rename: OUT holds a pack and no OUT.partial is left (checked below)
+    finished = (resume and not force and not partial.exists() and not out.is_symlink()
+                and (out / PACK_MANIFEST).is_file())
+    check_out(ckpt.root, shards, out, force=force or finished)
     plan = plan_checkpoint(ckpt, world_size, align=align)
     layout = layout_pack(plan, ranks=ranks, max_file_bytes=max_file_bytes)
     plan_bytes = plan_json(plan)
-    partial = partial_dir(out)
-    if resume and not force and not partial.exists() and (out / PACK_MANIFEST).is_file() and not out.is_symlink():
-        check_out(ckpt.root, shards, out, force=True)  # the source rules still hold
+    if finished:
         why = finished_pack(out, plan_hash=xxhash.xxh3_128(plan_bytes).hexdigest(), world_size=world_size,
                             ranks=layout.ranks, sources=[(f.name, f.path) for f in ckpt.files.values()])
         if why is not None:
@@ -175,7 +182,6 @@ def split_checkpoint(
                            0, len(layout.files), 0, 0, time.perf_counter() - t0, 0,
                            (f"{out} already holds this finished pack (same plan, ranks and source files): nothing to "
                             f"resume; `shardsmith verify {out}` checks it",), already_complete=True)
-    check_out(ckpt.root, shards, out, force=force)
     key = {"format_version": 1, "plan_xxh3_128": xxhash.xxh3_128(plan_bytes).hexdigest(),
            "ranks": list(layout.ranks), "max_file_bytes": max_file_bytes,
            "source": [[f.name, f.size, f.path.stat().st_mtime_ns] for f in ckpt.files.values()]}
@@ -208,6 +214,16 @@ def split_checkpoint(
     reused = sum(1 for p in layout.files if p in journal.files) - stats["written"]
     return SplitResult(str(out), pack_id, world_size, layout.ranks, stats["written"], reused, stats["read"],
                        stats["bytes_written"], time.perf_counter() - t0, stats["window"], tuple(notes))
+
+
+@contextmanager
+def _failing(failed: threading.Event) -> Iterator[None]:
+    """Set ``failed`` when the block raises (``KeyboardInterrupt`` included), then re-raise."""
+    try:
+        yield
+    except BaseException:
+        failed.set()
+        raise
 
 
 def _fsync(path: Path) -> None:
@@ -277,7 +293,9 @@ def _stream(ckpt, plan, layout: PackLayout, root: Path, journal: Journal, worker
             window.give(raw.nbytes)
 
     try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="split") as pool:
+        # on Ctrl-C or a read error, _failing sets `failed` before the pool waits on its queue, so
+        # queued tensors are dropped, not written
+        with ThreadPoolExecutor(workers, thread_name_prefix="split") as pool, _failing(failed):
             for p in [p for p, n in remaining.items() if n == 0]:
                 finish(p)
             for shard in shards:
@@ -307,9 +325,6 @@ def _stream(ckpt, plan, layout: PackLayout, root: Path, journal: Journal, worker
                 if failed.is_set():
                     break
                 journal.source_done(shard.name, shard.size, h.hexdigest())
-    except BaseException:  # Ctrl-C or a read error: queued tensors are dropped, not written
-        failed.set()
-        raise
     finally:
         for w in writers.values():
             w.abort()

@@ -38,7 +38,7 @@ from shardsmith.pack.check import HashJob, check_rank, copied_file_jobs
 from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, rank_dir
 from shardsmith.pack.reader import load_plan, read_pack_manifest
 
-from .outdir import unfinished_split
+from .outdir import rank_of_pack, unfinished_split
 
 RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
 MISMATCH_LINES = 10  # identity differences listed when --against names another checkpoint
@@ -155,6 +155,10 @@ def _check_target(root: Path) -> str | None:
         return None
     if note := unfinished_split(root):  # OUT.partial itself
         return note
+    if where := rank_of_pack(root):
+        r, n, pack = where
+        raise UsageError(f"{root}: is rank {r} of {n} of the pack {pack}, not a pack itself; verify the pack: "
+                         f"`shardsmith verify {pack} --rank {r}`")
     if (root / "config.json").is_file() and any(root.glob("*.safetensors*")):
         raise UsageError(f"{root}: this looks like a checkpoint (config.json + safetensors), not a pack; did you mean "
                          f"`shardsmith split` or `verify PACK --against CKPT`?")
