@@ -230,6 +230,29 @@ def test_client_disconnect_stops_generation(server: Server) -> None:
     assert '{endpoint="/v1/completions",status="499"} 1' in httpx.get(f"{server.url}/metrics").text
 
 
+def test_non_streaming_client_timeout_cancels_generation(server: Server) -> None:
+    """A JSON (non-streaming) request whose client gives up stops generating at once; the next
+    request runs right away instead of queuing behind ~1500 abandoned tokens."""
+    def metric(prefix: str) -> float:
+        return sum(float(l.rsplit(" ", 1)[1]) for l in httpx.get(f"{server.url}/metrics").text.splitlines()
+                   if l.startswith(prefix))
+
+    tokens, gone = "shardsmith_generation_tokens_total ", 'shardsmith_requests_total{endpoint="/v1/chat/completions",status="499"}'
+    before, gone_before = metric(tokens), metric(gone)
+    story = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+             "temperature": 0, "max_tokens": 1500}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=story, timeout=3)
+    t0 = time.monotonic()
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "The capital of France is", "temperature": 0,
+                                         "max_tokens": 2})
+    waited = time.monotonic() - t0
+    assert r.json()["choices"][0]["text"].startswith(" Paris")
+    assert waited < 15, waited  # not queued behind the abandoned request
+    assert metric(tokens) - before < 120  # it stopped instead of running 1500 tokens
+    assert metric(gone) == gone_before + 1
+
+
 def test_zz_sigterm_stops_cleanly(server: Server) -> None:
     pids = server.rank_pids()
     assert sorted(pids) == [0, 1]

@@ -114,3 +114,53 @@ def test_sse_framing() -> None:
     assert event == 'data: {"text":"é 🙂","n":1}\n\n'
     assert json.loads(event.removeprefix("data: ")) == {"text": "é 🙂", "n": 1}
     assert SSE_DONE == "data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", b'{"model": "%s", "prompt": "\\ud800"}' % MODEL.encode(), "prompt"),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "a\\udfffb"}]}' % MODEL.encode(),
+     "messages.0.content"),
+    ("/v1/chat/completions", b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+    ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": [{"type": "text", '
+                             b'"text": "\\ud83d"}]}]}' % MODEL.encode(), "messages.0.content.0.text"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "x", "\\ud800": 1}' % MODEL.encode(), "\\ud800"),
+])
+def test_lone_surrogate_is_a_400_with_openai_body(loading_client, path, body, param) -> None:
+    """JSON's \\ud800 escape decodes to a lone surrogate: refused by name, never a plain-text 500."""
+    r = loading_client.post(path, content=body, headers={"content-type": "application/json"})
+    err = _error(r, 400, param=param, code="invalid_unicode", match="not valid Unicode")
+    assert "surrogate" in err["message"]
+    r.content.decode("ascii")  # the body itself is plain ASCII JSON
+
+
+def test_405_names_the_allowed_methods(loading_client) -> None:
+    r = loading_client.get("/v1/chat/completions")
+    _error(r, 405)
+    assert r.headers["allow"] == "POST"
+    r = loading_client.delete("/v1/models")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
+
+
+def test_openapi_schema_is_published(loading_client) -> None:
+    schema = loading_client.get("/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}"} <= set(schema["paths"])
+    assert "post" in schema["paths"]["/v1/chat/completions"]
+    assert "ChatCompletionRequest" in schema["components"]["schemas"]
+
+
+def test_models_retrieve(loading_client) -> None:
+    r = loading_client.get(f"/v1/models/{MODEL}")
+    assert r.status_code == 200
+    card = r.json()
+    assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"] == "shardsmith"
+    _error(loading_client.get("/v1/models/gpt-4"), 404, param="model", code="model_not_found",
+           match=f"'gpt-4' does not exist; this server serves '{MODEL}'")
+    assert loading_client.get("/v1/models/org/gpt-4").status_code == 404
+
+
+def test_openapi_schema_names_the_served_model(loading_client) -> None:
+    schema = loading_client.get("/openapi.json").json()
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        assert schema["components"]["schemas"][name]["properties"]["model"]["enum"] == [MODEL]
+    (param,) = schema["paths"]["/v1/models/{model}"]["get"]["parameters"]
+    assert param["schema"]["enum"] == [MODEL]

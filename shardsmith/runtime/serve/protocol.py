@@ -8,6 +8,10 @@ integer is a valid number). Fields OpenAI defines but the runtime does not imple
 accepted at their neutral value (``presence_penalty=0``, ``n=1``, ``echo=false``, no ``tools``)
 and refused otherwise, naming the field. ``top_k`` is an extension (vLLM spells it the same way).
 
+Every string in a request, keys included, must be encodable as UTF-8: JSON's ``\\ud800`` escape
+decodes to a lone surrogate, which no tokenizer takes and no response could echo, so it is a 400
+naming the field (``code: invalid_unicode``).
+
 Errors use OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -18,6 +22,7 @@ import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20
 MAX_STOP = 4
@@ -53,6 +58,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def lone_surrogate(value: Any, where: str = "") -> tuple[str, str] | None:
+    """``(field path, the offending string)`` of the first string (or key) in ``value`` that is not
+    valid Unicode (a lone surrogate from a JSON ``\\ud800`` escape), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body", value
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            key = str(k).encode("utf-8", "backslashreplace").decode("utf-8")  # the path itself must be valid
+            path = f"{where}.{key}" if where else key
+            if (hit := lone_surrogate(k, path)) or (hit := lone_surrogate(v, path)):
+                return hit
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if hit := lone_surrogate(v, f"{where}.{i}" if where else str(i)):
+                return hit
+    return None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -74,6 +101,16 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (hit := lone_surrogate(data)) is not None:
+            where, text = hit
+            raise PydanticCustomError("invalid_unicode", "'{where}' is not valid Unicode: {text} holds a lone UTF-16 "
+                                      "surrogate (a \\ud800-\\udfff escape without its pair)",
+                                      {"where": where, "text": ascii(text)[:80]})
+        return data
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list (at most :data:`MAX_STOP`, none empty)."""
@@ -201,6 +238,8 @@ def validation_error(errors: list[dict[str, Any]], *, content_type: str | None =
     for e in errors:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         kind = e.get("type", "")
+        if kind == "invalid_unicode":
+            return invalid(str(e.get("msg")), (e.get("ctx") or {}).get("where"), "invalid_unicode")
         if kind == "json_invalid":
             ctx = (e.get("ctx") or {}).get("error", "")
             return invalid(f"request body is not valid JSON: {ctx}".rstrip(": "), code="invalid_json")

@@ -1,8 +1,12 @@
 """The OpenAI-compatible HTTP API on rank 0 (FastAPI + uvicorn).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE streaming),
-``GET /v1/models``, ``GET /health`` (503 until every rank has loaded and warmed up),
-``GET /metrics`` (Prometheus text, :mod:`.metrics`).
+``GET /v1/models``, ``GET /v1/models/{model}`` (OpenAI's ``models.retrieve``), ``GET /health``
+(503 until every rank has loaded and warmed up), ``GET /metrics`` (Prometheus text,
+:mod:`.metrics`), ``GET /openapi.json`` (the schema FastAPI derives from :mod:`.protocol`).
+Every error, 404 and 405 included (a 405 names the allowed methods in ``Allow``), has OpenAI's
+error body. A client that goes away ends its request, streaming or not: the engine stops
+generating for it at the next token.
 
 A request is validated completely (body size, schema, supported options, model name, chat
 template, prompt + ``max_tokens`` within the context) before it is queued, so a bad request costs
@@ -170,12 +174,36 @@ class Service:
             job.cancelled.set()  # no-op when done; stops generation when the client went away
 
 
-def _error_response(request: Request, metrics: Metrics, err: APIError) -> JSONResponse:
+class ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error may quote what the client sent, and that must never
+    fail to encode (a lone surrogate)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _error_response(request: Request, metrics: Metrics, err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     if request.url.path.startswith("/v1/") and request.method == "POST":
         metrics.request_done(request.url.path, err.status)
     if err.status >= 500 and err.status != 503:
         log.error("%s %s: %s", request.method, request.url.path, err.message)
-    return JSONResponse(err.body(), status_code=err.status)
+    return ErrorResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _openapi(app: FastAPI, model_name: str) -> dict[str, Any]:
+    """FastAPI's schema with ``model`` (request field and ``/v1/models/{model}``) an enum of the one
+    model served, so that clients and fuzzers know the one id that is not a 404."""
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
+        for param in schema["paths"]["/v1/models/{model}"]["get"].get("parameters", []):
+            if param.get("name") == "model":
+                param["schema"]["enum"] = [model_name]
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class BodyLimit:
@@ -228,9 +256,11 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
     ``trust_remote_code``: see :class:`Service`; ``max_request_bytes``: see :class:`BodyLimit`."""
     from shardsmith.runtime.serve.streaming import chat_response, completion_response
 
-    app = FastAPI(title="shardsmith", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="shardsmith", summary="OpenAI-compatible completions and chat completions over a TP pack",
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     svc = Service(worker, model_name=model_name, metrics=metrics, trust_remote_code=trust_remote_code)
     app.state.service = svc
+    app.openapi = lambda: _openapi(app, model_name)
     app.add_middleware(BodyLimit, limit=max_request_bytes, metrics=metrics)
 
     @app.exception_handler(APIError)
@@ -245,25 +275,38 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error_response(request, metrics, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind))
+        return _error_response(request, metrics, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind),
+                               headers=getattr(e, "headers", None))  # 405: Allow
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         return await completion_response(svc, await run_in_threadpool(svc.prepare, req), stream=req.stream,
-                                         include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                                         request=request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await chat_response(svc, await run_in_threadpool(svc.prepare, req), stream=req.stream,
-                                   include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                                   include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                                   request=request)
+
+    def card() -> dict[str, Any]:
+        engine = worker.engine if worker.state is State.READY else None
+        out = {"id": model_name, "object": "model", "created": svc.created, "owned_by": "shardsmith"}
+        if engine is not None:
+            out["max_model_len"] = engine.max_seq_len
+        return out
 
     @app.get("/v1/models")
     async def models():
-        engine = worker.engine if worker.state is State.READY else None
-        card = {"id": model_name, "object": "model", "created": svc.created, "owned_by": "shardsmith"}
-        if engine is not None:
-            card["max_model_len"] = engine.max_seq_len
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        if model != model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+        return card()
 
     @app.get("/health")
     async def health():

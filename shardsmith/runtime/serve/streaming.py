@@ -8,16 +8,23 @@ is sent as an ``{"error": ...}`` event before ``[DONE]`` (the status line is alr
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from shardsmith.runtime.serve.protocol import SSE_DONE, APIError, chat_logprobs, completion_logprobs, sse, usage
 
 CLIENT_CLOSED = 499  # nginx's code for a client that went away mid-response; used in metrics only
+
+
+def _gone(svc, path: str) -> Response:
+    """The client went away: count it; the response goes nowhere."""
+    svc.metrics.request_done(path, CLIENT_CLOSED)
+    return Response(status_code=CLIENT_CLOSED)
 
 
 async def _collect(events: AsyncIterator) -> tuple[str, list, list[int], str | None]:
@@ -28,6 +35,36 @@ async def _collect(events: AsyncIterator) -> tuple[str, list, list[int], str | N
         steps.append(ev.step)
         finish = ev.finish_reason
     return text, steps, offsets, finish
+
+
+async def until_disconnected(request, work: Awaitable):
+    """``await work``, cancelled when the client disconnects first (then None).
+
+    Starlette notices a disconnect only while it streams; a JSON response is written at the end,
+    so without this a request whose client gave up would hold the engine until it finished. The
+    request body is already read: the next ASGI message is ``http.disconnect``.
+    """
+    task = asyncio.ensure_future(work)
+    if request is None:
+        return await task
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()  # the engine job sees it through Service.events' finally (Job.cancelled)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return None
 
 
 def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, Any]]]) -> StreamingResponse:
@@ -49,13 +86,16 @@ def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, A
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def completion_response(svc, p, *, stream: bool, include_usage: bool):
-    """``/v1/completions`` body for the prepared request ``p`` (a dict, or a streaming response)."""
+async def completion_response(svc, p, *, stream: bool, include_usage: bool, request=None):
+    """``/v1/completions`` body for the prepared request ``p`` (a dict, or a streaming response);
+    ``request``: the HTTP request, watched for a disconnect (:func:`until_disconnected`)."""
     path, codec, n_prompt = "/v1/completions", svc.worker.codec, len(p.prompt_ids)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": svc.model_name}
     if not stream:
-        text, steps, offsets, finish = await _collect(svc.events(p))
+        if (got := await until_disconnected(request, _collect(svc.events(p)))) is None:
+            return _gone(svc, path)
+        text, steps, offsets, finish = got
         svc.metrics.request_done(path, 200)
         lp = completion_logprobs(steps, codec, offsets) if p.want_logprobs else None
         return head | {"choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
@@ -79,12 +119,14 @@ async def completion_response(svc, p, *, stream: bool, include_usage: bool):
     return _sse_response(svc, path, chunks)
 
 
-async def chat_response(svc, p, *, stream: bool, include_usage: bool):
-    """``/v1/chat/completions`` body for the prepared request ``p``."""
+async def chat_response(svc, p, *, stream: bool, include_usage: bool, request=None):
+    """``/v1/chat/completions`` body for the prepared request ``p``; ``request`` as in :func:`completion_response`."""
     path, codec, n_prompt = "/v1/chat/completions", svc.worker.codec, len(p.prompt_ids)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
     if not stream:
-        text, steps, _, finish = await _collect(svc.events(p))
+        if (got := await until_disconnected(request, _collect(svc.events(p)))) is None:
+            return _gone(svc, path)
+        text, steps, _, finish = got
         svc.metrics.request_done(path, 200)
         return head | {"object": "chat.completion",
                        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},

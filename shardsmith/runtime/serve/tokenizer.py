@@ -77,6 +77,7 @@ class Codec:
             if (text := token_content(cfg.get("eos_token"))) is not None and (i := self._tok.token_to_id(text)) is not None:
                 eos.add(i)
         self.eos_token_ids = tuple(sorted(eos))
+        self._added: tuple[list[int], list[int]] | None = None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in it are matched, none are added.
@@ -94,14 +95,29 @@ class Codec:
         adds them (DeepSeek's ``TemplateProcessing`` puts BOS first; converters write
         ``tokenizer_config.json``'s ``add_bos_token`` into it; SmolLM2 adds none). Unlike
         transformers, a BOS is never doubled: when the text itself starts with the tokens the
-        post-processor would put in front, they are not added again.
+        post-processor would put in front, they are not added again. One tokenization, as
+        :meth:`encode`; the added tokens were found once (:attr:`added_tokens`).
         """
-        plain = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-        full = self._tok.encode_batch([text], add_special_tokens=True)[0].ids
-        front = _front(full, plain)
-        if front and plain[:front] == full[:front]:
-            return full[front:]
-        return full
+        ids = self.encode(text)
+        front, back = self.added_tokens
+        if front and ids[:len(front)] == front:
+            front = []
+        return front + ids + back
+
+    @property
+    def added_tokens(self) -> tuple[list[int], list[int]]:
+        """``(before, after)``: the ids the post-processor puts around a single sequence (fixed for
+        every post-processor ``tokenizers`` ships: template, BERT, RoBERTa, byte-level)."""
+        if self._added is None:
+            for text in ("a", "0", ".", " "):  # a text this vocabulary encodes to something
+                if probe := self._tok.encode(text, add_special_tokens=False).ids:
+                    wrapped = self._tok.encode(text, add_special_tokens=True).ids
+                    start = _front(wrapped, probe)
+                    self._added = (wrapped[:start], wrapped[start + len(probe):])
+                    break
+            else:  # nothing to tell before from after: what an empty text gets goes in front
+                self._added = (self._tok.encode("", add_special_tokens=True).ids, [])
+        return self._added
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (invalid UTF-8 becomes U+FFFD)."""
@@ -124,8 +140,8 @@ class Codec:
 
 
 def _front(full: list[int], plain: list[int]) -> int:
-    """How many tokens a post-processor put before ``plain`` in ``full`` (0 when it is not a
-    prefix-and-suffix wrapper of ``plain``)."""
+    """How many tokens a post-processor put before ``plain`` in ``full`` (0 when ``plain`` is not
+    inside ``full``)."""
     for start in range(len(full) - len(plain) + 1):
         if full[start:start + len(plain)] == plain:
             return start
