@@ -17,15 +17,15 @@ array              shape (rank-local)                     contents
 
 Formats (:func:`~shardsmith.runtime.layers.quant.bank_format`) and the paths they take:
 
-======  ===================================  ==================================================
-format  a step with no host sync             otherwise (one host sync: the ids)
-======  ===================================  ==================================================
-dense   one token, K experts gathered by id  expert by expert, gate and up as two matmuls
+======  ==========================================  ============================================
+format  a step with no host sync                    otherwise (one host sync: the ids)
+======  ==========================================  ============================================
+dense   one token, its K experts gathered by id     expert by expert, gate and up as two matmuls
         (at most ``DECODE_GATHER_MAX_BYTES``)
-fp8     never (kept FP8 with ``fp8=on-the-fly``)  expert by expert, dequantized per use
-fp4     ``T*K <= ExpertMath.batched_pairs``   expert by expert, one gate+up matmul
-        pairs: expanded, two batched matmuls
-======  ===================================  ==================================================
+fp8     never (FP8 kept with ``fp8="on-the-fly"``)  expert by expert, dequantized per use
+fp4     ``T*K <= ExpertMath.batched_pairs`` pairs,  expert by expert, one gate+up matmul
+        expanded, two batched matmuls
+======  ==========================================  ============================================
 
 The family's arithmetic around the matmuls (SwiGLU clamp, accumulation dtype, pair batching) is an
 :class:`ExpertMath`, so offloaded experts compute what the resident bank computes, bit for bit.

@@ -13,11 +13,15 @@ module            role
 ``expert_cache``  the slot pool on the GPU, batched miss copies on a copy stream
 ``cpu_backend``   routed experts computed on the host from the banks
 ``probe``         measured H2D bandwidth and host expert time; the backend choice
-``runtime``       options, the drop-in expert module, counters
+``config``        the options (:class:`OffloadConfig`)
+``runtime``       one rank's host banks, cache, executor and counters (:class:`OffloadRuntime`)
+``attach``        the drop-in expert module and :func:`attach_offload`
 ================  ==============================================================
 """
 
-from .runtime import OffloadConfig, OffloadedExperts, OffloadRuntime, attach_offload
+from .attach import OffloadedExperts, attach_offload
+from .config import OffloadConfig
+from .runtime import OffloadRuntime
 from .slots import Policy, SlotTable
 
 __all__ = ["OffloadConfig", "OffloadRuntime", "OffloadedExperts", "Policy", "SlotTable", "attach_offload"]

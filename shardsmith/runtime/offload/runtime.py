@@ -1,10 +1,7 @@
-"""Offloaded routed experts wired into the model: options, the per-layer module, the counters.
+"""One rank's offloaded routed experts: host banks, slot cache, host executor, counters.
 
-:func:`attach_offload` swaps every :class:`~shardsmith.runtime.layers.experts.ExpertBank` of a built
-(``meta``) model for an :class:`OffloadedExperts` with the same interface
-(:class:`~shardsmith.runtime.layers.experts.RoutedExperts`), so the
-MoE layer, its router and its single all-reduce stay as they are. The expert banks are read into
-host memory (:mod:`.host_bank`) instead of being assigned to the model. :meth:`OffloadRuntime.start`
+:func:`~.attach.attach_offload` puts it in the model (the expert banks are read into host memory,
+:mod:`.host_bank`, instead of being assigned to the model). :meth:`OffloadRuntime.start`
 runs after the dense weights and the KV cache are on the device: it sizes the slot pool from what
 is left (or ``cache_bytes``), agreeing on the smallest slot count across ranks, probes, and logs.
 
@@ -20,98 +17,22 @@ One MoE layer, GPU backend (one host sync: the ``[T, K]`` expert ids)::
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ...errors import UsageError
-from shardsmith.runtime.layers.experts import (ExpertBank, ExpertMath, RoutedExperts, expand_pairs, expert_output,
-                                               routed_pairs)
+from shardsmith.runtime.layers.experts import ExpertMath, expand_pairs, expert_output, routed_pairs
 from shardsmith.runtime.layers.quant import bank_format
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
+from .config import GiB, OffloadConfig
 from .cpu_backend import CpuExperts
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
-from .host_bank import HostBanks, load_host_banks
+from .host_bank import HostBanks
 from .probe import ProbeResult, run_probe
-from .slots import Policy
 
 log = logging.getLogger("shardsmith.runtime.offload")
-BACKENDS = ("auto", "gpu", "cpu", "hybrid")
-POLICIES = tuple(p.value for p in Policy)
-GiB = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadConfig:
-    """How routed experts are placed (``--moe-backend``, ``--expert-cache-gb``, ...).
-
-    Attributes:
-        backend: ``auto`` (the probe decides, never a slower one), ``gpu`` (slot cache), ``cpu``
-            (host computes every routed expert) or ``hybrid`` (a share of misses on the host).
-        cache_bytes: slot pool bytes per GPU; None: free device memory after weights and KV cache
-            minus ``reserve_bytes`` (on a CPU device: every expert).
-        cache_slots: exact slot count (tests); overrides ``cache_bytes``.
-        policy: ``hot`` (LRU with a frequency-pinned hot set) or ``lru``; hot_fraction: its share.
-        pin: ``auto``, ``require`` or ``off`` (:func:`~.host_bank.load_host_banks`).
-        hybrid_fraction: share of misses for the host in ``hybrid`` (None: the probe's balance).
-        probe: run the start-up probe on a CUDA device (off, or on a CPU device: no measurements, ``auto``
-            means ``gpu`` on CUDA and ``cpu`` otherwise).
-        log_decisions: keep the slot table's decision log (tests).
-    """
-
-    backend: str = "auto"
-    cache_bytes: int | None = None
-    cache_slots: int | None = None
-    policy: str = "hot"
-    hot_fraction: float = 0.75  # measured best of 0.25/0.5/0.75 on SmolLM2 and Zipf traces (RESULTS.md)
-    pin: str = "auto"
-    reserve_bytes: int = 2 * GiB
-    hybrid_fraction: float | None = None
-    probe: bool = True
-    log_decisions: bool = False
-
-    @classmethod
-    def from_cli(cls, *, moe_backend: str = "auto", expert_cache_gb: float | None = None,
-                 expert_policy: str = "hot") -> "OffloadConfig":
-        """From the ``serve``/``generate`` options.
-
-        Raises:
-            UsageError: an unknown backend or policy, or a cache size that is negative or not finite.
-        """
-        if moe_backend not in BACKENDS:
-            raise UsageError(f"--moe-backend must be one of {', '.join(BACKENDS)}, got {moe_backend!r}")
-        if expert_cache_gb is not None and not (math.isfinite(expert_cache_gb) and expert_cache_gb >= 0):
-            raise UsageError(f"--expert-cache-gb must be a number >= 0, got {expert_cache_gb}")
-        if expert_policy not in POLICIES:
-            raise UsageError(f"--expert-policy must be one of {', '.join(POLICIES)}, got {expert_policy!r}")
-        return cls(backend=moe_backend, policy=expert_policy,
-                   cache_bytes=None if expert_cache_gb is None else int(expert_cache_gb * GiB))
-
-
-class OffloadedExperts(RoutedExperts):
-    """Drop-in for a resident :class:`~shardsmith.runtime.layers.experts.ExpertBank`: layer ``layer``
-    of the runtime's host banks and slot pool, ``(x [T, D], index [T, K], weight [T, K]) -> [T, D]`` partial."""
-
-    def __init__(self, runtime: "OffloadRuntime", layer: int) -> None:
-        super().__init__()
-        self.runtime, self.layer = runtime, layer
-
-    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self.runtime.run_layer(self.layer, x, index, weight)
-
-    def slot_path(self) -> bool:
-        return self.runtime.cache is not None and self.runtime.pairs_max > 0
-
-    def decode_slots(self, x: torch.Tensor, index: torch.Tensor,
-                     weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.runtime.decode_slots(self.layer, x, index, weight)
-
-    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return self.runtime.apply_slots(x, weight, slots)
 
 
 class OffloadRuntime:
@@ -372,48 +293,3 @@ def _agree(values: list[float], device: torch.device, op) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=op)
     return t.tolist()
-
-
-def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: torch.device,
-                   dtype: torch.dtype) -> OffloadRuntime:
-    """Read the rank's banks into host memory and swap the model's expert banks for offloaded ones.
-
-    Call on the ``meta`` model before the family's ``assign_weights`` (pass it no banks), then
-    :meth:`OffloadRuntime.start` once the dense weights and KV cache are placed.
-
-    Args:
-        model: the built model; its :class:`~shardsmith.runtime.layers.experts.ExpertBank` modules,
-            named ``<layer>.<moe>.experts`` with ``<layer>`` a bank layer key, are replaced (banks of
-            other layers, e.g. DeepSeek-V4's MTP layers, are not read). The banks' own
-            :class:`~shardsmith.runtime.layers.experts.ExpertMath` and FP8 block size are kept, so
-            offloaded experts compute what the resident ones would.
-
-    Raises:
-        RuntimeLoadError: from :func:`~.host_bank.load_host_banks`.
-        UsageError: an unknown backend; no expert bank in the model; banks of different maths;
-            a model MoE layer with no bank in the pack.
-    """
-    if config.backend not in BACKENDS:
-        raise UsageError(f"moe backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
-    banks = {name: m for name, m in model.named_modules() if isinstance(m, ExpertBank)}  # model order
-    if not banks:
-        raise UsageError("expert offload: the model has no ExpertBank modules to offload")
-    kinds = sorted({(str(b.math), str(b.block)) for b in banks.values()})
-    if len(kinds) > 1:
-        raise UsageError(f"expert offload: the model's expert banks differ in maths or FP8 block: {kinds}")
-    first = next(iter(banks.values()))
-    keys = {name.rsplit(".", 2)[0]: name for name in banks}  # model.layers.N.<moe>.experts -> model.layers.N
-    layers = list(keys)
-    pin = config.pin if torch.device(device).type == "cuda" else "off"
-    host = load_host_banks(weights, pin=pin, layers=set(layers))
-    missing = sorted(set(keys) ^ set(host.layers))
-    if missing:
-        host.close()
-        raise UsageError(f"expert offload: model MoE layers and host banks differ: {missing}")
-    rt = OffloadRuntime(config, host, layers, device=torch.device(device), dtype=dtype,
-                        dim=next(iter(host.layers.values()))["down"].shape[1], block=first.block, math=first.math)
-    for i, layer in enumerate(layers):
-        name = keys[layer]
-        owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner), leaf, OffloadedExperts(rt, i))
-    return rt

@@ -1,0 +1,85 @@
+"""Offloaded experts in the model: :func:`attach_offload` swaps each resident
+:class:`~shardsmith.runtime.layers.experts.ExpertBank` of a built (``meta``) model for an
+:class:`OffloadedExperts` over the rank's host banks and slot pool, with the same interface
+(:class:`~shardsmith.runtime.layers.experts.RoutedExperts`), so the MoE layer, its router and its
+single all-reduce stay as they are, and the decode graphs drive it as any bank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...errors import UsageError
+from shardsmith.runtime.layers.experts import ExpertBank, RoutedExperts
+from .config import BACKENDS, OffloadConfig
+from .host_bank import load_host_banks
+from .runtime import OffloadRuntime
+
+
+class OffloadedExperts(RoutedExperts):
+    """Drop-in for a resident :class:`~shardsmith.runtime.layers.experts.ExpertBank`: layer ``layer``
+    of the runtime's host banks and slot pool, ``(x [T, D], index [T, K], weight [T, K]) -> [T, D]`` partial."""
+
+    def __init__(self, runtime: OffloadRuntime, layer: int) -> None:
+        super().__init__()
+        self.runtime, self.layer = runtime, layer
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.runtime.run_layer(self.layer, x, index, weight)
+
+    def slot_path(self) -> bool:
+        return self.runtime.cache is not None and self.runtime.pairs_max > 0
+
+    def decode_slots(self, x: torch.Tensor, index: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.runtime.decode_slots(self.layer, x, index, weight)
+
+    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.runtime.apply_slots(x, weight, slots)
+
+
+
+def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: torch.device,
+                   dtype: torch.dtype) -> OffloadRuntime:
+    """Read the rank's banks into host memory and swap the model's expert banks for offloaded ones.
+
+    Call on the ``meta`` model before the family's ``assign_weights`` (pass it no banks), then
+    :meth:`OffloadRuntime.start` once the dense weights and KV cache are placed.
+
+    Args:
+        model: the built model; its :class:`~shardsmith.runtime.layers.experts.ExpertBank` modules,
+            named ``<layer>.<moe>.experts`` with ``<layer>`` a bank layer key, are replaced (banks of
+            other layers, e.g. DeepSeek-V4's MTP layers, are not read). The banks' own
+            :class:`~shardsmith.runtime.layers.experts.ExpertMath` and FP8 block size are kept, so
+            offloaded experts compute what the resident ones would.
+
+    Raises:
+        RuntimeLoadError: from :func:`~.host_bank.load_host_banks`.
+        UsageError: an unknown backend; no expert bank in the model; banks of different maths;
+            a model MoE layer with no bank in the pack.
+    """
+    if config.backend not in BACKENDS:
+        raise UsageError(f"moe backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
+    banks = {name: m for name, m in model.named_modules() if isinstance(m, ExpertBank)}  # model order
+    if not banks:
+        raise UsageError("expert offload: the model has no ExpertBank modules to offload")
+    kinds = sorted({(str(b.math), str(b.block)) for b in banks.values()})
+    if len(kinds) > 1:
+        raise UsageError(f"expert offload: the model's expert banks differ in maths or FP8 block: {kinds}")
+    first = next(iter(banks.values()))
+    keys = {name.rsplit(".", 2)[0]: name for name in banks}  # model.layers.N.<moe>.experts -> model.layers.N
+    layers = list(keys)
+    pin = config.pin if torch.device(device).type == "cuda" else "off"
+    host = load_host_banks(weights, pin=pin, layers=set(layers))
+    missing = sorted(set(keys) ^ set(host.layers))
+    if missing:
+        host.close()
+        raise UsageError(f"expert offload: model MoE layers and host banks differ: {missing}")
+    rt = OffloadRuntime(config, host, layers, device=torch.device(device), dtype=dtype,
+                        dim=next(iter(host.layers.values()))["down"].shape[1], block=first.block, math=first.math)
+    for i, layer in enumerate(layers):
+        name = keys[layer]
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, OffloadedExperts(rt, i))
+    return rt
