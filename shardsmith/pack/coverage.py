@@ -22,8 +22,8 @@ def _is_int(x: object, lo: int = 0) -> bool:
 
 
 _TENSOR_KEYS = {"dtype": str, "shape": list, "layout": str, "rule": int, "shard_dim": (int, type(None)), "unit": int,
-                "partition": str, "quant": str, "ranges": list, "scale_of": str, "bank": dict}
-_OPTIONAL = {"scale_of", "bank", "quant"}
+                "partition": str, "quant": str, "ranges": list, "scale_of": str, "bank": dict, "block": list}
+_OPTIONAL = {"scale_of", "bank", "quant", "block"}  # block: written since plans keep it (plans/serialize.py)
 
 
 def json_problems(data: object) -> list[str]:
@@ -61,6 +61,9 @@ def json_problems(data: object) -> list[str]:
                 isinstance(rr, list) and all(isinstance(r, list) and len(r) == 2 and all(typed(x, int) for x in r) for r in rr)
                 for rr in ranges):
             out.append(f"{where}: field ranges: not a list per rank of [start, length] integer pairs")
+        block = d.get("block")
+        if isinstance(block, list) and not (len(block) == 2 and all(_is_int(b, 1) for b in block)):
+            out.append(f"{where}: field block: {block!r:.40} is not [rows, cols] of positive integers")
         bank = d.get("bank")
         if isinstance(bank, dict) and not (typed(bank.get("layer"), str) and typed(bank.get("expert"), int)
                                            and typed(bank.get("segment"), int) and typed(bank.get("scale"), bool)
