@@ -108,7 +108,11 @@ def parity(
     print_tables(report, decode=(lambda t: codec.decode([t], skip_special_tokens=False)) if codec else None)
     if as_json:
         emit_json(to_json(report))
-    raise typer.Exit(report.exit_code)
+    if report.defects:  # raised, not typer.Exit(2): the entry point maps IntegrityError to exit 2
+        from .errors import IntegrityError, format_problems
+
+        raise IntegrityError(format_problems(f"parity of {path}: a defect, not rounding noise", report.defects),
+                             report.defects)
 
 
 def register(app: typer.Typer) -> None:

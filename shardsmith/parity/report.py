@@ -41,7 +41,8 @@ def to_json(r: ParityReport) -> dict:
 
 
 def print_tables(r: ParityReport, *, decode: Callable[[int], str] | None = None) -> None:
-    """Divergences (and layers) as Rich tables on stderr, then the verdict line."""
+    """Divergences (and layers) as Rich tables on stderr, then, when there is no defect, the verdict
+    line (defects are raised by the command as an :class:`~shardsmith.errors.IntegrityError`)."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -69,8 +70,6 @@ def print_tables(r: ParityReport, *, decode: Callable[[int], str] | None = None)
             lt.add_row(str(x.layer), f"{x.rel_err:.3g}", f"{x.noise:.3g}", f"{x.ref_err:.3g}",
                        "[bold red]yes[/]" if x.departs else "no")
         con.print(lt)
-    if r.defects:
-        con.print("[bold red]defect:[/] " + escape("; ".join(r.defects)), soft_wrap=True)
-    else:
+    if not r.defects:
         n = sum(d.verdict == "near-tie" for d in r.divergences)
         con.print(f"[green]ok:[/] {n} divergence{'s' if n != 1 else ''}, all near-ties within the measured noise")
