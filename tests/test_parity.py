@@ -126,6 +126,15 @@ def test_pack_alone_names_the_configs_it_can_run(ckpt: Path, tmp_path: Path) -> 
     result = CliRunner().invoke(app, ["parity", str(tmp_path / "tp2"), "--tp", "1,2"])
     assert result.exit_code == 1
     assert plan_configs(ckpt, [2, 1], checkpoint=None, reference="transformers")[-1][0].kind == "transformers"
+    assert [c.name for c, _ in plan_configs(tmp_path / "tp2", [1, 2], checkpoint=ckpt, reference=None)] == ["tp1", "tp2-pack"]
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((ckpt / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 256}))
+    with pytest.raises(UsageError, match=r"not the model of .*'hidden_size' \(256 vs the pack's 192\)"):
+        plan_configs(tmp_path / "tp2", [1, 2], checkpoint=other, reference=None)
+    with pytest.raises(UsageError, match=r"--tp must list distinct"):
+        plan_configs(ckpt, [1, 1], checkpoint=None, reference=None)
 
 
 def _trace(tokens: list[int], lps: list[list[float]], ref: list[list[float]], ids: list[list[int]]) -> Trace:

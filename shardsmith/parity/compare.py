@@ -26,6 +26,10 @@ reference precision, orders of magnitude below ``n_A + n_B``. Hence the verdict 
   rounded ones. A prompt without a divergence is checked by (2) over all steps (``agree`` or
   ``defect``).
 
+The engine's models return float32 logits in every dtype, so a float64 reference is good to the
+float32 rounding of the logits (about 1e-7 nats at logits of order 1); the float32 noise it is
+compared with is typically 10-100 times larger. Per layer the reference has full float64.
+
 Per layer (``--layers``) the same rule on relative errors of the decoder layers' outputs: a layer
 *departs* when the reference-precision relative error between the configurations exceeds the sum
 of both configurations' own dtype-vs-reference relative errors at that layer (:class:`LayerError`).

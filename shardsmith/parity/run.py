@@ -115,6 +115,8 @@ def plan_configs(source: Path, tps: list[int], *, checkpoint: Path | None, refer
                 f"the checkpoint split at the other world sizes{' and transformers' if reference else ''}")
         for t in tps:
             out.append((Config(f"tp{t}-pack", t, source), None) if t == ws else (Config(f"tp{t}", t, Path()), checkpoint))
+        if checkpoint is not None:
+            _same_model(source, checkpoint)
         ckpt = checkpoint
     elif (source / "config.json").is_file():
         if checkpoint is not None:
@@ -128,6 +130,24 @@ def plan_configs(source: Path, tps: list[int], *, checkpoint: Path | None, refer
     if reference:
         out.append((Config(TRANSFORMERS, 1, ckpt, kind=TRANSFORMERS), None))
     return out
+
+
+def _same_model(pack: Path, checkpoint: Path) -> None:
+    """Refuse comparing a pack with a checkpoint of another model (their ``config.json`` differ).
+
+    Raises:
+        UsageError: naming the first differing key, or a missing ``config.json``.
+    """
+    import json
+
+    try:
+        a, b = (json.loads((p / "config.json").read_text(encoding="utf-8")) for p in (pack, checkpoint))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--checkpoint {checkpoint}: cannot read config.json of it or of {pack} ({e})") from e
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and not k.startswith("_"))
+    if keys:
+        raise UsageError(f"--checkpoint {checkpoint} is not the model of {pack}: config.json differs in "
+                         f"{keys[0]!r} ({b.get(keys[0])!r} vs the pack's {a.get(keys[0])!r})")
 
 
 def run_parity(source: Path, *, tps: list[int], prompts: list[list[int]], checkpoint: Path | None = None,
