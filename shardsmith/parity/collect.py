@@ -103,6 +103,10 @@ def greedy(engine, prompt: list[int], *, max_tokens: int, top_k: int,
     rows: list[torch.Tensor] = []
     with recording(engine.model, rows, last_row=True):
         tokens = [s.token_id for s in engine.generate(prompt, SamplingParams(max_tokens=max_tokens))]
+    if len(rows) != len(tokens) or any(int(r.argmax()) != t for r, t in zip(rows, tokens)):
+        raise RuntimeLoadError(f"{type(engine.model).__name__}: the output hook saw {len(rows)} steps for "
+                               f"{len(tokens)} greedy tokens, or logits whose argmax is not the token chosen; "
+                               "parity needs the model's output to be the step's logits")
     lp = torch.stack(rows).double().log_softmax(dim=-1)  # [N, V]
     top_ids, top_lp = _top(lp, top_k)
     probe_ids = top_ids if probe is None else probe.top_ids
