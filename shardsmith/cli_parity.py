@@ -54,13 +54,13 @@ def read_prompts(path: Path | None, root: Path) -> tuple[list[list[int]], object
             return [[(7 + 31 * i + 13 * j * (i + 1)) % vocab for j in range(8)] for i in range(ID_PROMPTS)], None
         return [codec.encode_prompt(p) for p in DEFAULT_PROMPTS], codec
     try:
-        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        lines = [(n, ln) for n, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if ln.strip()]
     except OSError as e:
         raise UsageError(f"--prompts {path}: cannot read it ({e.strerror})") from e
     if not lines:
         raise UsageError(f"--prompts {path}: no prompts (one per line; 'ids: 1 2 3' for token ids)")
     out = []
-    for n, line in enumerate(lines, 1):
+    for n, line in lines:
         if line.startswith("ids:"):
             try:
                 out.append([int(x) for x in line[4:].split()])

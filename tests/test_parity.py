@@ -166,3 +166,27 @@ def test_verdict_rules_on_hand_made_traces() -> None:
               f64([[-0.5, -0.6, -3.0], [-2.5, -0.1, -3.0]]), b.ref_lp)
     assert compare(0, ["tp1", "tp2"], [a, w])[0].verdict == "defect"
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None and first_divergence([1, 2], [1, 3]) == 1
+
+
+def test_prompts_file_ids_text_and_defaults(tmp_path: Path) -> None:
+    from shardsmith.cli_parity import parse_tp, read_prompts
+    from shardsmith.testing.tokenizer import deepseek_tokenizer
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"vocab_size": 320}))
+    ids, codec = read_prompts(None, root)  # no tokenizer: fixed id prompts inside the vocabulary
+    assert codec is None and len(ids) == 3 and all(0 <= t < 320 for p in ids for t in p)
+    f = tmp_path / "p.txt"
+    f.write_text("ids: 5 6 7\n\nThe capital of France is\n")
+    with pytest.raises(UsageError, match=r"p.txt:3: a text prompt needs .*tokenizer.json"):
+        read_prompts(f, root)
+    deepseek_tokenizer(root)
+    ids, codec = read_prompts(f, root)
+    assert ids[0] == [5, 6, 7] and ids[1] and ids[1] == codec.encode_prompt("The capital of France is")
+    f.write_text("ids: 5 x\n")
+    with pytest.raises(UsageError, match=r"p.txt:1: 'ids:' must be followed by integers"):
+        read_prompts(f, root)
+    assert parse_tp("1,2,4") == [1, 2, 4]
+    with pytest.raises(UsageError, match="--tp must be"):
+        parse_tp("1,two")
