@@ -1,7 +1,7 @@
 """The ``shardsmith`` command line: thin typer commands over the library.
 
 Commands live in small modules (``cli_plan``: inspect, plan; ``cli_pack``: split, verify, export,
-import, demo-checkpoint; ``cli_serve``: serve, generate, demo). Heavy imports (torch, the runtime)
+import, demo-checkpoint; ``cli_serve``: serve, generate, demo; ``cli_parity``: parity). Heavy imports (torch, the runtime)
 happen inside commands so that ``--help`` is instant. Tables and progress go to stderr, ``--json``
 results to stdout. Errors map to exit codes through :data:`shardsmith.errors.EXIT_CODES` (0 ok, 1
 usage/plan/source error, 2 integrity failure); set ``SHARDSMITH_DEBUG=1`` for tracebacks.
@@ -29,9 +29,9 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from . import cli_pack, cli_plan, cli_serve
+    from . import cli_pack, cli_parity, cli_plan, cli_serve
 
-    for module in (cli_plan, cli_pack, cli_serve):
+    for module in (cli_plan, cli_pack, cli_serve, cli_parity):
         module.register(app)
 
 

@@ -1,0 +1,107 @@
+"""transformers' own implementation as a parity configuration (``--reference transformers``).
+
+The checkpoint is loaded with ``AutoModelForCausalLM.from_pretrained`` twice, in the compute dtype
+and in the reference precision, in this process (one rank: transformers' model is not split).
+Decoding is greedy with its KV cache; the same forward hooks as the engine's
+(:mod:`shardsmith.parity.collect`) record each step's logits and, with ``layers``, the decoder
+layers' outputs (``model.layers``), so the trace is the same :class:`~shardsmith.parity.compare.Trace`.
+Legend: N = generated tokens, K = probed tokens, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from pathlib import Path
+
+import torch
+
+from shardsmith.errors import UsageError
+from shardsmith.parity.collect import Probe, recording, recording_layers
+from shardsmith.parity.compare import Trace
+
+
+def load_transformers(ckpt: Path, dtype: torch.dtype, device: str):
+    """``AutoModelForCausalLM`` from ``ckpt`` in ``dtype`` on ``device``, in eval mode.
+
+    Raises:
+        UsageError: transformers is not installed or cannot load the checkpoint (the reason).
+    """
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise UsageError("--reference transformers needs the transformers package (pip install transformers)") from e
+    transformers.utils.logging.set_verbosity_error()  # deprecation chatter would bury the tables
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kwargs: dict = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+    if dtype == torch.float64 and major >= 5:
+        kwargs["experts_implementation"] = "eager"  # its grouped_mm has no float64
+    try:
+        model = AutoModelForCausalLM.from_pretrained(ckpt, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any loader failure is a usage problem of this option
+        raise UsageError(f"--reference transformers: transformers cannot load {ckpt} in {dtype} "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+    return model.to("cuda" if device == "cuda" else "cpu").eval()
+
+
+@torch.inference_mode()
+def _greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens ``[N]`` and every step's log-softmax ``[N, V]`` (float64)."""
+    dev = next(model.parameters()).device
+    rows: list[torch.Tensor] = []
+    ids, past, tokens = torch.tensor([prompt], device=dev), None, []
+    with recording(model, rows, last_row=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values renamed in transformers 5.x
+        for _ in range(max_tokens):
+            out = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            ids = torch.tensor([[tokens[-1]]], device=dev)
+    lp = torch.stack([r[0, -1] for r in rows]).double().log_softmax(dim=-1)  # hook rows: logits [1, T, V]
+    return tokens, lp
+
+
+@torch.inference_mode()
+def _forced(model, prompt: list[int], tokens: list[int], probe_ids: torch.Tensor,
+            layers: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """Teacher-forced log-probs of ``probe_ids`` ``[N, K]`` and the layers' outputs ``[T, D]`` each."""
+    dev = next(model.parameters()).device
+    sink: list[list[torch.Tensor]] = []
+    ids = torch.tensor([list(prompt) + list(tokens)], device=dev)
+    if layers:
+        with recording_layers(model, sink):
+            logits = model(input_ids=ids, use_cache=False).logits[0]
+    else:
+        logits = model(input_ids=ids, use_cache=False).logits[0]  # [T, V]
+    lp = logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)].double().log_softmax(dim=-1).cpu()
+    hidden = [s[0].reshape(-1, *s[0].shape[2:]) if s[0].dim() > 2 else s[0] for s in sink] if layers else None
+    return lp.gather(1, probe_ids[: len(tokens)]), hidden
+
+
+def run_transformers(ckpt: Path, prompts: list[list[int]], *, dtype: torch.dtype, ref_dtype: torch.dtype,
+                     max_tokens: int, top_k: int, probes: list[Probe] | None, layers: bool,
+                     device: str = "cpu") -> list[Trace]:
+    """transformers' traces of ``prompts``, as :func:`shardsmith.parity.collect.dtype_phase` and
+    :func:`~shardsmith.parity.collect.reference_phase` record them for the engine.
+
+    Raises:
+        UsageError: see :func:`load_transformers`.
+    """
+    model = load_transformers(ckpt, dtype, device)
+    runs = []
+    for i, prompt in enumerate(prompts):
+        tokens, lp = _greedy(model, prompt, max_tokens)
+        top_lp, top_ids = torch.topk(lp, min(top_k, lp.shape[-1]), dim=-1)
+        probe_ids = top_ids if probes is None else probes[i].top_ids
+        forced = tokens if probes is None else probes[i].tokens
+        hidden = _forced(model, prompt, forced, probe_ids, layers)[1] if layers else None
+        runs.append((tokens, top_ids, top_lp, probe_ids, lp.gather(1, probe_ids), forced, hidden))
+    del model
+    gc.collect()
+    ref = load_transformers(ckpt, ref_dtype, device)
+    traces = []
+    for prompt, (tokens, top_ids, top_lp, probe_ids, probe_lp, forced, hidden) in zip(prompts, runs):
+        ref_lp, hidden_ref = _forced(ref, prompt, forced, probe_ids, layers)
+        traces.append(Trace(tokens, top_ids, top_lp, probe_ids, probe_lp, ref_lp, hidden, hidden_ref))
+    return traces
