@@ -70,7 +70,7 @@ def _offload(moe_backend: str, expert_cache_gb: float | None, expert_policy: str
             raise UsageError(f"{' and '.join(given)} only {verb} to offloaded experts: add --moe-backend "
                              f"{'|'.join(MOE_BACKENDS[1:])} (experts are resident by default)")
         return None
-    from .runtime.offload.runtime import OffloadConfig
+    from .runtime.offload.config import OffloadConfig
 
     return OffloadConfig.from_cli(moe_backend=moe_backend, expert_cache_gb=expert_cache_gb,
                                   expert_policy=expert_policy or "hot")

@@ -72,7 +72,7 @@ class LaunchSpec:
         dist_port: rendezvous port on 127.0.0.1; None: a free port chosen by the parent.
         from_checkpoint, verify_hashes, max_seq_len, dtype: passed to ``Engine.load``.
         offload: routed experts in host memory with a device expert cache
-            (:class:`~shardsmith.runtime.offload.runtime.OffloadConfig`); None keeps every
+            (:class:`~shardsmith.runtime.offload.config.OffloadConfig`); None keeps every
             expert resident on the device.
         cuda_graphs: passed to ``Engine.load`` (False: ``--enforce-eager``).
     """
