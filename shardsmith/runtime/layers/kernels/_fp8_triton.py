@@ -1,0 +1,78 @@
+"""Triton kernels behind :func:`~shardsmith.runtime.layers.kernels.fp8_linear.fp8_linear`.
+
+One program owns a ``[BLOCK_M, BLOCK_N]`` tile of the output and a contiguous range of K (split-K):
+it streams its FP8 weight rows once, widens them to bf16 in registers, multiplies by the padded
+token tile with ``tl.dot`` (M is padded to 16, the smallest dot shape) and applies the block scale
+to the float32 partial of each K block, as vLLM's ``w8a8_block_fp8_matmul`` does (written anew).
+With ``SPLIT`` the partials go to a float32 workspace ``[S, M, N]`` that :func:`_sum_splits` adds
+in a fixed order and casts, so results do not depend on scheduling. A register GEMV (multiply-adds
+and a row sum instead of the padded dot for M <= 4) ran 2.7-30x slower on the H200 and was dropped
+(``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                       K_ITERS: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, UE8M0: tl.constexpr,
+                       SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    s_row = s_ptr + (offs_n // SCALE_N) * stride_sn  # [BLOCK_N] this tile's scale rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(K_ITERS):  # the last split may run past K: masked
+        k0 = (pid_k * K_ITERS + kk) * BLOCK_K
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        if DOT_F32:  # float32 activations, or the interpreter (whose bf16 dot is wrong: triton 3.6, numpy 2.4)
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(x, tl.trans(w.to(x.dtype)))  # [BLOCK_M, BLOCK_N] float32
+        s = tl.load(s_row + k0 // SCALE_K, mask=n_mask & (k0 < K), other=0)
+        if UE8M0:
+            s = tl.exp2(s.to(tl.float32) - 127.0)
+        acc += part * s[None, :]
+    out = offs_m[:, None] * N + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        tl.store(out_ptr + pid_k * M * N + out, acc, mask=mask)
+    else:
+        tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits(ws_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = sum(ws[0..SPLITS), axis 0)`` in float32, in split order, cast to ``out``'s dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(ws_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch(x, w, scale, out, ws, *, block: tuple[int, int], ue8m0: bool, splits: int, k_per_split: int,
+           block_n: int, block_k: int, num_warps: int, num_stages: int, dot_f32: bool) -> None:
+    """Run the kernel(s) into ``out [M, N]`` (and workspace ``ws [splits, M, N]`` float32 when ``splits > 1``)."""
+    M, K = x.shape
+    N = w.shape[0]
+    grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, 16))
+    _fp8_linear_kernel[grid](x, w, scale, ws if splits > 1 else out, M, N, K, x.stride(0), w.stride(0),
+                             scale.stride(0), K_ITERS=k_per_split // block_k, SCALE_N=block[0], SCALE_K=block[1],
+                             UE8M0=ue8m0,
+                             SPLIT=splits > 1, DOT_F32=dot_f32, BLOCK_M=16,
+                             BLOCK_N=block_n, BLOCK_K=block_k,
+                             num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _sum_splits[(triton.cdiv(M * N, 1024),)](ws, out, M * N, SPLITS=splits, BLOCK=1024, num_warps=4)

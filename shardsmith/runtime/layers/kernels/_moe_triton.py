@@ -1,0 +1,154 @@
+"""Triton kernels behind :func:`~shardsmith.runtime.layers.kernels.fused_moe.fused_experts`.
+
+Three launches per call, after one device sort of the (token, expert) pairs by expert id:
+
+1. :func:`_gate_up_kernel`, grid ``(P, cdiv(I, BLOCK_I))``: the program at sorted position ``j``
+   leads when ``j`` starts a run of one expert (or each 16th pair of a longer run); it gathers the
+   run's token rows (up to 16, padded for ``tl.dot``), streams that expert's gate and up rows once
+   (FP4 nibbles decoded and scaled in registers), applies SwiGLU with the clamp and writes
+   ``h [P, I]`` in the activation dtype. Other programs return at once.
+2. :func:`_down_kernel`, grid ``(P, cdiv(D, BLOCK_N))``: the same leaders stream the expert's down
+   rows, multiply by the routing weight and write each pair's float32 row ``y [P, D]``.
+3. :func:`_combine_kernel`: ``out[t] = sum_k y[t*K + k]`` in k order, cast (deterministic; no atomics).
+
+Grouping by expert so each expert's bytes are read once per step follows vLLM/SGLang's fused MoE
+(``moe_align_block_size``); the in-kernel leader test replaces their host-sized padding so every
+shape is fixed by ``T*K`` alone (CUDA-graph friendly). FP4 e2m1 is decoded with bit arithmetic:
+code ``c = s|e1 e0|m`` is ``m/2`` when ``e = 0``, else ``(1 + m/2) * 2^(e-1)``; the UE8M0 byte ``s``
+is the float32 ``2^(s-127)`` whose bits are ``s << 23``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e2m1(code):
+    """float32 value of 4-bit e2m1 codes (int32 tensor, 0..15): exact."""
+    mag = code & 7
+    e, m = mag >> 1, mag & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ue8m0(byte):
+    """float32 ``2^(byte-127)`` of UE8M0 bytes (uint8 tensor); exact for bytes 1..254."""
+    return (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _run_rows(sorted_ptr, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(skip, e, rows, row_mask)`` for the program at sorted position ``program_id(0)``: ``skip``
+    unless it leads a run (or a 16-pair chunk of one) of expert ``e``, whose pairs sit at ``rows``."""
+    j = tl.program_id(0)
+    offs_p = tl.arange(0, BLOCK_P)
+    all_e = tl.load(sorted_ptr + offs_p, mask=offs_p < P, other=2147483647)
+    e = tl.load(sorted_ptr + j)
+    first = tl.sum((all_e < e).to(tl.int32))  # where this expert's run starts
+    rows = j + tl.arange(0, BLOCK_M)
+    row_mask = (rows < P) & (tl.load(sorted_ptr + rows, mask=rows < P, other=-1) == e)
+    return (j - first) % BLOCK_M != 0, e, rows, row_mask
+
+
+@triton.jit
+def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s_ptr, s_stride, k0, KDIM,
+              FP4: tl.constexpr, SCALED_DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """``acc += a[a_rows, k0:k0+BLOCK_K] @ W[w_rows, k0:k0+BLOCK_K].T`` (W FP4-packed or plain)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_ptr + a_rows[:, None] * a_stride + ks[None, :], mask=row_mask[:, None] & (ks < KDIM)[None, :],
+                other=0.0)  # [BLOCK_M, BLOCK_K]
+    w_ok = w_rows >= 0
+    if FP4:
+        G: tl.constexpr = BLOCK_K // 32  # scale groups in this step
+        g = k0 // 32 + tl.arange(0, G)
+        s_mask = w_ok[:, None] & (g < KDIM // 32)[None, :]
+        scale_u8 = tl.load(s_ptr + w_rows[:, None] * s_stride + g[None, :], mask=s_mask, other=0)  # [BLOCK_R, G]
+        if SCALED_DOT:  # Triton's microscaling dot (OCP MX e2m1 + E8M0 per 32): it upcasts on Hopper
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            byte = tl.load(w_ptr + w_rows[None, :] * w_stride + kb[:, None],
+                           mask=w_ok[None, :] & (kb < KDIM // 2)[:, None], other=0)  # [BLOCK_K/2, BLOCK_R]
+            acc = tl.dot_scaled(a, None, "bf16", byte, scale_u8, "e2m1", acc)
+        else:
+            b = tl.arange(0, 16)
+            kb = k0 // 2 + (tl.arange(0, G) * 16)[:, None] + b[None, :]  # [G, 16] byte columns
+            byte = tl.load(w_ptr + w_rows[:, None, None] * w_stride + kb[None, :, :],
+                           mask=w_ok[:, None, None] & (kb < KDIM // 2)[None, :, :], other=0)
+            byte = byte.to(tl.int32) & 0xFF  # [BLOCK_R, G, 16]
+            scale = _ue8m0(scale_u8)[:, :, None]
+            w = tl.join(_e2m1(byte & 0xF) * scale, _e2m1(byte >> 4) * scale)  # [BLOCK_R, G, 16, 2]: low nibble first
+            w = tl.reshape(w, (BLOCK_R, BLOCK_K))
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+    else:
+        w = tl.load(w_ptr + w_rows[:, None] * w_stride + ks[None, :], mask=w_ok[:, None] & (ks < KDIM)[None, :],
+                    other=0.0)
+        if DOT_F32:
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride_x, stride_we, stride_wr,
+                    stride_se, stride_sr, limit, TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                    FP4: tl.constexpr, SCALED_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
+                    BLOCK_P: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    skip, e, rows, row_mask = _run_rows(sorted_ptr, P, BLOCK_P, BLOCK_M)
+    if skip:
+        return
+    tok = tl.load(order_ptr + rows, mask=row_mask, other=0) // TOP_K
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    g_rows = tl.where(offs_i < I, offs_i, -1)  # gate rows [0, I), up rows [I, 2I); -1 masked
+    u_rows = tl.where(offs_i < I, offs_i + I, -1)
+    w_e, s_e = w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se
+    gate = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+    for d in range((D + BLOCK_D - 1) // BLOCK_D):
+        gate = _rows_dot(gate, x_ptr, tok, stride_x, row_mask, w_e, g_rows, stride_wr, s_e, stride_sr, d * BLOCK_D,
+                         D, FP4, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
+        up = _rows_dot(up, x_ptr, tok, stride_x, row_mask, w_e, u_rows, stride_wr, s_e, stride_sr, d * BLOCK_D,
+                       D, FP4, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
+    if HAS_LIMIT:  # DeepSeek-V4: silu(min(gate, L)) * clamp(up, -L, L)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+    mask = row_mask[:, None] & (offs_i < I)[None, :]
+    tl.store(h_ptr + rows[:, None] * I + offs_i[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _down_kernel(h_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, route_ptr, y_ptr, P, stride_we, stride_wr, stride_se,
+                 stride_sr, D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, SCALED_DOT: tl.constexpr,
+                 DOT_F32: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    skip, e, rows, row_mask = _run_rows(sorted_ptr, P, BLOCK_P, BLOCK_M)
+    if skip:
+        return
+    pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d_rows = tl.where(offs_n < D, offs_n, -1)
+    w_e, s_e = w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range((I + BLOCK_K - 1) // BLOCK_K):
+        acc = _rows_dot(acc, h_ptr, rows, I, row_mask, w_e, d_rows, stride_wr, s_e, stride_sr, k * BLOCK_K, I,
+                        FP4, SCALED_DOT, BLOCK_N, BLOCK_K, DOT_F32)
+    acc *= tl.load(route_ptr + pair, mask=row_mask, other=0.0)[:, None]
+    tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc, mask=row_mask[:, None] & (offs_n < D)[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, D: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + k) * D + offs, mask=offs < D, other=0.0)
+    tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < D)

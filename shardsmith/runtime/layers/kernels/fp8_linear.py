@@ -1,0 +1,129 @@
+"""Block-scaled FP8 linear for decode: ``y = x @ dequant(W).T`` without a dequantized copy of ``W``.
+
+Reference: :func:`fp8_linear_reference` (dequantize with ``runtime/layers`` ``dequantize_blocks``,
+then ``F.linear``); :func:`fp8_linear` is the Triton kernel that replaces it.
+
+=================  =================================  ==========================================
+tensor             shape                              format
+=================  =================================  ==========================================
+``x``              ``[..., K]`` bf16 (or f16 / f32)   activations; M = tokens = prod(leading dims)
+``w``              ``[N, K]`` ``float8_e4m3fn``       row-major, the checkpoint's ``weight``
+``scale``          ``[ceil(N/b0), ceil(K/b1)]``        F32 ``weight_scale_inv`` (DeepSeek-V3,
+                                                      Mixtral-FP8) or UE8M0 ``float8_e8m0fnu`` /
+                                                      its uint8 bytes (DeepSeek-V4: ``2^(s-127)``)
+``y``              ``[..., N]`` in ``x.dtype``        float32 accumulation
+=================  =================================  ==========================================
+
+Ragged edges (N or K not a multiple of the block) are masked: the last block row/column of
+``scale`` covers the remainder, as in the checkpoints. Formats: DeepSeek-V3/V4 ``inference/``
+(``weight_dequant``), the V4 release headers. Legend: M = tokens, N = output features, K = input
+features, (b0, b1) = block shape in elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardsmith.runtime.layers.kernels._common import KernelError, interpreting, sm_count, use_triton
+
+BLOCK_K_MAX = 128
+
+
+def scale_as_float(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales as float32: F32 unchanged, UE8M0 (``float8_e8m0fnu`` or uint8) as ``2^(s-127)``, exact."""
+    if scale.dtype == torch.float32:
+        return scale
+    return torch.exp2(scale.view(torch.uint8).float() - 127.0)
+
+
+def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The PyTorch path :func:`fp8_linear` replaces: dequantize ``w`` to ``x.dtype``, then ``F.linear``.
+
+    Shapes and formats as :func:`fp8_linear`.
+    """
+    try:  # the runtime's dequantizer, wherever the layers keep it
+        from shardsmith.runtime.layers.quant import dequantize_blocks
+    except ImportError:
+        from shardsmith.runtime.layers.parallel import dequantize_blocks
+    return F.linear(x, dequantize_blocks(w, scale_as_float(scale), block, x.dtype))
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
+    problems = []
+    if w.dim() != 2 or w.dtype != torch.float8_e4m3fn:
+        problems.append(f"w must be [N, K] float8_e4m3fn, got {tuple(w.shape)} {w.dtype}")
+    elif x.shape[-1] != w.shape[1]:
+        problems.append(f"x's last dim ({x.shape[-1]}) != w's K ({w.shape[1]})")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        problems.append(f"x dtype {x.dtype}: expected bfloat16, float16 or float32")
+    b0, b1 = block
+    if b0 < 1 or b1 < 16 or b1 & (b1 - 1):
+        problems.append(f"block {block}: rows >= 1, columns a power of two >= 16")
+    elif w.dim() == 2:
+        want = (-(-w.shape[0] // b0), -(-w.shape[1] // b1))
+        if tuple(scale.shape) != want:
+            problems.append(f"scale shape {tuple(scale.shape)} != {want} for w {tuple(w.shape)} and block {block}")
+    if scale.dtype not in (torch.float32, torch.uint8, getattr(torch, "float8_e8m0fnu", torch.float32)):
+        problems.append(f"scale dtype {scale.dtype}: expected float32 or UE8M0 (float8_e8m0fnu / uint8)")
+    if x.device != w.device or w.device != scale.device:
+        problems.append(f"x, w, scale on {x.device}, {w.device}, {scale.device}: one device")
+    if problems:
+        raise KernelError("fp8_linear: " + "; ".join(problems))
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), *,
+               split_k: int | None = None, block_n: int = 32, num_warps: int = 4, num_stages: int = 4,
+               backend: str = "auto") -> torch.Tensor:
+    """``x @ (w * scale).T`` with the FP8 weight read once and never dequantized to memory.
+
+    Built for decode (M = 1..16 tokens, one 16-row tile); larger M runs in 16-row tiles, correct
+    but not tuned. Split-K spreads K over programs until about two waves of the device's
+    multiprocessors are busy; partials are summed in a fixed order (deterministic). No host sync
+    and shapes fixed by the inputs, so calls can be captured in a CUDA graph.
+
+    Args:
+        x: ``[..., K]`` activations; w: ``[N, K]`` float8_e4m3fn; scale: ``[ceil(N/b0), ceil(K/b1)]``
+            float32 or UE8M0; block: ``(b0, b1)`` elements.
+        split_k: K splits (default: from the multiprocessor count); block_n: output features per
+            program; num_warps, num_stages: Triton launch options (defaults: the fastest of the
+            H200 sweep in ``benchmarks/kernels.py``).
+        backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
+            ``triton`` or ``reference``.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+
+    Raises:
+        KernelError: shapes, dtypes, block or devices do not fit (every problem listed), or the
+            backend cannot run.
+
+    Example:
+        >>> y = fp8_linear(x, layer.weight, layer.weight_scale_inv, (128, 128))  # doctest: +SKIP
+    """
+    _check(x, w, scale, block)
+    if not use_triton(x, backend):
+        return fp8_linear_reference(x, w, scale, block)
+    from shardsmith.runtime.layers.kernels import _fp8_triton
+
+    lead, (N, K) = x.shape[:-1], w.shape
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    ue8m0 = scale.dtype != torch.float32
+    scale = (scale.view(torch.uint8) if ue8m0 else scale).contiguous()
+    block_k = min(BLOCK_K_MAX, block[1])
+    k_blocks = -(-K // block_k)
+    if split_k is None:
+        tiles = -(-N // block_n) * -(-M // 16)
+        split_k = max(1, min(k_blocks, -(-2 * sm_count(x.device) // tiles)))
+    k_per_split = -(-k_blocks // max(1, split_k)) * block_k
+    splits = -(-K // k_per_split)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+    _fp8_triton.launch(x2, w, scale, out, ws, block=block, ue8m0=ue8m0, splits=splits, k_per_split=k_per_split,
+                       block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                       dot_f32=x.dtype == torch.float32 or interpreting())
+    return out.view(*lead, N)

@@ -1,0 +1,173 @@
+"""Fused routed experts for decode: gate_up + SwiGLU (clamped) + down, weighted and summed per token.
+
+Reference: :func:`fused_experts_reference` (the DeepSeek-V4 pair path: gather each pair's expert,
+``expand_pairs``, ``routed_pairs``); :func:`fused_experts` is the Triton kernel that replaces it.
+
+A bank is indexed by expert id (the resident bank) or by slot id (the GPU slot pool of the expert
+cache): one layout, one code path. Bank arrays (``runtime/models/deepseek_v4/moe.py``,
+``runtime/models/mixtral/moe.py``; FP4 stays packed, two e2m1 codes per byte, element ``2i`` in the
+low nibble, 1x32 UE8M0 scales, as ``runtime/layers/quant.py`` ``dequantize_fp4`` reads them):
+
+=================  ================================  ===============================================
+array              FP4 (DeepSeek-V4)                 bf16 (Mixtral family, dequantized V4)
+=================  ================================  ===============================================
+``gate_up``        ``[E, 2*I_r, D/2]`` int8/uint8    ``[E, 2*I_r, D]``; rows ``[0, I_r)`` gate (w1),
+                                                     ``[I_r, 2*I_r)`` up (w3)
+``gate_up_scale``  ``[E, 2*I_r, D/32]`` UE8M0        -
+``down``           ``[E, D, I_r/2]`` int8/uint8      ``[E, D, I_r]`` (w2 shard)
+``down_scale``     ``[E, D, I_r/32]`` UE8M0          -
+=================  ================================  ===============================================
+
+Each expert is ``down(silu(min(gate x, L)) * clamp(up x, -L, L))`` (no clamp when ``L = 0``), the
+output of pair ``(t, k)`` is scaled by ``weights[t, k]`` and the K pairs of a token are summed in
+float32 in k order. Legend: T = tokens, K = experts per token, P = T*K pairs, E = experts (or
+slots), D = hidden, I_r = this rank's intermediate share (TP-within-expert).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardsmith.runtime.layers.kernels._common import KernelError, interpreting, use_triton
+
+BLOCK_M = 16  # token rows per expert tile: tl.dot's smallest M; a decode batch is at most 16 tokens
+
+
+def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                            down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+                            down_scale: torch.Tensor | None = None, *, limit: float = 0.0) -> torch.Tensor:
+    """The PyTorch path :func:`fused_experts` replaces: gather each pair's expert, expand FP4 to
+    ``x.dtype`` in memory, two batched matmuls, the float32 combine (V4 ``routed_pairs``).
+
+    Shapes and formats as :func:`fused_experts`.
+    """
+    from shardsmith.runtime.models.deepseek_v4.moe import expand_pairs, routed_pairs
+
+    sel = ids.flatten()  # [P]
+    if gate_up_scale is None:
+        gu, dn = gate_up[sel].to(x.dtype), down[sel].to(x.dtype)
+    else:
+        gu, dn = expand_pairs({"gate_up": gate_up[sel], "gate_up_scale": gate_up_scale[sel], "down": down[sel],
+                               "down_scale": down_scale[sel]}, x.dtype)
+    return routed_pairs(gu, dn, x, weights.float(), limit)
+
+
+def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale) -> bool:
+    """Validate the inputs and return whether the bank is FP4; every problem is listed at once."""
+    problems = []
+    fp4 = gate_up.dtype in (torch.int8, torch.uint8)
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        problems.append(f"x must be [T, D] bf16/f16/f32, got {tuple(x.shape)} {x.dtype}")
+    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64) or tuple(weights.shape) != tuple(ids.shape):
+        problems.append(f"ids [T, K] int32/int64 and weights [T, K] expected, got {tuple(ids.shape)} {ids.dtype}, "
+                        f"{tuple(weights.shape)}")
+    elif x.dim() == 2 and ids.shape[0] != x.shape[0]:
+        problems.append(f"ids has {ids.shape[0]} tokens, x {x.shape[0]}")
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[0] != down.shape[0]:
+        problems.append(f"gate_up [E, 2*I_r, .] and down [E, D, .] expected, got {tuple(gate_up.shape)}, "
+                        f"{tuple(down.shape)}")
+    elif x.dim() == 2:
+        D, I = x.shape[1], gate_up.shape[1] // 2
+        pack = 2 if fp4 else 1
+        want_gu, want_dn = (2 * I, D // pack), (D, I // pack)
+        if gate_up.shape[1] % 2 or tuple(gate_up.shape[1:]) != want_gu or tuple(down.shape[1:]) != want_dn:
+            problems.append(f"bank {tuple(gate_up.shape)}, {tuple(down.shape)} does not fit D={D}: expected "
+                            f"[E, {want_gu[0]}, {want_gu[1]}] and [E, {want_dn[0]}, {want_dn[1]}]")
+        if fp4:
+            if D % 32 or I % 32:
+                problems.append(f"FP4 needs D ({D}) and I_r ({I}) divisible by 32 (1x32 scale groups)")
+            elif gate_up_scale is None or down_scale is None or \
+                    tuple(gate_up_scale.shape) != (gate_up.shape[0], 2 * I, D // 32) or \
+                    tuple(down_scale.shape) != (down.shape[0], D, I // 32):
+                problems.append("FP4 bank needs gate_up_scale [E, 2*I_r, D/32] and down_scale [E, D, I_r/32], got "
+                                f"{None if gate_up_scale is None else tuple(gate_up_scale.shape)}, "
+                                f"{None if down_scale is None else tuple(down_scale.shape)}")
+        elif gate_up.dtype != down.dtype or gate_up.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            problems.append(f"bank dtype {gate_up.dtype}/{down.dtype}: FP4 (int8/uint8 + UE8M0) or one float dtype")
+    for name, t in (("ids", ids), ("weights", weights), ("gate_up", gate_up), ("down", down),
+                    ("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
+        if t is not None and t.device != x.device:
+            problems.append(f"{name} is on {t.device}, x on {x.device}: one device")
+        if t is not None and name not in ("ids", "weights") and t.stride(-1) != 1:
+            problems.append(f"{name} rows must be contiguous (last stride 1, got {t.stride(-1)})")
+    if problems:
+        raise KernelError("fused_experts: " + "; ".join(problems))
+    return fp4
+
+
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None, *, limit: float = 0.0, block_i: int | None = None,
+                  block_n: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                  scaled_dot: bool | None = None, backend: str = "auto") -> torch.Tensor:
+    """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
+
+    Every selected expert's bytes are read once per call however many tokens chose it, straight from
+    the (packed) bank: nothing is gathered or expanded to memory. The launch shapes depend on T*K
+    alone and nothing syncs with the host, so a decode step can be captured in a CUDA graph. Ids are
+    not range-checked (that would sync): an id outside ``[0, E)`` reads out of bounds.
+
+    Args:
+        x: ``[T, D]`` activations (T = 1..16 for decode; more works, unoptimised).
+        ids: ``[T, K]`` expert (or slot) ids; weights: ``[T, K]`` routing weights (float32).
+        gate_up, down, gate_up_scale, down_scale: the bank (module table); scales only for FP4.
+        limit: SwiGLU clamp ``L`` (DeepSeek-V4's ``swiglu_limit``; 0 = none).
+        block_i, block_n: intermediate rows per gate_up program, hidden rows per down program
+            (default 64, 128 for FP4 and 32, 64 for bf16: the H200 sweep's fastest);
+        block_k: elements of the reduction dim (D, then I_r) per loop step;
+        num_warps, num_stages: Triton launch options; scaled_dot: FP4 through ``tl.dot_scaled``
+            instead of the in-register decode (default: on when compiled, 1.1-1.5x faster on the
+            H200; off under the interpreter, which lacks it).
+        backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
+            ``triton`` or ``reference``.
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``.
+
+    Raises:
+        KernelError: shapes, dtypes or strides do not fit (every problem listed), or the backend
+            cannot run.
+
+    Example:
+        >>> y = fused_experts(x, index, weight, bank.gate_up, bank.down, bank.gate_up_scale,
+        ...                   bank.down_scale, limit=args.swiglu_limit)  # doctest: +SKIP
+    """
+    fp4 = _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale)
+    if not use_triton(x, backend):
+        return fused_experts_reference(x, ids, weights, gate_up, down, gate_up_scale, down_scale, limit=limit)
+    import triton
+
+    if scaled_dot and interpreting():
+        raise KernelError("fused_experts: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled)")
+    scaled_dot = not interpreting() if scaled_dot is None else scaled_dot
+    block_i = block_i or (64 if fp4 else 32)
+    block_n = block_n or (128 if fp4 else 64)
+
+    from shardsmith.runtime.layers.kernels import _moe_triton as k
+
+    (T, D), TOP_K = x.shape, ids.shape[1]
+    I, P = gate_up.shape[1] // 2, T * TOP_K
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    sorted_ids, order = ids.flatten().to(torch.int32).sort(stable=True)  # [P] each, on the device
+    order = order.to(torch.int32)
+    route = weights.float().flatten().contiguous()  # [P]
+    if fp4:
+        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
+        gs, ds = gate_up_scale.view(torch.uint8), down_scale.view(torch.uint8)
+    else:
+        gs, ds = gate_up, down  # unused pointers
+    h = torch.empty((P, I), dtype=x.dtype, device=x.device)
+    y = torch.empty((P, D), dtype=torch.float32, device=x.device)
+    out = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    common = dict(FP4=fp4, SCALED_DOT=scaled_dot and fp4, DOT_F32=x.dtype == torch.float32 or interpreting(),
+                  BLOCK_P=triton.next_power_of_2(P),
+                  BLOCK_M=BLOCK_M, num_warps=num_warps, num_stages=num_stages)
+    k._gate_up_kernel[(P, triton.cdiv(I, block_i))](
+        x, sorted_ids, order, gate_up, gs, h, P, x.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0),
+        gs.stride(1), float(limit), TOP_K=TOP_K, D=D, I=I, HAS_LIMIT=bool(limit), BLOCK_I=block_i,
+        BLOCK_D=min(block_k, triton.next_power_of_2(D)), **common)
+    k._down_kernel[(P, triton.cdiv(D, block_n))](
+        h, sorted_ids, order, down, ds, route, y, P, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1),
+        D=D, I=I, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(I)), **common)
+    k._combine_kernel[(T, triton.cdiv(D, 1024))](y, out, D=D, TOP_K=TOP_K, BLOCK=1024, num_warps=4)
+    return out

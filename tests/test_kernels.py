@@ -1,0 +1,116 @@
+"""The fused decode kernels against their PyTorch references on small shapes, on CPU.
+
+Without a GPU the Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here
+before the kernels are first imported); with one, the same small (ragged) shapes run compiled on
+it. The tests skip, saying why, when triton is not installed.
+Each check compares kernel and reference with a float64 truth (the reference on float64 inputs)
+and with each other: bf16 outputs land near 4e-3 (the interpreter truncates float32 to bf16
+where the GPU rounds, which doubles the error), so 1.5e-2 passes and a wrong scale, nibble or
+row fails by orders of magnitude. Inputs are fresh random draws (never zeros); a NaN or inf
+anywhere fails (``rel_error`` is then inf). GPU shapes are in ``test_kernels_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from shardsmith.runtime.layers.kernels import (KernelError, fp8_linear, fp8_linear_reference, fused_experts,
+                                               fused_experts_reference, triton_available)
+from shardsmith.runtime.layers.kernels.testing import random_bank, random_fp8_linear, random_routing, rel_error
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install "
+                                  "'shardsmith[kernels]'); the kernels' reference path is tested without it")
+TOL = 1.5e-2
+
+
+@needs_triton
+@pytest.mark.parametrize(("m", "n", "k", "block", "ue8m0", "split_k"), [
+    (1, 200, 300, (128, 128), True, None),     # ragged N and K, V4's UE8M0, split-K
+    (5, 256, 512, (128, 128), False, 1),       # F32 weight_scale_inv (V3 / Mixtral-FP8), no split
+    (16, 96, 160, (32, 32), True, 3),          # 32x32 blocks, ragged last split
+    (19, 130, 128, (128, 128), False, None),   # M past one 16-row tile
+])
+def test_fp8_linear_matches_reference(m, n, k, block, ue8m0, split_k):
+    gen = torch.Generator(device=DEV).manual_seed(m * 1000 + n)
+    w, scale = random_fp8_linear(n, k, block, ue8m0=ue8m0, gen=gen)
+    x = torch.randn(m, k, generator=gen, device=DEV).bfloat16()
+    out = fp8_linear(x, w, scale, block, split_k=split_k, backend="triton")
+    ref = fp8_linear_reference(x, w, scale, block)
+    truth = fp8_linear_reference(x.double(), w, scale, block)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert rel_error(out, truth) < TOL, (rel_error(out, truth), rel_error(ref, truth))
+    assert rel_error(out, ref) < TOL
+
+
+@needs_triton
+def test_fp8_linear_keeps_leading_dims_and_float32():
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    w, scale = random_fp8_linear(64, 256, (128, 128), ue8m0=True, gen=gen)
+    x = torch.randn(2, 3, 256, generator=gen, device=DEV)  # float32 activations: a float32 dot
+    scale = scale.view(torch.float8_e8m0fnu)  # the dtype a V4 pack stores
+    out = fp8_linear(x, w, scale, backend="triton")
+    assert out.shape == (2, 3, 64) and out.dtype == torch.float32
+    assert rel_error(out, fp8_linear_reference(x.double(), w, scale, (128, 128))) < 1e-5
+
+
+def _bank_case(fp4: bool, tokens: int, top_k: int, experts: int, dim: int, inter: int, seed: int):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    bank = random_bank(experts, dim, inter, fp4=fp4, gen=gen)
+    ids, weights = random_routing(tokens, top_k, experts, gen=gen)
+    return bank, ids, weights, torch.randn(tokens, dim, generator=gen, device=DEV).bfloat16()
+
+
+@needs_triton
+@pytest.mark.parametrize(("fp4", "tokens", "limit"), [(True, 1, 3.0), (True, 16, 3.0), (False, 5, 0.0),
+                                                     (False, 3, 3.0)])
+def test_fused_experts_matches_reference(fp4, tokens, limit):
+    bank, ids, weights, x = _bank_case(fp4, tokens, top_k=3, experts=8, dim=128, inter=64, seed=tokens)
+    out = fused_experts(x, ids, weights, **bank, limit=limit, backend="triton")
+    ref = fused_experts_reference(x, ids, weights, **bank, limit=limit)
+    truth = fused_experts_reference(x.double(), ids, weights, **bank, limit=limit)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_error(out, truth) < TOL, (rel_error(out, truth), rel_error(ref, truth))
+    assert rel_error(out, ref) < TOL
+    if limit:  # the clamp matters on these inputs, so dropping it would fail the check above
+        assert rel_error(fused_experts_reference(x.double(), ids, weights, **bank, limit=0.0), truth) > 10 * TOL
+
+
+@needs_triton
+def test_fused_experts_long_run_and_slot_pool_view():
+    """18 tokens all choosing expert 5 (two 16-row chunks of one run), from a strided slot-pool view
+    with the pack's scale dtype (float8_e8m0fnu)."""
+    bank, ids, weights, x = _bank_case(True, tokens=18, top_k=2, experts=16, dim=64, inter=32, seed=3)
+    ids[:, 0] = 5
+    ids[:, 1] = torch.where(ids[:, 1] == 5, 6, ids[:, 1])
+    bank = {name: t.view(torch.float8_e8m0fnu) if name.endswith("_scale") else t for name, t in bank.items()}
+    pool = {name: t[::2] for name, t in bank.items()}  # slots 0..7 = experts 0, 2, ..., 14; rows contiguous
+    slot_ids = ids // 2
+    out = fused_experts(x, slot_ids, weights, **pool, backend="triton")
+    truth = fused_experts_reference(x.double(), slot_ids, weights, **pool)
+    assert rel_error(out, truth) < TOL
+
+
+def test_kernels_refuse_bad_inputs_listing_every_problem():
+    w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
+    with pytest.raises(KernelError, match=r"x's last dim \(128\).*scale shape \(1, 1\) != \(1, 2\)"):
+        fp8_linear(torch.ones(1, 128), w, torch.ones(1, 1), backend="reference")
+    bank = random_bank(4, 64, 32, fp4=True, gen=torch.Generator().manual_seed(0))
+    ids, weights = torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2)
+    with pytest.raises(KernelError, match=r"ids has 2 tokens, x 3.*needs gate_up_scale"):
+        fused_experts(torch.ones(3, 64), ids, weights, bank["gate_up"], bank["down"], backend="reference")
+    with pytest.raises(KernelError, match="backend 'fast'"):
+        fused_experts(torch.ones(2, 64), ids, weights, **bank, backend="fast")
+
+
+def test_reference_backend_needs_no_triton():
+    """``backend='reference'`` (and ``auto`` off CUDA without the interpreter) is the plain PyTorch path."""
+    bank, ids, weights, x = _bank_case(True, tokens=2, top_k=2, experts=4, dim=64, inter=32, seed=1)
+    out = fused_experts(x, ids, weights, **bank, limit=3.0, backend="reference")
+    assert torch.equal(out, fused_experts_reference(x, ids, weights, **bank, limit=3.0))

@@ -1,0 +1,91 @@
+"""The fused decode kernels on an H200 at DeepSeek-V4-Flash's real shapes (``-m gpu``).
+
+Hidden 4096, expert intermediate 2048 (TP=1) and 1024 (TP=2), 256 experts, top-6, batches of 1, 4
+and 16 tokens; the dense FP8 projections of one V4 layer (``wq_a``, ``wq_b``, ``wo_b``, the shared
+expert's ``w2``) plus a ragged one. Each kernel is compared with its reference run on float32
+inputs (the truth) and with the bf16 reference; then both kernels are captured in one CUDA graph
+and replayed on new inputs, and run twice for bitwise determinism. Numbers: benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardsmith.runtime.layers.kernels import (fp8_linear, fp8_linear_reference, fused_experts,
+                                               fused_experts_reference, triton_available)
+from shardsmith.runtime.layers.kernels.testing import random_bank, random_fp8_linear, random_routing, rel_error
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.skipif(not triton_available(), reason="triton is not installed")]
+TOL = 1e-2
+V4_DENSE = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wo_b": (4096, 8192), "shared_w2": (4096, 2048),
+            "ragged": (4000, 3000)}
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return torch.Generator(device="cuda").manual_seed(12)
+
+
+@pytest.mark.parametrize("name", sorted(V4_DENSE))
+@pytest.mark.parametrize("ue8m0", [True, False])
+def test_fp8_linear_v4_shapes(gen, name, ue8m0):
+    n, k = V4_DENSE[name]
+    w, scale = random_fp8_linear(n, k, (128, 128), ue8m0=ue8m0, gen=gen)
+    for m in (1, 4, 16):
+        x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+        truth = fp8_linear_reference(x.float(), w, scale, (128, 128))
+        ref = fp8_linear_reference(x, w, scale, (128, 128))
+        for block_n in (32, 128):  # the default, and a wider tile (no split-K on wq_b)
+            out = fp8_linear(x, w, scale, (128, 128), block_n=block_n, backend="triton")
+            assert rel_error(out, truth) < TOL, (name, m, block_n, rel_error(out, truth), rel_error(ref, truth))
+
+
+@pytest.fixture(scope="module", params=[(True, 2048), (True, 1024), (False, 1024)],
+                ids=["fp4-tp1", "fp4-tp2", "bf16-tp2"])
+def v4_bank(request, gen):
+    fp4, inter = request.param
+    return random_bank(256, 4096, inter, fp4=fp4, gen=gen)
+
+
+def test_fused_experts_v4_shapes(gen, v4_bank):
+    for tokens in (1, 4, 16):
+        ids, weights = random_routing(tokens, 6, 256, gen=gen)
+        x = torch.randn(tokens, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)
+        out = fused_experts(x, ids, weights, **v4_bank, limit=3.0, scaled_dot=False, backend="triton")
+        truth = fused_experts_reference(x.float(), ids, weights, **v4_bank, limit=3.0)
+        ref = fused_experts_reference(x, ids, weights, **v4_bank, limit=3.0)
+        assert rel_error(out, truth) < TOL, (tokens, rel_error(out, truth), rel_error(ref, truth))
+        if "gate_up_scale" in v4_bank:  # FP4 through Triton's microscaling dot as well
+            scaled = fused_experts(x, ids, weights, **v4_bank, limit=3.0, scaled_dot=True, backend="triton")
+            assert rel_error(scaled, truth) < TOL, (tokens, rel_error(scaled, truth))
+        again = fused_experts(x, ids, weights, **v4_bank, limit=3.0, scaled_dot=False, backend="triton")
+        assert torch.equal(out, again), "run-to-run differences: a race or an atomic"
+
+
+def test_kernels_capture_in_one_cuda_graph(gen):
+    bank = random_bank(256, 4096, 1024, fp4=True, gen=gen)
+    w, scale = random_fp8_linear(4096, 2048, (128, 128), ue8m0=True, gen=gen)
+    x = torch.randn(4, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(4, 2048, generator=gen, device="cuda", dtype=torch.bfloat16)
+    ids, weights = random_routing(4, 6, 256, gen=gen)
+    step = lambda: (fused_experts(x, ids, weights, **bank, limit=3.0), fp8_linear(h, w, scale))  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(3):  # new inputs in the static buffers, replay, compare with eager calls
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        h.copy_(torch.randn(h.shape, generator=gen, device="cuda"))
+        new_ids, new_weights = random_routing(4, 6, 256, gen=gen)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        graph.replay()
+        eager = step()
+        assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1])
