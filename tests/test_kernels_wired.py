@@ -17,13 +17,14 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # CPU: the kernels run in Triton's interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from shardsmith.errors import UsageError
 from shardsmith.runtime.layers import experts as experts_mod
 from shardsmith.runtime.layers.experts import ExpertBank
 from shardsmith.runtime.layers.kernels import triton_available
 from shardsmith.runtime.layers.parallel import _Linear, kernel_switch
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU: the kernels run in Triton's interpreter (before triton loads)
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 7]
 STEPS = 3
