@@ -196,7 +196,7 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
     try:
         from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
         from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.layers.parallel import init_distributed, use_kernels_
         from shardsmith.runtime.layers.quant import dequantize_fp8_
         from shardsmith.runtime.engine.loader import load_rank_weights
 
@@ -212,12 +212,14 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         weights = load_rank_weights(a["pack"], rank=rank, world_size=world)
         model = DeepseekV4.from_weights(weights, device=dev, dtype=getattr(torch, a["dtype"]),
                                         max_seq_len=a["prompt"] + 2 * a["tokens"] + 8)
+        use_kernels_(model, dev)  # as Engine.load does: on CUDA FP8 linears stay FP8, banks run fused_experts
         if a["fp8"] == "load":  # as Engine.load does by default
             dequantize_fp8_(model, getattr(torch, a["dtype"]))
         sync()
         barrier()
         ready = time.perf_counter() - t0
-        mem = {"gpu_bytes": torch.cuda.memory_allocated() if cuda else 0, "host_rss_bytes": rss_bytes()}
+        mem = {"gpu_bytes": torch.cuda.memory_allocated() if cuda else 0, "host_rss_bytes": rss_bytes(),
+               "linear_bytes": linear_bytes(model, weights.plan, rank)}
         prompt = torch.randint(0, model.args.vocab_size, (a["prompt"],), generator=torch.Generator().manual_seed(0)).to(dev)
         decode(model, prompt[:8], 4, sync)  # warm-up (kernels, allocator)
         seconds, tokens = decode(model, prompt, a["tokens"], sync)
@@ -274,6 +276,7 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     t0 = time.perf_counter()
     model, rt = build_v4(weights, rank=weights.rank, dtype=dtype, device=dev,
                          place_experts=lambda m: attach_offload(m, weights, cfg, device=dev, dtype=dtype))
+    use_kernels_(model, dev)
     if a["fp8"] == "load":
         dequantize_fp8_(model, dtype)
     model.setup_cache(a["prompt"] + 2 * a["tokens"] + 8, dev, dtype)
@@ -333,6 +336,27 @@ def offload_rows(ranks: list[dict], resident: dict, graphed: dict, tp: int, toke
     return rows
 
 
+def linear_bytes(model, plan, rank: int) -> dict:
+    """Bytes of the parallel linears (weights, scales, biases) on the device and in the pack, the FP8
+    weights' alone, and how many linears / expert banks run the kernels."""
+    from shardsmith.runtime.layers.experts import ExpertBank
+    from shardsmith.runtime.layers.parallel import _Linear
+
+    out = {"device": 0, "pack": 0, "fp8_weight_device": 0, "fp8_weight_pack": 0, "kernel_linears": 0,
+           "kernel_banks": sum(1 for m in model.modules() if isinstance(m, ExpertBank) and m.kernel)}
+    for name, m in model.named_modules():
+        if not isinstance(m, _Linear) or name + ".weight" not in plan.tensors:
+            continue
+        tp = plan.tensors[name + ".weight"]
+        out["device"] += sum(b.nbytes for b in m.buffers())
+        out["pack"] += sum(t.local_nbytes(rank) for t in plan.tensors.values() if t.name == tp.name or t.scale_of == tp.name)
+        out["kernel_linears"] += m.kernel
+        if tp.quant == "fp8-block":
+            out["fp8_weight_device"] += m.weight.nbytes
+            out["fp8_weight_pack"] += tp.local_nbytes(rank)
+    return out
+
+
 def plan_bytes(plan, rank: int) -> dict:
     """Weight bytes of ``rank`` by layer key (``layers.N``) and ``other`` (MTP excluded)."""
     out: dict[str, int] = {}
@@ -383,6 +407,7 @@ def summarize(ranks: list[dict], kinds: tuple[str, ...], tokens: int) -> dict:
         "weight_bytes_per_rank": max(sum(v for k, v in b.items() if not k.startswith("mtp.")) for b in pb),
         "weight_bytes_per_rank_43_layers": max(b["other"] + (scale(lb) if n else 0) for b, lb in zip(pb, layer_bytes)),
         "tokens": r0["tokens"][:16],
+        "linear_bytes_rank0": r0["memory"]["linear_bytes"],
     }
     return row
 
@@ -417,11 +442,12 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(tp)]
     config = json.loads((ckpt / "config.json").read_text())
     args = V4Args.from_config(config)
-    row = {"tp": tp, "device": a.device, "dtype": a.dtype, "fp8": a.fp8, "layers": args.n_layers, "layer_kinds": list(args.kinds),
+    kernels = {v: os.environ.get(v, "auto") for v in ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS")}
+    row = {"tp": tp, "device": a.device, "dtype": a.dtype, "fp8": a.fp8, "kernels": kernels, "layers": args.n_layers, "layer_kinds": list(args.kinds),
            "experts": args.n_experts, "hidden": args.dim, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
            "split_seconds": split_s}
     row.update(summarize(ranks, args.kinds, a.tokens), run="resident")
-    common = {k: row[k] for k in ("device", "dtype", "fp8", "layers", "experts", "hidden")}
+    common = {k: row[k] for k in ("device", "dtype", "fp8", "kernels", "layers", "experts", "hidden")}
     graphed_s = max(r["graphed_decode_s"] for r in ranks)
     graphed = {"tp": tp, **common, "run": "resident graphs", "tokens_per_s": a.tokens / graphed_s,
                "ms_per_token": 1e3 * graphed_s / a.tokens, "tokens_match_eager": ranks[0]["graphed_tokens"] == ranks[0]["tokens"],

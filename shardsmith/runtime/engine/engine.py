@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from shardsmith.errors import RankLostError, RuntimeLoadError, UsageError, format_problems
 from shardsmith.runtime.models.registry import ModelFamily, family_for
-from shardsmith.runtime.layers.parallel import clamp_threads, install_rank_zero_logging
+from shardsmith.runtime.layers.parallel import clamp_threads, install_rank_zero_logging, use_kernels_
 from shardsmith.runtime.layers.quant import dequantize_fp8_
 from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
 from shardsmith.runtime.engine.sampling import choose, make_generator
@@ -134,6 +134,10 @@ class Engine:
                 slowest rank to finish loading before naming it.
             fp8: ``load`` dequantizes FP8 block weights once to ``dtype``; ``on-the-fly`` keeps
                 them FP8 and dequantizes per matmul (see :mod:`~shardsmith.runtime.layers.parallel`).
+                On CUDA, FP8 linears stay FP8 either way and run the ``fp8_linear`` kernel, and
+                resident expert banks run ``fused_experts`` for decode steps
+                (:func:`~shardsmith.runtime.layers.parallel.use_kernels_`; ``SHARDSMITH_FP8_DENSE=dequantize``
+                and ``SHARDSMITH_FUSED_EXPERTS=off`` force the PyTorch paths).
             offload: place routed experts in host memory with a device expert cache
                 (:mod:`shardsmith.runtime.offload`); None keeps every expert resident.
             cuda_graphs: on CUDA, run one-token decode steps as piecewise CUDA graphs (both
@@ -171,8 +175,9 @@ class Engine:
             model, offloaded = family.build(weights, rank=rank, dtype=dtype, device=dev, place_experts=place)
             if fp8 not in ("load", "on-the-fly"):
                 raise UsageError(f"fp8 must be 'load' or 'on-the-fly', got {fp8!r}")
+            use_kernels_(model, dev)  # on CUDA: FP8 linears stay FP8 (fp8_linear), banks run fused_experts
             if fp8 == "load":
-                dequantize_fp8_(model, dtype)
+                dequantize_fp8_(model, dtype)  # what use_kernels_ did not keep FP8
             model.setup_cache(max_seq_len, dev, dtype)
             engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
                          device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group, family=family)

@@ -27,6 +27,11 @@ fp4     ``T*K <= ExpertMath.batched_pairs`` pairs,  expert by expert, one gate+u
         expanded, two batched matmuls
 ======  ==========================================  ============================================
 
+On CUDA a resident dense or FP4 bank runs steps of ``T*K <= FUSED_PAIRS_MAX`` pairs through the
+Triton kernel :func:`~shardsmith.runtime.layers.kernels.fused_experts` instead (no host sync, each
+selected expert read once from the bank, nothing expanded to memory); decided once at load by
+:meth:`ExpertBank.use_kernel_` (``SHARDSMITH_FUSED_EXPERTS=auto|kernel|off``).
+
 The family's arithmetic around the matmuls (SwiGLU clamp, accumulation dtype, pair batching) is an
 :class:`ExpertMath`, so offloaded experts compute what the resident bank computes, bit for bit.
 Legend: T = tokens, K = experts per token, P = T*K (token, expert) pairs, n = an expert's tokens.
@@ -42,13 +47,16 @@ from torch import nn
 
 from shardsmith.dtypes import DTYPES
 from shardsmith.errors import RuntimeLoadError
-from shardsmith.runtime.layers.parallel import Shards
+from shardsmith.runtime.layers.kernels import fused_experts
+from shardsmith.runtime.layers.parallel import Shards, kernel_switch
 from shardsmith.runtime.layers.quant import bank_format, dequantize_fp4, expert_weights
 from shardsmith.runtime.layers.staging import rows_by_expert
 
 # A one-token step gathers its dense experts (no host sync) while their bytes are at most this; past
 # it the copy (read + write + read) costs more than the one host sync it saves. Not yet tuned on GPU.
 DECODE_GATHER_MAX_BYTES = 64 << 20
+# Pairs per step up to which a kernel bank runs fused_experts: decode-sized steps (the kernel's tuned range)
+FUSED_PAIRS_MAX = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +217,17 @@ class ExpertBank(RoutedExperts):
         if self.format == "fp8":
             self.block = shards.bank_block(layer, "gate_up")
 
+    kernel = False  # decode-sized steps of a dense or FP4 bank run fused_experts (set once by use_kernel_)
+
+    def use_kernel_(self, device: torch.device) -> None:
+        """Run decode-sized steps through :func:`fused_experts` when ``SHARDSMITH_FUSED_EXPERTS``
+        allows on ``device`` (an FP8 bank does once dequantized at load; kept FP8 it does not)."""
+        self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device)
+
+    def fused(self, tokens: int, k: int) -> bool:
+        """Whether ``tokens`` tokens over ``k`` experts each run :func:`fused_experts`."""
+        return self.kernel and self.format in ("dense", "fp4") and tokens * k <= FUSED_PAIRS_MAX
+
     def arrays(self) -> dict[str, torch.Tensor]:
         """The bank's arrays by name, ``[E, ...]`` each."""
         return dict(self._buffers)
@@ -226,6 +245,8 @@ class ExpertBank(RoutedExperts):
 
     def sync_free(self, tokens: int, k: int) -> bool:
         """Whether ``tokens`` tokens over ``k`` experts each take a path with no host sync (module table)."""
+        if self.fused(tokens, k):
+            return True
         if self.format == "fp4":
             return tokens * k <= self.math.batched_pairs
         return (self.format == "dense" and tokens == 1
@@ -241,13 +262,18 @@ class ExpertBank(RoutedExperts):
             x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` routing weights
                 (float32, or the activation dtype as the family routes).
 
-        A step that :meth:`sync_free` allows gathers its experts by id on the device (no host
+        A kernel bank's decode-sized step (:meth:`fused`) is one :func:`fused_experts` call. Otherwise
+        a step that :meth:`sync_free` allows gathers its experts by id on the device (no host
         sync, so the host keeps queueing kernels): FP4 per pair (:func:`routed_pairs`), dense for
         one token in ascending expert order with the general path's kernels (so the same bits).
         Otherwise one host sync (the ids), then expert by expert in ascending order, reading each
         expert in place (at most one FP4/FP8 expert expanded at a time).
         """
         T, K = index.shape
+        if self.fused(T, K):
+            a = self.arrays()
+            return fused_experts(x, index, weight, a["gate_up"], a["down"], a.get("gate_up_scale"), a.get("down_scale"),
+                                 limit=self.math.limit, backend="triton")
         if self.sync_free(T, K) and self.format == "fp4":
             sel = index.flatten()  # [P] expert of each pair, on the device
             return routed_pairs(*expand_pairs({a: t[sel] for a, t in self.arrays().items()}, x.dtype), x, weight,

@@ -15,10 +15,13 @@ vocab-parallel     LM head     ``[V_r, D]``                 all-gather of uneven
 
 FP8 block weights (``float8_e4m3fn`` with an F32 ``weight_scale_inv`` per 128x128 block, DeepSeek-V3
 ``inference/kernel.py`` ``weight_dequant``) are loaded as stored and, by default, dequantized once
-at load to the compute dtype (``Engine.load(fp8="load")``: full decode speed, memory of the
-compute dtype). With ``fp8="on-the-fly"`` they stay FP8 (the mmap'd bytes) and are dequantized
-per matmul (:func:`~shardsmith.runtime.layers.quant.dequantize_blocks`): FP8 memory, one extra elementwise pass per use. A fused
-FP8 block GEMM kernel on GPU is future work.
+at load to the compute dtype on CPU (``Engine.load(fp8="load")``: memory of the compute dtype). On
+CUDA they stay FP8 and every call runs the Triton kernel
+:func:`~shardsmith.runtime.layers.kernels.fp8_linear` (the pack's bytes on the GPU, no host sync,
+so decode graphs capture it): :func:`use_kernels_` decides once at load, ``SHARDSMITH_FP8_DENSE``
+forces a path (``auto``, ``kernel``: also on CPU under ``TRITON_INTERPRET=1``, ``dequantize``: the
+old one). With ``fp8="on-the-fly"`` linears without the kernel stay FP8 and are dequantized per
+matmul (:func:`~shardsmith.runtime.layers.quant.dequantize_blocks`).
 
 Weights are buffers created on the ``meta`` device; :func:`shardsmith.runtime.models.mixtral.model.assign_weights`
 replaces them with the rank's tensors. Legend: T = tokens, D = hidden, V = vocabulary.
@@ -34,8 +37,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardsmith.errors import RuntimeLoadError, format_problems
+from shardsmith.errors import RuntimeLoadError, UsageError, format_problems
 from shardsmith.plans.resolve import ResolvedPlan, TensorPlan
+from shardsmith.runtime.layers.kernels import fp8_linear, triton_available
+from shardsmith.runtime.layers.kernels._common import interpreting
 from shardsmith.runtime.layers.quant import dequantize_blocks
 from shardsmith.runtime.engine.dist import clamp_threads, init_distributed, install_rank_zero_logging  # noqa: F401  (re-exported)
 
@@ -100,8 +105,41 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 # ------------------------------------------------------------------ layers
 
 
+def kernel_switch(var: str, off: str, device: torch.device) -> bool:
+    """Whether a Triton kernel path is on for modules on ``device``: environment variable ``var`` is
+    ``auto`` (default: on for CUDA with Triton installed), ``kernel`` (on; on CPU only under
+    ``TRITON_INTERPRET=1``, for tests) or ``off`` (the PyTorch path). Read once, at load.
+
+    Raises:
+        UsageError: another value, or ``kernel`` where the kernel cannot run.
+    """
+    mode = os.environ.get(var, "auto") or "auto"
+    if mode not in ("auto", "kernel", off):
+        raise UsageError(f"{var}={mode!r}: expected auto, kernel or {off}")
+    if mode == off:
+        return False
+    runnable = triton_available() and (torch.device(device).type == "cuda" or mode == "kernel" and interpreting())
+    if mode == "kernel" and not runnable:
+        raise UsageError(f"{var}=kernel cannot run on {device}: it needs triton (pip install 'shardsmith[kernels]') "
+                         "and a CUDA device, or TRITON_INTERPRET=1 on CPU")
+    return runnable
+
+
+def use_kernels_(model: nn.Module, device: torch.device) -> None:
+    """Switch every module of ``model`` with a ``use_kernel_(device)`` method to its Triton kernel where
+    its switch allows (FP8 linears: ``SHARDSMITH_FP8_DENSE``; expert banks: ``SHARDSMITH_FUSED_EXPERTS``).
+    Once, at load, before :func:`~shardsmith.runtime.layers.quant.dequantize_fp8_` (which then keeps
+    the kernel linears FP8)."""
+    for m in model.modules():
+        if hasattr(m, "use_kernel_"):
+            m.use_kernel_(device)
+
+
 class _Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` over a rank-local weight, FP8 blocks dequantized per call."""
+    """``y = x @ W.T (+ b)`` over a rank-local weight; FP8 blocks through :func:`fp8_linear` (``kernel``)
+    or dequantized (at load, or per call)."""
+
+    kernel = False  # FP8 weight kept and multiplied by fp8_linear (set once by use_kernel_)
 
     def __init__(self, shape: tuple[int, int], *, bias: bool, dtype: torch.dtype,
                  fp8_block: tuple[int, int] | None = None, reduce: bool = True) -> None:
@@ -113,6 +151,10 @@ class _Linear(nn.Module):
             self.register_buffer("weight_scale_inv", _meta((rows, cols), torch.float32))
         self.register_buffer("bias", _meta(shape[:1], dtype) if bias else None)
 
+    def use_kernel_(self, device: torch.device) -> None:
+        """Keep an FP8 weight FP8 and run :func:`fp8_linear` when ``SHARDSMITH_FP8_DENSE`` allows on ``device``."""
+        self.kernel = self.block is not None and kernel_switch("SHARDSMITH_FP8_DENSE", "dequantize", device)
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` (FP8 dequantized now)."""
         if self.block is None:
@@ -120,14 +162,38 @@ class _Linear(nn.Module):
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def dequantize_(self, dtype: torch.dtype) -> None:
-        """Replace an FP8 weight and its scale by the dequantized weight in ``dtype`` (once, at load)."""
-        if self.block is not None:
+        """Replace an FP8 weight and its scale by the dequantized weight in ``dtype`` (once, at load);
+        a kernel linear stays FP8."""
+        if self.block is not None and not self.kernel:
             self._buffers["weight"] = self.dense_weight(dtype)
             del self._buffers["weight_scale_inv"]
             self.block = None
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out], no bias, no reduce
+        if self.kernel:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, backend="triton")
+        return F.linear(x, self.dense_weight(x.dtype))
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:  # [T, G, in/G] -> [T, G*o]
+        """Block-diagonal product: group g's input ``x[:, g]`` times weight rows ``[g*o, (g+1)*o)``
+        (DeepSeek-V4's grouped ``wo_a``; o = out / G).
+
+        A kernel linear with ``T*G <= 16`` (decode) runs one :func:`fp8_linear` over all ``T*G``
+        rows, reading the FP8 weight once (one 16-row tile: the same time as one row), and keeps the
+        diagonal blocks; otherwise the weight in ``x.dtype`` and one einsum.
+        """
+        T, G, _ = x.shape
+        o = self.weight.shape[0] // G
+        if self.kernel and T * G <= 16:
+            y = fp8_linear(x.reshape(T * G, -1), self.weight, self.weight_scale_inv, self.block, backend="triton")
+            return y.view(T, G, G, o).diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(T, G * o)
+        return torch.einsum("tgi,goi->tgo", x, self.dense_weight(x.dtype).view(G, o, -1)).reshape(T, -1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        if not self.kernel:
+            return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
 
 
 class ReplicatedLinear(_Linear):
@@ -146,7 +212,7 @@ class RowParallelLinear(_Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in_r] -> [T, out]
-        y = F.linear(x, self.dense_weight(x.dtype))
+        y = self.matmul(x)
         if not self.reduce:
             return y
         y = all_reduce(y)

@@ -116,8 +116,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             (default 64, 128 for FP4 and 32, 64 for bf16: the H200 sweep's fastest);
         block_k: elements of the reduction dim (D, then I_r) per loop step;
         num_warps, num_stages: Triton launch options; scaled_dot: FP4 through ``tl.dot_scaled``
-            instead of the in-register decode (default: on when compiled, 1.1-1.5x faster on the
-            H200; off under the interpreter, which lacks it).
+            instead of the in-register decode (default: on when compiled with bf16 ``x``, 1.1-1.5x
+            faster on the H200; off for float16/float32 ``x``, which ``tl.dot_scaled`` does not take
+            here, and under the interpreter, which lacks it).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
@@ -137,9 +138,10 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         return fused_experts_reference(x, ids, weights, gate_up, down, gate_up_scale, down_scale, limit=limit)
     import triton
 
-    if scaled_dot and interpreting():
-        raise KernelError("fused_experts: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled)")
-    scaled_dot = not interpreting() if scaled_dot is None else scaled_dot
+    if scaled_dot and (interpreting() or x.dtype != torch.bfloat16):
+        raise KernelError("fused_experts: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled) and bf16 "
+                          f"activations, got {x.dtype}")
+    scaled_dot = not interpreting() and x.dtype == torch.bfloat16 if scaled_dot is None else scaled_dot
     block_i = block_i or (64 if fp4 else 32)
     block_n = block_n or (128 if fp4 else 64)
 

@@ -126,9 +126,7 @@ class Attention(nn.Module):
         T = out.shape[0]
         groups = self.wo_a.weight.shape[0] // self.o_rank  # G: whole output groups of this rank's heads
         out = apply_rope(out, cos, -sin).reshape(T, groups, -1)  # [T, G, n*d/G]
-        wa = self.wo_a.dense_weight(out.dtype).view(groups, self.o_rank, -1)  # [G, o, n*d/G]
-        y = torch.einsum("tgi,goi->tgo", out, wa).reshape(T, -1)  # [T, G*o]
-        return self.wo_b(y)
+        return self.wo_b(self.wo_a.grouped(out))  # [T, G*o] -> [T, D]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, first: int, q0: int, entries: torch.Tensor | None,
                 select: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,176 @@
+"""The decode kernels wired into the runtime (issue 12): FP8 linears stay FP8 and call ``fp8_linear``,
+resident dense/FP4 expert banks call ``fused_experts`` for decode-sized steps.
+
+CPU: the switch (``SHARDSMITH_FP8_DENSE``, ``SHARDSMITH_FUSED_EXPERTS``) is decided once at load,
+off on CPU unless forced; forced on under Triton's interpreter (``TRITON_INTERPRET=1``), the tiny
+DeepSeek-V4 (FP8 dense, FP4 experts) and tiny Mixtral-FP8 (FP8 dense, FP8 experts dequantized at
+load to a bf16 bank) give the dequantize path's logits within float32 / bf16 rounding, prefill and
+one-token decode steps alike. GPU (``-m gpu``): the same models on CUDA, graphed, give the same
+greedy tokens in float32 with the kernels as without, bf16 logits within tolerance, and the FP8
+linears hold the pack's weight bytes on the GPU (printed; benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # CPU: the kernels run in Triton's interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from shardsmith.errors import UsageError
+from shardsmith.runtime.layers import experts as experts_mod
+from shardsmith.runtime.layers.experts import ExpertBank
+from shardsmith.runtime.layers.kernels import triton_available
+from shardsmith.runtime.layers.parallel import _Linear, kernel_switch
+
+PROMPT = [3, 17, 42, 99, 5, 8, 61, 7]
+STEPS = 3
+ENV = ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS")
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+def _load(path, device: str, dtype: torch.dtype, kernels: bool, monkeypatch, *, graphs: bool = False):
+    from shardsmith.runtime.engine.engine import Engine
+
+    forced = "kernel" if device == "cpu" else "auto"
+    monkeypatch.setenv("SHARDSMITH_FP8_DENSE", forced if kernels else "dequantize")
+    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", forced if kernels else "off")
+    return Engine.load(path, rank=0, world_size=1, device=device, dtype=dtype, from_checkpoint=True, max_seq_len=64,
+                       cuda_graphs=graphs)
+
+
+def _decode(model, tokens: list[int] | None = None, steps: int = STEPS) -> tuple[list[torch.Tensor], list[int]]:
+    """Prefill logits (every position) then ``steps`` one-token steps; greedy, or teacher-forced on ``tokens``."""
+    dev = next(model.buffers()).device
+    logits = [model(torch.tensor(PROMPT, device=dev), 0, last_only=False).float().cpu()]
+    chosen, pos = [], len(PROMPT)
+    for i in range(steps):
+        chosen.append(int(logits[-1][-1].argmax()) if tokens is None else tokens[i])
+        logits.append(model(torch.tensor(chosen[-1:], device=dev), pos).float().cpu())
+        pos += 1
+    return logits, chosen
+
+
+def _kernel_modules(model) -> tuple[list[_Linear], list[ExpertBank]]:
+    mods = list(model.modules())
+    return ([m for m in mods if isinstance(m, _Linear) and m.kernel],
+            [m for m in mods if isinstance(m, ExpertBank) and m.kernel])
+
+
+def _linear_bytes(model, plan) -> dict:
+    """Weight bytes of the FP8 linears (kept or dequantized) on the device vs in the pack, and all linears'."""
+    out = {"fp8_device": 0, "fp8_pack": 0, "linear_device": 0, "linear_pack": 0}
+    for name, m in model.named_modules():
+        if not isinstance(m, _Linear) or name + ".weight" not in plan.tensors:
+            continue
+        tp = plan.tensors[name + ".weight"]
+        dev_b = sum(b.nbytes for b in m.buffers())
+        pack_b = sum(t.local_nbytes(0) for t in plan.tensors.values() if t.name == tp.name or t.scale_of == tp.name)
+        out["linear_device"] += dev_b
+        out["linear_pack"] += pack_b
+        if tp.quant == "fp8-block":
+            out["fp8_device"] += m.weight.nbytes
+            out["fp8_pack"] += tp.local_nbytes(0)
+    return out
+
+
+# ------------------------------------------------------------------ the switch
+
+
+def test_switch_is_off_on_cpu_unless_forced(monkeypatch):
+    cpu = torch.device("cpu")
+    for var, off in (("SHARDSMITH_FP8_DENSE", "dequantize"), ("SHARDSMITH_FUSED_EXPERTS", "off")):
+        monkeypatch.delenv(var, raising=False)
+        assert kernel_switch(var, off, cpu) is False  # auto: CUDA only, even under the interpreter
+        monkeypatch.setenv(var, off)
+        assert kernel_switch(var, off, cpu) is False
+        monkeypatch.setenv(var, "sometimes")
+        with pytest.raises(UsageError, match=f"{var}='sometimes': expected auto, kernel or {off}"):
+            kernel_switch(var, off, cpu)
+        monkeypatch.setenv(var, "kernel")
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(UsageError, match="cannot run on cpu"):
+            kernel_switch(var, off, cpu)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert kernel_switch(var, off, cpu) is triton_available()
+
+
+def test_cpu_load_keeps_the_dequantize_path(tiny, monkeypatch):
+    """Auto on CPU: no kernel module, every FP8 linear dequantized at load, as before."""
+    from shardsmith.runtime.engine.engine import Engine
+
+    for var in ENV:
+        monkeypatch.delenv(var, raising=False)
+    eng = Engine.load(tiny("mixtral-fp8"), rank=0, world_size=1, device="cpu", dtype=torch.float32,
+                      from_checkpoint=True, max_seq_len=32)
+    assert _kernel_modules(eng.model) == ([], [])
+    assert not [n for n, b in eng.model.named_buffers() if b.dtype == torch.float8_e4m3fn]
+
+
+# ------------------------------------------------------------------ kernels vs dequantize (interpreter)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["deepseek-v4", "mixtral-fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, name, dtype):
+    """Same logits (prefill, then decode steps teacher-forced on the dequantize path's greedy tokens);
+    the FP8 linears stay FP8 and the decode steps' experts run ``fused_experts``."""
+    calls = []
+    real = experts_mod.fused_experts
+    monkeypatch.setattr(experts_mod, "fused_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref, tokens = _decode(_load(tiny(name), "cpu", dtype, False, monkeypatch).model)
+    assert not calls
+    eng = _load(tiny(name), "cpu", dtype, True, monkeypatch)
+    linears, banks = _kernel_modules(eng.model)
+    assert linears and banks and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    got, _ = _decode(eng.model, tokens)
+    assert len(calls) == (STEPS + 1) * len(banks)  # the 8-token prefill (16 pairs) and every decode step
+    tol = 2e-5 if dtype == torch.float32 else 4e-2
+    for r, g in zip(ref, got):
+        err = ((g - r).abs().max() / r.abs().max()).item()
+        assert err < tol, f"{name} {dtype}: relative error {err:.2e} >= {tol}"
+
+
+# ------------------------------------------------------------------ GPU
+
+
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), needs_triton]
+
+
+@pytest.mark.parametrize("name", ["deepseek-v4", "mixtral-fp8"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_gpu_kernels_keep_greedy_tokens_and_pack_bytes(tiny, monkeypatch, name, graphs):
+    """float32: the kernel path decodes the dequantize path's greedy tokens; bf16: logits within
+    tolerance; the FP8 linears' weight bytes on the GPU are the pack's (printed with the rest)."""
+    from shardsmith.runtime.engine.loader import load_rank_weights
+
+    plan = load_rank_weights(tiny(name), rank=0, world_size=1, from_checkpoint=True).plan
+    for dtype in (torch.float32, torch.bfloat16):
+        ref_eng = _load(tiny(name), "cuda", dtype, False, monkeypatch, graphs=graphs)
+        ref, ref_tokens = _decode(ref_eng.model, steps=8)
+        ref_bytes = _linear_bytes(ref_eng.model, plan)
+        del ref_eng
+        eng = _load(tiny(name), "cuda", dtype, True, monkeypatch, graphs=graphs)
+        linears, banks = _kernel_modules(eng.model)
+        assert linears and banks
+        got, tokens = _decode(eng.model, steps=8)
+        got_bytes = _linear_bytes(eng.model, plan)
+        print(f"\n{name} {dtype} graphs={graphs}: linear bytes on the GPU, kernels {got_bytes} / "
+              f"dequantize {ref_bytes}")
+        assert got_bytes["fp8_device"] == got_bytes["fp8_pack"] > 0
+        assert ref_bytes["fp8_device"] == 2 * ref_bytes["fp8_pack"] if dtype == torch.bfloat16 else True
+        if dtype == torch.float32:
+            assert tokens == ref_tokens
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        got, _ = _decode(eng.model, ref_tokens, steps=8)
+        for r, g in zip(ref, got):
+            err = ((g - r).abs().max() / r.abs().max()).item()
+            assert err < tol, f"{name} {dtype}: relative error {err:.2e} >= {tol}"
+
+
+for _mark in gpu:
+    test_gpu_kernels_keep_greedy_tokens_and_pack_bytes = _mark(test_gpu_kernels_keep_greedy_tokens_and_pack_bytes)
