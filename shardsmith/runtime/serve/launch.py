@@ -383,7 +383,7 @@ def _supervise(procs: list, reports: list | None = None) -> int:
             drain()  # after: an exited rank's report is in by now; and one blocked writing must not wait
             reported.update(exited)
             bad = sorted((r for r in exited if procs[r].exitcode != 0), key=lambda r: _blame(r, procs, received))
-            if bad and since is None:
+            if bad and since is None and not stop.is_set():  # after a requested stop, exits are the stop
                 # Several ranks can go down within one poll: name the cause (a rank killed by a signal,
                 # or one that reported its own error) before those that only saw a peer vanish.
                 rest = "; stopping the other ranks" if any(q.is_alive() for q in procs) else ""
