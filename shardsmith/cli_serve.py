@@ -139,7 +139,8 @@ def _check_port(host: str, port: int) -> None:
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
           verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto", enforce_eager: bool = False,
           expect_digest: str | None = None):
-    from shardsmith.runtime.serve.launch import LaunchSpec, pack_world_size, under_torchrun
+    from shardsmith.runtime.serve.launch import LaunchSpec, under_torchrun
+    from shardsmith.runtime.serve.placement import check_local_ranks, pack_world_size
 
     _check_device(device, None)
     if not path.is_dir():
@@ -160,6 +161,8 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
     _check_tokenizer(path)
     if under_torchrun() and dist_port is not None:
         raise UsageError("--dist-port is not used under torchrun (torchrun owns the rendezvous: --master-port)")
+    if not from_checkpoint and not under_torchrun():  # every rank here and of this pack (torchrun: each
+        check_local_ranks(path, list(range(ws)), ws)    # node checks its own, all agree: launch.run_rank)
     _check_device(device, ws)
     return LaunchSpec(path=path.resolve(), world_size=ws, device=device, dist_port=dist_port,
                       from_checkpoint=from_checkpoint, verify_hashes=verify_hashes, max_seq_len=max_seq_len,

@@ -158,3 +158,27 @@ def test_sigkill_of_the_launcher_leaves_nothing(pack: Path, tmp_path: Path) -> N
     assert srv.left_behind(within_s=10.0) == [], (srv.children, srv.log())
     time.sleep(0.5)  # anything the tracker writes as it exits reaches the log
     assert "leaked semaphore" not in srv.log() and "resource_tracker" not in srv.log(), srv.log()
+
+
+def test_sigterm_to_the_whole_group_mid_stream_is_a_clean_stop(pack: Path, tmp_path: Path) -> None:
+    """As a service manager stops a unit: SIGTERM to every process at once. The other ranks die
+    under rank 0's step; that is the stop, not a failure: exit 0, the stream ends with the stop event."""
+    srv = Serve(pack, tmp_path / "serve.log")
+    try:
+        srv.wait_ready()
+        req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=req, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line:
+                    events.append(line.removeprefix("data: "))
+                if len(events) == 5:
+                    srv.note_children()
+                    os.killpg(srv.proc.pid, signal.SIGTERM)
+    finally:
+        code = srv.finish()
+    log = srv.log()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down", events[-3:]
+    assert code == 0, log
+    assert "ERROR" not in log and "Traceback" not in log, log
+    assert srv.left_behind() == [], (srv.children, log)

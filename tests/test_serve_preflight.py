@@ -137,12 +137,23 @@ def test_hash_mismatch_exits_2_and_prints_once(packs, tmp_path: Path) -> None:
                   "xxh3_128 expected")
 
 
-def test_rank_from_another_split_exits_2_and_prints_once(packs, tmp_path: Path) -> None:
+def test_rank_from_another_split_exits_2_before_ranks_start(packs, tmp_path: Path) -> None:
     pack = tmp_path / "pack"
     shutil.copytree(packs["mixtral"], pack)
     shutil.rmtree(pack / "rank-1-of-2")
     shutil.copytree(packs["mixtral-tied"] / "rank-1-of-2", pack / "rank-1-of-2")
-    _load_failure(_cli("generate", str(pack), "--prompt", "x", "--max-tokens", "1"), "pack_id expected")
+    proc = _cli("generate", str(pack), "--prompt", "x", "--max-tokens", "1")
+    assert proc.returncode == 2, proc.stderr
+    assert f"error: rank 1 of 2: {pack / 'rank-1-of-2' / 'manifest.yaml'} belongs to another pack (pack_id expected" \
+        in proc.stderr.replace("\n", " "), proc.stderr
+    assert proc.stderr.count("pack_id expected") == 1 and "starting" not in proc.stderr, proc.stderr
+
+
+def test_missing_rank_is_refused_before_ranks_start(packs, tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(packs["mixtral"], pack)
+    shutil.rmtree(pack / "rank-1-of-2")
+    _refused(_cli("serve", str(pack)), f"rank 1 of 2: {pack / 'rank-1-of-2'} is missing (this directory holds rank-0-of-2)")
 
 
 # HTTP without an engine -------------------------------------------------------------------------

@@ -164,3 +164,14 @@ def test_openapi_schema_names_the_served_model(loading_client) -> None:
         assert schema["components"]["schemas"][name]["properties"]["model"]["enum"] == [MODEL]
     (param,) = schema["paths"]["/v1/models/{model}"]["get"]["parameters"]
     assert param["schema"]["enum"] == [MODEL]
+
+
+def test_openapi_schema_says_which_values_are_served(loading_client) -> None:
+    """Fields accepted only at their neutral value say so in the schema, and that value passes
+    validation (a 503 while loading, not a 400); another one is refused as the schema says."""
+    props = loading_client.get("/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert props["n"]["enum"] == [1, None] and props["tools"]["maxItems"] == 0
+    assert props["tool_choice"]["enum"] == ["none", "auto", None]
+    ok = CHAT | {"n": 1, "tools": [], "tool_choice": "auto", "presence_penalty": 0}
+    _error(loading_client.post("/v1/chat/completions", json=ok), 503, code="model_not_ready")
+    _error(loading_client.post("/v1/chat/completions", json=CHAT | {"tool_choice": "required"}), 400, param="tool_choice")

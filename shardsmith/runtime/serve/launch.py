@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import os
-import re
 import signal
 import socket
 import sys
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shardsmith.errors import EXIT_CODES, RankLostError, ShardsmithError, UsageError, exit_code_for
+from shardsmith.runtime.serve.placement import agree_on_local_ranks, pack_world_size  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -119,51 +119,6 @@ def setup_logging(rank: int | None, level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
-def pack_world_size(path: Path, *, tp: int | None, from_checkpoint: bool) -> int:
-    """Ranks to start: ``--tp`` for a checkpoint, else ``world_size`` from ``OUT/pack.yaml``.
-
-    Raises:
-        UsageError: no ``pack.yaml`` (not a pack), ``--tp`` missing with ``--from-checkpoint``,
-            ``--from-checkpoint`` given a pack, or ``--tp`` disagreeing with the pack.
-    """
-    if from_checkpoint:
-        if (Path(path) / "pack.yaml").is_file():
-            raise UsageError(f"{path} is a pack (it has pack.yaml), not a checkpoint; drop --from-checkpoint "
-                             f"(the pack's world_size sets the ranks)")
-        if tp is None or tp < 1:
-            raise UsageError(f"--from-checkpoint needs --tp N >= 1 (the number of ranks to slice the checkpoint for)"
-                             f"{'' if tp is None else f', got {tp}'}")
-        return tp
-    manifest = Path(path) / "pack.yaml"
-    if not manifest.is_file():
-        if (where := rank_dir_of(Path(path))) is not None:
-            rank, ws, pack = where
-            raise UsageError(f"{path} is rank {rank} of {ws} of the pack at {pack}, not a pack: give the pack "
-                             f"directory ({pack}; each rank loads its own rank-<r>-of-{ws}/ from it)")
-        raise UsageError(f"{path}: no pack.yaml; give a pack written by `shardsmith split`, "
-                         f"or a checkpoint with --from-checkpoint --tp N")
-    import yaml
-
-    ws = (yaml.safe_load(manifest.read_text(encoding="utf-8")) or {}).get("world_size")
-    if not isinstance(ws, int) or ws < 1:
-        raise UsageError(f"{manifest}: world_size must be a positive integer, got {ws!r}")
-    if tp is not None and tp != ws:
-        raise UsageError(f"--tp {tp} does not match the pack's world_size={ws} ({manifest})")
-    return ws
-
-
-RANK_DIR = re.compile(r"rank-(\d+)-of-(\d+)")
-
-
-def rank_dir_of(path: Path) -> tuple[int, int, Path] | None:
-    """``(rank, world_size, pack)`` when ``path`` is a rank directory (``rank-<r>-of-<N>/``, as
-    ``manifests/README.md`` lays a pack out) with ``pack.yaml`` or its ``manifest.yaml``; else None."""
-    m = RANK_DIR.fullmatch(path.resolve().name)
-    if m is None or not ((path / "manifest.yaml").is_file() or (path.resolve().parent / "pack.yaml").is_file()):
-        return None
-    return int(m.group(1)), int(m.group(2)), path.resolve().parent
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -195,6 +150,8 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
     elif world_size > 1:
         init_distributed(rank, world_size, master_addr=os.environ["MASTER_ADDR"],
                          master_port=int(os.environ["MASTER_PORT"]), device=spec.device, timeout_s=COLLECTIVE_TIMEOUT_S)
+    if world_size > 1 and init_method == "env://" and not spec.from_checkpoint:
+        agree_on_local_ranks(spec.path, rank, world_size)
     from shardsmith.runtime.engine.engine import Engine
 
     load = partial(Engine.load, spec.path, rank=rank, world_size=world_size, device=device,
@@ -426,7 +383,7 @@ def _supervise(procs: list, reports: list | None = None) -> int:
             drain()  # after: an exited rank's report is in by now; and one blocked writing must not wait
             reported.update(exited)
             bad = sorted((r for r in exited if procs[r].exitcode != 0), key=lambda r: _blame(r, procs, received))
-            if bad and since is None:
+            if bad and since is None and not stop.is_set():  # after a requested stop, exits are the stop
                 # Several ranks can go down within one poll: name the cause (a rank killed by a signal,
                 # or one that reported its own error) before those that only saw a peer vanish.
                 rest = "; stopping the other ranks" if any(q.is_alive() for q in procs) else ""

@@ -80,6 +80,12 @@ def lone_surrogate(value: Any, where: str = "") -> tuple[str, str] | None:
     return None
 
 
+def _ONLY(*values: Any) -> dict[str, Any]:
+    """Schema-only hint for an OpenAI field accepted at its neutral value(s) alone: ``/openapi.json``
+    says so (clients and fuzzers then send what is served); validation is ``check_supported``'s."""
+    return {"enum": [*values, None]}
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -94,12 +100,12 @@ class _Sampling(_Strict):
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
-    n: int | None = 1
+    n: int | None = Field(1, json_schema_extra=_ONLY(1))
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(0.0, json_schema_extra=_ONLY(0))
+    frequency_penalty: float | None = Field(0.0, json_schema_extra=_ONLY(0))
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
 
     @model_validator(mode="before")
@@ -139,9 +145,9 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    echo: bool = Field(False, json_schema_extra=_ONLY(False))
+    best_of: int | None = Field(None, json_schema_extra=_ONLY(1))
+    suffix: str | None = Field(None, json_schema_extra=_ONLY(""))
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -205,9 +211,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = Field(None, json_schema_extra={"properties": {"type": {"enum": ["text"]}}})
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
+    tool_choice: str | dict[str, Any] | None = Field(None, json_schema_extra=_ONLY("none", "auto"))
     parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:

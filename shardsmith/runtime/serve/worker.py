@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardsmith.errors import UsageError
+from shardsmith.errors import RankLostError, UsageError
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.tokenizer import Codec, IncrementalDetokenizer, StopStrings
 
@@ -226,6 +226,11 @@ class EngineWorker:
         self.metrics.set_ready(False)
         try:
             self.engine.shutdown()
+        except RankLostError as e:
+            if self.stopping is None:
+                log.error("engine shutdown failed: %s", e)
+            else:  # a signal to the whole process group stopped the other ranks first: nothing to release
+                log.info("the other ranks stopped before the engine's shutdown reached them")
         except Exception as e:  # noqa: BLE001
             log.error("engine shutdown failed: %s: %s", type(e).__name__, e)
 
@@ -269,6 +274,11 @@ class EngineWorker:
             return
         except Exception as e:  # noqa: BLE001 - a failed step means a rank is gone or the engine broke
             log.debug("engine step failed", exc_info=True)
+            if self.stopping is not None:  # the stop's signal reached the other ranks too (a process group)
+                job.emit(ServerStopping(self.stopping))
+                self.state = State.STOPPED
+                self._drain(self.stopping, stopping=True)
+                return
             job.emit(RuntimeError(f"engine failed: {type(e).__name__}: {e}"))
             self._fail(f"engine failed during generation ({type(e).__name__}: {e}); "
                        f"a rank has probably died; stopping the server")
