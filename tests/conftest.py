@@ -98,7 +98,7 @@ def real_v4():
 
     if not REAL_V4.is_dir():
         pytest.skip(f"needs the full 48-header DeepSeek-V4-Flash inventory at {REAL_V4} (a checkout with shared/ "
-                    f"beside it); tests/test_inputs_real_sample.py checks the same shapes on the 3-header sample "
+                    f"beside it); tests/checkpoint/test_real_sample.py checks the same shapes on the 3-header sample "
                     f"shipped in tests/fixtures/")
     return open_checkpoint(REAL_V4)
 

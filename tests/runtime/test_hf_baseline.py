@@ -15,7 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import _hf_baseline as hfb  # noqa: E402
 import decode_offload  # noqa: E402

@@ -16,7 +16,7 @@ from shardsmith.checkpoint import open_checkpoint
 from shardsmith.cli import app
 from shardsmith.plans import Layout, plan_checkpoint
 
-SAMPLE = Path(__file__).parent / "fixtures" / "deepseek-v4-flash-sample"
+SAMPLE = Path(__file__).parents[1] / "fixtures" / "deepseek-v4-flash-sample"
 runner = CliRunner()
 
 
@@ -33,7 +33,7 @@ def test_sample_is_small_and_real() -> None:
     assert {**release, "num_hidden_layers": 1} == ckpt.config  # the one edit the fixture README names
     assert release["num_hidden_layers"] == 43 and release["n_routed_experts"] == 160
     (shard,) = [f for f in ckpt.files.values() if f.name == "model-00005-of-00048.safetensors"]
-    real = Path(__file__).resolve().parents[1].parent / "shared/real-inventories/deepseek-v4-flash-0731-reap160"
+    real = Path(__file__).resolve().parents[2].parent / "shared/real-inventories/deepseek-v4-flash-0731-reap160"
     if (real / (shard.name + ".json")).is_file():  # byte for byte the release's header
         assert shard.path.read_bytes() == (real / (shard.name + ".json")).read_bytes()
 
