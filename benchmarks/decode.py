@@ -55,7 +55,8 @@ def rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
             return
         init_distributed(rank, world, master_port=port, device=job["device"])
         eng = Engine.load(job["path"], rank=rank, world_size=world, device=job["device"],
-                          from_checkpoint=job.get("from_checkpoint", False), max_seq_len=job.get("max_seq_len", 512))
+                          from_checkpoint=job.get("from_checkpoint", False), max_seq_len=job.get("max_seq_len", 512),
+                          verify_hashes=job.get("verify", True))
         if rank != 0:
             eng.follow()
             queue.put((rank, {"load_seconds": eng.load_seconds}))

@@ -190,7 +190,7 @@ def decode_mode(a: argparse.Namespace) -> list[dict]:
     from shardsmith.runtime.offload.host_bank import load_host_banks
 
     # the TP=1 slot size, from the TP=1 pack's plan (no read): cache = fraction x one layer's experts
-    rp = open_rank(root / "tp1", 0, 1) if (root / "tp1").is_dir() else None
+    rp = open_rank(root / "tp1", 0, 1, verify=False) if (root / "tp1").is_dir() else None
     if rp is not None:
         banks = rp.banks()
         one = next(iter(banks.values()))

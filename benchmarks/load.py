@@ -2,7 +2,9 @@
 
 For each TP, three runs of fresh rank processes (the same spawn as ``decode.py``):
 
-- ``pack``: ``Engine.load`` of the rank's pack (memory-mapped, zero-copy), then the warm-up step;
+- ``pack``: ``Engine.load`` of the rank's pack (memory-mapped, zero-copy, every file hashed with
+  XXH3-128 as it is first read: the default verified load), then the warm-up step;
+- ``pack-no-verify``: the same with ``--no-verify`` (no hashing), to price the verification;
 - ``checkpoint``: ``Engine.load(from_checkpoint=True)``: plan + slice the unsplit source at start-up;
 - ``read-floor``: each rank reads its pack files sequentially (8 MiB reads), nothing else.
 
@@ -57,6 +59,7 @@ def main() -> None:
         jobs = {
             "read-floor": {"mode": "read-floor", "files": files},
             "pack": {"mode": "ready", "path": str(pack), "device": a.device},
+            "pack-no-verify": {"mode": "ready", "path": str(pack), "device": a.device, "verify": False},
             "checkpoint": {"mode": "ready", "path": str(ckpt), "device": a.device, "from_checkpoint": True},
         }
         for source, job in jobs.items():

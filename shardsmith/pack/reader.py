@@ -160,13 +160,16 @@ class RankPack:
     verify: bool = True
     _maps: dict = field(default_factory=dict, repr=False)
 
-    def check_file(self, rec: FileRecord) -> None:
-        """Hash weight file ``rec`` (one sequential read) and refuse it if its bytes differ.
+    def check_file(self, rec: FileRecord, data: memoryview | None = None) -> None:
+        """Hash weight file ``rec`` (``data``: its mapped bytes, else one sequential read) and refuse it if they differ.
 
         Raises:
             IntegrityError: naming the file, the recorded and the found digest.
         """
-        n, found = hash_file(self.dir / rec.path)
+        if data is None:
+            n, found = hash_file(self.dir / rec.path)
+        else:
+            n, found = len(data), xxhash.xxh3_128(data).hexdigest()
         if (n, found) != (rec.bytes, rec.xxh3_128):
             where = f"{self.dir.name}/{rec.path}"
             what = f"xxh3_128 expected {rec.xxh3_128}, found {found}" + (f" ({n} bytes, expected {rec.bytes})" if n != rec.bytes else "")
@@ -178,10 +181,10 @@ class RankPack:
 
         base = self._maps.get(rec.path)
         if base is None:
-            if self.verify:
-                self.check_file(rec)
             storage = torch.UntypedStorage.from_file(str(self.dir / rec.path), shared=False, nbytes=rec.bytes)
             base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (rec.bytes,), (1,))
+            if self.verify:  # hash the mapping itself: one pass that also faults in the pages the model reads next
+                self.check_file(rec, memoryview(base.numpy()))
             self._maps[rec.path] = base
         return base
 
