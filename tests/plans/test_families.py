@@ -58,16 +58,31 @@ def test_every_reader_agrees_with_the_registry() -> None:
             assert callable(families.load(fam.runtime))
 
 
-def test_the_runtime_refuses_a_family_it_plans_but_cannot_serve() -> None:
+@pytest.fixture
+def v3_unservable(monkeypatch):
+    """The registry as it was before DeepSeek-V3 was served: planned and split, no runtime builder."""
+    import dataclasses
+
+    fam = dataclasses.replace(families.DEEPSEEK_V3, runtime=None)
+    monkeypatch.setitem(families.ARCHITECTURES, "DeepseekV3ForCausalLM",
+                        families.Architecture("DeepseekV3ForCausalLM", "deepseek_v3", fam))
+    return fam
+
+
+def test_every_planned_family_is_served_today() -> None:
+    assert all(a.family.servable for a in families.ARCHITECTURES.values())
+    assert {"DeepseekV3ForCausalLM", "GptOssForCausalLM"} <= set(families.served())
+
+
+def test_the_runtime_refuses_a_family_it_plans_but_cannot_serve(v3_unservable) -> None:
     from shardsmith.runtime.models.registry import family_for
 
-    assert not families.DEEPSEEK_V3.servable
     with pytest.raises(RuntimeLoadError, match="'DeepseekV3ForCausalLM' \\(DeepSeek-V3\\) can be planned and split "
                                                "but is not served by this runtime yet \\(supported: DeepseekV4"):
         family_for({"architectures": ["DeepseekV3ForCausalLM"]})
 
 
-def test_plan_and_split_warn_that_v3_is_not_served(tiny, tmp_path) -> None:
+def test_plan_and_split_warn_when_the_runtime_cannot_serve(tiny, tmp_path, v3_unservable) -> None:
     ckpt = str(tiny("deepseek-v3"))
     table = runner.invoke(app, ["plan", ckpt, "--tp", "2"])
     assert table.exit_code == 0, table.output
