@@ -17,7 +17,11 @@ there. Rules (symlinks resolved before comparing paths):
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import ManifestError, UsageError
@@ -142,3 +146,33 @@ def rank_of_pack(root: Path) -> tuple[int, int, Path] | None:
     if m is None or not (parent / PACK_MANIFEST).is_file():
         return None
     return int(m.group(1)), int(m.group(2)), parent
+
+
+@contextmanager
+def split_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``out`` for one ``split`` (``.<OUT>.split-lock`` beside it, ``flock``).
+
+    Two splits into one ``OUT`` would delete each other's ``OUT.partial`` mid-write; the second is
+    refused before it touches anything. The lock is the kernel's: it goes with the process, so a
+    killed split never leaves ``OUT`` locked (the small file stays; it is not the lock).
+
+    Raises:
+        UsageError: another process holds the lock (its pid named when it wrote it).
+    """
+    path = out.parent / f".{out.name}.split-lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UsageError(f"{out}: cannot create the split lock {path}: {e.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise UsageError(f"{out}: another split is writing it (pid {holder}, lock {path}); wait for it to end "
+                             f"or stop it, then run split again (--resume continues its work)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)

@@ -46,7 +46,7 @@ from ..plans import plan_checkpoint
 from ..plans.resolve import TensorPlan
 from .journal import Journal
 from .layout import DEFAULT_MAX_FILE_BYTES, PackLayout, layout_pack
-from .outdir import check_out, finished_pack, partial_dir
+from .outdir import check_out, finished_pack, partial_dir, split_lock
 from .packdocs import finalize_pack, plan_json
 from .slicing import cut
 from .stwriter import FileWriter
@@ -153,11 +153,24 @@ def split_checkpoint(
     Raises:
         SourceError: invalid or header-only checkpoint. PlanError: no valid plan at ``world_size``.
         UsageError: bad ``world_size``, ``ranks``, ``max_file_bytes`` or ``workers``; ``out_dir`` is, holds
-            or lies inside the source, or exists and is not empty (without ``force``, or not a pack).
+            or lies inside the source, or exists and is not empty (without ``force``, or not a pack);
+            another split is writing ``out_dir`` (:func:`~.outdir.split_lock`).
     """
-    t0 = time.perf_counter()
     out = Path(out_dir)
     _check_args(world_size, align, ranks, max_file_bytes, workers)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # as OUT.partial's would be
+    except OSError as e:
+        raise UsageError(f"{out}: cannot create its parent directory: {e.strerror}") from None
+    with split_lock(out):
+        return _split(ckpt_dir, out, world_size=world_size, align=align, ranks=ranks, resume=resume, force=force,
+                      max_file_bytes=max_file_bytes, workers=workers, progress=progress)
+
+
+def _split(ckpt_dir, out: Path, *, world_size: int, align: int, ranks, resume: bool, force: bool,
+           max_file_bytes: int, workers: int | None, progress) -> SplitResult:
+    """:func:`split_checkpoint` under the lock of ``out``."""
+    t0 = time.perf_counter()
     ckpt = open_checkpoint(ckpt_dir)
     if ckpt.header_only:
         n = sum(f.header_only for f in ckpt.files.values())

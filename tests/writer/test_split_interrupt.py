@@ -107,3 +107,24 @@ def test_sigint_to_a_real_split(tiny, tmp_path: Path) -> None:
     resumed = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert verify_pack(out, deep=True, against=src).ok
+
+
+def test_a_second_split_into_the_same_out_is_refused_while_the_first_runs(tiny, tmp_path: Path) -> None:
+    """Two splits into one OUT would delete each other's OUT.partial mid-write: the second is refused,
+    naming the holder, and touches nothing; once the first ends, a split runs."""
+    from shardsmith.writer.outdir import split_lock
+
+    out = tmp_path / "out"
+    with split_lock(out):  # what a running split holds
+        (tmp_path / "out.partial").mkdir()
+        (tmp_path / "out.partial" / "marker").write_text("first split's work")
+        with pytest.raises(UsageError, match=f"another split is writing it \\(pid {os.getpid()}"):
+            split_checkpoint(tiny("mixtral"), out, world_size=2)
+        assert (tmp_path / "out.partial" / "marker").read_text() == "first split's work"
+        result = runner.invoke(app, ["split", str(tiny("mixtral")), str(out), "--tp", "2"])  # the CLI maps it to exit 1
+        assert isinstance(result.exception, UsageError) and exit_code_for(result.exception) == 1
+        assert "another split is writing it" in str(result.exception)
+    (tmp_path / "out.partial" / "marker").unlink()
+    (tmp_path / "out.partial").rmdir()
+    split_checkpoint(tiny("mixtral"), out, world_size=2)
+    assert verify_pack(out).ok
