@@ -153,26 +153,41 @@ def split_lock(out: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``out`` for one ``split`` (``.<OUT>.split-lock`` beside it, ``flock``).
 
     Two splits into one ``OUT`` would delete each other's ``OUT.partial`` mid-write; the second is
-    refused before it touches anything. The lock is the kernel's: it goes with the process, so a
-    killed split never leaves ``OUT`` locked (the small file stays; it is not the lock).
+    refused before it touches anything. The lock is the kernel's, so a killed split never leaves
+    ``OUT`` locked; the lock file is removed when the split ends (a split killed by SIGKILL leaves
+    the empty file, which locks nothing). After locking, the file must still be the one at the path
+    (another split may have removed it in between): else lock again.
 
     Raises:
-        UsageError: another process holds the lock (its pid named when it wrote it).
+        UsageError: another process holds the lock (its pid named).
     """
     path = out.parent / f".{out.name}.split-lock"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise UsageError(f"{out}: cannot create the split lock {path}: {e.strerror}") from None
-    try:
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UsageError(f"{out}: cannot create the split lock {path}: {e.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
             raise UsageError(f"{out}: another split is writing it (pid {holder}, lock {path}); wait for it to end "
                              f"or stop it, then run split again (--resume continues its work)") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # locked a file another split had just removed: take the one at the path
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
+        try:
+            os.unlink(path)  # while still holding it: a split that opened it meanwhile sees another inode
+        except FileNotFoundError:
+            pass
         os.close(fd)

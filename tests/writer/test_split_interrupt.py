@@ -66,6 +66,9 @@ def test_ctrl_c_in_process_exits_130_saying_resume_continues(tiny, tmp_path: Pat
     def interrupt_after_first(self, *a, **k):
         calls.append(a)
         if len(calls) == 2:
+            deadline = time.monotonic() + 30  # the first shard's tensors may still be queued: let a file finish,
+            while not self.files and time.monotonic() < deadline:  # so the resume below has work to reuse
+                time.sleep(0.01)
             raise KeyboardInterrupt
         return original(self, *a, **k)
 
@@ -128,3 +131,4 @@ def test_a_second_split_into_the_same_out_is_refused_while_the_first_runs(tiny, 
     (tmp_path / "out.partial").rmdir()
     split_checkpoint(tiny("mixtral"), out, world_size=2)
     assert verify_pack(out).ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no lock file, no partial left
