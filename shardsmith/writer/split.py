@@ -158,10 +158,13 @@ def split_checkpoint(
     """
     out = Path(out_dir)
     _check_args(world_size, align, ranks, max_file_bytes, workers)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)  # as OUT.partial's would be
-    except OSError as e:
-        raise UsageError(f"{out}: cannot create its parent directory: {e.strerror}") from None
+    if not out.parent.is_dir():  # the lock lives beside OUT: make its parent, once OUT is known to be allowed
+        src = open_checkpoint(ckpt_dir)
+        check_out(src.root, [f.path for f in src.files.values()], out, force=force)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)  # as OUT.partial's would be
+        except OSError as e:
+            raise UsageError(f"{out}: cannot create its parent directory: {e.strerror}") from None
     with split_lock(out):
         return _split(ckpt_dir, out, world_size=world_size, align=align, ranks=ranks, resume=resume, force=force,
                       max_file_bytes=max_file_bytes, workers=workers, progress=progress)
