@@ -72,4 +72,7 @@ def print_tables(r: ParityReport, *, decode: Callable[[int], str] | None = None)
         con.print(lt)
     if not r.defects:
         n = sum(d.verdict == "near-tie" for d in r.divergences)
-        con.print(f"[green]ok:[/] {n} divergence{'s' if n != 1 else ''}, all near-ties within the measured noise")
+        if n:
+            con.print(f"[green]ok:[/] {n} divergence{'s' if n != 1 else ''}, all near-ties within the measured noise")
+        else:
+            con.print("[green]ok:[/] every configuration chose the same tokens, within the measured noise at every step")
