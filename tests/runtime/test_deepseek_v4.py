@@ -15,7 +15,6 @@ reference's greedy tokens, and every step's argmax must be the reference's next 
 
 from __future__ import annotations
 
-import json
 import traceback
 from pathlib import Path
 
@@ -27,30 +26,6 @@ PROMPT_LEN, STEPS = 250, 32
 ATOL = 1e-4  # float32 logits (|logits| < 5); observed: 0 at TP=1 prefill, ~5e-6 elsewhere
 
 
-
-
-def dequantized_copy(src: Path, dst: Path) -> Path:
-    """``src`` with every FP8/FP4 weight expanded to float32 by transformers' ``Fp8Dequantize``."""
-    from safetensors import safe_open
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
-
-    from shardsmith.testing.tiny import write_checkpoint
-
-    expand = Fp8Dequantize(None)._dequantize_one
-    raw: dict[str, torch.Tensor] = {}
-    for f in sorted(src.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            raw.update({k: h.get_tensor(k) for k in h.keys()})
-    out = {}
-    for name, t in raw.items():
-        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in raw:
-            continue
-        scale = raw.get(name[: -len(".weight")] + ".scale") if name.endswith(".weight") else None
-        out[name] = t if scale is None else expand(t, scale, output_dtype=torch.float32)
-    config = json.loads((src / "config.json").read_text())
-    config.pop("quantization_config")
-    config.pop("expert_dtype", None)
-    return write_checkpoint(dst, out, config, max_shard_bytes=8 << 20)
 
 
 def reference_run(model_dir: Path, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -106,6 +81,7 @@ def _rank_main(rank: int, world_size: int, port: int, path: str, from_checkpoint
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The tiny checkpoint, a TP=2 pack of it, the prompt and transformers' results."""
+    from shardsmith.testing.reference import dequantized_copy
     from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
     from shardsmith.writer.split import split_checkpoint
 

@@ -101,7 +101,7 @@ def test_missing_and_unexpected_tensors_are_all_listed(tiny) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="transformers' FP8 loader needs accelerate")
 def test_dequantized_copy_equals_transformers_fp8_loading(tiny, tmp_path: Path) -> None:
     """The oracle premise: transformers' own FP8/FP4 CPU dequantization gives the copy's values exactly."""
-    from test_deepseek_v4 import dequantized_copy
+    from shardsmith.testing.reference import dequantized_copy
     from transformers import DeepseekV4ForCausalLM
 
     src = tiny("deepseek-v4")

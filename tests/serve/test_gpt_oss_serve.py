@@ -27,21 +27,12 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 def greedy(ckpt: Path, prompts: list[list[int]], eos: tuple[int, ...]) -> list[list[int]]:
     """transformers' greedy continuation of each prompt: ``MAX_TOKENS`` tokens, or up to an EOS included."""
-    from transformers import DynamicCache, GptOssForCausalLM
+    from transformers import GptOssForCausalLM
+
+    from shardsmith.testing.reference import hf_greedy
 
     model = GptOssForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            cache, tokens = DynamicCache(config=model.config), []
-            logits = model(torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
-            while len(tokens) < MAX_TOKENS:
-                tokens.append(int(logits.argmax()))
-                if tokens[-1] in eos:
-                    break
-                logits = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0, -1]
-            out.append(tokens)
-    return out
+    return hf_greedy(model, prompts, max_tokens=MAX_TOKENS, eos=eos)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import torch
 
 httpx = pytest.importorskip("httpx")
 
-from test_deepseek_v4 import dequantized_copy  # noqa: E402  (same directory; pytest puts it on sys.path)
+from shardsmith.testing.reference import dequantized_copy  # noqa: E402
 from test_serve_e2e import Server, sse_events  # noqa: E402
 
 from shardsmith.testing.tokenizer import ASSISTANT, BOS, END_THINK, USER  # noqa: E402
@@ -41,21 +41,12 @@ SERVE = ("--dtype", "float32", "--max-seq-len", "256")
 
 def greedy(model_dir: Path, prompts: list[list[int]], eos: tuple[int, ...]) -> list[list[int]]:
     """transformers' greedy continuation of each prompt: ``MAX_TOKENS`` tokens, or up to an EOS included."""
-    from transformers import DeepseekV4ForCausalLM, DynamicCache
+    from transformers import DeepseekV4ForCausalLM
+
+    from shardsmith.testing.reference import hf_greedy
 
     model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            cache, tokens = DynamicCache(config=model.config), []
-            logits = model(torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
-            while len(tokens) < MAX_TOKENS:
-                tokens.append(int(logits.argmax()))
-                if tokens[-1] in eos:
-                    break
-                logits = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0, -1]
-            out.append(tokens)
-    return out
+    return hf_greedy(model, prompts, max_tokens=MAX_TOKENS, eos=eos)
 
 
 @pytest.fixture(scope="module")
