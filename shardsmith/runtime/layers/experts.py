@@ -22,15 +22,18 @@ format  a step with no host sync                    otherwise (one host sync: th
 ======  ==========================================  ============================================
 dense   one token, its K experts gathered by id     expert by expert, gate and up as two matmuls
         (at most ``DECODE_GATHER_MAX_BYTES``)
-fp8     never (FP8 kept with ``fp8="on-the-fly"``)  expert by expert, dequantized per use
+fp8     never without the kernel (FP8 is kept with  expert by expert, dequantized per use
+        ``fp8="on-the-fly"`` or the kernel)
 fp4     ``T*K <= ExpertMath.batched_pairs`` pairs,  expert by expert, one gate+up matmul
         expanded, two batched matmuls
 ======  ==========================================  ============================================
 
-On CUDA a resident dense or FP4 bank runs steps of ``T*K <= FUSED_PAIRS_MAX`` pairs through the
-Triton kernel :func:`~shardsmith.runtime.layers.kernels.fused_experts` instead (no host sync, each
-selected expert read once from the bank, nothing expanded to memory); decided once at load by
-:meth:`ExpertBank.use_kernel_` (``SHARDSMITH_FUSED_EXPERTS=auto|kernel|off``).
+On CUDA a resident bank of any format runs steps of at most ``FUSED_TOKENS_MAX`` tokens (a decode
+batch) through the Triton kernel :func:`~shardsmith.runtime.layers.kernels.fused_experts` instead
+(no host sync, each selected expert read once from the bank, nothing expanded to memory; an FP8
+bank then stays FP8 at load); decided once at load by :meth:`ExpertBank.use_kernel_`
+(``SHARDSMITH_FUSED_EXPERTS=auto|kernel|off``). Offloaded experts run the same call over the
+expert cache's slot pool, with slot ids for expert ids (:func:`fused_bank`).
 
 The family's arithmetic around the matmuls (SwiGLU clamp, accumulation dtype, pair batching) is an
 :class:`ExpertMath`, so offloaded experts compute what the resident bank computes, bit for bit.
@@ -55,8 +58,9 @@ from shardsmith.runtime.layers.staging import rows_by_expert
 # A one-token step gathers its dense experts (no host sync) while their bytes are at most this; past
 # it the copy (read + write + read) costs more than the one host sync it saves. Not yet tuned on GPU.
 DECODE_GATHER_MAX_BYTES = 64 << 20
-# Pairs per step up to which a kernel bank runs fused_experts: decode-sized steps (the kernel's tuned range)
-FUSED_PAIRS_MAX = 16
+# Tokens per step up to which a kernel bank runs fused_experts: a decode batch (continuous batching
+# gives up to 16 rows; the kernel's tuned range, 6-17x the expanded pairs at T = 1-16 on an H200)
+FUSED_TOKENS_MAX = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +151,23 @@ def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, wei
     return (y.float() * weight.flatten()[:, None]).view(T, K, y.shape[-1]).sum(dim=1).to(x.dtype)
 
 
+def fused_bank(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor],
+               math: ExpertMath, block: tuple[int, int] | None) -> torch.Tensor:
+    """:func:`~shardsmith.runtime.layers.kernels.fused_experts` over a bank's arrays: the one kernel
+    call of resident banks (``ids`` = expert ids) and of the slot pool (``ids`` = slot ids).
+
+    Args:
+        x: ``[T, D]``; ids: ``[T, K]`` rows of ``arrays``; weight: ``[T, K]`` routing weights;
+        arrays: ``gate_up``, ``down`` (+ scales) ``[E or S, ...]`` in stored format (FP4, FP8, dense);
+        math: the family's :class:`ExpertMath` (its clamp); block: an FP8 bank's scale block.
+
+    Raises:
+        KernelError: arrays that do not fit (see ``fused_experts``).
+    """
+    return fused_experts(x, ids, weight, arrays["gate_up"], arrays["down"], arrays.get("gate_up_scale"),
+                         arrays.get("down_scale"), limit=math.limit, block=block, backend="triton")
+
+
 class RoutedExperts(nn.Module):
     """The interface a MoE layer and the decode graphs drive, whatever holds the experts.
 
@@ -217,24 +238,25 @@ class ExpertBank(RoutedExperts):
         if self.format == "fp8":
             self.block = shards.bank_block(layer, "gate_up")
 
-    kernel = False  # decode-sized steps of a dense or FP4 bank run fused_experts (set once by use_kernel_)
+    kernel = False  # decode-sized steps run fused_experts (set once by use_kernel_)
 
     def use_kernel_(self, device: torch.device) -> None:
         """Run decode-sized steps through :func:`fused_experts` when ``SHARDSMITH_FUSED_EXPERTS``
-        allows on ``device`` (an FP8 bank does once dequantized at load; kept FP8 it does not)."""
+        allows on ``device``; an FP8 bank then stays FP8 (:meth:`dequantize_` keeps it)."""
         self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device)
 
     def fused(self, tokens: int, k: int) -> bool:
         """Whether ``tokens`` tokens over ``k`` experts each run :func:`fused_experts`."""
-        return self.kernel and self.format in ("dense", "fp4") and tokens * k <= FUSED_PAIRS_MAX
+        return self.kernel and tokens <= FUSED_TOKENS_MAX
 
     def arrays(self) -> dict[str, torch.Tensor]:
         """The bank's arrays by name, ``[E, ...]`` each."""
         return dict(self._buffers)
 
     def dequantize_(self, dtype: torch.dtype) -> None:
-        """Dequantize an FP8 bank to ``dtype`` once (at load); scales are dropped. FP4 stays packed."""
-        if self.format != "fp8":
+        """Dequantize an FP8 bank to ``dtype`` once (at load); scales are dropped. FP4 stays packed,
+        and so does FP8 for the kernel (:meth:`use_kernel_`, called first)."""
+        if self.format != "fp8" or self.kernel:
             return
         parts = [expert_weights({a: t[e] for a, t in self.arrays().items()}, dtype, self.block)
                  for e in range(self.gate_up.shape[0])]
@@ -271,9 +293,7 @@ class ExpertBank(RoutedExperts):
         """
         T, K = index.shape
         if self.fused(T, K):
-            a = self.arrays()
-            return fused_experts(x, index, weight, a["gate_up"], a["down"], a.get("gate_up_scale"), a.get("down_scale"),
-                                 limit=self.math.limit, backend="triton")
+            return fused_bank(x, index, weight, self.arrays(), self.math, self.block)
         if self.sync_free(T, K) and self.format == "fp4":
             sel = index.flatten()  # [P] expert of each pair, on the device
             return routed_pairs(*expand_pairs({a: t[sel] for a, t in self.arrays().items()}, x.dtype), x, weight,

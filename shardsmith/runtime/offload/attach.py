@@ -29,7 +29,12 @@ class OffloadedExperts(RoutedExperts):
         return self.runtime.run_layer(self.layer, x, index, weight)
 
     def slot_path(self) -> bool:
-        return self.runtime.cache is not None and self.runtime.pairs_max > 0
+        return self.runtime.slot_path()
+
+    def use_kernel_(self, device: torch.device) -> None:
+        """The kernel switch of :func:`~shardsmith.runtime.layers.parallel.use_kernels_`, for the
+        runtime's slot steps (one runtime for every layer: the same answer each call)."""
+        self.runtime.use_kernel_(device)
 
     def decode_slots(self, x: torch.Tensor, index: torch.Tensor,
                      weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -12,6 +12,14 @@ One MoE layer, GPU backend (one host sync: the ``[T, K]`` expert ids)::
     copy stream: misses -> slots (one batch, after the compute stream's pending reads)
     compute stream: hits ... wait(copy) ... misses;  hybrid: the host computes its share meanwhile
     contributions summed in expert order (bitwise as the resident path on the same device)
+
+A decode-sized step whose experts all fit in slots (and none on the host) is a *slot step*: the
+slot of every (token, expert) pair goes to the device and the experts are applied from the pool
+by pair (:meth:`OffloadRuntime.apply_slots`, device work only, so a graph captures it). With the
+kernel (``SHARDSMITH_FUSED_EXPERTS``, set by :meth:`use_kernel_` as for resident banks) that is the
+resident bank's own :func:`~shardsmith.runtime.layers.experts.fused_bank` call with slot ids for
+expert ids, for any pool format (FP4, FP8, bf16) and up to ``FUSED_TOKENS_MAX`` tokens; without
+it, FP4 pools of at most ``ExpertMath.batched_pairs`` pairs take the expanded pair maths.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
-from shardsmith.runtime.layers.experts import ExpertMath, expand_pairs, expert_output, routed_pairs
+from shardsmith.runtime.layers.experts import (FUSED_TOKENS_MAX, ExpertMath, expand_pairs, expert_output, fused_bank,
+                                               routed_pairs)
+from shardsmith.runtime.layers.parallel import kernel_switch
 from shardsmith.runtime.layers.quant import bank_format
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
 from .config import GiB, OffloadConfig
@@ -53,7 +63,7 @@ class OffloadRuntime:
         self.probe: ProbeResult | None = None
         self.backend, self.hybrid_fraction = config.backend, config.hybrid_fraction or 0.0
         self.tokens, self.cpu_experts, self.step_s = 0, 0, 0.0
-        self.pairs_max = 0  # (token, expert) pairs up to which a step takes _run_pairs (set by start)
+        self.kernel = False  # slot steps run fused_experts over the pool (use_kernel_)
 
     # ------------------------------------------------------------ start-up
 
@@ -87,9 +97,21 @@ class OffloadRuntime:
             n = self._slots(slot_bytes)
             self.cache = ExpertCache(self.host, self.layers, n, self.device, policy=c.policy,
                                      hot_fraction=c.hot_fraction, log=c.log_decisions)
-            if bank_format(self.cache.pool["gate_up"]) == "fp4":  # decode-sized steps batched per pair
-                self.pairs_max = self.math.batched_pairs
         log.info("%s", self.ready_line())
+
+    def use_kernel_(self, device: torch.device) -> None:
+        """Slot steps through the fused kernel when ``SHARDSMITH_FUSED_EXPERTS`` allows on ``device``
+        (the resident banks' switch, read once at load), unless the banks are FP8 with scales
+        other than float32 (the kernel's FP8 format)."""
+        fp8 = [a for a in self.host.layers.values() if bank_format(a["gate_up"]) == "fp8"]
+        self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device) and \
+            all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
+
+    def slot_path(self) -> bool:
+        """Whether some steps are slot steps (module docstring): a cache, and the kernel or FP4 pairs."""
+        if self.cache is None:
+            return False
+        return self.kernel or (bank_format(self.cache.pool["gate_up"]) == "fp4" and self.math.batched_pairs > 0)
 
     def _slots(self, slot_bytes: int) -> int:
         c, total = self.config, sum(a["gate_up"].shape[0] for a in self.host.layers.values())
@@ -133,7 +155,9 @@ class OffloadRuntime:
         """The layer's routed partial ``[T, D]``, summed in ascending expert order as the resident path."""
         t0 = time.perf_counter()
         index_h, experts, to_host = self._prepare(layer, x, index)
-        if self._pairs(index_h, experts, to_host):
+        if self._pairs(index_h, experts, to_host) and self.kernel:
+            out = self.apply_slots(x, weight, self._place(layer, x, index_h, experts))
+        elif self._pairs(index_h, experts, to_host):
             out = self._run_pairs(layer, x, index_h, weight, experts)
         else:
             out = self._run_general(layer, x, index_h, weight, experts, to_host)
@@ -144,29 +168,39 @@ class OffloadRuntime:
                      weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """For a graphed decode step: the slot of every pair, or the routed partial when there are none.
 
-        When the step takes the pair path (FP4 slots, no expert on the host, all fit), the step's
-        experts are made resident, their misses copied, the current stream made to wait for the
-        copies, and ``(slots [P = T*K] int64 on the device, None)`` returned: the caller applies
-        the experts from ``cache.pool`` (a captured graph can, the pool never moves). Otherwise
-        ``(None, routed [T, D])`` from :meth:`run_layer`'s general path.
+        When the step is a slot step (module docstring: no expert on the host, all fit, decode-sized),
+        the step's experts are made resident, their misses copied, the current stream made to wait
+        for the copies, and ``(slots [P = T*K] int64 on the device, None)`` returned: the caller
+        applies the experts from ``cache.pool`` (a captured graph can, the pool never moves).
+        Otherwise ``(None, routed [T, D])`` from :meth:`run_layer`'s general path.
         """
         t0 = time.perf_counter()
         index_h, experts, to_host = self._prepare(layer, x, index)
         if not self._pairs(index_h, experts, to_host):
             out = (None, self._run_general(layer, x, index_h, weight, experts, to_host))
         else:
-            slots, _ = self.cache.fetch(layer, experts)
-            slot_of = dict(zip(experts, slots))
-            (pair_slots,) = to_device([torch.tensor([slot_of[e] for e in index_h.flatten().tolist()])], x.device)
-            self.cache.wait()
-            out = (pair_slots, None)
+            out = (self._place(layer, x, index_h, experts), None)
         self.step_s += time.perf_counter() - t0
         return out
 
+    def _place(self, layer: int, x: torch.Tensor, index_h: torch.Tensor, experts: list[int]) -> torch.Tensor:
+        """Make ``experts`` resident (misses copied on the copy stream, which the current stream then
+        waits for) and return each pair's slot ``[P] int64`` on ``x``'s device (one async copy)."""
+        slots, _ = self.cache.fetch(layer, experts)
+        slot_of = dict(zip(experts, slots))
+        (pair_slots,) = to_device([torch.tensor([slot_of[e] for e in index_h.flatten().tolist()])], x.device)
+        self.cache.wait()
+        return pair_slots
+
     def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The routed partial ``[T, D]`` of experts already in the pool's ``slots [P]`` (one per pair,
-        token-major; from :meth:`decode_slots`): the resident bank's pair maths on the same bits, and
-        only device work, so a graph can capture it (the pool never moves)."""
+        token-major; from :meth:`decode_slots`), device work only, so a graph can capture it (the
+        pool never moves). With the kernel: :func:`~shardsmith.runtime.layers.experts.fused_bank`
+        over the pool, ``slots`` as ``[T, K]`` ids (the resident kernel bank's call, so the same
+        arithmetic per expert); else the resident FP4 bank's expanded pair maths, on the same bits.
+        """
+        if self.kernel:
+            return fused_bank(x, slots.view(weight.shape), weight, self.cache.pool, self.math, self.block)
         gate_up, down = expand_pairs({name: p[slots] for name, p in self.cache.pool.items()}, x.dtype)
         return routed_pairs(gate_up, down, x, weight, self.math.limit)
 
@@ -180,7 +214,10 @@ class OffloadRuntime:
         return index_h, experts, self._host_share(layer, experts)
 
     def _pairs(self, index_h: torch.Tensor, experts: list[int], to_host: list[int]) -> bool:
-        return not to_host and index_h.numel() <= self.pairs_max and len(experts) <= self.cache.n_slots
+        """Whether this step is a slot step (module docstring)."""
+        if to_host or not self.slot_path() or len(experts) > self.cache.n_slots:
+            return False
+        return index_h.shape[0] <= FUSED_TOKENS_MAX if self.kernel else index_h.numel() <= self.math.batched_pairs
 
     def _run_general(self, layer: int, x: torch.Tensor, index_h: torch.Tensor, weight: torch.Tensor,
                      experts: list[int], to_host: list[int]) -> torch.Tensor:

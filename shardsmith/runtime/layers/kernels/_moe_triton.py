@@ -1,12 +1,13 @@
 """Triton kernels behind :func:`~shardsmith.runtime.layers.kernels.fused_moe.fused_experts`.
 
-Three launches per call, after one device sort of the (token, expert) pairs by expert id:
+Three launches per call, after one device sort of the (token, expert) pairs by expert (or slot) id:
 
 1. :func:`_gate_up_kernel`, grid ``(P, cdiv(I, BLOCK_I))``: the program at sorted position ``j``
    leads when ``j`` starts a run of one expert (or each 16th pair of a longer run); it gathers the
    run's token rows (up to 16, padded for ``tl.dot``), streams that expert's gate and up rows once
    (FP4 nibbles decoded and scaled in registers), applies SwiGLU with the clamp and writes
-   ``h [P, I]`` in the activation dtype. Other programs return at once.
+   ``h [P, I]`` in the activation dtype. Other programs return at once. FP8 rows are scaled by
+   their float32 block scale in registers (scale rows ``S_R`` onward belong to up).
 2. :func:`_down_kernel`, grid ``(P, cdiv(D, BLOCK_N))``: the same leaders stream the expert's down
    rows, multiply by the routing weight and write each pair's float32 row ``y [P, D]``.
 3. :func:`_combine_kernel`: ``out[t] = sum_k y[t*K + k]`` in k order, cast (deterministic; no atomics).
@@ -54,10 +55,14 @@ def _run_rows(sorted_ptr, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s_ptr, s_stride, k0, KDIM,
-              FP4: tl.constexpr, SCALED_DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-              DOT_F32: tl.constexpr):
-    """``acc += a[a_rows, k0:k0+BLOCK_K] @ W[w_rows, k0:k0+BLOCK_K].T`` (W FP4-packed or plain)."""
+def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s_ptr, s_rows, s_stride, k0, KDIM,
+              FP4: tl.constexpr, FP8: tl.constexpr, B1: tl.constexpr, SCALED_DOT: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc += a[a_rows, k0:k0+BLOCK_K] @ W[w_rows, k0:k0+BLOCK_K].T`` (W FP4-packed, FP8 or plain).
+
+    FP4 reads its scales at rows ``w_rows`` (one byte per 32 elements); FP8 reads float32 block
+    scales at rows ``s_rows`` and column ``k // B1`` and scales each weight in float32 before the
+    cast, exactly as ``dequantize_blocks`` does."""
     ks = k0 + tl.arange(0, BLOCK_K)
     a = tl.load(a_ptr + a_rows[:, None] * a_stride + ks[None, :], mask=row_mask[:, None] & (ks < KDIM)[None, :],
                 other=0.0)  # [BLOCK_M, BLOCK_K]
@@ -86,8 +91,11 @@ def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s
             else:
                 acc += tl.dot(a, tl.trans(w.to(a.dtype)))
     else:
-        w = tl.load(w_ptr + w_rows[:, None] * w_stride + ks[None, :], mask=w_ok[:, None] & (ks < KDIM)[None, :],
-                    other=0.0)
+        w_mask = w_ok[:, None] & (ks < KDIM)[None, :]
+        w = tl.load(w_ptr + w_rows[:, None] * w_stride + ks[None, :], mask=w_mask, other=0.0)
+        if FP8:  # [BLOCK_R, BLOCK_K] scale gather (cached: 4 bytes per b0 x b1 block); any block, ragged edges
+            s = tl.load(s_ptr + s_rows[:, None] * s_stride + (ks // B1)[None, :], mask=w_mask, other=0.0)
+            w = w.to(tl.float32) * s
         if DOT_F32:
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
@@ -98,7 +106,8 @@ def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s
 @triton.jit
 def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride_x, stride_we, stride_wr,
                     stride_se, stride_sr, limit, TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
-                    FP4: tl.constexpr, SCALED_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
+                    FP4: tl.constexpr, FP8: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, S_R: tl.constexpr,
+                    SCALED_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
                     BLOCK_P: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
     skip, e, rows, row_mask = _run_rows(sorted_ptr, P, BLOCK_P, BLOCK_M)
@@ -108,14 +117,18 @@ def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     g_rows = tl.where(offs_i < I, offs_i, -1)  # gate rows [0, I), up rows [I, 2I); -1 masked
     u_rows = tl.where(offs_i < I, offs_i + I, -1)
+    if FP8:  # gate's block-scale rows, then up's from S_R (stacked like their weights; I may be ragged)
+        gs_rows, us_rows = offs_i // B0, S_R + offs_i // B0
+    else:
+        gs_rows, us_rows = g_rows, u_rows
     w_e, s_e = w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se
     gate = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
     for d in range((D + BLOCK_D - 1) // BLOCK_D):
-        gate = _rows_dot(gate, x_ptr, tok, stride_x, row_mask, w_e, g_rows, stride_wr, s_e, stride_sr, d * BLOCK_D,
-                         D, FP4, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
-        up = _rows_dot(up, x_ptr, tok, stride_x, row_mask, w_e, u_rows, stride_wr, s_e, stride_sr, d * BLOCK_D,
-                       D, FP4, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
+        gate = _rows_dot(gate, x_ptr, tok, stride_x, row_mask, w_e, g_rows, stride_wr, s_e, gs_rows, stride_sr,
+                         d * BLOCK_D, D, FP4, FP8, B1, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
+        up = _rows_dot(up, x_ptr, tok, stride_x, row_mask, w_e, u_rows, stride_wr, s_e, us_rows, stride_sr,
+                       d * BLOCK_D, D, FP4, FP8, B1, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
     if HAS_LIMIT:  # DeepSeek-V4: silu(min(gate, L)) * clamp(up, -L, L)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -126,8 +139,8 @@ def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride
 
 @triton.jit
 def _down_kernel(h_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, route_ptr, y_ptr, P, stride_we, stride_wr, stride_se,
-                 stride_sr, D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, SCALED_DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr,
+                 stride_sr, D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr,
+                 B0: tl.constexpr, B1: tl.constexpr, S_R: tl.constexpr, SCALED_DOT: tl.constexpr, DOT_F32: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     skip, e, rows, row_mask = _run_rows(sorted_ptr, P, BLOCK_P, BLOCK_M)
     if skip:
@@ -135,11 +148,15 @@ def _down_kernel(h_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, route_ptr, y_ptr, P
     pair = tl.load(order_ptr + rows, mask=row_mask, other=0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     d_rows = tl.where(offs_n < D, offs_n, -1)
+    if FP8:
+        ds_rows = offs_n // B0
+    else:
+        ds_rows = d_rows
     w_e, s_e = w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range((I + BLOCK_K - 1) // BLOCK_K):
-        acc = _rows_dot(acc, h_ptr, rows, I, row_mask, w_e, d_rows, stride_wr, s_e, stride_sr, k * BLOCK_K, I,
-                        FP4, SCALED_DOT, BLOCK_N, BLOCK_K, DOT_F32)
+        acc = _rows_dot(acc, h_ptr, rows, I, row_mask, w_e, d_rows, stride_wr, s_e, ds_rows, stride_sr,
+                        k * BLOCK_K, I, FP4, FP8, B1, SCALED_DOT, BLOCK_N, BLOCK_K, DOT_F32)
     acc *= tl.load(route_ptr + pair, mask=row_mask, other=0.0)[:, None]
     tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc, mask=row_mask[:, None] & (offs_n < D)[None, :])
 

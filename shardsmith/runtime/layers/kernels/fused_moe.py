@@ -8,15 +8,22 @@ cache): one layout, one code path. Bank arrays (``runtime/layers/experts.py``; F
 two e2m1 codes per byte, element ``2i`` in the low nibble, 1x32 UE8M0 scales, as
 ``runtime/layers/quant.py`` ``dequantize_fp4`` reads them):
 
-=================  ================================  ===============================================
-array              FP4 (DeepSeek-V4)                 bf16 (Mixtral family, dequantized V4)
-=================  ================================  ===============================================
-``gate_up``        ``[E, 2*I_r, D/2]`` int8/uint8    ``[E, 2*I_r, D]``; rows ``[0, I_r)`` gate (w1),
-                                                     ``[I_r, 2*I_r)`` up (w3)
-``gate_up_scale``  ``[E, 2*I_r, D/32]`` UE8M0        -
-``down``           ``[E, D, I_r/2]`` int8/uint8      ``[E, D, I_r]`` (w2 shard)
-``down_scale``     ``[E, D, I_r/32]`` UE8M0          -
-=================  ================================  ===============================================
+=================  ================================  ==============================  ==========================
+array              FP4 (DeepSeek-V4)                 FP8 block (Mixtral-FP8, V3)      bf16 (Mixtral family)
+=================  ================================  ==============================  ==========================
+``gate_up``        ``[E, 2*I_r, D/2]`` int8/uint8    ``[E, 2*I_r, D]`` e4m3           ``[E, 2*I_r, D]``; rows
+                                                                                     ``[0, I_r)`` gate (w1),
+                                                                                     ``[I_r, 2*I_r)`` up (w3)
+``gate_up_scale``  ``[E, 2*I_r, D/32]`` UE8M0        F32 ``[E, 2*ceil(I_r/b0),``      -
+                                                     ``ceil(D/b1)]``: gate's, then up's
+``down``           ``[E, D, I_r/2]`` int8/uint8      ``[E, D, I_r]`` e4m3             ``[E, D, I_r]`` (w2 shard)
+``down_scale``     ``[E, D, I_r/32]`` UE8M0          F32 ``[E, ceil(D/b0),``          -
+                                                     ``ceil(I_r/b1)]``
+=================  ================================  ==============================  ==========================
+
+FP8 scales are the checkpoints' ``weight_scale_inv`` blocks of ``(b0, b1)`` elements (``block``;
+ragged last blocks allowed), stacked as the bank stacks them (``runtime/layers/quant.py``
+``expert_weights``); a weight is scaled in float32 and cast to the activation dtype, as there.
 
 Each expert is ``down(silu(min(gate x, L)) * clamp(up x, -L, L))`` (no clamp when ``L = 0``), the
 output of pair ``(t, k)`` is scaled by ``weights[t, k]`` and the K pairs of a token are summed in
@@ -35,27 +42,37 @@ BLOCK_M = 16  # token rows per expert tile: tl.dot's smallest M; a decode batch 
 
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                             down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
-                            down_scale: torch.Tensor | None = None, *, limit: float = 0.0) -> torch.Tensor:
-    """The PyTorch path :func:`fused_experts` replaces: gather each pair's expert, expand FP4 to
-    ``x.dtype`` in memory, two batched matmuls, the float32 combine (V4 ``routed_pairs``).
+                            down_scale: torch.Tensor | None = None, *, limit: float = 0.0,
+                            block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The PyTorch path :func:`fused_experts` replaces: gather each pair's expert, expand FP4 (or
+    FP8, expert by expert with ``expert_weights``) to ``x.dtype`` in memory, two batched matmuls,
+    the float32 combine (V4 ``routed_pairs``).
 
     Shapes and formats as :func:`fused_experts`.
     """
     from shardsmith.runtime.layers.experts import expand_pairs, routed_pairs
+    from shardsmith.runtime.layers.quant import expert_weights
 
     sel = ids.flatten()  # [P]
     if gate_up_scale is None:
         gu, dn = gate_up[sel].to(x.dtype), down[sel].to(x.dtype)
+    elif gate_up.dtype == torch.float8_e4m3fn:
+        parts = [expert_weights({"gate_up": gate_up[e], "gate_up_scale": gate_up_scale[e], "down": down[e],
+                                 "down_scale": down_scale[e]}, x.dtype, block) for e in sel.tolist()]
+        gu = torch.stack([torch.cat((g, u)) for g, u, _ in parts])  # [P, 2*I_r, D]
+        dn = torch.stack([d for _, _, d in parts])  # [P, D, I_r]
     else:
         gu, dn = expand_pairs({"gate_up": gate_up[sel], "gate_up_scale": gate_up_scale[sel], "down": down[sel],
                                "down_scale": down_scale[sel]}, x.dtype)
     return routed_pairs(gu, dn, x, weights.float(), limit)
 
 
-def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale) -> bool:
-    """Validate the inputs and return whether the bank is FP4; every problem is listed at once."""
+def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale, block) -> str:
+    """Validate the inputs and return the bank's format (``fp4``, ``fp8``, ``dense``); every problem
+    is listed at once."""
     problems = []
     fp4 = gate_up.dtype in (torch.int8, torch.uint8)
+    fp8 = gate_up.dtype == torch.float8_e4m3fn
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         problems.append(f"x must be [T, D] bf16/f16/f32, got {tuple(x.shape)} {x.dtype}")
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64) or tuple(weights.shape) != tuple(ids.shape):
@@ -82,8 +99,11 @@ def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale) -> bool:
                 problems.append("FP4 bank needs gate_up_scale [E, 2*I_r, D/32] and down_scale [E, D, I_r/32], got "
                                 f"{None if gate_up_scale is None else tuple(gate_up_scale.shape)}, "
                                 f"{None if down_scale is None else tuple(down_scale.shape)}")
+        elif fp8:
+            problems += _check_fp8(gate_up, down, gate_up_scale, down_scale, block, D, I)
         elif gate_up.dtype != down.dtype or gate_up.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            problems.append(f"bank dtype {gate_up.dtype}/{down.dtype}: FP4 (int8/uint8 + UE8M0) or one float dtype")
+            problems.append(f"bank dtype {gate_up.dtype}/{down.dtype}: FP4 (int8/uint8 + UE8M0), FP8 e4m3 + F32 "
+                            "block scales, or one float dtype")
     for name, t in (("ids", ids), ("weights", weights), ("gate_up", gate_up), ("down", down),
                     ("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
         if t is not None and t.device != x.device:
@@ -92,12 +112,27 @@ def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale) -> bool:
             problems.append(f"{name} rows must be contiguous (last stride 1, got {t.stride(-1)})")
     if problems:
         raise KernelError("fused_experts: " + "; ".join(problems))
-    return fp4
+    return "fp4" if fp4 else "fp8" if fp8 else "dense"
+
+
+def _check_fp8(gate_up, down, gate_up_scale, down_scale, block, D: int, I: int) -> list[str]:
+    """The FP8 bank's problems: ``block``, the two scale shapes (F32, gate's rows then up's)."""
+    if block is None or len(block) != 2 or min(block) < 1:
+        return [f"an FP8 bank needs block=(b0, b1) (its weight_scale_inv block), got {block}"]
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    b0, b1 = block
+    want = ((gate_up.shape[0], 2 * cdiv(I, b0), cdiv(D, b1)), (down.shape[0], cdiv(D, b0), cdiv(I, b1)))
+    got = tuple(None if s is None else (tuple(s.shape), s.dtype) for s in (gate_up_scale, down_scale))
+    if down.dtype != torch.float8_e4m3fn or got != tuple((w, torch.float32) for w in want):
+        return [f"FP8 bank (down {down.dtype}) with block {tuple(block)} needs F32 gate_up_scale {list(want[0])} and "
+                f"down_scale {list(want[1])}, got {got}"]
+    return []
 
 
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
-                  down_scale: torch.Tensor | None = None, *, limit: float = 0.0, block_i: int | None = None,
+                  down_scale: torch.Tensor | None = None, *, limit: float = 0.0,
+                  block: tuple[int, int] | None = None, block_i: int | None = None,
                   block_n: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
                   scaled_dot: bool | None = None, backend: str = "auto") -> torch.Tensor:
     """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
@@ -110,8 +145,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     Args:
         x: ``[T, D]`` activations (T = 1..16 for decode; more works, unoptimised).
         ids: ``[T, K]`` expert (or slot) ids; weights: ``[T, K]`` routing weights (float32).
-        gate_up, down, gate_up_scale, down_scale: the bank (module table); scales only for FP4.
+        gate_up, down, gate_up_scale, down_scale: the bank (module table); scales for FP4 and FP8.
         limit: SwiGLU clamp ``L`` (DeepSeek-V4's ``swiglu_limit``; 0 = none).
+        block: an FP8 bank's scale block ``(b0, b1)`` in elements (rows, columns); unused otherwise.
         block_i, block_n: intermediate rows per gate_up program, hidden rows per down program
             (default 64, 128 for FP4 and 32, 64 for bf16: the H200 sweep's fastest);
         block_k: elements of the reduction dim (D, then I_r) per loop step;
@@ -133,9 +169,11 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         >>> y = fused_experts(x, index, weight, bank.gate_up, bank.down, bank.gate_up_scale,
         ...                   bank.down_scale, limit=args.swiglu_limit)  # doctest: +SKIP
     """
-    fp4 = _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale)
+    fmt = _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale, block)
+    fp4 = fmt == "fp4"
     if not use_triton(x, backend):
-        return fused_experts_reference(x, ids, weights, gate_up, down, gate_up_scale, down_scale, limit=limit)
+        return fused_experts_reference(x, ids, weights, gate_up, down, gate_up_scale, down_scale, limit=limit,
+                                       block=block)
     import triton
 
     if scaled_dot and (interpreting() or x.dtype != torch.bfloat16):
@@ -156,12 +194,15 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     if fp4:
         gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
         gs, ds = gate_up_scale.view(torch.uint8), down_scale.view(torch.uint8)
+    elif fmt == "fp8":
+        gs, ds = gate_up_scale, down_scale
     else:
         gs, ds = gate_up, down  # unused pointers
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)
     y = torch.empty((P, D), dtype=torch.float32, device=x.device)
     out = torch.empty((T, D), dtype=x.dtype, device=x.device)
-    common = dict(FP4=fp4, SCALED_DOT=scaled_dot and fp4, DOT_F32=x.dtype == torch.float32 or interpreting(),
+    b0, b1 = block if fmt == "fp8" else (1, 1)
+    common = dict(FP4=fp4, FP8=fmt == "fp8", B0=b0, B1=b1, S_R=gs.shape[1] // 2, SCALED_DOT=scaled_dot and fp4, DOT_F32=x.dtype == torch.float32 or interpreting(),
                   BLOCK_P=triton.next_power_of_2(P),
                   BLOCK_M=BLOCK_M, num_warps=num_warps, num_stages=num_stages)
     k._gate_up_kernel[(P, triton.cdiv(I, block_i))](

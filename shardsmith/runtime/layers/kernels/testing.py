@@ -42,10 +42,26 @@ def random_fp8_linear(n: int, k: int, block: tuple[int, int], *, ue8m0: bool,
 
 
 def random_bank(experts: int, dim: int, inter: int, *, fp4: bool, gen: torch.Generator,
-                dtype: torch.dtype = torch.bfloat16, gate_rms: float = 2.0) -> dict[str, torch.Tensor]:
+                dtype: torch.dtype = torch.bfloat16, gate_rms: float = 2.0,
+                fp8_block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """One layer's bank ``{gate_up, down[, gate_up_scale, down_scale]}`` in the layout of
     :mod:`~shardsmith.runtime.layers.kernels.fused_moe`; gate/up pre-activations of unit-variance
-    inputs have about ``gate_rms`` root-mean-square (so a clamp of a few units bites)."""
+    inputs have about ``gate_rms`` root-mean-square (so a clamp of a few units bites). With
+    ``fp8_block=(b0, b1)`` (and ``fp4=False``): FP8 e4m3 with float32 block scales varying by block,
+    gate's and up's scale rows stacked as a bank stacks them."""
+    if fp8_block is not None and not fp4:
+        b0, b1 = fp8_block
+        cd = lambda a, b: -(-a // b)  # noqa: E731
+
+        def scales(rows: int, cols: int, fan_in: int, rms: float) -> torch.Tensor:
+            return rms / fan_in ** 0.5 * (0.5 + torch.rand(rows, cols, generator=gen, device=gen.device))
+
+        codes = lambda *shape: torch.randn(*shape, generator=gen, device=gen.device).to(torch.float8_e4m3fn)  # noqa: E731
+        gs = torch.stack([torch.cat((scales(cd(inter, b0), cd(dim, b1), dim, gate_rms),
+                                     scales(cd(inter, b0), cd(dim, b1), dim, gate_rms))) for _ in range(experts)])
+        ds = torch.stack([scales(cd(dim, b0), cd(inter, b1), inter, 1.0) for _ in range(experts)])
+        return {"gate_up": codes(experts, 2 * inter, dim), "gate_up_scale": gs,
+                "down": codes(experts, dim, inter), "down_scale": ds}
     if not fp4:
         gu = torch.randn(experts, 2 * inter, dim, generator=gen, device=gen.device, dtype=dtype)
         dn = torch.randn(experts, dim, inter, generator=gen, device=gen.device, dtype=dtype)
