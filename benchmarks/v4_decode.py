@@ -22,12 +22,26 @@ kind's measured mean; a kind not in the checkpoint takes the mean of the others)
 per rank are scaled the same way from the plan. Rows go to
 ``benchmarks/results/v4_decode-<YYYYMMDD>-<host>.json``.
 
+Template mode (``--layers N --experts-per-layer E``, issue 12's full-depth measurement): the
+checkpoint is a small template (``gen_v4_checkpoint.py --layers 5``: one layer of each kind) split
+once; every rank loads weights shaped like the N-layer model with E experts per layer, each layer
+drawn from the template layer of its kind (``_v4_template.py``), with per-layer compress ratios and
+hash routing from ``--kinds-config`` (default: the real V4-Flash config: 43 layers = 2 sliding, 21
+CSA, 20 HCA, the first 3 hash-routed). ``--layers 43 --experts-per-layer 24`` is the full depth
+measured, not extrapolated; ``--layers 4 --experts-per-layer 256`` the 4-layer cache benchmark.
+Graphed rows carry ``ms_per_layer``, ``device_ops_per_layer`` and ``gpu_busy_share`` (with
+``--profile``). transformers' figure: not measured here (``_hf_baseline.py`` loads Mixtral-format
+checkpoints only; the rows say so).
+
 Examples::
 
     python benchmarks/gen_v4_checkpoint.py /data/v4-4l --layers 4 --experts 160
     python benchmarks/v4_decode.py /data/v4-4l --work /data/v4-packs --device cuda --tp 1,2
     python benchmarks/v4_decode.py /data/v4-2l-256 --device cuda --tp 1,2 --cache-fraction 0.25 --cache-fraction 0.125
     python benchmarks/v4_decode.py --tiny --work /tmp/v4-bench --device cpu --dtype float32   # CPU smoke
+    python benchmarks/gen_v4_checkpoint.py /data/v4-t5 --layers 5 --experts 24 --mtp 0
+    python benchmarks/v4_decode.py /data/v4-t5 --tp 1 --layers 43 --experts-per-layer 24 --cache-fraction 0.25 --profile /tmp/p
+    python benchmarks/v4_decode.py --tiny --work /tmp/v4-fd --tp 1 --layers 12 --device cpu --dtype float32   # rehearsal
 """
 
 from __future__ import annotations
@@ -210,6 +224,12 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
         barrier()
         t0 = time.perf_counter()
         weights = load_rank_weights(a["pack"], rank=rank, world_size=world)
+        if a.get("template"):  # the N-layer model drawn from the template pack (module docstring)
+            from _v4_template import TemplateWeights
+
+            t = a["template"]
+            weights = TemplateWeights(weights, Path(t["ckpt"]), Path(t["work"]), layers=t["layers"],
+                                      experts=t["experts"], kinds=t["kinds"])
         model = DeepseekV4.from_weights(weights, device=dev, dtype=getattr(torch, a["dtype"]),
                                         max_seq_len=a["prompt"] + 2 * a["tokens"] + 8)
         use_kernels_(model, dev)  # as Engine.load does: on CUDA FP8 linears stay FP8, banks run fused_experts
@@ -291,7 +311,11 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
         st = rt.stats()
         return {"decode_s": seconds, "tokens": tokens, "decode_tokens_counted": st["tokens"],
                 **{k: st.get(k) for k in ("backend", "slots", "hit_rate", "misses", "slot_bytes", "bytes_copied",
-                                          "h2d_gb_per_s", "probe_h2d_gb_per_s", "host_bytes", "host_pinned")}}
+                                          "h2d_gb_per_s", "probe_h2d_gb_per_s", "host_bytes", "host_pinned",
+                                          "decode_steps", "steps_all_hit", "layer_steps", "layer_steps_all_hit")},
+                # decode steps a device-side slot table would run with no host sync (every layer hit)
+                "steps_all_hit_share": st["steps_all_hit"] / max(1, st["decode_steps"]),
+                "slot_kernel": rt.kernel}
 
     out = {"cache_fraction_at_tp1": fraction, "cache_bytes_per_gpu": rt.stats().get("pool_bytes", 0),
            "ready_s": ready, "ready_log": rt.ready_line(), **timed()}
@@ -433,7 +457,7 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
         s.close()
         opts = {"pack": str(pack), "device": a.device, "dtype": a.dtype, "prompt": a.prompt, "tokens": a.tokens,
                 "cache_fractions": a.cache_fraction, "hang_s": a.hang_s,
-                "profile": str(a.profile) if a.profile else None, "fp8": a.fp8}
+                "profile": str(a.profile) if a.profile else None, "fp8": a.fp8, "template": template(a, ckpt)}
         try:
             mp.spawn(rank_main, args=(tp, port, opts, out), nprocs=tp, join=True)
         except Exception:
@@ -441,6 +465,11 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
             raise SystemExit(f"TP={tp} failed:\n{errs}")
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(tp)]
     config = json.loads((ckpt / "config.json").read_text())
+    if opts["template"]:
+        from _v4_template import target_config
+
+        t = opts["template"]
+        config = target_config(config, layers=t["layers"], experts=t["experts"], kinds=t["kinds"])
     args = V4Args.from_config(config)
     kernels = {v: os.environ.get(v, "auto") for v in ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS")}
     row = {"tp": tp, "device": a.device, "dtype": a.dtype, "fp8": a.fp8, "kernels": kernels, "layers": args.n_layers, "layer_kinds": list(args.kinds),
@@ -454,8 +483,32 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
                **ranks[0]["profile"]}
     rows = [row, graphed, *(common | o for o in offload_rows(ranks, row, graphed, tp, a.tokens))]
     for r in rows:
+        per_layer(r, args.n_layers)
+        r["template"] = opts["template"] and {k: v for k, v in opts["template"].items() if k != "kinds"}
+        r["transformers"] = "not measured: benchmarks/_hf_baseline.py loads Mixtral-format checkpoints only"
+    for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k not in ("layer_kinds", "ready_log")}, indent=1), flush=True)
     return rows
+
+
+def template(a: argparse.Namespace, ckpt: Path) -> dict | None:
+    """Template mode's options for the ranks (module docstring), or None."""
+    if not a.layers:
+        return None
+    kinds = json.loads(a.kinds_config.read_text())
+    return {"ckpt": str(ckpt), "work": str(a.work), "layers": a.layers, "kinds_config": str(a.kinds_config),
+            "experts": a.experts_per_layer or json.loads((ckpt / "config.json").read_text())["n_routed_experts"],
+            "kinds": {k: kinds[k] for k in ("compress_ratios", "num_hash_layers") if k in kinds}}
+
+
+def per_layer(row: dict, layers: int) -> None:
+    """Issue 12's per-layer fields, where the row has what they need: ``ms_per_layer``,
+    ``device_ops_per_layer`` and ``gpu_busy_share`` (GPU time over wall time, from the profile)."""
+    row["ms_per_layer"] = row["ms_per_token"] / layers
+    if row.get("gpu_ops_per_token") is not None:
+        row["device_ops_per_layer"] = row["gpu_ops_per_token"] / layers
+    if row.get("gpu_ms_per_token") is not None:
+        row["gpu_busy_share"] = row["gpu_ms_per_token"] / row["ms_per_token"]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -500,13 +553,26 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None,
                     help="also profile the graphed runs' one-token steps: GPU time per token in the rows, "
                          "rank 0's host profile as text files in this folder")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="template mode: decode an N-layer model drawn from the checkpoint's layers by kind")
+    ap.add_argument("--experts-per-layer", type=int, default=None,
+                    help="template mode: routed experts per layer (default: the checkpoint's)")
+    ap.add_argument("--kinds-config", type=Path, default=None,
+                    help="template mode: config.json whose compress_ratios / num_hash_layers give the layer kinds "
+                         "(default: the real V4-Flash release's, ../shared/real-inventories/...)")
     ap.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
     a = ap.parse_args()
+    if a.layers:
+        from _v4_template import REAL_CONFIG
+
+        a.kinds_config = a.kinds_config or REAL_CONFIG
     if a.tiny:
         from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
 
-        ckpt = a.work / "tiny-ckpt"
-        if not (ckpt / "config.json").is_file():
+        ckpt = a.work / ("tiny-template" if a.layers else "tiny-ckpt")
+        if not (ckpt / "config.json").is_file() and a.layers:  # one layer of each (kind, hashed), as the real one
+            tiny_deepseek_v4(ckpt, layers=5, hash_layers=3, mtp_layers=0, compress_ratios=(0, 0, 4, 128, 4, 0))
+        elif not (ckpt / "config.json").is_file():
             tiny_deepseek_v4(ckpt)
     elif a.checkpoint is None:
         raise SystemExit("give a checkpoint directory or --tiny")

@@ -64,6 +64,8 @@ class OffloadRuntime:
         self.backend, self.hybrid_fraction = config.backend, config.hybrid_fraction or 0.0
         self.tokens, self.cpu_experts, self.step_s = 0, 0, 0.0
         self.kernel = False  # slot steps run fused_experts over the pool (use_kernel_)
+        self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = 0  # _count
+        self._step_open, self._step_hit = False, True
 
     # ------------------------------------------------------------ start-up
 
@@ -153,7 +155,7 @@ class OffloadRuntime:
 
     def run_layer(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The layer's routed partial ``[T, D]``, summed in ascending expert order as the resident path."""
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), self._misses()
         index_h, experts, to_host = self._prepare(layer, x, index)
         if self._pairs(index_h, experts, to_host) and self.kernel:
             out = self.apply_slots(x, weight, self._place(layer, x, index_h, experts))
@@ -161,8 +163,26 @@ class OffloadRuntime:
             out = self._run_pairs(layer, x, index_h, weight, experts)
         else:
             out = self._run_general(layer, x, index_h, weight, experts, to_host)
+        self._count(layer, x.shape[0], not to_host and self._misses() == m0)
         self.step_s += time.perf_counter() - t0
         return out
+
+    def _misses(self) -> int:
+        return self.cache.table.misses if self.cache is not None else 0
+
+    def _count(self, layer: int, tokens: int, all_hit: bool) -> None:
+        """Count decode-sized steps (at most ``FUSED_TOKENS_MAX`` tokens) and those whose every layer
+        found all its experts in slots: the steps a device-side slot table would run with no host
+        sync (hits applied in-graph; only misses need the host). Layer 0 opens a step."""
+        if tokens > FUSED_TOKENS_MAX or self.cache is None:
+            return
+        if layer == 0:
+            self.steps += self._step_open
+            self.steps_all_hit += self._step_open and self._step_hit
+            self._step_open, self._step_hit = True, True
+        self.layer_steps += 1
+        self.layer_steps_all_hit += all_hit
+        self._step_hit &= all_hit
 
     def decode_slots(self, layer: int, x: torch.Tensor, index: torch.Tensor,
                      weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -174,12 +194,13 @@ class OffloadRuntime:
         applies the experts from ``cache.pool`` (a captured graph can, the pool never moves).
         Otherwise ``(None, routed [T, D])`` from :meth:`run_layer`'s general path.
         """
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), self._misses()
         index_h, experts, to_host = self._prepare(layer, x, index)
         if not self._pairs(index_h, experts, to_host):
             out = (None, self._run_general(layer, x, index_h, weight, experts, to_host))
         else:
             out = (self._place(layer, x, index_h, experts), None)
+        self._count(layer, x.shape[0], not to_host and self._misses() == m0)
         self.step_s += time.perf_counter() - t0
         return out
 
@@ -296,9 +317,14 @@ class OffloadRuntime:
 
     def stats(self) -> dict[str, float]:
         """``slots``, ``hits``, ``misses``, ``hit_rate``, ``bytes_copied``, ``bytes_per_token``,
-        ``h2d_gb_per_s`` (achieved during miss copies), ``host_bytes``, ``host_experts``, ``tokens``."""
+        ``h2d_gb_per_s`` (achieved during miss copies), ``host_bytes``, ``host_experts``, ``tokens``;
+        ``decode_steps``, ``steps_all_hit`` (decode-sized steps whose every layer hit: no host sync
+        needed with a device-side slot table), ``layer_steps``, ``layer_steps_all_hit``."""
         out = {"backend": self.backend, "host_bytes": self.host.nbytes, "host_pinned": self.host.pinned,
-               "tokens": self.tokens, "host_experts": self.cpu_experts, "moe_s": self.step_s}
+               "tokens": self.tokens, "host_experts": self.cpu_experts, "moe_s": self.step_s,
+               "decode_steps": self.steps + self._step_open,
+               "steps_all_hit": self.steps_all_hit + (self._step_open and self._step_hit),
+               "layer_steps": self.layer_steps, "layer_steps_all_hit": self.layer_steps_all_hit}
         if self.cache is not None:
             out |= self.cache.stats()
             out["bytes_per_token"] = self.cache.bytes_copied / self.tokens if self.tokens else 0.0
@@ -310,6 +336,8 @@ class OffloadRuntime:
     def reset_stats(self) -> None:
         """Zero the counters (e.g. after warm-up); the cache contents stay."""
         self.tokens = self.cpu_experts = 0
+        self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = 0
+        self._step_open, self._step_hit = False, True
         self.step_s = 0.0
         if self.cache is not None:
             t = self.cache.table
