@@ -285,6 +285,7 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     from shardsmith.runtime.models.registry import build_v4
     from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
     from shardsmith.runtime.offload import OffloadConfig, attach_offload
+    from shardsmith.runtime.layers.parallel import use_kernels_
     from shardsmith.runtime.layers.quant import dequantize_fp8_
 
     bank_bytes = sum(t.numel() * t.element_size() for layer, arrays in weights.banks().items()
