@@ -169,6 +169,34 @@ def test_switch_off_keeps_the_fp4_pair_path_only(monkeypatch):
         assert not rt.kernel and rt.slot_path() is slot_path, fmt
 
 
+@needs_triton
+@pytest.mark.slow  # ~2-3 min under the interpreter on 2 cores
+def test_tiny_v4_offloaded_through_the_kernel_equals_resident_on_cpu(tiny_v4_packs, monkeypatch):
+    """The engine-level CPU twin of the GPU check below, in float32: the tiny DeepSeek-V4 with the
+    kernel forced on, offloaded to a 12-slot cache, gives the resident kernel bank's logits bit for
+    bit (8-token prefill: 16 pairs through the pool) and its first decode step's."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.offload import OffloadConfig
+
+    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel")
+    prompt = [3, 17, 42, 99, 5, 8, 61, 7]
+    got = {}
+    for name, cfg in (("resident", None), ("offload", OffloadConfig(backend="gpu", cache_slots=12, probe=False))):
+        eng = Engine.load(tiny_v4_packs[1], rank=0, world_size=1, device="cpu", dtype=torch.float32, max_seq_len=32,
+                          offload=cfg)
+        model = eng.model
+        first = model(torch.tensor(prompt), 0, last_only=False)
+        step = model(first[-1:].argmax(-1), len(prompt))
+        got[name] = (first, step, eng.offload and dict(eng.offload.stats(), kernel=eng.offload.kernel))
+        if eng.offload:
+            eng.offload.close()
+        eng.shutdown()
+    stats = got["offload"][2]
+    assert stats["kernel"] and stats["misses"] > 0
+    for want, have in zip(got["resident"][:2], got["offload"][:2]):
+        torch.testing.assert_close(have, want, atol=0, rtol=0)
+
+
 # ------------------------------------------------------------------ GPU
 
 
@@ -206,8 +234,9 @@ def test_gpu_slot_pool_at_v4_shapes_in_a_graph(fmt, inter):
         slot_of[perm[:n]] = torch.arange(n, device="cuda")
         x = torch.randn(tokens, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)
         want = fused_bank(x, ids, weights, bank, V4, block)
-        slots = slot_of[ids]
-        graph, out = _graphed(lambda s: fused_bank(x, s, weights, pool, V4, block), slots)
+        static = torch.zeros_like(ids)  # captured on slot 0 everywhere, replayed on the real slots
+        graph, out = _graphed(lambda s: fused_bank(x, s, weights, pool, V4, block), static)
+        static.copy_(slot_of[ids])
         graph.replay()
         assert torch.equal(out, want), (fmt, tokens)
         truth = fused_experts_reference(x.float(), ids, weights, **bank, limit=V4.limit, block=block)
@@ -216,3 +245,42 @@ def test_gpu_slot_pool_at_v4_shapes_in_a_graph(fmt, inter):
 
 for _mark in gpu:
     test_gpu_slot_pool_at_v4_shapes_in_a_graph = _mark(test_gpu_slot_pool_at_v4_shapes_in_a_graph)
+
+
+def _decode_v4(path, offload, prompt: list[int]) -> tuple[list[torch.Tensor], list[int], dict | None]:
+    """bf16 on CUDA, graphed: two 8-token prefills' logits, 8 greedy tokens, the offload counters."""
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
+
+    eng = Engine.load(path, rank=0, world_size=1, device="cuda", dtype=torch.bfloat16, max_seq_len=64,
+                      offload=offload)
+    logits = [eng.logits(prompt[:8]) for _ in range(2)]
+    tokens = [s.token_id for s in eng.generate(prompt, SamplingParams(max_tokens=8))]
+    stats = None
+    if eng.offload:
+        stats = dict(eng.offload.stats(), kernel=eng.offload.kernel)
+        eng.offload.close()
+    eng.shutdown()
+    return logits, tokens, stats
+
+
+def test_gpu_tiny_v4_offloaded_through_the_kernel_equals_resident(tiny_v4_packs, monkeypatch):
+    """The tiny DeepSeek-V4 with the kernel on (the CUDA default), graphed: offloaded to a 12-slot
+    cache (misses, then hits), its decode steps' experts run fused_experts over the pool, and give
+    the resident kernel bank's logits bit for bit and its greedy tokens."""
+    from shardsmith.runtime.offload import OffloadConfig
+
+    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "auto")
+    prompt = [3, 17, 42, 99, 5, 8, 61, 7, 200, 13]
+    want, want_tokens, _ = _decode_v4(tiny_v4_packs[1], None, prompt)
+    got, tokens, stats = _decode_v4(tiny_v4_packs[1], OffloadConfig(backend="gpu", cache_slots=12, probe=False,
+                                                                   pin="require"), prompt)
+    print(f"\ntiny V4 offloaded through the kernel: {stats}")
+    assert stats["kernel"] and stats["misses"] > 0 and stats["hits"] > 0
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    assert tokens == want_tokens
+
+
+for _mark in gpu:
+    test_gpu_tiny_v4_offloaded_through_the_kernel_equals_resident = _mark(
+        test_gpu_tiny_v4_offloaded_through_the_kernel_equals_resident)

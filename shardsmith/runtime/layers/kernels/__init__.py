@@ -6,8 +6,9 @@ kernel                   replaces (the reference)            what it reads
 :func:`fp8_linear`       :func:`fp8_linear_reference`:       FP8 e4m3 ``W [N, K]`` once, with 128x128
                          dequantize + ``F.linear``           (or b0 x b1) F32 / UE8M0 block scales
 :func:`fused_experts`    :func:`fused_experts_reference`:    the selected experts of a bank ``[E, ...]``
-                         gather + expand + bmm (V4           (resident or the GPU slot pool), FP4 e2m1
-                         ``routed_pairs``)                   packed with 1x32 UE8M0 scales, or bf16
+                         gather + expand + bmm (V4           (resident, or the GPU slot pool by slot id),
+                         ``routed_pairs``)                   FP4 e2m1 packed with 1x32 UE8M0 scales, FP8
+                                                             e4m3 with F32 block scales, or bf16
 =======================  ==================================  ===========================================
 
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on
@@ -15,11 +16,11 @@ CUDA tensors (or on CPU under ``TRITON_INTERPRET=1``) and the reference otherwis
 no Triton to import or run this package. Triton comes with the ``kernels`` extra. Measured on an
 H200: ``benchmarks/RESULTS.md`` (kernels).
 
-Wiring (not done here): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and calls
-``fp8_linear(x, self.weight, self.weight_scale_inv, self.block)`` instead of dequantizing; a V4
-``ExpertBank`` (resident, or the expert cache's slot pool with slot ids) calls
-``fused_experts(x, index, weight, gate_up, down, gate_up_scale, down_scale, limit=swiglu_limit)``
-for decode steps; Mixtral-family bf16 banks pass ``gate_up`` and ``down`` alone and ``limit=0``.
+Wiring (``runtime/layers``): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and
+calls ``fp8_linear``; an ``ExpertBank`` (resident) and the offload runtime's slot steps (the expert
+cache's pool, slot ids for expert ids) call ``fused_experts`` through ``experts.fused_bank`` for
+decode batches of up to 16 tokens; Mixtral-family bf16 banks pass ``gate_up`` and ``down`` alone
+and ``limit=0``, FP8 banks their scales and ``block``.
 """
 
 from shardsmith.runtime.layers.kernels._common import KernelError, triton_available
