@@ -149,7 +149,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         limit: SwiGLU clamp ``L`` (DeepSeek-V4's ``swiglu_limit``; 0 = none).
         block: an FP8 bank's scale block ``(b0, b1)`` in elements (rows, columns); unused otherwise.
         block_i, block_n: intermediate rows per gate_up program, hidden rows per down program
-            (default 64, 128 for FP4 and 32, 64 for bf16: the H200 sweep's fastest);
+            (default 64, 128 for FP4 and 32, 64 for bf16 and FP8: the H200 sweep's fastest for FP4 and bf16);
         block_k: elements of the reduction dim (D, then I_r) per loop step;
         num_warps, num_stages: Triton launch options; scaled_dot: FP4 through ``tl.dot_scaled``
             instead of the in-register decode (default: on when compiled with bf16 ``x``, 1.1-1.5x
@@ -202,7 +202,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     y = torch.empty((P, D), dtype=torch.float32, device=x.device)
     out = torch.empty((T, D), dtype=x.dtype, device=x.device)
     b0, b1 = block if fmt == "fp8" else (1, 1)
-    common = dict(FP4=fp4, FP8=fmt == "fp8", B0=b0, B1=b1, S_R=gs.shape[1] // 2, SCALED_DOT=scaled_dot and fp4, DOT_F32=x.dtype == torch.float32 or interpreting(),
+    common = dict(FP4=fp4, FP8=fmt == "fp8", B0=b0, B1=b1, S_R=gs.shape[1] // 2, SCALED_DOT=scaled_dot and fp4,
+                  DOT_F32=x.dtype == torch.float32 or interpreting(),
                   BLOCK_P=triton.next_power_of_2(P),
                   BLOCK_M=BLOCK_M, num_warps=num_warps, num_stages=num_stages)
     k._gate_up_kernel[(P, triton.cdiv(I, block_i))](

@@ -56,7 +56,9 @@ def random_bank(experts: int, dim: int, inter: int, *, fp4: bool, gen: torch.Gen
         def scales(rows: int, cols: int, fan_in: int, rms: float) -> torch.Tensor:
             return rms / fan_in ** 0.5 * (0.5 + torch.rand(rows, cols, generator=gen, device=gen.device))
 
-        codes = lambda *shape: torch.randn(*shape, generator=gen, device=gen.device).to(torch.float8_e4m3fn)  # noqa: E731
+        def codes(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen, device=gen.device).to(torch.float8_e4m3fn)
+
         gs = torch.stack([torch.cat((scales(cd(inter, b0), cd(dim, b1), dim, gate_rms),
                                      scales(cd(inter, b0), cd(dim, b1), dim, gate_rms))) for _ in range(experts)])
         ds = torch.stack([scales(cd(dim, b0), cd(inter, b1), inter, 1.0) for _ in range(experts)])
