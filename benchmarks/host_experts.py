@@ -94,6 +94,9 @@ def main() -> None:
     if not host_kernel.available():
         sys.exit("the host expert kernel could not be compiled on this machine (see the warning above)")
     isas = a.isa.split(",") if a.isa else [i for i in host_kernel.isas() if i != "scalar"] or ["scalar"]
+    for isa in [i for i in isas if i not in host_kernel.isas()]:
+        print(f"isa {isa}: not supported by this CPU, skipped", file=sys.stderr)
+    isas = [i for i in isas if i in host_kernel.isas()]
     default = host_kernel.default_isa()
     act = getattr(torch, a.dtype)
     inter = I_FULL // a.tp
