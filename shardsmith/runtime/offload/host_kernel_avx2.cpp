@@ -64,11 +64,11 @@ void fp4_row(const Matrix& m, const float* x, const uint8_t* w, const uint8_t* s
 // 8 e4m3 bytes -> 8 floats, each 2^-8 times its value.
 inline __m256 fp8x8(const uint8_t* p) {
   const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i sign = _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(static_cast<short>(0x8000)));
-  const __m128i em = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(0x3F80));
+  const __m128i s = _mm_slli_epi16(b, 7);                              // 0.S.EEEE.MMM.0000000
+  const __m128i h = _mm_add_epi16(s, _mm_and_si128(s, _mm_set1_epi16(0x4000)));  // S moved up a bit
   const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7F)),
                                     _mm_set1_epi16(0x7E00));
-  return _mm256_cvtph_ps(_mm_or_si128(_mm_or_si128(sign, em), nan));
+  return _mm256_cvtph_ps(_mm_or_si128(h, nan));
 }
 
 inline __m256 bf16x8(const uint8_t* p) {

@@ -42,7 +42,7 @@ inline void fp4_group(const uint8_t* w, float scale, const float* x, int64_t ldx
 
 template <int NT>
 void fp4_row(const Matrix& m, const float* x, const uint8_t* w, const uint8_t* s, float* y, int64_t ldy) {
-  constexpr int U = NT <= 2 ? 2 : 1;  // groups per step, each with its own accumulators
+  constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // groups per step, each with its own accumulators
   const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
   __m512 acc[U][NT];
   for (int u = 0; u < U; ++u)
@@ -62,11 +62,11 @@ void fp4_row(const Matrix& m, const float* x, const uint8_t* w, const uint8_t* s
 // 16 e4m3 bytes -> 16 floats, each 2^-8 times its value.
 inline __m512 fp8x16(const uint8_t* p) {
   const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16(static_cast<short>(0x8000)));
-  const __m256i em = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(0x3F80));
+  const __m256i s = _mm256_slli_epi16(b, 7);                                       // 0.S.EEEE.MMM.0000000
+  const __m256i h = _mm256_add_epi16(s, _mm256_and_si256(s, _mm256_set1_epi16(0x4000)));  // S moved up a bit
   const __m256i nan = _mm256_and_si256(
       _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00));
-  return _mm512_cvtph_ps(_mm256_or_si256(_mm256_or_si256(sign, em), nan));
+  return _mm512_cvtph_ps(_mm256_or_si256(h, nan));
 }
 
 inline __m512 bf16x16(const uint8_t* p) {
