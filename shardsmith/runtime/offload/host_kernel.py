@@ -41,7 +41,8 @@ from ...errors import UsageError
 
 log = logging.getLogger("shardsmith.runtime.offload")
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / f for f in ("host_kernel.cpp", "host_kernel_avx2.cpp", "host_kernel_avx512.cpp"))
+SOURCES = tuple(_HERE / f for f in ("host_kernel.cpp", "host_kernel_scalar.cpp", "host_kernel_avx2.cpp",
+                                     "host_kernel_avx512.cpp"))
 HEADER = _HERE / "host_kernel.h"
 ISA_ENV = "SHARDSMITH_HOST_ISA"
 
