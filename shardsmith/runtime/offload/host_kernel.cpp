@@ -91,16 +91,14 @@ void run(RowsFn fn, const std::vector<Segment>& segs) {
   });
 }
 
-// Position of column i in the per-32 deinterleaved layout (Matrix, fp4).
-inline int64_t deinterleaved(int64_t i) { return (i & ~int64_t{31}) + ((i & 1) << 4) + ((i & 31) >> 1); }
-
-at::Tensor deinterleave32(const at::Tensor& x) {
+// x [T, C] in the fp4 activation layout (host_kernel.h, fp4_x_index).
+at::Tensor fp4_activations(const at::Tensor& x) {
   at::Tensor out = at::empty_like(x);
   const float* src = x.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  const int64_t C = x.size(1);
-  for (int64_t t = 0; t < x.size(0); ++t)
-    for (int64_t i = 0; i < C; ++i) dst[t * C + deinterleaved(i)] = src[t * C + i];
+  const int64_t T = x.size(0), C = x.size(1);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < C; ++i) dst[fp4_x_index(t, i, T)] = src[t * C + i];
   return out;
 }
 
@@ -150,7 +148,7 @@ at::Tensor linear(const at::Tensor& x, const Matrix& m, int64_t R, RowsFn fn) {
 at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const std::string& isa) {
   const Matrix m = fp4_matrix(w, s);
   check_x(x, m.C);
-  return linear(deinterleave32(x), m, w.size(0), kernels_for(isa).fp4);
+  return linear(fp4_activations(x), m, w.size(0), kernels_for(isa).fp4);
 }
 
 // y [T, R] float32 = x [T, C] @ W^T for an FP8 e4m3 weight [R, C] with float32 block scales, or bf16.
@@ -183,7 +181,7 @@ at::Tensor expert(const at::Tensor& x, const at::Tensor& gu, const c10::optional
   if (fp4) {
     const Matrix m = fp4_matrix(gu, *gus);
     check_x(x, m.C);
-    xin = deinterleave32(x);
+    xin = fp4_activations(x);
     gate_up.push_back({m, {xin.data_ptr<float>(), static_cast<int>(T), h.data_ptr<float>(), 2 * I}, 2 * I});
     down = fp4_matrix(dn, *dns);
   } else {
@@ -208,7 +206,7 @@ at::Tensor expert(const at::Tensor& x, const at::Tensor& gu, const c10::optional
     for (int64_t i = 0; i < I; ++i) {
       float g = hp[t * 2 * I + i], u = hp[t * 2 * I + I + i];
       if (L > 0.f) g = std::min(g, L), u = std::min(std::max(u, -L), L);
-      ap[t * I + (fp4 ? deinterleaved(i) : i)] = g / (1.f + std::exp(-g)) * u;
+      ap[fp4 ? fp4_x_index(t, i, T) : t * I + i] = g / (1.f + std::exp(-g)) * u;
     }
   }
   at::Tensor y = at::empty({T, x.size(1)}, x.options());

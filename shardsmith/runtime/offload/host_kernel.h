@@ -14,8 +14,9 @@ namespace shardsmith_host {
 
 // One stored matrix W [R, C] and the activations it multiplies.
 //   fp4:  w = uint8 [R, C/2] (element 2i in the low nibble of byte i), s8 = UE8M0 [R, C/32];
-//         x is *deinterleaved per 32 columns*: within each group of 32, the 16 even columns, then
-//         the 16 odd ones (deinterleave32), so low and high nibbles each meet a contiguous run.
+//         x is *group-major and deinterleaved* (fp4_x_index): the 32 columns of group g for token
+//         t start at x[(g * T + t) * 32], the 16 even columns first, then the 16 odd ones, so low
+//         and high nibbles each meet a contiguous run and a tile's tokens sit at fixed offsets.
 //   fp8:  w = e4m3fn [R, C], sf = float32 block scales [ceil(R/br), ceil(C/bc)] (row stride lsf).
 //   bf16: w = bf16 [R, C], no scale.
 struct Matrix {
@@ -28,7 +29,7 @@ struct Matrix {
   int64_t C = 0;  // columns (elements)
 };
 
-// x [T, C] float32 (row stride C), y[t * ldy + r] float32.
+// x [T, C] float32 (row stride C; fp4: the layout above), y[t * ldy + r] float32.
 struct Activations {
   const float* x = nullptr;
   int T = 0;
@@ -45,6 +46,11 @@ struct Kernels {
 Kernels scalar_kernels();
 Kernels avx2_kernels();    // all null where the compiler cannot target AVX2 + FMA + F16C
 Kernels avx512_kernels();  // all null where the compiler cannot target AVX-512F
+
+// Where column i of token t goes in an fp4 activation of T tokens (see Matrix).
+inline int64_t fp4_x_index(int64_t t, int64_t i, int64_t T) {
+  return ((i >> 5) * T + t) * 32 + ((i & 1) << 4) + ((i & 31) >> 1);
+}
 
 constexpr int kTile = 8;  // tokens sharing one decoded row (accumulators held in registers)
 

@@ -1,8 +1,8 @@
 // AVX2 + FMA + F16C rows of the host expert kernel (see host_kernel.cpp and host_kernel.h).
 //
 // fp4:  16 bytes (32 codes) per step: low and high nibbles through a 16-entry int8 table of
-//       2 * e2m1 (exact integers -12..12, pshufb), widened to float; x is deinterleaved per 32, so
-//       each nibble set meets a contiguous run of x. The group's dot is multiplied by its UE8M0
+//       2 * e2m1 (exact integers -12..12, pshufb), widened to float; x in the fp4 activation
+//       layout (host_kernel.h), so each nibble set meets a contiguous run of x. The group's dot is multiplied by its UE8M0
 //       scale times 0.5 (exact: powers of two).
 // fp8:  8 bytes per step, e4m3 -> f16 by bit moves (S.EEEE.MMM -> S.0EEEE.MMM0000000 is the same
 //       value times 2^-8, subnormals included; S.1111.111 becomes a NaN), vcvtph2ps, times the block
@@ -37,7 +37,8 @@ inline float hsum(__m256 v) {
 inline __m256 widen(__m128i i8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(i8)); }
 
 template <int NT>
-void fp4_row(const Matrix& m, const float* x, const uint8_t* w, const uint8_t* s, float* y, int64_t ldy) {
+void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w, const uint8_t* s, float* y,
+             int64_t ldy) {
   const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   __m256 acc[NT];
@@ -50,7 +51,7 @@ void fp4_row(const Matrix& m, const float* x, const uint8_t* w, const uint8_t* s
     const __m256 v0 = widen(lo), v1 = widen(_mm_srli_si128(lo, 8)), v2 = widen(hi), v3 = widen(_mm_srli_si128(hi, 8));
     const __m256 sc = _mm256_set1_ps(.5f * ue8m0(s[g]));
     for (int t = 0; t < NT; ++t) {
-      const float* xt = x + t * m.C + g * 32;
+      const float* xt = x + g * gstride + t * 32;
       __m256 d = _mm256_mul_ps(v0, _mm256_loadu_ps(xt));
       d = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xt + 8), d);
       d = _mm256_fmadd_ps(v2, _mm256_loadu_ps(xt + 16), d);
@@ -103,7 +104,7 @@ void dense_row(const Matrix& m, const float* x, const uint8_t* w, const float* s
 // Rows [r0, r1), tokens in tiles of at most kTile (each tile's row code instantiated for its size).
 template <int NT>
 void fp4_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
-  fp4_row<NT>(m, a.x + t0 * m.C, m.w + r * m.lw, m.s8 + r * m.ls8, a.y + t0 * a.ldy + r, a.ldy);
+  fp4_row<NT>(m, a.x + t0 * 32, int64_t{a.T} * 32, m.w + r * m.lw, m.s8 + r * m.ls8, a.y + t0 * a.ldy + r, a.ldy);
 }
 
 template <bool kFp8, int NT>

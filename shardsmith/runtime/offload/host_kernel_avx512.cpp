@@ -4,7 +4,8 @@
 // fp4:  16 bytes (32 codes) per group: zero-extended to 16 dwords, whose low 4 bits (the low
 //       nibbles) and, after a shift by 4, whose high nibbles index a 16-entry float table of e2m1
 //       values already times the group's UE8M0 scale (vpermps: one instruction per 16 weights; the
-//       scaled table is exact, the scale a power of two); x is deinterleaved per 32 (host_kernel.h).
+//       scaled table is exact, the scale a power of two); x in the fp4 activation layout
+//       (host_kernel.h), so a tile's tokens are at fixed offsets from one pointer.
 // fp8:  16 bytes per step, e4m3 -> f16 by bit moves (see host_kernel_avx2.cpp), vcvtph2ps to 16
 //       floats, times the block scale times 2^8. No table gather.
 // bf16: 16 per step, shifted into the high half of a float.
@@ -29,19 +30,20 @@ namespace shardsmith_host {
 namespace {
 
 template <int NT>
-inline void fp4_group(const uint8_t* w, float scale, const float* x, int64_t ldx, __m512 lut, __m512* acc) {
+inline void fp4_group(const uint8_t* w, float scale, const float* x, __m512 lut, __m512* acc) {
   const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
   const __m512 table = _mm512_mul_ps(lut, _mm512_set1_ps(scale));
   const __m512 lo = _mm512_permutexvar_ps(idx, table);                         // even columns
   const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);  // odd columns
   for (int t = 0; t < NT; ++t) {
-    acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + t * ldx), acc[t]);
-    acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + t * ldx + 16), acc[t]);
+    acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + t * 32), acc[t]);
+    acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + t * 32 + 16), acc[t]);
   }
 }
 
 template <int NT>
-void fp4_row(const Matrix& m, const float* x, const uint8_t* w, const uint8_t* s, float* y, int64_t ldy) {
+void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w, const uint8_t* s, float* y,
+             int64_t ldy) {
   constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // groups per step, each with its own accumulators
   const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
   __m512 acc[U][NT];
@@ -50,8 +52,8 @@ void fp4_row(const Matrix& m, const float* x, const uint8_t* w, const uint8_t* s
   const int64_t groups = m.C / 32;
   int64_t g = 0;
   for (; g + U <= groups; g += U)
-    for (int u = 0; u < U; ++u) fp4_group<NT>(w + (g + u) * 16, ue8m0(s[g + u]), x + (g + u) * 32, m.C, lut, acc[u]);
-  for (; g < groups; ++g) fp4_group<NT>(w + g * 16, ue8m0(s[g]), x + g * 32, m.C, lut, acc[0]);
+    for (int u = 0; u < U; ++u) fp4_group<NT>(w + (g + u) * 16, ue8m0(s[g + u]), x + (g + u) * gstride, lut, acc[u]);
+  for (; g < groups; ++g) fp4_group<NT>(w + g * 16, ue8m0(s[g]), x + g * gstride, lut, acc[0]);
   for (int t = 0; t < NT; ++t) {
     __m512 sum = acc[0][t];
     for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][t]);
@@ -118,7 +120,7 @@ void dense_row(const Matrix& m, const float* x, const uint8_t* w, const float* s
 
 template <int NT>
 void fp4_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
-  fp4_row<NT>(m, a.x + t0 * m.C, m.w + r * m.lw, m.s8 + r * m.ls8, a.y + t0 * a.ldy + r, a.ldy);
+  fp4_row<NT>(m, a.x + t0 * 32, int64_t{a.T} * 32, m.w + r * m.lw, m.s8 + r * m.ls8, a.y + t0 * a.ldy + r, a.ldy);
 }
 
 template <bool kFp8, int NT>

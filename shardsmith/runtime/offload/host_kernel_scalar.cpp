@@ -1,6 +1,6 @@
 // Scalar rows of the host expert kernel and its decode tables (see host_kernel.cpp, host_kernel.h):
 // plain C++ loops, the path of CPUs without AVX2 and the one the vector paths are checked against
-// (tests/runtime/test_host_kernel*.py). x for fp4 is deinterleaved per 32 as for every path.
+// (tests/runtime/test_host_kernel*.py). x for fp4 is in the fp4 activation layout, as for every path.
 
 #include "host_kernel.h"
 
@@ -39,13 +39,13 @@ void fp4_rows_scalar(const Matrix& m, const Activations& a, int64_t r0, int64_t 
     const uint8_t* w = m.w + r * m.lw;
     const uint8_t* s = m.s8 + r * m.ls8;
     for (int t = 0; t < a.T; ++t) {
-      const float* x = a.x + t * m.C;
       float acc = 0.f;
       for (int64_t g = 0; g < groups; ++g) {
+        const float* x = a.x + (g * a.T + t) * 32;
         const float sc = ue8m0(s[g]);
         for (int i = 0; i < 16; ++i) {
           const uint8_t b = w[g * 16 + i];
-          acc += kE2M1[b & 0xF] * sc * x[g * 32 + i] + kE2M1[b >> 4] * sc * x[g * 32 + 16 + i];
+          acc += kE2M1[b & 0xF] * sc * x[i] + kE2M1[b >> 4] * sc * x[16 + i];
         }
       }
       a.y[t * a.ldy + r] = acc;
