@@ -16,12 +16,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "${TINY:-0}" = 1 ]; then
     export PYTHONPATH=$PWD SHARDSMITH_CACHE=${SHARDSMITH_CACHE:-/tmp/sscache}
     he=(--formats fp4,fp8 --tokens 1,4 --experts 2 --repeat 1 --no-save)
-    hv=(--tiny --work /tmp/hvg-tiny --device cpu --dtype float32 --prompt 8 --tokens 8 --cache-fraction 0.25 --no-save)
+    hv=(--tiny --work /tmp/hvg-tiny --device cpu --dtype float32 --prompt 4 --tokens 4 --cache-fraction 0.25 --no-save
+        --link-gbps 25)
     gen() { :; }
 else
     source benchmarks/gpu/env.sh
     he=(--experts 16 --repeat 3)
-    hv=(/tmp/v4ck160 --work /tmp/hvg --cache-fraction 0.0625 --prompt 32 --tokens 32)
+    hv=(/tmp/v4ck160 --work /tmp/hvg --cache-fraction 0.0625 --prompt 32 --tokens 32 --link-gbps 25 --link-gbps 0)
     gen() { timeout 150 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4ck160 --layers 2 --experts 160 --mtp 0 \
                 --inventory .inv/deepseek-v4-flash-0731-reap160 2>&1 | tail -2; }
 fi
@@ -37,14 +38,14 @@ echo "host kernel tests rc=$? $((SECONDS - t0)) s"; tail -3 "$OUT/host_kernel_te
 timeout 100 python3 benchmarks/host_experts.py --threads "$cores" --tp 1 --isa avx2,avx512 --no-reference "${he[@]}" \
     > "$OUT/host_experts_tp1.log" 2>&1
 echo "host experts tp1 rc=$? $((SECONDS - t0)) s"; tail -20 "$OUT/host_experts_tp1.log"
-cp benchmarks/results/host_experts-*-"$SHARDSMITH_HOST".json "$OUT/host_experts_tp1.json" 2>/dev/null
+[ "${TINY:-0}" = 1 ] || cp "$(ls -t benchmarks/results/host_experts-*-"$SHARDSMITH_HOST".json | head -1)" "$OUT/host_experts_tp1.json"
 timeout 40 python3 benchmarks/host_experts.py --threads $((cores / 2)) --tp 2 --isa avx2,avx512 --no-reference \
     --formats fp4 --tokens 1 --experts 8 --repeat 3 --no-save > "$OUT/host_experts_tp2.log" 2>&1
 echo "host experts tp2 rc=$? $((SECONDS - t0)) s"; tail -3 "$OUT/host_experts_tp2.log"
 
 gen | tee "$OUT/gen.log"
 echo "gen $((SECONDS - t0)) s"
-timeout 240 python3 benchmarks/hybrid_vs_gpu.py "${hv[@]}" --link-gbps 25 --link-gbps 0 2>&1 | tee "$OUT/hybrid_vs_gpu.log" | tail -16
+timeout 240 python3 benchmarks/hybrid_vs_gpu.py "${hv[@]}" 2>&1 | tee "$OUT/hybrid_vs_gpu.log" | tail -16
 echo "hybrid vs gpu rc=${PIPESTATUS[0]} $((SECONDS - t0)) s"
-cp benchmarks/results/hybrid_vs_gpu-*-"$SHARDSMITH_HOST".json "$OUT/" 2>/dev/null
+[ "${TINY:-0}" = 1 ] || cp "$(ls -t benchmarks/results/hybrid_vs_gpu-*-"$SHARDSMITH_HOST".json | head -1)" "$OUT/"
 true
