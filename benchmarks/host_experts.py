@@ -3,7 +3,8 @@ and against the host's memory floor, per expert and per token.
 
 For DeepSeek-V4-Flash expert shapes (D = 4096, I = 2048 / tp) in three stored formats (FP4 e2m1 +
 UE8M0 per 32 as V4 ships them, FP8 e4m3 + float32 128x128 block scales, bf16), at 1, 4 and 8 tokens
-routed to the expert, rows give:
+routed to the expert, and for each instruction set of the kernel (``--isa``: by default every one
+this CPU supports but ``scalar``; ``isa_default`` marks the one the runtime uses), rows give:
 
 - ``kernel_ms_per_expert``: :func:`shardsmith.runtime.offload.host_kernel.expert_swiglu_host`;
 - ``reference_ms_per_expert``: :func:`shardsmith.runtime.layers.experts.expert_output` (the path the
@@ -14,7 +15,7 @@ routed to the expert, rows give:
 Experts are cycled through ``--experts`` distinct copies (more bytes than the last-level cache) so
 every call reads its weights from memory, as a decode step does. Example:
 ``python benchmarks/host_experts.py --threads 16 --tp 1`` (on the GPU host: the numbers behind
-``--moe-backend auto``'s choice).
+``--moe-backend auto``'s choice; ``--isa avx2,avx512`` there compares the two paths).
 """
 
 from __future__ import annotations
@@ -85,15 +86,23 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=8, help="distinct experts cycled through")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", help="activation dtype")
+    p.add_argument("--isa", default="", help="comma list of kernel instruction sets (default: all but scalar)")
+    p.add_argument("--no-reference", action="store_true", help="skip the expand-then-matmul timing")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if not host_kernel.available():
         sys.exit("the host expert kernel could not be compiled on this machine (see the warning above)")
+    isas = a.isa.split(",") if a.isa else [i for i in host_kernel.isas() if i != "scalar"] or ["scalar"]
+    for isa in [i for i in isas if i not in host_kernel.isas()]:
+        print(f"isa {isa}: not supported by this CPU, skipped", file=sys.stderr)
+    isas = [i for i in isas if i in host_kernel.isas()]
+    default = host_kernel.default_isa()
     act = getattr(torch, a.dtype)
     inter = I_FULL // a.tp
     bw = read_bandwidth()
-    print(f"threads {a.threads}, read bandwidth {bw / 1e9:.1f} GB/s, expert intermediate {inter} (tp {a.tp})", file=sys.stderr)
+    print(f"threads {a.threads}, read bandwidth {bw / 1e9:.1f} GB/s, expert intermediate {inter} (tp {a.tp}), "
+          f"kernel isas {','.join(host_kernel.isas())} (default {default})", file=sys.stderr)
     g = torch.Generator().manual_seed(0)
     rows = []
     for fmt in a.formats.split(","):
@@ -102,18 +111,23 @@ def main() -> None:
         block = (128, 128) if fmt == "fp8" else None
         for n in (int(t) for t in a.tokens.split(",")):
             x = torch.randn(n, D, generator=g).to(act)
-            kern = per_expert_s(lambda e, x: host_kernel.expert_swiglu_host(e, x, block), experts, x, a.repeat)
-            ref = per_expert_s(lambda e, x: expert_output(e, x, block), experts, x, max(1, a.repeat // 2))
+            ref = 0.0 if a.no_reference else per_expert_s(lambda e, x: expert_output(e, x, block), experts, x,
+                                                          max(1, a.repeat // 2))
             floor = nbytes / bw
-            rows.append({"format": fmt, "tokens": n, "tp": a.tp, "threads": a.threads, "activation_dtype": a.dtype,
-                         "expert_bytes": nbytes, "read_gb_per_s": round(bw / 1e9, 2),
-                         "kernel_ms_per_expert": round(kern * 1e3, 3),
-                         "kernel_ms_per_expert_token": round(kern * 1e3 / n, 3),
-                         "reference_ms_per_expert": round(ref * 1e3, 3),
-                         "floor_ms_per_expert": round(floor * 1e3, 3),
-                         "kernel_over_floor": round(kern / floor, 2),
-                         "reference_over_kernel": round(ref / kern, 2)})
-    hdr = ("format", "tokens", "expert_bytes", "kernel_ms_per_expert", "kernel_ms_per_expert_token",
+            for isa in isas:
+                kern = per_expert_s(lambda e, x: host_kernel.expert_swiglu_host(e, x, block, isa=isa), experts, x,
+                                    a.repeat)
+                rows.append({"format": fmt, "tokens": n, "tp": a.tp, "threads": a.threads, "activation_dtype": a.dtype,
+                             "isa": isa, "isa_default": isa == default,
+                             "expert_bytes": nbytes, "read_gb_per_s": round(bw / 1e9, 2),
+                             "kernel_ms_per_expert": round(kern * 1e3, 3),
+                             "kernel_ms_per_expert_token": round(kern * 1e3 / n, 3),
+                             "kernel_gb_per_s": round(nbytes / kern / 1e9, 2),
+                             "reference_ms_per_expert": round(ref * 1e3, 3) if ref else None,
+                             "floor_ms_per_expert": round(floor * 1e3, 3),
+                             "kernel_over_floor": round(kern / floor, 2),
+                             "reference_over_kernel": round(ref / kern, 2) if ref else None})
+    hdr = ("format", "tokens", "isa", "expert_bytes", "kernel_ms_per_expert", "kernel_ms_per_expert_token",
            "reference_ms_per_expert", "floor_ms_per_expert", "kernel_over_floor", "reference_over_kernel")
     print(" ".join(f"{h:>14.14}" for h in hdr))
     for r in rows:

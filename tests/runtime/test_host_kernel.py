@@ -1,8 +1,10 @@
-"""The host expert kernel (``offload/host_kernel.cpp``) against its reference, ``compute.expert_output``.
+"""The host expert kernel (``offload/host_kernel*.cpp``) against its reference, ``experts.expert_output``.
 
 Stored formats built with the project's reference quantizers; float32 activations, so the kernel
 (float32 accumulation, no expanded copy) must equal the dequantize-then-matmul reference within
-float32 rounding. Skipped, saying why, where the kernel cannot be compiled.
+float32 rounding, on every instruction set this CPU supports (``scalar`` and ``avx2`` here; the GPU
+host adds ``avx512``, benchmarks/gpu/hybrid_vs_gpu.sh runs this file there). Skipped, saying why,
+where the kernel cannot be compiled.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardsmith.errors import UsageError
 from shardsmith.runtime.offload import host_kernel
 from shardsmith.runtime.layers.experts import expert_output
+from shardsmith.runtime.layers.quant import dequantize_fp4
 from shardsmith.testing.quant import quantize_fp4_group as quantize_fp4, quantize_fp8_block as quantize_fp8_blocks
 
 pytestmark = pytest.mark.skipif(not host_kernel.available(), reason="host expert kernel could not be compiled here")
+ISAS = host_kernel.isas() or ("scalar",)
 
 
 def _fp4_expert(g: torch.Generator, inter: int, dim: int) -> dict[str, torch.Tensor]:
@@ -37,52 +42,107 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert err <= 2e-5 * scale, f"max |kernel - reference| = {err:.3g} against max |reference| = {scale:.3g}"
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 16, 21])
+def test_isas_follow_the_cpu_flags() -> None:
+    """The best set this CPU has is offered, and is the default (a GPU host with AVX-512 must not
+    silently measure the AVX2 path)."""
+    flags = set(host_kernel._cpu_flags().split())
+    assert host_kernel.isas()[0] == "scalar"
+    assert ("avx2" in host_kernel.isas()) == ({"avx2", "fma", "f16c"} <= flags)
+    assert ("avx512" in host_kernel.isas()) == ({"avx2", "fma", "f16c", "avx512f"} <= flags)
+    assert host_kernel.default_isa() == host_kernel.isas()[-1]
+
+
+def test_isa_variable_chooses_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(host_kernel.ISA_ENV, "scalar")
+    assert host_kernel.default_isa() == "scalar"
+    monkeypatch.setenv(host_kernel.ISA_ENV, "avx1024")
+    with pytest.raises(UsageError, match="avx1024"):
+        host_kernel.default_isa()
+    with pytest.raises(RuntimeError, match="not available"):
+        torch.ops.shardsmith_host.fp4_linear(torch.randn(1, 32), torch.zeros(1, 16, dtype=torch.uint8),
+                                             torch.zeros(1, 1, dtype=torch.uint8), "avx1024")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 13, 21])
 @pytest.mark.parametrize("limit", [0.0, 1.5])
-def test_fp4_expert_equals_reference(tokens: int, limit: float) -> None:
+def test_fp4_expert_equals_reference(isa: str, tokens: int, limit: float) -> None:
     g = torch.Generator().manual_seed(tokens)
-    arrays = _fp4_expert(g, inter=96, dim=160)
+    arrays = _fp4_expert(g, inter=96, dim=160)  # 3 and 5 groups of 32: odd counts for the 2-group unroll
     assert host_kernel.supports(arrays)
     x = torch.randn(tokens, 160, generator=g)
-    _close(host_kernel.expert_swiglu_host(arrays, x, None, limit), expert_output(arrays, x, None, limit))
+    _close(host_kernel.expert_swiglu_host(arrays, x, None, limit, isa=isa), expert_output(arrays, x, None, limit))
 
 
-@pytest.mark.parametrize("block", [(128, 128), (32, 32), (16, 48)])
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_fp8_ragged_blocks_equal_reference(block: tuple[int, int], tokens: int) -> None:
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("block", [(128, 128), (32, 32), (16, 48), (8, 40)])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 9])
+def test_fp8_ragged_blocks_equal_reference(isa: str, block: tuple[int, int], tokens: int) -> None:
     g = torch.Generator().manual_seed(7)
     arrays = _fp8_expert(g, inter=72, dim=200, block=block)  # 72 and 200 cut the blocks: ragged edges
     assert host_kernel.supports(arrays)
     x = torch.randn(tokens, 200, generator=g)
-    _close(host_kernel.expert_swiglu_host(arrays, x, block), expert_output(arrays, x, block))
+    _close(host_kernel.expert_swiglu_host(arrays, x, block, isa=isa), expert_output(arrays, x, block))
 
 
-def test_bf16_expert_equals_reference_and_keeps_dtype() -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp8_every_code_and_nan(isa: str) -> None:
+    """All 254 finite e4m3fn bytes (subnormals, -0) decode exactly as torch does, under two block
+    scales and in every lane position; each NaN byte gives NaN wherever it sits."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]  # [254]
+    w = torch.stack([finite.roll(k) for k in (0, 5, 17)]).view(torch.float8_e4m3fn)  # [3, 254]
+    scale = torch.tensor([[0.5, 2.0]] * 3)  # [3, 2]: blocks of 1 row x 128 columns
+    got = torch.ops.shardsmith_host.dense_linear(torch.eye(254), w, scale, 1, 128, isa)  # [254, 3]: y[c, r] = W[r, c]
+    assert torch.equal(got.T, w.float() * scale.repeat_interleave(128, 1)[:, :254])
+    for nan in (0x7F, 0xFF):
+        for pos in (0, 7, 8, 15, 16, 100, 253):
+            row = torch.full((1, 254), 0x38, dtype=torch.uint8)  # 1.0
+            row[0, pos] = nan
+            y = torch.ops.shardsmith_host.dense_linear(torch.ones(1, 254), row.view(torch.float8_e4m3fn),
+                                                       torch.ones(1, 2), 1, 128, isa)
+            assert y.isnan().all(), (nan, pos)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_expert_equals_reference_and_keeps_dtype(isa: str) -> None:
     g = torch.Generator().manual_seed(3)
     arrays = {"gate_up": torch.randn(2 * 40, 67, generator=g).bfloat16(), "down": torch.randn(67, 40, generator=g).bfloat16()}
-    x = torch.randn(4, 67, generator=g)
-    want = expert_output({k: v.float() for k, v in arrays.items()}, x, None)  # exact bf16 values, float32 maths
-    _close(host_kernel.expert_swiglu_host(arrays, x, None), want)
-    assert host_kernel.expert_swiglu_host(arrays, x.bfloat16(), None).dtype == torch.bfloat16
+    for tokens in (1, 4, 11):
+        x = torch.randn(tokens, 67, generator=g)
+        want = expert_output({k: v.float() for k, v in arrays.items()}, x, None)  # exact bf16 values, float32 maths
+        _close(host_kernel.expert_swiglu_host(arrays, x, None, isa=isa), want)
+    assert host_kernel.expert_swiglu_host(arrays, x.bfloat16(), None, isa=isa).dtype == torch.bfloat16
 
 
-def test_fp4_special_scales_and_codes() -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp4_special_scales_and_codes(isa: str) -> None:
     """Every e2m1 code (incl. -0) under the smallest and largest normal UE8M0 scales."""
     codes = torch.arange(256, dtype=torch.uint8).repeat(2, 1)  # [2, 256] bytes: 512 columns, all pairs
     scale = torch.tensor([[1] * 16, [200] * 16], dtype=torch.uint8)  # 2^-126 (smallest normal), 2^73
-    arrays = {"gate_up": codes.view(torch.int8), "gate_up_scale": scale.view(torch.float8_e8m0fnu),
-              "down": torch.zeros(512, 1, dtype=torch.int8), "down_scale": torch.full((512, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)}
     x = torch.full((1, 512), 2.0 ** -100)
-    got = torch.ops.shardsmith_host.fp4_linear(x, arrays["gate_up"].view(torch.uint8), scale)
-    from shardsmith.runtime.layers.quant import dequantize_fp4
-    want = x @ dequantize_fp4(arrays["gate_up"], arrays["gate_up_scale"], torch.float32).T
+    got = torch.ops.shardsmith_host.fp4_linear(x, codes, scale, isa)
+    want = x @ dequantize_fp4(codes.view(torch.int8), scale.view(torch.float8_e8m0fnu), torch.float32).T
     _close(got, want)
+
+
+def test_isas_agree_with_each_other() -> None:
+    """Each set against the scalar one on V4-sized rows (4096 columns, a 2-token tile)."""
+    g = torch.Generator().manual_seed(11)
+    w, s = quantize_fp4(torch.randn(64, 4096, generator=g))
+    x = torch.randn(2, 4096, generator=g)
+    base = torch.ops.shardsmith_host.fp4_linear(x, w.view(torch.uint8), s.view(torch.uint8), "scalar")
+    for isa in ISAS:
+        _close(torch.ops.shardsmith_host.fp4_linear(x, w.view(torch.uint8), s.view(torch.uint8), isa), base)
 
 
 def test_shape_mismatch_is_refused() -> None:
     x = torch.randn(1, 64)
     w = torch.zeros(8, 16, dtype=torch.uint8)  # 32 columns, x has 64
     with pytest.raises(RuntimeError, match="columns"):
-        torch.ops.shardsmith_host.fp4_linear(x, w, torch.zeros(8, 1, dtype=torch.uint8))
-    with pytest.raises(RuntimeError, match="tokens"):
-        torch.ops.shardsmith_host.fp4_linear(torch.randn(17, 32), w, torch.zeros(8, 1, dtype=torch.uint8))
+        torch.ops.shardsmith_host.fp4_linear(x, w, torch.zeros(8, 1, dtype=torch.uint8), "")
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.shardsmith_host.fp4_linear(torch.randn(1, 32), w, torch.zeros(8, 2, dtype=torch.uint8), "")
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.shardsmith_host.dense_linear(torch.randn(1, 32), torch.zeros(8, 32, dtype=torch.uint8),
+                                               torch.ones(2, 2), 8, 16, "")  # [1, 2] blocks

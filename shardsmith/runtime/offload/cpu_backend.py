@@ -6,9 +6,9 @@ accumulation, equal to the GPU path within float32 rounding); formats it does no
 machine where it cannot be compiled, dequantize to the compute dtype and run the same SwiGLU as
 the GPU path (:func:`~shardsmith.runtime.layers.experts.expert_output`). Threads: every rank's process gets
 ``cores // ranks_on_this_host`` intra-op threads (:func:`~shardsmith.runtime.layers.parallel.clamp_threads`),
-so the ranks' CPU work is partitioned and never oversubscribes the host. bf16 matmuls go to oneDNN,
-which uses AMX tiles where the CPU has them (``amx_bf16``) and AVX-512 BF16 otherwise; the ready
-log says which (:func:`cpu_matmul_isa`).
+so the ranks' CPU work is partitioned and never oversubscribes the host. The ready log says how
+the host computes (:meth:`CpuExperts.path`): the kernel's instruction set (``kernel avx512``), or,
+on the plain path, the bf16 matmul's (oneDNN: AMX tiles where the CPU has them, ``amx_bf16``).
 
 Legend: T = tokens, K = experts per token, D = hidden.
 """
@@ -23,7 +23,7 @@ import torch
 from shardsmith.runtime.layers.experts import ExpertMath, expert_output
 from shardsmith.runtime.layers.staging import rows_by_expert
 from .host_bank import HostBanks
-from .host_kernel import expert_swiglu_host, supports
+from .host_kernel import default_isa, expert_swiglu_host, supports
 
 
 @functools.cache
@@ -74,6 +74,13 @@ class CpuExperts:
             out[e] = (tok, self.math.contribution(y, weight[tok, k], x.dtype))
         self.experts_computed += len(experts)
         return out
+
+    def path(self) -> str:
+        """How the host computes this model's experts: ``kernel <isa>`` or ``matmul <isa>``."""
+        bank = next(iter(self.host.layers.values()))
+        if self.kernel and supports({name: a[0] for name, a in bank.items()}):
+            return f"kernel {default_isa()}"
+        return f"matmul {cpu_matmul_isa()}"
 
     def submit(self, *args) -> Future:
         """:meth:`compute` on the backend's worker thread (torch releases the GIL inside kernels)."""

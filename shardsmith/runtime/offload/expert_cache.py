@@ -28,6 +28,7 @@ import time
 import torch
 
 from ...errors import RuntimeLoadError
+from . import link_cap
 from .host_bank import HostBanks
 from .slots import Policy, SlotTable
 
@@ -132,6 +133,7 @@ class ExpertCache:
                 for (_, e), slot in misses:
                     for name, p in self.pool.items():
                         p[slot].copy_(bank[name][e], non_blocking=True)
+                link_cap.pad(n, self.device)  # emulated slower link, off unless $SHARDSMITH_EMULATE_H2D_GBPS
                 end.record(self.stream)
             self._done = end
             self._timings.append((start, end))

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .cpu_backend import CpuExperts, cpu_matmul_isa
+from . import link_cap
+from .cpu_backend import CpuExperts
 from .host_bank import HostBanks
 
 
@@ -37,7 +38,8 @@ class ProbeResult:
             0 without CUDA. pinned: whether the banks are page-locked.
         cpu_s_per_expert: seconds for one expert, one token, on the host.
         slot_bytes: bytes per expert on this rank. backend: the backend chosen; hybrid_fraction:
-        share of misses sent to the host; reason: one line for the log; cpu_isa: bf16 matmul ISA.
+        share of misses sent to the host; reason: one line for the log; cpu_isa: how the host
+        computes experts (:meth:`~.cpu_backend.CpuExperts.path`: ``kernel avx512``, ``matmul amx_bf16``).
     """
 
     h2d_gb_per_s: float
@@ -54,7 +56,8 @@ class ProbeResult:
 
 
 def measure_h2d(host: HostBanks, device: torch.device, *, min_bytes: int = 256 << 20, repeats: int = 3) -> float:
-    """Best-of-``repeats`` GB/s copying ``min_bytes`` of the banks' own memory, expert by expert, to ``device``."""
+    """Best-of-``repeats`` GB/s copying ``min_bytes`` of the banks' own memory, expert by expert, to ``device``
+    (at most the emulated rate when ``$SHARDSMITH_EMULATE_H2D_GBPS`` caps it: :mod:`.link_cap`)."""
     if torch.device(device).type != "cuda":
         return 0.0
     srcs, total = [], 0
@@ -78,6 +81,7 @@ def measure_h2d(host: HostBanks, device: torch.device, *, min_bytes: int = 256 <
             start.record(stream)
             for d, s in zip(dsts, srcs):
                 d.copy_(s, non_blocking=True)
+            link_cap.pad(total, device)  # the emulated link, as the cache's copies see it (off by default)
             end.record(stream)
         end.synchronize()
         best = max(best, total / (start.elapsed_time(end) / 1e3) / 1e9)
@@ -128,4 +132,4 @@ def run_probe(host: HostBanks, cpu: CpuExperts, *, device: torch.device, dim: in
     cpu_s = measure_cpu_expert(cpu, dim, dtype)
     backend, frac, reason = decide(requested, cuda=dev.type == "cuda", h2d_gb_per_s=bw, slot_bytes=slot_bytes,
                                    cpu_s_per_expert=cpu_s, hybrid_fraction=hybrid_fraction)
-    return ProbeResult(bw, host.pinned, cpu_s, slot_bytes, backend, frac, reason, cpu_matmul_isa())
+    return ProbeResult(bw, host.pinned, cpu_s, slot_bytes, backend, frac, reason, cpu.path())

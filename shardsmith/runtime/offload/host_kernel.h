@@ -1,0 +1,76 @@
+// Shared by the host expert kernel's translation units (host_kernel.cpp and one per instruction set).
+//
+// A "rows" function computes y[t, r] = sum_c W[r, c] * x[t, c] for rows r in [r0, r1) of one stored
+// matrix and every token t, reading W in its stored format. Each instruction set (scalar, AVX2 + FMA
+// + F16C, AVX-512F) provides one per format; host_kernel.cpp picks a table at run time from what the
+// CPU supports, so one build serves every x86-64 machine and the AVX-512 path can be compared with
+// the AVX2 one on the same host.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace shardsmith_host {
+
+// One stored matrix W [R, C] and the activations it multiplies.
+//   fp4:  w = uint8 [R, C/2] (element 2i in the low nibble of byte i), s8 = UE8M0 [R, C/32];
+//         x is *group-major and deinterleaved* (fp4_x_index): the 32 columns of group g for token
+//         t start at x[(g * T + t) * 32], the 16 even columns first, then the 16 odd ones, so low
+//         and high nibbles each meet a contiguous run and a tile's tokens sit at fixed offsets.
+//   fp8:  w = e4m3fn [R, C], sf = float32 block scales [ceil(R/br), ceil(C/bc)] (row stride lsf).
+//   bf16: w = bf16 [R, C], no scale.
+struct Matrix {
+  const uint8_t* w = nullptr;
+  int64_t lw = 0;  // bytes between weight rows
+  const uint8_t* s8 = nullptr;
+  int64_t ls8 = 0;  // fp4: bytes between scale rows
+  const float* sf = nullptr;
+  int64_t lsf = 0, br = 1, bc = 1;  // fp8: elements between scale rows, block rows and columns
+  int64_t C = 0;  // columns (elements)
+};
+
+// x [T, C] float32 (row stride C; fp4: the layout above), y[t * ldy + r] float32.
+struct Activations {
+  const float* x = nullptr;
+  int T = 0;
+  float* y = nullptr;
+  int64_t ldy = 0;
+};
+
+using RowsFn = void (*)(const Matrix&, const Activations&, int64_t r0, int64_t r1);
+
+struct Kernels {
+  RowsFn fp4 = nullptr, fp8 = nullptr, bf16 = nullptr;
+};
+
+Kernels scalar_kernels();
+Kernels avx2_kernels();    // all null where the compiler cannot target AVX2 + FMA + F16C
+Kernels avx512_kernels();  // all null where the compiler cannot target AVX-512F
+
+// Where column i of token t goes in an fp4 activation of T tokens (see Matrix).
+inline int64_t fp4_x_index(int64_t t, int64_t i, int64_t T) {
+  return ((i >> 5) * T + t) * 32 + ((i & 1) << 4) + ((i & 31) >> 1);
+}
+
+constexpr int kTile = 8;  // tokens sharing one decoded row (accumulators held in registers)
+
+// Decode tables, filled before any kernel runs (host_kernel.cpp):
+//   ue8m0[s] = 2^(s - 127), ue8m0[255] = NaN (OCP MX spec v1.0; as torch's float8_e8m0fnu -> float);
+//   fp8[b] = the e4m3fn byte's value (S.EEEE.MMM, bias 7, subnormals; only S.1111.111 is NaN).
+struct Tables {
+  float ue8m0[256], fp8[256];
+  Tables();
+};
+extern const Tables kTables;
+inline float ue8m0(uint8_t s) { return kTables.ue8m0[s]; }
+inline float fp8_e4m3(uint8_t b) { return kTables.fp8[b]; }
+inline float bf16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace shardsmith_host

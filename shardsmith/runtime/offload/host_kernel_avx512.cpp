@@ -1,0 +1,165 @@
+// AVX-512F rows of the host expert kernel (see host_kernel.cpp and host_kernel.h); picked at run
+// time where the CPU has AVX-512F (plus the AVX2, FMA and F16C it builds on).
+//
+// fp4:  16 bytes (32 codes) per group: zero-extended to 16 dwords, whose low 4 bits (the low
+//       nibbles) and, after a shift by 4, whose high nibbles index a 16-entry float table of e2m1
+//       values already times the group's UE8M0 scale (vpermps: one instruction per 16 weights; the
+//       scaled table is exact, the scale a power of two); x in the fp4 activation layout
+//       (host_kernel.h), so a tile's tokens are at fixed offsets from one pointer.
+// fp8:  16 bytes per step, e4m3 -> f16 by bit moves (see host_kernel_avx2.cpp), vcvtph2ps to 16
+//       floats, times the block scale times 2^8. No table gather.
+// bf16: 16 per step, shifted into the high half of a float.
+// Short token tiles keep 2-4 independent accumulator chains per token so the FMA latency is
+// hidden; up to kTile tokens share each decoded vector.
+
+#include "host_kernel.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#include <immintrin.h>
+
+#include <algorithm>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+#endif
+
+namespace shardsmith_host {
+namespace {
+
+template <int NT>
+inline void fp4_group(const uint8_t* w, float scale, const float* x, __m512 lut, __m512* acc) {
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  const __m512 table = _mm512_mul_ps(lut, _mm512_set1_ps(scale));
+  const __m512 lo = _mm512_permutexvar_ps(idx, table);                         // even columns
+  const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);  // odd columns
+  for (int t = 0; t < NT; ++t) {
+    acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + t * 32), acc[t]);
+    acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + t * 32 + 16), acc[t]);
+  }
+}
+
+template <int NT>
+void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w, const uint8_t* s, float* y,
+             int64_t ldy) {
+  constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // groups per step, each with its own accumulators
+  const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  __m512 acc[U][NT];
+  for (int u = 0; u < U; ++u)
+    for (int t = 0; t < NT; ++t) acc[u][t] = _mm512_setzero_ps();
+  const int64_t groups = m.C / 32;
+  int64_t g = 0;
+  for (; g + U <= groups; g += U)
+    for (int u = 0; u < U; ++u) fp4_group<NT>(w + (g + u) * 16, ue8m0(s[g + u]), x + (g + u) * gstride, lut, acc[u]);
+  for (; g < groups; ++g) fp4_group<NT>(w + g * 16, ue8m0(s[g]), x + g * gstride, lut, acc[0]);
+  for (int t = 0; t < NT; ++t) {
+    __m512 sum = acc[0][t];
+    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][t]);
+    y[t * ldy] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// 16 e4m3 bytes -> 16 floats, each 2^-8 times its value.
+inline __m512 fp8x16(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i s = _mm256_slli_epi16(b, 7);                                       // 0.S.EEEE.MMM.0000000
+  const __m256i h = _mm256_add_epi16(s, _mm256_and_si256(s, _mm256_set1_epi16(0x4000)));  // S moved up a bit
+  const __m256i nan = _mm256_and_si256(
+      _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00));
+  return _mm512_cvtph_ps(_mm256_or_si256(h, nan));
+}
+
+inline __m512 bf16x16(const uint8_t* p) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+template <bool kFp8>
+inline __m512 decode16(const uint8_t* w, int64_t c, __m512 sc) {
+  return kFp8 ? _mm512_mul_ps(fp8x16(w + c), sc) : bf16x16(w + 2 * c);
+}
+
+template <bool kFp8, int NT>
+void dense_row(const Matrix& m, const float* x, const uint8_t* w, const float* scales, float* y, int64_t ldy) {
+  constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // 16-column steps per iteration, own accumulators each
+  __m512 acc[U][NT];
+  float tail[NT];
+  for (int t = 0; t < NT; ++t) {
+    tail[t] = 0.f;
+    for (int u = 0; u < U; ++u) acc[u][t] = _mm512_setzero_ps();
+  }
+  const int64_t block = kFp8 ? m.bc : m.C;
+  for (int64_t c0 = 0; c0 < m.C; c0 += block) {
+    const int64_t c1 = std::min(m.C, c0 + block);
+    const float scale = kFp8 ? scales[c0 / m.bc] : 1.f;
+    const __m512 sc = _mm512_set1_ps(scale * 256.f);  // fp8x16 returns 2^-8 of the value
+    int64_t c = c0;
+    for (; c + 16 * U <= c1; c += 16 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m512 v = decode16<kFp8>(w, c + 16 * u, sc);
+        for (int t = 0; t < NT; ++t) acc[u][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * m.C + c + 16 * u), acc[u][t]);
+      }
+    }
+    for (; c + 16 <= c1; c += 16) {
+      const __m512 v = decode16<kFp8>(w, c, sc);
+      for (int t = 0; t < NT; ++t) acc[0][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * m.C + c), acc[0][t]);
+    }
+    for (; c < c1; ++c) {
+      const float v = kFp8 ? fp8_e4m3(w[c]) * scale : bf16(w + 2 * c);
+      for (int t = 0; t < NT; ++t) tail[t] += v * x[t * m.C + c];
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    __m512 sum = acc[0][t];
+    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][t]);
+    y[t * ldy] = _mm512_reduce_add_ps(sum) + tail[t];
+  }
+}
+
+template <int NT>
+void fp4_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
+  fp4_row<NT>(m, a.x + t0 * 32, int64_t{a.T} * 32, m.w + r * m.lw, m.s8 + r * m.ls8, a.y + t0 * a.ldy + r, a.ldy);
+}
+
+template <bool kFp8, int NT>
+void dense_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
+  dense_row<kFp8, NT>(m, a.x + t0 * m.C, m.w + r * m.lw, kFp8 ? m.sf + (r / m.br) * m.lsf : nullptr,
+                      a.y + t0 * a.ldy + r, a.ldy);
+}
+
+using TileFn = void (*)(const Matrix&, const Activations&, int, int64_t);
+
+template <TileFn const* kTiles>
+void rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r)
+    for (int t0 = 0; t0 < a.T; t0 += kTile) kTiles[std::min(kTile, a.T - t0)](m, a, t0, r);
+}
+
+constexpr TileFn kFp4[kTile + 1] = {nullptr, fp4_tile<1>, fp4_tile<2>, fp4_tile<3>, fp4_tile<4>,
+                                    fp4_tile<5>, fp4_tile<6>, fp4_tile<7>, fp4_tile<8>};
+constexpr TileFn kFp8[kTile + 1] = {nullptr, dense_tile<true, 1>, dense_tile<true, 2>, dense_tile<true, 3>,
+                                    dense_tile<true, 4>, dense_tile<true, 5>, dense_tile<true, 6>,
+                                    dense_tile<true, 7>, dense_tile<true, 8>};
+constexpr TileFn kBf16[kTile + 1] = {nullptr, dense_tile<false, 1>, dense_tile<false, 2>, dense_tile<false, 3>,
+                                     dense_tile<false, 4>, dense_tile<false, 5>, dense_tile<false, 6>,
+                                     dense_tile<false, 7>, dense_tile<false, 8>};
+
+}  // namespace
+
+Kernels avx512_kernels() { return {rows<kFp4>, rows<kFp8>, rows<kBf16>}; }
+
+}  // namespace shardsmith_host
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#else
+namespace shardsmith_host {
+Kernels avx512_kernels() { return {}; }
+}  // namespace shardsmith_host
+#endif
