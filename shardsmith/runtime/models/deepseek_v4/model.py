@@ -12,12 +12,17 @@ source tensor                      module buffer                      why
 =================================  =================================  ===========================
 
 ``mtp.*`` draft layers stay in the pack and are not loaded. Every parallel layer comes from
-:class:`~shardsmith.runtime.layers.parallel.Shards`; this file knows nothing about ranks. One sequence at a
-time (batch 1); the state (sliding windows, compressor buffers and entries) continues from the
-last position, so a step must start at 0 (a new sequence) or where the previous one ended.
+:class:`~shardsmith.runtime.layers.parallel.Shards`; this file knows nothing about ranks. The state
+(sliding windows, compressor buffers and entries) is kept per **slot**, ``max_num_seqs`` independent
+sequences preallocated by :meth:`DeepseekV4.setup_cache`; it continues from the slot's last
+position, so a step of a slot must start at 0 (a new sequence there) or where its previous one
+ended. :meth:`DeepseekV4.forward` runs one sequence (a prefill, a chunk of one, or one token);
+:meth:`DeepseekV4.decode_step` and the blocks' pieces run one token for each of ``B`` slots
+(continuous batching, issue 14).
 Source of the maths: transformers ``modeling_deepseek_v4.py`` (``DeepseekV4Model``).
 
-Legend: T = new tokens, m = hyper-connection streams, D = hidden, V = vocabulary.
+Legend: T = new tokens, B = rows of a batched decode step, m = hyper-connection streams, D = hidden,
+V = vocabulary.
 """
 
 from __future__ import annotations
@@ -56,9 +61,9 @@ class Block(nn.Module):
         self.hc_attn = HyperMixer(args.dim, args.hc_mult, args.hc_iters, args.hc_eps, args.norm_eps)
         self.hc_ffn = HyperMixer(args.dim, args.hc_mult, args.hc_iters, args.hc_eps, args.norm_eps)
 
-    def forward(self, streams: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:  # [T, m, D]
+    def forward(self, streams: torch.Tensor, ids: torch.Tensor, start: int, slot: int = 0) -> torch.Tensor:  # [T, m, D]
         x, post, comb = self.hc_attn(streams)
-        streams = expand(streams, self.attn(self.attn_norm(x), start), post, comb)
+        streams = expand(streams, self.attn(self.attn_norm(x), start, slot), post, comb)
         x, post, comb = self.hc_ffn(streams)
         return expand(streams, self.ffn(self.ffn_norm(x), ids), post, comb)
 
@@ -71,7 +76,7 @@ class Block(nn.Module):
         return self.ffn.experts
 
     def attn_in_args(self, step: "Step") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[1, r/2]``: this layer's RoPE table at the step's position."""
+        """``(cos, sin)`` ``[B, r/2]``: this layer's RoPE table at each row's own position."""
         return step.rope(self.attn)
 
     def attn_in(self, streams: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -84,10 +89,18 @@ class Block(nn.Module):
         return (x, *self.attn.project(x, cos, sin), post, comb)
 
     def attn_core(self, a: tuple[torch.Tensor, ...], step: "Step") -> tuple[torch.Tensor, ...]:
-        """The attention core (window, compressor, indexer, softmax) on :meth:`attn_in`'s outputs:
-        ``(attn [T, n, d], cos, sin, post, comb, ids)``, the inputs of the pieces after it."""
+        """The attention core (window, compressor, indexer, softmax) on :meth:`attn_in`'s ``B`` rows:
+        ``(attn [B, n, d], cos, sin, post, comb, ids)``, the inputs of the pieces after it.
+
+        Rows ``< step.real`` attend over (and append to) their own slot's state; padding rows change
+        no state and get a copy of row 0's output.
+        """
         x, q, kv, q_lora, post, comb = a
-        out = self.attn.core(x, q, kv, q_lora, step.positions, step.start)
+        n = step.real
+        out = self.attn.decode_core(x[:n], q[:n], kv[:n], q_lora[:n], step.positions[:n], step.starts[:n],
+                                    step.index)
+        if n < q.shape[0]:
+            out = torch.cat((out, out[:1].expand(q.shape[0] - n, *out.shape[1:])))
         return (out, *step.rope(self.attn), post, comb, step.ids)
 
     def ffn_in(self, streams: torch.Tensor, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -119,17 +132,26 @@ class Block(nn.Module):
 
 @dataclass
 class Step:
-    """A one-token step's context for the layers' pieces: token ``ids [1]``, ``start``, ``positions [1]``
-    and the RoPE ``(cos, sin)`` of each table, computed once per step (sliding layers share ``main``,
-    compressed ones ``compress``)."""
+    """A batched one-token step's context for the layers' pieces (row ``b``: slot ``slots[b]``'s token
+    ``ids[b]`` at position ``starts[b]``; rows ``>= real`` are padding, copies of row 0).
+
+    Attributes:
+        ids: ``[B]`` token ids; starts / slots: ``B`` host ints; real: rows that are real sequences;
+        positions: ``[B]`` int64, ``starts`` on the device; index: ``[real]`` int64, the real rows'
+        slots on the device; tables: the RoPE ``(cos, sin)`` ``[B, r/2]`` of each table, computed once
+        per step (sliding layers share ``main``, compressed ones ``compress``).
+    """
 
     ids: torch.Tensor
-    start: int
+    starts: list[int]
+    slots: list[int]
+    real: int
     positions: torch.Tensor
+    index: torch.Tensor
     tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def rope(self, attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` of ``attn``'s table at the step's position."""
+        """``(cos, sin)`` ``[B, r/2]`` of ``attn``'s table at each row's position."""
         table = "main" if attn.kind == "sliding" else "compress"
         if table not in self.tables:
             self.tables[table] = rope_cos_sin(self.positions, attn.freqs)
@@ -142,9 +164,16 @@ class DeepseekV4(nn.Module):
     Args:
         args: configuration; shards: the rank's plan and compute dtype.
 
+    Attributes:
+        max_seq_len: positions per sequence (tokens), set by :meth:`setup_cache`.
+        max_num_seqs: slots (independent sequences), set by :meth:`setup_cache`.
+        positions: per slot, the position its next token takes (tokens seen; 0: empty).
+
     Raises:
         RuntimeLoadError: the plan lacks a tensor the config needs (named).
     """
+
+    SUPPORTS_BATCHING = True
 
     def __init__(self, args: V4Args, shards: Shards) -> None:
         super().__init__()
@@ -156,11 +185,12 @@ class DeepseekV4(nn.Module):
         self.hc_head = HyperHead(args.dim, args.hc_mult, args.hc_eps, args.norm_eps)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = shards.lm_head("head.weight")
-        self.pos, self.max_seq_len = 0, 0
+        self.max_seq_len = self.max_num_seqs = 0
+        self.positions: list[int] = []
 
     @classmethod
     def from_weights(cls, weights, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                     max_seq_len: int = 4096) -> "DeepseekV4":
+                     max_seq_len: int = 4096, max_num_seqs: int = 1) -> "DeepseekV4":
         """Build rank ``weights.rank``'s model from its weights (``config``, ``plan``, ``dense()``, ``banks()``).
 
         Raises:
@@ -168,63 +198,127 @@ class DeepseekV4(nn.Module):
         """
         model = cls(V4Args.from_config(weights.config), Shards(weights.plan, weights.rank, dtype))
         assign_weights(model, weights.dense(), weights.banks(), device=torch.device(device))
-        model.setup_cache(max_seq_len, torch.device(device), dtype)
+        model.setup_cache(max_seq_len, torch.device(device), dtype, max_num_seqs)
         return model
 
-    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Bound sequences to ``max_seq_len`` positions, move RoPE tables to ``device``, reset state."""
-        self.max_seq_len = max_seq_len
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
+        """Preallocate the state of ``max_num_seqs`` sequences (slots ``0 .. max_num_seqs - 1``) of up
+        to ``max_seq_len`` positions each, on ``device`` in ``dtype``; move the RoPE tables there.
+
+        Per slot and layer: the window ring ``[window, d]``; per compressor (attention's and the
+        indexer's) the pending window and CSA carry ``[r, width]`` and the entries ``[max_seq_len // r, d]``
+        (:meth:`state_bytes` sums them). Every slot starts empty.
+
+        Raises:
+            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1.
+        """
+        if max_seq_len < 1 or max_num_seqs < 1:
+            raise UsageError(f"DeepSeek-V4 needs max_seq_len >= 1 and max_num_seqs >= 1; got "
+                             f"max_seq_len={max_seq_len}, max_num_seqs={max_num_seqs}")
+        self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         for mod in self.modules():
             if isinstance(getattr(mod, "freqs", None), torch.Tensor):
                 mod.freqs = mod.freqs.to(device)
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new sequence (position 0)."""
-        self.pos = 0
         for layer in self.layers:
-            layer.attn.reset()
+            layer.attn.allocate(max_num_seqs, max_seq_len, torch.device(device), dtype)
+        self.positions = [0] * max_num_seqs
+        for slot in range(max_num_seqs):
+            self.release(slot)
 
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
-        """Run ``ids`` ``[T]`` at positions ``[start, start + T)``; float32 logits ``[T or 1, V]``.
+    def state_bytes(self) -> int:
+        """Bytes of per-sequence state this rank allocated (all slots, all layers)."""
+        return sum(t.nbytes for layer in self.layers for t in layer.attn.state())
+
+    def release(self, slot: int) -> None:
+        """Forget slot ``slot``'s sequence: it is empty (its next step must start at 0).
 
         Raises:
-            UsageError: ``start`` is neither 0 nor the end of the previous step (the compressor
-                state cannot rewind), or the sequence would pass ``max_seq_len``.
+            UsageError: ``slot`` is not in ``[0, max_num_seqs)``.
+        """
+        self._check_slot(slot)
+        self.positions[slot] = 0
+        for layer in self.layers:
+            layer.attn.reset(slot)
+
+    def reset(self) -> None:
+        """Forget every slot's sequence."""
+        for slot in range(self.max_num_seqs):
+            self.release(slot)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True, slot: int = 0) -> torch.Tensor:
+        """Run one sequence's ``ids`` ``[T]`` at positions ``[start, start + T)`` in slot ``slot``;
+        float32 logits ``[T or 1, V]``. ``start == 0`` begins a new sequence there; other slots are
+        untouched.
+
+        Raises:
+            UsageError: ``slot`` out of range, ``start`` neither 0 nor the slot's position (the
+                compressor state cannot rewind), or the sequence would pass ``max_seq_len``.
         """
         T = ids.shape[0]
-        self._begin(start, T)
+        self._check_row(slot, start, T)
+        if start == 0:
+            self.release(slot)
         (streams,) = self.embed_ids(ids)
         for layer in self.layers:
-            streams = layer(streams, ids, start)
-        self.pos = start + T
+            streams = layer(streams, ids, start, slot)
+        self.positions[slot] = start + T
         return self.logits(streams[-1:] if last_only else streams)[0]  # [T or 1, V]
 
-    def _begin(self, start: int, T: int) -> None:
-        """Reset at ``start == 0``; refuse a step that does not continue the sequence or passes ``max_seq_len``."""
-        if start == 0:
-            self.reset()
-        elif start != self.pos:
-            raise UsageError(f"DeepSeek-V4 continues a sequence where it ended (position {self.pos}); "
-                             f"got start={start} (its compressor state cannot rewind: restart at 0)")
-        if self.max_seq_len and start + T > self.max_seq_len:
-            raise UsageError(f"{start + T} positions exceed max_seq_len={self.max_seq_len}")
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.max_num_seqs:
+            raise UsageError(f"slot {slot!r} is out of range: DeepSeek-V4 has slots 0..{self.max_num_seqs - 1} "
+                             f"(max_num_seqs={self.max_num_seqs}, set by setup_cache)")
+
+    def _check_row(self, slot: int, start: int, T: int) -> None:
+        """Refuse a step of ``T`` tokens at ``start`` in ``slot`` that is out of range, does not continue
+        the slot's sequence, or passes ``max_seq_len``."""
+        self._check_slot(slot)
+        if start != 0 and start != self.positions[slot]:
+            raise UsageError(f"slot {slot}: DeepSeek-V4 continues a sequence where it ended (position "
+                             f"{self.positions[slot]}); got start={start} (its compressor state cannot "
+                             f"rewind: restart at 0)")
+        if start + T > self.max_seq_len:
+            raise UsageError(f"slot {slot}: {start + T} positions exceed max_seq_len={self.max_seq_len}")
 
     @property
     def decode_layers(self) -> nn.ModuleList:
         """The blocks, whose pieces a decode step runs in order."""
         return self.layers
 
-    def decode_step(self, ids: torch.Tensor, start: int) -> Step:
-        """Begin a one-token step at ``start`` (checked and counted as :meth:`forward` does).
+    def decode_step(self, ids: torch.Tensor, starts: list[int] | int, slots: list[int] | None = None,
+                    real: int | None = None) -> Step:
+        """Begin a batched one-token step: row ``b`` is slot ``slots[b]``'s token ``ids[b]`` at
+        ``starts[b]``; rows ``>= real`` (default: none) are padding, copies of row 0, that change no
+        state. Checks every real row as :meth:`forward` does, then resets the slots a row begins
+        (``start == 0``) and advances each real slot's position. The old form
+        ``decode_step(ids [1], start: int)`` is slot 0, one row.
 
         Raises:
-            UsageError: as :meth:`forward`.
+            UsageError: lengths disagree, ``real`` is not in ``[1, B]``, a padding row is not a copy
+                of row 0, two real rows share a slot, or a row fails :meth:`forward`'s checks.
         """
-        self._begin(start, 1)
-        self.pos = start + 1
-        return Step(ids, start, torch.arange(start, start + 1, device=ids.device))
+        if isinstance(starts, int):
+            starts, slots = [starts], [0] if slots is None else slots
+        starts, slots, B = list(starts), list(slots), ids.shape[0]
+        real = B if real is None else real
+        if len(starts) != B or len(slots) != B:
+            raise UsageError(f"decode_step: {B} ids, {len(starts)} starts and {len(slots)} slots (one each per row)")
+        if not 1 <= real <= B:
+            raise UsageError(f"decode_step: real={real} must be in [1, {B}] (rows >= real are padding)")
+        pad = [b for b in range(real, B) if (slots[b], starts[b]) != (slots[0], starts[0])]
+        if pad:
+            raise UsageError(f"decode_step: padding rows {pad} must copy row 0 (slot {slots[0]}, start {starts[0]})")
+        if len(set(slots[:real])) != real:
+            raise UsageError(f"decode_step: each real row must be a different slot; got slots {slots[:real]}")
+        for slot, start in zip(slots[:real], starts[:real]):
+            self._check_row(slot, start, 1)
+        for slot, start in zip(slots[:real], starts[:real]):
+            if start == 0:
+                self.release(slot)
+            self.positions[slot] = start + 1
+        return Step(ids, starts, slots, real, torch.tensor(starts, device=ids.device),
+                    torch.tensor(slots[:real], device=ids.device))
 
     def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
         """Token ids ``[T]`` -> ``([T, m, D],)``: the vocab-parallel embedding copied to every stream."""
