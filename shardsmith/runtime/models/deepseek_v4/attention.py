@@ -173,7 +173,7 @@ class Attention(nn.Module):
         if self.compressor is not None:
             if self.indexer is not None:
                 select = self.indexer.step(x, q_lora, positions, slots, starts)  # [R, C']
-            self.compressor.step(x, slots, starts)
+            self.compressor.step(x, slots, positions, starts)
             C = max((t + 1) // self.ratio for t in starts)
             if self.indexer is None:
                 select = visible(positions, C, self.ratio)  # [R, C]

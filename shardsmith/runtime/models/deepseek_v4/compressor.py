@@ -116,13 +116,14 @@ class Compressor(nn.Module):
         self.buf_kv[slot, :rest], self.buf_gate[slot, :rest] = kv[usable:], gate[usable:]
         return self.entries[slot, :(start + x.shape[0]) // r]
 
-    def step(self, x: torch.Tensor, slots: torch.Tensor, starts: list[int]) -> None:
+    def step(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, starts: list[int]) -> None:
         """Take one token per row: row ``i`` of ``x`` ``[R, D]`` is slot ``slots[i]``'s token at
-        position ``starts[i]`` (``slots`` ``[R]`` int64, distinct). A row that completes its window
-        (``starts[i] % r == r - 1``) writes entry ``starts[i] // r`` of its slot."""
+        position ``starts[i]`` (``slots`` ``[R]`` int64, distinct; ``positions`` ``[R]``: ``starts`` on
+        the device). A row that completes its window (``starts[i] % r == r - 1``) writes entry
+        ``starts[i] // r`` of its slot; only then is a host index built."""
         kv, gate = self.wkv(x), self.wgate(x)  # [R, width]
         r, d = self.ratio, self.dim
-        col = torch.tensor([t % r for t in starts], device=x.device)
+        col = positions % r
         self.buf_kv[slots, col], self.buf_gate[slots, col] = kv, gate
         done = [i for i, t in enumerate(starts) if t % r == r - 1]
         if not done:
@@ -201,7 +202,7 @@ class Indexer(nn.Module):
             x: ``[R, D]``; q_lora: ``[R, q_lora_rank]``; positions: ``[R]`` (``starts`` on the device);
             slots: ``[R]`` int64, distinct; starts: the positions on the host.
         """
-        self.compressor.step(x, slots, starts)
+        self.compressor.step(x, slots, positions, starts)
         C = max((t + 1) // self.ratio for t in starts)
         if C == 0:
             return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
