@@ -160,7 +160,7 @@ def test_chunked_prefill_equals_one_shot(tiny_v4_packs) -> None:
     torch.testing.assert_close(chunked, one_shot, atol=ATOL, rtol=0)
     assert model.positions == [124, 124]
     tok = one_shot[-1].argmax().item()
-    for pos in range(124, 130):
+    for pos in range(124, 128):  # 127 completes the first HCA window
         out = batched_step(model, [tok, tok], [pos, pos], [1, 0], bucket=2)
         torch.testing.assert_close(out[0], out[1], atol=ATOL, rtol=0)
         assert out[0].argmax() == out[1].argmax()
@@ -200,6 +200,7 @@ def test_bad_rows_are_refused_and_change_nothing(tiny_v4_packs) -> None:
         (lambda: model(PROMPTS[0][:31], 10, slot=0), r"slot 0: 41 positions exceed max_seq_len=40"),
         (lambda: model(PROMPTS[0][:1], 0, slot=2), r"slot 2 is out of range"),
         (lambda: model.release(5), r"slot 5 is out of range"),
+        (lambda: model(PROMPTS[0][:0], 10, slot=0), r"slot 0: a step needs at least one token, got 0"),
     ]
     for call, match in cases:
         with pytest.raises(UsageError, match=match):
@@ -208,3 +209,16 @@ def test_bad_rows_are_refused_and_change_nothing(tiny_v4_packs) -> None:
     # the old single-row form is slot 0
     step = model.decode_step(torch.tensor([3]), 10)
     assert (step.slots, step.starts, step.real) == ([0], [10], 1) and model.positions == [11, 7]
+
+
+def test_a_model_without_slots_says_to_set_them_up(tiny_v4_packs) -> None:
+    from shardsmith.runtime.engine.loader import load_rank_weights
+    from shardsmith.runtime.layers.parallel import Shards
+    from shardsmith.runtime.models.deepseek_v4 import DeepseekV4, V4Args
+
+    w = load_rank_weights(tiny_v4_packs[1], rank=0, world_size=1)
+    model = DeepseekV4(V4Args.from_config(w.config), Shards(w.plan, 0, torch.float32))  # on meta, no setup_cache
+    with pytest.raises(UsageError, match=r"no slots yet: call setup_cache"):
+        model(torch.tensor([1]), 0)
+    with pytest.raises(UsageError, match=r"max_num_seqs >= 1.*max_num_seqs=0"):
+        model.setup_cache(16, torch.device("meta"), torch.float32, max_num_seqs=0)

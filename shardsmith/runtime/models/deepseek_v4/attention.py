@@ -172,7 +172,7 @@ class Attention(nn.Module):
         mask = torch.arange(W, device=x.device)[None, :] <= positions[:, None]  # [R, W]: p >= 0
         if self.compressor is not None:
             if self.indexer is not None:
-                select = self.indexer.step(x, q_lora, positions, slots, starts)  # [R, C']
+                select = self.indexer.step(x, q_lora, positions, slots, starts)  # [R, C]
             self.compressor.step(x, slots, positions, starts)
             C = max((t + 1) // self.ratio for t in starts)
             if self.indexer is None:
