@@ -10,15 +10,19 @@ module                  contents
 ``attention``           shared-latent-KV attention with sinks, window and compressed entries
 ``hyper``               manifold-constrained hyper-connection mixers and the head mixer
 ``moe``                 sqrt-softplus / hash router, FP4 expert bank, shared expert
-``model``               :class:`DeepseekV4` and the strict weight assignment
+``block``               the decoder layer, its decode pieces, a batched decode step's context
+``model``               :class:`DeepseekV4`: per-sequence slots, forward, batched decode step;
+                        the strict weight assignment
 ======================  ===================================================================
 
 Example:
     >>> from shardsmith.runtime.models.deepseek_v4 import DeepseekV4  # doctest: +SKIP
     >>> from shardsmith.runtime.engine.loader import load_rank_weights  # doctest: +SKIP
     >>> w = load_rank_weights("ckpt/", rank=0, world_size=1, from_checkpoint=True)  # doctest: +SKIP
-    >>> model = DeepseekV4.from_weights(w, dtype=torch.float32)  # doctest: +SKIP
-    >>> logits = model(torch.tensor([0, 5, 7]), 0)  # [1, V]  # doctest: +SKIP
+    >>> model = DeepseekV4.from_weights(w, dtype=torch.float32, max_num_seqs=2)  # doctest: +SKIP
+    >>> logits = model(torch.tensor([0, 5, 7]), 0)  # slot 0: [1, V]  # doctest: +SKIP
+    >>> logits = model(torch.tensor([0, 9]), 0, slot=1)  # slot 1, independent  # doctest: +SKIP
+    >>> step = model.decode_step(torch.tensor([4, 8]), [3, 2], [0, 1])  # one token each  # doctest: +SKIP
 """
 
 from shardsmith.runtime.models.deepseek_v4.config import V4Args

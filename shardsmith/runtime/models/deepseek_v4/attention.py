@@ -22,8 +22,14 @@ YaRN at ``compress_rope_theta``); as K = V, the output's rope channels are rotat
 query's angle. Queries are processed in chunks of :data:`QUERY_CHUNK` so prefill memory grows
 with ``T * (window + C)``, not ``T^2``.
 
-Legend: T = new tokens, D = hidden, n = local heads, d = head dim, S = window keys, C =
-compressed entries, G = local output groups, o = o_lora_rank.
+The state is kept per **slot** (one independent sequence each, preallocated by
+:meth:`Attention.allocate`): a window ring per slot and the compressors' per-slot state. A prefill
+(or chunk) of one sequence runs :meth:`Attention.core` on its slot; a batched decode step (``R``
+rows, one token of a different slot each) runs :meth:`Attention.decode_core`, which attends all rows
+at once over their own slot's window and entries, padded to the longest row and masked.
+
+Legend: T = new tokens, R = decode rows, N = slots, D = hidden, n = local heads, d = head dim,
+S = window keys, C = compressed entries, G = local output groups, o = o_lora_rank.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ QUERY_CHUNK = 1024
 
 
 class Attention(nn.Module):
-    """One layer's attention on this rank, with its sliding-window cache and compressor state.
+    """One layer's attention on this rank, with every slot's sliding-window ring and compressor state.
 
     Args:
         args: model configuration; shards: the rank's plan; prefix: ``layers.N.attn``; layer: N;
@@ -72,23 +78,43 @@ class Attention(nn.Module):
                                    head_dim=args.index_head_dim, topk=args.index_topk, freqs=freqs_compress,
                                    eps=args.norm_eps)
         self.ratio = ratio
-        self.reset()
+        self.win = None  # [N, window, d]: each slot's latest keys (= values), RoPE applied, set by allocate
 
-    def reset(self) -> None:
-        """Forget the sequence: empty window and compressor states."""
-        self.win = None  # [<= window-1, d]: the latest keys (= values), RoPE applied
-        for mod in (self.compressor, self.indexer and self.indexer.compressor):
-            if mod is not None:
-                mod.reset()
+    def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Preallocate every slot's state: the window ring ``[N, window, d]`` (position ``p`` at row
+        ``p % window``) and the compressors' (:meth:`Compressor.allocate`), in ``dtype``."""
+        self.win = torch.zeros(num_slots, self.window, self.head_dim, device=device, dtype=dtype)
+        for mod in self._compressors():
+            mod.allocate(num_slots, max_seq_len, device, dtype)
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Attend new tokens ``x`` ``[T, D]`` at positions ``[start, start + T)``; returns ``[T, D]`` (reduced)."""
-        positions = torch.arange(start, start + x.shape[0], device=x.device)
+    def state(self) -> list[torch.Tensor]:
+        """The preallocated per-slot state tensors of this layer (window ring, compressors)."""
+        return [self.win, *(t for mod in self._compressors() for t in mod.state())]
+
+    def reset(self, slot: int) -> None:
+        """Forget slot ``slot``'s sequence. The window needs nothing: rows of earlier sequences are
+        masked by position (a fresh sequence sees only positions >= 0 it wrote itself)."""
+        for mod in self._compressors():
+            mod.reset(slot)
+
+    def _compressors(self) -> list[Compressor]:
+        return [m for m in (self.compressor, self.indexer and self.indexer.compressor) if m is not None]
+
+    def forward(self, x: torch.Tensor, start: int, slot: int = 0) -> torch.Tensor:
+        """Attend new tokens ``x`` ``[T, D]`` of slot ``slot`` at positions ``[start, start + T)``;
+        returns ``[T, D]`` (reduced). One token runs the batched decode core (one row), so a step
+        through :meth:`forward` and one through the decode pieces compute the same bits."""
+        T = x.shape[0]
+        positions = torch.arange(start, start + T, device=x.device)
         cos, sin = rope_cos_sin(positions, self.freqs)  # [T, r/2]
         q, kv, q_lora = self.project(x, cos, sin)
-        return self.output(self.core(x, q, kv, q_lora, positions, start), cos, sin)
+        if T == 1:
+            out = self.decode_core(x, q, kv, q_lora, positions, [start], torch.tensor([slot], device=x.device))
+        else:
+            out = self.core(x, q, kv, q_lora, positions, start, slot)
+        return self.output(out, cos, sin)
 
-    # forward in three parts: the graphed decode captures project and output, and runs core eagerly
+    # forward in three parts: the graphed decode captures project and output, and runs the core eagerly
     # (its window and compressor state grow with the sequence)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -101,18 +127,20 @@ class Attention(nn.Module):
         return q, kv, q_lora
 
     def core(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
-             positions: torch.Tensor, start: int) -> torch.Tensor:
-        """Update the window and compressor state with the new rows; attention output ``[T, n, d]``."""
-        T = x.shape[0]
-        # the window must not alias kv: a graphed decode's kv is a static buffer, rewritten next step
-        keys = kv.clone() if self.win is None else torch.cat((self.win, kv))  # [S, d]
-        first = start + T - keys.shape[0]  # position of keys[0]
-        self.win = keys[max(0, keys.shape[0] - (self.window - 1)):]
+             positions: torch.Tensor, start: int, slot: int) -> torch.Tensor:
+        """One sequence's ``T`` new rows (a prefill or a chunk of one) into slot ``slot``'s window and
+        compressor state; attention output ``[T, n, d]``. ``start`` is the slot's position."""
+        T, W = x.shape[0], self.window
+        first = max(0, start - (W - 1))  # position of keys[0]: the oldest key the first query sees
+        old = self.win[slot, torch.arange(first, start, device=x.device) % W]  # [start - first, d]
+        keys = torch.cat((old, kv))  # [S, d] in position order
+        keep = max(start, start + T - W)  # the last W positions stay in the ring
+        self.win[slot, torch.arange(keep, start + T, device=x.device) % W] = kv[keep - start:]
         entries = select = None
         if self.compressor is not None:
-            entries = self.compressor(x)  # [C, d]
+            entries = self.compressor.extend(x, slot, start)  # [C, d]
             if self.indexer is not None:
-                select = self.indexer(x, q_lora, positions)  # [T, C]
+                select = self.indexer(x, q_lora, positions, slot, start)  # [T, C]
             else:
                 select = visible(positions, entries.shape[0], self.ratio)
         out = torch.empty_like(q)
@@ -120,6 +148,41 @@ class Attention(nn.Module):
             b = min(T, a + QUERY_CHUNK)
             out[a:b] = self._attend(q[a:b], keys, first, start + a, entries, None if select is None else select[a:b])
         return out
+
+    def decode_core(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
+                    positions: torch.Tensor, starts: list[int], slots: torch.Tensor) -> torch.Tensor:
+        """One token for each of ``R`` slots: row ``i`` is slot ``slots[i]``'s token at ``starts[i]``.
+
+        Appends each row's key to its slot's window ring and compressors, then attends each query
+        over its own slot's window (``[R, window]``, masked to positions >= 0) and compressed entries
+        (``[R, C]``, ``C`` the largest row's count, masked to the row's own, and the indexer's top-k
+        on CSA layers), all rows at once.
+
+        Args:
+            x: ``[R, D]``; q: ``[R, n, d]``; kv: ``[R, d]``; q_lora: ``[R, q_lora]``; positions: ``[R]``
+            (``starts`` on the device); starts: each row's position (its slot's, checked by the
+            caller); slots: ``[R]`` int64, distinct.
+
+        Returns:
+            ``[R, n, d]`` attention output.
+        """
+        W = self.window
+        self.win[slots, positions % W] = kv
+        keys = self.win[slots]  # [R, W, d]: ring row j holds the latest position p = j (mod W)
+        mask = torch.arange(W, device=x.device)[None, :] <= positions[:, None]  # [R, W]: p >= 0
+        if self.compressor is not None:
+            if self.indexer is not None:
+                select = self.indexer.step(x, q_lora, positions, slots, starts)  # [R, C]
+            self.compressor.step(x, slots, positions, starts)
+            C = max((t + 1) // self.ratio for t in starts)
+            if self.indexer is None:
+                select = visible(positions, C, self.ratio)  # [R, C]
+            keys = torch.cat((keys, self.compressor.entries[slots, :C]), dim=1)  # [R, W + C, d]
+            mask = torch.cat((mask, select), dim=1)
+        logits = torch.einsum("rnd,rsd->rns", q.float(), keys.float()) * self.head_dim ** -0.5
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))  # [R, n, S]
+        probs = _sink_softmax(logits, self.attn_sink.float()[None, :, None])
+        return torch.einsum("rns,rsd->rnd", probs, keys.float()).to(q.dtype)  # [R, n, d]
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""
@@ -141,11 +204,15 @@ class Attention(nn.Module):
         if entries is not None and entries.shape[0]:
             mask = torch.cat((select.new_ones(T, k.shape[0]) if mask is None else mask, select), dim=1)  # [T, S + C]
             k = torch.cat((k, entries))
-        scale = self.head_dim ** -0.5
-        logits = torch.einsum("tnd,sd->nts", q.float(), k.float()) * scale  # [n, T, S+C]
+        logits = torch.einsum("tnd,sd->nts", q.float(), k.float()) * self.head_dim ** -0.5  # [n, T, S+C]
         if mask is not None:
             logits = logits.masked_fill(~mask, float("-inf"))
-        sink = self.attn_sink.float()[:, None, None].expand(-1, T, 1)
-        logits = torch.cat((logits, sink), dim=-1)
-        probs = (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]
+        probs = _sink_softmax(logits, self.attn_sink.float()[:, None, None])
         return torch.einsum("nts,sd->tnd", probs, k.float()).to(q.dtype)  # [T, n, d]
+
+
+def _sink_softmax(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Softmax of masked ``logits`` ``[..., S]`` float32 with one extra sink logit per row (``sink``
+    broadcast to ``[..., 1]``), which takes probability mass and is dropped: ``[..., S]``."""
+    logits = torch.cat((logits, sink.expand(*logits.shape[:-1], 1)), dim=-1)
+    return (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]

@@ -8,17 +8,20 @@ layer kind     ratio  projections ``wkv``/``wgate``    entry ``w``
 =============  =====  ===============================  ============================================
 HCA            128    ``[d, D]``                       ``norm(sum_j softmax_j(Z_j + ape_j) C_j)``
                                                        over the 128 tokens of window ``w``
-CSA            4      ``[2d, D]``: series Ca | Cb      the same over 8 slots: Ca of window ``w-1``
+CSA            4      ``[2d, D]``: series Ca | Cb      the same over 8 rows: Ca of window ``w-1``
 (overlap)                                              and Cb of window ``w``
 =============  =====  ===============================  ============================================
 
 Entry ``w`` gets RoPE (the compressed-layer RoPE) at position ``w * ratio`` and is visible to a
 query at position ``t`` iff ``w < (t + 1) // ratio`` (its window is complete). Tokens of an
 incomplete window wait in a buffer, and a CSA compressor keeps the last complete window's Ca
-slots: both carried across decode steps. All projections here are replicated.
+rows: both carried across decode steps. That state is kept per **slot** (one independent sequence
+each, preallocated; :class:`Compressor`): a prefill or prefill chunk extends one slot
+(:meth:`Compressor.extend`), a batched decode step takes one token for each of ``R`` slots
+(:meth:`Compressor.step`). All projections here are replicated.
 
-Legend: T = new tokens, D = hidden, d = entry dim, C = compressed entries so far, r = ratio,
-h = indexer heads, k = top-k.
+Legend: T = new tokens, R = rows of a batched decode step (one slot each), N = slots, D = hidden,
+d = entry dim, C = compressed entries so far, r = ratio, h = indexer heads, k = top-k, L = max_seq_len.
 """
 
 from __future__ import annotations
@@ -32,7 +35,20 @@ from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rope_
 
 
 class Compressor(nn.Module):
-    """One compressor and its running state (batch 1).
+    """One compressor and the running state of every slot (one independent sequence per slot).
+
+    Per-slot state, preallocated by :meth:`allocate` (N = slots, d = entry dim, width = ``2d`` with
+    overlap else ``d``); how much of it is live follows from the slot's position ``p`` (tokens seen),
+    so the model's position per slot is the only length kept:
+
+    ==============================  ======================  ==========================================
+    tensor                          shape                   live part
+    ==============================  ======================  ==========================================
+    ``buf_kv`` / ``buf_gate``       ``[N, r, width]``       rows ``[0, p % r)``: the incomplete window
+    ``prev_kv`` / ``prev_gate``     ``[N, r, d]`` (CSA)     Ca of the last complete window (reset:
+                                                            ``0`` / ``-inf``, so it weighs 0)
+    ``entries``                     ``[N, L // r, d]``      rows ``[0, p // r)``
+    ==============================  ======================  ==========================================
 
     Args:
         shards: the rank's plan; prefix: ``layers.N.attn.compressor`` or
@@ -44,56 +60,99 @@ class Compressor(nn.Module):
                  freqs: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.ratio, self.dim, self.overlap, self.freqs = ratio, dim, overlap, freqs
-        width = (2 if overlap else 1) * dim
+        self.width = (2 if overlap else 1) * dim
         self.wkv = shards.linear(prefix + ".wkv")
         self.wgate = shards.linear(prefix + ".wgate")
-        self.register_buffer("ape", torch.empty(ratio, width, dtype=torch.float32, device="meta"))
+        self.register_buffer("ape", torch.empty(ratio, self.width, dtype=torch.float32, device="meta"))
         self.norm = RMSNorm(dim, eps)
-        self.reset()
+        self.buf_kv = self.buf_gate = self.prev_kv = self.prev_gate = self.entries = None
 
-    def reset(self) -> None:
-        """Forget every token (a new sequence starts at position 0)."""
-        self.buf_kv = self.buf_gate = None  # [<r, width]: tokens of the incomplete window
-        self.prev_kv = self.prev_gate = None  # [r, d]: Ca of the last complete window (CSA)
-        self.entries = None  # [C, d]
-        self.count = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Take new tokens ``x`` ``[T, D]`` (in order, continuing the sequence); return all entries ``[C, d]``."""
-        kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
-        if self.buf_kv is not None:
-            kv, gate = torch.cat((self.buf_kv, kv)), torch.cat((self.buf_gate, gate))
-        r, d = self.ratio, self.dim
-        usable = kv.shape[0] // r * r
-        self.buf_kv, self.buf_gate = kv[usable:], gate[usable:]
-        if self.entries is None:
-            self.entries = kv.new_zeros(0, d)
-        if usable == 0:
-            return self.entries
-        n = usable // r
-        kv = kv[:usable].view(n, r, -1)  # [n, r, width]
-        gate = gate[:usable].view(n, r, -1) + self.ape  # float32
+    def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Preallocate the state of ``num_slots`` sequences of up to ``max_seq_len`` tokens (zeros; every
+        slot reset). ``dtype`` is the compute dtype (kv rows, entries); gates with ``ape`` are float32."""
+        r, d, n = self.ratio, self.dim, num_slots
+        self.buf_kv = torch.zeros(n, r, self.width, device=device, dtype=dtype)
+        self.buf_gate = torch.zeros(n, r, self.width, device=device, dtype=dtype)
         if self.overlap:
-            kv, gate = self._overlap(kv, gate)  # [n, 2r, d]
+            self.prev_kv = torch.zeros(n, r, d, device=device, dtype=dtype)
+            self.prev_gate = torch.full((n, r, d), float("-inf"), device=device, dtype=torch.float32)
+        self.entries = torch.zeros(n, max_seq_len // r, d, device=device, dtype=dtype)
+
+    def state(self) -> list[torch.Tensor]:
+        """The preallocated per-slot state tensors (for :meth:`DeepseekV4.state_bytes`)."""
+        return [t for t in (self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate, self.entries) if t is not None]
+
+    def reset(self, slot: int) -> None:
+        """Forget slot ``slot``'s tokens (a new sequence starts there at position 0)."""
+        if self.overlap:
+            self.prev_kv[slot] = 0
+            self.prev_gate[slot] = float("-inf")
+
+    def extend(self, x: torch.Tensor, slot: int, start: int) -> torch.Tensor:
+        """Take one sequence's new tokens ``x`` ``[T, D]`` at positions ``[start, start + T)`` into
+        slot ``slot``; return the slot's entries so far ``[(start + T) // r, d]`` (a view).
+
+        ``start`` must be the slot's position (the caller checks it).
+        """
+        kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
+        r, d = self.ratio, self.dim
+        pending = start % r
+        if pending:
+            kv = torch.cat((self.buf_kv[slot, :pending], kv))
+            gate = torch.cat((self.buf_gate[slot, :pending], gate))
+        usable = kv.shape[0] // r * r
+        if usable:
+            n, w0 = usable // r, start // r  # complete windows, index of the first
+            kv_w = kv[:usable].view(n, r, -1)  # [n, r, width]
+            gate_w = gate[:usable].view(n, r, -1) + self.ape  # float32
+            prev = (None, None)
+            if self.overlap:  # Ca of the window before each: the slot's last one, then the previous row
+                prev = (torch.cat((self.prev_kv[slot, None], kv_w[:-1, :, :d])),
+                        torch.cat((self.prev_gate[slot, None], gate_w[:-1, :, :d])))
+                self.prev_kv[slot], self.prev_gate[slot] = kv_w[-1, :, :d], gate_w[-1, :, :d]
+            windows = torch.arange(w0, w0 + n, device=x.device)
+            self.entries[slot, w0:w0 + n] = self._pool(kv_w, gate_w, *prev, windows)
+        rest = kv.shape[0] - usable
+        self.buf_kv[slot, :rest], self.buf_gate[slot, :rest] = kv[usable:], gate[usable:]
+        return self.entries[slot, :(start + x.shape[0]) // r]
+
+    def step(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, starts: list[int]) -> None:
+        """Take one token per row: row ``i`` of ``x`` ``[R, D]`` is slot ``slots[i]``'s token at
+        position ``starts[i]`` (``slots`` ``[R]`` int64, distinct; ``positions`` ``[R]``: ``starts`` on
+        the device). A row that completes its window (``starts[i] % r == r - 1``) writes entry
+        ``starts[i] // r`` of its slot; only then is a host index built."""
+        kv, gate = self.wkv(x), self.wgate(x)  # [R, width]
+        r, d = self.ratio, self.dim
+        col = positions % r
+        self.buf_kv[slots, col], self.buf_gate[slots, col] = kv, gate
+        done = [i for i, t in enumerate(starts) if t % r == r - 1]
+        if not done:
+            return
+        s = slots[torch.tensor(done, device=x.device)]  # [n] slots whose window is complete
+        kv_w, gate_w = self.buf_kv[s], self.buf_gate[s] + self.ape  # [n, r, width]; gate float32
+        prev = (None, None)
+        if self.overlap:
+            prev = (self.prev_kv[s], self.prev_gate[s])  # copies (advanced indexing): read before the update
+            self.prev_kv[s], self.prev_gate[s] = kv_w[..., :d], gate_w[..., :d]
+        windows = torch.tensor([starts[i] // r for i in done], device=x.device)
+        self.entries[s, windows] = self._pool(kv_w, gate_w, *prev, windows)
+
+    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+              prev_gate: torch.Tensor | None, windows: torch.Tensor) -> torch.Tensor:
+        """Entries ``[n, d]`` of ``n`` complete windows.
+
+        Args:
+            kv: ``[n, r, width]``; gate: ``[n, r, width]`` float32, ``ape`` added; prev_kv /
+            prev_gate: ``[n, r, d]`` Ca of the window before each (CSA; ``-inf`` gates weigh 0),
+            laid before Cb of the window itself: ``[n, 2r, d]``; windows: ``[n]`` entry indices
+            (RoPE at position ``w * r``).
+        """
+        if self.overlap:
+            d = self.dim
+            kv, gate = torch.cat((prev_kv, kv[..., d:]), dim=1), torch.cat((prev_gate, gate[..., d:]), dim=1)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         entry = self.norm((kv * weights).sum(dim=1))  # [n, d]
-        positions = torch.arange(n, device=x.device) * r + self.count * r
-        entry = apply_rope(entry, *rope_cos_sin(positions, self.freqs))
-        self.entries = torch.cat((self.entries, entry))
-        self.count += n
-        return self.entries
-
-    def _overlap(self, kv: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Lay series Ca of window ``w-1`` and Cb of window ``w`` side by side: ``[n, 2r, d]``."""
-        n, r, d = kv.shape[0], self.ratio, self.dim
-        okv = kv.new_zeros(n, 2 * r, d)
-        ogate = gate.new_full((n, 2 * r, d), float("-inf"))  # empty slots weigh 0
-        okv[:, r:], ogate[:, r:] = kv[..., d:], gate[..., d:]
-        okv[1:, :r], ogate[1:, :r] = kv[:-1, :, :d], gate[:-1, :, :d]
-        if self.prev_kv is not None:
-            okv[0, :r], ogate[0, :r] = self.prev_kv, self.prev_gate
-        self.prev_kv, self.prev_gate = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
-        return okv, ogate
+        return apply_rope(entry, *rope_cos_sin(windows * self.ratio, self.freqs))
 
 
 def visible(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
@@ -118,23 +177,50 @@ class Indexer(nn.Module):
         self.wq_b = shards.linear(prefix + ".wq_b")
         self.weights_proj = shards.linear(prefix + ".weights_proj")
 
-    def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Selection mask ``[T, C]`` bool over all compressed entries (causal and top-k).
+    def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, slot: int,
+                start: int) -> torch.Tensor:
+        """One sequence's selection mask ``[T, C]`` bool over slot ``slot``'s entries (causal and top-k).
 
         Args:
             x: ``[T, D]`` attention input; q_lora: ``[T, q_lora_rank]`` normed query latent;
-            positions: ``[T]`` absolute positions.
+            positions: ``[T]`` absolute positions ``[start, start + T)``; slot: the slot; start: the
+                slot's position (checked by the caller).
         """
-        keys = self.compressor(x)  # [C, c]
+        keys = self.compressor.extend(x, slot, start)  # [C, c]
         T, C = x.shape[0], keys.shape[0]
         if C == 0:
             return torch.zeros(T, 0, dtype=torch.bool, device=x.device)
+        score = self._score(x, q_lora, positions, keys)  # [T, C]
+        return self._top(score, visible(positions, C, self.ratio))
+
+    def step(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             starts: list[int]) -> torch.Tensor:
+        """One token per row (row ``i``: slot ``slots[i]`` at position ``starts[i]``): selection mask
+        ``[R, C]`` bool over entries ``[0, C)`` of each row's own slot, ``C`` the largest row's count.
+
+        Args:
+            x: ``[R, D]``; q_lora: ``[R, q_lora_rank]``; positions: ``[R]`` (``starts`` on the device);
+            slots: ``[R]`` int64, distinct; starts: the positions on the host.
+        """
+        self.compressor.step(x, slots, positions, starts)
+        C = max((t + 1) // self.ratio for t in starts)
+        if C == 0:
+            return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
+        keys = self.compressor.entries[slots, :C]  # [R, C, c]
+        return self._top(self._score(x, q_lora, positions, keys), visible(positions, C, self.ratio))
+
+    def _score(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores ``[T, C]`` float32 over keys ``[C, c]`` (one sequence) or ``[T, C, c]`` (a row each)."""
+        T = x.shape[0]
         q = self.wq_b(q_lora).view(T, self.heads, self.head_dim)  # [T, h, c]
         q = apply_rope(q, *rope_cos_sin(positions, self.freqs))
-        scores = F.relu(torch.einsum("thc,sc->ths", q.float(), keys.float())) * self.head_dim ** -0.5
+        spec = "thc,sc->ths" if keys.dim() == 2 else "thc,tsc->ths"
+        scores = F.relu(torch.einsum(spec, q.float(), keys.float())) * self.head_dim ** -0.5
         w = self.weights_proj(x).float() * self.heads ** -0.5  # [T, h]
-        score = (scores * w[..., None]).sum(dim=1)  # [T, C]
-        causal = visible(positions, C, self.ratio)
-        top = score.masked_fill(~causal, float("-inf")).topk(min(self.topk, C), dim=-1).indices  # [T, k]
-        picked = torch.zeros(T, C, dtype=torch.bool, device=x.device).scatter_(1, top, True)
+        return (scores * w[..., None]).sum(dim=1)  # [T, C]
+
+    def _top(self, score: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        """The top-``k`` of ``score`` ``[T, C]`` among the ``causal`` entries, as a ``[T, C]`` bool mask."""
+        top = score.masked_fill(~causal, float("-inf")).topk(min(self.topk, score.shape[1]), dim=-1).indices
+        picked = torch.zeros(score.shape, dtype=torch.bool, device=score.device).scatter_(1, top, True)
         return picked & causal

@@ -12,128 +12,36 @@ source tensor                      module buffer                      why
 =================================  =================================  ===========================
 
 ``mtp.*`` draft layers stay in the pack and are not loaded. Every parallel layer comes from
-:class:`~shardsmith.runtime.layers.parallel.Shards`; this file knows nothing about ranks. One sequence at a
-time (batch 1); the state (sliding windows, compressor buffers and entries) continues from the
-last position, so a step must start at 0 (a new sequence) or where the previous one ended.
+:class:`~shardsmith.runtime.layers.parallel.Shards`; this file knows nothing about ranks. The state
+(sliding windows, compressor buffers and entries) is kept per **slot**, ``max_num_seqs`` independent
+sequences preallocated by :meth:`DeepseekV4.setup_cache`; it continues from the slot's last
+position, so a step of a slot must start at 0 (a new sequence there) or where its previous one
+ended. :meth:`DeepseekV4.forward` runs one sequence (a prefill, a chunk of one, or one token);
+:meth:`DeepseekV4.decode_step` and the blocks' pieces run one token for each of ``B`` slots
+(continuous batching, issue 14).
 Source of the maths: transformers ``modeling_deepseek_v4.py`` (``DeepseekV4Model``).
 
-Legend: T = new tokens, m = hyper-connection streams, D = hidden, V = vocabulary.
+Legend: T = new tokens, B = rows of a batched decode step, m = hyper-connection streams, D = hidden,
+V = vocabulary.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from shardsmith.errors import UsageError
-from shardsmith.runtime.layers.experts import RoutedExperts
-from shardsmith.runtime.layers.parallel import Shards, all_reduce
+from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.layers.quant import ue8m0_to_float
-from shardsmith.runtime.models.deepseek_v4.attention import Attention
+from shardsmith.runtime.models.deepseek_v4.block import Block, Step
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
-from shardsmith.runtime.models.deepseek_v4.hyper import HyperHead, HyperMixer, expand
-from shardsmith.runtime.models.deepseek_v4.moe import MoE
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, inv_freq, rope_cos_sin
+from shardsmith.runtime.models.deepseek_v4.hyper import HyperHead
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, inv_freq
 from shardsmith.runtime.models.mixtral.model import install_buffers
 
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
-
-
-class Block(nn.Module):
-    """Decoder layer N: ``hc_attn`` -> attention -> ``hc_ffn`` -> MoE, on ``m`` residual streams."""
-
-    def __init__(self, args: V4Args, shards: Shards, i: int, freqs: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        prefix = f"layers.{i}"
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = Attention(args, shards, prefix + ".attn", i, freqs_main=freqs["main"],
-                              freqs_compress=freqs["compress"])
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn = MoE(args, shards, prefix, i)
-        self.hc_attn = HyperMixer(args.dim, args.hc_mult, args.hc_iters, args.hc_eps, args.norm_eps)
-        self.hc_ffn = HyperMixer(args.dim, args.hc_mult, args.hc_iters, args.hc_eps, args.norm_eps)
-
-    def forward(self, streams: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:  # [T, m, D]
-        x, post, comb = self.hc_attn(streams)
-        streams = expand(streams, self.attn(self.attn_norm(x), start), post, comb)
-        x, post, comb = self.hc_ffn(streams)
-        return expand(streams, self.ffn(self.ffn_norm(x), ids), post, comb)
-
-    # The same layer as pieces around its attention, for a decode step run piece by piece
-    # (engine/cuda_graphs.py's table): the same kernels in the same order as forward, so the same bits.
-
-    @property
-    def experts(self) -> RoutedExperts:
-        """The routed experts."""
-        return self.ffn.experts
-
-    def attn_in_args(self, step: "Step") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[1, r/2]``: this layer's RoPE table at the step's position."""
-        return step.rope(self.attn)
-
-    def attn_in(self, streams: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Mixer, norm and attention projections: ``(x [T, D], q [T, n, d], kv [T, d], q_lora, post, comb)``.
-
-        ``cos``/``sin`` ``[T, r/2]``: this layer's RoPE at the new positions.
-        """
-        x, post, comb = self.hc_attn(streams)
-        x = self.attn_norm(x)
-        return (x, *self.attn.project(x, cos, sin), post, comb)
-
-    def attn_core(self, a: tuple[torch.Tensor, ...], step: "Step") -> tuple[torch.Tensor, ...]:
-        """The attention core (window, compressor, indexer, softmax) on :meth:`attn_in`'s outputs:
-        ``(attn [T, n, d], cos, sin, post, comb, ids)``, the inputs of the pieces after it."""
-        x, q, kv, q_lora, post, comb = a
-        out = self.attn.core(x, q, kv, q_lora, step.positions, step.start)
-        return (out, *step.rope(self.attn), post, comb, step.ids)
-
-    def ffn_in(self, streams: torch.Tensor, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               post: torch.Tensor, comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Attention output projection onto the streams, then the MoE's input, routing and shared partial.
-
-        Args:
-            attn: the attention core's ``[T, n, d]``. Returns ``(streams [T, m, D], shared [T, D],
-            post, comb, x [T, D], index [T, K], weight [T, K])``: the carry, then the experts' inputs.
-        """
-        streams = expand(streams, self.attn.output(attn, cos, sin), post, comb)
-        x, post, comb = self.hc_ffn(streams)
-        x = self.ffn_norm(x)
-        index, weight = self.ffn.route(x, ids)
-        return streams, self.ffn.shared(x), post, comb, x, index, weight
-
-    def ffn_out(self, streams: torch.Tensor, shared: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                x: torch.Tensor, weight: torch.Tensor, routed: torch.Tensor) -> tuple[torch.Tensor]:
-        """The layer's one all-reduce (routed + shared partials) spread onto the streams: ``([T, m, D],)``
-        (``x`` and ``weight`` are part of the common signature and not needed here)."""
-        return (expand(streams, all_reduce(routed + shared), post, comb),)
-
-    def ffn_block(self, streams: torch.Tensor, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  post: torch.Tensor, comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor]:
-        """:meth:`ffn_in`, the routed experts, :meth:`ffn_out`: everything after the attention core."""
-        streams, shared, post, comb, x, index, weight = self.ffn_in(streams, attn, cos, sin, post, comb, ids)
-        return self.ffn_out(streams, shared, post, comb, x, weight, self.ffn.experts(x, index, weight))
-
-
-@dataclass
-class Step:
-    """A one-token step's context for the layers' pieces: token ``ids [1]``, ``start``, ``positions [1]``
-    and the RoPE ``(cos, sin)`` of each table, computed once per step (sliding layers share ``main``,
-    compressed ones ``compress``)."""
-
-    ids: torch.Tensor
-    start: int
-    positions: torch.Tensor
-    tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    def rope(self, attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` of ``attn``'s table at the step's position."""
-        table = "main" if attn.kind == "sliding" else "compress"
-        if table not in self.tables:
-            self.tables[table] = rope_cos_sin(self.positions, attn.freqs)
-        return self.tables[table]
 
 
 class DeepseekV4(nn.Module):
@@ -142,9 +50,16 @@ class DeepseekV4(nn.Module):
     Args:
         args: configuration; shards: the rank's plan and compute dtype.
 
+    Attributes:
+        max_seq_len: positions per sequence (tokens), set by :meth:`setup_cache`.
+        max_num_seqs: slots (independent sequences), set by :meth:`setup_cache`.
+        positions: per slot, the position its next token takes (tokens seen; 0: empty).
+
     Raises:
         RuntimeLoadError: the plan lacks a tensor the config needs (named).
     """
+
+    SUPPORTS_BATCHING = True
 
     def __init__(self, args: V4Args, shards: Shards) -> None:
         super().__init__()
@@ -156,11 +71,12 @@ class DeepseekV4(nn.Module):
         self.hc_head = HyperHead(args.dim, args.hc_mult, args.hc_eps, args.norm_eps)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = shards.lm_head("head.weight")
-        self.pos, self.max_seq_len = 0, 0
+        self.max_seq_len = self.max_num_seqs = 0
+        self.positions: list[int] = []
 
     @classmethod
     def from_weights(cls, weights, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
-                     max_seq_len: int = 4096) -> "DeepseekV4":
+                     max_seq_len: int = 4096, max_num_seqs: int = 1) -> "DeepseekV4":
         """Build rank ``weights.rank``'s model from its weights (``config``, ``plan``, ``dense()``, ``banks()``).
 
         Raises:
@@ -168,63 +84,131 @@ class DeepseekV4(nn.Module):
         """
         model = cls(V4Args.from_config(weights.config), Shards(weights.plan, weights.rank, dtype))
         assign_weights(model, weights.dense(), weights.banks(), device=torch.device(device))
-        model.setup_cache(max_seq_len, torch.device(device), dtype)
+        model.setup_cache(max_seq_len, torch.device(device), dtype, max_num_seqs)
         return model
 
-    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Bound sequences to ``max_seq_len`` positions, move RoPE tables to ``device``, reset state."""
-        self.max_seq_len = max_seq_len
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
+        """Preallocate the state of ``max_num_seqs`` sequences (slots ``0 .. max_num_seqs - 1``) of up
+        to ``max_seq_len`` positions each, on ``device`` in ``dtype``; move the RoPE tables there.
+
+        Per slot and layer: the window ring ``[window, d]``; per compressor (attention's and the
+        indexer's) the pending window and CSA carry ``[r, width]`` and the entries ``[max_seq_len // r, d]``
+        (:meth:`state_bytes` sums them). Every slot starts empty.
+
+        Raises:
+            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1.
+        """
+        if max_seq_len < 1 or max_num_seqs < 1:
+            raise UsageError(f"DeepSeek-V4 needs max_seq_len >= 1 and max_num_seqs >= 1; got "
+                             f"max_seq_len={max_seq_len}, max_num_seqs={max_num_seqs}")
+        self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         for mod in self.modules():
             if isinstance(getattr(mod, "freqs", None), torch.Tensor):
                 mod.freqs = mod.freqs.to(device)
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new sequence (position 0)."""
-        self.pos = 0
         for layer in self.layers:
-            layer.attn.reset()
+            layer.attn.allocate(max_num_seqs, max_seq_len, torch.device(device), dtype)
+        self.positions = [0] * max_num_seqs
+        for slot in range(max_num_seqs):
+            self.release(slot)
 
-    @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
-        """Run ``ids`` ``[T]`` at positions ``[start, start + T)``; float32 logits ``[T or 1, V]``.
+    def state_bytes(self) -> int:
+        """Bytes of per-sequence state this rank allocated (all slots, all layers)."""
+        return sum(t.nbytes for layer in self.layers for t in layer.attn.state())
+
+    def release(self, slot: int) -> None:
+        """Forget slot ``slot``'s sequence: it is empty (its next step must start at 0).
 
         Raises:
-            UsageError: ``start`` is neither 0 nor the end of the previous step (the compressor
-                state cannot rewind), or the sequence would pass ``max_seq_len``.
+            UsageError: ``slot`` is not in ``[0, max_num_seqs)``.
+        """
+        self._check_slot(slot)
+        self.positions[slot] = 0
+        for layer in self.layers:
+            layer.attn.reset(slot)
+
+    def reset(self) -> None:
+        """Forget every slot's sequence."""
+        for slot in range(self.max_num_seqs):
+            self.release(slot)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True, slot: int = 0) -> torch.Tensor:
+        """Run one sequence's ``ids`` ``[T]`` at positions ``[start, start + T)`` in slot ``slot``;
+        float32 logits ``[T or 1, V]``. ``start == 0`` begins a new sequence there; other slots are
+        untouched.
+
+        Raises:
+            UsageError: ``slot`` out of range, ``start`` neither 0 nor the slot's position (the
+                compressor state cannot rewind), or the sequence would pass ``max_seq_len``.
         """
         T = ids.shape[0]
-        self._begin(start, T)
+        self._check_row(slot, start, T)
+        if start == 0:
+            self.release(slot)
         (streams,) = self.embed_ids(ids)
         for layer in self.layers:
-            streams = layer(streams, ids, start)
-        self.pos = start + T
+            streams = layer(streams, ids, start, slot)
+        self.positions[slot] = start + T
         return self.logits(streams[-1:] if last_only else streams)[0]  # [T or 1, V]
 
-    def _begin(self, start: int, T: int) -> None:
-        """Reset at ``start == 0``; refuse a step that does not continue the sequence or passes ``max_seq_len``."""
-        if start == 0:
-            self.reset()
-        elif start != self.pos:
-            raise UsageError(f"DeepSeek-V4 continues a sequence where it ended (position {self.pos}); "
-                             f"got start={start} (its compressor state cannot rewind: restart at 0)")
-        if self.max_seq_len and start + T > self.max_seq_len:
-            raise UsageError(f"{start + T} positions exceed max_seq_len={self.max_seq_len}")
+    def _check_slot(self, slot: int) -> None:
+        if not self.max_num_seqs:
+            raise UsageError("DeepSeek-V4 has no slots yet: call setup_cache(max_seq_len, device, dtype, max_num_seqs)")
+        if not isinstance(slot, int) or not 0 <= slot < self.max_num_seqs:
+            raise UsageError(f"slot {slot!r} is out of range: DeepSeek-V4 has slots 0..{self.max_num_seqs - 1} "
+                             f"(max_num_seqs={self.max_num_seqs}, set by setup_cache)")
+
+    def _check_row(self, slot: int, start: int, T: int) -> None:
+        """Refuse a step of ``T`` tokens at ``start`` in ``slot`` that is out of range, does not continue
+        the slot's sequence, or passes ``max_seq_len``."""
+        self._check_slot(slot)
+        if T < 1:
+            raise UsageError(f"slot {slot}: a step needs at least one token, got {T}")
+        if start != 0 and start != self.positions[slot]:
+            raise UsageError(f"slot {slot}: DeepSeek-V4 continues a sequence where it ended (position "
+                             f"{self.positions[slot]}); got start={start} (its compressor state cannot "
+                             f"rewind: restart at 0)")
+        if start + T > self.max_seq_len:
+            raise UsageError(f"slot {slot}: {start + T} positions exceed max_seq_len={self.max_seq_len}")
 
     @property
     def decode_layers(self) -> nn.ModuleList:
         """The blocks, whose pieces a decode step runs in order."""
         return self.layers
 
-    def decode_step(self, ids: torch.Tensor, start: int) -> Step:
-        """Begin a one-token step at ``start`` (checked and counted as :meth:`forward` does).
+    def decode_step(self, ids: torch.Tensor, starts: list[int] | int, slots: list[int] | None = None,
+                    real: int | None = None) -> Step:
+        """Begin a batched one-token step: row ``b`` is slot ``slots[b]``'s token ``ids[b]`` at
+        ``starts[b]``; rows ``>= real`` (default: none) are padding, copies of row 0, that change no
+        state. Checks every real row as :meth:`forward` does, then resets the slots a row begins
+        (``start == 0``) and advances each real slot's position. The old form
+        ``decode_step(ids [1], start: int)`` is slot 0, one row.
 
         Raises:
-            UsageError: as :meth:`forward`.
+            UsageError: lengths disagree, ``real`` is not in ``[1, B]``, a padding row is not a copy
+                of row 0, two real rows share a slot, or a row fails :meth:`forward`'s checks.
         """
-        self._begin(start, 1)
-        self.pos = start + 1
-        return Step(ids, start, torch.arange(start, start + 1, device=ids.device))
+        if isinstance(starts, int):  # the single-row form
+            starts, slots = [starts], [0] if slots is None else slots
+        starts, slots, B = list(starts), list(slots), ids.shape[0]
+        real = B if real is None else real
+        if len(starts) != B or len(slots) != B:
+            raise UsageError(f"decode_step: {B} ids, {len(starts)} starts and {len(slots)} slots (one each per row)")
+        if not 1 <= real <= B:
+            raise UsageError(f"decode_step: real={real} must be in [1, {B}] (rows >= real are padding)")
+        pad = [b for b in range(real, B) if (slots[b], starts[b]) != (slots[0], starts[0])]
+        if pad:
+            raise UsageError(f"decode_step: padding rows {pad} must copy row 0 (slot {slots[0]}, start {starts[0]})")
+        if len(set(slots[:real])) != real:
+            raise UsageError(f"decode_step: each real row must be a different slot; got slots {slots[:real]}")
+        for slot, start in zip(slots[:real], starts[:real]):
+            self._check_row(slot, start, 1)
+        for slot, start in zip(slots[:real], starts[:real]):
+            if start == 0:
+                self.release(slot)
+            self.positions[slot] = start + 1
+        return Step(ids, starts, slots, real, torch.tensor(starts, device=ids.device),
+                    torch.tensor(slots[:real], device=ids.device))
 
     def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
         """Token ids ``[T]`` -> ``([T, m, D],)``: the vocab-parallel embedding copied to every stream."""
