@@ -5,6 +5,14 @@ and in the reference precision, in this process (one rank: transformers' model i
 Decoding is greedy with its KV cache; the same forward hooks as the engine's
 (:mod:`shardsmith.parity.collect`) record each step's logits and, with ``layers``, the decoder
 layers' outputs (``model.layers``), so the trace is the same :class:`~shardsmith.parity.compare.Trace`.
+
+One family-specific step comes first (:func:`loadable_checkpoint`): transformers (5.x, CPU) loads a
+block-scaled FP8 checkpoint (``weight_scale_inv``, DeepSeek-V3's format) by expanding the scales
+over whole blocks, and where a tensor's edge cuts a block (DeepSeek-V3's ``kv_a_proj_with_mqa``:
+576 rows of 128-row blocks) it scales the wrong elements without an error (measured on the tiny
+V3: 3% of the weight off, the model 6% off at layer 0, which parity would call a defect of ours).
+Such a checkpoint is given to transformers as a float32 copy dequantized block by block, cropped at
+the edges (``w * weight_scale_inv``, :func:`~shardsmith.runtime.layers.quant.dequantize_blocks`).
 Legend: N = generated tokens, K = probed tokens, V = vocabulary.
 """
 
@@ -12,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +28,85 @@ import torch
 from shardsmith.errors import UsageError
 from shardsmith.parity.collect import Probe, recording, recording_layers
 from shardsmith.parity.compare import Trace
+
+
+def ragged_fp8(ckpt: Path) -> list[str]:
+    """Names and shapes (``name [R, C] / block [b0, b1]``) of FP8 weights whose ``weight_scale_inv``
+    blocks are cut by the tensor's edge, sorted; empty for any other checkpoint.
+
+    Raises:
+        UsageError: ``config.json`` or a shard's header cannot be read.
+    """
+    import json
+
+    from safetensors import safe_open
+
+    try:
+        quant = json.loads((ckpt / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--reference transformers: cannot read {ckpt / 'config.json'} ({e})") from e
+    block = quant.get("weight_block_size")
+    if quant.get("quant_method") != "fp8" or not block:
+        return []
+    out = []
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            names = set(h.keys())
+            for name in sorted(n for n in names if n.endswith(".weight_scale_inv") and n[: -len("_scale_inv")] in names):
+                shape = h.get_slice(name[: -len("_scale_inv")]).get_shape()
+                if len(shape) == 2 and (shape[0] % block[0] or shape[1] % block[1]):
+                    out.append(f"{name[: -len('_scale_inv')]} {list(shape)} / block {list(block)}")
+    return out
+
+
+def loadable_checkpoint(ckpt: Path, work: Path, progress: Callable[[str], None] = lambda _m: None) -> Path:
+    """``ckpt``, or where it has FP8 blocks cut by a tensor edge (:func:`ragged_fp8`), a float32 copy
+    under ``work`` with every FP8 weight dequantized and no ``quantization_config`` (one source
+    shard in memory at a time; other files copied).
+
+    Raises:
+        UsageError: see :func:`ragged_fp8`.
+    """
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from shardsmith.runtime.layers.quant import dequantize_blocks
+
+    ragged = ragged_fp8(ckpt)
+    if not ragged:
+        return ckpt
+    progress(f"transformers misreads FP8 blocks cut by a tensor edge ({ragged[0]}, {len(ragged)} such): "
+             f"loading a float32 copy dequantized block by block")
+    config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    block = tuple(config.pop("quantization_config")["weight_block_size"])
+    work.mkdir(parents=True, exist_ok=True)
+    files = sorted(ckpt.glob("*.safetensors"))
+    handles = {f.name: safe_open(str(f), "pt") for f in files}
+    where = {k: name for name, h in handles.items() for k in h.keys()}  # a scale may sit in another shard
+    weight_map = {}
+    for f in files:
+        out = {}
+        for name in handles[f.name].keys():
+            if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in where:
+                continue
+            t = handles[f.name].get_tensor(name)
+            if name + "_scale_inv" in where:
+                t = dequantize_blocks(t, handles[where[name + "_scale_inv"]].get_tensor(name + "_scale_inv").float(),
+                                      block, torch.float32)
+            out[name] = t
+        save_file(out, str(work / f.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, f.name))
+    for f in ckpt.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, work / f.name)
+    (work / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    if (ckpt / "model.safetensors.index.json").is_file():
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (work / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
+    return work
 
 
 def load_transformers(ckpt: Path, dtype: torch.dtype, device: str):

@@ -194,9 +194,9 @@ def _run(plan, work: Path, prompts, dtype, max_tokens, top_k, layers, device, ve
             config = Config(config.name, config.world_size, out, config.kind)
         progress(f"running {config.name} ({dtype}, then {str(ref).removeprefix('torch.')} for the noise)")
         if config.kind == TRANSFORMERS:
-            from shardsmith.parity.reference import run_transformers
+            from shardsmith.parity.reference import loadable_checkpoint, run_transformers
 
-            got = run_transformers(config.path, prompts, dtype=dt, ref_dtype=ref, max_tokens=max_tokens,
+            got = run_transformers(loadable_checkpoint(config.path, work / "transformers-checkpoint", progress), prompts, dtype=dt, ref_dtype=ref, max_tokens=max_tokens,
                                    top_k=top_k, probes=probes, layers=layers, device=device)
         else:
             task = RankTask(config.path, config.world_size, device, dt, ref, prompts, max_tokens, top_k, probes,

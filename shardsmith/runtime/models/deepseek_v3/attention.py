@@ -24,7 +24,10 @@ Two equivalent ways to attend over it:
   latents directly, and ``W_UV`` (the value rows) is applied to the attended latent:
   ``score = (q_nope W_UK) . latent + q_rope . k_rope``, ``out = (softmax(score) @ latent) W_UV^T``.
 
-Legend: T = new tokens, S = cached positions, H = local heads, D = hidden.
+One cache per sequence slot (leading dim N): a prefill or step runs in one slot (:meth:`MLAttention.forward`);
+a batched decode step (:meth:`MLAttention.core_rows`) gathers each row's slot.
+
+Legend: B = sequences (rows), T = new tokens, S = cached positions, N = slots, H = local heads, D = hidden.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v3.config import V3Args
 from shardsmith.runtime.models.mixtral.model import RMSNorm
+from shardsmith.runtime.models.seq_slots import Rows
 from shardsmith.runtime.models.mixtral.model import apply_rope as rotate_half_rope
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the default eps in both sources
@@ -63,7 +67,8 @@ class MLAttention(nn.Module):
     Attributes:
         n_heads: local heads (from ``q_b_proj``'s rows; ``kv_b_proj`` and ``o_proj`` must agree).
         absorb: ``decode`` (absorbed for one-token steps, expanded otherwise), ``always`` or ``never``.
-        cache_kv, cache_pe: ``[S_max, c]`` and ``[S_max, r]``, set by the model's ``setup_cache``.
+        cache_kv, cache_pe: ``[N, S_max, c]`` and ``[N, S_max, r]`` (N sequence slots), set by the
+            model's ``setup_cache``.
     """
 
     def __init__(self, args: V3Args, shards: Shards, prefix: str) -> None:
@@ -105,57 +110,87 @@ class MLAttention(nn.Module):
                                        f"in q_b_proj, kv_b_proj and o_proj)")
         return n
 
-    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x [T, D]`` at positions ``[start, start + T)`` -> ``[T, D]`` (all-reduced by ``o_proj``).
-
-        Writes the new latents into the cache; ``cos``/``sin`` ``[T, r]`` are the new positions' tables.
-        """
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [T, D]`` (normed), ``cos``/``sin`` ``[T, r]`` -> ``(q_nope [T, H, n], q_pe [T, H, r],
+        latent [T, c], k_pe [T, r])``: RoPE applied, the latent normed (what the cache stores)."""
         T, H = x.shape[0], self.n_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
         q_nope, q_pe = q.view(T, H, self.nope + self.rope).split((self.nope, self.rope), dim=-1)  # [T, H, n], [T, H, r]
         latent, k_pe = self.kv_a_proj_with_mqa(x).split((self.c, self.rope), dim=-1)  # [T, c], [T, r]
         q_pe = apply_rope(q_pe, cos, sin, self.interleave)
         k_pe = apply_rope(k_pe[:, None], cos, sin, self.interleave)[:, 0]  # [T, r]
+        return q_nope, q_pe, self.kv_a_layernorm(latent), k_pe
+
+    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """``x [T, D]`` at positions ``[start, start + T)`` of sequence ``slot`` -> ``[T, D]`` (all-reduced
+        by ``o_proj``).
+
+        Writes the new latents into the slot's cache; ``cos``/``sin`` ``[T, r]`` are the new positions' tables.
+        """
+        T, H = x.shape[0], self.n_heads
+        q_nope, q_pe, latent, k_pe = self.project(x, cos, sin)
         end = start + T
-        self.cache_kv[start:end] = self.kv_a_layernorm(latent)
-        self.cache_pe[start:end] = k_pe
+        self.cache_kv[slot, start:end] = latent
+        self.cache_pe[slot, start:end] = k_pe
+        mask = None
+        if T > 1:  # causal; one token sees every cached position
+            qpos = torch.arange(start, end, device=x.device)[:, None]
+            mask = (torch.arange(end, device=x.device)[None, :] <= qpos)[None]  # [1, T, S]
         absorbed = self.absorb == "always" or (self.absorb == "decode" and T == 1)
-        o = (self.absorbed if absorbed else self.expanded)(q_nope, q_pe, start)  # [T, H, v]
+        o = self.attend(q_nope[None], q_pe[None], self.cache_kv[slot: slot + 1, :end], self.cache_pe[slot: slot + 1, :end],
+                        mask, absorbed=absorbed)[0]  # [T, H, v]
         return self.o_proj(o.reshape(T, H * self.v_dim))
 
-    def _mask(self, start: int, T: int, device: torch.device) -> torch.Tensor | None:
-        """``[T, S]`` causal mask (True: attend), None for one token (it sees every cached position)."""
-        if T == 1:
-            return None
-        qpos = torch.arange(start, start + T, device=device)[:, None]
-        return torch.arange(start + T, device=device)[None, :] <= qpos
+    def core_rows(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                  rows: Rows) -> torch.Tensor:
+        """One token per row, each of its own sequence: ``[B, H*v]`` (before ``o_proj``).
 
-    def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, start: int) -> torch.Tensor:
-        """Attention with per-head keys/values expanded from the cached latents: ``[T, H, v]``."""
-        T, H = q_nope.shape[:2]
-        end = start + T
-        kv = self.kv_b_proj(self.cache_kv[:end]).view(end, H, self.nope + self.v_dim)  # [S, H, n+v]
-        k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)  # [S, H, n], [S, H, v]
-        k = torch.cat((k_nope, self.cache_pe[:end, None].expand(end, H, self.rope)), dim=-1)  # [S, H, n+r]
-        q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, n+r]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=self._mask(start, T, q.device), scale=self.scale)  # [H, T, v]
-        return o.transpose(0, 1)
+        Real rows write their ``latent [B, c]`` and ``k_pe [B, r]`` at ``(slot, position)``; every row
+        attends over its slot's positions ``[0, start]`` (the rows' slots gathered to ``[B, S, *]``,
+        later positions masked); padding rows get row 0's output. Absorbed unless ``absorb == "never"``.
+        """
+        R, B = rows.real, q_nope.shape[0]
+        slot, pos = rows.slot_index[:R], rows.pos[:R]
+        self.cache_kv[slot, pos] = latent[:R]
+        self.cache_pe[slot, pos] = k_pe[:R]
+        lat = self.cache_kv[:, : rows.length].index_select(0, rows.slot_index)  # [B, S, c]
+        pe = self.cache_pe[:, : rows.length].index_select(0, rows.slot_index)  # [B, S, r]
+        mask = (rows.positions(0, q_nope.device)[None, :] <= rows.pos[:, None])[:, None]  # [B, 1, S]
+        o = self.attend(q_nope[:, None], q_pe[:, None], lat, pe, mask, absorbed=self.absorb != "never")[:, 0]
+        return rows.keep_padding(o.reshape(B, self.n_heads * self.v_dim))
 
-    def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, start: int) -> torch.Tensor:
-        """Attention in the latent space with ``kv_b_proj`` folded into query and output: ``[T, H, v]``.
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, pe: torch.Tensor,
+               mask: torch.Tensor | None, *, absorbed: bool) -> torch.Tensor:
+        """Attention of queries ``q_nope [B, T, H, n]``, ``q_pe [B, T, H, r]`` over cached ``latent
+        [B, S, c]`` and ``pe [B, S, r]`` (``mask [B, T, S]``, True: attend; None: all): ``[B, T, H, v]``."""
+        return (self.absorbed if absorbed else self.expanded)(q_nope, q_pe, latent, pe, mask)
+
+    def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, pe: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """Per-head keys/values expanded from the latents by ``kv_b_proj``, then SDPA: ``[B, T, H, v]``."""
+        B, T, H = q_nope.shape[:3]
+        S = latent.shape[1]
+        kv = self.kv_b_proj(latent).view(B, S, H, self.nope + self.v_dim)  # [B, S, H, n+v]
+        k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)  # [B, S, H, n], [B, S, H, v]
+        k = torch.cat((k_nope, pe[:, :, None].expand(B, S, H, self.rope)), dim=-1)  # [B, S, H, n+r]
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [B, T, H, n+r]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=None if mask is None else mask[:, None],
+                                           scale=self.scale)  # [B, H, T, v]
+        return o.transpose(1, 2)
+
+    def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, pe: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention in the latent space with ``kv_b_proj`` folded into query and output: ``[B, T, H, v]``.
 
         Scores in the compute dtype, softmax in float32 (DeepSeek ``inference/model.py``).
         """
-        T, H = q_nope.shape[:2]
-        end = start + T
+        H = q_nope.shape[2]
         w = self.kv_b_proj.dense_weight(q_nope.dtype).view(H, self.nope + self.v_dim, self.c)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]  # [H, n, c], [H, v, c]
-        latent, pe = self.cache_kv[:end], self.cache_pe[:end]  # [S, c], [S, r]
-        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, c]
-        scores = (torch.einsum("thc,sc->ths", q_lat, latent) + torch.einsum("thr,sr->ths", q_pe, pe)) * self.scale
-        mask = self._mask(start, T, scores.device)
+        q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # [B, T, H, c]
+        scores = (torch.einsum("bthc,bsc->bths", q_lat, latent) + torch.einsum("bthr,bsr->bths", q_pe, pe)) * self.scale
         if mask is not None:
-            scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-        probs = scores.float().softmax(dim=-1).to(q_nope.dtype)  # [T, H, S]
-        return torch.einsum("thc,hvc->thv", torch.einsum("ths,sc->thc", probs, latent), w_uv)
+            scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+        probs = scores.float().softmax(dim=-1).to(q_nope.dtype)  # [B, T, H, S]
+        return torch.einsum("bthc,hvc->bthv", torch.einsum("bths,bsc->bthc", probs, latent), w_uv)

@@ -6,11 +6,14 @@ so loading is a strict name-for-name assignment (:func:`assign_weights`); expert
 with ``L = num_hidden_layers``: ``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj``,
 ``shared_head`` and a full decoder layer) stay in the pack and are not loaded or run.
 
-One sequence at a time (batch 1); the latent KV cache is indexed by position, so a step may start
-anywhere up to where the last one ended. Source of the maths: transformers
+``max_num_seqs`` sequences in slots of the latent KV cache (:mod:`~shardsmith.runtime.models.seq_slots`):
+a prefill or step runs one sequence in its slot (``forward(..., slot=)``); a batched decode step
+runs one token of each of B sequences through the layers' pieces (``decode_step`` and the piece
+table of ``engine/cuda_graphs.py``). The cache is indexed by position, so a step may start anywhere
+up to where the slot's sequence ended. Source of the maths: transformers
 ``modeling_deepseek_v3.py`` (``DeepseekV3ForCausalLM``), DeepSeek-V3 ``inference/model.py``.
 
-Legend: T = new tokens, D = hidden, V = vocabulary, c = kv_lora_rank, r = qk_rope_head_dim.
+Legend: B = sequences of a decode step, T = new tokens, D = hidden, V = vocabulary, c = kv_lora_rank, r = qk_rope_head_dim.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import torch
 from torch import nn
 
 from shardsmith.errors import UsageError
+from shardsmith.runtime.layers.experts import RoutedExperts
 from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v3.attention import ABSORB_MODES, MLAttention
 from shardsmith.runtime.models.deepseek_v3.config import V3Args, rope_tables
 from shardsmith.runtime.models.deepseek_v3.moe import MoE
 from shardsmith.runtime.models.mixtral.model import RMSNorm, install_buffers
 from shardsmith.runtime.models.mixtral.moe import MLP
+from shardsmith.runtime.models.seq_slots import Rows, SeqSlots, cache_bytes
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -43,9 +48,46 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(args, shards, prefix) if args.is_moe(i) else MLP(shards, prefix + ".mlp", dim=args.dim,
                                                                           inter=args.inter)
 
-    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), start, cos, sin)
+    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), start, cos, sin, slot)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    # The same layer as pieces around the attention core, for a batched decode step run piece by piece
+    # (engine/cuda_graphs.py's table): the same kernels in the same order as forward, row by row.
+
+    @property
+    def experts(self) -> RoutedExperts | None:
+        """The routed experts (None for a dense MLP layer)."""
+        return self.mlp.experts if isinstance(self.mlp, MoE) else None
+
+    def attn_in_args(self, step: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[B, r]``: each row's RoPE at its own position."""
+        return step.cos, step.sin
+
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Norm and projections ``[B, D]`` -> ``(q_nope, q_pe, latent, k_pe)`` for :meth:`attn_core`."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attn_core(self, a: tuple[torch.Tensor, ...], step: Rows) -> tuple[torch.Tensor]:
+        """Latent cache write and attention, each row in its own slot: ``(o [B, H*v],)``."""
+        return (self.self_attn.core_rows(*a, step),)
+
+    def ffn_block(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor]:
+        """``o_proj`` and its all-reduce, the residual, then the whole MoE (or MLP) block: ``([B, D],)``."""
+        x = x + self.self_attn.o_proj(o)
+        return (x + self.mlp(self.post_attention_layernorm(x)),)
+
+    def ffn_in(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Up to the router: ``(x [B, D] after attention (the carry), h [B, D] normed (the experts'
+        input), index [B, K], weight [B, K])``."""
+        x = x + self.self_attn.o_proj(o)
+        h = self.post_attention_layernorm(x)
+        return (x, h, *self.mlp.gate(h))
+
+    def ffn_out(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, routed: torch.Tensor) -> tuple[torch.Tensor]:
+        """The routed partial ``[B, D]`` (computed between the pieces) plus the shared experts, all-reduce,
+        residual (``weight`` is part of the common signature and not needed here)."""
+        return (x + self.mlp.finish(h, routed),)
 
 
 class DeepseekV3(nn.Module):
@@ -68,18 +110,39 @@ class DeepseekV3(nn.Module):
         self.model.norm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
         self.lm_head = shards.lm_head("lm_head.weight", vocab)
         self.cos = self.sin = None
-        self.max_seq_len = 0
+        self.max_seq_len, self.max_num_seqs = 0, 0
+        self.seqs = SeqSlots("DeepSeek-V3", 1, 1)  # replaced by setup_cache
         shards.raise_problems()
 
-    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the latent cache (``[max_seq_len, c]`` + ``[max_seq_len, r]`` per layer) and RoPE tables."""
-        self.max_seq_len = max_seq_len
+    SUPPORTS_BATCHING = True
+
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
+        """Allocate the latent cache of ``max_num_seqs`` sequence slots (``[N, max_seq_len, c]`` and
+        ``[N, max_seq_len, r]`` per layer), forget every sequence, and build the RoPE tables.
+
+        Raises:
+            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1.
+        """
+        self.seqs = SeqSlots("DeepSeek-V3", max_num_seqs, max_seq_len)
+        self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         for layer in self.model.layers:
             attn = layer.self_attn
-            attn.cache_kv = torch.zeros(max_seq_len, attn.c, dtype=dtype, device=device)
-            attn.cache_pe = torch.zeros(max_seq_len, attn.rope, dtype=dtype, device=device)
+            attn.cache_kv = torch.zeros(max_num_seqs, max_seq_len, attn.c, dtype=dtype, device=device)
+            attn.cache_pe = torch.zeros(max_num_seqs, max_seq_len, attn.rope, dtype=dtype, device=device)
         cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, r] float32
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+    def state_bytes(self) -> int:
+        """Bytes of per-sequence state this rank allocated (every slot's latent cache, all layers)."""
+        return sum(cache_bytes(layer.self_attn.cache_kv, layer.self_attn.cache_pe) for layer in self.model.layers)
+
+    def release(self, slot: int) -> None:
+        """Forget ``slot``'s sequence (its next step starts at 0).
+
+        Raises:
+            UsageError: ``slot`` outside ``0..max_num_seqs-1``.
+        """
+        self.seqs.release(slot)
 
     def set_absorb(self, mode: str) -> None:
         """How attention uses the latent cache: ``decode`` (absorbed for one-token steps, the
@@ -94,20 +157,45 @@ class DeepseekV3(nn.Module):
             layer.self_attn.absorb = mode
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
-        """Run ``ids`` ``[T]`` at positions ``[start, start + T)``; float32 logits ``[T or 1, V]``.
+    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True, slot: int = 0) -> torch.Tensor:
+        """Run ``ids`` ``[T]`` at positions ``[start, start + T)`` of sequence ``slot``; float32 logits
+        ``[T or 1, V]``. ``start == 0`` begins a new sequence there; other slots are untouched.
 
         Raises:
-            UsageError: the step would pass ``max_seq_len`` (the cache's positions).
+            UsageError: a bad slot, a start past where the slot's sequence ended, or a step past
+                ``max_seq_len`` (the cache's positions).
         """
         T = ids.shape[0]
-        if start + T > self.max_seq_len:
-            raise UsageError(f"{start + T} positions exceed max_seq_len={self.max_seq_len}")
+        self.seqs.begin(slot, start, T)
         cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, r]
-        x = self.model.embed_tokens(ids)  # [T, D]
+        (x,) = self.embed_ids(ids)  # [T, D]
         for layer in self.model.layers:
-            x = layer(x, start, cos, sin)
-        return self.lm_head(self.model.norm(x[-1:] if last_only else x))  # [T or 1, V]
+            x = layer(x, start, cos, sin, slot)
+        return self.logits(x[-1:] if last_only else x)[0]  # [T or 1, V]
+
+    @property
+    def decode_layers(self) -> nn.ModuleList:
+        """The decoder layers, whose pieces a decode step runs in order."""
+        return self.model.layers
+
+    def decode_step(self, ids: torch.Tensor, starts: int | list[int], slots: list[int] | None = None,
+                    real: int | None = None) -> Rows:
+        """The context of a batched one-token step: row ``b`` is slot ``slots[b]``'s token at
+        ``starts[b]``; rows ``>= real`` are padding (copies of row 0, no state change). The old
+        one-row form ``decode_step(ids, start)`` is slot 0.
+
+        Raises:
+            UsageError: as :meth:`SeqSlots.rows` (bad shapes, slot, position or padding rows).
+        """
+        return self.seqs.step_rows(ids, starts, slots, real, self.cos, self.sin)
+
+    def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
+        """Token ids ``[T]`` -> ``([T, D],)`` (vocab-parallel, all-reduced)."""
+        return (self.model.embed_tokens(ids),)
+
+    def logits(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        """Hidden ``[T, D]`` -> ``([T, V] float32,)``: final norm and the vocab-parallel head."""
+        return (self.lm_head(self.model.norm(x)),)
 
 
 def assign_weights(model: DeepseekV3, dense: dict[str, torch.Tensor], banks: dict[str, dict[str, torch.Tensor]],

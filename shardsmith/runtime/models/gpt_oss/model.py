@@ -15,10 +15,12 @@ head's learned sink logit joins its softmax as an extra column that is then drop
 of a row sum to less than 1); ``sliding_attention`` layers (``layer_types``; the even ones in the
 release) attend to the last ``sliding_window`` positions (``q - k < window``), the others to all. RoPE rotates halves with YaRN cos/sin tables
 (:func:`~shardsmith.runtime.models.gpt_oss.config.rope_tables`). RMSNorm weights stay float32, as
-transformers keeps them. One sequence at a time (batch 1) over a static KV cache of
-``max_seq_len`` positions of the rank's KV heads; a step may start at any cached position.
+transformers keeps them. ``max_num_seqs`` sequences in slots of a static KV cache of ``max_seq_len``
+positions of the rank's KV heads (:mod:`~shardsmith.runtime.models.seq_slots`): a prefill or step
+runs one sequence in its slot; a batched decode step runs one token of each of B sequences through
+the layers' pieces (``engine/cuda_graphs.py``'s table). A step may start at any cached position.
 
-Legend: T = new tokens, S = cached positions, D = hidden, H = local query heads, K = local KV
+Legend: B = sequences of a decode step, T = new tokens, S = cached positions, D = hidden, H = local query heads, K = local KV
 heads, d = head dim, V = vocabulary.
 """
 
@@ -28,10 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardsmith.runtime.layers.parallel import HeadShard, Shards
+from shardsmith.runtime.layers.parallel import HeadShard, Shards, all_reduce
 from shardsmith.runtime.models.gpt_oss.config import GptOssArgs, rope_tables
-from shardsmith.runtime.models.gpt_oss.moe import MoE, expand_mxfp4
+from shardsmith.runtime.models.gpt_oss.moe import Experts, MoE, expand_mxfp4
 from shardsmith.runtime.models.mixtral.model import install_buffers
+from shardsmith.runtime.models.seq_slots import Rows, SeqSlots, cache_bytes
 
 
 class RMSNorm(nn.Module):
@@ -75,37 +78,67 @@ class Attention(nn.Module):
         self.kv_index = torch.tensor(heads.kv_index)  # [H]: the local KV head each query head reads
         n_sinks = sinks.local_shape(shards.rank)[0] if sinks is not None and len(shards.problems) == before else self.n_heads
         self.register_buffer("sinks", torch.empty(n_sinks, dtype=shards.dtype, device="meta"))
-        self.cache_k = self.cache_v = None  # [K, S_max, d], set by GptOss.setup_cache
+        self.cache_k = self.cache_v = None  # [N, K, S_max, d] (N slots), set by GptOss.setup_cache
 
-    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x [T, D]`` at positions ``[start, start + T)`` -> ``[T, D]`` (all-reduced, ``o_proj`` bias once).
-
-        Writes the new keys and values into the cache, then attends to the cached positions the
-        window allows; the softmax runs in the compute dtype, as transformers' eager path does.
-        """
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [T, D]`` (normed) -> ``q [T, H, d]``, ``k [T, K, d]`` (RoPE applied) and ``v [T, K, d]``."""
         T, d = x.shape[0], self.head_dim
         q = apply_rope(self.q_proj(x).view(T, self.n_heads, d), cos, sin)  # [T, H, d]
         k = apply_rope(self.k_proj(x).view(T, self.n_kv, d), cos, sin)  # [T, K, d]
-        v = self.v_proj(x).view(T, self.n_kv, d)
+        return q, k, self.v_proj(x).view(T, self.n_kv, d)
+
+    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """``x [T, D]`` at positions ``[start, start + T)`` of sequence ``slot`` -> ``[T, D]`` (all-reduced,
+        ``o_proj`` bias once).
+
+        Writes the new keys and values into the slot's cache, then attends to the cached positions the
+        window allows; the softmax runs in the compute dtype, as transformers' eager path does.
+        """
+        T = x.shape[0]
+        q, k, v = self.project(x, cos, sin)
         end = start + T
-        self.cache_k[:, start:end] = k.transpose(0, 1)
-        self.cache_v[:, start:end] = v.transpose(0, 1)
+        self.cache_k[slot, :, start:end] = k.transpose(0, 1)
+        self.cache_v[slot, :, start:end] = v.transpose(0, 1)
         lo = max(0, start - self.window + 1) if self.window else 0  # older keys are outside every window
-        idx = self.kv_index.to(x.device)
-        keys = self.cache_k[:, lo:end].index_select(0, idx)  # [H, S, d]
-        values = self.cache_v[:, lo:end].index_select(0, idx)
-        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * self.scale  # [H, T, S]
-        qpos = torch.arange(start, end, device=x.device)[:, None]  # [T, 1]
-        kpos = torch.arange(lo, end, device=x.device)[None, :]  # [1, S]
-        allowed = kpos <= qpos
+        qpos = torch.arange(start, end, device=x.device)  # [T]
+        o = self.attend(q.transpose(0, 1)[None], self.cache_k[slot: slot + 1, :, lo:end],
+                        self.cache_v[slot: slot + 1, :, lo:end], qpos[None], lo)[0]  # [H, T, d]
+        return self.o_proj(o.transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+    def core_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """One token per row, each of its own sequence: ``[B, H*d]`` (before ``o_proj``).
+
+        Real rows write ``k``/``v`` ``[B, K, d]`` at ``(slot, position)``; every row attends over its
+        slot's positions its window allows up to its own (the rows' slots gathered to ``[B, K, S, d]``
+        over the positions any row needs, the others masked); padding rows get row 0's output.
+        """
+        R, B = rows.real, q.shape[0]
+        slot, pos = rows.slot_index[:R], rows.pos[:R]
+        self.cache_k[slot, :, pos] = k[:R]
+        self.cache_v[slot, :, pos] = v[:R]
+        lo = max(0, min(rows.starts) - self.window + 1) if self.window else 0
+        keys = self.cache_k[:, :, lo: rows.length].index_select(0, rows.slot_index)  # [B, K, S, d]
+        values = self.cache_v[:, :, lo: rows.length].index_select(0, rows.slot_index)
+        o = self.attend(q[:, :, None], keys, values, rows.pos[:, None], lo)[:, :, 0]  # [B, H, d]
+        return rows.keep_padding(o.reshape(B, self.n_heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, lo: int) -> torch.Tensor:
+        """Queries ``q [B, H, T, d]`` at positions ``qpos [B, T]`` over cached ``keys``/``values``
+        ``[B, K, S, d]`` at positions ``lo .. lo+S-1``, causal and windowed, sinks joining each
+        softmax: ``[B, H, T, d]``."""
+        B, H, T, _ = q.shape
+        idx = self.kv_index.to(q.device)
+        keys, values = keys.index_select(1, idx), values.index_select(1, idx)  # [B, H, S, d]
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [B, H, T, S]
+        kpos = torch.arange(lo, lo + keys.shape[2], device=q.device)[None, None, :]  # [1, 1, S]
+        allowed = kpos <= qpos[:, :, None]  # [B, T, S]
         if self.window:
-            allowed &= qpos - kpos < self.window
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        sink = self.sinks.to(scores.dtype)[:, None, None].expand(-1, T, 1)  # [H, T, 1]
+            allowed &= qpos[:, :, None] - kpos < self.window
+        scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
+        sink = self.sinks.to(scores.dtype)[None, :, None, None].expand(B, -1, T, 1)  # [B, H, T, 1]
         logits = torch.cat((scores, sink), dim=-1)
         probs = F.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]  # drop the sink
-        o = torch.matmul(probs, values)  # [H, T, d]
-        return self.o_proj(o.transpose(0, 1).reshape(T, self.n_heads * d))
+        return torch.matmul(probs, values)  # [B, H, T, d]
 
 
 class DecoderLayer(nn.Module):
@@ -119,9 +152,48 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MoE(args, shards, prefix + ".mlp")
 
-    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), start, cos, sin)
+    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), start, cos, sin, slot)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    # The same layer as pieces around the attention core, for a batched decode step run piece by piece
+    # (engine/cuda_graphs.py's table): the same kernels in the same order as forward, row by row.
+
+    @property
+    def experts(self) -> Experts:
+        """The routed experts (every gpt-oss layer is MoE; they read routed ids on the host)."""
+        return self.mlp.experts
+
+    def attn_in_args(self, step: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[B, d/2]``: each row's RoPE at its own position."""
+        return step.cos, step.sin
+
+    def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Norm and projections ``[B, D]`` -> ``(q, k, v)`` for :meth:`attn_core`."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attn_core(self, a: tuple[torch.Tensor, ...], step: Rows) -> tuple[torch.Tensor]:
+        """KV cache write and attention, each row in its own slot: ``(o [B, H*d],)``."""
+        return (self.self_attn.core_rows(*a, step),)
+
+    def ffn_block(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor]:
+        """``o_proj`` (all-reduce, bias once), the residual, then the whole MoE block: ``([B, D],)``."""
+        x = x + self.self_attn.o_proj(o)
+        return (x + self.mlp(self.post_attention_layernorm(x)),)
+
+    def ffn_in(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Up to the router: ``(x [B, D] after attention, bias [B, D] (the routed down biases; both
+        the carry), h [B, D] normed (the experts' input), index [B, K], weight [B, K])``."""
+        x = x + self.self_attn.o_proj(o)
+        h = self.post_attention_layernorm(x)
+        index, weight = self.mlp.route(h)
+        return x, self.mlp.experts.bias(index, weight), h, index, weight
+
+    def ffn_out(self, x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                routed: torch.Tensor) -> tuple[torch.Tensor]:
+        """The routed partial ``[B, D]`` (computed between the pieces), all-reduced, plus the down
+        biases, then the residual (``h`` and ``weight`` are part of the common signature)."""
+        return (x + (all_reduce(routed) + bias),)
 
 
 class GptOss(nn.Module):
@@ -145,27 +217,81 @@ class GptOss(nn.Module):
         self.model.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = shards.lm_head("model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight", vocab)
         self.cos = self.sin = None
+        self.max_seq_len, self.max_num_seqs = 0, 0
+        self.seqs = SeqSlots("gpt-oss", 1, 1)  # replaced by setup_cache
         shards.raise_problems()
 
-    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the static KV cache (``[K, max_seq_len, d]`` per layer) and the RoPE tables."""
+    SUPPORTS_BATCHING = True
+
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
+        """Allocate the KV cache of ``max_num_seqs`` sequence slots (``[N, K, max_seq_len, d]`` per layer,
+        sliding layers included), forget every sequence, and build the RoPE tables.
+
+        Raises:
+            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1.
+        """
+        self.seqs = SeqSlots("gpt-oss", max_num_seqs, max_seq_len)
+        self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         for layer in self.model.layers:
             attn = layer.self_attn
-            shape = (attn.n_kv, max_seq_len, self.args.head_dim)
+            shape = (max_num_seqs, attn.n_kv, max_seq_len, self.args.head_dim)
             attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
             attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
         cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, d/2] float32
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
+    def state_bytes(self) -> int:
+        """Bytes of per-sequence state this rank allocated (every slot's keys and values, all layers)."""
+        return sum(cache_bytes(layer.self_attn.cache_k, layer.self_attn.cache_v) for layer in self.model.layers)
+
+    def release(self, slot: int) -> None:
+        """Forget ``slot``'s sequence (its next step starts at 0).
+
+        Raises:
+            UsageError: ``slot`` outside ``0..max_num_seqs-1``.
+        """
+        self.seqs.release(slot)
+
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
-        """Run ``ids`` ``[T]`` at positions ``[start, start + T)``; float32 logits ``[T or 1, V]``."""
-        cos, sin = self.cos[start: start + ids.shape[0]], self.sin[start: start + ids.shape[0]]  # [T, d/2]
-        x = self.model.embed_tokens(ids)  # [T, D]
+    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True, slot: int = 0) -> torch.Tensor:
+        """Run ``ids`` ``[T]`` at positions ``[start, start + T)`` of sequence ``slot``; float32 logits
+        ``[T or 1, V]``. ``start == 0`` begins a new sequence there; other slots are untouched.
+
+        Raises:
+            UsageError: a bad slot, a start past where the slot's sequence ended, or a step past
+                ``max_seq_len``.
+        """
+        T = ids.shape[0]
+        self.seqs.begin(slot, start, T)
+        cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, d/2]
+        (x,) = self.embed_ids(ids)  # [T, D]
         for layer in self.model.layers:
-            x = layer(x, start, cos, sin)
-        x = x[-1:] if last_only else x
-        return self.lm_head(self.model.norm(x))
+            x = layer(x, start, cos, sin, slot)
+        return self.logits(x[-1:] if last_only else x)[0]
+
+    @property
+    def decode_layers(self) -> nn.ModuleList:
+        """The decoder layers, whose pieces a decode step runs in order."""
+        return self.model.layers
+
+    def decode_step(self, ids: torch.Tensor, starts: int | list[int], slots: list[int] | None = None,
+                    real: int | None = None) -> Rows:
+        """The context of a batched one-token step: row ``b`` is slot ``slots[b]``'s token at
+        ``starts[b]``; rows ``>= real`` are padding (copies of row 0, no state change). The old
+        one-row form ``decode_step(ids, start)`` is slot 0.
+
+        Raises:
+            UsageError: as :meth:`~shardsmith.runtime.models.seq_slots.SeqSlots.rows`.
+        """
+        return self.seqs.step_rows(ids, starts, slots, real, self.cos, self.sin)
+
+    def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
+        """Token ids ``[T]`` -> ``([T, D],)`` (vocab-parallel, all-reduced)."""
+        return (self.model.embed_tokens(ids),)
+
+    def logits(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        """Hidden ``[T, D]`` -> ``([T, V] float32,)``: final norm and the vocab-parallel head."""
+        return (self.lm_head(self.model.norm(x)),)
 
 
 def assign_weights(model: GptOss, dense: dict[str, torch.Tensor], *, device: torch.device) -> None:

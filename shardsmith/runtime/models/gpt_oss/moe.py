@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardsmith.runtime.layers.experts import RoutedExperts
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
 from shardsmith.runtime.layers.quant import dequantize_fp4
 from shardsmith.runtime.models.gpt_oss.config import GptOssArgs
@@ -66,8 +67,13 @@ def _local(shards: Shards, name: str, shape: tuple[int, ...]) -> tuple[int, ...]
     return tp.local_shape(shards.rank) if tp is not None and tuple(tp.shape) == shape else shape
 
 
-class Experts(nn.Module):
-    """One layer's experts on this rank (buffers in the module docstring's table)."""
+class Experts(RoutedExperts):
+    """One layer's experts on this rank (buffers in the module docstring's table).
+
+    A :class:`~shardsmith.runtime.layers.experts.RoutedExperts` with the defaults: it reads the
+    routed ids on the host (not sync-free), so a piecewise decode step runs it between ``ffn_in``
+    and ``ffn_out``; no expert cache slots.
+    """
 
     def __init__(self, args: GptOssArgs, shards: Shards, prefix: str) -> None:
         super().__init__()

@@ -1,0 +1,162 @@
+"""Per-sequence slots of a position-indexed cache, and the rows of a batched decode step.
+
+A model whose per-sequence state is a cache indexed by position (a KV cache, DeepSeek-V3's latent
+cache) keeps ``max_num_seqs`` independent sequences in slots ``0..max_num_seqs-1`` of its cache
+arrays (leading dim N). :class:`SeqSlots` holds the host-side bookkeeping every such family
+shares: how many positions each slot holds, the checks of a prefill or step against it, and the
+validated rows of a batched decode step (:class:`Rows`), whose device tensors the model's layers
+read. The cache arrays themselves stay in the model (their layout is the family's).
+
+Batched decode step contract (issue 14; ``engine/cuda_graphs.py``'s piece table): row ``b`` of a
+step of ``B`` rows is slot ``slots[b]``'s token at position ``starts[b]``; rows ``>= real`` are
+padding the engine adds to reach a captured batch bucket, copies of row 0's start and slot, that
+change no state and whose outputs are ignored. Source of the design: vLLM's and SGLang's
+preallocated per-request KV slots (``req_to_token_pool``), with one slot per sequence instead of pages.
+
+Legend: B = rows of a step (a batch bucket), N = slots (``max_num_seqs``), S = attended positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardsmith.errors import UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """The validated rows of one batched decode step and their device tensors.
+
+    Attributes:
+        starts, slots: per row (``B`` each, padding rows included), position and slot.
+        real: rows ``< real`` are sequences; the others padding (copies of row 0).
+        pos: ``[B]`` int64 positions on the model's device; slot_index: ``[B]`` int64 slots.
+        length: attended positions ``max(starts) + 1`` (the only shape that varies between steps).
+        cos, sin: ``[B, r]`` the family's RoPE tables at each row's own position.
+    """
+
+    starts: tuple[int, ...]
+    slots: tuple[int, ...]
+    real: int
+    pos: torch.Tensor
+    slot_index: torch.Tensor
+    length: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def start(self) -> int:
+        """Row 0's position (the one-row form's ``step.start``)."""
+        return self.starts[0]
+
+    def positions(self, lo: int, device: torch.device) -> torch.Tensor:
+        """Key positions ``[S]`` = ``lo .. length-1`` (int64), for masks."""
+        return torch.arange(lo, self.length, device=device)
+
+    def keep_padding(self, out: torch.Tensor) -> torch.Tensor:
+        """``out [B, ...]`` with padding rows set to row 0's (in place; returned)."""
+        if self.real < out.shape[0]:
+            out[self.real:] = out[:1]
+        return out
+
+
+class SeqSlots:
+    """How many positions each of ``max_num_seqs`` slots holds (host bookkeeping, no tensors).
+
+    Args:
+        family: model family name for messages; max_num_seqs: N slots; max_seq_len: positions per slot.
+
+    Raises:
+        UsageError: ``max_num_seqs`` or ``max_seq_len`` below 1.
+    """
+
+    def __init__(self, family: str, max_num_seqs: int, max_seq_len: int) -> None:
+        if max_num_seqs < 1 or max_seq_len < 1:
+            raise UsageError(f"{family}: max_num_seqs ({max_num_seqs}) and max_seq_len ({max_seq_len}) must be >= 1")
+        self.family, self.max_num_seqs, self.max_seq_len = family, max_num_seqs, max_seq_len
+        self.lengths = [0] * max_num_seqs
+
+    def check_slot(self, slot: int) -> None:
+        """Raises UsageError unless ``0 <= slot < max_num_seqs``."""
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.max_num_seqs:
+            raise UsageError(f"{self.family}: slot {slot!r} is outside 0..{self.max_num_seqs - 1} "
+                             f"(max_num_seqs={self.max_num_seqs})")
+
+    def _check(self, slot: int, start: int, T: int) -> None:
+        self.check_slot(slot)
+        if start < 0 or start > self.lengths[slot]:
+            raise UsageError(f"{self.family}: slot {slot} holds {self.lengths[slot]} positions; a step must start "
+                             f"at or before there (0 begins a new sequence), got start={start}")
+        if start + T > self.max_seq_len:
+            raise UsageError(f"{self.family}: slot {slot}: {start + T} positions exceed max_seq_len={self.max_seq_len}")
+
+    def begin(self, slot: int, start: int, T: int) -> None:
+        """Check a ``T``-token prefill (chunk) or step at ``start`` in ``slot`` and record its end.
+
+        Raises:
+            UsageError: a bad slot, a start past the slot's end (or negative), or past ``max_seq_len``.
+        """
+        self._check(slot, start, T)
+        self.lengths[slot] = start + T
+
+    def release(self, slot: int) -> None:
+        """Forget ``slot``'s sequence (its next step must start at 0).
+
+        Raises:
+            UsageError: a bad slot.
+        """
+        self.check_slot(slot)
+        self.lengths[slot] = 0
+
+    def rows(self, ids: torch.Tensor, starts: int | list[int], slots: list[int] | None,
+             real: int | None) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """Check a decode step's rows and record each real row's new end.
+
+        Accepts the one-row form (``starts`` an int, ``slots`` None: slot 0).
+
+        Returns:
+            ``(starts, slots, real)`` as tuples of B ints and an int.
+
+        Raises:
+            UsageError: ``ids`` not ``[B]``, ``starts``/``slots`` not B long, ``real`` outside
+                ``1..B``, two real rows in one slot, a padding row that is not a copy of row 0's
+                start and slot, or a real row's bad slot, start or length (as :meth:`begin`).
+        """
+        if isinstance(starts, int):
+            starts = [starts]
+            slots = [0] if slots is None else slots
+        starts, slots = tuple(int(s) for s in starts), tuple(int(s) for s in (slots if slots is not None else [0] * len(starts)))
+        B = ids.shape[0] if ids.dim() == 1 else -1
+        if B != len(starts) or B != len(slots) or B < 1:
+            raise UsageError(f"{self.family}: a decode step needs ids [B] with B starts and B slots; got ids "
+                             f"{list(ids.shape)}, {len(starts)} starts, {len(slots)} slots")
+        real = B if real is None else int(real)
+        if not 1 <= real <= B:
+            raise UsageError(f"{self.family}: real={real} rows must be within 1..{B} (the step's rows)")
+        dup = sorted({s for s in slots[:real] if slots[:real].count(s) > 1})
+        if dup:
+            raise UsageError(f"{self.family}: slots {dup} appear in more than one real row (one row per sequence)")
+        bad = [b for b in range(real, B) if (starts[b], slots[b]) != (starts[0], slots[0])]
+        if bad:
+            raise UsageError(f"{self.family}: padding rows {bad} must copy row 0's start and slot "
+                             f"({starts[0]}, {slots[0]})")
+        for b in range(real):
+            self._check(slots[b], starts[b], 1)
+        for b in range(real):
+            self.lengths[slots[b]] = starts[b] + 1
+        return starts, slots, real
+
+    def step_rows(self, ids: torch.Tensor, starts: int | list[int], slots: list[int] | None, real: int | None,
+                  cos: torch.Tensor, sin: torch.Tensor) -> Rows:
+        """:meth:`rows` with the device tensors, RoPE gathered from ``cos``/``sin`` ``[S_max, r]``."""
+        starts, slots, real = self.rows(ids, starts, slots, real)
+        pos = torch.tensor(starts, dtype=torch.int64, device=cos.device)
+        return Rows(starts, slots, real, pos, torch.tensor(slots, dtype=torch.int64, device=cos.device),
+                    max(starts) + 1, cos.index_select(0, pos), sin.index_select(0, pos))
+
+
+def cache_bytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes held by ``tensors`` (None skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
