@@ -55,7 +55,7 @@ def _load(task: RankTask, rank: int, dtype):
     from shardsmith.runtime.engine.engine import Engine
 
     return Engine.load(task.path, rank=rank, world_size=task.world_size, device=task.device, dtype=dtype,
-                       verify_hashes=task.verify_hashes, max_seq_len=task.max_seq_len)
+                       verify_hashes=task.verify_hashes, max_seq_len=task.max_seq_len, max_num_seqs=1)
 
 
 def rank_main(rank: int, task: RankTask, port: int, reports) -> None:
