@@ -29,7 +29,8 @@ TP = typer.Option(None, "--tp", help="Ranks for --from-checkpoint (a pack's worl
 VERIFY = typer.Option(True, "--verify-hashes/--no-verify",
                       help="Hash every pack file (XXH3-128) against its manifest as it is read; --no-verify skips it.")
 DIGEST = typer.Option(None, "--expect-digest", help="Refuse the pack unless its root digest (printed by split) is this.")
-MAX_SEQ = typer.Option(2048, "--max-seq-len", help="Context length in tokens (prompt + completion), per request.")
+MAX_SEQ = typer.Option(2048, "--max-seq-len", "--max-model-len",
+                       help="Context length in tokens (prompt + completion), per sequence.")
 EAGER = typer.Option(False, "--enforce-eager",
                      help="Launch every kernel eagerly: no CUDA graphs for decode steps (used on CUDA only).")
 DTYPE = typer.Option("auto", "--dtype", help="Compute dtype: auto (the config's torch_dtype), bfloat16, float16 or float32.")
@@ -138,7 +139,7 @@ def _check_port(host: str, port: int) -> None:
 
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
           verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto", enforce_eager: bool = False,
-          expect_digest: str | None = None):
+          expect_digest: str | None = None, max_num_seqs: int = 1):
     from shardsmith.runtime.serve.launch import LaunchSpec, under_torchrun
     from shardsmith.runtime.serve.placement import check_local_ranks, pack_world_size
 
@@ -155,6 +156,8 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
         raise UsageError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
     if max_seq_len < 2:
         raise UsageError(f"--max-seq-len must be at least 2, got {max_seq_len}")
+    if max_num_seqs < 1:
+        raise UsageError(f"--max-num-seqs must be at least 1, got {max_num_seqs}")
     if dist_port is not None and not 0 < dist_port < 65536:
         raise UsageError(f"--dist-port must be in 1..65535, got {dist_port}")
     ws = pack_world_size(path, tp=tp, from_checkpoint=from_checkpoint)
@@ -166,7 +169,8 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
     _check_device(device, ws)
     return LaunchSpec(path=path.resolve(), world_size=ws, device=device, dist_port=dist_port,
                       from_checkpoint=from_checkpoint, verify_hashes=verify_hashes, max_seq_len=max_seq_len,
-                      offload=offload, dtype=None if dtype == "auto" else dtype, cuda_graphs=not enforce_eager)
+                      offload=offload, dtype=None if dtype == "auto" else dtype, cuda_graphs=not enforce_eager,
+                      max_num_seqs=max_num_seqs)
 
 
 def _check_sampling(*, prompts: list[str], chat: bool, max_tokens: int, max_seq_len: int, temperature: float,
@@ -206,6 +210,11 @@ def serve(
                                           help="Larger request bodies get HTTP 413 (default 4 MiB)."),
     moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
     dtype: str = DTYPE, trust_remote_code: bool = TRUST, enforce_eager: bool = EAGER,
+    max_num_seqs: int = typer.Option(8, "--max-num-seqs",
+                                     help="Sequences decoded together (continuous batching): slots of per-sequence state."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; more get HTTP 429."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk",
+                                      help="Prompt tokens per engine step, so a long prompt does not stall running streams."),
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
     from shardsmith.runtime.serve.launch import launch
@@ -215,13 +224,18 @@ def serve(
         raise UsageError(f"--max-request-bytes must be at least 1, got {max_request_bytes}")
     if served_model_name is not None and not served_model_name.strip():
         raise UsageError("--served-model-name must not be empty")
+    if max_queue < 0:
+        raise UsageError(f"--max-queue must be at least 0, got {max_queue}")
+    if prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be at least 1 token, got {prefill_chunk}")
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
-                 enforce_eager=enforce_eager)
+                 enforce_eager=enforce_eager, max_num_seqs=max_num_seqs)
     _check_port(host, port)
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
-                                           trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes)))
+                                           trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes,
+                                           max_queue=max_queue, prefill_chunk=prefill_chunk)))
 
 
 def generate(
@@ -237,6 +251,8 @@ def generate(
     tp: int | None = TP, verify_hashes: bool = VERIFY, expect_digest: str | None = DIGEST, max_seq_len: int = MAX_SEQ,
     moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
     dtype: str = DTYPE, trust_remote_code: bool = TRUST, enforce_eager: bool = EAGER,
+    max_num_seqs: int = typer.Option(1, "--max-num-seqs",
+                                     help="Sequence slots to allocate (generate answers one prompt at a time: 1)."),
 ) -> None:
     """Generate text for one-off prompts and print it on stdout."""
     from shardsmith.runtime.serve.generate import GenerateJob
@@ -247,7 +263,7 @@ def generate(
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
-                 enforce_eager=enforce_eager)
+                 enforce_eager=enforce_eager, max_num_seqs=max_num_seqs)
     if chat and not trust_remote_code:  # a missing template, or one that is checkpoint code, fails before ranks start
         from shardsmith.runtime.serve.chat import load_chat_format
 

@@ -57,7 +57,8 @@ def _load(task: RankTask, rank: int, dtype):
     # cuda_graphs off: a graphed decode step runs the layers' pieces, not the model's forward, so the
     # output hook of collect.greedy would see only the prefill (the pieces run the same kernels)
     return Engine.load(task.path, rank=rank, world_size=task.world_size, device=task.device, dtype=dtype,
-                       verify_hashes=task.verify_hashes, max_seq_len=task.max_seq_len, cuda_graphs=False)
+                       verify_hashes=task.verify_hashes, max_seq_len=task.max_seq_len, max_num_seqs=1,
+                       cuda_graphs=False)
 
 
 def rank_main(rank: int, task: RankTask, port: int, reports) -> None:

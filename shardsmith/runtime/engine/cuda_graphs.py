@@ -29,18 +29,20 @@ All pieces of one model share one memory pool; captures happen in execution orde
 graphed step, and replays follow the same order (PyTorch's rule for sharing a pool between graphs:
 ``torch.cuda.graph`` documentation, "sharing memory across captures").
 
-:class:`DecodeGraphs` drives any model that exposes its step as pieces (both families do; the model
+:class:`DecodeGraphs` drives any model that exposes its step as pieces (every family does; the model
 files know nothing of graphs, only of the pieces). The model gives ``decode_layers``,
-``decode_step(ids, start)`` (checks and advances the model's own state; returns an opaque per-step
-context its layers read), ``embed_ids(ids) -> (h,)`` and ``logits(h) -> (logits,)``; each layer:
+``decode_step(ids [B], starts, slots, real)`` (a model with ``SUPPORTS_BATCHING``: row b is slot
+``slots[b]``'s token at ``starts[b]``, rows ``>= real`` padding; otherwise ``decode_step(ids [1],
+start)``; it checks and advances the model's own state and returns an opaque per-step context its
+layers read), ``embed_ids(ids) -> (h,)`` and ``logits(h) -> (logits,)``; each layer (B rows):
 
 =================================  ======  ====================================================
 layer member                       run     what
 =================================  ======  ====================================================
 ``experts``                        -       its :class:`~shardsmith.runtime.layers.experts.RoutedExperts`, or None (dense)
-``attn_in_args(step)``             eager   extra tensor inputs of ``attn_in`` (RoPE at the position)
+``attn_in_args(step)``             eager   extra tensor inputs of ``attn_in`` (RoPE at each row's position)
 ``attn_in(h, *args) -> a``         graph   norms, projections (and mixers) before the attention core
-``attn_core(a, step) -> mid``      eager   what grows with the sequence (KV cache, windows, compressor)
+``attn_core(a, step) -> mid``      eager   what grows with the sequence (each row's own slot's state)
 ``ffn_block(h, *mid) -> (h,)``     graph   everything after the core, experts included
 ``ffn_in(h, *mid)``                graph   up to the router: ``(*carry, x, index, weight)``
 ``ffn_out(*carry, x, weight, r)``  graph   the rest, given the routed partial ``r [T, D]``
@@ -145,72 +147,156 @@ class GraphedPiece:
         return outputs, graph
 
 
-def layer_pieces(layer: Any, pool: GraphPool, index: int, *, whole: bool) -> dict[str, GraphedPiece]:
+def layer_pieces(layer: Any, pool: GraphPool, index: int, *, whole: bool, tag: str = "") -> dict[str, GraphedPiece]:
     """A decoder layer's pieces around its attention core: ``attn_in`` and either ``ffn`` (everything
     after the core in one graph, ``whole``) or ``ffn_in`` and ``ffn_out`` (experts run eagerly between).
 
-    ``layer`` has the methods of those names (the module table).
+    ``layer`` has the methods of those names (the module table); ``tag`` marks a bucket's pieces in errors.
     """
-    pieces = {"attn_in": GraphedPiece(layer.attn_in, pool, f"layers.{index}.attn_in")}
+    pieces = {"attn_in": GraphedPiece(layer.attn_in, pool, f"layers.{index}.attn_in{tag}")}
     names = ("ffn_block",) if whole else ("ffn_in", "ffn_out")
     for name in names:
         key = "ffn" if name == "ffn_block" else name
-        pieces[key] = GraphedPiece(getattr(layer, name), pool, f"layers.{index}.{key}")
+        pieces[key] = GraphedPiece(getattr(layer, name), pool, f"layers.{index}.{key}{tag}")
     return pieces
 
 
+def buckets_for(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch buckets for decode steps of up to ``max_num_seqs`` rows: 1, 2, 4, 8, ... and ``max_num_seqs``.
+
+    >>> buckets_for(6)
+    (1, 2, 4, 6)
+    """
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return tuple(out + [max(1, max_num_seqs)])
+
+
+def _sync_free(experts: Any, rows: int) -> bool:
+    """Whether ``rows`` tokens run ``experts`` with no host sync (so the whole ffn can be one piece)."""
+    if experts is None:
+        return True
+    if rows == 1:
+        return experts.decode_sync_free()
+    check = getattr(experts, "sync_free", None)  # the resident ExpertBank knows per row count
+    return bool(check and check(rows, experts.top_k))
+
+
+class BucketPieces:
+    """One batch bucket's pieces: ``embed``, ``head`` and per layer :func:`layer_pieces`, for ``rows`` rows."""
+
+    def __init__(self, model: Any, pool: GraphPool, rows: int) -> None:
+        tag = "" if rows == 1 else f"[B={rows}]"
+        self.rows = rows
+        self.embed = GraphedPiece(model.embed_ids, pool, "embed" + tag)
+        self.head = GraphedPiece(model.logits, pool, "head" + tag)
+        self.layers = [layer_pieces(layer, pool, i, whole=_sync_free(layer.experts, rows), tag=tag)
+                       for i, layer in enumerate(model.decode_layers)]
+        self.outputs: dict[int, torch.Tensor] = {}  # split layer -> its output's one buffer
+
+
 class DecodeGraphs:
-    """A one-token step of ``model`` as graphed pieces, the attention core (and experts that need
-    the host) run eagerly between them; calling it runs longer steps through ``model`` itself.
+    """Batched one-token steps of ``model`` as graphed pieces, the attention core (and experts that
+    need the host) run eagerly between them; calling it runs longer steps through ``model`` itself.
 
     Per step: ``embed`` -> per layer [``attn_in`` graph, attention core eager, ``ffn`` graph] ->
-    ``head`` graph. A layer whose experts are not sync-free for one token (offloaded, FP8 banks,
-    dense experts past the gather budget, more pairs than the FP4 batch) captures ``ffn_in`` and
-    ``ffn_out`` and runs its experts between them (:meth:`RoutedExperts.decode_slots`); when those
+    ``head`` graph. A layer whose experts are not sync-free for the bucket's rows (offloaded, FP8
+    banks, dense experts past the gather budget or more than one row, more pairs than the FP4 batch)
+    captures ``ffn_in`` and ``ffn_out`` and runs its experts between them
+    (:meth:`RoutedExperts.decode_slots`; a batch's experts are the union over its rows); when those
     experts sit in cache slots (:meth:`RoutedExperts.slot_path`), an ``ffn_slots`` piece applies them
     in the graph (``ffn_out`` over :meth:`RoutedExperts.apply_slots`).
+
+    Batches (issue 14): a model with ``SUPPORTS_BATCHING`` decodes B sequences at once
+    (:meth:`decode`); B is padded to the next bucket of :func:`buckets_for` (``model.max_num_seqs``)
+    with copies of row 0, and each bucket has its own :class:`BucketPieces` (captured on its first
+    use, all sharing one pool). Other models decode one sequence (B = 1, ``decode_step(ids, start)``).
 
     Args:
         model: a model with the pieces of the module table; device: where it runs (CPU: nothing is
             captured, every piece runs eagerly through its static buffers, as tests check).
+        capture: False runs the pieces eagerly on CUDA too (the engine's batched path under
+            ``--enforce-eager``).
     """
 
-    def __init__(self, model: Any, device: torch.device) -> None:
+    def __init__(self, model: Any, device: torch.device, *, capture: bool = True) -> None:
         self.model, self.pool = model, GraphPool(torch.device(device))
-        self.outputs: dict[int, torch.Tensor] = {}  # split layer -> its output's one buffer
-        self.embed = GraphedPiece(model.embed_ids, self.pool, "embed")
-        self.head = GraphedPiece(model.logits, self.pool, "head")
-        self.layers = [layer_pieces(layer, self.pool, i, whole=layer.experts is None or layer.experts.decode_sync_free())
-                       for i, layer in enumerate(model.decode_layers)]
+        self.pool.capture = self.pool.capture and capture
+        self.batching = bool(getattr(model, "SUPPORTS_BATCHING", False))
+        self.buckets = buckets_for(getattr(model, "max_num_seqs", 1) if self.batching else 1)
+        self.sets: dict[int, BucketPieces] = {1: BucketPieces(model, self.pool, 1)}
+        one = self.sets[1]
+        self.embed, self.head, self.layers, self.outputs = one.embed, one.head, one.layers, one.outputs
 
-    def __call__(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
-        """The model's forward (``ids [T]`` at ``start`` -> float32 logits), one-token steps graphed."""
+    def __call__(self, ids: torch.Tensor, start: int, *, last_only: bool = True, slot: int = 0) -> torch.Tensor:
+        """The model's forward (``ids [T]`` at ``start`` in ``slot`` -> float32 logits), one-token steps graphed."""
         if ids.shape[0] == 1:
-            return self.step(ids, start)
+            return self.decode(ids, [start], [slot])
+        if self.batching:
+            return self.model(ids, start, last_only=last_only, slot=slot)
         return self.model(ids, start, last_only=last_only)
 
-    @torch.inference_mode()
     def step(self, ids: torch.Tensor, start: int) -> torch.Tensor:
-        """One token ``ids [1]`` at position ``start``: float32 logits ``[1, V]`` (a fresh tensor)."""
-        step = self.model.decode_step(ids, start)
-        (h,) = self.embed(ids)
-        for i, (layer, pieces) in enumerate(zip(self.model.decode_layers, self.layers)):
-            a = pieces["attn_in"](h, *layer.attn_in_args(step))
+        """One token ``ids [1]`` at position ``start`` (slot 0): float32 logits ``[1, V]`` (a fresh tensor)."""
+        return self.decode(ids, [start], [0])
+
+    def bucket(self, rows: int) -> int:
+        """The smallest bucket holding ``rows`` rows.
+
+        Raises:
+            ValueError: more rows than the largest bucket (``max_num_seqs``).
+        """
+        for b in self.buckets:
+            if b >= rows:
+                return b
+        raise ValueError(f"a decode step of {rows} rows exceeds max_num_seqs={self.buckets[-1]}")
+
+    @torch.inference_mode()
+    def decode(self, ids: torch.Tensor, starts: list[int], slots: list[int]) -> torch.Tensor:
+        """B sequences one token each: row b is slot ``slots[b]``'s token ``ids[b]`` at ``starts[b]``.
+
+        Args:
+            ids: ``[B]`` int64 on the model's device; starts, slots: B ints each.
+
+        Returns:
+            float32 logits ``[B, V]`` (a fresh tensor).
+
+        Raises:
+            ValueError: B above the largest bucket, or B > 1 for a model without ``SUPPORTS_BATCHING``.
+        """
+        n = ids.shape[0]
+        if n > 1 and not self.batching:
+            raise ValueError(f"{type(self.model).__name__} decodes one sequence per step (no SUPPORTS_BATCHING); got {n}")
+        rows = self.bucket(n)
+        if rows > n:  # padding rows: copies of row 0 (the model leaves their state alone)
+            ids = torch.cat([ids, ids[:1].expand(rows - n)])
+            starts, slots = list(starts) + [starts[0]] * (rows - n), list(slots) + [slots[0]] * (rows - n)
+        if self.batching:
+            step = self.model.decode_step(ids, list(starts), list(slots), real=n)
+        else:
+            step = self.model.decode_step(ids, starts[0])
+        pieces = self.sets.get(rows) or self.sets.setdefault(rows, BucketPieces(self.model, self.pool, rows))
+        (h,) = pieces.embed(ids)
+        for i, (layer, lp) in enumerate(zip(self.model.decode_layers, pieces.layers)):
+            a = lp["attn_in"](h, *layer.attn_in_args(step))
             mid = layer.attn_core(a, step)  # eager: the KV cache / window / compressor state grows
-            if "ffn" in pieces:
-                (h,) = pieces["ffn"](h, *mid)
+            if "ffn" in lp:
+                (h,) = lp["ffn"](h, *mid)
             else:
-                h = self._ffn_split(i, layer, pieces, h, mid)
-        return self.head(h)[0].clone()  # the static output is overwritten by the next step
+                h = self._ffn_split(i, layer, lp, h, mid, pieces)
+        return pieces.head(h)[0][:n].clone()  # the static output is overwritten by the next step
 
     def _ffn_split(self, i: int, layer: Any, pieces: dict[str, GraphedPiece], h: torch.Tensor,
-                   mid: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                   mid: tuple[torch.Tensor, ...], bucket: BucketPieces) -> torch.Tensor:
         """Everything after the attention core of a layer whose experts run between two pieces."""
         *carry, x, index, weight = pieces["ffn_in"](h, *mid)
         experts = layer.experts
         slots, routed = experts.decode_slots(x, index, weight)  # host: ids, slot table, miss copies
+        tag = "" if bucket.rows == 1 else f"[B={bucket.rows}]"
         if experts.slot_path() and "ffn_slots" not in pieces:
-            pieces["ffn_slots"] = GraphedPiece(_slots_piece(layer), self.pool, f"layers.{i}.ffn_slots")
+            pieces["ffn_slots"] = GraphedPiece(_slots_piece(layer), self.pool, f"layers.{i}.ffn_slots{tag}")
         if slots is not None:  # every expert in a slot: the experts are captured too
             (h,) = pieces["ffn_slots"](*carry, x, weight, slots)
         else:
@@ -222,7 +308,7 @@ class DecodeGraphs:
         if pieces["ffn_out"].inputs is None:
             pieces["ffn_out"](*carry, x, weight, torch.zeros_like(x))
         # one address for the layer's output whichever piece made it: the next pieces read it in place
-        out = self.outputs.setdefault(i, h)
+        out = bucket.outputs.setdefault(i, h)
         return h if h is out else out.copy_(h)
 
 

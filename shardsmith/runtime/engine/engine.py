@@ -1,10 +1,25 @@
 """The engine: load one rank, and let rank 0 drive every rank step by step.
 
-Rank 0 owns the request; for every forward step it broadcasts a small command over a gloo group
-(``int64 [4]``: op, tokens, start position, all-logits flag), then the token ids, then runs the
-step. Ranks != 0 sit in :meth:`Engine.follow`, blocked in that broadcast, and run the same step.
-There is no queue: the first command after start-up meets followers already waiting in the
-collective, so it cannot be lost, and the sampled token reaches them as the next step's payload.
+Rank 0 owns the requests and decides every step; it broadcasts a small command over a gloo group
+(``int64 [5]``), then the step's payload, then runs the step. Ranks != 0 sit in
+:meth:`Engine.follow`, blocked in that broadcast, and run the same step. There is no queue: the
+first command after start-up meets followers already waiting in the collective, so it cannot be
+lost, and the sampled tokens reach them as the next step's payload. Commands (issue 14):
+
+==========  ============================================  =====================================
+op          command ``[op, a, b, c, d]``                  payload (int64)
+==========  ============================================  =====================================
+FORWARD     ``n, start, all_logits, slot``                ``ids [n]``: one sequence's prefill,
+                                                          prefill chunk or step, in ``slot``
+DECODE      ``B, 0, 0, 0``                                ``[3, B]``: ids, starts, slots (a
+                                                          batched one-token step, B sequences)
+RELEASE     ``slot, 0, 0, 0``                             none: the slot's sequence ended
+SHUTDOWN    ``0, 0, 0, 0``                                none: followers return
+==========  ============================================  =====================================
+
+Slots: the model keeps ``max_num_seqs`` sequences' state (KV caches ...) in preallocated slots
+(:meth:`Engine.load`); rank 0's scheduler (:mod:`shardsmith.runtime.serve.worker`) assigns them.
+A model without ``SUPPORTS_BATCHING`` has one slot.
 
 Failure: gloo notices a dead peer at once (its TCP connection closes), so a rank that dies makes
 the others' next collective raise; the engine turns that into :class:`RankLostError`. The command
@@ -25,7 +40,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,52 +52,16 @@ from shardsmith.runtime.models.registry import ModelFamily, family_for
 from shardsmith.runtime.layers.parallel import clamp_threads, install_rank_zero_logging, use_kernels_
 from shardsmith.runtime.layers.quant import dequantize_fp8_
 from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
-from shardsmith.runtime.engine.sampling import choose, make_generator
+from shardsmith.runtime.engine.sampling import SamplingParams, StepOutput, choose, make_generator  # noqa: F401 (re-exported)
 from shardsmith.runtime.engine.loader import load_rank_weights
 
 if TYPE_CHECKING:
     from shardsmith.runtime.offload import OffloadConfig
 
 log = logging.getLogger("shardsmith.runtime")
-FORWARD, SHUTDOWN = 1, 2
+FORWARD, SHUTDOWN, DECODE, RELEASE = 1, 2, 3, 4
+CMD_LEN = 5
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to continue one prompt.
-
-    Attributes:
-        max_tokens: tokens to generate (>= 1); temperature: 0 greedy, else softmax temperature;
-        top_k: 0 for all; top_p: nucleus mass in (0, 1]; seed: per-request seed (None: random);
-        stop_token_ids: ids that end the generation (the stop token is yielded, finish "stop");
-        logprobs: how many top logprobs per step (0: none).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    """One generated token.
-
-    Attributes:
-        token_id, logprob: the token and its model log-probability (nats);
-        top_logprobs: ``(token_id, logprob)`` best first (``SamplingParams.logprobs`` of them);
-        finished: last token of this generation; finish_reason: ``stop``, ``length`` or None.
-    """
-
-    token_id: int
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...]
-    finished: bool
-    finish_reason: str | None
 
 
 class Engine:
@@ -91,12 +69,15 @@ class Engine:
 
     Attributes:
         config: ``config.json``; root: directory with the tokenizer files; max_seq_len: positions
-        of the KV cache (prompt + generated); load_seconds: time from :meth:`load` start to ready
+        of the KV cache per sequence (prompt + generated); max_num_seqs: sequences (slots) the
+        model holds at once; state_bytes: per-sequence state this rank allocated, all slots (bytes;
+        0 when the model does not say); load_seconds: time from :meth:`load` start to ready
         on this rank; eos_token_ids: from ``generation_config.json`` / ``config.json``;
         rank, world_size, device, dtype, vocab_size; family: the model's registry entry
         (:mod:`~shardsmith.runtime.models.registry`); graphs: the model's
         :class:`~shardsmith.runtime.engine.cuda_graphs.DecodeGraphs` once :meth:`use_decode_graphs`
-        ran (None: every step eager); forward: what runs a step (``graphs`` or the model).
+        ran (None: every step eager); forward: what runs a step (``graphs`` or the model);
+        runner: what runs batched decode steps (``graphs``, or the same pieces run eagerly).
     """
 
     def __init__(self, model: torch.nn.Module, *, config: dict, root: Path, rank: int, world_size: int,
@@ -110,13 +91,16 @@ class Engine:
         self.offload = None  # OffloadRuntime when routed experts are offloaded (stats(): cache counters)
         self.graphs: DecodeGraphs | None = None
         self.forward = model
-        self._pos = 0  # where the last step ended (rank 0): models that cannot rewind continue only there
+        self.max_num_seqs = int(getattr(model, "max_num_seqs", 1) or 1)
+        self.state_bytes = int(model.state_bytes()) if hasattr(model, "state_bytes") else 0
+        self._eager: DecodeGraphs | None = None
+        self._pos = [0] * self.max_num_seqs  # per slot, where its last step ended (rank 0)
 
     @classmethod
     def load(cls, path: str | Path, *, rank: int, world_size: int, device: str = "cpu", from_checkpoint: bool = False,
              verify_hashes: bool = True, max_seq_len: int = 2048, dtype: torch.dtype | None = None,
              load_timeout_s: float = 1800.0, offload: "OffloadConfig | None" = None, fp8: str = "load",
-             cuda_graphs: bool = True) -> "Engine":
+             cuda_graphs: bool = True, max_num_seqs: int = 8) -> "Engine":
         """Load rank ``rank``'s weights and build its model; collective over all ranks.
 
         The model is the registry's for the config's architecture (:mod:`~shardsmith.runtime.models.registry`:
@@ -130,8 +114,10 @@ class Engine:
             verify_hashes: hash each pack file (XXH3-128) as it is read and refuse a damaged one (default).
             device: ``cpu`` or ``cuda`` (``cuda:{LOCAL_RANK}``); dtype: compute dtype, a torch dtype
                 or its name (default: the config's ``dtype``/``torch_dtype``, else bfloat16).
-            max_seq_len: KV cache positions; load_timeout_s: how long rank 0 waits for the
-                slowest rank to finish loading before naming it.
+            max_seq_len: KV cache positions per sequence; load_timeout_s: how long rank 0 waits
+                for the slowest rank to finish loading before naming it.
+            max_num_seqs: sequences decoded together (slots of per-sequence state, >= 1); a model
+                without ``SUPPORTS_BATCHING`` gets 1 (logged once).
             fp8: ``load`` dequantizes FP8 block weights once to ``dtype``; ``on-the-fly`` keeps
                 them FP8 and dequantizes per matmul (see :mod:`~shardsmith.runtime.layers.parallel`).
                 On CUDA, FP8 linears stay FP8 either way and run the ``fp8_linear`` kernel, and
@@ -148,9 +134,12 @@ class Engine:
             RuntimeLoadError: on every rank, listing each rank's load problem (missing,
                 unexpected or mis-shaped tensor, wrong world size, ...), or a process group that
                 does not match ``rank``/``world_size``.
+            UsageError: ``max_num_seqs`` below 1.
             RankLostError: a rank died during the load.
         """
         t0 = time.perf_counter()
+        if max_num_seqs < 1:
+            raise UsageError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         install_rank_zero_logging()
         clamp_threads()
         group = _command_group(rank, world_size)
@@ -178,7 +167,13 @@ class Engine:
             use_kernels_(model, dev)  # on CUDA: FP8 linears stay FP8 (fp8_linear), banks run fused_experts
             if fp8 == "load":
                 dequantize_fp8_(model, dtype)  # what use_kernels_ did not keep FP8
-            model.setup_cache(max_seq_len, dev, dtype)
+            if getattr(model, "SUPPORTS_BATCHING", False):
+                model.setup_cache(max_seq_len, dev, dtype, max_num_seqs=max_num_seqs)
+            else:
+                if max_num_seqs > 1:
+                    log.info("%s decodes one sequence at a time (no batched decode yet): max_num_seqs %d -> 1",
+                             family.name, max_num_seqs)
+                model.setup_cache(max_seq_len, dev, dtype)
             engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
                          device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group, family=family)
             if cuda_graphs and dev.type == "cuda":
@@ -192,7 +187,9 @@ class Engine:
         if engine.offload is not None:  # collective (slot count and probe agreed by all ranks), after every rank loaded
             engine.offload.start()
         engine.load_seconds = time.perf_counter() - t0
-        log.info("rank 0 of %d ready in %.2f s (%s, %s)", world_size, engine.load_seconds, dev, dtype)
+        log.info("rank 0 of %d ready in %.2f s (%s, %s; %d sequence slot(s) of %d positions, %.1f MiB of "
+                 "per-sequence state)", world_size, engine.load_seconds, dev, dtype, engine.max_num_seqs,
+                 max_seq_len, engine.state_bytes / 2**20)
         return engine
 
     def use_decode_graphs(self) -> None:
@@ -204,10 +201,20 @@ class Engine:
         self.graphs = DecodeGraphs(self.model, self.device)
         self.forward = self.graphs
 
+    @property
+    def runner(self) -> DecodeGraphs:
+        """What runs batched decode steps: the decode graphs, else the same pieces run eagerly."""
+        if self.graphs is not None:
+            return self.graphs
+        if self._eager is None:
+            self._eager = DecodeGraphs(self.model, self.device, capture=False)
+        return self._eager
+
     # ---------------------------------------------------------------- rank 0
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
-        """Generate from ``prompt_ids`` (rank 0; drives the other ranks).
+        """Generate from ``prompt_ids`` in slot 0 (rank 0; drives the other ranks). One sequence at a
+        time: the server batches through :meth:`prefill`, :meth:`decode` and :meth:`release` instead.
 
         The caller may stop iterating early; the next :meth:`generate` starts afresh, and an older
         iterator resumed after that raises :class:`~shardsmith.errors.UsageError`.
@@ -217,7 +224,7 @@ class Engine:
                 than ``max_seq_len``, or called on a rank other than 0.
             RankLostError: another rank died.
         """
-        self._check_request(prompt_ids, params)
+        self.check_request(prompt_ids, params)
         self._request += 1
         request = self._request
         gen = make_generator(params.seed)
@@ -242,20 +249,81 @@ class Engine:
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Float32 logits ``[T, V]`` of a prefill of ``ids`` from position 0 (rank 0; for tests)."""
-        self._check_request(ids, SamplingParams())
+        self.check_request(ids, SamplingParams())
         self._request += 1
         return self._step(ids, 0, last_only=False)
 
+    def prefill(self, slot: int, ids: list[int], start: int = 0, *, last_only: bool = True) -> torch.Tensor:
+        """One sequence's tokens ``ids`` at ``[start, start + len(ids))`` in ``slot`` (a prompt, or one
+        chunk of it: chunk k starts where chunk k-1 ended; ``start == 0`` begins a new sequence);
+        float32 CPU logits ``[1, V]`` (``[T, V]`` without ``last_only``). Rank 0; every rank runs it.
+
+        Raises:
+            UsageError: a slot outside ``[0, max_num_seqs)``, or a start the model cannot take.
+            RankLostError: another rank died.
+        """
+        self._check_slots([slot])
+        return self._step(ids, start, last_only=last_only, slot=slot)
+
+    def decode(self, ids: list[int], starts: list[int], slots: list[int]) -> torch.Tensor:
+        """One batched step: B sequences, one token each (row b: ``ids[b]`` at ``starts[b]`` in
+        ``slots[b]``); float32 CPU logits ``[B, V]``. Rank 0; every rank runs it.
+
+        The step runs the model's decode pieces (:meth:`DecodeGraphs.decode`: padded to a bucket,
+        graphed on CUDA, eager elsewhere); row b equals a one-token :meth:`prefill` of that sequence
+        up to matmul rounding.
+
+        Raises:
+            UsageError: lists of different lengths, B outside ``[1, max_num_seqs]``, a slot twice or
+                outside the slots, a start past the slot's sequence.
+            RankLostError: another rank died.
+        """
+        B = len(ids)
+        if not 1 <= B <= self.max_num_seqs or len(starts) != B or len(slots) != B:
+            raise UsageError(f"decode needs 1..{self.max_num_seqs} rows with one start and slot each; got "
+                             f"{B} ids, {len(starts)} starts, {len(slots)} slots")
+        if len(set(slots)) != B:
+            raise UsageError(f"decode: a slot appears twice in {slots}")
+        self._check_slots(slots)
+        for s, start in zip(slots, starts):
+            self._check_start(s, start)
+        payload = torch.tensor([ids, starts, slots], dtype=torch.int64)  # [3, B]
+        with self._lock:
+            if self.world_size > 1:
+                self._send(torch.tensor([DECODE, B, 0, 0, 0], dtype=torch.int64))
+                self._collective(lambda: dist.broadcast(payload, src=0, group=self._group))
+            for s, start in zip(slots, starts):
+                self._pos[s] = start + 1
+            return self._collective(lambda: self._run_decode(payload)).cpu()
+
+    def release(self, slot: int) -> None:
+        """The sequence in ``slot`` ended: every rank forgets it (rank 0)."""
+        self._check_slots([slot])
+        with self._lock:
+            if self.world_size > 1:
+                self._send(torch.tensor([RELEASE, slot, 0, 0, 0], dtype=torch.int64))
+            self._pos[slot] = 0
+            self._release(slot)
+
     def warmup(self) -> None:
-        """One tiny prefill and one decode step on every rank (rank 0)."""
+        """One tiny prefill and one decode step on every rank, and one batched step of every bucket
+        in slot 0 and its neighbours (rank 0), so no graph is captured mid-serving."""
         self._step([0, 0], 0)
         self._step([0], 2)
+        if self.max_num_seqs > 1:
+            slots = list(range(self.max_num_seqs))
+            for rows in self.runner.buckets:
+                for s in slots[:rows]:
+                    self.prefill(s, [0, 0], 0)
+                self.decode([0] * rows, [2] * rows, slots[:rows])
+            for s in slots:
+                self.release(s)
 
     def shutdown(self) -> None:
         """Release the followers from :meth:`follow` (rank 0; idempotent)."""
         if self.rank == 0 and not self._closed and self.world_size > 1:
             with self._lock:
-                self._send(torch.tensor([SHUTDOWN, 0, 0, 0], dtype=torch.int64))
+                self._send(torch.tensor([SHUTDOWN, 0, 0, 0, 0], dtype=torch.int64))
         self._closed = True
 
     # ---------------------------------------------------------------- ranks != 0
@@ -269,19 +337,31 @@ class Engine:
         if self.rank == 0:
             raise UsageError("follow() is for ranks != 0; rank 0 drives with generate()")
         while True:
-            cmd = torch.empty(4, dtype=torch.int64)
+            cmd = torch.empty(CMD_LEN, dtype=torch.int64)
             self._collective(lambda: dist.broadcast(cmd, src=0, group=self._group))
-            op, n, start, all_logits = cmd.tolist()
+            op, a, b, c, d = cmd.tolist()
             if op == SHUTDOWN:
                 self._closed = True
                 return
-            ids = torch.empty(n, dtype=torch.int64)
-            self._collective(lambda: dist.broadcast(ids, src=0, group=self._group))
-            self._collective(lambda: self.forward(ids.to(self.device), start, last_only=not all_logits))
+            if op == RELEASE:
+                self._release(a)
+            elif op == DECODE:
+                payload = torch.empty(3, a, dtype=torch.int64)
+                self._collective(lambda: dist.broadcast(payload, src=0, group=self._group))
+                self._collective(lambda: self._run_decode(payload))
+            else:
+                ids = torch.empty(a, dtype=torch.int64)
+                self._collective(lambda: dist.broadcast(ids, src=0, group=self._group))
+                self._collective(lambda: self._run_forward(ids, b, last_only=not c, slot=d))
 
     # ---------------------------------------------------------------- internals
 
-    def _check_request(self, ids: list[int], p: SamplingParams) -> None:
+    def check_request(self, ids: list[int], p: SamplingParams) -> None:
+        """Refuse bad sampling parameters or prompt ids before anything is broadcast (rank 0).
+
+        Raises:
+            UsageError: every problem found, in one message.
+        """
         if self.rank != 0:
             raise UsageError(f"generate()/logits() run on rank 0 only (this is rank {self.rank})")
         if self._closed:
@@ -299,25 +379,52 @@ class Engine:
         if any(bad):
             raise UsageError("; ".join(b for b in bad if b))
 
-    def _step(self, ids: list[int], start: int, *, last_only: bool = True) -> torch.Tensor:
-        """Broadcast one step's command and tokens, run it here; returns float32 CPU logits.
+    _check_request = check_request
+
+    def _check_slots(self, slots: list[int]) -> None:
+        bad = [s for s in slots if not 0 <= s < self.max_num_seqs]
+        if bad:
+            raise UsageError(f"slot(s) {bad} outside [0, {self.max_num_seqs}) (max_num_seqs={self.max_num_seqs})")
+
+    def _check_start(self, slot: int, start: int) -> None:
+        """Raises UsageError when ``start`` is past where slot's last step ended or, for a model that
+        cannot rewind (``ModelFamily.rewinds``), neither 0 nor exactly there."""
+        pos = self._pos[slot]
+        if start not in (0, pos) and (not self.family.rewinds or start > pos):
+            where = (f"at position {pos}, where the last step ended (its state cannot rewind)"
+                     if not self.family.rewinds else f"at or before position {pos}, where the last step ended")
+            raise UsageError(f"{self.family.name}: a step must start at 0 (a new sequence) or {where}; got start={start}")
+
+    def _step(self, ids: list[int], start: int, *, last_only: bool = True, slot: int = 0) -> torch.Tensor:
+        """Broadcast one sequence's step (command and tokens), run it here; returns float32 CPU logits.
 
         Raises:
-            UsageError: before anything is broadcast, when ``start`` is past where the last step
+            UsageError: before anything is broadcast, when ``start`` is past where the slot's last step
                 ended or, for a model that cannot rewind (``ModelFamily.rewinds``), neither 0 nor
                 exactly there.
         """
-        if start not in (0, self._pos) and (not self.family.rewinds or start > self._pos):
-            where = (f"at position {self._pos}, where the last step ended (its state cannot rewind)"
-                     if not self.family.rewinds else f"at or before position {self._pos}, where the last step ended")
-            raise UsageError(f"{self.family.name}: a step must start at 0 (a new sequence) or {where}; got start={start}")
+        self._check_start(slot, start)
         tokens = torch.tensor(ids, dtype=torch.int64)
         with self._lock:
             if self.world_size > 1:
-                self._send(torch.tensor([FORWARD, len(ids), start, int(not last_only)], dtype=torch.int64))
+                self._send(torch.tensor([FORWARD, len(ids), start, int(not last_only), slot], dtype=torch.int64))
                 self._collective(lambda: dist.broadcast(tokens, src=0, group=self._group))
-            self._pos = start + len(ids)
-            return self._collective(lambda: self.forward(tokens.to(self.device), start, last_only=last_only)).cpu()
+            self._pos[slot] = start + len(ids)
+            return self._collective(lambda: self._run_forward(tokens, start, last_only=last_only, slot=slot)).cpu()
+
+    def _run_forward(self, tokens: torch.Tensor, start: int, *, last_only: bool, slot: int) -> torch.Tensor:
+        if slot == 0:
+            return self.forward(tokens.to(self.device), start, last_only=last_only)
+        return self.forward(tokens.to(self.device), start, last_only=last_only, slot=slot)
+
+    def _run_decode(self, payload: torch.Tensor) -> torch.Tensor:
+        ids, starts, slots = payload[0].to(self.device), payload[1].tolist(), payload[2].tolist()
+        return self.runner.decode(ids, starts, slots)
+
+    def _release(self, slot: int) -> None:
+        release = getattr(self.model, "release", None)
+        if release is not None:
+            release(slot)
 
     def _send(self, cmd: torch.Tensor) -> None:
         self._collective(lambda: dist.broadcast(cmd, src=0, group=self._group))

@@ -19,6 +19,43 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to continue one prompt.
+
+    Attributes:
+        max_tokens: tokens to generate (>= 1); temperature: 0 greedy, else softmax temperature;
+        top_k: 0 for all; top_p: nucleus mass in (0, 1]; seed: per-request seed (None: random);
+        stop_token_ids: ids that end the generation (the stop token is yielded, finish "stop");
+        logprobs: how many top logprobs per step (0: none).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One generated token.
+
+    Attributes:
+        token_id, logprob: the token and its model log-probability (nats);
+        top_logprobs: ``(token_id, logprob)`` best first (``SamplingParams.logprobs`` of them);
+        finished: last token of this generation; finish_reason: ``stop``, ``length`` or None.
+    """
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Choice:
     """One sampled token.
 

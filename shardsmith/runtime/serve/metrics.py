@@ -16,7 +16,12 @@ generation_tokens_total                       counter    tokens generated
 time_to_first_token_seconds                   histogram  request arrival to first generated token
 inter_token_latency_seconds                   histogram  gap between consecutive tokens
 request_duration_seconds                      histogram  request arrival to last token
-requests_running / requests_waiting           gauge      on the engine now / queued behind it
+requests_running / requests_waiting           gauge      sequences in the batch now / queued for a slot
+queue_time_seconds                            histogram  request arrival to its admission into a slot
+batch_size                                    gauge      rows of the last batched decode step
+decode_batch_size                             histogram  rows of every batched decode step
+max_num_seqs / max_queue                      gauge      sequence slots / waiting requests allowed
+sequence_state_bytes                          gauge      per-sequence state of every slot, rank 0, bytes
 load_seconds                                  gauge      engine load time on rank 0 (weights)
 ready_seconds                                 gauge      rank 0 job start to ready (load + warm-up)
 ready                                         gauge      1 once every rank loaded and warmed up
@@ -30,6 +35,7 @@ import threading
 from collections import defaultdict
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Histogram:
@@ -74,8 +80,14 @@ class Metrics:
         self.ttft = Histogram()
         self.itl = Histogram()
         self.duration = Histogram()
+        self.queue_time = Histogram()
+        self.batch_sizes = Histogram(BATCH_BUCKETS)
         self.running = 0
         self.waiting = 0
+        self.batch_size = 0
+        self.max_num_seqs = 0
+        self.max_queue = 0
+        self.state_bytes = 0
         self.load_seconds = 0.0
         self.ready_seconds = 0.0
         self.ready = False
@@ -89,11 +101,30 @@ class Metrics:
         with self._lock:
             self.waiting += delta
 
-    def started(self, prompt_tokens: int) -> None:
+    def started(self, prompt_tokens: int, *, queue_seconds: float = 0.0) -> None:
+        """A request left the queue for a slot after ``queue_seconds`` (seconds) of waiting."""
         with self._lock:
             self.waiting -= 1
             self.running += 1
             self.prompt_tokens += prompt_tokens
+            self.queue_time.observe(queue_seconds)
+
+    def batch(self, rows: int, running: int) -> None:
+        """One engine step: ``rows`` sequences decoded together (0: a prefill-only step)."""
+        with self._lock:
+            self.batch_size = rows
+            if rows:
+                self.batch_sizes.observe(rows)
+
+    def set_capacity(self, *, max_num_seqs: int, state_bytes: int, max_queue: int) -> None:
+        """Slots, the per-sequence state they take on rank 0 (bytes) and the queue limit, at ready."""
+        with self._lock:
+            self.max_num_seqs, self.state_bytes, self.max_queue = max_num_seqs, state_bytes, max_queue
+
+    def mean_duration(self) -> float:
+        """Mean request duration so far, seconds (0 before the first one ends)."""
+        with self._lock:
+            return self.duration.sum / self.duration.count if self.duration.count else 0.0
 
     def token(self, *, first: bool, since: float) -> None:
         """One generated token; ``since`` is seconds from arrival (first) or from the previous token."""
@@ -143,8 +174,13 @@ class Metrics:
             for name, kind, value, help_ in (
                 ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of served requests."),
                 ("generation_tokens_total", "counter", self.generation_tokens, "Generated tokens."),
-                ("requests_running", "gauge", self.running, "Requests on the engine now (0 or 1)."),
-                ("requests_waiting", "gauge", self.waiting, "Requests queued for the engine."),
+                ("requests_running", "gauge", self.running, "Sequences in the running batch now."),
+                ("requests_waiting", "gauge", self.waiting, "Requests waiting for a sequence slot."),
+                ("batch_size", "gauge", self.batch_size, "Rows of the last batched decode step."),
+                ("max_num_seqs", "gauge", self.max_num_seqs, "Sequence slots (sequences decoded together at most)."),
+                ("max_queue", "gauge", self.max_queue, "Requests allowed to wait for a slot (more get HTTP 429)."),
+                ("sequence_state_bytes", "gauge", self.state_bytes,
+                 "Per-sequence state (KV caches ...) of every slot on rank 0, bytes."),
                 ("load_seconds", "gauge", self.load_seconds, "Engine load time on rank 0, seconds."),
                 ("ready_seconds", "gauge", self.ready_seconds, "Rank 0 job start to ready (load and warm-up), seconds."),
                 ("ready", "gauge", int(self.ready), "1 once every rank has loaded and warmed up."),
@@ -155,6 +191,8 @@ class Metrics:
                 ("time_to_first_token_seconds", self.ttft, "Request arrival to first generated token."),
                 ("inter_token_latency_seconds", self.itl, "Gap between consecutive generated tokens."),
                 ("request_duration_seconds", self.duration, "Request arrival to last generated token."),
+                ("queue_time_seconds", self.queue_time, "Request arrival to its admission into a sequence slot."),
+                ("decode_batch_size", self.batch_sizes, "Rows of each batched decode step."),
             ):
                 out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} histogram"] + hist.lines(p + name)
         return "\n".join(out) + "\n"

@@ -32,17 +32,20 @@ class APIError(Exception):
     """An OpenAI-style error response.
 
     Attributes:
-        status: HTTP status (400 invalid request, 404 unknown model, 503 not ready, 500 engine failure).
+        status: HTTP status (400 invalid request, 404 unknown model, 429 queue full, 503 not ready,
+            500 engine failure).
         message: what is wrong and the rule or limit involved.
         type: OpenAI's error type (``invalid_request_error``, ``server_error``, ...).
         param: the request field at fault, if any.
         code: a short machine code, if any.
+        headers: extra response headers (a 429's ``Retry-After``).
     """
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""

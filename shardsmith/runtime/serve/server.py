@@ -12,8 +12,11 @@ A request is validated completely (body size, schema, supported options, model n
 template, prompt + ``max_tokens`` within the context) before it is queued, so a bad request costs
 no engine time and gets a 4xx with OpenAI's error body. A body over ``max_request_bytes`` is a 413
 before it is parsed; template rendering and tokenization run in a worker thread, so a long prompt
-never stalls the event loop (``/health`` and other requests stay responsive). Good requests go to the single engine
-thread (:mod:`.worker`) in arrival order; handlers await their tokens on an ``asyncio.Queue``.
+never stalls the event loop (``/health`` and other requests stay responsive). Good requests join the
+engine thread's waiting queue (:mod:`.worker`: a continuous batch of up to ``max_num_seqs``
+sequences, admitted in arrival order); past ``max_queue`` waiting requests a new one gets a 429
+(OpenAI's error body, ``type: requests``, ``code: rate_limit_exceeded``) with ``Retry-After``.
+Handlers await their tokens on an ``asyncio.Queue``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from shardsmith.runtime.serve.chat import ChatTemplate, ChatTemplateError, load_
 from shardsmith.runtime.serve.encoding import MessageEncoding, RemoteCodeError
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid, validation_error
-from shardsmith.runtime.serve.worker import EngineWorker, Job, ServerStopping, State, TextEvent
+from shardsmith.runtime.serve.worker import DEFAULT_MAX_QUEUE, EngineWorker, Job, QueueFull, ServerStopping, State, TextEvent
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +160,22 @@ class Service:
             seed=req.seed, stop_token_ids=tuple(codec.eos_token_ids), logprobs=top_n if want else 0)
         return Prepared(prompt_ids, params, stop, want)
 
-    async def events(self, p: Prepared) -> AsyncIterator[TextEvent]:
-        """Queue the request on the engine thread and yield its text events as they arrive."""
+    def submit(self, p: Prepared) -> Job:
+        """Queue the request on the engine thread (before any response byte is sent).
+
+        Raises:
+            APIError: 429 when ``max_queue`` requests are already waiting (with ``Retry-After``).
+        """
         job = Job(p.prompt_ids, p.params, tuple(p.stop), asyncio.get_running_loop())
-        self.worker.submit(job)
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            raise APIError(429, str(e), type="requests", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after)}) from e
+        return job
+
+    async def events(self, job: Job) -> AsyncIterator[TextEvent]:
+        """Yield the submitted ``job``'s text events as they arrive."""
         try:
             while (item := await job.events.get()) is not None:
                 if isinstance(item, UsageError):
@@ -265,7 +280,7 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return _error_response(request, metrics, e)
+        return _error_response(request, metrics, e, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):
@@ -331,6 +346,8 @@ class ServeJob:
         host, port: where uvicorn listens. model_name: the id in ``/v1/models`` and requests.
         trust_remote_code: run the checkpoint's own chat encoder (``encoding/``) when it has no template.
         max_request_bytes: larger request bodies get a 413 (:class:`BodyLimit`).
+        max_queue: requests that may wait for a sequence slot (more get a 429).
+        prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks).
     """
 
     host: str
@@ -338,6 +355,8 @@ class ServeJob:
     model_name: str
     trust_remote_code: bool = False
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_queue: int = DEFAULT_MAX_QUEUE
+    prefill_chunk: int = 512
 
     def __call__(self, load) -> int:
         """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
@@ -359,7 +378,8 @@ class ServeJob:
             if "server" in holder:
                 holder["server"].should_exit = True
 
-        worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal)
+        worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal, max_queue=self.max_queue,
+                              prefill_chunk=self.prefill_chunk)
         app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
                          max_request_bytes=self.max_request_bytes)
         server = _server(app, host=self.host, port=self.port, worker=worker)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from shardsmith.runtime.serve.protocol import SSE_DONE, APIError, chat_logprobs, completion_logprobs, sse, usage
 
@@ -67,7 +68,7 @@ async def until_disconnected(request, work: Awaitable):
     return None
 
 
-def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, Any]]]) -> StreamingResponse:
+def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, Any]]], job) -> StreamingResponse:
     async def body():
         status = CLIENT_CLOSED
         try:
@@ -82,7 +83,8 @@ def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, A
         finally:
             svc.metrics.request_done(path, status)
 
-    return StreamingResponse(body(), media_type="text/event-stream",
+    # the job ends with the response, even one whose client left before its first byte (body never ran)
+    return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(job.cancelled.set),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -92,8 +94,10 @@ async def completion_response(svc, p, *, stream: bool, include_usage: bool, requ
     path, codec, n_prompt = "/v1/completions", svc.worker.codec, len(p.prompt_ids)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": svc.model_name}
+    job = svc.submit(p)  # a 429 here, before any byte is sent
     if not stream:
-        if (got := await until_disconnected(request, _collect(svc.events(p)))) is None:
+        if (got := await until_disconnected(request, _collect(svc.events(job)))) is None:
+            job.cancelled.set()
             return _gone(svc, path)
         text, steps, offsets, finish = got
         svc.metrics.request_done(path, 200)
@@ -105,7 +109,7 @@ async def completion_response(svc, p, *, stream: bool, include_usage: bool, requ
 
     async def chunks():
         n, offset = 0, 0
-        async for ev in svc.events(p):
+        async for ev in svc.events(job):
             n += 1
             if not ev.text and ev.finish_reason is None and not p.want_logprobs:
                 continue
@@ -116,15 +120,17 @@ async def completion_response(svc, p, *, stream: bool, include_usage: bool, requ
         if include_usage:
             yield head | {"choices": [], "usage": usage(n_prompt, n)}
 
-    return _sse_response(svc, path, chunks)
+    return _sse_response(svc, path, chunks, job)
 
 
 async def chat_response(svc, p, *, stream: bool, include_usage: bool, request=None):
     """``/v1/chat/completions`` body for the prepared request ``p``; ``request`` as in :func:`completion_response`."""
     path, codec, n_prompt = "/v1/chat/completions", svc.worker.codec, len(p.prompt_ids)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
+    job = svc.submit(p)  # a 429 here, before any byte is sent
     if not stream:
-        if (got := await until_disconnected(request, _collect(svc.events(p)))) is None:
+        if (got := await until_disconnected(request, _collect(svc.events(job)))) is None:
+            job.cancelled.set()
             return _gone(svc, path)
         text, steps, _, finish = got
         svc.metrics.request_done(path, 200)
@@ -143,7 +149,7 @@ async def chat_response(svc, p, *, stream: bool, include_usage: bool, request=No
     async def chunks():
         yield chunk({"role": "assistant", "content": ""})
         n, finish = 0, None
-        async for ev in svc.events(p):
+        async for ev in svc.events(job):
             n += 1
             finish = ev.finish_reason
             if ev.text or p.want_logprobs:
@@ -152,4 +158,4 @@ async def chat_response(svc, p, *, stream: bool, include_usage: bool, request=No
         if include_usage:
             yield head | {"choices": [], "usage": usage(n_prompt, n)}
 
-    return _sse_response(svc, path, chunks)
+    return _sse_response(svc, path, chunks, job)

@@ -1,27 +1,33 @@
-"""The engine thread: load, warm up, then serve requests one at a time, feeding text back to asyncio.
+"""The engine thread: load, warm up, then serve every request through one continuous batch.
 
-The engine is driven by exactly one thread (load, warm-up, every ``generate``, shutdown), so the
+The engine is driven by exactly one thread (load, warm-up, every step, shutdown), so the
 collectives rank 0 issues are totally ordered and the other ranks, in ``Engine.follow()``, see
-the same sequence. HTTP handlers submit a :class:`Job`; the thread runs jobs in arrival order and
-pushes :class:`TextEvent` items into the job's ``asyncio.Queue`` with
-``loop.call_soon_threadsafe``, so the event loop never blocks on the engine.
+the same sequence. HTTP handlers :meth:`EngineWorker.submit` a :class:`Job` into a bounded waiting
+queue (``max_queue``; past it :class:`QueueFull`, a 429); the thread loops over engine steps
+(:class:`~shardsmith.runtime.engine.scheduler.Scheduler`): before each step it admits waiting jobs
+into free slots (FIFO) and drops jobs whose client went away (their slots are free at once);
+each step advances every running sequence by one token (a new one's prompt in chunks of
+``prefill_chunk`` tokens) and pushes :class:`TextEvent` items into each job's ``asyncio.Queue``
+with ``loop.call_soon_threadsafe``, so the event loop never blocks on the engine. Each job's text
+side is a push-style :class:`TextStream` (incremental detokenizer, EOS, stop strings).
 
 A request the engine refuses up front (``UsageError``: nothing was broadcast yet) fails alone.
-Any other exception from the engine (a rank died: gloo/NCCL report a closed peer) is fatal: the job and every queued job get a 500, ``/health`` turns 503, and ``on_fatal`` stops the
-server, so the launcher exits non-zero instead of hanging.
+Any other exception from the engine (a rank died: gloo/NCCL report a closed peer) is fatal: every
+running and queued job gets a 500, ``/health`` turns 503, and ``on_fatal`` stops the server, so
+the launcher exits non-zero instead of hanging.
 
-Stopping (SIGINT/SIGTERM): :meth:`EngineWorker.interrupt` ends the running job at its next token
-and every queued one with :class:`ServerStopping` (streams send it as their last event), so the
-HTTP server's graceful shutdown has nothing left to wait for. A load still running when the stop
-comes is not waited for (the process exits under it) and never reports "ready".
+Stopping (SIGINT/SIGTERM): :meth:`EngineWorker.interrupt` ends every running job (at the next
+step boundary) and every queued one with :class:`ServerStopping` (streams send it as their last
+event), so the HTTP server's graceful shutdown has nothing left to wait for. A load still running
+when the stop comes is not waited for (the process exits under it) and never reports "ready".
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -33,6 +39,8 @@ from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.tokenizer import Codec, IncrementalDetokenizer, StopStrings
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE = 64  # requests waiting for a slot; past it, 429
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,38 +58,49 @@ class TextEvent:
     finish_reason: str | None = None
 
 
-def stream_text(steps: Iterable, codec: Codec, prompt_ids: list[int], *, stop: Iterable[str] = (),
-                eos_token_ids: Iterable[int] = ()) -> Iterator[TextEvent]:
-    """Turn engine steps into text events: incremental detokenization, EOS, stop strings.
+class TextStream:
+    """One sequence's text side, push-style: a step in, a :class:`TextEvent` out.
 
-    The text never runs past a stop string (the stop string itself is not returned, as in
-    OpenAI's API); an EOS token adds no text. When a stop string ends the text early the engine's
-    step iterator is closed, which ends its generation.
+    Incremental detokenization, EOS, stop strings: the text never runs past a stop string (the stop
+    string itself is not returned, as in OpenAI's API); an EOS token adds no text. The event with a
+    ``finish_reason`` is the last; after a stop string the caller ends the sequence.
 
     Args:
-        steps: the engine's ``StepOutput`` iterator (``token_id``, ``finished``, ``finish_reason``).
-        codec: the tokenizer.
-        prompt_ids: the prompt (seeds the detokenizer window).
-        stop: stop strings.
-        eos_token_ids: ids whose text is not output.
+        codec: the tokenizer; prompt_ids: the prompt (seeds the detokenizer window);
+        stop: stop strings; eos_token_ids: ids whose text is not output.
     """
-    detok = IncrementalDetokenizer(codec, prompt_ids)
-    stops = StopStrings(list(stop))
-    eos = frozenset(eos_token_ids)
+
+    def __init__(self, codec: Codec, prompt_ids: list[int], *, stop: Iterable[str] = (),
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        self._detok = IncrementalDetokenizer(codec, prompt_ids)
+        self._stops = StopStrings(list(stop))
+        self._eos = frozenset(eos_token_ids)
+
+    def push(self, step: Any) -> TextEvent:
+        """The text event of ``step`` (``token_id``, ``finished``, ``finish_reason``)."""
+        finished = bool(step.finished)
+        piece = "" if (finished and step.token_id in self._eos) else self._detok.push(step.token_id)
+        if finished:
+            piece += self._detok.flush()
+        text, stopped = self._stops.push(piece)
+        if stopped:
+            return TextEvent(text, step, "stop")
+        if finished:
+            return TextEvent(text + self._stops.flush(), step, step.finish_reason or "length")
+        return TextEvent(text, step)
+
+
+def stream_text(steps: Iterable, codec: Codec, prompt_ids: list[int], *, stop: Iterable[str] = (),
+                eos_token_ids: Iterable[int] = ()) -> Iterator[TextEvent]:
+    """:class:`TextStream` over a step iterator (``Engine.generate``), pull-style; when a stop string
+    ends the text early the step iterator is closed, which ends its generation."""
+    text = TextStream(codec, prompt_ids, stop=stop, eos_token_ids=eos_token_ids)
     try:
         for step in steps:
-            finished = bool(step.finished)
-            piece = "" if (finished and step.token_id in eos) else detok.push(step.token_id)
-            if finished:
-                piece += detok.flush()
-            text, stopped = stops.push(piece)
-            if stopped:
-                yield TextEvent(text, step, "stop")
+            ev = text.push(step)
+            yield ev
+            if ev.finish_reason is not None:
                 return
-            if finished:
-                yield TextEvent(text + stops.flush(), step, step.finish_reason or "length")
-                return
-            yield TextEvent(text, step)
     finally:
         close = getattr(steps, "close", None)
         if close is not None:
@@ -90,6 +109,18 @@ def stream_text(steps: Iterable, codec: Codec, prompt_ids: list[int], *, stop: I
 
 class ServerStopping(Exception):
     """The server is stopping (a signal): the request ends now, with this message."""
+
+
+class QueueFull(Exception):
+    """The waiting queue is full (``max_queue``): the request is refused now (HTTP 429).
+
+    Attributes:
+        retry_after: seconds after which a retry may find room (a whole number, at least 1).
+    """
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class State(enum.Enum):
@@ -109,7 +140,9 @@ class Job:
         stop: stop strings.
         loop: the event loop whose ``events`` queue receives :class:`TextEvent`, then ``None``
             (done) or an ``Exception`` (failed).
-        cancelled: set by the handler when the client went away; generation stops at the next token.
+        cancelled: set by the handler when the client went away; the sequence leaves at the next
+            step boundary and its slot is freed.
+        arrival: perf_counter at submit; tokens: tokens sent so far; last: when the last one was.
     """
 
     prompt_ids: list[int]
@@ -119,6 +152,10 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrival: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    last: float = 0.0
+    text: TextStream | None = None
+    seq: Any = None
 
     def emit(self, item: TextEvent | Exception | None) -> None:
         try:
@@ -128,7 +165,7 @@ class Job:
 
 
 class EngineWorker:
-    """Owns the engine on one thread.
+    """Owns the engine on one thread and runs the continuous batch.
 
     Attributes:
         state: loading, ready, failed or stopped.
@@ -137,15 +174,21 @@ class EngineWorker:
 
     Args:
         load: builds the engine (``Engine.load(...)``); runs on the worker thread.
-        metrics: updated with load time, readiness and per-token latencies.
+        metrics: updated with load time, readiness, queue and batch sizes, per-token latencies.
         on_fatal: called once, with a message, when the engine fails (load error or dead rank).
+        max_queue: jobs that may wait for a slot (>= 0); one more is refused (:class:`QueueFull`).
+        prefill_chunk: prompt tokens per engine step (:class:`~shardsmith.runtime.engine.scheduler.Scheduler`).
     """
 
-    def __init__(self, load: Callable[[], Any], *, metrics: Metrics, on_fatal: Callable[[str], None]) -> None:
+    def __init__(self, load: Callable[[], Any], *, metrics: Metrics, on_fatal: Callable[[str], None],
+                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int = 512) -> None:
         self._load = load
         self.metrics = metrics
         self._on_fatal = on_fatal
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._wake = threading.Condition()
+        self._stop_requested = False
         self._thread = threading.Thread(target=self._run, name="shardsmith-engine", daemon=True)
         self._started = time.perf_counter()
         self.state = State.LOADING
@@ -153,29 +196,52 @@ class EngineWorker:
         self.engine: Any = None
         self.codec: Codec | None = None
         self.stopping: str | None = None  # why, once interrupt() was called
-        self._current: Job | None = None
+        self._running: list[Job] = []
+        self._sched: Any = None
 
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` behind the running one (FIFO)."""
-        self.metrics.queued(+1)
-        self._jobs.put(job)
+        """Queue ``job`` for a slot (FIFO).
+
+        Raises:
+            QueueFull: ``max_queue`` jobs are already waiting.
+        """
+        with self._wake:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting for one of "
+                                f"{self._slots()} sequence slots (--max-queue {self.max_queue}); retry later",
+                                retry_after=self._retry_after())
+            self.metrics.queued(+1)
+            self._waiting.append(job)
+            self._wake.notify()
+
+    def _slots(self) -> int:
+        return int(getattr(self.engine, "max_num_seqs", 1) or 1)
+
+    def _retry_after(self) -> int:
+        """Seconds a refused client should wait: about one request's duration so far (at least 1)."""
+        mean = self.metrics.mean_duration()
+        return max(1, round(mean)) if mean else 1
 
     def interrupt(self, message: str) -> None:
-        """End the running job (at its next token) and every queued one with :class:`ServerStopping`;
-        refuse jobs submitted later. Any thread; not from a signal handler (it takes the queue's lock)."""
+        """End every running job (at the next step boundary) and every queued one with
+        :class:`ServerStopping`; refuse jobs submitted later. Any thread; not from a signal
+        handler (it takes the queue's lock)."""
         self.stopping = message
-        job = self._current
-        if job is not None:
+        for job in list(self._running):
             job.cancelled.set()
             job.emit(ServerStopping(message))
         self._drain(message, stopping=True)
+        with self._wake:
+            self._wake.notify()
 
     def stop(self, timeout: float = 30.0) -> bool:
-        """Finish the running job, shut the engine down (followers exit), join. False on timeout."""
-        self._jobs.put(None)
+        """Finish the running and queued jobs, shut the engine down (followers exit), join. False on timeout."""
+        with self._wake:
+            self._stop_requested = True
+            self._wake.notify()
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -195,6 +261,9 @@ class EngineWorker:
             if offload is not None:
                 self.metrics.offload = offload
                 log.info("%s", offload.ready_line())
+            from shardsmith.runtime.engine.scheduler import Scheduler
+
+            self._sched = Scheduler(self.engine, prefill_chunk=self.prefill_chunk)
         except Exception as e:  # noqa: BLE001 - any load failure ends the server with its reason
             log.debug("engine load failed", exc_info=True)
             if self.stopping is not None:  # a rank went down with the stop: not a failure to report
@@ -208,18 +277,106 @@ class EngineWorker:
             self._drain(self.stopping, stopping=True)
             return
         self.state = State.READY
-        self.metrics.set_ready(True, load_seconds=float(getattr(self.engine, "load_seconds", 0.0)),
+        e = self.engine
+        state_bytes, slots = int(getattr(e, "state_bytes", 0)), self._slots()
+        self.metrics.set_ready(True, load_seconds=float(getattr(e, "load_seconds", 0.0)),
                                ready_seconds=time.perf_counter() - self._started)
-        log.info("ready: every rank loaded and warmed up in %.1f s", time.perf_counter() - self._started)
-        while (job := self._jobs.get()) is not None:
-            if self.stopping is not None:
-                self._reject(job, self.stopping, stopping=True)
-            elif self.state is not State.READY:
-                self._reject(job, self.error or "engine is not ready")
-            else:
-                self._serve(job)
+        self.metrics.set_capacity(max_num_seqs=slots, state_bytes=state_bytes, max_queue=self.max_queue)
+        log.info("ready: every rank loaded and warmed up in %.1f s; %d sequence slot(s) of %d tokens "
+                 "(%.1f MiB of per-sequence state on rank 0), up to %d waiting, prefill chunks of %d tokens",
+                 time.perf_counter() - self._started, slots, getattr(e, "max_seq_len", 0), state_bytes / 2**20,
+                 self.max_queue, self.prefill_chunk)
+        self._loop()
         if self.state is State.READY:
             self._shutdown()
+
+    def _loop(self) -> None:
+        """Admit, step, emit, until :meth:`stop` with nothing left (or a failure)."""
+        while True:
+            with self._wake:
+                while not self._running and not self._waiting and not self._stop_requested and self.stopping is None:
+                    self._wake.wait()
+                if not self._running and not self._waiting and (self._stop_requested or self.stopping is not None):
+                    return
+            try:
+                self._drop_cancelled()
+                self._admit()
+                if self._running:
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - a failed step means a rank is gone or the engine broke
+                self._step_failed(e)
+                return
+
+    def _admit(self) -> None:
+        """Move waiting jobs into free slots, oldest first (each refused alone on a UsageError)."""
+        while self._sched.free_slots:
+            with self._wake:
+                if not self._waiting:
+                    return
+                job = self._waiting.popleft()
+            if self.stopping is not None:
+                self._reject(job, self.stopping, stopping=True)
+                continue
+            if job.cancelled.is_set():
+                self._reject(job, "the client went away")
+                continue
+            from shardsmith.runtime.engine.scheduler import Sequence
+
+            job.seq = Sequence(job.prompt_ids, job.params, tag=job)
+            try:
+                self._sched.admit(job.seq)
+            except UsageError as e:  # refused before any step was broadcast: the engine is still in step
+                self.metrics.queued(-1)
+                job.emit(e)
+                continue
+            job.text = TextStream(self.codec, job.prompt_ids, stop=job.stop, eos_token_ids=job.params.stop_token_ids)
+            job.last = job.arrival
+            self._running.append(job)
+            self.metrics.started(len(job.prompt_ids), queue_seconds=time.perf_counter() - job.arrival)
+
+    def _drop_cancelled(self) -> None:
+        """Jobs whose client went away, or all of them when stopping, leave now: their slots are free."""
+        for job in [j for j in self._running if j.cancelled.is_set() or self.stopping is not None]:
+            if self.stopping is not None:
+                job.emit(ServerStopping(self.stopping))
+            self._finish(job, emit_done=False)
+
+    def _step(self) -> None:
+        outputs = self._sched.step()
+        self.metrics.batch(self._sched.last_batch, len(self._running))
+        now = time.perf_counter()
+        for seq, out in outputs:
+            job = seq.tag
+            ev = job.text.push(out)
+            self.metrics.token(first=job.tokens == 0, since=now - job.last)
+            job.tokens, job.last = job.tokens + 1, now
+            job.emit(ev)
+            if ev.finish_reason is not None:  # a stop token or length (already left), or a stop string
+                self._finish(job, emit_done=True)
+
+    def _finish(self, job: Job, *, emit_done: bool) -> None:
+        self._running.remove(job)
+        self._sched.abort(job.seq)  # releases the slot on every rank (no-op when it already left)
+        self.metrics.finished(time.perf_counter() - job.arrival)
+        if emit_done:
+            job.emit(None)
+
+    def _step_failed(self, e: Exception) -> None:
+        log.debug("engine step failed", exc_info=True)
+        running, self._running = self._running, []
+        for job in running:
+            self.metrics.finished(time.perf_counter() - job.arrival)
+        if self.stopping is not None:  # the stop's signal reached the other ranks too (a process group)
+            for job in running:
+                job.emit(ServerStopping(self.stopping))
+            self.state = State.STOPPED
+            self._drain(self.stopping, stopping=True)
+            return
+        for job in running:
+            job.emit(RuntimeError(f"engine failed: {type(e).__name__}: {e}"))
+        self._fail(f"engine failed during generation ({type(e).__name__}: {e}); "
+                   f"a rank has probably died; stopping the server")
+        self._drain("engine failed; the server is stopping")
 
     def _shutdown(self) -> None:
         self.state = State.STOPPED
@@ -239,52 +396,10 @@ class EngineWorker:
         job.emit(ServerStopping(message) if stopping else RuntimeError(message))
 
     def _drain(self, message: str, *, stopping: bool = False) -> None:
+        """Refuse every waiting job with ``message``."""
         while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is None:  # stop() was called: keep its sentinel for the engine thread
-                self._jobs.put(None)
-                return
+            with self._wake:
+                if not self._waiting:
+                    return
+                job = self._waiting.popleft()
             self._reject(job, message, stopping=stopping)
-
-    def _serve(self, job: Job) -> None:
-        m = self.metrics
-        m.started(len(job.prompt_ids))
-        last = job.arrival
-        self._current = job
-        try:
-            if self.stopping is not None:  # interrupt() may have looked before _current was set
-                job.emit(ServerStopping(self.stopping))
-                return
-            if job.cancelled.is_set():
-                return
-            steps = self.engine.generate(job.prompt_ids, job.params)
-            for n, ev in enumerate(stream_text(steps, self.codec, job.prompt_ids, stop=job.stop,
-                                               eos_token_ids=job.params.stop_token_ids)):
-                now = time.perf_counter()
-                m.token(first=n == 0, since=now - last)
-                last = now
-                job.emit(ev)
-                if job.cancelled.is_set():
-                    break
-        except UsageError as e:  # refused before any step was broadcast: the engine is still in step
-            job.emit(e)
-            return
-        except Exception as e:  # noqa: BLE001 - a failed step means a rank is gone or the engine broke
-            log.debug("engine step failed", exc_info=True)
-            if self.stopping is not None:  # the stop's signal reached the other ranks too (a process group)
-                job.emit(ServerStopping(self.stopping))
-                self.state = State.STOPPED
-                self._drain(self.stopping, stopping=True)
-                return
-            job.emit(RuntimeError(f"engine failed: {type(e).__name__}: {e}"))
-            self._fail(f"engine failed during generation ({type(e).__name__}: {e}); "
-                       f"a rank has probably died; stopping the server")
-            self._drain("engine failed; the server is stopping")
-            return
-        finally:
-            self._current = None
-            m.finished(time.perf_counter() - job.arrival)
-        job.emit(None)

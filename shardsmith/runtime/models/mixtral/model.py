@@ -5,12 +5,14 @@ a buffer's name is its source tensor's name and loading is a strict name-for-nam
 (:func:`assign_weights`). Every layer comes from :class:`~shardsmith.runtime.layers.parallel.Shards`, so
 this file knows nothing about ranks beyond its local head counts.
 
-One sequence at a time (batch 1), a static KV cache of ``max_seq_len`` positions per layer and
-rank (local KV heads only). Sources: transformers ``modeling_mixtral.py`` / ``modeling_qwen3_moe.py``
+Per-sequence state lives in preallocated **slots** (issue 14's model-side contract): a static KV
+cache of ``max_num_seqs`` slots x ``max_seq_len`` positions per layer and rank (local KV heads
+only). ``forward`` runs one sequence (a prefill, a prefill chunk or one step) in one slot; the
+decode pieces run B sequences, one new token each, every row in its own slot. Sources: transformers ``modeling_mixtral.py`` / ``modeling_qwen3_moe.py``
 / ``modeling_qwen2_moe.py`` for the maths (RMSNorm in float32, rotate-half RoPE, SDPA attention).
 
 Legend: T = new tokens, S = cached positions, D = hidden, H = local query heads, K = local KV
-heads, d = head dim, V = vocabulary.
+heads, d = head dim, V = vocabulary, N = slots (max_num_seqs), B = rows of a batched decode step.
 """
 
 from __future__ import annotations
@@ -19,96 +21,14 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shardsmith.errors import RuntimeLoadError, format_problems
+from shardsmith.errors import RuntimeLoadError, UsageError, format_problems
 from shardsmith.runtime.layers.experts import RoutedExperts
-from shardsmith.runtime.layers.parallel import HeadShard, Shards
+from shardsmith.runtime.layers.parallel import Shards
+from shardsmith.runtime.models.mixtral.attention import Attention, RMSNorm, apply_rope  # noqa: F401 (re-exported)
 from shardsmith.runtime.models.mixtral.config import ModelArgs, rope_tables
 from shardsmith.runtime.models.mixtral.moe import MLP, SparseMoe
-
-
-class RMSNorm(nn.Module):
-    """``w * x / rms(x)`` computed in float32, cast back before the weight (as transformers)."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.register_buffer("weight", torch.empty(dim, dtype=dtype, device="meta"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin``; x ``[T, n, d]``, cos/sin ``[T, d]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
-
-
-class Attention(nn.Module):
-    """GQA attention over this rank's heads; o_proj's all-reduce is the layer's one collective."""
-
-    def __init__(self, args: ModelArgs, shards: Shards, prefix: str, window: int | None) -> None:
-        super().__init__()
-        self.head_dim, self.window = args.head_dim, window
-        q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        before = len(shards.problems)
-        self.q_proj = shards.linear(prefix + ".q_proj", bias=args.qkv_bias, shape=(q_rows, args.dim))
-        self.k_proj = shards.linear(prefix + ".k_proj", bias=args.qkv_bias, shape=(kv_rows, args.dim))
-        self.v_proj = shards.linear(prefix + ".v_proj", bias=args.qkv_bias, shape=(kv_rows, args.dim))
-        self.o_proj = shards.linear(prefix + ".o_proj", bias=args.o_bias, shape=(args.dim, q_rows))
-        if len(shards.problems) > before:  # the load fails; shapes here do not matter
-            heads = HeadShard(args.n_heads, args.n_kv_heads, tuple(range(args.n_heads)))
-        else:
-            heads = shards.heads(prefix, args.head_dim, args.n_heads // args.n_kv_heads)
-        self.n_heads, self.n_kv = heads.n_heads, heads.n_kv_heads
-        group = self.n_heads // self.n_kv if self.n_heads % self.n_kv == 0 else 0
-        self.gqa = group > 0 and heads.kv_index == tuple(j // group for j in range(self.n_heads))
-        self.kv_index = torch.tensor(heads.kv_index)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, shards.dtype) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, shards.dtype) if args.qk_norm else None
-        self.cache_k = self.cache_v = None  # [K, S_max, d], set by Transformer.setup_cache
-
-    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.core(*self.project(x, cos, sin), start))
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``q [T, H, d]``, ``k [T, K, d]`` (normed if Qwen3, RoPE applied) and ``v [T, K, d]``."""
-        T, d = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(T, self.n_heads, d)  # [T, H, d]
-        k = self.k_proj(x).view(T, self.n_kv, d)  # [T, K, d]
-        v = self.v_proj(x).view(T, self.n_kv, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-        """Write ``k``/``v`` at ``[start, start + T)`` of the cache, attend: ``[T, H*d]`` (before ``o_proj``).
-
-        Its shapes grow with the position, so a piecewise decode step runs it eagerly between pieces.
-        """
-        T, d = q.shape[0], self.head_dim
-        end = start + T
-        self.cache_k[:, start:end] = k.transpose(0, 1)
-        self.cache_v[:, start:end] = v.transpose(0, 1)
-        keys, values = self.cache_k[:, :end], self.cache_v[:, :end]  # [K, S, d]
-        if not self.gqa:  # kv-copies shares: map each query head to its local KV head
-            idx = self.kv_index.to(keys.device)
-            keys, values = keys.index_select(0, idx), values.index_select(0, idx)  # [H, S, d]
-        mask = None
-        if T > 1 or self.window:
-            qpos = torch.arange(start, end, device=q.device)[:, None]  # [T, 1]
-            kpos = torch.arange(end, device=q.device)[None, :]  # [1, S]
-            mask = kpos <= qpos
-            if self.window:
-                mask &= qpos - kpos < self.window
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
-                                           enable_gqa=self.gqa and self.n_kv != self.n_heads)  # [H, T, d]
-        return o.transpose(0, 1).reshape(T, self.n_heads * d)
 
 
 class DecoderLayer(nn.Module):
@@ -128,8 +48,8 @@ class DecoderLayer(nn.Module):
             ffn = MLP(shards, ffn_prefix, dim=args.dim, inter=args.dense_dim)
         self.add_module(self.ffn_name, ffn)
 
-    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), start, cos, sin)
+    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), start, cos, sin, slot)
         return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
     # The same layer as pieces around the attention core, for a decode step run piece by piece
@@ -142,7 +62,7 @@ class DecoderLayer(nn.Module):
         return ffn.experts if isinstance(ffn, SparseMoe) else None
 
     def attn_in_args(self, step: "Step") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[1, d]`` at the step's position."""
+        """``(cos, sin)`` ``[B, d]``: each row's RoPE at its own position."""
         return step.cos, step.sin
 
     def attn_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -150,8 +70,17 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), cos, sin)
 
     def attn_core(self, qkv: tuple[torch.Tensor, ...], step: "Step") -> tuple[torch.Tensor]:
-        """:meth:`Attention.core` at the step's position: ``(o [T, H*d],)``."""
-        return (self.self_attn.core(*qkv, step.start),)
+        """:meth:`Attention.core` of each real row over its own slot's cache: ``(o [B, H*d],)``.
+
+        Row by row, the kernels of a one-token :meth:`Transformer.forward`, so a row's attention
+        output has the bits it has alone. Padding rows (``>= step.real``) write nothing: they get
+        copies of row 0's output.
+        """
+        q, k, v = qkv  # [B, H, d], [B, K, d], [B, K, d]
+        rows = [self.self_attn.core(q[b: b + 1], k[b: b + 1], v[b: b + 1], step.starts[b], step.slots[b])
+                for b in range(step.real)]  # [1, H*d] each
+        rows += rows[:1] * (q.shape[0] - step.real)
+        return (rows[0] if len(rows) == 1 else torch.cat(rows),)
 
     def ffn_block(self, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor]:
         """``o_proj`` and its all-reduce, the residual, then the whole MoE (or MLP) block: ``([T, D],)``."""
@@ -172,15 +101,26 @@ class DecoderLayer(nn.Module):
 
 
 class Step(NamedTuple):
-    """A one-token step's context for the layers' pieces: its position and RoPE ``[1, d]`` there."""
+    """A batched one-token step's context for the layers' pieces.
 
-    start: int
+    Attributes:
+        starts, slots: per row (B of them), the position of its token and its sequence's slot;
+        real: rows ``[0, real)`` are sequences, the rest padding (copies of row 0);
+        cos, sin: ``[B, d]``, each row's RoPE at its position.
+    """
+
+    starts: list[int]
+    slots: list[int]
+    real: int
     cos: torch.Tensor
     sin: torch.Tensor
 
 
 class Transformer(nn.Module):
     """The causal LM: vocab-parallel embedding, decoder layers, final norm, vocab-parallel LM head.
+
+    Implements the continuous-batching contract (``SUPPORTS_BATCHING``): per-sequence KV caches in
+    slots, :meth:`forward` in one slot, :meth:`decode_step` and the layers' pieces over B slots.
 
     Args:
         args: model configuration; shards: this rank's plan and compute dtype.
@@ -190,9 +130,13 @@ class Transformer(nn.Module):
             differently.
     """
 
+    SUPPORTS_BATCHING = True
+
     def __init__(self, args: ModelArgs, shards: Shards) -> None:
         super().__init__()
         self.args = args
+        self.max_seq_len = self.max_num_seqs = 0
+        self.lengths: list[int] = []
         self.model = nn.Module()
         vocab = (args.vocab_size, args.dim)
         self.model.embed_tokens = shards.embedding("model.embed_tokens.weight", vocab)
@@ -202,23 +146,60 @@ class Transformer(nn.Module):
         self.cos = self.sin = None
         shards.raise_problems()
 
-    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Allocate the static KV cache (``[K, max_seq_len, d]`` per layer) and RoPE tables."""
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
+        """Allocate the static KV cache (``[N, K, max_seq_len, d]`` per layer, N = ``max_num_seqs``
+        slots) and the RoPE tables.
+
+        Raises:
+            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1.
+        """
+        if max_seq_len < 1 or max_num_seqs < 1:
+            raise UsageError(f"setup_cache needs max_seq_len >= 1 and max_num_seqs >= 1, got {max_seq_len} and {max_num_seqs}")
         for layer in self.model.layers:
             attn = layer.self_attn
-            shape = (attn.n_kv, max_seq_len, self.args.head_dim)
+            shape = (max_num_seqs, attn.n_kv, max_seq_len, self.args.head_dim)
             attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
             attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
         cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, d] float32
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
+        self.lengths = [0] * max_num_seqs  # positions held per slot
+
+    def state_bytes(self) -> int:
+        """Bytes of per-sequence state this rank allocated in :meth:`setup_cache` (every slot's KV cache)."""
+        return sum(layer.self_attn.cache_k.nbytes + layer.self_attn.cache_v.nbytes for layer in self.model.layers)
+
+    def release(self, slot: int) -> None:
+        """Forget slot ``slot``'s sequence (its cache is overwritten by the next one there)."""
+        self._check(slot, 0, 0)
+        self.lengths[slot] = 0
+
+    def _check(self, slot: int, start: int, n: int) -> None:
+        """Refuse a slot outside ``[0, N)`` or positions past ``max_seq_len``.
+
+        Raises:
+            UsageError: naming the value and the limit.
+        """
+        if not 0 <= slot < self.max_num_seqs:
+            raise UsageError(f"slot {slot} is outside [0, {self.max_num_seqs}) (max_num_seqs={self.max_num_seqs})")
+        if start < 0 or start + n > self.max_seq_len:
+            raise UsageError(f"positions [{start}, {start + n}) of slot {slot} do not fit max_seq_len={self.max_seq_len}")
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True) -> torch.Tensor:
-        """Run ``ids`` ``[T]`` at positions ``[start, start + T)``; returns float32 logits ``[T or 1, V]``."""
-        cos, sin = self.cos[start: start + ids.shape[0]], self.sin[start: start + ids.shape[0]]  # [T, d]
+    def forward(self, ids: torch.Tensor, start: int, *, last_only: bool = True, slot: int = 0) -> torch.Tensor:
+        """Run ``ids`` ``[T]`` at positions ``[start, start + T)`` of slot ``slot``'s sequence (a prefill,
+        a prefill chunk or one step); returns float32 logits ``[T or 1, V]``. Other slots are untouched.
+
+        Raises:
+            UsageError: a slot outside ``[0, max_num_seqs)`` or positions past ``max_seq_len``.
+        """
+        T = ids.shape[0]
+        self._check(slot, start, T)
+        cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, d]
         (x,) = self.embed_ids(ids)  # [T, D]
         for layer in self.model.layers:
-            x = layer(x, start, cos, sin)
+            x = layer(x, start, cos, sin, slot)
+        self.lengths[slot] = start + T
         return self.logits(x[-1:] if last_only else x)[0]  # [T or 1, V]
 
     @property
@@ -226,9 +207,32 @@ class Transformer(nn.Module):
         """The decoder layers, whose pieces a decode step runs in order."""
         return self.model.layers
 
-    def decode_step(self, ids: torch.Tensor, start: int) -> Step:
-        """The context of a one-token step at ``start`` (the KV cache is indexed by position: no state)."""
-        return Step(start, self.cos[start: start + 1], self.sin[start: start + 1])
+    def decode_step(self, ids: torch.Tensor, starts: list[int], slots: list[int], real: int | None = None) -> Step:
+        """The context of a batched one-token step: row b is slot ``slots[b]``'s token at ``starts[b]``.
+
+        Rows ``>= real`` (default: none) are padding, copies of row 0, and change no state. Each
+        real row is checked as :meth:`forward` checks it and advances its slot's length.
+
+        Args:
+            ids: ``[B]`` token ids (unused: the KV cache is indexed by position, so the step needs no
+                id); starts, slots: B ints each; real: rows that are sequences.
+
+        Raises:
+            UsageError: lists of the wrong length, a slot twice, a slot outside ``[0, N)`` or a
+                position past ``max_seq_len``.
+        """
+        B = ids.shape[0]
+        real = B if real is None else real
+        if len(starts) != B or len(slots) != B or not 1 <= real <= B:
+            raise UsageError(f"decode_step: {B} ids, {len(starts)} starts, {len(slots)} slots, real={real}")
+        if len(set(slots[:real])) != real:
+            raise UsageError(f"decode_step: a slot appears twice among the real rows {slots[:real]}")
+        for b in range(real):
+            self._check(slots[b], starts[b], 1)
+        index = torch.tensor(starts, device=self.cos.device)
+        for b in range(real):
+            self.lengths[slots[b]] = starts[b] + 1
+        return Step(list(starts), list(slots), real, self.cos.index_select(0, index), self.sin.index_select(0, index))
 
     def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
         """Token ids ``[T]`` -> ``([T, D],)`` (vocab-parallel, all-reduced)."""

@@ -1,0 +1,147 @@
+"""Continuous batching on rank 0: which sequences run in each engine step, in which slots.
+
+One :meth:`Scheduler.step` advances the batch (issue 14; the policy of vLLM's and Orca's
+iteration-level scheduling, in its simplest form):
+
+1. **prefill**: sequences whose prompt is not fully in their slot yet get up to ``prefill_chunk``
+   prompt tokens in total, oldest first, one :meth:`Engine.prefill` call per sequence chunk (chunk
+   k starts where chunk k-1 ended). A sequence whose last chunk ran samples its first token from
+   that chunk's logits, so a long prompt delays the running streams by one chunk per step, never
+   by its whole length.
+2. **decode**: every other running sequence (its prompt done, a sampled token pending) feeds that
+   token in one batched :meth:`Engine.decode` step, B rows in B slots, and samples its next token.
+
+Each sequence samples with its own ``torch.Generator`` (seeded from its request), so a seeded
+request draws the same tokens whatever else is in the batch. A sequence leaves (its slot is
+released on every rank) when it finishes (a stop token, ``max_tokens``, the context is full) or
+when :meth:`Scheduler.abort` is called (a stop string, a client that went away, the server
+stopping). The scheduler knows nothing about text or HTTP: :mod:`shardsmith.runtime.serve.worker`
+turns its :class:`~shardsmith.runtime.engine.sampling.StepOutput` items into text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardsmith.errors import UsageError
+from shardsmith.runtime.engine.sampling import SamplingParams, StepOutput, choose, make_generator
+
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per engine step (all prefilling sequences together)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's generation state on rank 0.
+
+    Attributes:
+        prompt_ids: the prompt; params: its sampling; tag: the caller's handle (the worker's job).
+        slot: its slot once admitted (-1 before); prefilled: prompt tokens already in the slot;
+        pending: the last sampled token, to feed at position ``pos`` (None: none yet);
+        generated: tokens sampled so far; generator: its random stream; admitted: perf_counter time.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    tag: Any = None
+    slot: int = -1
+    prefilled: int = 0
+    pending: int | None = None
+    pos: int = 0
+    generated: int = 0
+    generator: torch.Generator | None = field(default=None, repr=False)
+    admitted: float = 0.0
+
+
+class Scheduler:
+    """The running batch over an engine's ``max_num_seqs`` slots (rank 0, one thread).
+
+    Args:
+        engine: a loaded :class:`~shardsmith.runtime.engine.engine.Engine` (rank 0).
+        prefill_chunk: prompt tokens per step across the prefilling sequences (>= 1).
+
+    Raises:
+        UsageError: ``prefill_chunk`` below 1.
+    """
+
+    def __init__(self, engine: Any, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+        if prefill_chunk < 1:
+            raise UsageError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
+        self.engine, self.prefill_chunk = engine, prefill_chunk
+        self.running: list[Sequence] = []
+        self._free = list(range(engine.max_num_seqs))[::-1]  # pop() gives the lowest slot
+        self.last_batch = 0  # rows of the last decode step
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def admit(self, seq: Sequence) -> None:
+        """Give ``seq`` a free slot; its prefill starts at the next :meth:`step`.
+
+        Raises:
+            UsageError: no free slot, or the request is bad (:meth:`Engine.check_request`).
+        """
+        if not self._free:
+            raise UsageError(f"no free slot: all {self.engine.max_num_seqs} are running (max_num_seqs)")
+        self.engine.check_request(seq.prompt_ids, seq.params)
+        seq.slot, seq.prefilled, seq.pending, seq.pos, seq.generated = self._free.pop(), 0, None, 0, 0
+        seq.generator, seq.admitted = make_generator(seq.params.seed), time.perf_counter()
+        self.running.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """End ``seq`` now and release its slot on every rank (no-op when it already left)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._free.append(seq.slot)
+            self._free.sort(reverse=True)
+            self.engine.release(seq.slot)
+
+    def step(self) -> list[tuple[Sequence, StepOutput]]:
+        """One engine step: a prefill budget, then one batched decode; each sampled token, in order.
+
+        Sequences that finish leave (slots released) before this returns.
+
+        Raises:
+            RankLostError: another rank died (the caller fails every sequence).
+        """
+        out: list[tuple[Sequence, StepOutput]] = []
+        budget, fresh = self.prefill_chunk, set()
+        for seq in [s for s in self.running if s.prefilled < len(s.prompt_ids)]:
+            if budget == 0:
+                break
+            n = min(budget, len(seq.prompt_ids) - seq.prefilled)
+            logits = self.engine.prefill(seq.slot, seq.prompt_ids[seq.prefilled: seq.prefilled + n], seq.prefilled)
+            seq.prefilled += n
+            budget -= n
+            if seq.prefilled == len(seq.prompt_ids):
+                seq.pos = seq.prefilled
+                out.append((seq, self._sample(seq, logits[-1])))
+                fresh.add(id(seq))
+        batch = [s for s in self.running if s.pending is not None and id(s) not in fresh
+                 and s.prefilled == len(s.prompt_ids)]
+        self.last_batch = len(batch)
+        if batch:
+            logits = self.engine.decode([s.pending for s in batch], [s.pos for s in batch], [s.slot for s in batch])
+            for b, seq in enumerate(batch):
+                seq.pos += 1
+                out.append((seq, self._sample(seq, logits[b])))
+        for seq, step in out:
+            if step.finished:
+                self.abort(seq)
+        return out
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        """Choose ``seq``'s next token from its logits ``[V]``; finished when it is a stop token, the
+        last of ``max_tokens``, or has no position left to be fed at (``max_seq_len``)."""
+        p = seq.params
+        c = choose(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=seq.generator,
+                   logprobs=p.logprobs)
+        seq.generated += 1
+        reason = ("stop" if c.token_id in p.stop_token_ids
+                  else "length" if seq.generated == p.max_tokens or seq.pos >= self.engine.max_seq_len else None)
+        seq.pending = c.token_id
+        return StepOutput(c.token_id, c.logprob, c.top_logprobs, reason is not None, reason)

@@ -1,0 +1,144 @@
+"""Continuous batching, engine side (issue 14), for the Mixtral family: B sequences in B slots decode
+in one step through the model's pieces (run eagerly on CPU), padded to a batch bucket, and every
+row gives the logits that sequence gives alone (float32, up to matmul rounding; greedy tokens
+identical), at world sizes 1 and 2. Padding rows change no state; a chunked prefill equals a whole one.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardsmith.errors import UsageError
+from shardsmith.runtime.engine.cuda_graphs import buckets_for
+from shardsmith.testing.ranks import run_ranks
+
+PROMPTS = [[3, 17, 42, 99, 5, 8, 61, 7, 200, 13], [11, 12], [250, 4, 9, 77, 31], [5]]
+STEPS = 5
+SLOTS = 4  # buckets 1, 2, 4: three sequences run as a bucket of 4 with one padding row
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory) -> dict[tuple[str, int], Path]:
+    from shardsmith.testing.tiny import tiny_mixtral, tiny_qwen_moe
+    from shardsmith.writer.split import split_checkpoint
+
+    root = tmp_path_factory.mktemp("batched")
+    srcs = {"mixtral": tiny_mixtral(root / "mixtral"),
+            "qwen2": tiny_qwen_moe(root / "qwen2", qwen2=True, dense_layers=(1,))}
+    out = {}
+    for name, src in srcs.items():
+        for ws in (1, 2):
+            out[name, ws] = root / f"{name}-tp{ws}"
+            split_checkpoint(src, out[name, ws], world_size=ws)
+    return out
+
+
+def _alone(eng, prompt: list[int]) -> list[torch.Tensor]:
+    """Logits of ``prompt``'s prefill and ``STEPS`` greedy one-token steps, in slot 0, by itself."""
+    out = [eng.prefill(0, prompt)[-1]]
+    for i in range(STEPS):
+        out.append(eng.decode([int(out[-1].argmax())], [len(prompt) + i], [0])[0])
+    eng.release(0)
+    return out
+
+
+def _together(eng, prompts: list[list[int]], slots: list[int], chunk: int) -> list[list[torch.Tensor]]:
+    """The same sequences in ``slots``, prefilled in chunks of ``chunk`` tokens, then decoded in one
+    batch per step (each row's next token its own greedy choice)."""
+    out = []
+    for prompt, slot in zip(prompts, slots):
+        for start in range(0, len(prompt), chunk):
+            logits = eng.prefill(slot, prompt[start: start + chunk], start)
+        out.append([logits[-1]])
+    for i in range(STEPS):
+        ids = [int(rows[-1].argmax()) for rows in out]
+        logits = eng.decode(ids, [len(p) + i for p in prompts], slots)
+        for b, rows in enumerate(out):
+            rows.append(logits[b])
+    for slot in slots:
+        eng.release(slot)
+    return out
+
+
+def _run(pack: str, rank: int, world_size: int) -> dict:
+    from shardsmith.runtime.engine.engine import Engine
+
+    eng = Engine.load(pack, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=32, max_num_seqs=SLOTS)
+    if rank != 0:
+        eng.follow()
+        return {}
+    try:
+        alone = [_alone(eng, p) for p in PROMPTS[:3]]
+        together = _together(eng, PROMPTS[:3], [2, 0, 3], chunk=3)
+        untouched = all(bool((layer.self_attn.cache_k[1] == 0).all()) for layer in eng.model.model.layers)
+        buckets = sorted(eng.runner.sets)
+        four = _together(eng, PROMPTS, [0, 1, 2, 3], chunk=32)
+        return {"alone": [[t.numpy() for t in r] for r in alone],
+                "together": [[t.numpy() for t in r] for r in together],
+                "four": [[t.numpy() for t in r] for r in four[:3]], "untouched": untouched, "buckets": buckets,
+                "state_bytes": eng.state_bytes, "max_num_seqs": eng.max_num_seqs}
+    finally:
+        eng.shutdown()
+
+
+def _rank_main(rank: int, world_size: int, port: int, pack: str, queue) -> None:
+    try:
+        from shardsmith.runtime.layers.parallel import init_distributed
+
+        init_distributed(rank, world_size, master_port=port)
+        out = _run(pack, rank, world_size)
+        if rank == 0:
+            queue.put(("ok", out))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+def _check(out: dict) -> None:
+    assert out["untouched"], "the padding row (a copy of slot 2's row) wrote into the unused slot 1"
+    assert out["buckets"] == [1, 4], out["buckets"]  # three rows ran as the bucket of 4
+    assert out["max_num_seqs"] == SLOTS and out["state_bytes"] > 0
+    for run in ("together", "four"):
+        for b, (want, have) in enumerate(zip(out["alone"], out[run])):
+            for i, (w, h) in enumerate(zip(want, have)):
+                torch.testing.assert_close(torch.from_numpy(h), torch.from_numpy(w), atol=2e-5, rtol=1e-5,
+                                           msg=f"{run}: sequence {b} step {i}")
+                assert h.argmax() == w.argmax(), (run, b, i)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2"])
+def test_batched_rows_equal_each_sequence_alone_world_size_1(packs, family):
+    _check(_run(str(packs[family, 1]), 0, 1))
+
+
+def test_batched_rows_equal_each_sequence_alone_across_ranks(packs):
+    _check(run_ranks(_rank_main, 2, str(packs["mixtral", 2]), timeout=300))
+
+
+def test_state_bytes_cover_every_slot_and_bad_batches_are_refused(packs):
+    from shardsmith.runtime.engine.engine import Engine
+
+    one = Engine.load(packs["mixtral", 1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=16, max_num_seqs=1)
+    three = Engine.load(packs["mixtral", 1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=16, max_num_seqs=3)
+    # 2 layers x (K + V) x 3 KV heads x 16 positions x 64 dims x 4 bytes, per slot
+    assert one.state_bytes == 2 * 2 * 3 * 16 * 64 * 4 and three.state_bytes == 3 * one.state_bytes
+    assert three.runner.buckets == (1, 2, 3)
+    three.prefill(0, [1, 2])
+    with pytest.raises(UsageError, match=r"decode needs 1\.\.3 rows"):
+        three.decode([1] * 4, [2] * 4, [0, 1, 2, 0])
+    with pytest.raises(UsageError, match=r"a slot appears twice in \[0, 0\]"):
+        three.decode([1, 1], [2, 2], [0, 0])
+    with pytest.raises(UsageError, match=r"slot\(s\) \[3\] outside \[0, 3\)"):
+        three.prefill(3, [1])
+    with pytest.raises(UsageError, match=r"positions \[0, 17\) of slot 1 do not fit max_seq_len=16"):
+        three.prefill(1, [1] * 17)
+    with pytest.raises(UsageError, match="max_num_seqs must be >= 1, got 0"):
+        Engine.load(packs["mixtral", 1], rank=0, world_size=1, max_num_seqs=0)
+
+
+def test_buckets():
+    assert buckets_for(1) == (1,) and buckets_for(8) == (1, 2, 4, 8) and buckets_for(6) == (1, 2, 4, 6)

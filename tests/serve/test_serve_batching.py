@@ -1,0 +1,138 @@
+"""Continuous batching through the HTTP server (issue 14): ``shardsmith serve`` on the real SmolLM2
+MoE at world sizes 1 and 2 (CPU, gloo, float32), 4 sequence slots, 2 waiting places, prefill
+chunks of 8 tokens.
+
+Concurrent greedy requests with different prompts and lengths get exactly the tokens each gets
+alone, and really ran as one batch (``/metrics``); a request joins while another streams and
+finishes first; a seeded sampled request draws the same tokens in a batch as alone; past 4 running
+and 2 waiting requests a new one gets a 429 with OpenAI's error body and ``Retry-After``; a client
+that goes away frees its slot and the next waiting request is admitted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+from test_serve_e2e import Server  # noqa: E402  (tests/serve is on sys.path: tests/conftest.py)
+
+MODEL = "smol"
+SLOTS, QUEUE = 4, 2
+FLAGS = ("--dtype", "float32", "--max-num-seqs", str(SLOTS), "--max-queue", str(QUEUE), "--prefill-chunk", "8",
+         "--max-model-len", "256")
+# different prompt lengths (the chat one is ~30 tokens: 4 prefill chunks) and completion lengths
+REQUESTS = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 14}),
+    ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 6}),
+    ("/v1/completions", {"prompt": "def fibonacci(n):\n    ", "max_tokens": 16}),
+    ("/v1/completions", {"prompt": "Water boils at", "max_tokens": 10}),
+]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request, smollm2_pack, tmp_path_factory):
+    srv = Server(smollm2_pack(request.param), tmp_path_factory.mktemp("log") / "serve.log", *FLAGS, model=MODEL)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def ask(srv: Server, path: str, body: dict, **extra) -> tuple[str, int]:
+    """(text, completion tokens) of a non-streaming greedy request."""
+    r = httpx.post(f"{srv.url}{path}", json={"model": MODEL, "temperature": 0} | body | extra, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice.get("text", (choice.get("message") or {}).get("content")), r.json()["usage"]["completion_tokens"]
+
+
+def metrics(srv: Server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{srv.url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def open_stream(client: httpx.Client, body: dict) -> httpx.Response:
+    """A streaming completion whose headers arrived (the job is queued or running); read it later."""
+    req = client.build_request("POST", "/v1/completions", json={"model": MODEL, "stream": True} | body)
+    return client.send(req, stream=True)
+
+
+def test_concurrent_greedy_requests_get_the_tokens_each_gets_alone(server: Server) -> None:
+    alone = [ask(server, path, body) for path, body in REQUESTS]
+    before = metrics(server)
+    with cf.ThreadPoolExecutor(len(REQUESTS)) as pool:
+        together = list(pool.map(lambda r: ask(server, *r), REQUESTS))
+    after = metrics(server)
+    assert together == alone
+    assert "Paris" in alone[0][0] and all(n > 0 for _, n in alone)
+    batched = (after["shardsmith_decode_batch_size_count"] - before["shardsmith_decode_batch_size_count"]) - (
+        after['shardsmith_decode_batch_size_bucket{le="1.0"}'] - before['shardsmith_decode_batch_size_bucket{le="1.0"}'])
+    assert batched > 0, "no decode step ran more than one sequence"
+    assert after["shardsmith_max_num_seqs"] == SLOTS and after["shardsmith_sequence_state_bytes"] > 0
+    assert after["shardsmith_queue_time_seconds_count"] >= 2 * len(REQUESTS)
+    assert f"{SLOTS} sequence slot(s) of 256 tokens" in server.log()
+
+
+def test_a_request_joins_while_another_streams(server: Server) -> None:
+    short = REQUESTS[1]
+    want = ask(server, *short)
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        long = open_stream(client, {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0})
+        lines = long.iter_lines()
+        got = [line for line, _ in zip(lines, range(6))]  # a few tokens: it is streaming
+        assert all(line.startswith("data: {") or not line for line in got)
+        assert ask(server, *short) == want  # joined the running batch and finished
+        rest = list(lines)
+        long.close()
+    texts = [json.loads(x.removeprefix("data: ")) for x in got + rest if x.startswith("data: {")]
+    assert len([t for t in texts if t["choices"][0]["text"]]) > 10  # the long one kept going after
+    assert texts[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_seeded_sampling_is_the_same_in_a_batch(server: Server) -> None:
+    seeded = ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 1.0, "top_p": 0.95,
+                                  "seed": 1234})
+    alone = ask(server, seeded[0], seeded[1] | {"temperature": 1.0})
+    with cf.ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(ask, server, *r) for r in REQUESTS[1:]]
+        batched = ask(server, seeded[0], seeded[1] | {"temperature": 1.0})
+        [f.result() for f in others]
+    assert batched == alone
+
+
+def test_queue_limit_429_and_a_disconnect_frees_its_slot(server: Server) -> None:
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        streams = [open_stream(client, {"prompt": f"Story number {i}:", "max_tokens": 200}) for i in range(SLOTS + QUEUE)]
+        deadline = time.monotonic() + 60
+        while metrics(server)["shardsmith_requests_running"] < SLOTS and time.monotonic() < deadline:
+            time.sleep(0.2)
+        m = metrics(server)
+        assert m["shardsmith_requests_running"] == SLOTS and m["shardsmith_requests_waiting"] == QUEUE, m
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "rate_limit_exceeded"
+        assert f"--max-queue {QUEUE}" in err["message"] and int(r.headers["Retry-After"]) >= 1
+        streams[0].close()  # the client goes away: its slot is freed, the first waiting request runs
+        while metrics(server)["shardsmith_requests_waiting"] > QUEUE - 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        m = metrics(server)
+        assert m["shardsmith_requests_waiting"] == QUEUE - 1 and m["shardsmith_requests_running"] == SLOTS, m
+        for s in streams[1:]:
+            s.close()
+    while metrics(server)["shardsmith_requests_running"] > 0 and time.monotonic() < deadline + 60:
+        time.sleep(0.2)
+    m = metrics(server)
+    assert m["shardsmith_requests_running"] == 0 and m["shardsmith_requests_waiting"] == 0, m
+    assert ask(server, *REQUESTS[1])[1] > 0  # still serving
