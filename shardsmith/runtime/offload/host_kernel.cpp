@@ -202,13 +202,15 @@ at::Tensor expert(const at::Tensor& x, const at::Tensor& gu, const c10::optional
   const float* hp = h.data_ptr<float>();
   float* ap = act.data_ptr<float>();
   const float L = static_cast<float>(limit);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t i = 0; i < I; ++i) {
-      float g = hp[t * 2 * I + i], u = hp[t * 2 * I + I + i];
-      if (L > 0.f) g = std::min(g, L), u = std::min(std::max(u, -L), L);
-      ap[fp4 ? fp4_x_index(t, i, T) : t * I + i] = g / (1.f + std::exp(-g)) * u;
+  at::parallel_for(0, I, 256, [&](int64_t i0, int64_t i1) {  // a serial expf over I_r = 2048 costs ~20 us
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t i = i0; i < i1; ++i) {
+        float g = hp[t * 2 * I + i], u = hp[t * 2 * I + I + i];
+        if (L > 0.f) g = std::min(g, L), u = std::min(std::max(u, -L), L);
+        ap[fp4 ? fp4_x_index(t, i, T) : t * I + i] = g / (1.f + std::exp(-g)) * u;
+      }
     }
-  }
+  });
   at::Tensor y = at::empty({T, x.size(1)}, x.options());
   run(fn, {{down, {ap, static_cast<int>(T), y.data_ptr<float>(), x.size(1)}, x.size(1)}});
   return y;
