@@ -23,8 +23,10 @@ else
     source benchmarks/gpu/env.sh
     he=(--experts 16 --repeat 3)
     hv=(/tmp/v4ck160 --work /tmp/hvg --cache-fraction 0.0625 --prompt 32 --tokens 32 --link-gbps 25 --link-gbps 0)
+    inv=.inv/deepseek-v4-flash-0731-reap160
+    [ -d "$inv" ] || inv=../shared/real-inventories/deepseek-v4-flash-0731-reap160
     gen() { timeout 150 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4ck160 --layers 2 --experts 160 --mtp 0 \
-                --inventory .inv/deepseek-v4-flash-0731-reap160 2>&1 | tail -2; }
+                --inventory "$inv" 2>&1 | tail -2; }
 fi
 lscpu | grep -E 'Model name|^CPU\(s\)|Thread\(s\)|NUMA node\(s\)'
 echo "cpu flags: $(grep -o -w -E 'avx2|fma|f16c|avx512f|avx512_bf16|avx512_vnni|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ')"
