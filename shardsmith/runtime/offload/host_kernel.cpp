@@ -168,7 +168,7 @@ at::Tensor expert(const at::Tensor& x, const at::Tensor& gu, const c10::optional
                   const std::string& isa) {
   TORCH_CHECK(fmt == "fp4" || fmt == "fp8" || fmt == "bf16", "format must be fp4, fp8 or bf16, got ", fmt);
   const bool fp4 = fmt == "fp4";
-  TORCH_CHECK(fp4 || (fmt == "fp8") == gus.has_value(), "fp8 takes block scales, bf16 none");
+  TORCH_CHECK((fmt != "bf16") == gus.has_value(), "fp4 and fp8 take scales, bf16 none");
   TORCH_CHECK(gus.has_value() == dns.has_value(), "gate_up and down scales must both be given or both not");
   TORCH_CHECK(gu.dim() == 2 && gu.size(0) % 2 == 0, "gate_up must be [2*I, ...], got ", gu.sizes());
   const Kernels k = kernels_for(isa);
