@@ -146,3 +146,6 @@ def test_shape_mismatch_is_refused() -> None:
     with pytest.raises(RuntimeError, match="does not match"):
         torch.ops.shardsmith_host.dense_linear(torch.randn(1, 32), torch.zeros(8, 32, dtype=torch.uint8),
                                                torch.ones(2, 2), 8, 16, "")  # [1, 2] blocks
+    with pytest.raises(RuntimeError, match="take scales"):
+        torch.ops.shardsmith_host.expert(torch.randn(1, 32), w, None, torch.zeros(32, 4, dtype=torch.uint8), None,
+                                         "fp4", 0, 0, 0.0, "")
