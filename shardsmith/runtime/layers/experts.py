@@ -59,7 +59,8 @@ from shardsmith.runtime.layers.staging import rows_by_expert
 # it the copy (read + write + read) costs more than the one host sync it saves. Not yet tuned on GPU.
 DECODE_GATHER_MAX_BYTES = 64 << 20
 # Tokens per step up to which a kernel bank runs fused_experts: a decode batch (continuous batching
-# gives up to 16 rows; the kernel's tuned range, 6-17x the expanded pairs at T = 1-16 on an H200)
+# gives up to 16 rows): the kernel took 2.6-17x less time than the expanded pairs at T = 1-16 on an
+# H200 (RESULTS.md, kernels)
 FUSED_TOKENS_MAX = 16
 
 
