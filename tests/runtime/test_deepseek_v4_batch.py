@@ -220,3 +220,23 @@ def test_a_model_without_slots_says_to_set_them_up(tiny_v4_packs) -> None:
         model(torch.tensor([1]), 0)
     with pytest.raises(UsageError, match=r"max_num_seqs >= 1.*max_num_seqs=0"):
         model.setup_cache(16, torch.device("meta"), torch.float32, max_num_seqs=0)
+
+
+def test_batched_decode_step_has_no_host_sync(tiny_v4_packs) -> None:
+    """Batched steps on ``meta`` (no data to read): two slots and a padding row, through positions 0..4,
+    so every compressor completes a CSA window inside a step; logits keep the bucket's shape."""
+    from shardsmith.runtime.engine.loader import load_rank_weights
+    from shardsmith.runtime.layers.parallel import Shards
+    from shardsmith.runtime.models.deepseek_v4 import DeepseekV4, V4Args
+
+    w = load_rank_weights(tiny_v4_packs[1], rank=0, world_size=1)
+    model = DeepseekV4(V4Args.from_config(w.config), Shards(w.plan, 0, torch.float32))
+    model.setup_cache(64, torch.device("meta"), torch.float32, max_num_seqs=2)
+    ids = torch.empty(3, dtype=torch.int64, device="meta")
+    for pos in range(5):
+        step = model.decode_step(ids, [pos, pos, pos], [1, 0, 1], real=2)
+        (h,) = model.embed_ids(ids)
+        for layer in model.decode_layers:
+            (h,) = layer.ffn_block(h, *layer.attn_core(layer.attn_in(h, *layer.attn_in_args(step)), step))
+        assert model.logits(h)[0].shape == (3, model.args.vocab_size)
+    assert model.positions == [5, 5]
