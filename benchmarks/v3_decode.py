@@ -47,14 +47,21 @@ from pathlib import Path
 
 import torch
 
-POOL_BYTES = 1 << 28  # > the largest FP8 tensor (the dense MLP's 18432 x 7168)
+POOL_BYTES = 160 << 20  # > the largest FP8 tensor (the dense MLP's 18432 x 7168 = 126 Mi)
+_ALL = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3_RMS = float(_ALL[~_ALL.isnan()].pow(2).mean().sqrt())  # rms of a uniformly random finite code (~100)
+TILE_ELEMENTS = 1 << 26  # a larger BF16 tensor (embedding, head: 129280 x 7168) repeats a block of this many
 _pool: list[torch.Tensor] = []
 
 
 def code_pool() -> torch.Tensor:
     """``POOL_BYTES`` uniformly random finite e4m3 codes (uint8; NaN codes 0x7F/0xFF moved one down), made once."""
     if not _pool:
-        x = torch.randint(0, 256, (POOL_BYTES,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        # int32 random_ is ~8x faster than uint8 randint, but [0, 2^31): every 4th byte's top bit (an
+        # e4m3 sign) is 0; it takes the sign bit of the byte 3 before it
+        x = torch.empty(POOL_BYTES // 4, dtype=torch.int32).random_(generator=torch.Generator().manual_seed(0))
+        x = x.view(torch.uint8)
+        x[3::4] |= x[0::4] & 0x80
         x[(x & 0x7F) == 0x7F] -= 1
         _pool.append(x)
     return _pool[0]
@@ -106,15 +113,17 @@ def make(name: str, dt: str, shape: list[int], spec: dict) -> torch.Tensor:
         n, pool = math.prod(shape), code_pool()
         start = int(torch.randint(0, pool.numel() - n + 1, (1,), generator=g))
         return pool[start: start + n].clone().view(torch.float8_e4m3fn).view(shape)
-    if name.endswith("_scale_inv"):  # rms of uniform finite e4m3 codes ~ 154: scale to fan_in^-0.5
+    if name.endswith("_scale_inv"):  # weight rms ~ fan_in^-0.5, each block's scale x 2^-1, 1 or 2
         fan_in = spec[name[: -len("_scale_inv")]][1][1]
-        return torch.full(shape, fan_in ** -0.5 / 154.0) * 2.0 ** torch.randint(-1, 2, shape, generator=g)
+        return torch.full(shape, fan_in ** -0.5 / E4M3_RMS) * 2.0 ** torch.randint(-1, 2, shape, generator=g).float()
     if name.endswith("norm.weight"):
         return (1 + 0.05 * torch.randn(shape, generator=g)).to(torch.bfloat16)
     if name.endswith("e_score_correction_bias"):
         return 0.01 * torch.randn(shape, generator=g)
     std = 1.0 if name.endswith("embed_tokens.weight") else shape[-1] ** -0.5
-    return (torch.randn(shape, generator=g) * std).to(torch.bfloat16)
+    rows = min(shape[0], max(1, TILE_ELEMENTS // math.prod(shape[1:])))  # embedding and head: rows repeat
+    block = (torch.randn([rows, *shape[1:]], generator=g) * std).to(torch.bfloat16)
+    return block if rows == shape[0] else block.repeat(-(-shape[0] // rows), *[1] * (len(shape) - 1))[: shape[0]]
 
 
 def make_checkpoint(out: Path, *, dense_layers: int, moe_layers: int, experts: int, vocab: int,
@@ -239,6 +248,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", type=Path, nargs="?", help="a DeepSeek-V3 checkpoint (else --make or --tiny)")
     ap.add_argument("--make", type=Path, help="write the release-shaped checkpoint here first (kept if present)")
+    ap.add_argument("--make-only", action="store_true", help="stop after --make (the summary goes to --json)")
     ap.add_argument("--tiny", action="store_true", help="use the tiny test checkpoint (under --work)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/shardsmith-v3-bench"))
     ap.add_argument("--dense-layers", type=int, default=1)
@@ -273,6 +283,11 @@ def main() -> None:
             summary = make_checkpoint(ckpt, dense_layers=a.dense_layers, moe_layers=a.moe_layers, experts=a.experts,
                                       vocab=a.vocab, shard_bytes=int(a.shard_gb * 2**30))
             print(f"wrote {ckpt}: {summary['bytes'] / 1e9:.2f} GB in {summary['seconds']:.1f} s", file=sys.stderr)
+        if a.make_only:
+            if a.json and summary:
+                a.json.parent.mkdir(parents=True, exist_ok=True)
+                a.json.write_text(json.dumps({"benchmark": "v3_decode", "made": summary}, indent=1))
+            return
     elif a.checkpoint is None:
         raise SystemExit("give a checkpoint directory, --make DIR or --tiny")
     else:
