@@ -246,3 +246,22 @@ def test_state_bytes_and_bad_slots(packs: dict, family: str) -> None:
     assert "slots [1] appear in more than one real row" in msgs[7]
     assert "padding rows [1] must copy row 0" in msgs[8]
     assert "slot 1 holds 0 positions" in msgs[-1]
+
+
+@pytest.mark.parametrize("family", ["v3", "gpt-oss"])
+def test_engine_decode_graphs_drive_the_pieces_in_the_one_row_form(packs: dict, family: str) -> None:
+    """Today's :class:`DecodeGraphs` (``decode_step(ids, start)``, slot 0) on CPU runs the new pieces:
+    the same greedy tokens and, to float32 rounding, the same logits as the model's own steps."""
+    from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
+
+    model = load(packs[family, 1], 0, 1)
+    prompt = torch.randint(6, 512, (9,), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for name, run in (("forward", model), ("graphs", DecodeGraphs(model, torch.device("cpu")))):
+        logits, steps = run(prompt, 0), []
+        for i in range(5):
+            logits = run(logits[-1].argmax().view(1), prompt.shape[0] + i)
+            steps.append(logits[0])
+        runs[name] = torch.stack(steps)
+    assert runs["graphs"].argmax(-1).tolist() == runs["forward"].argmax(-1).tolist()
+    torch.testing.assert_close(runs["graphs"], runs["forward"], atol=ATOL, rtol=0)
