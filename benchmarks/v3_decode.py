@@ -8,8 +8,9 @@ of one dense and one MoE layer are taken from :func:`shardsmith.testing.tiny_v3.
 dense layers, then ``--moe-layers`` MoE layers of ``--experts`` routed experts (real: 256), no MTP
 layer, vocabulary ``--vocab`` (real: 129280). Values: FP8 e4m3 codes uniform over the finite
 ones (each FP8 tensor a slice of one random pool at its own offset), each block's scale making the
-weight's rms about ``fan_in^-0.5``; norms about 1; router
-``N(0, 1/D)``. Shards (``--shard-gb``) are written as they fill: memory stays under one shard.
+weight's rms about ``fan_in^-0.5``; norms about 1; router ``N(0, 1/D)``; the embedding and head
+repeat one random block every 9362 rows (generation time). Shards (``--shard-gb``) are written as
+they fill: memory stays under one shard. ``--make-only`` stops there.
 
 Then per ``--tp`` world size, one process per rank (NCCL on CUDA, gloo on CPU), each run loads
 the checkpoint (sliced at start-up, ``--from-checkpoint``: the same tensors a pack at that world
