@@ -107,6 +107,9 @@ def alone(model, prompts: list[list[int]]) -> list[dict]:
 
 def scenario(model, family: str) -> dict:
     """The batched run (see the module docstring); returns its measurements (identical on every rank)."""
+    if family == "v3-expanded":  # DeepSeek-V3 with kv_b_proj expanded (not absorbed) in every step
+        model.set_absorb("never")
+        family = "v3"
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in PROMPTS]
     ref = alone(model, prompts)
@@ -228,6 +231,13 @@ def test_batched_steps_equal_each_sequence_alone(packs: dict, family: str, world
     assert res["stray"] == []
     assert (3, 4) in res["buckets"] and any(r == b for r, b in res["buckets"])  # padded and unpadded steps ran
     assert res["max_num_seqs"] == N_SLOTS
+
+
+def test_v3_expanded_attention_rows_equal_each_sequence_alone(packs: dict) -> None:
+    """The same run with DeepSeek-V3's reference attention path (per-head keys and values expanded
+    from the latents, ``set_absorb("never")``) in the prefills, the alone runs and the batched rows."""
+    res = scenario(load(packs["v3", 1], 0, 1), "v3-expanded")
+    assert res["tokens"] == res["want"] and res["max_diff"] < ATOL and res["stray"] == []
 
 
 @pytest.mark.parametrize("family", ["v3", "gpt-oss"])
