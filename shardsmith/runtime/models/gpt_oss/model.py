@@ -97,6 +97,8 @@ class GptOss(nn.Module):
             differently.
     """
 
+    SUPPORTS_BATCHING = True  # per-sequence slots and batched decode steps (issue 14's contract)
+
     def __init__(self, args: GptOssArgs, shards: Shards) -> None:
         super().__init__()
         self.args = args
@@ -110,8 +112,6 @@ class GptOss(nn.Module):
         self.max_seq_len, self.max_num_seqs = 0, 0
         self.seqs = SeqSlots("gpt-oss", 1, 1)  # replaced by setup_cache
         shards.raise_problems()
-
-    SUPPORTS_BATCHING = True
 
     def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
         """Allocate the KV cache of ``max_num_seqs`` sequence slots (``[N, K, max_seq_len, d]`` per layer,
