@@ -47,10 +47,11 @@ def packs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Pat
     return out
 
 
-def load(path: Path, rank: int, world_size: int):
+def load(path: Path, rank: int, world_size: int, offload=None):
     from shardsmith.runtime.engine.engine import Engine
 
-    return Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=MAX_SEQ).model
+    return Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=MAX_SEQ,
+                       offload=offload).model
 
 
 def run_step(model, ids: list[int], starts: list[int], slots: list[int], real: int, *, split: bool) -> torch.Tensor:
@@ -237,6 +238,17 @@ def test_v3_expanded_attention_rows_equal_each_sequence_alone(packs: dict) -> No
     """The same run with DeepSeek-V3's reference attention path (per-head keys and values expanded
     from the latents, ``set_absorb("never")``) in the prefills, the alone runs and the batched rows."""
     res = scenario(load(packs["v3", 1], 0, 1), "v3-expanded")
+    assert res["tokens"] == res["want"] and res["max_diff"] < ATOL and res["stray"] == []
+
+
+def test_v3_offloaded_experts_in_batched_rows(packs: dict) -> None:
+    """DeepSeek-V3 with its routed experts offloaded to a 4-slot cache (a CPU pool): a batched step's
+    experts are the union over its rows, through ``decode_slots``; rows still equal each sequence alone."""
+    from shardsmith.runtime.offload import OffloadConfig
+
+    model = load(packs["v3", 1], 0, 1, OffloadConfig(backend="gpu", cache_slots=4, probe=False))
+    assert model.decode_layers[0].experts is None and model.decode_layers[1].experts.slot_path()  # dense, then cached
+    res = scenario(model, "v3")
     assert res["tokens"] == res["want"] and res["max_diff"] < ATOL and res["stray"] == []
 
 
