@@ -245,7 +245,7 @@ def test_v3_offloaded_experts_in_batched_rows(packs: dict) -> None:
     """DeepSeek-V3 with its routed experts offloaded to a 4-slot cache (a CPU pool): a batched step's
     experts are the union over its rows, through ``decode_slots``; rows still equal each sequence alone."""
     from shardsmith.runtime.offload import OffloadConfig
-    from shardsmith.runtime.offload.runtime import OffloadedExperts
+    from shardsmith.runtime.offload.attach import OffloadedExperts
 
     model = load(packs["v3", 1], 0, 1, OffloadConfig(backend="gpu", cache_slots=4, probe=False))
     assert model.decode_layers[0].experts is None  # the dense layer
