@@ -51,8 +51,18 @@ class RankTask:
     out: Path
 
 
+# The Triton kernels (FP8 linears, fused experts) take bf16/f16/f32 only: a float64 reference run
+# (of a float32 run) loads with the PyTorch paths they replace (env read once, at load).
+REFERENCE_PATHS = {"SHARDSMITH_FP8_DENSE": "dequantize", "SHARDSMITH_FUSED_EXPERTS": "off"}
+
+
 def _load(task: RankTask, rank: int, dtype):
+    import torch
+
     from shardsmith.runtime.engine.engine import Engine
+
+    if dtype == torch.float64:
+        os.environ.update(REFERENCE_PATHS)  # this rank process only
 
     # cuda_graphs off: a graphed decode step runs the layers' pieces, not the model's forward, so the
     # output hook of collect.greedy would see only the prefill (the pieces run the same kernels)

@@ -47,10 +47,11 @@ def packs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Pat
     return out
 
 
-def load(path: Path, rank: int, world_size: int):
+def load(path: Path, rank: int, world_size: int, offload=None):
     from shardsmith.runtime.engine.engine import Engine
 
-    return Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=MAX_SEQ).model
+    return Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=MAX_SEQ,
+                       offload=offload).model
 
 
 def run_step(model, ids: list[int], starts: list[int], slots: list[int], real: int, *, split: bool) -> torch.Tensor:
@@ -107,6 +108,9 @@ def alone(model, prompts: list[list[int]]) -> list[dict]:
 
 def scenario(model, family: str) -> dict:
     """The batched run (see the module docstring); returns its measurements (identical on every rank)."""
+    if family == "v3-expanded":  # DeepSeek-V3 with kv_b_proj expanded (not absorbed) in every step
+        model.set_absorb("never")
+        family = "v3"
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in PROMPTS]
     ref = alone(model, prompts)
@@ -230,6 +234,26 @@ def test_batched_steps_equal_each_sequence_alone(packs: dict, family: str, world
     assert res["max_num_seqs"] == N_SLOTS
 
 
+def test_v3_expanded_attention_rows_equal_each_sequence_alone(packs: dict) -> None:
+    """The same run with DeepSeek-V3's reference attention path (per-head keys and values expanded
+    from the latents, ``set_absorb("never")``) in the prefills, the alone runs and the batched rows."""
+    res = scenario(load(packs["v3", 1], 0, 1), "v3-expanded")
+    assert res["tokens"] == res["want"] and res["max_diff"] < ATOL and res["stray"] == []
+
+
+def test_v3_offloaded_experts_in_batched_rows(packs: dict) -> None:
+    """DeepSeek-V3 with its routed experts offloaded to a 4-slot cache (a CPU pool): a batched step's
+    experts are the union over its rows, through ``decode_slots``; rows still equal each sequence alone."""
+    from shardsmith.runtime.offload import OffloadConfig
+    from shardsmith.runtime.offload.attach import OffloadedExperts
+
+    model = load(packs["v3", 1], 0, 1, OffloadConfig(backend="gpu", cache_slots=4, probe=False))
+    assert model.decode_layers[0].experts is None  # the dense layer
+    assert all(isinstance(layer.experts, OffloadedExperts) for layer in model.decode_layers[1:])
+    res = scenario(model, "v3")
+    assert res["tokens"] == res["want"] and res["max_diff"] < ATOL and res["stray"] == []
+
+
 @pytest.mark.parametrize("family", ["v3", "gpt-oss"])
 def test_state_bytes_and_bad_slots(packs: dict, family: str) -> None:
     """``state_bytes`` counts every slot's cache; bad slots, positions and step rows raise UsageError naming them."""
@@ -246,3 +270,22 @@ def test_state_bytes_and_bad_slots(packs: dict, family: str) -> None:
     assert "slots [1] appear in more than one real row" in msgs[7]
     assert "padding rows [1] must copy row 0" in msgs[8]
     assert "slot 1 holds 0 positions" in msgs[-1]
+
+
+@pytest.mark.parametrize("family", ["v3", "gpt-oss"])
+def test_engine_decode_graphs_drive_the_pieces_in_the_one_row_form(packs: dict, family: str) -> None:
+    """Today's :class:`DecodeGraphs` (``decode_step(ids, start)``, slot 0) on CPU runs the new pieces:
+    the same greedy tokens and, to float32 rounding, the same logits as the model's own steps."""
+    from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
+
+    model = load(packs[family, 1], 0, 1)
+    prompt = torch.randint(6, 512, (9,), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for name, run in (("forward", model), ("graphs", DecodeGraphs(model, torch.device("cpu")))):
+        logits, steps = run(prompt, 0), []
+        for i in range(5):
+            logits = run(logits[-1].argmax().view(1), prompt.shape[0] + i)
+            steps.append(logits[0])
+        runs[name] = torch.stack(steps)
+    assert runs["graphs"].argmax(-1).tolist() == runs["forward"].argmax(-1).tolist()
+    torch.testing.assert_close(runs["graphs"], runs["forward"], atol=ATOL, rtol=0)

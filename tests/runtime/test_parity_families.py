@@ -61,7 +61,8 @@ def misorder_experts(pack: Path, *, rank: int, tensor: str) -> None:
         fh.write(data[per:] + data[:per])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param("v3", marks=pytest.mark.slow), "gpt-oss",  # ~30-40 s each
+                                    pytest.param("v4", marks=pytest.mark.slow)])
 def test_planted_defect_is_a_defect_at_its_layer(ckpts: dict, family: str, tmp_path: Path) -> None:
     from shardsmith.writer.split import split_checkpoint
 
@@ -151,3 +152,25 @@ def test_dequantized_copy_is_every_fp8_weight_times_its_blocks(ckpts: dict, tmp_
         assert got[name].dtype == torch.float32 and torch.equal(got[name], want), name
         checked += 1
     assert checked > 20 and split, split  # a weight and its scale in different shards was among them
+
+
+def test_float64_reference_rank_loads_the_pytorch_paths(ckpts: dict, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton kernels take bf16/f16/f32 only: a float64 reference rank (of a float32 run) loads
+    with the PyTorch paths even where the kernels are on (forced here under Triton's CPU
+    interpreter, as on CUDA), and runs; the float32 rank keeps them."""
+    pytest.importorskip("triton")
+    from shardsmith.parity.ranks import RankTask, _load
+    from shardsmith.writer.split import split_checkpoint
+
+    for var in ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS"):
+        monkeypatch.setenv(var, "kernel")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    split_checkpoint(ckpts["v3"], tmp_path / "tp1", world_size=1)
+    task = RankTask(tmp_path / "tp1", 1, "cpu", torch.float32, torch.float64, [[3, 5, 7]], 2, 2, None, False, True,
+                    16, tmp_path / "traces.pt")
+    kernels = lambda eng: sum(bool(getattr(m, "kernel", False)) for m in eng.model.modules())  # noqa: E731
+    assert kernels(_load(task, 0, torch.float32)) > 0
+    ref = _load(task, 0, torch.float64)
+    assert kernels(ref) == 0
+    assert torch.isfinite(ref.logits([3, 5, 7])).all()

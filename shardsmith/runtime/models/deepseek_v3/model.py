@@ -100,6 +100,8 @@ class DeepseekV3(nn.Module):
         RuntimeLoadError: listing every tensor the config needs that the plan lacks or shapes differently.
     """
 
+    SUPPORTS_BATCHING = True  # per-sequence slots and batched decode steps (issue 14's contract)
+
     def __init__(self, args: V3Args, shards: Shards) -> None:
         super().__init__()
         self.args = args
@@ -113,8 +115,6 @@ class DeepseekV3(nn.Module):
         self.max_seq_len, self.max_num_seqs = 0, 0
         self.seqs = SeqSlots("DeepSeek-V3", 1, 1)  # replaced by setup_cache
         shards.raise_problems()
-
-    SUPPORTS_BATCHING = True
 
     def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
         """Allocate the latent cache of ``max_num_seqs`` sequence slots (``[N, max_seq_len, c]`` and

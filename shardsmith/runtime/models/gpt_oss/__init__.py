@@ -4,8 +4,9 @@
 module                  contents
 ======================  ===================================================================
 ``config``              :class:`GptOssArgs` from ``config.json``; YaRN cos/sin tables
+``attention``           GQA with sinks, sliding/full layers, per-sequence KV slots
 ``moe``                 router with bias, MXFP4 experts expanded at load, clamped SwiGLU
-``model``               :class:`GptOss` (attention with sinks, sliding/full layers) and the
+``model``               :class:`GptOss`, its batched decode pieces, and the
                         strict weight assignment
 ======================  ===================================================================
 

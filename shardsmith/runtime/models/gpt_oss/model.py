@@ -9,136 +9,26 @@ source tensors                                module buffer                    w
 ``...experts.<proj>_blocks`` + ``_scales``    ``...experts.<proj>`` (dtype)    MXFP4 expanded at load
 ============================================  ===============================  ==================
 
-Attention (transformers ``modeling_gpt_oss.py`` ``eager_attention_forward``; OpenAI's reference
-``sdpa`` with ``S``): GQA over this rank's heads, q/k/v/o with biases, scale ``d^-0.5``, every
-head's learned sink logit joins its softmax as an extra column that is then dropped (the weights
-of a row sum to less than 1); ``sliding_attention`` layers (``layer_types``; the even ones in the
-release) attend to the last ``sliding_window`` positions (``q - k < window``), the others to all. RoPE rotates halves with YaRN cos/sin tables
-(:func:`~shardsmith.runtime.models.gpt_oss.config.rope_tables`). RMSNorm weights stay float32, as
-transformers keeps them. ``max_num_seqs`` sequences in slots of a static KV cache of ``max_seq_len``
-positions of the rank's KV heads (:mod:`~shardsmith.runtime.models.seq_slots`): a prefill or step
-runs one sequence in its slot; a batched decode step runs one token of each of B sequences through
-the layers' pieces (``engine/cuda_graphs.py``'s table). A step may start at any cached position.
+Attention with sinks over sliding and full layers lives in :mod:`~shardsmith.runtime.models.gpt_oss.attention`.
+``max_num_seqs`` sequences in slots of a static KV cache of ``max_seq_len`` positions of the rank's
+KV heads (:mod:`~shardsmith.runtime.models.seq_slots`): a prefill or step runs one sequence in its
+slot; a batched decode step runs one token of each of B sequences through the layers' pieces
+(``engine/cuda_graphs.py``'s table). A step may start at any cached position of its slot.
 
-Legend: B = sequences of a decode step, T = new tokens, S = cached positions, D = hidden, H = local query heads, K = local KV
-heads, d = head dim, V = vocabulary.
+Legend: B = sequences of a decode step, T = new tokens, D = hidden, V = vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shardsmith.runtime.layers.parallel import HeadShard, Shards, all_reduce
+from shardsmith.runtime.layers.parallel import Shards, all_reduce
+from shardsmith.runtime.models.gpt_oss.attention import Attention, RMSNorm
 from shardsmith.runtime.models.gpt_oss.config import GptOssArgs, rope_tables
 from shardsmith.runtime.models.gpt_oss.moe import Experts, MoE, expand_mxfp4
 from shardsmith.runtime.models.mixtral.model import install_buffers
 from shardsmith.runtime.models.seq_slots import Rows, SeqSlots, cache_bytes
-
-
-class RMSNorm(nn.Module):
-    """``(w * x / rms(x)).to(dtype)`` with a float32 weight (transformers ``GptOssRMSNorm``)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.register_buffer("weight", torch.empty(dim, dtype=torch.float32, device="meta"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves: ``x [T, n, d]``, ``cos``/``sin`` ``[T, d/2]`` (YaRN-scaled)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None], sin[:, None]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
-class Attention(nn.Module):
-    """This rank's heads with sinks; ``o_proj``'s all-reduce (bias added once after) is its collective."""
-
-    def __init__(self, args: GptOssArgs, shards: Shards, prefix: str, window: int | None) -> None:
-        super().__init__()
-        self.head_dim, self.window, self.scale = args.head_dim, window, args.head_dim ** -0.5
-        q_rows, kv_rows = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        before = len(shards.problems)
-        self.q_proj = shards.linear(prefix + ".q_proj", bias=True, shape=(q_rows, args.dim))
-        self.k_proj = shards.linear(prefix + ".k_proj", bias=True, shape=(kv_rows, args.dim))
-        self.v_proj = shards.linear(prefix + ".v_proj", bias=True, shape=(kv_rows, args.dim))
-        self.o_proj = shards.linear(prefix + ".o_proj", bias=True, shape=(args.dim, q_rows))
-        sinks = shards.tensor(prefix + ".sinks", (args.n_heads,))
-        if len(shards.problems) > before:  # the load fails; shapes here do not matter
-            heads = HeadShard(args.n_heads, args.n_kv_heads, tuple(range(args.n_heads)))
-        else:
-            heads = shards.heads(prefix, args.head_dim, args.n_heads // args.n_kv_heads)
-        self.n_heads, self.n_kv = heads.n_heads, heads.n_kv_heads
-        self.kv_index = torch.tensor(heads.kv_index)  # [H]: the local KV head each query head reads
-        n_sinks = sinks.local_shape(shards.rank)[0] if sinks is not None and len(shards.problems) == before else self.n_heads
-        self.register_buffer("sinks", torch.empty(n_sinks, dtype=shards.dtype, device="meta"))
-        self.cache_k = self.cache_v = None  # [N, K, S_max, d] (N slots), set by GptOss.setup_cache
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``x [T, D]`` (normed) -> ``q [T, H, d]``, ``k [T, K, d]`` (RoPE applied) and ``v [T, K, d]``."""
-        T, d = x.shape[0], self.head_dim
-        q = apply_rope(self.q_proj(x).view(T, self.n_heads, d), cos, sin)  # [T, H, d]
-        k = apply_rope(self.k_proj(x).view(T, self.n_kv, d), cos, sin)  # [T, K, d]
-        return q, k, self.v_proj(x).view(T, self.n_kv, d)
-
-    def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        """``x [T, D]`` at positions ``[start, start + T)`` of sequence ``slot`` -> ``[T, D]`` (all-reduced,
-        ``o_proj`` bias once).
-
-        Writes the new keys and values into the slot's cache, then attends to the cached positions the
-        window allows; the softmax runs in the compute dtype, as transformers' eager path does.
-        """
-        T = x.shape[0]
-        q, k, v = self.project(x, cos, sin)
-        end = start + T
-        self.cache_k[slot, :, start:end] = k.transpose(0, 1)
-        self.cache_v[slot, :, start:end] = v.transpose(0, 1)
-        lo = max(0, start - self.window + 1) if self.window else 0  # older keys are outside every window
-        qpos = torch.arange(start, end, device=x.device)  # [T]
-        o = self.attend(q.transpose(0, 1)[None], self.cache_k[slot: slot + 1, :, lo:end],
-                        self.cache_v[slot: slot + 1, :, lo:end], qpos[None], lo)[0]  # [H, T, d]
-        return self.o_proj(o.transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
-
-    def core_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
-        """One token per row, each of its own sequence: ``[B, H*d]`` (before ``o_proj``).
-
-        Real rows write ``k``/``v`` ``[B, K, d]`` at ``(slot, position)``; every row attends over its
-        slot's positions its window allows up to its own (the rows' slots gathered to ``[B, K, S, d]``
-        over the positions any row needs, the others masked); padding rows get row 0's output.
-        """
-        R, B = rows.real, q.shape[0]
-        slot, pos = rows.slot_index[:R], rows.pos[:R]
-        self.cache_k[slot, :, pos] = k[:R]
-        self.cache_v[slot, :, pos] = v[:R]
-        lo = max(0, min(rows.starts) - self.window + 1) if self.window else 0
-        keys = self.cache_k[:, :, lo: rows.length].index_select(0, rows.slot_index)  # [B, K, S, d]
-        values = self.cache_v[:, :, lo: rows.length].index_select(0, rows.slot_index)
-        o = self.attend(q[:, :, None], keys, values, rows.pos[:, None], lo)[:, :, 0]  # [B, H, d]
-        return rows.keep_padding(o.reshape(B, self.n_heads * self.head_dim))
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor, lo: int) -> torch.Tensor:
-        """Queries ``q [B, H, T, d]`` at positions ``qpos [B, T]`` over cached ``keys``/``values``
-        ``[B, K, S, d]`` at positions ``lo .. lo+S-1``, causal and windowed, sinks joining each
-        softmax: ``[B, H, T, d]``."""
-        B, H, T, _ = q.shape
-        idx = self.kv_index.to(q.device)
-        keys, values = keys.index_select(1, idx), values.index_select(1, idx)  # [B, H, S, d]
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [B, H, T, S]
-        kpos = torch.arange(lo, lo + keys.shape[2], device=q.device)[None, None, :]  # [1, 1, S]
-        allowed = kpos <= qpos[:, :, None]  # [B, T, S]
-        if self.window:
-            allowed &= qpos[:, :, None] - kpos < self.window
-        scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
-        sink = self.sinks.to(scores.dtype)[None, :, None, None].expand(B, -1, T, 1)  # [B, H, T, 1]
-        logits = torch.cat((scores, sink), dim=-1)
-        probs = F.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]  # drop the sink
-        return torch.matmul(probs, values)  # [B, H, T, d]
 
 
 class DecoderLayer(nn.Module):
@@ -207,6 +97,8 @@ class GptOss(nn.Module):
             differently.
     """
 
+    SUPPORTS_BATCHING = True  # per-sequence slots and batched decode steps (issue 14's contract)
+
     def __init__(self, args: GptOssArgs, shards: Shards) -> None:
         super().__init__()
         self.args = args
@@ -220,8 +112,6 @@ class GptOss(nn.Module):
         self.max_seq_len, self.max_num_seqs = 0, 0
         self.seqs = SeqSlots("gpt-oss", 1, 1)  # replaced by setup_cache
         shards.raise_problems()
-
-    SUPPORTS_BATCHING = True
 
     def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
         """Allocate the KV cache of ``max_num_seqs`` sequence slots (``[N, K, max_seq_len, d]`` per layer,
