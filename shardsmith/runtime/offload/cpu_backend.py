@@ -33,7 +33,7 @@ import torch
 from shardsmith.runtime.layers.experts import ExpertMath, expert_output
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
 from .host_bank import HostBanks
-from .host_kernel import default_isa, expert_swiglu_host, supports
+from .host_kernel import check_expert, default_isa, expert_swiglu_host, supports
 
 
 @functools.cache
@@ -75,6 +75,17 @@ class CpuExperts:
                                         initargs=(self.threads,))
         self.experts_computed = self.calls = 0
         self.compute_s = self.d2h_s = self.h2d_s = self.wait_s = 0.0
+        self._checked: set[str] = set()  # layers whose bank layout the kernel's Python checks passed
+
+    def _expert_fn(self, layer: int, bank: dict[str, torch.Tensor], x: torch.Tensor):
+        """The host path for this bank: the kernel (its layout checked once per layer) or the reference."""
+        if not (self.kernel and supports({name: a[0] for name, a in bank.items()})):
+            return expert_output
+        key = self.layers[layer]
+        if key not in self._checked:
+            check_expert({name: a[0] for name, a in bank.items()}, x[:1], self.block)
+            self._checked.add(key)
+        return functools.partial(expert_swiglu_host, check=False)
 
     def compute(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
                 experts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -88,8 +99,7 @@ class CpuExperts:
         """
         t0 = time.perf_counter()
         bank = self.host.layers[self.layers[layer]]
-        fast = self.kernel and supports({name: a[0] for name, a in bank.items()})
-        expert = expert_swiglu_host if fast else expert_output
+        expert = self._expert_fn(layer, bank, x)
         out = {}
         for e, (tok, k) in rows_by_expert(index, experts, index.device).items():
             y = expert({name: a[e] for name, a in bank.items()}, x[tok], self.block, self.math.limit)
