@@ -21,7 +21,7 @@ Rows (one per link, fraction, backend and mode): ``link_cap_gb_per_s`` (None: th
 ``probe_h2d_gb_per_s``, ``probe_host_ms_per_expert``, ``probe_host_round_trip_ms``, ``probe_gpu_expert_ms``,
 ``probe_hybrid_gain``, ``host_isa``, ``speedup_vs_gpu`` (same link, fraction and mode) and
 ``tokens_match_gpu``; per decoded token: ``moe_ms_per_token`` (host wall time in the offload runtime's
-layers), ``host_calls_per_token``, ``host_compute_ms_per_token`` (the worker thread),
+layers), ``host_calls_per_token``, ``host_compute_ms_per_token`` (the worker thread), ``host_expert_ms_per_token`` (of which in the expert calls),
 ``host_d2h_ms_per_token`` (the one D2H per hybrid layer, a stream sync), ``host_h2d_ms_per_token``,
 ``host_wait_ms_per_token`` (the driving thread blocked on the host), ``host_threads``. Example (GPU host)::
 
@@ -116,7 +116,7 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
                        f"hit {st.get('hit_rate', 0):.2f}, host experts/token {st['host_experts'] / n:.1f}, "
                        f"H2D {st.get('h2d_gb_per_s') or 0:.1f} GB/s; per token: MoE {host['moe_ms_per_token']:.2f} ms, "
                        f"host calls {host['host_calls_per_token']:.2f}, host compute "
-                       f"{host['host_compute_ms_per_token']:.2f} ms, D2H {host['host_d2h_ms_per_token']:.2f} ms, "
+                       f"{host['host_compute_ms_per_token']:.2f} ms (experts {host['host_expert_ms_per_token']:.2f}), D2H {host['host_d2h_ms_per_token']:.2f} ms, "
                        f"wait {host['host_wait_ms_per_token']:.2f} ms")
     rt.close()
     del model, runs

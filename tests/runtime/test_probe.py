@@ -95,7 +95,7 @@ def test_round_trip_equals_compute(cpu: CpuExperts) -> None:
 def test_host_path_measured_warm_and_leaves_counters(cpu: CpuExperts) -> None:
     round_trip, per = measure_host_path(cpu, torch.device("cpu"), 64, torch.float32, repeats=3, batch=3)
     assert round_trip >= 0 and per > 0
-    assert cpu.experts_computed == 0 and cpu.calls == 0
+    assert cpu.experts_computed == 0 and cpu.timings()["host_calls"] == 0 and cpu.timings()["host_wait_s"] == 0
     with pytest.raises(ValueError, match="batch >= 2"):
         measure_host_path(cpu, torch.device("cpu"), 64, torch.float32, batch=1)
     assert measure_gpu_expert(cpu, torch.device("cpu"), 64, torch.float32, None) == 0.0

@@ -61,7 +61,9 @@ class CpuExperts:
 
     Attributes:
         experts_computed, calls: experts and :meth:`compute` calls so far; compute_s: seconds the
-        worker spent in :meth:`compute`; d2h_s, h2d_s: seconds this thread spent in
+        worker spent in :meth:`compute`, expert_s of it in the expert calls (the kernel, which runs
+        without the GIL, and the wait to take the GIL back from the driving thread after it; the
+        rest is Python around them); d2h_s, h2d_s: seconds this thread spent in
         :meth:`submit_from`'s copy (a stream sync) and issuing :meth:`collect`'s; wait_s: seconds
         :meth:`collect` blocked on the worker (host time not hidden behind the GPU's).
     """
@@ -74,7 +76,7 @@ class CpuExperts:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cpu-experts", initializer=torch.set_num_threads,
                                         initargs=(self.threads,))
         self.experts_computed = self.calls = 0
-        self.compute_s = self.d2h_s = self.h2d_s = self.wait_s = 0.0
+        self.compute_s = self.expert_s = self.d2h_s = self.h2d_s = self.wait_s = 0.0
         self._checked: set[str] = set()  # layers whose bank layout the kernel's Python checks passed
 
     def _expert_fn(self, layer: int, bank: dict[str, torch.Tensor], x: torch.Tensor):
@@ -102,7 +104,9 @@ class CpuExperts:
         expert = self._expert_fn(layer, bank, x)
         out = {}
         for e, (tok, k) in rows_by_expert(index, experts, index.device).items():
+            t1 = time.perf_counter()
             y = expert({name: a[e] for name, a in bank.items()}, x[tok], self.block, self.math.limit)
+            self.expert_s += time.perf_counter() - t1
             out[e] = (tok, self.math.contribution(y, weight[tok, k], x.dtype))
         self.experts_computed += len(experts)
         self.calls += 1
@@ -149,13 +153,14 @@ class CpuExperts:
 
     def timings(self) -> dict[str, float]:
         """Counters for a benchmark row (see the class's Attributes)."""
-        return {"host_calls": self.calls, "host_compute_s": self.compute_s, "host_d2h_s": self.d2h_s,
+        return {"host_calls": self.calls, "host_compute_s": self.compute_s, "host_expert_s": self.expert_s,
+                "host_d2h_s": self.d2h_s,
                 "host_h2d_s": self.h2d_s, "host_wait_s": self.wait_s, "host_threads": self.threads}
 
     def reset_timings(self) -> None:
         """Zero :meth:`timings`' counters (``experts_computed`` too)."""
         self.experts_computed = self.calls = 0
-        self.compute_s = self.d2h_s = self.h2d_s = self.wait_s = 0.0
+        self.compute_s = self.expert_s = self.d2h_s = self.h2d_s = self.wait_s = 0.0
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -118,14 +118,15 @@ def probe_experts(n_experts: int, count: int) -> list[int]:
 
 
 def measure_host_path(cpu: CpuExperts, device: torch.device, dim: int, dtype: torch.dtype, *, repeats: int = 5,
-                      batch: int = 4) -> tuple[float, float]:
+                      batch: int = 4, launches: int = 64) -> tuple[float, float]:
     """``(round_trip_s, s_per_expert)`` of the host path of a one-token layer, warm, medians.
 
     Times :meth:`~.cpu_backend.CpuExperts.submit_from` plus :meth:`~.cpu_backend.CpuExperts.collect`
     from and to ``device`` (the runtime's own calls: one D2H, the worker thread, one H2D) with 1 and
     with ``batch`` experts per call, ``repeats`` times each on fresh experts of the last layer,
-    after one warm-up call of each size. While the host computes, this thread keeps launching small
-    device ops, as a decode step's thread does (its core is then not free for the host's threads).
+    after one warm-up call of each size. While the host computes, this thread launches ``launches``
+    small device ops, as a decode step's thread launches its GPU experts (its core and the GIL are
+    then not free for the host's threads), then waits, as the step does.
     ``s_per_expert = (t_batch - t_1) / (batch - 1)``, at least ``t_batch / (2 * batch)`` (a noisy pair
     of medians must not make the host look free); ``round_trip_s = t_1 - s_per_expert`` (>= 0).
 
@@ -141,7 +142,8 @@ def measure_host_path(cpu: CpuExperts, device: torch.device, dim: int, dtype: to
     x = torch.randn(1, dim, device=dev).to(dtype)
     busy = torch.zeros(64, device=dev)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    before = (cpu.experts_computed, cpu.calls, cpu.compute_s)
+    counters = ("experts_computed", "calls", "compute_s", "expert_s", "d2h_s", "h2d_s", "wait_s")
+    before = {k: getattr(cpu, k) for k in counters}
 
     def once(n: int) -> float:
         experts = sorted({next(order) for _ in range(n)})
@@ -150,10 +152,8 @@ def measure_host_path(cpu: CpuExperts, device: torch.device, dim: int, dtype: to
         sync()
         t0 = time.perf_counter()
         fut = cpu.submit_from(layer, x, index.cpu(), weight, experts)
-        while not fut.done():  # the decode thread's own work meanwhile: launches, no waits
+        for _ in range(launches):  # the decode thread's own launches meanwhile (it holds the GIL while it does)
             busy.add_(1.0)
-            if dev.type != "cuda":
-                time.sleep(0)
         cpu.collect(fut, dev)
         sync()
         return time.perf_counter() - t0
@@ -161,7 +161,8 @@ def measure_host_path(cpu: CpuExperts, device: torch.device, dim: int, dtype: to
     once(1), once(batch)  # warm: extension load, thread start, first touch of the code paths
     one = statistics.median(once(1) for _ in range(repeats))
     many = statistics.median(once(batch) for _ in range(repeats))
-    cpu.experts_computed, cpu.calls, cpu.compute_s = before
+    for k, v in before.items():  # the probe's calls are not the model's
+        setattr(cpu, k, v)
     per = max((many - one) / (batch - 1), many / (2 * batch))  # a noisy pair must not make the host look free
     return max(one - per, 0.0), per
 
