@@ -23,7 +23,9 @@ Rows (one per link, fraction, backend and mode): ``link_cap_gb_per_s`` (None: th
 ``tokens_match_gpu``; per decoded token: ``moe_ms_per_token`` (host wall time in the offload runtime's
 layers), ``host_calls_per_token``, ``host_compute_ms_per_token`` (the worker thread), ``host_expert_ms_per_token`` (of which in the expert calls),
 ``host_d2h_ms_per_token`` (the one D2H per hybrid layer, a stream sync), ``host_h2d_ms_per_token``,
-``host_wait_ms_per_token`` (the driving thread blocked on the host), ``host_threads``. Example (GPU host)::
+``host_wait_ms_per_token`` (the driving thread blocked on the host), ``host_threads``;
+``prefill_host_experts`` (experts the host computed for the prompt: float32 where the GPU computes
+bf16, so a hybrid run's tokens may part from the ``gpu`` run's there even with none in decode). Example (GPU host)::
 
     python benchmarks/hybrid_vs_gpu.py /tmp/v4ck --work /tmp/hvg --link-gbps 25 --link-gbps 0 --cache-fraction 0.0625
     python benchmarks/hybrid_vs_gpu.py --tiny --work /tmp/hvg-tiny --device cpu --dtype float32   # rehearsal
@@ -95,7 +97,10 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
     except Exception as e:  # noqa: BLE001 - reported in the row
         rows.append(base | {"mode": "graphs", "error": f"{type(e).__name__}: {e}"[:300]})
     for mode, run in runs:
+        prefill = {}
+
         def after_prefill() -> None:
+            prefill["host_experts"] = rt.stats()["host_experts"]  # float32 host maths from here on: tokens may differ
             rt.reset_stats()
             rt.cpu.reset_timings()
 
@@ -105,7 +110,7 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
         ht = rt.cpu.timings()
         host = {"host_calls_per_token": ht["host_calls"] / n, "host_threads": ht["host_threads"],
                 "moe_ms_per_token": 1e3 * st["moe_s"] / n, "steps_all_hit": st["steps_all_hit"],
-                "decode_steps": st["decode_steps"]}
+                "decode_steps": st["decode_steps"], "prefill_host_experts": prefill.get("host_experts", 0)}
         host |= {f"{k[:-2]}_ms_per_token": 1e3 * v / n for k, v in ht.items() if k.endswith("_s")}
         rows.append(base | {"mode": mode, "tokens_per_s": a.tokens / seconds, "ms_per_token": 1e3 * seconds / a.tokens,
                             "tokens": tokens, "hit_rate": st.get("hit_rate"), "misses_per_token": st.get("misses", 0) / n,

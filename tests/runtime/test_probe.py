@@ -99,3 +99,24 @@ def test_host_path_measured_warm_and_leaves_counters(cpu: CpuExperts) -> None:
     with pytest.raises(ValueError, match="batch >= 2"):
         measure_host_path(cpu, torch.device("cpu"), 64, torch.float32, batch=1)
     assert measure_gpu_expert(cpu, torch.device("cpu"), 64, torch.float32, None) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_round_trip_from_the_device(cpu: CpuExperts) -> None:
+    """From CUDA tensors: one D2H in, results on the device, equal to the host computation; the
+    probe's timings of that path are positive and leave the counters as they were."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 64, generator=g).bfloat16()
+    index = torch.tensor([[3, 6], [6, 0]])
+    weight = torch.rand(2, 2, generator=g)
+    want = cpu.compute(0, x, index, weight, [0, 3, 6])
+    got = cpu.collect(cpu.submit_from(0, x.to(dev), index, weight.to(dev), [0, 3, 6]), dev)
+    for e in want:
+        assert got[e][1].device.type == "cuda"
+        assert torch.equal(got[e][0].cpu(), want[e][0]) and torch.equal(got[e][1].cpu(), want[e][1])
+    cpu.reset_timings()
+    round_trip, per = measure_host_path(cpu, dev, 64, torch.bfloat16, repeats=3)
+    assert round_trip >= 0 and per > 0 and cpu.timings()["host_calls"] == 0
+    assert measure_gpu_expert(cpu, dev, 64, torch.bfloat16, None) > 0
