@@ -82,7 +82,8 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
     decode(model, prompt, a.tokens, sync)  # warm-up: fills the cache with this prompt's experts
     base = {"backend": backend, "chosen": rt.backend, "hybrid_fraction": rt.hybrid_fraction,
             "cache_fraction": fraction, "ready_s": ready, "ready_log": rt.ready_line(),
-            "link_cap_gb_per_s": link or None, "threads": torch.get_num_threads()}
+            "link_cap_gb_per_s": link or None, "threads": torch.get_num_threads(),
+            "gil_switch_interval_s": sys.getswitchinterval()}  # the host's worker waits up to this for the GIL
     if rt.probe is not None:
         base |= {"probe_h2d_gb_per_s": rt.probe.h2d_gb_per_s, "probe_host_ms_per_expert": rt.probe.cpu_s_per_expert * 1e3,
                  "probe_host_round_trip_ms": rt.probe.host_round_trip_s * 1e3,
