@@ -120,3 +120,44 @@ def test_round_trip_from_the_device(cpu: CpuExperts) -> None:
     round_trip, per = measure_host_path(cpu, dev, 64, torch.bfloat16, repeats=3)
     assert round_trip >= 0 and per > 0 and cpu.timings()["host_calls"] == 0
     assert measure_gpu_expert(cpu, dev, 64, torch.bfloat16, None) > 0
+
+
+def _rank_decides(rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    from shardsmith.runtime.offload.probe import _slowest
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # rank 0's link is slower (5 GB/s), rank 1's host: both ranks must decide on the slowest of each
+        bw, round_trip, per, gpu_s = [(-5.0, 0.1e-3, 0.6e-3, 0.05e-3), (-8.0, 0.3e-3, 1.5e-3, 0.05e-3)][rank]
+        neg_bw, round_trip, per, gpu_s = _slowest([bw, round_trip, per, gpu_s], torch.device("cpu"))
+        queue.put((rank, (neg_bw, round_trip, per), decide("auto", cuda=True, h2d_gb_per_s=-neg_bw, slot_bytes=12 << 20,
+                                                          cpu_s_per_expert=per, round_trip_s=round_trip,
+                                                          gpu_expert_s=gpu_s)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_decide_alike_on_the_slowest_measurements() -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_decides, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, (m, d)) for r, m, d in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got[0] == got[1]
+    (neg_bw, round_trip, per), decision = got[0]
+    assert (neg_bw, round_trip, per) == (-5.0, 0.3e-3, 1.5e-3)  # the max of -bandwidth is the slower link
+    assert decision == decide("auto", cuda=True, h2d_gb_per_s=5.0, slot_bytes=12 << 20, cpu_s_per_expert=1.5e-3,
+                              round_trip_s=0.3e-3, gpu_expert_s=0.05e-3)
