@@ -18,8 +18,14 @@ routing gives, i.e. more misses for the host or the link to cover.
 Rows (one per link, fraction, backend and mode): ``link_cap_gb_per_s`` (None: the real link),
 ``backend`` (requested), ``chosen`` (what the probe picked), ``hybrid_fraction``, ``tokens_per_s``,
 ``hit_rate``, ``host_experts_per_token``, ``h2d_gb_per_s`` (achieved by the miss copies) and
-``probe_h2d_gb_per_s``, ``probe_host_ms_per_expert``, ``host_isa``, ``speedup_vs_gpu`` (same link, fraction and mode) and
-``tokens_match_gpu``. Example (GPU host)::
+``probe_h2d_gb_per_s``, ``probe_host_ms_per_expert``, ``probe_host_round_trip_ms``, ``probe_gpu_expert_ms``,
+``probe_hybrid_gain``, ``host_isa``, ``speedup_vs_gpu`` (same link, fraction and mode) and
+``tokens_match_gpu``; per decoded token: ``moe_ms_per_token`` (host wall time in the offload runtime's
+layers), ``host_calls_per_token``, ``host_compute_ms_per_token`` (the worker thread), ``host_expert_ms_per_token`` (of which in the expert calls),
+``host_d2h_ms_per_token`` (the one D2H per hybrid layer, a stream sync), ``host_h2d_ms_per_token``,
+``host_wait_ms_per_token`` (the driving thread blocked on the host), ``host_threads``;
+``prefill_host_experts`` (experts the host computed for the prompt: float32 where the GPU computes
+bf16, so a hybrid run's tokens may part from the ``gpu`` run's there even with none in decode). Example (GPU host)::
 
     python benchmarks/hybrid_vs_gpu.py /tmp/v4ck --work /tmp/hvg --link-gbps 25 --link-gbps 0 --cache-fraction 0.0625
     python benchmarks/hybrid_vs_gpu.py --tiny --work /tmp/hvg-tiny --device cpu --dtype float32   # rehearsal
@@ -76,9 +82,12 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
     decode(model, prompt, a.tokens, sync)  # warm-up: fills the cache with this prompt's experts
     base = {"backend": backend, "chosen": rt.backend, "hybrid_fraction": rt.hybrid_fraction,
             "cache_fraction": fraction, "ready_s": ready, "ready_log": rt.ready_line(),
-            "link_cap_gb_per_s": link or None, "threads": torch.get_num_threads()}
+            "link_cap_gb_per_s": link or None, "threads": torch.get_num_threads(),
+            "gil_switch_interval_s": sys.getswitchinterval()}  # the host's worker waits up to this for the GIL
     if rt.probe is not None:
         base |= {"probe_h2d_gb_per_s": rt.probe.h2d_gb_per_s, "probe_host_ms_per_expert": rt.probe.cpu_s_per_expert * 1e3,
+                 "probe_host_round_trip_ms": rt.probe.host_round_trip_s * 1e3,
+                 "probe_gpu_expert_ms": rt.probe.gpu_expert_s * 1e3, "probe_hybrid_gain": rt.probe.hybrid_gain,
                  "host_isa": rt.probe.cpu_isa, "probe_reason": rt.probe.reason}
     rows = []
     runs = [("eager", model)]
@@ -89,17 +98,32 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
     except Exception as e:  # noqa: BLE001 - reported in the row
         rows.append(base | {"mode": "graphs", "error": f"{type(e).__name__}: {e}"[:300]})
     for mode, run in runs:
-        seconds, tokens = decode(run, prompt, a.tokens, sync, after_prefill=rt.reset_stats)
+        prefill = {}
+
+        def after_prefill() -> None:
+            prefill["host_experts"] = rt.stats()["host_experts"]  # float32 host maths from here on: tokens may differ
+            rt.reset_stats()
+            rt.cpu.reset_timings()
+
+        seconds, tokens = decode(run, prompt, a.tokens, sync, after_prefill=after_prefill)
         st = rt.stats()
         n = max(1, st["tokens"])
+        ht = rt.cpu.timings()
+        host = {"host_calls_per_token": ht["host_calls"] / n, "host_threads": ht["host_threads"],
+                "moe_ms_per_token": 1e3 * st["moe_s"] / n, "steps_all_hit": st["steps_all_hit"],
+                "decode_steps": st["decode_steps"], "prefill_host_experts": prefill.get("host_experts", 0)}
+        host |= {f"{k[:-2]}_ms_per_token": 1e3 * v / n for k, v in ht.items() if k.endswith("_s")}
         rows.append(base | {"mode": mode, "tokens_per_s": a.tokens / seconds, "ms_per_token": 1e3 * seconds / a.tokens,
                             "tokens": tokens, "hit_rate": st.get("hit_rate"), "misses_per_token": st.get("misses", 0) / n,
                             "host_experts_per_token": st["host_experts"] / n,
                             "bytes_copied_per_token": st.get("bytes_copied", 0) / n,
-                            "h2d_gb_per_s": st.get("h2d_gb_per_s"), "slots": st.get("slots")})
+                            "h2d_gb_per_s": st.get("h2d_gb_per_s"), "slots": st.get("slots")} | host)
         progress(0, 1, f"{where} ({rt.backend}) {mode}: {a.tokens / seconds:.1f} tok/s, "
                        f"hit {st.get('hit_rate', 0):.2f}, host experts/token {st['host_experts'] / n:.1f}, "
-                       f"H2D {st.get('h2d_gb_per_s') or 0:.1f} GB/s")
+                       f"H2D {st.get('h2d_gb_per_s') or 0:.1f} GB/s; per token: MoE {host['moe_ms_per_token']:.2f} ms, "
+                       f"host calls {host['host_calls_per_token']:.2f}, host compute "
+                       f"{host['host_compute_ms_per_token']:.2f} ms (experts {host['host_expert_ms_per_token']:.2f}), D2H {host['host_d2h_ms_per_token']:.2f} ms, "
+                       f"wait {host['host_wait_ms_per_token']:.2f} ms")
     rt.close()
     del model, runs
     if cuda:

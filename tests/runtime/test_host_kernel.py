@@ -3,8 +3,9 @@
 Stored formats built with the project's reference quantizers; float32 activations, so the kernel
 (float32 accumulation, no expanded copy) must equal the dequantize-then-matmul reference within
 float32 rounding, on every instruction set this CPU supports (``scalar`` and ``avx2`` here; the GPU
-host adds ``avx512``, benchmarks/gpu/hybrid_vs_gpu.sh runs this file there). Skipped, saying why,
-where the kernel cannot be compiled.
+host adds ``avx512``, benchmarks/gpu/hybrid_vs_gpu.sh and host_kernel_diag.sh run this file there).
+Bad arguments are refused in Python before the operator runs; the C++ checks behind them are
+exercised in a child process. Skipped, saying why, where the kernel cannot be compiled.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ def test_isa_variable_chooses_and_is_checked(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv(host_kernel.ISA_ENV, "avx1024")
     with pytest.raises(UsageError, match="avx1024"):
         host_kernel.default_isa()
-    with pytest.raises(RuntimeError, match="not available"):
-        torch.ops.shardsmith_host.fp4_linear(torch.randn(1, 32), torch.zeros(1, 16, dtype=torch.uint8),
-                                             torch.zeros(1, 1, dtype=torch.uint8), "avx1024")
+    with pytest.raises(UsageError, match="'avx1024' is not available"):
+        host_kernel.fp4_linear(torch.randn(1, 32), torch.zeros(1, 16, dtype=torch.uint8),
+                               torch.zeros(1, 1, dtype=torch.uint8), isa="avx1024")
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -136,16 +137,57 @@ def test_isas_agree_with_each_other() -> None:
         _close(torch.ops.shardsmith_host.fp4_linear(x, w.view(torch.uint8), s.view(torch.uint8), isa), base)
 
 
-def test_shape_mismatch_is_refused() -> None:
+def test_shape_mismatch_is_refused_before_the_kernel() -> None:
+    """Every bad argument is refused in Python (UsageError), each problem named; no C++ exception."""
     x = torch.randn(1, 64)
     w = torch.zeros(8, 16, dtype=torch.uint8)  # 32 columns, x has 64
-    with pytest.raises(RuntimeError, match="columns"):
-        torch.ops.shardsmith_host.fp4_linear(x, w, torch.zeros(8, 1, dtype=torch.uint8), "")
-    with pytest.raises(RuntimeError, match="does not match"):
-        torch.ops.shardsmith_host.fp4_linear(torch.randn(1, 32), w, torch.zeros(8, 2, dtype=torch.uint8), "")
-    with pytest.raises(RuntimeError, match="does not match"):
-        torch.ops.shardsmith_host.dense_linear(torch.randn(1, 32), torch.zeros(8, 32, dtype=torch.uint8),
-                                               torch.ones(2, 2), 8, 16, "")  # [1, 2] blocks
-    with pytest.raises(RuntimeError, match="take scales"):
-        torch.ops.shardsmith_host.expert(torch.randn(1, 32), w, None, torch.zeros(32, 4, dtype=torch.uint8), None,
-                                         "fp4", 0, 0, 0.0, "")
+    with pytest.raises(UsageError, match="x has 64 columns, the weight 32"):
+        host_kernel.fp4_linear(x, w, torch.zeros(8, 1, dtype=torch.uint8))
+    with pytest.raises(UsageError, match=r"fp4 scale \[8, 2\] does not match the weight \[8, 16\]"):
+        host_kernel.fp4_linear(torch.randn(1, 32), w, torch.zeros(8, 2, dtype=torch.uint8))
+    with pytest.raises(UsageError, match=r"fp8 scale \[2, 2\] does not match .* \(want \[1, 2\]\)"):
+        host_kernel.dense_linear(torch.randn(1, 32), torch.zeros(8, 32, dtype=torch.uint8), torch.ones(2, 2), (8, 16))
+    with pytest.raises(UsageError, match="without a scale must be bfloat16|without scale must be bfloat16"):
+        host_kernel.dense_linear(torch.randn(1, 32), torch.zeros(8, 32), None, None)
+    g = torch.Generator().manual_seed(0)
+    arrays = _fp4_expert(g, inter=32, dim=64)
+    with pytest.raises(UsageError, match="fp4 expert without down_scale, gate_up_scale"):
+        host_kernel.expert_swiglu_host({"gate_up": arrays["gate_up"], "down": arrays["down"]}, x, None)
+    with pytest.raises(UsageError, match="down has 64 rows, x 96 columns; gate_up: x has 96 columns, the weight 64"):
+        host_kernel.expert_swiglu_host(arrays, torch.randn(2, 96), None)
+    with pytest.raises(UsageError, match=r"T >= 1, got \[0, 64\]"):
+        host_kernel.expert_swiglu_host(arrays, torch.randn(0, 64), None)
+    fp8 = _fp8_expert(g, inter=32, dim=64, block=(16, 16))
+    with pytest.raises(UsageError, match="needs its block size"):
+        host_kernel.expert_swiglu_host(fp8, x, None)
+    with pytest.raises(UsageError, match=r"scale \[2, 4\] does not match the weight \[32, 64\] in 8x16 blocks"):
+        host_kernel.expert_swiglu_host(fp8, x, (8, 16))
+
+
+_RAISE = """
+import sys, torch
+from shardsmith.runtime.offload import host_kernel
+assert host_kernel.available()
+torch.ops.shardsmith_host.fp4_linear(torch.randn(2, 32), torch.zeros(8, 16, dtype=torch.uint8),
+                                     torch.zeros(8, 1, dtype=torch.uint8), "")  # start the threads first
+try:
+    torch.ops.shardsmith_host.fp4_linear(torch.randn(1, 64), torch.zeros(8, 16, dtype=torch.uint8),
+                                         torch.zeros(8, 1, dtype=torch.uint8), "")
+except RuntimeError as e:
+    print("caught:", str(e).splitlines()[0])
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+def test_kernel_check_reaches_python_as_runtime_error() -> None:
+    """The C++ checks (the second line) raise a catchable RuntimeError, in a child process so a crash
+    there (issue 15: a segfault on the GPU host) fails this test instead of killing the session."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _RAISE], capture_output=True, text=True,
+                          timeout=300, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, f"rc {proc.returncode} (negative: killed by that signal)\n{proc.stderr[-3000:]}"
+    assert "x has 64 columns, the weight 32" in proc.stdout

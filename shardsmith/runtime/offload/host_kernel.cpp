@@ -31,6 +31,10 @@
 #include <string>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace {
 
 using namespace shardsmith_host;
@@ -69,6 +73,17 @@ Kernels kernels_for(const std::string& isa) {
   if (want == "avx512") return avx512_kernels();
   if (want == "avx2") return avx2_kernels();
   return scalar_kernels();
+}
+
+// This extension's parallel regions (at::parallel_for is inlined here) run on the OpenMP runtime it
+// was linked with. Where that is not torch's own (a wheel that bundles a renamed libgomp, the host
+// g++'s libgomp.so.1 loaded beside it), torch.set_num_threads never reaches it and every region
+// would take all the cores; each operator therefore sets this thread's team size to torch's count.
+void sync_threads() {
+#ifdef _OPENMP
+  const int n = at::get_num_threads();
+  if (omp_get_max_threads() != n) omp_set_num_threads(n);
+#endif
 }
 
 // One matrix's rows [0, rows) with its activations; several run in one parallel region.
@@ -146,6 +161,7 @@ at::Tensor linear(const at::Tensor& x, const Matrix& m, int64_t R, RowsFn fn) {
 
 // y [T, R] float32 = x [T, C] @ W^T for an FP4 weight [R, C/2] with UE8M0 scales [R, C/32].
 at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const std::string& isa) {
+  sync_threads();
   const Matrix m = fp4_matrix(w, s);
   check_x(x, m.C);
   return linear(fp4_activations(x), m, w.size(0), kernels_for(isa).fp4);
@@ -154,6 +170,7 @@ at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 // y [T, R] float32 = x [T, C] @ W^T for an FP8 e4m3 weight [R, C] with float32 block scales, or bf16.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                         int64_t br, int64_t bc, const std::string& isa) {
+  sync_threads();
   const Matrix m = dense_matrix(w, scale, br, bc);
   check_x(x, m.C);
   const Kernels k = kernels_for(isa);
@@ -166,6 +183,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 at::Tensor expert(const at::Tensor& x, const at::Tensor& gu, const c10::optional<at::Tensor>& gus, const at::Tensor& dn,
                   const c10::optional<at::Tensor>& dns, const std::string& fmt, int64_t br, int64_t bc, double limit,
                   const std::string& isa) {
+  sync_threads();
   TORCH_CHECK(fmt == "fp4" || fmt == "fp8" || fmt == "bf16", "format must be fp4, fp8 or bf16, got ", fmt);
   const bool fp4 = fmt == "fp4";
   TORCH_CHECK((fmt != "bf16") == gus.has_value(), "fp4 and fp8 take scales, bf16 none");

@@ -23,6 +23,12 @@ cached by the hash of its sources, the torch version and the CPU's flags under
 ``$SHARDSMITH_CACHE/host_kernel``. Without a compiler everything still works: :func:`available`
 says whether the compiled kernel is loaded and callers fall back to the reference.
 
+Every argument is checked here, in Python, before an operator is called (:func:`check_expert`,
+:func:`fp4_linear`, :func:`dense_linear` raise :class:`~shardsmith.errors.UsageError`), so no
+runtime path relies on a C++ exception crossing into Python: on the GPU host one raised by a
+``TORCH_CHECK`` in this extension killed the process instead (issue 15; ``benchmarks/gpu/
+host_kernel_diag.sh`` isolates it). The ``TORCH_CHECK`` calls stay in the C++ as a second line.
+
 Legend: T = tokens, D = hidden, I_r = this rank's intermediate share.
 """
 
@@ -111,8 +117,141 @@ def supports(arrays: dict[str, torch.Tensor]) -> bool:
     return gu.dtype == torch.bfloat16
 
 
+_CHECKED: set[tuple] = set()  # layouts check_expert has passed
+
+
+def _fail(errors: list[str]) -> None:
+    if errors:
+        raise UsageError("host expert kernel: " + "; ".join(sorted(errors)))
+
+
+def _isa_errors(isa: str) -> list[str]:
+    if isa and isa not in isas():
+        return [f"instruction set {isa!r} is not available here; this build and CPU support {', '.join(isas()) or 'none'}"]
+    return []
+
+
+def _fp4_errors(name: str, w: torch.Tensor, s: torch.Tensor, cols: int | None) -> list[str]:
+    """Problems of an FP4 weight ``[R, C/2]`` bytes with UE8M0 scales ``[R, C/32]`` meeting ``cols`` inputs."""
+    out = []
+    if w.dim() != 2 or w.element_size() != 1 or (w.numel() and w.stride(1) != 1):
+        return [f"{name}: fp4 weight must be [R, C/2] bytes with contiguous rows, got {w.dtype} {list(w.shape)}"]
+    if s.dim() != 2 or s.element_size() != 1 or (s.numel() and s.stride(1) != 1):
+        return [f"{name}: fp4 scale must be [R, C/32] bytes with contiguous rows, got {s.dtype} {list(s.shape)}"]
+    c = 2 * w.shape[1]
+    if c % 32 or tuple(s.shape) != (w.shape[0], c // 32):
+        out.append(f"{name}: fp4 scale {list(s.shape)} does not match the weight {list(w.shape)} "
+                   f"(want [{w.shape[0]}, {c // 32}], C = {c} a multiple of 32)")
+    if cols is not None and c != cols:
+        out.append(f"{name}: x has {cols} columns, the weight {c}")
+    return out
+
+
+def _dense_errors(name: str, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+                  cols: int | None) -> list[str]:
+    """Problems of an FP8 ``[R, C]`` weight with float32 block scales, or a bf16 one (``scale`` None)."""
+    if w.dim() != 2 or (w.numel() and w.stride(1) != 1):
+        return [f"{name}: weight must be [R, C] with contiguous rows, got {list(w.shape)}"]
+    out = []
+    if scale is None:
+        if w.dtype != torch.bfloat16:
+            out.append(f"{name}: a weight without scale must be bfloat16, got {w.dtype}")
+    else:
+        if w.element_size() != 1:
+            out.append(f"{name}: fp8 weight must be 1 byte per element, got {w.dtype}")
+        if block is None or len(block) != 2 or min(block) <= 0:
+            return out + [f"{name}: fp8 needs a positive block (rows, cols), got {block}"]
+        br, bc = block
+        want = (-(-w.shape[0] // br), -(-w.shape[1] // bc))
+        if scale.dim() != 2 or scale.dtype != torch.float32 or (scale.numel() and scale.stride(1) != 1):
+            out.append(f"{name}: fp8 scale must be float32 [R/BR, C/BC] with contiguous rows, got {scale.dtype} "
+                       f"{list(scale.shape)}")
+        elif tuple(scale.shape) != want:
+            out.append(f"{name}: fp8 scale {list(scale.shape)} does not match the weight {list(w.shape)} in "
+                       f"{br}x{bc} blocks (want {list(want)})")
+    if cols is not None and w.shape[1] != cols:
+        out.append(f"{name}: x has {cols} columns, the weight {w.shape[1]}")
+    return out
+
+
+def _x_errors(x: torch.Tensor) -> list[str]:
+    if x.dim() != 2 or x.shape[0] < 1:
+        return [f"x must be [T, C] with T >= 1, got {list(x.shape)}"]
+    return []
+
+
+def fp4_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *, isa: str = "") -> torch.Tensor:
+    """``y [T, R] float32 = x [T, C] @ W^T`` for an FP4 weight ``w [R, C/2]`` (uint8, two e2m1 codes a
+    byte) with UE8M0 scales ``s [R, C/32]`` (uint8); ``isa`` "" for :func:`default_isa`.
+
+    Raises:
+        UsageError: a shape, dtype or layout the kernel does not take, or an instruction set it lacks
+            (every problem listed, checked before the operator runs).
+    """
+    _fail(_x_errors(x) + _fp4_errors("w", w, s, x.shape[-1]) + _isa_errors(isa))
+    return torch.ops.shardsmith_host.fp4_linear(x.float().contiguous(), w, s, isa)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, *,
+                 isa: str = "") -> torch.Tensor:
+    """``y [T, R] float32 = x [T, C] @ W^T`` for an FP8 e4m3 weight ``w [R, C]`` with float32 block
+    scales ``scale [ceil(R/BR), ceil(C/BC)]`` (``block = (BR, BC)``), or a bf16 weight (``scale`` None).
+
+    Raises:
+        UsageError: as :func:`fp4_linear`.
+    """
+    _fail(_x_errors(x) + _dense_errors("w", w, scale, block, x.shape[-1]) + _isa_errors(isa))
+    br, bc = block if scale is not None else (0, 0)
+    return torch.ops.shardsmith_host.dense_linear(x.float().contiguous(), w, scale, br, bc, isa)
+
+
+def check_expert(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: tuple[int, int] | None,
+                 isa: str = "") -> None:
+    """Raise unless :func:`expert_swiglu_host` takes these arrays, activations and instruction set.
+
+    Raises:
+        UsageError: every problem found (shapes of gate_up, down and their scales against each other
+            and against ``x [n, D]``, dtypes, the block, the instruction set), sorted, in one message.
+    """
+    key = (tuple((k, v.dtype, tuple(v.shape), tuple(v.stride())) for k, v in sorted(arrays.items()) if v is not None),
+           x.dim(), tuple(x.shape[1:]), x.dim() == 2 and x.shape[0] >= 1, block, isa)
+    if key in _CHECKED:  # one check per layout: every expert of a bank shares it, and this runs per expert
+        return
+    gu, down = arrays["gate_up"], arrays["down"]
+    errors = _x_errors(x) + _isa_errors(isa)
+    if errors:
+        _fail(errors)
+    d = x.shape[1]
+    fmt = bank_format(gu)
+    if gu.dim() != 2 or gu.shape[0] % 2 or down.dim() != 2:
+        _fail([f"gate_up must be [2*I, ...] and down [D, I], got {list(gu.shape)} and {list(down.shape)}"])
+    inter = gu.shape[0] // 2
+    if fmt == "fp4":
+        missing = sorted(k for k in ("gate_up_scale", "down_scale") if arrays.get(k) is None)
+        if missing:
+            _fail([f"fp4 expert without {', '.join(missing)}"])
+        errors += _fp4_errors("gate_up", gu.view(torch.uint8), arrays["gate_up_scale"].view(torch.uint8), d)
+        errors += _fp4_errors("down", down.view(torch.uint8), arrays["down_scale"].view(torch.uint8), inter)
+    elif fmt == "fp8":
+        gus, dns = arrays.get("gate_up_scale"), arrays.get("down_scale")
+        if gus is None or dns is None:
+            _fail(["fp8 expert without gate_up_scale or down_scale"])
+        if block is None:
+            _fail(["fp8 expert needs its block size"])
+        half = gus.shape[0] // 2 if gus.dim() == 2 else 0
+        errors += _dense_errors("gate", gu[:inter], gus[:half].float(), block, d)
+        errors += _dense_errors("up", gu[inter:], gus[half:].float(), block, d)
+        errors += _dense_errors("down", down, dns.float(), block, inter)
+    else:
+        errors += _dense_errors("gate_up", gu, None, None, d) + _dense_errors("down", down, None, None, inter)
+    if down.shape[0] != d:
+        errors.append(f"down has {down.shape[0]} rows, x {d} columns")
+    _fail(errors)
+    _CHECKED.add(key)
+
+
 def expert_swiglu_host(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: tuple[int, int] | None,
-                       limit: float = 0.0, *, isa: str | None = None) -> torch.Tensor:
+                       limit: float = 0.0, *, isa: str | None = None, check: bool = True) -> torch.Tensor:
     """One routed expert on its token rows, ``x [n, D] -> [n, D]`` (``x.dtype``), from its stored arrays.
 
     ``down(act(gate x, up x))`` with ``act(g, u) = silu(g) * u``, or with ``limit`` L > 0
@@ -126,15 +265,19 @@ def expert_swiglu_host(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: 
             rows stacked like their weights); host tensors, see :func:`supports`.
         x: ``[n, D]`` host activations, any n >= 1; block: FP8 block size ``(rows, cols)`` (FP8 only).
         limit: SwiGLU clamp, 0 for none. isa: one of :func:`isas` (default :func:`default_isa`).
+        check: run :func:`check_expert` first; pass False only where the caller has checked this
+            layout (every expert of a bank shares it) with these ``D``, ``block`` and ``isa``.
 
     Raises:
-        RuntimeError: from the kernel, naming the shape that does not match or the instruction set
-            that is missing (callers check :func:`supports` first).
+        UsageError: from :func:`check_expert`, before the kernel runs (shapes that do not match, a
+            missing scale or block, an instruction set this CPU or build lacks).
     """
     gu, down = arrays["gate_up"], arrays["down"]
     fmt = bank_format(gu)
-    x32 = x.float().contiguous()
     isa = default_isa() if isa is None else isa
+    if check:
+        check_expert(arrays, x, block, isa)
+    x32 = x.float().contiguous()
     if fmt == "fp4":
         y = torch.ops.shardsmith_host.expert(x32, gu.view(torch.uint8), arrays["gate_up_scale"].view(torch.uint8),
                                              down.view(torch.uint8), arrays["down_scale"].view(torch.uint8),

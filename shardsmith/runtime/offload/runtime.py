@@ -58,7 +58,7 @@ class OffloadRuntime:
                  dtype: torch.dtype, dim: int, block: tuple[int, int] | None, math: ExpertMath = ExpertMath()) -> None:
         self.config, self.host, self.layers, self.device, self.dtype, self.dim = config, host, layers, device, dtype, dim
         self.block, self.math = block, math
-        self.cpu = CpuExperts(host, layers, block, math)
+        self.cpu = CpuExperts(host, layers, block, math, reserve_core=torch.device(device).type == "cuda")
         self.cache: ExpertCache | None = None
         self.probe: ProbeResult | None = None
         self.backend, self.hybrid_fraction = config.backend, config.hybrid_fraction or 0.0
@@ -83,14 +83,7 @@ class OffloadRuntime:
         if c.probe and cuda:  # no host-to-device link to measure on a CPU device
             self.probe = run_probe(self.host, self.cpu, device=self.device, dim=self.dim, dtype=self.dtype,
                                    slot_bytes=slot_bytes, requested=requested, hybrid_fraction=c.hybrid_fraction)
-            bw, cpu_s = _agree([self.probe.h2d_gb_per_s, -self.probe.cpu_s_per_expert], self.device, dist.ReduceOp.MIN)
-            from .probe import decide
-
-            self.backend, self.hybrid_fraction, reason = decide(
-                requested, cuda=cuda, h2d_gb_per_s=bw, slot_bytes=slot_bytes,
-                cpu_s_per_expert=-cpu_s, hybrid_fraction=c.hybrid_fraction)
-            self.probe = ProbeResult(bw, self.host.pinned, -cpu_s, slot_bytes, self.backend, self.hybrid_fraction,
-                                     reason, self.probe.cpu_isa)
+            self.backend, self.hybrid_fraction = self.probe.backend, self.probe.hybrid_fraction  # agreed over ranks
         elif requested == "auto":
             self.backend = "gpu" if cuda else "cpu"
         if self.backend == "cpu":
@@ -246,7 +239,7 @@ class OffloadRuntime:
         contrib: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         fut = None
         if to_host:
-            fut = self.cpu.submit(layer, x.cpu(), index_h, weight.cpu(), to_host)
+            fut = self.cpu.submit_from(layer, x, index_h, weight, to_host)
         on_gpu = [e for e in experts if e not in set(to_host)]
         where = rows_by_expert(index_h, on_gpu, x.device)  # (tok [n], k [n]) per expert, one async copy
         n = self.cache.n_slots if self.cache is not None else 1
@@ -262,8 +255,7 @@ class OffloadRuntime:
                 for e, s in group:
                     contrib[e] = self._gpu_expert(x, weight, *where[e], s)
         if fut is not None:
-            for e, (tok, y) in fut.result().items():
-                contrib[e] = (tok.to(x.device), y.to(x.device, non_blocking=True))
+            contrib |= self.cpu.collect(fut, x.device)
             self.cpu_experts += len(to_host)
         out = self.math.accumulator(x)
         for e in experts:
