@@ -58,6 +58,18 @@ std::vector<std::string> supported() {
   return out;
 }
 
+// Error messages are built as one std::string with std::to_string, never formatted through c10::str's
+// ostringstream: on the GPU host (torch 2.11 built by gcc-toolset-13, the extension by Ubuntu's g++
+// 13.3 against the system libstdc++) a TORCH_CHECK that formatted a number killed the process with
+// SIGSEGV while one made of strings only was caught (benchmarks/gpu/host_kernel_diag.py, 2026-12-01).
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string dims(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + "]";
+}
+
 std::string isas() {
   std::string out;
   for (const auto& s : supported()) out += (out.empty() ? "" : ",") + s;
@@ -69,7 +81,7 @@ Kernels kernels_for(const std::string& isa) {
   const std::string want = isa.empty() ? ok.back() : isa;
   bool found = false;
   for (const auto& s : ok) found |= s == want;
-  TORCH_CHECK(found, "instruction set '", want, "' is not available here; this build and CPU support ", isas());
+  TORCH_CHECK(found, "instruction set '" + want + "' is not available here; this build and CPU support " + isas());
   if (want == "avx512") return avx512_kernels();
   if (want == "avx2") return avx2_kernels();
   return scalar_kernels();
@@ -120,7 +132,7 @@ at::Tensor fp4_activations(const at::Tensor& x) {
 void check_x(const at::Tensor& x, int64_t C) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, C]");
   TORCH_CHECK(x.size(0) >= 1, "x has no tokens");
-  TORCH_CHECK(x.size(1) == C, "x has ", x.size(1), " columns, the weight ", C);
+  TORCH_CHECK(x.size(1) == C, "x has " + num(x.size(1)) + " columns, the weight " + num(C));
 }
 
 const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
@@ -129,7 +141,8 @@ Matrix fp4_matrix(const at::Tensor& w, const at::Tensor& s) {
   TORCH_CHECK(w.dim() == 2 && w.element_size() == 1 && w.stride(1) == 1, "fp4 weight must be [R, C/2] bytes, rows contiguous");
   TORCH_CHECK(s.dim() == 2 && s.element_size() == 1 && s.stride(1) == 1, "fp4 scale must be [R, C/32] bytes");
   const int64_t R = w.size(0), C = w.size(1) * 2;
-  TORCH_CHECK(C % 32 == 0 && s.size(0) == R && s.size(1) == C / 32, "fp4 scale ", s.sizes(), " does not match the weight ", w.sizes());
+  TORCH_CHECK(C % 32 == 0 && s.size(0) == R && s.size(1) == C / 32,
+              "fp4 scale " + dims(s) + " does not match the weight " + dims(w));
   Matrix m;
   m.w = bytes(w), m.lw = w.stride(0), m.s8 = bytes(s), m.ls8 = s.stride(0), m.C = C;
   return m;
@@ -141,11 +154,11 @@ Matrix dense_matrix(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
   m.w = bytes(w), m.lw = w.stride(0) * w.element_size(), m.C = w.size(1);
   if (scale.has_value()) {
     TORCH_CHECK(w.element_size() == 1, "fp8 weight must be 1 byte per element");
-    TORCH_CHECK(br > 0 && bc > 0, "fp8 block must be positive, got ", br, "x", bc);
+    TORCH_CHECK(br > 0 && bc > 0, "fp8 block must be positive, got " + num(br) + "x" + num(bc));
     const at::Tensor& s = *scale;
     TORCH_CHECK(s.dim() == 2 && s.scalar_type() == at::kFloat && s.stride(1) == 1, "fp8 scale must be float32 [R/BR, C/BC]");
     TORCH_CHECK(s.size(0) == (w.size(0) + br - 1) / br && s.size(1) == (m.C + bc - 1) / bc,
-                "fp8 scale ", s.sizes(), " does not match the weight ", w.sizes(), " in ", br, "x", bc, " blocks");
+                "fp8 scale " + dims(s) + " does not match the weight " + dims(w) + " in " + num(br) + "x" + num(bc) + " blocks");
     m.sf = s.data_ptr<float>(), m.lsf = s.stride(0), m.br = br, m.bc = bc;
   } else {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "dense weight must be bfloat16 (fp8 needs its scale)");
@@ -184,11 +197,11 @@ at::Tensor expert(const at::Tensor& x, const at::Tensor& gu, const c10::optional
                   const c10::optional<at::Tensor>& dns, const std::string& fmt, int64_t br, int64_t bc, double limit,
                   const std::string& isa) {
   sync_threads();
-  TORCH_CHECK(fmt == "fp4" || fmt == "fp8" || fmt == "bf16", "format must be fp4, fp8 or bf16, got ", fmt);
+  TORCH_CHECK(fmt == "fp4" || fmt == "fp8" || fmt == "bf16", "format must be fp4, fp8 or bf16, got " + fmt);
   const bool fp4 = fmt == "fp4";
   TORCH_CHECK((fmt != "bf16") == gus.has_value(), "fp4 and fp8 take scales, bf16 none");
   TORCH_CHECK(gus.has_value() == dns.has_value(), "gate_up and down scales must both be given or both not");
-  TORCH_CHECK(gu.dim() == 2 && gu.size(0) % 2 == 0, "gate_up must be [2*I, ...], got ", gu.sizes());
+  TORCH_CHECK(gu.dim() == 2 && gu.size(0) % 2 == 0, "gate_up must be [2*I, ...], got " + dims(gu));
   const Kernels k = kernels_for(isa);
   const RowsFn fn = fp4 ? k.fp4 : fmt == "fp8" ? k.fp8 : k.bf16;
   const int64_t I = gu.size(0) / 2, T = x.size(0);
@@ -214,7 +227,7 @@ at::Tensor expert(const at::Tensor& x, const at::Tensor& gu, const c10::optional
     gate_up.push_back({up, {x.data_ptr<float>(), static_cast<int>(T), h.data_ptr<float>() + I, 2 * I}, I});
     down = dense_matrix(dn, dns, br, bc);
   }
-  TORCH_CHECK(down.C == I && dn.size(0) == x.size(1), "down ", dn.sizes(), " does not match gate_up ", gu.sizes());
+  TORCH_CHECK(down.C == I && dn.size(0) == x.size(1), "down " + dims(dn) + " does not match gate_up " + dims(gu));
   run(fn, gate_up);
   at::Tensor act = at::empty({T, I}, x.options());
   const float* hp = h.data_ptr<float>();
