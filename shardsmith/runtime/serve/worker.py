@@ -203,13 +203,15 @@ class EngineWorker:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` for a slot (FIFO).
+        """Queue ``job`` for a slot (FIFO). Jobs submitted while slots are free wait only for the next
+        step boundary: they do not count against ``max_queue``.
 
         Raises:
-            QueueFull: ``max_queue`` jobs are already waiting.
+            QueueFull: ``max_queue`` jobs are already waiting beyond the free slots.
         """
         with self._wake:
-            if len(self._waiting) >= self.max_queue:
+            free = self._sched.free_slots if self._sched is not None else 0
+            if len(self._waiting) >= self.max_queue + free:
                 raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting for one of "
                                 f"{self._slots()} sequence slots (--max-queue {self.max_queue}); retry later",
                                 retry_after=self._retry_after())
