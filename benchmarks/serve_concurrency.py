@@ -147,9 +147,10 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a name for this configuration in the rows (resident, offload-25%%)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here instead of benchmarks/results/")
     ap.add_argument("--append", action="store_true", help="add the rows to --out's existing rows")
-    ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: extra `shardsmith serve` options")
-    a = ap.parse_args()
-    extra = [x for x in a.serve_args if x != "--"]
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    extra = argv[cut + 1:]  # after --: extra `shardsmith serve` options
     try:
         import openai  # noqa: F401
 
@@ -157,6 +158,7 @@ def main() -> None:
     except ImportError:
         stream, client = stream_urllib, "urllib"
     log = Path(os.environ.get("OUT", "/tmp")) / f"serve_concurrency{'-' + a.label if a.label else ''}.log"
+    load_before = os.getloadavg()
     proc, url = start_server(a.pack, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, extra=extra, log=log)
     rows = []
     try:
@@ -191,7 +193,9 @@ def main() -> None:
     else:
         from _results import save_results
 
-        save_results("serve_concurrency", rows)
+        # the 1-minute load average before and after: on a shared machine other work skews every number
+        save_results("serve_concurrency", rows, extra={"load_average_1m": [load_before[0], os.getloadavg()[0]],
+                                                       "cores": os.cpu_count()})
 
 
 if __name__ == "__main__":
