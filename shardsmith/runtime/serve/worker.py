@@ -295,10 +295,10 @@ class EngineWorker:
     def _loop(self) -> None:
         """Admit, step, emit, until :meth:`stop` with nothing left (or a failure)."""
         while True:
-            with self._wake:
-                while not self._running and not self._waiting and not self._stop_requested and self.stopping is None:
+            with self._wake:  # idle until a job, a stop() or an interrupt() (which drops the running jobs)
+                while not self._running and not self._waiting and not self._stop_requested:
                     self._wake.wait()
-                if not self._running and not self._waiting and (self._stop_requested or self.stopping is not None):
+                if not self._running and not self._waiting and self._stop_requested:
                     return
             try:
                 self._drop_cancelled()
