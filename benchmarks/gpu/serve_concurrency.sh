@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On one H200 (issue 14): 1, 2, 4 and 8 concurrent streams through `shardsmith serve` with continuous
-# batching, on a DeepSeek-V4-Flash-shaped pack at TP=1 (4 layers: sliding, sliding, CSA, HCA; 256 FP4
+# batching, on a DeepSeek-V4-Flash-shaped pack at TP=1 ($LAYERS layers, default 2 as v4_offload.sh; 256 FP4
 # routed experts per layer), experts resident, then offloaded with a GPU expert cache of 25% of the
 # rank's expert bytes. The server needs fastapi/uvicorn: carry .whl/ (env.sh installs it) and .inv (the
 # V4 inventory copied from ../shared/real-inventories). Logs and the results JSON land in $OUT.
@@ -9,9 +9,9 @@ set -uo pipefail
 source benchmarks/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 inv=.inv/deepseek-v4-flash-0731-reap160
-LAYERS=${LAYERS:-4} TOKENS=${TOKENS:-64}
+LAYERS=${LAYERS:-2} TOKENS=${TOKENS:-64}
 t0=$SECONDS
-timeout 300 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4sc --layers "$LAYERS" --experts 256 --mtp 0 --inventory "$inv" \
+timeout 600 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4sc --layers "$LAYERS" --experts 256 --mtp 0 --inventory "$inv" \
     2>&1 | tail -2 | tee "$OUT/gen.log"
 # the generated checkpoint has no tokenizer: a small byte-level BPE (ids past it decode to nothing)
 python3 -c 'from pathlib import Path; from shardsmith.testing.tokenizer import deepseek_tokenizer; deepseek_tokenizer(Path("/tmp/v4sc"), vocab_size=512, chat="template")'
