@@ -142,3 +142,41 @@ def test_state_bytes_cover_every_slot_and_bad_batches_are_refused(packs):
 
 def test_buckets():
     assert buckets_for(1) == (1,) and buckets_for(8) == (1, 2, 4, 8) and buckets_for(6) == (1, 2, 4, 6)
+
+
+def _schedule(eng, prompts: list[list[int]], params: list, chunk: int) -> tuple[list[list[int]], list[str], list[int]]:
+    """Every sequence through one Scheduler until all leave: (tokens, finish reasons, batch sizes)."""
+    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+
+    sched = Scheduler(eng, prefill_chunk=chunk)
+    seqs = [Sequence(p, sp) for p, sp in zip(prompts, params)]
+    for seq in seqs:
+        sched.admit(seq)
+    tokens, reasons, batches = {id(s): [] for s in seqs}, {}, []
+    while sched.running:
+        for seq, out in sched.step():
+            tokens[id(seq)].append(out.token_id)
+            if out.finished:
+                reasons[id(seq)] = out.finish_reason
+        batches.append(sched.last_batch)
+    assert sched.free_slots == eng.max_num_seqs  # every slot back
+    return [tokens[id(s)] for s in seqs], [reasons[id(s)] for s in seqs], batches
+
+
+def test_scheduler_chunks_prompts_and_samples_each_sequence_alone(packs):
+    """Chunked prefill gives the whole prompt's tokens; seeded sampling draws the same tokens in a
+    batch as alone (one generator per sequence); each sequence leaves at its own max_tokens."""
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
+
+    eng = Engine.load(packs["mixtral", 1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=32, max_num_seqs=3)
+    prompts = PROMPTS[:3]
+    greedy = [SamplingParams(max_tokens=n) for n in (6, 4, 5)]
+    seeded = [SamplingParams(max_tokens=n, temperature=1.0, top_p=0.9, seed=s) for n, s in ((6, 1), (4, 2), (5, 3))]
+    whole, reasons, _ = _schedule(eng, prompts, greedy, chunk=64)
+    chunked, _, batches = _schedule(eng, prompts, greedy, chunk=4)
+    assert chunked == whole and [len(t) for t in whole] == [6, 4, 5] and reasons == ["length"] * 3
+    assert max(batches) == 3 and 0 in batches  # a prefill-only step, then all three decoding together
+    alone = [_schedule(eng, [p], [sp], chunk=4)[0][0] for p, sp in zip(prompts, seeded)]
+    assert _schedule(eng, prompts, seeded, chunk=4)[0] == alone
+    with pytest.raises(UsageError, match="prefill_chunk must be >= 1 token, got 0"):
+        _schedule(eng, prompts, greedy, chunk=0)

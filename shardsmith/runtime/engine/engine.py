@@ -306,11 +306,11 @@ class Engine:
             self._release(slot)
 
     def warmup(self) -> None:
-        """One tiny prefill and one decode step on every rank, and one batched step of every bucket
-        in slot 0 and its neighbours (rank 0), so no graph is captured mid-serving."""
+        """One tiny prefill and one decode step on every rank; with captured decode graphs also one
+        batched step of every bucket (rank 0), so no graph is captured mid-serving."""
         self._step([0, 0], 0)
         self._step([0], 2)
-        if self.max_num_seqs > 1:
+        if self.max_num_seqs > 1 and self.graphs is not None and self.graphs.pool.capture:
             slots = list(range(self.max_num_seqs))
             for rows in self.runner.buckets:
                 for s in slots[:rows]:

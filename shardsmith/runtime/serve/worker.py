@@ -203,13 +203,15 @@ class EngineWorker:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue ``job`` for a slot (FIFO).
+        """Queue ``job`` for a slot (FIFO). Jobs submitted while slots are free wait only for the next
+        step boundary: they do not count against ``max_queue``.
 
         Raises:
-            QueueFull: ``max_queue`` jobs are already waiting.
+            QueueFull: ``max_queue`` jobs are already waiting beyond the free slots.
         """
         with self._wake:
-            if len(self._waiting) >= self.max_queue:
+            free = self._sched.free_slots if self._sched is not None else 0
+            if len(self._waiting) >= self.max_queue + free:
                 raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting for one of "
                                 f"{self._slots()} sequence slots (--max-queue {self.max_queue}); retry later",
                                 retry_after=self._retry_after())
@@ -293,10 +295,10 @@ class EngineWorker:
     def _loop(self) -> None:
         """Admit, step, emit, until :meth:`stop` with nothing left (or a failure)."""
         while True:
-            with self._wake:
-                while not self._running and not self._waiting and not self._stop_requested and self.stopping is None:
+            with self._wake:  # idle until a job, a stop() or an interrupt() (which drops the running jobs)
+                while not self._running and not self._waiting and not self._stop_requested:
                     self._wake.wait()
-                if not self._running and not self._waiting and (self._stop_requested or self.stopping is not None):
+                if not self._running and not self._waiting and self._stop_requested:
                     return
             try:
                 self._drop_cancelled()

@@ -1,0 +1,202 @@
+"""Concurrent streams through the HTTP server: aggregate and per-stream tokens/s, time to first token.
+
+Starts ``shardsmith serve PACK`` (a real subprocess: one process per rank, continuous batching with
+``--max-num-seqs``), waits for ``/health``, then for each concurrency C in ``--concurrency`` (default
+1, 2, 4, 8) fires C streaming ``/v1/completions`` requests at once (greedy, ``--tokens`` each,
+different prompts), ``--repeat`` times. Client: the ``openai`` package when installed, else
+``urllib`` (standard library) reading the SSE stream. Rows per concurrency:
+
+- ``aggregate_tokens_per_s``: tokens of all streams / (last stream's end - first request sent);
+- ``per_stream_tokens_per_s``: mean over streams of (tokens - 1) / (end - first token);
+- ``ttft_s``: mean time from sending a request to its first token; ``ttft_max_s``: the worst;
+- ``aggregate_vs_1`` / ``per_stream_vs_1``: ratios to the C = 1 row (issue 14's target on the GPU:
+  8 streams >= 4x the single-stream aggregate, per-stream >= 0.5x).
+
+Medians over ``--repeat``. Writes ``benchmarks/results/serve_concurrency-<YYYYMMDD>-<host>.json``
+(``SHARDSMITH_HOST`` labels the host), or ``--out FILE``.
+
+Usage::
+
+    python benchmarks/serve_concurrency.py PACK [--device cpu|cuda] [--tokens 32] [--dtype float32]
+        [--concurrency 1 2 4 8] [--label resident] [-- extra serve options, e.g. --moe-backend gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+PROMPTS = ["Once upon a time", "The history of the Roman empire", "def quicksort(items):", "My favourite recipe is",
+           "In the beginning", "The weather today", "Dear friend, I am writing", "The capital of France is"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(pack: Path, *, device: str, dtype: str, max_num_seqs: int, extra: list[str], log: Path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "shardsmith.cli", "serve", str(pack), "--port", str(port), "--dist-port",
+           str(free_port()), "--device", device, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+           "--served-model-name", "bench", *extra]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("server not ready within 30 minutes")
+
+
+def stream_urllib(url: str, body: dict) -> tuple[float, float, int]:
+    """(first token time, end time, tokens) of one streaming completion read with urllib."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    first, n = None, 0
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and first is None:
+                first = time.perf_counter()
+    return first or time.perf_counter(), time.perf_counter(), n
+
+
+def stream_openai(url: str, body: dict) -> tuple[float, float, int]:
+    """The same with the ``openai`` client."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=3600)
+    first, n = None, 0
+    for chunk in client.completions.create(stream=True, **body):
+        if chunk.usage:
+            n = chunk.usage.completion_tokens
+        elif chunk.choices and first is None:
+            first = time.perf_counter()
+    return first or time.perf_counter(), time.perf_counter(), n
+
+
+def run_concurrency(url: str, c: int, tokens: int, stream) -> dict:
+    """C streams at once: their timings, and the row's numbers."""
+    results: list = [None] * c
+    go = threading.Barrier(c + 1)
+
+    def one(i: int) -> None:
+        # logprobs 0: a chunk per token even when its text is empty (random weights, a partial character)
+        body = {"model": "bench", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": 0,
+                "logprobs": 0, "stream_options": {"include_usage": True}}
+        go.wait()
+        t0 = time.perf_counter()
+        try:
+            results[i] = (t0, *stream(url, body if stream is stream_openai else body | {"stream": True}))
+        except Exception as e:  # noqa: BLE001 - counted as an error in the row
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(c)]
+    for t in threads:
+        t.start()
+    go.wait()
+    for t in threads:
+        t.join()
+    errors = [r for r in results if isinstance(r, Exception)]
+    ok = [r for r in results if not isinstance(r, Exception)]
+    if not ok:
+        raise SystemExit(f"every request failed at concurrency {c}: {errors[0]}")
+    start, end = min(r[0] for r in ok), max(r[2] for r in ok)
+    total = sum(r[3] for r in ok)
+    per = [(r[3] - 1) / (r[2] - r[1]) for r in ok if r[3] > 1 and r[2] > r[1]]
+    return {"aggregate_tokens_per_s": total / (end - start), "per_stream_tokens_per_s": statistics.mean(per) if per else 0.0,
+            "ttft_s": statistics.mean(r[1] - r[0] for r in ok), "ttft_max_s": max(r[1] - r[0] for r in ok),
+            "tokens": total, "errors": len(errors)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("pack", type=Path)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens per request")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--label", default="", help="a name for this configuration in the rows (resident, offload-25%%)")
+    ap.add_argument("--out", type=Path, default=None, help="write the JSON here instead of benchmarks/results/")
+    ap.add_argument("--append", action="store_true", help="add the rows to --out's existing rows")
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    extra = argv[cut + 1:]  # after --: extra `shardsmith serve` options
+    try:
+        import openai  # noqa: F401
+
+        stream, client = stream_openai, "openai"
+    except ImportError:
+        stream, client = stream_urllib, "urllib"
+    log = Path(os.environ.get("OUT", "/tmp")) / f"serve_concurrency{'-' + a.label if a.label else ''}.log"
+    load_before = os.getloadavg()
+    proc, url = start_server(a.pack, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, extra=extra, log=log)
+    rows = []
+    try:
+        run_concurrency(url, 1, 4, stream)  # warm: the first request's one-time costs
+        for c in a.concurrency:
+            runs = [run_concurrency(url, c, a.tokens, stream) for _ in range(a.repeat)]
+            row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            rows.append({"label": a.label, "pack": a.pack.name, "device": a.device, "dtype": a.dtype,
+                         "max_num_seqs": a.max_num_seqs, "concurrency": c, "tokens_per_request": a.tokens,
+                         "client": client, "serve_args": " ".join(extra), **row})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    base = next((r for r in rows if r["concurrency"] == 1), None)
+    print(f"{'streams':>7} {'aggregate tok/s':>16} {'per-stream tok/s':>17} {'TTFT s':>8} {'agg vs 1':>9} {'per vs 1':>9} {'errors':>6}")
+    for r in rows:
+        if base:
+            r["aggregate_vs_1"] = r["aggregate_tokens_per_s"] / base["aggregate_tokens_per_s"]
+            r["per_stream_vs_1"] = r["per_stream_tokens_per_s"] / base["per_stream_tokens_per_s"]
+        print(f"{r['concurrency']:>7} {r['aggregate_tokens_per_s']:>16.1f} {r['per_stream_tokens_per_s']:>17.1f} "
+              f"{r['ttft_s']:>8.3f} {r.get('aggregate_vs_1', 0):>9.2f} {r.get('per_stream_vs_1', 0):>9.2f} {r['errors']:>6}")
+    if a.out:
+        old = json.loads(a.out.read_text())["rows"] if a.append and a.out.exists() else []
+        from _results import host_name
+
+        a.out.write_text(json.dumps({"benchmark": "serve_concurrency", "date": time.strftime("%Y-%m-%d"),
+                                     "host": host_name(), "commit": os.environ.get("SHARDSMITH_COMMIT"),
+                                     "rows": old + rows}, indent=2) + "\n")
+    else:
+        from _results import save_results
+
+        # the 1-minute load average before and after: on a shared machine other work skews every number
+        save_results("serve_concurrency", rows, extra={"load_average_1m": [load_before[0], os.getloadavg()[0]],
+                                                       "cores": os.cpu_count()})
+
+
+if __name__ == "__main__":
+    main()
