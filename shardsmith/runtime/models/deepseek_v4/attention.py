@@ -127,9 +127,9 @@ class Attention(nn.Module):
         T = x.shape[0]
         positions = torch.arange(start, start + T, device=x.device)
         cos, sin = rope_cos_sin(positions, self.freqs)  # [T, r/2]
-        q, kv, q_lora = self.project(x, cos, sin)
+        q, kv, q_lora, *side = self.project(x, cos, sin, side=T == 1)
         if T == 1:
-            out = self.decode_core(x, q, kv, q_lora, DecodeRows([start], [slot], x.device))
+            out = self.decode_core(q, kv, side, DecodeRows([start], [slot], x.device))
         else:
             out = self.core(x, q, kv, q_lora, positions, start, slot)
         return self.output(out, cos, sin)
@@ -137,14 +137,35 @@ class Attention(nn.Module):
     # forward in three parts: the graphed decode captures project and output, and runs the core eagerly
     # (its window and compressor state grow with the sequence)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Queries ``[T, n, d]``, the new key/value rows ``[T, d]`` (RoPE applied) and ``q_lora [T, q_lora]``."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                side: bool = True) -> tuple[torch.Tensor, ...]:
+        """Queries ``[T, n, d]``, the new key/value rows ``[T, d]`` (RoPE applied), ``q_lora [T, q_lora]``,
+        then (``side``) the row-wise inputs :meth:`decode_core` hands the compressors and indexer:
+
+        ==========  =====================================================================
+        layer       side
+        ==========  =====================================================================
+        sliding     none
+        HCA         the compressor's ``(kv, gate)`` ``[T, d]``
+        CSA         the indexer's ``(kv, gate, q [T, h, c], w [T, h])``, then the compressor's
+                    ``(kv, gate)`` ``[T, 2d]`` (:meth:`Indexer.project`, :meth:`Compressor.project`)
+        ==========  =====================================================================
+
+        A decode step computes them in its captured ``attn_in`` piece (``cos``/``sin`` are this layer's
+        table, which on compressed layers is the indexer's too); a prefill leaves them out (``side``
+        False): its compressors project the chunk themselves.
+        """
         T, d = x.shape[0], self.head_dim
         q_lora = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = rms_unweighted(self.wq_b(q_lora).view(T, self.n_heads, d), self.eps)  # [T, n, d]
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, d]
-        return q, kv, q_lora
+        out = (q, kv, q_lora)
+        if side and self.indexer is not None:
+            out += self.indexer.project(x, q_lora, cos, sin)
+        if side and self.compressor is not None:
+            out += self.compressor.project(x)
+        return out
 
     def core(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
              positions: torch.Tensor, start: int, slot: int) -> torch.Tensor:
@@ -169,7 +190,7 @@ class Attention(nn.Module):
             out[a:b] = self._attend(q[a:b], keys, first, start + a, entries, None if select is None else select[a:b])
         return out
 
-    def decode_core(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
+    def decode_core(self, q: torch.Tensor, kv: torch.Tensor, side: list[torch.Tensor] | tuple[torch.Tensor, ...],
                     rows: DecodeRows) -> torch.Tensor:
         """One token for each of ``R`` slots: row ``i`` is slot ``rows.slots[i]``'s token at ``rows.starts[i]``.
 
@@ -183,8 +204,8 @@ class Attention(nn.Module):
         the softmax with a dropped sink column (:func:`_sink_softmax`).
 
         Args:
-            x: ``[R, D]``; q: ``[R, n, d]``; kv: ``[R, d]``; q_lora: ``[R, q_lora]``; rows: the real
-            rows (slots distinct, positions checked by the caller).
+            q: ``[R, n, d]``; kv: ``[R, d]``; side: :meth:`project`'s side inputs of the ``R`` rows;
+            rows: the real rows (slots distinct, positions checked by the caller).
 
         Returns:
             ``[R, n, d]`` attention output.
@@ -195,8 +216,9 @@ class Attention(nn.Module):
         C, ratio = 0, None
         if self.compressor is not None:
             C, ratio = rows.count(self.ratio), self.ratio
-            select = self.indexer.step(x, q_lora, rows) if self.indexer is not None else None  # [R, C]
-            self.compressor.step(x, rows)
+            if self.indexer is not None:
+                select = self.indexer.step(*side[:4], rows)  # [R, C]
+            self.compressor.step(*side[-2:], rows)
         bias = rows.keys_bias(W, ratio)  # [R, W (+ C)]: window, and every complete entry
         sink = self.attn_sink[None, :, None].expand(R, n, 1)
         if self.indexer is not None:  # CSA: the window, then the indexer's picks among the entries

@@ -60,7 +60,8 @@ class Block(nn.Module):
         return step.rope(self.attn)
 
     def attn_in(self, streams: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Mixer, norm and attention projections: ``(x [T, D], q [T, n, d], kv [T, d], q_lora, post, comb)``.
+        """Mixer, norm and attention projections: ``(x [T, D], q [T, n, d], kv [T, d], q_lora, *side, post,
+        comb)`` (``side``: the compressors' and indexer's row-wise inputs, :meth:`Attention.project`).
 
         ``cos``/``sin`` ``[T, r/2]``: this layer's RoPE at the new positions.
         """
@@ -75,9 +76,9 @@ class Block(nn.Module):
         Rows ``< step.real`` attend over (and append to) their own slot's state; padding rows change
         no state and get a copy of row 0's output.
         """
-        x, q, kv, q_lora, post, comb = a
+        x, q, kv, q_lora, *side, post, comb = a
         n = step.real
-        out = self.attn.decode_core(x[:n], q[:n], kv[:n], q_lora[:n], step.rows)
+        out = self.attn.decode_core(q[:n], kv[:n], [t[:n] for t in side], step.rows)
         if n < q.shape[0]:
             out = torch.cat((out, out[:1].expand(q.shape[0] - n, *out.shape[1:])))
         return (out, *step.rope(self.attn), post, comb, step.ids)

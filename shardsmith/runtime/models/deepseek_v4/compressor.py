@@ -98,7 +98,7 @@ class Compressor(nn.Module):
 
         ``start`` must be the slot's position (the caller checks it).
         """
-        kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
+        kv, gate = self.project(x)  # [T, width]
         r, d = self.ratio, self.dim
         pending = start % r
         if pending:
@@ -120,12 +120,16 @@ class Compressor(nn.Module):
         self.buf_kv[slot, :rest], self.buf_gate[slot, :rest] = kv[usable:], gate[usable:]
         return self.entries[slot, :(start + x.shape[0]) // r]
 
-    def step(self, x: torch.Tensor, rows: DecodeRows) -> None:
-        """Take one token per real row: row ``i`` of ``x`` ``[R, D]`` is slot ``rows.slots[i]``'s token at
-        ``rows.starts[i]``. A row that completes its window (``start % r == r - 1``) writes entry
-        ``start // r`` of its slot; which rows do is known on the host (:meth:`DecodeRows.completed`,
-        shared by every compressor of this ratio in the step)."""
-        kv, gate = self.wkv(x), self.wgate(x)  # [R, width]
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token projections ``(kv, gate)`` ``[T, width]`` of ``x`` ``[T, D]``: row-wise, so a
+        decode step computes them in its captured ``attn_in`` piece and hands them to :meth:`step`."""
+        return self.wkv(x), self.wgate(x)
+
+    def step(self, kv: torch.Tensor, gate: torch.Tensor, rows: DecodeRows) -> None:
+        """Take one token per real row: row ``i`` of ``kv``/``gate`` ``[R, width]`` (:meth:`project`)
+        is slot ``rows.slots[i]``'s token at ``rows.starts[i]``. A row that completes its window
+        (``start % r == r - 1``) writes entry ``start // r`` of its slot; which rows do is known on
+        the host (:meth:`DecodeRows.completed`, shared by every compressor of this ratio in the step)."""
         col = rows.column(self.ratio)
         self.buf_kv[rows.index, col], self.buf_gate[rows.index, col] = kv, gate
         done = rows.completed(self.ratio, self.freqs)
@@ -193,41 +197,50 @@ class Indexer(nn.Module):
         T, C = x.shape[0], keys.shape[0]
         if C == 0:
             return torch.zeros(T, 0, dtype=torch.bool, device=x.device)
-        score = self._score(x, q_lora, *rope_cos_sin(positions, self.freqs), keys)  # [T, C]
+        score = self._score(*self.query(x, q_lora, *rope_cos_sin(positions, self.freqs)), keys)  # [T, C]
         return self._top(score, visible(positions, C, self.ratio))
 
-    def step(self, x: torch.Tensor, q_lora: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
+    def project(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Everything per token the indexer takes in a decode step, row-wise (so captured in the step's
+        ``attn_in`` piece): its compressor's ``(kv, gate)`` ``[T, 2c]`` and :meth:`query`'s ``(q, w)``."""
+        return (*self.compressor.project(x), *self.query(x, q_lora, cos, sin))
+
+    def step(self, kv: torch.Tensor, gate: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
+             rows: DecodeRows) -> torch.Tensor:
         """One token per real row (row ``i``: slot ``rows.slots[i]`` at ``rows.starts[i]``): the
         selection as an additive bias ``[R, C]`` float32 over entries ``[0, C)`` of each row's own
         slot (``0``: picked, ``-inf``: not), ``C`` the furthest row's count (:meth:`DecodeRows.count`).
 
         Args:
-            x: ``[R, D]``; q_lora: ``[R, q_lora_rank]``; rows: the step's rows (RoPE table
-                ``"compress"``, the ratio's visibility).
+            kv, gate, q, w: the rows' :meth:`project` ``[R, ...]``; rows: the step's rows (the
+                ratio's visibility and completed windows).
         """
-        self.compressor.step(x, rows)
-        R, C = x.shape[0], rows.count(self.ratio)
+        self.compressor.step(kv, gate, rows)
+        R, C = q.shape[0], rows.count(self.ratio)
         if C == 0:
-            return torch.zeros(R, 0, device=x.device)
+            return torch.zeros(R, 0, device=q.device)
         keys = self.compressor.entries[rows.index, :C]  # [R, C, c]
-        cos, sin = rows.rope("compress", self.freqs)
         hidden = rows.visible(self.ratio)  # [R, C]: 0 visible, -inf not
-        score = self._score(x, q_lora, cos[:R], sin[:R], keys) + hidden  # non-causal entries: -inf
+        score = self._score(q, w, keys) + hidden  # non-causal entries: -inf
         top = score.topk(min(self.topk, C), dim=-1).indices
         # picked entries weigh 0, the rest -inf; a row with fewer than k causal entries picks some -inf
         # ones, which the visibility bias hides again
         return torch.full_like(score, NEG_INF).scatter_(1, top, 0.0) + hidden
 
-    def _score(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               keys: torch.Tensor) -> torch.Tensor:
-        """Index scores ``[T, C]`` float32 over keys ``[C, c]`` (one sequence) or ``[T, C, c]`` (a row
-        each); ``cos``/``sin`` ``[T, rope_dim/2]``: the compressed-layer RoPE at the query positions."""
+    def query(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries ``q`` ``[T, h, c]`` (compressed-layer RoPE, ``cos``/``sin`` ``[T, rope_dim/2]``
+        at the query positions) and head weights ``w`` ``[T, h]`` float32 (``weights_proj(x) / sqrt(h)``)."""
         T = x.shape[0]
-        q = self.wq_b(q_lora).view(T, self.heads, self.head_dim)  # [T, h, c]
-        q = apply_rope(q, cos, sin)
+        q = apply_rope(self.wq_b(q_lora).view(T, self.heads, self.head_dim), cos, sin)
+        return q, self.weights_proj(x).float() * self.heads ** -0.5
+
+    def _score(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores ``[T, C]`` float32 of :meth:`query`'s ``q``, ``w`` over keys ``[C, c]`` (one
+        sequence) or ``[T, C, c]`` (a row each)."""
         spec = "thc,sc->ths" if keys.dim() == 2 else "thc,tsc->ths"
         scores = F.relu(torch.einsum(spec, q.float(), keys.float())) * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.heads ** -0.5  # [T, h]
         return (scores * w[..., None]).sum(dim=1)  # [T, C]
 
     def _top(self, score: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
