@@ -146,9 +146,9 @@ class Attention(nn.Module):
         layer       side
         ==========  =====================================================================
         sliding     none
-        HCA         the compressor's ``(kv, gate)`` ``[T, d]``
-        CSA         the indexer's ``(kv, gate, q [T, h, c], w [T, h])``, then the compressor's
-                    ``(kv, gate)`` ``[T, 2d]`` (:meth:`Indexer.project`, :meth:`Compressor.project`)
+        HCA         the compressor's ``kv_gate`` ``[T, 2, d]``
+        CSA         the indexer's ``(kv_gate [T, 2, 2c], q [T, h, c], w [T, h])``, then the
+                    compressor's ``kv_gate [T, 2, 2d]`` (:meth:`Indexer.project`, :meth:`Compressor.project`)
         ==========  =====================================================================
 
         A decode step computes them in its captured ``attn_in`` piece (``cos``/``sin`` are this layer's
@@ -164,7 +164,7 @@ class Attention(nn.Module):
         if side and self.indexer is not None:
             out += self.indexer.project(x, q_lora, cos, sin)
         if side and self.compressor is not None:
-            out += self.compressor.project(x)
+            out += (self.compressor.project(x),)
         return out
 
     def core(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
@@ -217,8 +217,8 @@ class Attention(nn.Module):
         if self.compressor is not None:
             C, ratio = rows.count(self.ratio), self.ratio
             if self.indexer is not None:
-                select = self.indexer.step(*side[:4], rows)  # [R, C]
-            self.compressor.step(*side[-2:], rows)
+                select = self.indexer.step(*side[:3], rows)  # [R, C]
+            self.compressor.step(side[-1], rows)
         bias = rows.keys_bias(W, ratio)  # [R, W (+ C)]: window, and every complete entry
         sink = self.attn_sink[None, :, None].expand(R, n, 1)
         if self.indexer is not None:  # CSA: the window, then the indexer's picks among the entries

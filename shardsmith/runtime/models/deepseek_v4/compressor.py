@@ -46,6 +46,8 @@ class Compressor(nn.Module):
     tensor                          shape                   live part
     ==============================  ======================  ==========================================
     ``buf_kv`` / ``buf_gate``       ``[N, r, width]``       rows ``[0, p % r)``: the incomplete window
+                                    (views of ``buf``       (one buffer, so a decode step writes a
+                                    ``[N, r, 2, width]``)   row's kv and gate with one index_put)
     ``prev_kv`` / ``prev_gate``     ``[N, r, d]`` (CSA)     Ca of the last complete window (reset:
                                                             ``0`` / ``-inf``, so it weighs 0)
     ``entries``                     ``[N, L // r, d]``      rows ``[0, p // r)``
@@ -66,7 +68,7 @@ class Compressor(nn.Module):
         self.wgate = shards.linear(prefix + ".wgate")
         self.register_buffer("ape", torch.empty(ratio, self.width, dtype=torch.float32, device="meta"))
         self.norm = RMSNorm(dim, eps)
-        self.buf_kv = self.buf_gate = self.prev_kv = self.prev_gate = self.entries = None
+        self.buf = self.buf_kv = self.buf_gate = self.prev_kv = self.prev_gate = self.entries = None
 
     def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype, *,
                  entries: torch.Tensor | None = None) -> None:
@@ -75,8 +77,8 @@ class Compressor(nn.Module):
         ``entries`` (optional): a zeroed ``[N, L // r, d]`` view to keep the entries in (the attention's
         key buffer, so that its keys are one gather)."""
         r, d, n = self.ratio, self.dim, num_slots
-        self.buf_kv = torch.zeros(n, r, self.width, device=device, dtype=dtype)
-        self.buf_gate = torch.zeros(n, r, self.width, device=device, dtype=dtype)
+        self.buf = torch.zeros(n, r, 2, self.width, device=device, dtype=dtype)
+        self.buf_kv, self.buf_gate = self.buf[:, :, 0], self.buf[:, :, 1]
         if self.overlap:
             self.prev_kv = torch.zeros(n, r, d, device=device, dtype=dtype)
             self.prev_gate = torch.full((n, r, d), float("-inf"), device=device, dtype=torch.float32)
@@ -98,7 +100,7 @@ class Compressor(nn.Module):
 
         ``start`` must be the slot's position (the caller checks it).
         """
-        kv, gate = self.project(x)  # [T, width]
+        kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
         r, d = self.ratio, self.dim
         pending = start % r
         if pending:
@@ -120,23 +122,25 @@ class Compressor(nn.Module):
         self.buf_kv[slot, :rest], self.buf_gate[slot, :rest] = kv[usable:], gate[usable:]
         return self.entries[slot, :(start + x.shape[0]) // r]
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-token projections ``(kv, gate)`` ``[T, width]`` of ``x`` ``[T, D]``: row-wise, so a
-        decode step computes them in its captured ``attn_in`` piece and hands them to :meth:`step`."""
-        return self.wkv(x), self.wgate(x)
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The per-token projections ``kv``, ``gate`` of ``x`` ``[T, D]`` stacked: ``[T, 2, width]``.
+        Row-wise, so a decode step computes them in its captured ``attn_in`` piece and hands them to
+        :meth:`step`."""
+        return torch.stack((self.wkv(x), self.wgate(x)), dim=1)
 
-    def step(self, kv: torch.Tensor, gate: torch.Tensor, rows: DecodeRows) -> None:
-        """Take one token per real row: row ``i`` of ``kv``/``gate`` ``[R, width]`` (:meth:`project`)
+    def step(self, kv_gate: torch.Tensor, rows: DecodeRows) -> None:
+        """Take one token per real row: row ``i`` of ``kv_gate`` ``[R, 2, width]`` (:meth:`project`)
         is slot ``rows.slots[i]``'s token at ``rows.starts[i]``. A row that completes its window
         (``start % r == r - 1``) writes entry ``start // r`` of its slot; which rows do is known on
         the host (:meth:`DecodeRows.completed`, shared by every compressor of this ratio in the step)."""
         col = rows.column(self.ratio)
-        self.buf_kv[rows.index, col], self.buf_gate[rows.index, col] = kv, gate
+        self.buf[rows.index, col] = kv_gate
         done = rows.completed(self.ratio, self.freqs)
         if done is None:
             return
         s, windows, cos, sin = done  # [n] slots whose window is complete, their entry index, its RoPE
-        kv_w, gate_w = self.buf_kv[s], self.buf_gate[s] + self.ape  # [n, r, width]; gate float32
+        window = self.buf[s]  # [n, r, 2, width]
+        kv_w, gate_w = window[:, :, 0], window[:, :, 1] + self.ape  # [n, r, width]; gate float32
         prev = (None, None)
         if self.overlap:
             d = self.dim
@@ -203,20 +207,19 @@ class Indexer(nn.Module):
     def project(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Everything per token the indexer takes in a decode step, row-wise (so captured in the step's
-        ``attn_in`` piece): its compressor's ``(kv, gate)`` ``[T, 2c]`` and :meth:`query`'s ``(q, w)``."""
-        return (*self.compressor.project(x), *self.query(x, q_lora, cos, sin))
+        ``attn_in`` piece): its compressor's ``kv_gate`` ``[T, 2, 2c]`` and :meth:`query`'s ``(q, w)``."""
+        return (self.compressor.project(x), *self.query(x, q_lora, cos, sin))
 
-    def step(self, kv: torch.Tensor, gate: torch.Tensor, q: torch.Tensor, w: torch.Tensor,
-             rows: DecodeRows) -> torch.Tensor:
+    def step(self, kv_gate: torch.Tensor, q: torch.Tensor, w: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
         """One token per real row (row ``i``: slot ``rows.slots[i]`` at ``rows.starts[i]``): the
         selection as an additive bias ``[R, C]`` float32 over entries ``[0, C)`` of each row's own
         slot (``0``: picked, ``-inf``: not), ``C`` the furthest row's count (:meth:`DecodeRows.count`).
 
         Args:
-            kv, gate, q, w: the rows' :meth:`project` ``[R, ...]``; rows: the step's rows (the
+            kv_gate, q, w: the rows' :meth:`project` ``[R, ...]``; rows: the step's rows (the
                 ratio's visibility and completed windows).
         """
-        self.compressor.step(kv, gate, rows)
+        self.compressor.step(kv_gate, rows)
         R, C = q.shape[0], rows.count(self.ratio)
         if C == 0:
             return torch.zeros(R, 0, device=q.device)
