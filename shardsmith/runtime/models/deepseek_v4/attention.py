@@ -26,7 +26,11 @@ The state is kept per **slot** (one independent sequence each, preallocated by
 :meth:`Attention.allocate`): a window ring per slot and the compressors' per-slot state. A prefill
 (or chunk) of one sequence runs :meth:`Attention.core` on its slot; a batched decode step (``R``
 rows, one token of a different slot each) runs :meth:`Attention.decode_core`, which attends all rows
-at once over their own slot's window and entries, padded to the longest row and masked.
+at once over their own slot's window and entries, padded to the longest row and masked: one gather
+from the layer's key buffer ``[sink | window | entries]``, one ``baddbmm`` with an additive bias, a
+softmax and a ``bmm``, the step's masks and indices built once per step (:class:`DecodeRows`), and
+the compressors' and indexer's row-wise projections done in :meth:`Attention.project` (captured with
+the step's ``attn_in`` piece), so that the eager core dispatches few torch ops (issue 12).
 
 Legend: T = new tokens, R = decode rows, N = slots, D = hidden, n = local heads, d = head dim,
 S = window keys, C = compressed entries, G = local output groups, o = o_lora_rank.
