@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.runtime.layers.parallel import Shards
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rope_cos_sin
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, apply_rope_pairs, rope_cos_sin
 from shardsmith.runtime.models.deepseek_v4.rows import NEG_INF, DecodeRows
 
 
@@ -117,7 +117,7 @@ class Compressor(nn.Module):
                         torch.cat((self.prev_gate[slot, None], gate_w[:-1, :, :d])))
                 self.prev_kv[slot], self.prev_gate[slot] = kv_w[-1, :, :d], gate_w[-1, :, :d]
             cos, sin = rope_cos_sin(torch.arange(w0, w0 + n, device=x.device) * r, self.freqs)
-            self.entries[slot, w0:w0 + n] = self._pool(kv_w, gate_w, *prev, cos, sin)
+            self.entries[slot, w0:w0 + n] = apply_rope(self._pool(kv_w, gate_w, *prev), cos, sin)
         rest = kv.shape[0] - usable
         self.buf_kv[slot, :rest], self.buf_gate[slot, :rest] = kv[usable:], gate[usable:]
         return self.entries[slot, :(start + x.shape[0]) // r]
@@ -138,7 +138,7 @@ class Compressor(nn.Module):
         done = rows.completed(self.ratio, self.freqs)
         if done is None:
             return
-        s, windows, cos, sin = done  # [n] slots whose window is complete, their entry index, its RoPE
+        s, windows, cs, sn = done  # [n] slots whose window is complete, their entry index, its RoPE
         window = self.buf[s]  # [n, r, 2, width]
         kv_w, gate_w = window[:, :, 0], window[:, :, 1] + self.ape  # [n, r, width]; gate float32
         prev = (None, None)
@@ -146,24 +146,23 @@ class Compressor(nn.Module):
             d = self.dim
             prev = (self.prev_kv[s], self.prev_gate[s])  # copies (advanced indexing): read before the update
             self.prev_kv[s], self.prev_gate[s] = kv_w[..., :d], gate_w[..., :d]
-        self.entries[s, windows] = self._pool(kv_w, gate_w, *prev, cos, sin)
+        self.entries[s, windows] = apply_rope_pairs(self._pool(kv_w, gate_w, *prev), cs, sn)
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
-              prev_gate: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Entries ``[n, d]`` of ``n`` complete windows.
+              prev_gate: torch.Tensor | None) -> torch.Tensor:
+        """Entries ``[n, d]`` of ``n`` complete windows, before their RoPE (at position ``w * r`` for
+        entry ``w``: the caller's).
 
         Args:
             kv: ``[n, r, width]``; gate: ``[n, r, width]`` float32, ``ape`` added; prev_kv /
             prev_gate: ``[n, r, d]`` Ca of the window before each (CSA; ``-inf`` gates weigh 0),
-            laid before Cb of the window itself: ``[n, 2r, d]``; cos / sin: ``[n, rope_dim/2]`` the
-            entries' RoPE (at position ``w * r`` for entry ``w``).
+            laid before Cb of the window itself: ``[n, 2r, d]``.
         """
         if self.overlap:
             d = self.dim
             kv, gate = torch.cat((prev_kv, kv[..., d:]), dim=1), torch.cat((prev_gate, gate[..., d:]), dim=1)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        entry = self.norm((kv * weights).sum(dim=1))  # [n, d]
-        return apply_rope(entry, cos, sin)
+        return self.norm((kv * weights).sum(dim=1))  # [n, d]
 
 
 def visible(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from shardsmith.runtime.models.deepseek_v4.ops import rope_cos_sin
+from shardsmith.runtime.models.deepseek_v4.ops import rope_cos_sin, rope_pairs
 
 NEG_INF = float("-inf")
 
@@ -104,8 +104,9 @@ class DecodeRows:
     def completed(self, ratio: int, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                    torch.Tensor] | None:
         """The real rows completing a window of ratio ``ratio`` at this step (``position % r == r - 1``):
-        ``(slots [n], windows [n], cos, sin [n, h])`` (the entries' RoPE at ``window * r`` with
-        ``freqs``), or None when no row does. Built from the host positions: one copy."""
+        ``(slots [n], windows [n], cs, sn [n, 2h])`` (the entries' RoPE at ``window * r`` with ``freqs``,
+        the compressed-layer table every compressor uses, as :func:`rope_pairs` tables), or None when
+        no row does. Built from the host positions: one copy."""
         key = ("completed", ratio)
         if key not in self._cache:
             done = [i for i, t in enumerate(self.starts[:self.real]) if t % ratio == ratio - 1]
@@ -114,6 +115,6 @@ class DecodeRows:
                 both = host_to_device([self.slots[i] for i in done] + [self.starts[i] // ratio for i in done],
                                       self.index.device)
                 slots, windows = both[:len(done)], both[len(done):]
-                value = (slots, windows, *rope_cos_sin(windows * ratio, freqs))
+                value = (slots, windows, *rope_pairs(*rope_cos_sin(windows * ratio, freqs)))
             self._cache[key] = value
         return self._cache[key]
