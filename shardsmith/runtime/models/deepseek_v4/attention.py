@@ -26,7 +26,11 @@ The state is kept per **slot** (one independent sequence each, preallocated by
 :meth:`Attention.allocate`): a window ring per slot and the compressors' per-slot state. A prefill
 (or chunk) of one sequence runs :meth:`Attention.core` on its slot; a batched decode step (``R``
 rows, one token of a different slot each) runs :meth:`Attention.decode_core`, which attends all rows
-at once over their own slot's window and entries, padded to the longest row and masked.
+at once over their own slot's window and entries, padded to the longest row and masked: one gather
+from the layer's key buffer ``[sink | window | entries]``, one ``baddbmm`` with an additive bias, a
+softmax and a ``bmm``, the step's masks and indices built once per step (:class:`DecodeRows`), and
+the compressors' and indexer's row-wise projections done in :meth:`Attention.project` (captured with
+the step's ``attn_in`` piece), so that the eager core dispatches few torch ops (issue 12).
 
 Legend: T = new tokens, R = decode rows, N = slots, D = hidden, n = local heads, d = head dim,
 S = window keys, C = compressed entries, G = local output groups, o = o_lora_rank.
@@ -41,6 +45,7 @@ from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
+from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows
 
 QUERY_CHUNK = 1024
 
@@ -78,14 +83,33 @@ class Attention(nn.Module):
                                    head_dim=args.index_head_dim, topk=args.index_topk, freqs=freqs_compress,
                                    eps=args.norm_eps)
         self.ratio = ratio
-        self.win = None  # [N, window, d]: each slot's latest keys (= values), RoPE applied, set by allocate
+        self.keys = self.win = None  # set by allocate
 
     def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Preallocate every slot's state: the window ring ``[N, window, d]`` (position ``p`` at row
-        ``p % window``) and the compressors' (:meth:`Compressor.allocate`), in ``dtype``."""
-        self.win = torch.zeros(num_slots, self.window, self.head_dim, device=device, dtype=dtype)
-        for mod in self._compressors():
-            mod.allocate(num_slots, max_seq_len, device, dtype)
+        """Preallocate every slot's state in ``dtype``: the key buffer ``keys`` ``[N, 1 + W + E, d]``
+        (keys = values, RoPE applied), laid out as a decode step attends over it:
+
+        =========================  =================  ==============================================
+        rows                       view               what
+        =========================  =================  ==============================================
+        ``0``                      --                 the sink: zeros, never written (its logit is
+                                                      the bias ``attn_sink``; its value adds 0)
+        ``1 .. W``                 ``win [N, W, d]``  the window ring: position ``p`` at ``p % W``
+        ``1 + W ..``               compressor's       ``E = max_seq_len // ratio`` compressed entries
+                                   ``entries``        (compressed layers; ``E = 0`` on sliding ones)
+        =========================  =================  ==============================================
+
+        so a step's keys of every row are one gather, ``keys[slots, :1 + W + C]``; the compressors'
+        other state is theirs (:meth:`Compressor.allocate`). :meth:`state` lists the views (the
+        sink row is not state)."""
+        W, d = self.window, self.head_dim
+        E = max_seq_len // self.ratio if self.compressor is not None else 0
+        self.keys = torch.zeros(num_slots, 1 + W + E, d, device=device, dtype=dtype)
+        self.win = self.keys[:, 1:1 + W]
+        if self.compressor is not None:
+            self.compressor.allocate(num_slots, max_seq_len, device, dtype, entries=self.keys[:, 1 + W:])
+        if self.indexer is not None:
+            self.indexer.compressor.allocate(num_slots, max_seq_len, device, dtype)
 
     def state(self) -> list[torch.Tensor]:
         """The preallocated per-slot state tensors of this layer (window ring, compressors)."""
@@ -107,9 +131,9 @@ class Attention(nn.Module):
         T = x.shape[0]
         positions = torch.arange(start, start + T, device=x.device)
         cos, sin = rope_cos_sin(positions, self.freqs)  # [T, r/2]
-        q, kv, q_lora = self.project(x, cos, sin)
+        q, kv, q_lora, *side = self.project(x, cos, sin, side=T == 1)
         if T == 1:
-            out = self.decode_core(x, q, kv, q_lora, positions, [start], torch.tensor([slot], device=x.device))
+            out = self.decode_core(q, kv, side, DecodeRows([start], [slot], x.device))
         else:
             out = self.core(x, q, kv, q_lora, positions, start, slot)
         return self.output(out, cos, sin)
@@ -117,14 +141,35 @@ class Attention(nn.Module):
     # forward in three parts: the graphed decode captures project and output, and runs the core eagerly
     # (its window and compressor state grow with the sequence)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Queries ``[T, n, d]``, the new key/value rows ``[T, d]`` (RoPE applied) and ``q_lora [T, q_lora]``."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                side: bool = True) -> tuple[torch.Tensor, ...]:
+        """Queries ``[T, n, d]``, the new key/value rows ``[T, d]`` (RoPE applied), ``q_lora [T, q_lora]``,
+        then (``side``) the row-wise inputs :meth:`decode_core` hands the compressors and indexer:
+
+        ==========  =====================================================================
+        layer       side
+        ==========  =====================================================================
+        sliding     none
+        HCA         the compressor's ``kv_gate`` ``[T, 2, d]``
+        CSA         the indexer's ``(kv_gate [T, 2, 2c], q [T, h, c], w [T, h])``, then the
+                    compressor's ``kv_gate [T, 2, 2d]`` (:meth:`Indexer.project`, :meth:`Compressor.project`)
+        ==========  =====================================================================
+
+        A decode step computes them in its captured ``attn_in`` piece (``cos``/``sin`` are this layer's
+        table, which on compressed layers is the indexer's too); a prefill leaves them out (``side``
+        False): its compressors project the chunk themselves.
+        """
         T, d = x.shape[0], self.head_dim
         q_lora = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = rms_unweighted(self.wq_b(q_lora).view(T, self.n_heads, d), self.eps)  # [T, n, d]
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, d]
-        return q, kv, q_lora
+        out = (q, kv, q_lora)
+        if side and self.indexer is not None:
+            out += self.indexer.project(x, q_lora, cos, sin)
+        if side and self.compressor is not None:
+            out += (self.compressor.project(x),)
+        return out
 
     def core(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
              positions: torch.Tensor, start: int, slot: int) -> torch.Tensor:
@@ -149,40 +194,44 @@ class Attention(nn.Module):
             out[a:b] = self._attend(q[a:b], keys, first, start + a, entries, None if select is None else select[a:b])
         return out
 
-    def decode_core(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
-                    positions: torch.Tensor, starts: list[int], slots: torch.Tensor) -> torch.Tensor:
-        """One token for each of ``R`` slots: row ``i`` is slot ``slots[i]``'s token at ``starts[i]``.
+    def decode_core(self, q: torch.Tensor, kv: torch.Tensor, side: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                    rows: DecodeRows) -> torch.Tensor:
+        """One token for each of ``R`` slots: row ``i`` is slot ``rows.slots[i]``'s token at ``rows.starts[i]``.
 
         Appends each row's key to its slot's window ring and compressors, then attends each query
-        over its own slot's window (``[R, window]``, masked to positions >= 0) and compressed entries
-        (``[R, C]``, ``C`` the largest row's count, masked to the row's own, and the indexer's top-k
-        on CSA layers), all rows at once.
+        over its own slot's keys, all rows at once: ``keys[slots, :S]`` with ``S = 1 + W + C`` (sink,
+        window, the first ``C`` entries, ``C`` the furthest row's count; :meth:`allocate`'s layout)
+        and an additive bias ``[R, n, S]``: ``attn_sink`` on the sink, ``-inf`` on window rows not
+        yet written and entries the row may not see (incomplete, or not the indexer's top-k on CSA
+        layers). The masks are the step's (:class:`DecodeRows`, shared by the layers). The sink's
+        zero value row adds nothing, so ``softmax`` over all ``S`` columns then ``probs @ keys`` is
+        the softmax with a dropped sink column (:func:`_sink_softmax`).
 
         Args:
-            x: ``[R, D]``; q: ``[R, n, d]``; kv: ``[R, d]``; q_lora: ``[R, q_lora]``; positions: ``[R]``
-            (``starts`` on the device); starts: each row's position (its slot's, checked by the
-            caller); slots: ``[R]`` int64, distinct.
+            q: ``[R, n, d]``; kv: ``[R, d]``; side: :meth:`project`'s side inputs of the ``R`` rows;
+            rows: the real rows (slots distinct, positions checked by the caller).
 
         Returns:
             ``[R, n, d]`` attention output.
         """
-        W = self.window
-        self.win[slots, positions % W] = kv
-        keys = self.win[slots]  # [R, W, d]: ring row j holds the latest position p = j (mod W)
-        mask = torch.arange(W, device=x.device)[None, :] <= positions[:, None]  # [R, W]: p >= 0
+        R, n, W = q.shape[0], self.n_heads, self.window
+        col, _ = rows.window(W)
+        self.win[rows.index, col] = kv
+        C, ratio = 0, None
         if self.compressor is not None:
+            C, ratio = rows.count(self.ratio), self.ratio
             if self.indexer is not None:
-                select = self.indexer.step(x, q_lora, positions, slots, starts)  # [R, C]
-            self.compressor.step(x, slots, positions, starts)
-            C = max((t + 1) // self.ratio for t in starts)
-            if self.indexer is None:
-                select = visible(positions, C, self.ratio)  # [R, C]
-            keys = torch.cat((keys, self.compressor.entries[slots, :C]), dim=1)  # [R, W + C, d]
-            mask = torch.cat((mask, select), dim=1)
-        logits = torch.einsum("rnd,rsd->rns", q.float(), keys.float()) * self.head_dim ** -0.5
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))  # [R, n, S]
-        probs = _sink_softmax(logits, self.attn_sink.float()[None, :, None])
-        return torch.einsum("rns,rsd->rnd", probs, keys.float()).to(q.dtype)  # [R, n, d]
+                select = self.indexer.step(*side[:3], rows)  # [R, C]
+            self.compressor.step(side[-1], rows)
+        bias = rows.keys_bias(W, ratio)  # [R, W (+ C)]: window, and every complete entry
+        sink = self.attn_sink[None, :, None].expand(R, n, 1)
+        if self.indexer is not None:  # CSA: the window, then the indexer's picks among the entries
+            bias = torch.cat((sink, bias[:, None, :W].expand(R, n, W), select[:, None, :].expand(R, n, C)), dim=2)
+        else:
+            bias = torch.cat((sink, bias[:, None, :].expand(R, n, W + C)), dim=2)  # [R, n, S]
+        keys = self.keys[rows.index, :1 + W + C].float()  # [R, S, d]
+        logits = torch.baddbmm(bias, q.float(), keys.transpose(1, 2), alpha=self.head_dim ** -0.5)
+        return torch.bmm(logits.softmax(dim=-1), keys).to(q.dtype)  # [R, n, d]
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""

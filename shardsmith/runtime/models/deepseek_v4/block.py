@@ -12,7 +12,7 @@ n = local heads, d = head dim, K = experts per token, r = rope dims.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,7 +23,8 @@ from shardsmith.runtime.models.deepseek_v4.attention import Attention
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.hyper import HyperMixer, expand
 from shardsmith.runtime.models.deepseek_v4.moe import MoE
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, rope_cos_sin
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm
+from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows
 
 
 class Block(nn.Module):
@@ -59,7 +60,8 @@ class Block(nn.Module):
         return step.rope(self.attn)
 
     def attn_in(self, streams: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Mixer, norm and attention projections: ``(x [T, D], q [T, n, d], kv [T, d], q_lora, post, comb)``.
+        """Mixer, norm and attention projections: ``(x [T, D], q [T, n, d], kv [T, d], q_lora, *side, post,
+        comb)`` (``side``: the compressors' and indexer's row-wise inputs, :meth:`Attention.project`).
 
         ``cos``/``sin`` ``[T, r/2]``: this layer's RoPE at the new positions.
         """
@@ -74,10 +76,9 @@ class Block(nn.Module):
         Rows ``< step.real`` attend over (and append to) their own slot's state; padding rows change
         no state and get a copy of row 0's output.
         """
-        x, q, kv, q_lora, post, comb = a
+        x, q, kv, q_lora, *side, post, comb = a
         n = step.real
-        out = self.attn.decode_core(x[:n], q[:n], kv[:n], q_lora[:n], step.positions[:n], step.starts[:n],
-                                    step.index)
+        out = self.attn.decode_core(q[:n], kv[:n], [t[:n] for t in side], step.rows)
         if n < q.shape[0]:
             out = torch.cat((out, out[:1].expand(q.shape[0] - n, *out.shape[1:])))
         return (out, *step.rope(self.attn), post, comb, step.ids)
@@ -116,22 +117,27 @@ class Step:
 
     Attributes:
         ids: ``[B]`` token ids; starts / slots: ``B`` host ints; real: rows that are real sequences;
-        positions: ``[B]`` int64, ``starts`` on the device; index: ``[real]`` int64, the real rows'
-        slots on the device; tables: the RoPE ``(cos, sin)`` ``[B, r/2]`` of each table, computed once
-        per step (sliding layers share ``main``, compressed ones ``compress``).
+        rows: the step's device tensors (positions ``[B]``, the real rows' slots, masks and RoPE
+        tables), each built once per step and shared by the layers (:class:`DecodeRows`).
     """
 
     ids: torch.Tensor
     starts: list[int]
     slots: list[int]
     real: int
-    positions: torch.Tensor
-    index: torch.Tensor
-    tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    rows: DecodeRows
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[B]`` int64: ``starts`` on the device."""
+        return self.rows.positions_all
+
+    @property
+    def index(self) -> torch.Tensor:
+        """``[real]`` int64: the real rows' slots on the device."""
+        return self.rows.index
 
     def rope(self, attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[B, r/2]`` of ``attn``'s table at each row's position."""
-        table = "main" if attn.kind == "sliding" else "compress"
-        if table not in self.tables:
-            self.tables[table] = rope_cos_sin(self.positions, attn.freqs)
-        return self.tables[table]
+        """``(cos, sin)`` ``[B, r/2]`` of ``attn``'s table at each row's position (sliding layers share
+        ``main``, compressed ones ``compress``)."""
+        return self.rows.rope("main" if attn.kind == "sliding" else "compress", attn.freqs)

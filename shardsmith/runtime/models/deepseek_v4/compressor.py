@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.runtime.layers.parallel import Shards
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rope_cos_sin
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, apply_rope_pairs, rope_cos_sin
+from shardsmith.runtime.models.deepseek_v4.rows import NEG_INF, DecodeRows
 
 
 class Compressor(nn.Module):
@@ -45,6 +46,8 @@ class Compressor(nn.Module):
     tensor                          shape                   live part
     ==============================  ======================  ==========================================
     ``buf_kv`` / ``buf_gate``       ``[N, r, width]``       rows ``[0, p % r)``: the incomplete window
+                                    (views of ``buf``       (one buffer, so a decode step writes a
+                                    ``[N, r, 2, width]``)   row's kv and gate with one index_put)
     ``prev_kv`` / ``prev_gate``     ``[N, r, d]`` (CSA)     Ca of the last complete window (reset:
                                                             ``0`` / ``-inf``, so it weighs 0)
     ``entries``                     ``[N, L // r, d]``      rows ``[0, p // r)``
@@ -65,18 +68,21 @@ class Compressor(nn.Module):
         self.wgate = shards.linear(prefix + ".wgate")
         self.register_buffer("ape", torch.empty(ratio, self.width, dtype=torch.float32, device="meta"))
         self.norm = RMSNorm(dim, eps)
-        self.buf_kv = self.buf_gate = self.prev_kv = self.prev_gate = self.entries = None
+        self.buf = self.buf_kv = self.buf_gate = self.prev_kv = self.prev_gate = self.entries = None
 
-    def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+    def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype, *,
+                 entries: torch.Tensor | None = None) -> None:
         """Preallocate the state of ``num_slots`` sequences of up to ``max_seq_len`` tokens (zeros; every
-        slot reset). ``dtype`` is the compute dtype (kv rows, entries); gates with ``ape`` are float32."""
+        slot reset). ``dtype`` is the compute dtype (kv rows, entries); gates with ``ape`` are float32.
+        ``entries`` (optional): a zeroed ``[N, L // r, d]`` view to keep the entries in (the attention's
+        key buffer, so that its keys are one gather)."""
         r, d, n = self.ratio, self.dim, num_slots
-        self.buf_kv = torch.zeros(n, r, self.width, device=device, dtype=dtype)
-        self.buf_gate = torch.zeros(n, r, self.width, device=device, dtype=dtype)
+        self.buf = torch.zeros(n, r, 2, self.width, device=device, dtype=dtype)
+        self.buf_kv, self.buf_gate = self.buf[:, :, 0], self.buf[:, :, 1]
         if self.overlap:
             self.prev_kv = torch.zeros(n, r, d, device=device, dtype=dtype)
             self.prev_gate = torch.full((n, r, d), float("-inf"), device=device, dtype=torch.float32)
-        self.entries = torch.zeros(n, max_seq_len // r, d, device=device, dtype=dtype)
+        self.entries = torch.zeros(n, max_seq_len // r, d, device=device, dtype=dtype) if entries is None else entries
 
     def state(self) -> list[torch.Tensor]:
         """The preallocated per-slot state tensors (for :meth:`DeepseekV4.state_bytes`)."""
@@ -110,49 +116,53 @@ class Compressor(nn.Module):
                 prev = (torch.cat((self.prev_kv[slot, None], kv_w[:-1, :, :d])),
                         torch.cat((self.prev_gate[slot, None], gate_w[:-1, :, :d])))
                 self.prev_kv[slot], self.prev_gate[slot] = kv_w[-1, :, :d], gate_w[-1, :, :d]
-            windows = torch.arange(w0, w0 + n, device=x.device)
-            self.entries[slot, w0:w0 + n] = self._pool(kv_w, gate_w, *prev, windows)
+            cos, sin = rope_cos_sin(torch.arange(w0, w0 + n, device=x.device) * r, self.freqs)
+            self.entries[slot, w0:w0 + n] = apply_rope(self._pool(kv_w, gate_w, *prev), cos, sin)
         rest = kv.shape[0] - usable
         self.buf_kv[slot, :rest], self.buf_gate[slot, :rest] = kv[usable:], gate[usable:]
         return self.entries[slot, :(start + x.shape[0]) // r]
 
-    def step(self, x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, starts: list[int]) -> None:
-        """Take one token per row: row ``i`` of ``x`` ``[R, D]`` is slot ``slots[i]``'s token at
-        position ``starts[i]`` (``slots`` ``[R]`` int64, distinct; ``positions`` ``[R]``: ``starts`` on
-        the device). A row that completes its window (``starts[i] % r == r - 1``) writes entry
-        ``starts[i] // r`` of its slot; only then is a host index built."""
-        kv, gate = self.wkv(x), self.wgate(x)  # [R, width]
-        r, d = self.ratio, self.dim
-        col = positions % r
-        self.buf_kv[slots, col], self.buf_gate[slots, col] = kv, gate
-        done = [i for i, t in enumerate(starts) if t % r == r - 1]
-        if not done:
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The per-token projections ``kv``, ``gate`` of ``x`` ``[T, D]`` stacked: ``[T, 2, width]``.
+        Row-wise, so a decode step computes them in its captured ``attn_in`` piece and hands them to
+        :meth:`step`."""
+        return torch.stack((self.wkv(x), self.wgate(x)), dim=1)
+
+    def step(self, kv_gate: torch.Tensor, rows: DecodeRows) -> None:
+        """Take one token per real row: row ``i`` of ``kv_gate`` ``[R, 2, width]`` (:meth:`project`)
+        is slot ``rows.slots[i]``'s token at ``rows.starts[i]``. A row that completes its window
+        (``start % r == r - 1``) writes entry ``start // r`` of its slot; which rows do is known on
+        the host (:meth:`DecodeRows.completed`, shared by every compressor of this ratio in the step)."""
+        col = rows.column(self.ratio)
+        self.buf[rows.index, col] = kv_gate
+        done = rows.completed(self.ratio, self.freqs)
+        if done is None:
             return
-        s = slots[torch.tensor(done, device=x.device)]  # [n] slots whose window is complete
-        kv_w, gate_w = self.buf_kv[s], self.buf_gate[s] + self.ape  # [n, r, width]; gate float32
+        s, windows, cs, sn = done  # [n] slots whose window is complete, their entry index, its RoPE
+        window = self.buf[s]  # [n, r, 2, width]
+        kv_w, gate_w = window[:, :, 0], window[:, :, 1] + self.ape  # [n, r, width]; gate float32
         prev = (None, None)
         if self.overlap:
+            d = self.dim
             prev = (self.prev_kv[s], self.prev_gate[s])  # copies (advanced indexing): read before the update
             self.prev_kv[s], self.prev_gate[s] = kv_w[..., :d], gate_w[..., :d]
-        windows = torch.tensor([starts[i] // r for i in done], device=x.device)
-        self.entries[s, windows] = self._pool(kv_w, gate_w, *prev, windows)
+        self.entries[s, windows] = apply_rope_pairs(self._pool(kv_w, gate_w, *prev), cs, sn)
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
-              prev_gate: torch.Tensor | None, windows: torch.Tensor) -> torch.Tensor:
-        """Entries ``[n, d]`` of ``n`` complete windows.
+              prev_gate: torch.Tensor | None) -> torch.Tensor:
+        """Entries ``[n, d]`` of ``n`` complete windows, before their RoPE (at position ``w * r`` for
+        entry ``w``: the caller's).
 
         Args:
             kv: ``[n, r, width]``; gate: ``[n, r, width]`` float32, ``ape`` added; prev_kv /
             prev_gate: ``[n, r, d]`` Ca of the window before each (CSA; ``-inf`` gates weigh 0),
-            laid before Cb of the window itself: ``[n, 2r, d]``; windows: ``[n]`` entry indices
-            (RoPE at position ``w * r``).
+            laid before Cb of the window itself: ``[n, 2r, d]``.
         """
         if self.overlap:
             d = self.dim
             kv, gate = torch.cat((prev_kv, kv[..., d:]), dim=1), torch.cat((prev_gate, gate[..., d:]), dim=1)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        entry = self.norm((kv * weights).sum(dim=1))  # [n, d]
-        return apply_rope(entry, *rope_cos_sin(windows * self.ratio, self.freqs))
+        return self.norm((kv * weights).sum(dim=1))  # [n, d]
 
 
 def visible(positions: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
@@ -190,33 +200,49 @@ class Indexer(nn.Module):
         T, C = x.shape[0], keys.shape[0]
         if C == 0:
             return torch.zeros(T, 0, dtype=torch.bool, device=x.device)
-        score = self._score(x, q_lora, positions, keys)  # [T, C]
+        score = self._score(*self.query(x, q_lora, *rope_cos_sin(positions, self.freqs)), keys)  # [T, C]
         return self._top(score, visible(positions, C, self.ratio))
 
-    def step(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             starts: list[int]) -> torch.Tensor:
-        """One token per row (row ``i``: slot ``slots[i]`` at position ``starts[i]``): selection mask
-        ``[R, C]`` bool over entries ``[0, C)`` of each row's own slot, ``C`` the largest row's count.
+    def project(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Everything per token the indexer takes in a decode step, row-wise (so captured in the step's
+        ``attn_in`` piece): its compressor's ``kv_gate`` ``[T, 2, 2c]`` and :meth:`query`'s ``(q, w)``."""
+        return (self.compressor.project(x), *self.query(x, q_lora, cos, sin))
+
+    def step(self, kv_gate: torch.Tensor, q: torch.Tensor, w: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
+        """One token per real row (row ``i``: slot ``rows.slots[i]`` at ``rows.starts[i]``): the
+        selection as an additive bias ``[R, C]`` float32 over entries ``[0, C)`` of each row's own
+        slot (``0``: picked, ``-inf``: not), ``C`` the furthest row's count (:meth:`DecodeRows.count`).
 
         Args:
-            x: ``[R, D]``; q_lora: ``[R, q_lora_rank]``; positions: ``[R]`` (``starts`` on the device);
-            slots: ``[R]`` int64, distinct; starts: the positions on the host.
+            kv_gate, q, w: the rows' :meth:`project` ``[R, ...]``; rows: the step's rows (the
+                ratio's visibility and completed windows).
         """
-        self.compressor.step(x, slots, positions, starts)
-        C = max((t + 1) // self.ratio for t in starts)
+        self.compressor.step(kv_gate, rows)
+        R, C = q.shape[0], rows.count(self.ratio)
         if C == 0:
-            return torch.zeros(x.shape[0], 0, dtype=torch.bool, device=x.device)
-        keys = self.compressor.entries[slots, :C]  # [R, C, c]
-        return self._top(self._score(x, q_lora, positions, keys), visible(positions, C, self.ratio))
+            return torch.zeros(R, 0, device=q.device)
+        keys = self.compressor.entries[rows.index, :C]  # [R, C, c]
+        hidden = rows.visible(self.ratio)  # [R, C]: 0 visible, -inf not
+        score = self._score(q, w, keys) + hidden  # non-causal entries: -inf
+        top = score.topk(min(self.topk, C), dim=-1).indices
+        # picked entries weigh 0, the rest -inf; a row with fewer than k causal entries picks some -inf
+        # ones, which the visibility bias hides again
+        return torch.full_like(score, NEG_INF).scatter_(1, top, 0.0) + hidden
 
-    def _score(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """Index scores ``[T, C]`` float32 over keys ``[C, c]`` (one sequence) or ``[T, C, c]`` (a row each)."""
+    def query(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries ``q`` ``[T, h, c]`` (compressed-layer RoPE, ``cos``/``sin`` ``[T, rope_dim/2]``
+        at the query positions) and head weights ``w`` ``[T, h]`` float32 (``weights_proj(x) / sqrt(h)``)."""
         T = x.shape[0]
-        q = self.wq_b(q_lora).view(T, self.heads, self.head_dim)  # [T, h, c]
-        q = apply_rope(q, *rope_cos_sin(positions, self.freqs))
+        q = apply_rope(self.wq_b(q_lora).view(T, self.heads, self.head_dim), cos, sin)
+        return q, self.weights_proj(x).float() * self.heads ** -0.5
+
+    def _score(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores ``[T, C]`` float32 of :meth:`query`'s ``q``, ``w`` over keys ``[C, c]`` (one
+        sequence) or ``[T, C, c]`` (a row each)."""
         spec = "thc,sc->ths" if keys.dim() == 2 else "thc,tsc->ths"
         scores = F.relu(torch.einsum(spec, q.float(), keys.float())) * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.heads ** -0.5  # [T, h]
         return (scores * w[..., None]).sum(dim=1)  # [T, C]
 
     def _top(self, score: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:

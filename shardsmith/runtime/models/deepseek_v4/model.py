@@ -39,6 +39,7 @@ from shardsmith.runtime.models.deepseek_v4.block import Block, Step
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.hyper import HyperHead
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, inv_freq
+from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows
 from shardsmith.runtime.models.mixtral.model import install_buffers
 
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
@@ -207,8 +208,7 @@ class DeepseekV4(nn.Module):
             if start == 0:
                 self.release(slot)
             self.positions[slot] = start + 1
-        return Step(ids, starts, slots, real, torch.tensor(starts, device=ids.device),
-                    torch.tensor(slots[:real], device=ids.device))
+        return Step(ids, starts, slots, real, DecodeRows(starts, slots[:real], ids.device))
 
     def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
         """Token ids ``[T]`` -> ``([T, m, D],)``: the vocab-parallel embedding copied to every stream."""

@@ -77,3 +77,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     even, odd = rope[..., 0::2], rope[..., 1::2]  # [T, ..., r/2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
+
+
+def rope_pairs(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rope`'s tables interleaved per channel pair: ``(cs, sn)`` ``[T, r]`` with
+    ``cs = (cos_i, cos_i)`` and ``sn = (-sin_i, sin_i)`` for pair ``i`` (for :func:`apply_rope_pairs`)."""
+    return torch.stack((cos, cos), dim=-1).flatten(-2), torch.stack((-sin, sin), dim=-1).flatten(-2)
+
+
+def apply_rope_pairs(x: torch.Tensor, cs: torch.Tensor, sn: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` (the reference) from :func:`rope_pairs` tables, in fewer torch ops (13, not 17:
+    for the decode step's eager path, where tables built once per step serve several calls).
+
+    The same bits: channel ``2i`` is ``even * cos + odd * (-sin)``, which rounds as ``even * cos - odd *
+    sin`` (negation is exact), and ``2i+1`` is ``odd * cos + even * sin`` in the same order.
+    ``x`` ``[T, ..., d]``; ``cs``/``sn`` ``[T, r]``.
+    """
+    r = cs.shape[-1]
+    shape = (cs.shape[0],) + (1,) * (x.dim() - 2) + (r,)
+    rope = x[..., -r:].float()
+    swapped = rope.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)  # (odd, even) per pair
+    rotated = rope * cs.reshape(shape) + swapped * sn.reshape(shape)
+    return torch.cat((x[..., :-r], rotated.to(x.dtype)), dim=-1)
