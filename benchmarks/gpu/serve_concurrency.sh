@@ -2,7 +2,8 @@
 # On one H200 (issue 14): 1, 2, 4 and 8 concurrent streams through `shardsmith serve` with continuous
 # batching, on a DeepSeek-V4-Flash-shaped pack at TP=1 ($LAYERS layers, default 2 as v4_offload.sh; 256 FP4
 # routed experts per layer), experts resident, then offloaded with a GPU expert cache of 25% of the
-# rank's expert bytes. The server needs fastapi/uvicorn: carry .whl/ (env.sh installs it) and .inv (the
+# rank's expert bytes (the checkpoint is written while tests/runtime/test_families_cuda.py and the host
+# kernel tests run; TESTS=0 skips them). The server needs fastapi/uvicorn: carry .whl/ (env.sh installs it) and .inv (the
 # V4 inventory copied from ../shared/real-inventories). Logs and the results JSON land in $OUT.
 # Target (issue 14): 8 streams >= 4x the single-stream aggregate tokens/s, per-stream >= 0.5x.
 set -uo pipefail
@@ -11,21 +12,29 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 inv=.inv/deepseek-v4-flash-0731-reap160
 LAYERS=${LAYERS:-2} TOKENS=${TOKENS:-64}
 t0=$SECONDS
-timeout 600 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4sc --layers "$LAYERS" --experts 256 --mtp 0 --inventory "$inv" \
-    2>&1 | tail -2 | tee "$OUT/gen.log"
+(timeout 300 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4sc --layers "$LAYERS" --experts 256 --mtp 0 --inventory "$inv" \
+    2>&1 | tail -2
 # the generated checkpoint has no tokenizer: a small byte-level BPE (ids past it decode to nothing)
 python3 -c 'from pathlib import Path; from shardsmith.testing.tokenizer import deepseek_tokenizer; deepseek_tokenizer(Path("/tmp/v4sc"), vocab_size=512, chat="template")'
 rm -rf /tmp/v4sc-tp1
-timeout 300 python3 -m shardsmith.cli split /tmp/v4sc /tmp/v4sc-tp1 --tp 1 2>&1 | tail -2
+timeout 300 python3 -m shardsmith.cli split /tmp/v4sc /tmp/v4sc-tp1 --tp 1 2>&1 | tail -2) > "$OUT/gen.log" 2>&1 &
+gen=$!
+# meanwhile (GPU idle): every family graphed and batched on CUDA, and the host kernel's checks
+if [ "${TESTS:-1}" = 1 ]; then
+    timeout "${TEST_S:-200}" python3 -m pytest tests/runtime/test_families_cuda.py tests/runtime/test_host_kernel.py \
+        -m "gpu or not gpu" -q -p no:cacheprovider -o addopts="" -rs > "$OUT/tests.log" 2>&1
+    echo "tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | head -12
+fi
+wait $gen; cat "$OUT/gen.log"
 echo "gen + split $((SECONDS - t0)) s"
 json="$OUT/serve_concurrency-$(date +%Y%m%d)-${SHARDSMITH_HOST}.json"
 rm -f "$json"
-timeout 900 python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" \
+timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" \
     --label resident --out "$json" --append 2>&1 | tee "$OUT/resident.log" | tail -8
 echo "resident $((SECONDS - t0)) s"
 cache_gb=$(python3 -c 'import glob, os; print(0.25 * sum(os.path.getsize(f) for f in glob.glob("/tmp/v4sc-tp1/rank-0-of-1/experts-*.safetensors")) / 2**30)')
 echo "expert cache ${cache_gb} GiB (25% of the rank's expert bytes)"
-timeout 900 python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" \
+timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" \
     --label offload-25% --out "$json" --append -- --moe-backend gpu --expert-cache-gb "$cache_gb" \
     2>&1 | tee "$OUT/offload.log" | tail -8
 echo "offload $((SECONDS - t0)) s"
