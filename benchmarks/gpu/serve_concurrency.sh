@@ -5,6 +5,8 @@
 # rank's expert bytes (the checkpoint is written while tests/runtime/test_families_cuda.py and the host
 # kernel tests run; TESTS=0 skips them). The server needs fastapi/uvicorn: carry .whl/ (env.sh installs it) and .inv (the
 # V4 inventory copied from ../shared/real-inventories). Logs and the results JSON land in $OUT.
+# Each concurrency is run REPEAT (3) times, medians reported: the first use of a new prompt length
+# compiles Triton kernel specializations (seconds, once per length per host cache).
 # Target (issue 14): 8 streams >= 4x the single-stream aggregate tokens/s, per-stream >= 0.5x.
 set -uo pipefail
 source benchmarks/gpu/env.sh
@@ -29,12 +31,12 @@ wait $gen; cat "$OUT/gen.log"
 echo "gen + split $((SECONDS - t0)) s"
 json="$OUT/serve_concurrency-$(date +%Y%m%d)-${SHARDSMITH_HOST}.json"
 rm -f "$json"
-timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" \
+timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" \
     --label resident --out "$json" --append 2>&1 | tee "$OUT/resident.log" | tail -8
 echo "resident $((SECONDS - t0)) s"
 cache_gb=$(python3 -c 'import glob, os; print(0.25 * sum(os.path.getsize(f) for f in glob.glob("/tmp/v4sc-tp1/rank-0-of-1/experts-*.safetensors")) / 2**30)')
 echo "expert cache ${cache_gb} GiB (25% of the rank's expert bytes)"
-timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" \
+timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" \
     --label offload-25% --out "$json" --append -- --moe-backend gpu --expert-cache-gb "$cache_gb" \
     2>&1 | tee "$OUT/offload.log" | tail -8
 echo "offload $((SECONDS - t0)) s"
