@@ -110,3 +110,18 @@ def test_dequantized_copy_equals_transformers_fp8_loading(tiny, tmp_path: Path) 
     assert native.keys() == copy.keys()
     for name, t in native.items():
         assert torch.equal(t, copy[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 64), (1, 2, 128)])
+def test_rope_pairs_equal_rope_bitwise(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """The decode step's fewer-op RoPE (tables built once per step) gives the reference's bits, both ways."""
+    from shardsmith.runtime.models.deepseek_v4.ops import apply_rope, apply_rope_pairs, inv_freq, rope_cos_sin, rope_pairs
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (shape[0],), generator=g)
+    cos, sin = rope_cos_sin(positions, inv_freq(32, 10000.0))  # r = 32 trailing channels
+    for sign in (1, -1):  # the forward and the inverse rotation
+        cs, sn = rope_pairs(cos, sign * sin)
+        torch.testing.assert_close(apply_rope_pairs(x, cs, sn), apply_rope(x, cos, sign * sin), rtol=0, atol=0)
