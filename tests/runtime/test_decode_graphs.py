@@ -227,13 +227,19 @@ def _family_eager_vs_graphed(packs: dict, rank: int, world_size: int, device: st
     return out
 
 
+# On CUDA an FP8 bank kept FP8 runs the fused kernel by expert id on the device (no host sync), so its
+# experts are captured in the layer's one ffn piece (on CPU they run between ffn_in and ffn_out)
+CUDA_PIECES = {"mixtral-fp8": ["attn_in", "ffn"]}
+
+
 def _family_check(out: dict, captured: bool) -> None:
     for name, got in out.items():
         eager, graphed, again = got["runs"]
         for i, (want, have, have2) in enumerate(zip(eager, graphed, again)):
             torch.testing.assert_close(torch.from_numpy(have), torch.from_numpy(want), atol=0, rtol=0, msg=f"{name} {i}")
             torch.testing.assert_close(torch.from_numpy(have2), torch.from_numpy(want), atol=0, rtol=0, msg=f"{name} {i}")
-        assert got["pieces"] == FAMILY[name][2], (name, got["pieces"])
+        want_pieces = CUDA_PIECES.get(name, FAMILY[name][2]) if captured else FAMILY[name][2]
+        assert got["pieces"] == want_pieces, (name, got["pieces"])
         if captured:
             assert got["captured"] >= 2 + 2 * got["layers"], (name, got["captured"])
 
