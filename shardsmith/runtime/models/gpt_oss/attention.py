@@ -27,19 +27,6 @@ from shardsmith.runtime.models.gpt_oss.config import GptOssArgs
 from shardsmith.runtime.models.seq_slots import Rows
 
 
-class RMSNorm(nn.Module):
-    """``(w * x / rms(x)).to(dtype)`` with a float32 weight (transformers ``GptOssRMSNorm``)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.register_buffer("weight", torch.empty(dim, dtype=torch.float32, device="meta"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate halves: ``x [T, n, d]``, ``cos``/``sin`` ``[T, d/2]`` (YaRN-scaled)."""
     x1, x2 = x.chunk(2, dim=-1)

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
-from shardsmith.runtime.models.gpt_oss.attention import Attention, RMSNorm
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm  # transformers' GptOssRMSNorm: the same maths
+from shardsmith.runtime.models.gpt_oss.attention import Attention
 from shardsmith.runtime.models.gpt_oss.config import GptOssArgs, rope_tables
 from shardsmith.runtime.models.gpt_oss.moe import Experts, MoE, expand_mxfp4
 from shardsmith.runtime.models.mixtral.model import install_buffers
