@@ -177,6 +177,14 @@ def profile_steps(model, prompt: torch.Tensor, a: dict, sync, rank: int, world: 
         device = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
         result = {"gpu_ms_per_token": sum(e.device_time_total for e in device) / 1e3 / steps,
                   "gpu_ops_per_token": len(device) / steps}
+        if rank == 0 and device:  # which kernels the GPU time goes to: what to fuse next
+            by: dict[str, list[float]] = {}
+            for e in device:
+                by.setdefault(e.name[:90], []).append(e.device_time_total)
+            top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:40]
+            lines = [f"{sum(v) / 1e3 / steps:9.3f} ms/token {len(v) / steps:7.1f} calls/token  {k}" for k, v in top]
+            Path(a["profile"]).mkdir(parents=True, exist_ok=True)
+            (Path(a["profile"]) / f"tp{world}-{name}-kernels.txt").write_text("\n".join(lines) + "\n")
     except Exception as e:  # noqa: BLE001 - reported in the row
         result = {"profile_error": f"{type(e).__name__}: {e}"[:300]}
     host = cProfile.Profile()

@@ -48,6 +48,16 @@ layer member                       run     what
 ``ffn_out(*carry, x, weight, r)``  graph   the rest, given the routed partial ``r [T, D]``
 =================================  ======  ====================================================
 
+A model with a **static decode core** (``STATIC_DECODE``: DeepSeek-V4) computes its core with no
+host sync and shapes fixed by the step's rows ``B`` and a length bucket ``step.key`` (its
+``decode_step`` returns ``key`` and ``tensors``, the device inputs of the step; ``step_rows(*tensors,
+key)`` builds the rows' derived tensors on the device and ``rows_from_tuple`` rebuilds them from
+``rows.as_tuple()``; each layer has ``attn_static(h, ids, rows) -> mid``). Its step is then captured
+per ``(B, key)``: as **one graph** when every layer's experts are sync-free (nothing runs eagerly
+between embedding and head), else as per-layer ``attn`` pieces (mixer, projections and core) around
+the experts that need the host (:class:`StaticBucketPieces`). The core writes its slots' state, so
+those pieces are *stateful*: they run exactly once per call (:class:`GraphedPiece`).
+
 Source: PyTorch CUDA graphs notes (https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs).
 """
 
@@ -82,14 +92,18 @@ class GraphedPiece:
             (one piece per layer and role; a different shape needs a different piece).
         pool: the model's :class:`GraphPool`.
         name: for errors (``layers.3.ffn``).
+        stateful: ``fn`` also writes state outside its outputs (a decode core appending to its slots'
+            caches), so it must run exactly once per call: the first call's warm-up run is the step
+            itself (its outputs are copied into the captured static outputs) and the new graph is
+            first replayed at the next call. A pure piece (the default) replays at once.
 
     Raises:
         ValueError: a later call's input shapes or dtypes differ from the captured ones, or an input
             read in place from another piece comes from elsewhere.
     """
 
-    def __init__(self, fn: Callable[..., Tensors], pool: GraphPool, name: str) -> None:
-        self.fn, self.pool, self.name = fn, pool, name
+    def __init__(self, fn: Callable[..., Tensors], pool: GraphPool, name: str, *, stateful: bool = False) -> None:
+        self.fn, self.pool, self.name, self.stateful = fn, pool, name, stateful
         self.inputs: list[torch.Tensor] | None = None
         self.adopted: list[bool] = []  # inputs read in place from another piece's static output
         self.outputs: Tensors = ()
@@ -101,12 +115,16 @@ class GraphedPiece:
             adopted = [x.data_ptr() in self.pool.static for x in inputs]
             static = [x if adopt else x.clone() for x, adopt in zip(inputs, adopted)]
             if self.pool.capture:
-                self.outputs, self.graph = self._capture(static)
+                self.outputs, self.graph, warm = self._capture(static)
             else:
-                self.outputs = tuple(y.clone() for y in self.fn(*static))
+                self.outputs = warm = tuple(y.clone() for y in self.fn(*static))
             self.inputs, self.adopted = static, adopted  # only once captured: a failed capture retries
             self.pool.static.update(y.data_ptr() for y in self.outputs)
             if self.graph is None:
+                return self.outputs
+            if self.stateful:  # the warm-up run was this call's step: keep its results, replay from the next call
+                for out, y in zip(self.outputs, warm):
+                    out.copy_(y)
                 return self.outputs
         else:
             self._load(inputs)
@@ -132,11 +150,12 @@ class GraphedPiece:
                                  "captured and is a different tensor now")
             static.copy_(x)
 
-    def _capture(self, inputs: list[torch.Tensor]) -> tuple[Tensors, torch.cuda.CUDAGraph]:
+    def _capture(self, inputs: list[torch.Tensor]) -> tuple[Tensors, torch.cuda.CUDAGraph, Tensors]:
+        """Warm up (one real run), capture; ``(static outputs, graph, the warm-up run's outputs)``."""
         side = self.pool.stream
         side.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(side):
-            self.fn(*inputs)  # warm-up: compiles, allocates handles, initialises communicators
+            warm = tuple(self.fn(*inputs))  # warm-up: compiles, allocates handles, initialises communicators
         torch.cuda.current_stream(self.pool.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's unrelated CUDA call (a /metrics scrape resolving copy events)
@@ -144,7 +163,7 @@ class GraphedPiece:
         with torch.cuda.graph(graph, pool=self.pool.handle, stream=side, capture_error_mode="thread_local"):
             outputs = tuple(self.fn(*inputs))
         self.pool.pieces += 1
-        return outputs, graph
+        return outputs, graph, warm
 
 
 def layer_pieces(layer: Any, pool: GraphPool, index: int, *, whole: bool, tag: str = "") -> dict[str, GraphedPiece]:
@@ -189,12 +208,62 @@ class BucketPieces:
 
     def __init__(self, model: Any, pool: GraphPool, rows: int) -> None:
         tag = "" if rows == 1 else f"[B={rows}]"
-        self.rows = rows
+        self.rows, self.whole = rows, None
         self.embed = GraphedPiece(model.embed_ids, pool, "embed" + tag)
         self.head = GraphedPiece(model.logits, pool, "head" + tag)
         self.layers = [layer_pieces(layer, pool, i, whole=_sync_free(layer.experts, rows), tag=tag)
                        for i, layer in enumerate(model.decode_layers)]
         self.outputs: dict[int, torch.Tensor] = {}  # split layer -> its output's one buffer
+
+
+class StaticBucketPieces:
+    """The pieces of a model with a static decode core (``STATIC_DECODE``) for ``rows`` rows and length
+    bucket ``key`` (the step's shapes depend on both).
+
+    When every layer's experts run with no host sync for ``rows`` rows, the whole step (embedding,
+    every layer's attention and core and ffn, the head) is **one** stateful piece, ``whole``:
+    ``(ids [B], *step.tensors) -> (logits [B, V],)``. Otherwise ``step_in`` (embedding and the step's
+    rows: ``(h, ids, *rows)``) and per layer a stateful ``attn`` piece (mixer, norm, projections and
+    the core: :meth:`attn_static`) followed by ``ffn`` or ``ffn_in``/``ffn_out`` as in :class:`BucketPieces`.
+    """
+
+    def __init__(self, model: Any, pool: GraphPool, rows: int, key: int) -> None:
+        tag = f"[B={rows},L={key}]"
+        self.rows, self.key, self.model = rows, key, model
+        layers = list(model.decode_layers)
+        self.whole = None
+        self.layers: list[dict[str, GraphedPiece]] = []
+        if all(_sync_free(layer.experts, rows) for layer in layers):
+            self.whole = GraphedPiece(self._whole, pool, "step" + tag, stateful=True)
+        else:
+            self.step_in = GraphedPiece(self._step_in, pool, "step_in" + tag)
+            self.head = GraphedPiece(model.logits, pool, "head" + tag)
+            for i, layer in enumerate(layers):
+                pieces = {"attn": GraphedPiece(self._attn(layer), pool, f"layers.{i}.attn{tag}", stateful=True)}
+                pieces.update({k: v for k, v in layer_pieces(layer, pool, i, whole=_sync_free(layer.experts, rows),
+                                                            tag=tag).items() if k != "attn_in"})
+                self.layers.append(pieces)
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _whole(self, ids: torch.Tensor, *tensors: torch.Tensor) -> Tensors:
+        model = self.model
+        rows = model.step_rows(*tensors, self.key)
+        (h,) = model.embed_ids(ids)
+        for layer in model.decode_layers:
+            (h,) = layer.ffn_block(h, *layer.attn_static(h, ids, rows))
+        return model.logits(h)
+
+    def _step_in(self, ids: torch.Tensor, *tensors: torch.Tensor) -> Tensors:
+        (h,) = self.model.embed_ids(ids)
+        return (h, ids.clone(), *self.model.step_rows(*tensors, self.key).as_tuple())
+
+    def _attn(self, layer: Any) -> Callable[..., Tensors]:
+        model, key = self.model, self.key
+
+        def attn(h: torch.Tensor, ids: torch.Tensor, *rows: torch.Tensor) -> Tensors:
+            return layer.attn_static(h, ids, model.rows_from_tuple(rows, key))
+
+        return attn
 
 
 class DecodeGraphs:
@@ -225,10 +294,18 @@ class DecodeGraphs:
         self.model, self.pool = model, GraphPool(torch.device(device))
         self.pool.capture = self.pool.capture and capture
         self.batching = bool(getattr(model, "SUPPORTS_BATCHING", False))
+        self.static = bool(getattr(model, "STATIC_DECODE", False))
         self.buckets = buckets_for(getattr(model, "max_num_seqs", 1) if self.batching else 1)
-        self.sets: dict[int, BucketPieces] = {1: BucketPieces(model, self.pool, 1)}
-        one = self.sets[1]
-        self.embed, self.head, self.layers, self.outputs = one.embed, one.head, one.layers, one.outputs
+        # rows -> BucketPieces; a static-core model: (rows, length bucket) -> StaticBucketPieces
+        self.sets: dict[Any, BucketPieces | StaticBucketPieces] = {}
+        self.last: BucketPieces | StaticBucketPieces | None = None
+        if not self.static:
+            self.last = self.sets[1] = BucketPieces(model, self.pool, 1)
+
+    @property
+    def layers(self) -> list[dict[str, GraphedPiece]]:
+        """The per-layer pieces of the last step's bucket (empty when that step was one whole graph)."""
+        return self.last.layers if self.last is not None else []
 
     def __call__(self, ids: torch.Tensor, start: int, *, last_only: bool = True, slot: int = 0) -> torch.Tensor:
         """The model's forward (``ids [T]`` at ``start`` in ``slot`` -> float32 logits), one-token steps graphed."""
@@ -277,7 +354,10 @@ class DecodeGraphs:
             step = self.model.decode_step(ids, list(starts), list(slots), real=n)
         else:
             step = self.model.decode_step(ids, starts[0])
+        if self.static:
+            return self._decode_static(ids, step, rows)[:n].clone()
         pieces = self.sets.get(rows) or self.sets.setdefault(rows, BucketPieces(self.model, self.pool, rows))
+        self.last = pieces
         (h,) = pieces.embed(ids)
         for i, (layer, lp) in enumerate(zip(self.model.decode_layers, pieces.layers)):
             a = lp["attn_in"](h, *layer.attn_in_args(step))
@@ -287,6 +367,23 @@ class DecodeGraphs:
             else:
                 h = self._ffn_split(i, layer, lp, h, mid, pieces)
         return pieces.head(h)[0][:n].clone()  # the static output is overwritten by the next step
+
+    def _decode_static(self, ids: torch.Tensor, step: Any, rows: int) -> torch.Tensor:
+        """A static-core model's step (:class:`StaticBucketPieces`): the whole step as one graph, or
+        the core captured per layer with the experts that need the host run between pieces."""
+        key = (rows, step.key)
+        pieces = self.sets.get(key) or self.sets.setdefault(key, StaticBucketPieces(self.model, self.pool, *key))
+        self.last = pieces
+        if pieces.whole is not None:
+            return pieces.whole(ids, *step.tensors)[0]
+        h, ids_s, *rows_t = pieces.step_in(ids, *step.tensors)
+        for i, (layer, lp) in enumerate(zip(self.model.decode_layers, pieces.layers)):
+            mid = lp["attn"](h, ids_s, *rows_t)
+            if "ffn" in lp:
+                (h,) = lp["ffn"](h, *mid)
+            else:
+                h = self._ffn_split(i, layer, lp, h, mid, pieces)
+        return pieces.head(h)[0]
 
     def _ffn_split(self, i: int, layer: Any, pieces: dict[str, GraphedPiece], h: torch.Tensor,
                    mid: tuple[torch.Tensor, ...], bucket: BucketPieces) -> torch.Tensor:
