@@ -494,10 +494,36 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
     for r in rows:
         per_layer(r, args.n_layers)
         r["template"] = opts["template"] and {k: v for k, v in opts["template"].items() if k != "kinds"}
-        r["transformers"] = "not measured: benchmarks/_hf_baseline.py loads Mixtral-format checkpoints only"
+        r["transformers"] = "not measured (pass --hf)"
+    if a.hf and tp == 1:
+        hf = hf_baseline(config, a)
+        for r in rows:
+            r["transformers"] = hf
+            if "ms_per_token" in hf:
+                r["speedup_vs_transformers"] = hf["ms_per_token"] / r["ms_per_token"]
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k not in ("layer_kinds", "ready_log")}, indent=1), flush=True)
     return rows
+
+
+def hf_baseline(config: dict, a: argparse.Namespace) -> dict:
+    """transformers' ``DeepseekV4ForCausalLM`` at the run's shapes (``config``: the model the ranks
+    ran), same device, timed by ``hf_v4_baseline.py`` in its own process once the ranks have freed
+    the GPU; its row, or ``{"error": ...}``."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.json"
+        path.write_text(json.dumps(config))
+        cmd = [sys.executable, str(Path(__file__).with_name("hf_v4_baseline.py")), str(path),
+               "--layers", str(config["num_hidden_layers"]), "--experts", str(config["n_routed_experts"]),
+               "--prompt", str(a.prompt), "--tokens", str(a.tokens), "--device", a.device]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.hf_timeout_s)
+    if done.returncode != 0:
+        return {"error": (done.stderr or done.stdout)[-600:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def template(a: argparse.Namespace, ckpt: Path) -> dict | None:
@@ -570,6 +596,9 @@ def main() -> None:
                     help="template mode: config.json whose compress_ratios / num_hash_layers give the layer kinds "
                          "(default: the real V4-Flash release's, ../shared/real-inventories/...)")
     ap.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
+    ap.add_argument("--hf", action="store_true",
+                    help="also time transformers' DeepseekV4ForCausalLM at the same shapes (hf_v4_baseline.py)")
+    ap.add_argument("--hf-timeout-s", type=float, default=240)
     a = ap.parse_args()
     if a.layers:
         from _v4_template import REAL_CONFIG

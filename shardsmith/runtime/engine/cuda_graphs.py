@@ -63,6 +63,8 @@ Source: PyTorch CUDA graphs notes (https://pytorch.org/docs/stable/notes/cuda.ht
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -166,17 +168,42 @@ class GraphedPiece:
         return outputs, graph, warm
 
 
+COMPILE_ENV = "SHARDSMITH_COMPILE_PIECES"
+
+
+def compiled(fn: Callable[..., Tensors]) -> Callable[..., Tensors]:
+    """``fn`` (a layer's row-wise piece: norms, projections, mixers, router) fused by ``torch.compile``
+    when ``SHARDSMITH_COMPILE_PIECES=1`` and it runs on CUDA, else ``fn``: one compiled function per
+    method, shared by every layer (dynamo lifts a module's tensors to inputs, so layers of one kind
+    and batch bucket share a compiled graph; the Triton kernels inside are traced as user kernels).
+    The pieces' compile happens in their warm-up run, before capture."""
+    if os.environ.get(COMPILE_ENV, "0") != "1" or not torch.cuda.is_available():
+        return fn
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 512)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
+    owner, name = getattr(fn, "__self__", None), getattr(fn, "__name__", "")
+    cache = _COMPILED.setdefault(type(owner), {}) if owner is not None else {}
+    if name not in cache:
+        cache[name] = torch.compile(getattr(type(owner), name) if owner is not None else fn, dynamic=False)
+    return functools.partial(cache[name], owner) if owner is not None else cache[name]
+
+
+_COMPILED: dict[type, dict[str, Callable[..., Tensors]]] = {}
+
+
 def layer_pieces(layer: Any, pool: GraphPool, index: int, *, whole: bool, tag: str = "") -> dict[str, GraphedPiece]:
     """A decoder layer's pieces around its attention core: ``attn_in`` and either ``ffn`` (everything
     after the core in one graph, ``whole``) or ``ffn_in`` and ``ffn_out`` (experts run eagerly between).
 
     ``layer`` has the methods of those names (the module table); ``tag`` marks a bucket's pieces in errors.
     """
-    pieces = {"attn_in": GraphedPiece(layer.attn_in, pool, f"layers.{index}.attn_in{tag}")}
+    pieces = {"attn_in": GraphedPiece(compiled(layer.attn_in), pool, f"layers.{index}.attn_in{tag}")}
     names = ("ffn_block",) if whole else ("ffn_in", "ffn_out")
     for name in names:
         key = "ffn" if name == "ffn_block" else name
-        pieces[key] = GraphedPiece(getattr(layer, name), pool, f"layers.{index}.{key}{tag}")
+        pieces[key] = GraphedPiece(compiled(getattr(layer, name)), pool, f"layers.{index}.{key}{tag}")
     return pieces
 
 
@@ -250,7 +277,8 @@ class StaticBucketPieces:
         rows = model.step_rows(*tensors, self.key)
         (h,) = model.embed_ids(ids)
         for layer in model.decode_layers:
-            (h,) = layer.ffn_block(h, *layer.attn_static(h, ids, rows))
+            a = compiled(layer.attn_in)(h, *rows.rope(layer.attn.table))
+            (h,) = compiled(layer.ffn_block)(h, *layer.attn_core_rows(a, ids, rows))
         return model.logits(h)
 
     def _step_in(self, ids: torch.Tensor, *tensors: torch.Tensor) -> Tensors:
@@ -260,8 +288,9 @@ class StaticBucketPieces:
     def _attn(self, layer: Any) -> Callable[..., Tensors]:
         model, key = self.model, self.key
 
-        def attn(h: torch.Tensor, ids: torch.Tensor, *rows: torch.Tensor) -> Tensors:
-            return layer.attn_static(h, ids, model.rows_from_tuple(rows, key))
+        def attn(h: torch.Tensor, ids: torch.Tensor, *tensors: torch.Tensor) -> Tensors:
+            rows = model.rows_from_tuple(tensors, key)
+            return layer.attn_core_rows(compiled(layer.attn_in)(h, *rows.rope(layer.attn.table)), ids, rows)
 
         return attn
 
