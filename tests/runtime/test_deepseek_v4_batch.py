@@ -166,7 +166,8 @@ def test_chunked_prefill_equals_one_shot(tiny_v4_packs) -> None:
 
 
 def test_state_is_preallocated_per_slot(tiny_v4_packs) -> None:
-    """``state_bytes``: window ring and compressor state of every slot (the docstrings' shapes), float32."""
+    """``state_bytes``: window ring and compressor state of every slot and the scratch slot (the
+    docstrings' shapes), float32."""
     one, three = load(tiny_v4_packs[1]), load(tiny_v4_packs[1], max_num_seqs=3)
     a = one.args
     per_slot = 0
@@ -177,8 +178,10 @@ def test_state_is_preallocated_per_slot(tiny_v4_packs) -> None:
         for d, overlap in compressors:
             width = 2 * d if overlap else d
             per_slot += 2 * r * width + (2 * r * d if overlap else 0) + MAX_SEQ_LEN // r * d
-    assert one.state_bytes() == 4 * per_slot and three.state_bytes() == 3 * 4 * per_slot
-    assert three.max_num_seqs == 3 and three.SUPPORTS_BATCHING
+    assert one.state_bytes() == 2 * 4 * per_slot and three.state_bytes() == (3 + 1) * 4 * per_slot
+    assert three.max_num_seqs == 3 and three.scratch == 3 and three.SUPPORTS_BATCHING and three.STATIC_DECODE
+    with pytest.raises(UsageError, match=r"slot 3 is out of range"):
+        three.release(three.scratch)
 
 
 def test_bad_rows_are_refused_and_change_nothing(tiny_v4_packs) -> None:

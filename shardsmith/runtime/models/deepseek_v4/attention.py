@@ -24,15 +24,16 @@ with ``T * (window + C)``, not ``T^2``.
 
 The state is kept per **slot** (one independent sequence each, preallocated by
 :meth:`Attention.allocate`): a window ring per slot and the compressors' per-slot state. A prefill
-(or chunk) of one sequence runs :meth:`Attention.core` on its slot; a batched decode step (``R``
+(or chunk) of one sequence runs :meth:`Attention.core` on its slot; a batched decode step (``B``
 rows, one token of a different slot each) runs :meth:`Attention.decode_core`, which attends all rows
-at once over their own slot's window and entries, padded to the longest row and masked: one gather
+at once over their own slot's window and entries, padded to the step's length bucket and masked: one gather
 from the layer's key buffer ``[sink | window | entries]``, one ``baddbmm`` with an additive bias, a
 softmax and a ``bmm``, the step's masks and indices built once per step (:class:`DecodeRows`), and
-the compressors' and indexer's row-wise projections done in :meth:`Attention.project` (captured with
-the step's ``attn_in`` piece), so that the eager core dispatches few torch ops (issue 12).
+the compressors' and indexer's row-wise projections done in :meth:`Attention.project`. The core is
+device-only with shapes fixed by the rows and the length bucket, so a whole decode step can be
+captured in one CUDA graph (padding rows use the model's scratch slot).
 
-Legend: T = new tokens, R = decode rows, N = slots, D = hidden, n = local heads, d = head dim,
+Legend: T = new tokens, B = decode rows, N = slots, D = hidden, n = local heads, d = head dim,
 S = window keys, C = compressed entries, G = local output groups, o = o_lora_rank.
 """
 
@@ -45,7 +46,7 @@ from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
-from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows
+from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec, length_bucket
 
 QUERY_CHUNK = 1024
 
@@ -72,6 +73,7 @@ class Attention(nn.Module):
         self.wo_b = shards.linear(prefix + ".wo_b")
         (self.n_heads,) = shards.tensor(prefix + ".attn_sink").local_shape(shards.rank)
         self.register_buffer("attn_sink", torch.empty(self.n_heads, dtype=torch.float32, device="meta"))
+        self.table = "main" if self.kind == "sliding" else "compress"  # this layer's RoPE table (RowsSpec.freqs)
         self.freqs = freqs_main if self.kind == "sliding" else freqs_compress
         ratio = args.ratios[layer]
         self.compressor = self.indexer = None
@@ -84,6 +86,7 @@ class Attention(nn.Module):
                                    eps=args.norm_eps)
         self.ratio = ratio
         self.keys = self.win = None  # set by allocate
+        self.max_seq_len = 0
 
     def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
         """Preallocate every slot's state in ``dtype``: the key buffer ``keys`` ``[N, 1 + W + E, d]``
@@ -103,6 +106,7 @@ class Attention(nn.Module):
         other state is theirs (:meth:`Compressor.allocate`). :meth:`state` lists the views (the
         sink row is not state)."""
         W, d = self.window, self.head_dim
+        self.max_seq_len = max_seq_len
         E = max_seq_len // self.ratio if self.compressor is not None else 0
         self.keys = torch.zeros(num_slots, 1 + W + E, d, device=device, dtype=dtype)
         self.win = self.keys[:, 1:1 + W]
@@ -133,13 +137,22 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.freqs)  # [T, r/2]
         q, kv, q_lora, *side = self.project(x, cos, sin, side=T == 1)
         if T == 1:
-            out = self.decode_core(q, kv, side, DecodeRows([start], [slot], x.device))
+            out = self.decode_core(q, kv, side, self.one_row(positions, slot, start))
         else:
             out = self.core(x, q, kv, q_lora, positions, start, slot)
         return self.output(out, cos, sin)
 
-    # forward in three parts: the graphed decode captures project and output, and runs the core eagerly
-    # (its window and compressor state grow with the sequence)
+    def one_row(self, positions: torch.Tensor, slot: int, start: int) -> DecodeRows:
+        """The rows of a one-token step of slot ``slot`` at ``start`` (``positions`` ``[1]`` on the
+        device): one real row, the bucket of ``start`` (:func:`length_bucket`), for :meth:`forward`."""
+        E = self.compressor.entries.shape[1] if self.compressor is not None else 0
+        spec = RowsSpec(self.window, (self.ratio,) if E else (), self.max_seq_len,
+                        {self.table: self.freqs})
+        index = torch.full((1,), slot, dtype=torch.int64, device=positions.device)
+        return DecodeRows(positions, index, length_bucket(start, self.max_seq_len), self.keys.shape[0] - 1, spec)
+
+    # forward in three parts: project and output are row-wise; the decode core reads and appends to each
+    # row's slot with shapes fixed by the rows and their length bucket, so all three can be captured
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                 side: bool = True) -> tuple[torch.Tensor, ...]:
@@ -196,42 +209,46 @@ class Attention(nn.Module):
 
     def decode_core(self, q: torch.Tensor, kv: torch.Tensor, side: list[torch.Tensor] | tuple[torch.Tensor, ...],
                     rows: DecodeRows) -> torch.Tensor:
-        """One token for each of ``R`` slots: row ``i`` is slot ``rows.slots[i]``'s token at ``rows.starts[i]``.
+        """One token for each of ``B`` rows: row ``i`` is slot ``rows.index[i]``'s token at
+        ``rows.positions[i]`` (padding rows: the scratch slot, whose state is garbage but finite).
 
         Appends each row's key to its slot's window ring and compressors, then attends each query
-        over its own slot's keys, all rows at once: ``keys[slots, :S]`` with ``S = 1 + W + C`` (sink,
-        window, the first ``C`` entries, ``C`` the furthest row's count; :meth:`allocate`'s layout)
-        and an additive bias ``[R, n, S]``: ``attn_sink`` on the sink, ``-inf`` on window rows not
+        over its own slot's keys, all rows at once: ``keys[index, :S]`` with ``S = 1 + W + C`` (sink,
+        window, the first ``C`` entries, ``C`` the length bucket's columns; :meth:`allocate`'s layout)
+        and an additive bias ``[B, n, S]``: ``attn_sink`` on the sink, ``-inf`` on window rows not
         yet written and entries the row may not see (incomplete, or not the indexer's top-k on CSA
         layers). The masks are the step's (:class:`DecodeRows`, shared by the layers). The sink's
         zero value row adds nothing, so ``softmax`` over all ``S`` columns then ``probs @ keys`` is
         the softmax with a dropped sink column (:func:`_sink_softmax`).
 
+        Device-only with shapes fixed by ``(B, rows.key)``: no host value, no host-device copy, so
+        it can be captured in a CUDA graph and replayed for any positions below the bucket.
+
         Args:
-            q: ``[R, n, d]``; kv: ``[R, d]``; side: :meth:`project`'s side inputs of the ``R`` rows;
-            rows: the real rows (slots distinct, positions checked by the caller).
+            q: ``[B, n, d]``; kv: ``[B, d]``; side: :meth:`project`'s side inputs of the ``B`` rows;
+            rows: the step's rows (real slots distinct, positions checked by the caller).
 
         Returns:
-            ``[R, n, d]`` attention output.
+            ``[B, n, d]`` attention output.
         """
-        R, n, W = q.shape[0], self.n_heads, self.window
-        col, _ = rows.window(W)
+        B, n, W = q.shape[0], self.n_heads, self.window
+        col, _ = rows.window()
         self.win[rows.index, col] = kv
         C, ratio = 0, None
-        if self.compressor is not None:
+        if self.compressor is not None and self.compressor.entries.shape[1]:  # E = 0: statically nothing
             C, ratio = rows.count(self.ratio), self.ratio
             if self.indexer is not None:
-                select = self.indexer.step(*side[:3], rows)  # [R, C]
+                select = self.indexer.step(*side[:3], rows)  # [B, C]
             self.compressor.step(side[-1], rows)
-        bias = rows.keys_bias(W, ratio)  # [R, W (+ C)]: window, and every complete entry
-        sink = self.attn_sink[None, :, None].expand(R, n, 1)
-        if self.indexer is not None:  # CSA: the window, then the indexer's picks among the entries
-            bias = torch.cat((sink, bias[:, None, :W].expand(R, n, W), select[:, None, :].expand(R, n, C)), dim=2)
+        bias = rows.keys_bias(ratio)  # [B, W (+ C)]: window, and every complete entry
+        sink = self.attn_sink[None, :, None].expand(B, n, 1)
+        if ratio is not None and self.indexer is not None:  # CSA: the window, then the indexer's picks
+            bias = torch.cat((sink, bias[:, None, :W].expand(B, n, W), select[:, None, :].expand(B, n, C)), dim=2)
         else:
-            bias = torch.cat((sink, bias[:, None, :].expand(R, n, W + C)), dim=2)  # [R, n, S]
-        keys = self.keys[rows.index, :1 + W + C].float()  # [R, S, d]
+            bias = torch.cat((sink, bias[:, None, :].expand(B, n, W + C)), dim=2)  # [B, n, S]
+        keys = self.keys[rows.index, :1 + W + C].float()  # [B, S, d]
         logits = torch.baddbmm(bias, q.float(), keys.transpose(1, 2), alpha=self.head_dim ** -0.5)
-        return torch.bmm(logits.softmax(dim=-1), keys).to(q.dtype)  # [R, n, d]
+        return torch.bmm(logits.softmax(dim=-1), keys).to(q.dtype)  # [B, n, d]
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""

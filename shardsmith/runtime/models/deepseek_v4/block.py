@@ -4,7 +4,9 @@ A block is ``hc_attn`` -> attention -> ``hc_ffn`` -> MoE on ``m`` residual strea
 ``DeepseekV4DecoderLayer``). Besides its forward (one sequence, ``T`` tokens), it exposes the same
 maths as the pieces of a decode step that :class:`~shardsmith.runtime.engine.cuda_graphs.DecodeGraphs`
 runs (that module's table): ``attn_in`` and ``ffn_block`` / ``ffn_in`` / ``ffn_out`` are row-wise
-(static shapes for a fixed ``B``), ``attn_core`` reads and appends to each row's own slot.
+(static shapes for a fixed ``B``), ``attn_core`` reads and appends to each row's own slot, with
+shapes fixed by ``B`` and the step's length bucket and no host value (:meth:`Block.attn_static`:
+``attn_in`` + core as one device-only call, so a whole step can be one CUDA graph).
 
 Legend: T = new tokens, B = rows of a batched decode step (one slot each), m = streams, D = hidden,
 n = local heads, d = head dim, K = experts per token, r = rope dims.
@@ -71,17 +73,29 @@ class Block(nn.Module):
 
     def attn_core(self, a: tuple[torch.Tensor, ...], step: "Step") -> tuple[torch.Tensor, ...]:
         """The attention core (window, compressor, indexer, softmax) on :meth:`attn_in`'s ``B`` rows:
-        ``(attn [B, n, d], cos, sin, post, comb, ids)``, the inputs of the pieces after it.
+        ``(attn [B, n, d], cos, sin, post, comb, ids)``, the inputs of the pieces after it
+        (:meth:`attn_core_rows` with the step's rows)."""
+        return self.attn_core_rows(a, step.ids, step.rows)
 
-        Rows ``< step.real`` attend over (and append to) their own slot's state; padding rows change
-        no state and get a copy of row 0's output.
-        """
+    def attn_core_rows(self, a: tuple[torch.Tensor, ...], ids: torch.Tensor, rows: DecodeRows) -> tuple[torch.Tensor, ...]:
+        """:meth:`attn_core` on explicit rows: every row attends over (and appends to) its own slot's
+        state, padding rows over the scratch slot's; their output is then replaced by row 0's (a fixed
+        shape ``where``), so the MoE sees copies of row 0 and routes no extra expert. Device-only."""
         x, q, kv, q_lora, *side, post, comb = a
-        n = step.real
-        out = self.attn.decode_core(q[:n], kv[:n], [t[:n] for t in side], step.rows)
-        if n < q.shape[0]:
-            out = torch.cat((out, out[:1].expand(q.shape[0] - n, *out.shape[1:])))
-        return (out, *step.rope(self.attn), post, comb, step.ids)
+        out = self.attn.decode_core(q, kv, side, rows)
+        out = torch.where(rows.padding[:, None, None], out[:1], out)
+        return (out, *rows.rope(self.attn.table), post, comb, ids)
+
+    def attn_static(self, h: torch.Tensor, ids: torch.Tensor, rows: DecodeRows) -> tuple[torch.Tensor, ...]:
+        """:meth:`attn_in` then :meth:`attn_core_rows` of streams ``h`` ``[B, m, D]`` (tokens ``ids`` ``[B]``) at
+        ``rows``: the same ``(attn [B, n, d], cos, sin, post, comb, ids)`` as :meth:`attn_core`.
+
+        Device-only with shapes fixed by ``(B, rows.key)``: no host value, no host-device copy, no
+        data-dependent shape, so the lead's one-graph decode step can capture it with the layer's
+        ``ffn_block``; its graph inputs are ``h``, ``ids`` and the rows' tensors
+        (:meth:`DecodeRows.as_tuple`), its state the model's preallocated slots.
+        """
+        return self.attn_core_rows(self.attn_in(h, *rows.rope(self.attn.table)), ids, rows)
 
     def ffn_in(self, streams: torch.Tensor, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                post: torch.Tensor, comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -113,31 +127,35 @@ class Block(nn.Module):
 @dataclass
 class Step:
     """A batched one-token step's context for the layers' pieces (row ``b``: slot ``slots[b]``'s token
-    ``ids[b]`` at position ``starts[b]``; rows ``>= real`` are padding, copies of row 0).
+    ``ids[b]`` at position ``starts[b]``; rows ``>= real`` are padding, which run in the scratch slot).
 
     Attributes:
         ids: ``[B]`` token ids; starts / slots: ``B`` host ints; real: rows that are real sequences;
-        rows: the step's device tensors (positions ``[B]``, the real rows' slots, masks and RoPE
-        tables), each built once per step and shared by the layers (:class:`DecodeRows`).
+        key: the length bucket ``L`` (:func:`~shardsmith.runtime.models.deepseek_v4.rows.length_bucket`);
+        tensors: ``(positions [B], index [B])`` int64 on the device, from one host-to-device copy (padding
+        rows: row 0's position, the scratch slot); rows: the step's derived device tensors, each built
+        once per step and shared by the layers (:class:`DecodeRows`).
     """
 
     ids: torch.Tensor
     starts: list[int]
     slots: list[int]
     real: int
+    key: int
+    tensors: tuple[torch.Tensor, torch.Tensor]
     rows: DecodeRows
 
     @property
     def positions(self) -> torch.Tensor:
-        """``[B]`` int64: ``starts`` on the device."""
-        return self.rows.positions_all
+        """``[B]`` int64: each row's position on the device."""
+        return self.tensors[0]
 
     @property
     def index(self) -> torch.Tensor:
-        """``[real]`` int64: the real rows' slots on the device."""
-        return self.rows.index
+        """``[B]`` int64: each row's slot on the device (padding rows: the scratch slot)."""
+        return self.tensors[1]
 
     def rope(self, attn: Attention) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[B, r/2]`` of ``attn``'s table at each row's position (sliding layers share
         ``main``, compressed ones ``compress``)."""
-        return self.rows.rope("main" if attn.kind == "sliding" else "compress", attn.freqs)
+        return self.rows.rope(attn.table)

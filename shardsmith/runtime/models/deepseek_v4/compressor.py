@@ -18,9 +18,9 @@ incomplete window wait in a buffer, and a CSA compressor keeps the last complete
 rows: both carried across decode steps. That state is kept per **slot** (one independent sequence
 each, preallocated; :class:`Compressor`): a prefill or prefill chunk extends one slot
 (:meth:`Compressor.extend`), a batched decode step takes one token for each of ``R`` slots
-(:meth:`Compressor.step`). All projections here are replicated.
+(:meth:`Compressor.step`, device-only with static shapes). All projections here are replicated.
 
-Legend: T = new tokens, R = rows of a batched decode step (one slot each), N = slots, D = hidden,
+Legend: T = new tokens, B = rows of a batched decode step (one slot each), N = slots, D = hidden,
 d = entry dim, C = compressed entries so far, r = ratio, h = indexer heads, k = top-k, L = max_seq_len.
 """
 
@@ -129,24 +129,29 @@ class Compressor(nn.Module):
         return torch.stack((self.wkv(x), self.wgate(x)), dim=1)
 
     def step(self, kv_gate: torch.Tensor, rows: DecodeRows) -> None:
-        """Take one token per real row: row ``i`` of ``kv_gate`` ``[R, 2, width]`` (:meth:`project`)
-        is slot ``rows.slots[i]``'s token at ``rows.starts[i]``. A row that completes its window
-        (``start % r == r - 1``) writes entry ``start // r`` of its slot; which rows do is known on
-        the host (:meth:`DecodeRows.completed`, shared by every compressor of this ratio in the step)."""
-        col = rows.column(self.ratio)
-        self.buf[rows.index, col] = kv_gate
-        done = rows.completed(self.ratio, self.freqs)
-        if done is None:
-            return
-        s, windows, cs, sn = done  # [n] slots whose window is complete, their entry index, its RoPE
-        window = self.buf[s]  # [n, r, 2, width]
-        kv_w, gate_w = window[:, :, 0], window[:, :, 1] + self.ape  # [n, r, width]; gate float32
+        """Take one token per row: row ``i`` of ``kv_gate`` ``[B, 2, width]`` (:meth:`project`) is slot
+        ``rows.index[i]``'s token at ``rows.positions[i]`` (padding rows: the scratch slot's).
+
+        Device-only, static shapes: every row pools its slot's pending window as if complete, and the
+        rows that complete it (``position % r == r - 1``, real; :meth:`DecodeRows.completion`) keep the
+        result, others write back what was there: ``entries[index, entry] = where(done, new, old)``,
+        the CSA carry ``prev_kv/prev_gate`` likewise. No host branch, no host value. Needs ``E > 0``
+        (the caller skips a compressor without entries).
+        """
+        index = rows.index
+        self.buf[index, rows.column(self.ratio)] = kv_gate
+        done, entry, cs, sn = rows.completion(self.ratio)
+        window = self.buf[index]  # [B, r, 2, width]
+        kv_w, gate_w = window[:, :, 0], window[:, :, 1] + self.ape  # [B, r, width]; gate float32
         prev = (None, None)
         if self.overlap:
             d = self.dim
-            prev = (self.prev_kv[s], self.prev_gate[s])  # copies (advanced indexing): read before the update
-            self.prev_kv[s], self.prev_gate[s] = kv_w[..., :d], gate_w[..., :d]
-        self.entries[s, windows] = apply_rope_pairs(self._pool(kv_w, gate_w, *prev), cs, sn)
+            prev = (self.prev_kv[index], self.prev_gate[index])  # copies (advanced indexing): read before the update
+            keep = done[:, None, None]
+            self.prev_kv[index] = torch.where(keep, kv_w[..., :d], prev[0])
+            self.prev_gate[index] = torch.where(keep, gate_w[..., :d], prev[1])
+        new = apply_rope_pairs(self._pool(kv_w, gate_w, *prev), cs, sn)  # [B, d]
+        self.entries[index, entry] = torch.where(done[:, None], new, self.entries[index, entry])
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
               prev_gate: torch.Tensor | None) -> torch.Tensor:
@@ -210,20 +215,23 @@ class Indexer(nn.Module):
         return (self.compressor.project(x), *self.query(x, q_lora, cos, sin))
 
     def step(self, kv_gate: torch.Tensor, q: torch.Tensor, w: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
-        """One token per real row (row ``i``: slot ``rows.slots[i]`` at ``rows.starts[i]``): the
-        selection as an additive bias ``[R, C]`` float32 over entries ``[0, C)`` of each row's own
-        slot (``0``: picked, ``-inf``: not), ``C`` the furthest row's count (:meth:`DecodeRows.count`).
+        """One token per row (row ``i``: slot ``rows.index[i]`` at ``rows.positions[i]``): the selection
+        as an additive bias ``[B, C]`` float32 over entries ``[0, C)`` of each row's own slot (``0``:
+        picked, ``-inf``: not), ``C`` the bucket's columns (:meth:`DecodeRows.count`); the top
+        ``k = min(topk, C)`` is static. Device-only (no host value).
 
         Args:
-            kv_gate, q, w: the rows' :meth:`project` ``[R, ...]``; rows: the step's rows (the
+            kv_gate, q, w: the rows' :meth:`project` ``[B, ...]``; rows: the step's rows (the
                 ratio's visibility and completed windows).
         """
+        B, C = q.shape[0], rows.count(self.ratio)
+        if self.compressor.entries.shape[1] == 0:  # E = 0 (max_seq_len < ratio): no entry ever
+            return torch.zeros(B, 0, device=q.device)
         self.compressor.step(kv_gate, rows)
-        R, C = q.shape[0], rows.count(self.ratio)
         if C == 0:
-            return torch.zeros(R, 0, device=q.device)
-        keys = self.compressor.entries[rows.index, :C]  # [R, C, c]
-        hidden = rows.visible(self.ratio)  # [R, C]: 0 visible, -inf not
+            return torch.zeros(B, 0, device=q.device)
+        keys = self.compressor.entries[rows.index, :C]  # [B, C, c]
+        hidden = rows.visible(self.ratio)  # [B, C]: 0 visible, -inf not
         score = self._score(q, w, keys) + hidden  # non-causal entries: -inf
         top = score.topk(min(self.topk, C), dim=-1).indices
         # picked entries weigh 0, the rest -inf; a row with fewer than k causal entries picks some -inf

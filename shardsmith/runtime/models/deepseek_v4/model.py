@@ -39,7 +39,7 @@ from shardsmith.runtime.models.deepseek_v4.block import Block, Step
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.hyper import HyperHead
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, inv_freq
-from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows
+from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec, host_to_device, length_bucket
 from shardsmith.runtime.models.mixtral.model import install_buffers
 
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
@@ -54,6 +54,9 @@ class DeepseekV4(nn.Module):
     Attributes:
         max_seq_len: positions per sequence (tokens), set by :meth:`setup_cache`.
         max_num_seqs: slots (independent sequences), set by :meth:`setup_cache`.
+        scratch: the extra slot ``max_num_seqs`` that belongs to no sequence: a decode step's padding
+            rows read and write it, so they never touch a real slot.
+        rows_spec: what the layers ask of a step's rows (:class:`RowsSpec`), set by :meth:`setup_cache`.
         positions: per slot, the position its next token takes (tokens seen; 0: empty).
 
     Raises:
@@ -61,6 +64,7 @@ class DeepseekV4(nn.Module):
     """
 
     SUPPORTS_BATCHING = True
+    STATIC_DECODE = True  # decode_step's core is device-only with static shapes: Block.attn_static, step_rows
 
     def __init__(self, args: V4Args, shards: Shards) -> None:
         super().__init__()
@@ -72,7 +76,9 @@ class DeepseekV4(nn.Module):
         self.hc_head = HyperHead(args.dim, args.hc_mult, args.hc_eps, args.norm_eps)
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.head = shards.lm_head("head.weight")
-        self.max_seq_len = self.max_num_seqs = 0
+        self.freqs = freqs
+        self.max_seq_len = self.max_num_seqs = self.scratch = 0
+        self.rows_spec: RowsSpec | None = None
         self.positions: list[int] = []
 
     @classmethod
@@ -90,11 +96,12 @@ class DeepseekV4(nn.Module):
 
     def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
         """Preallocate the state of ``max_num_seqs`` sequences (slots ``0 .. max_num_seqs - 1``) of up
-        to ``max_seq_len`` positions each, on ``device`` in ``dtype``; move the RoPE tables there.
+        to ``max_seq_len`` positions each, plus the scratch slot ``max_num_seqs`` (padding rows' state),
+        on ``device`` in ``dtype``; move the RoPE tables there.
 
         Per slot and layer: the window ring ``[window, d]``; per compressor (attention's and the
         indexer's) the pending window and CSA carry ``[r, width]`` and the entries ``[max_seq_len // r, d]``
-        (:meth:`state_bytes` sums them). Every slot starts empty.
+        (:meth:`state_bytes` sums them, the scratch slot included). Every slot starts empty.
 
         Raises:
             UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1.
@@ -102,18 +109,23 @@ class DeepseekV4(nn.Module):
         if max_seq_len < 1 or max_num_seqs < 1:
             raise UsageError(f"DeepSeek-V4 needs max_seq_len >= 1 and max_num_seqs >= 1; got "
                              f"max_seq_len={max_seq_len}, max_num_seqs={max_num_seqs}")
-        self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
+        self.max_seq_len, self.max_num_seqs, self.scratch = max_seq_len, max_num_seqs, max_num_seqs
         for mod in self.modules():
             if isinstance(getattr(mod, "freqs", None), torch.Tensor):
                 mod.freqs = mod.freqs.to(device)
+        self.freqs = {name: f.to(device) for name, f in self.freqs.items()}
+        ratios = sorted({r for r in self.args.ratios if r and max_seq_len // r})
+        self.rows_spec = RowsSpec(self.args.window, tuple(ratios), max_seq_len, self.freqs)
         for layer in self.layers:
-            layer.attn.allocate(max_num_seqs, max_seq_len, torch.device(device), dtype)
+            layer.attn.allocate(max_num_seqs + 1, max_seq_len, torch.device(device), dtype)
+            layer.attn.reset(self.scratch)
         self.positions = [0] * max_num_seqs
         for slot in range(max_num_seqs):
             self.release(slot)
 
     def state_bytes(self) -> int:
-        """Bytes of per-sequence state this rank allocated (all slots, all layers)."""
+        """Bytes of per-sequence state this rank allocated: all ``max_num_seqs + 1`` slots (the scratch
+        slot included), all layers."""
         return sum(t.nbytes for layer in self.layers for t in layer.attn.state())
 
     def release(self, slot: int) -> None:
@@ -181,9 +193,14 @@ class DeepseekV4(nn.Module):
                     real: int | None = None) -> Step:
         """Begin a batched one-token step: row ``b`` is slot ``slots[b]``'s token ``ids[b]`` at
         ``starts[b]``; rows ``>= real`` (default: none) are padding, copies of row 0, that change no
-        state. Checks every real row as :meth:`forward` does, then resets the slots a row begins
-        (``start == 0``) and advances each real slot's position. The old form
-        ``decode_step(ids [1], start: int)`` is slot 0, one row.
+        real slot (they run in the scratch slot). Checks every real row as :meth:`forward` does, then
+        resets the slots a row begins (``start == 0``) and advances each real slot's position. The old
+        form ``decode_step(ids [1], start: int)`` is slot 0, one row.
+
+        The step's device inputs are ``step.tensors = (positions [B], index [B])`` (one host-to-device
+        copy; padding rows: row 0's position and the scratch slot) and its length bucket
+        ``step.key`` (:func:`length_bucket` of the furthest real row); ``step.rows`` derives the
+        rest from them (:meth:`step_rows`).
 
         Raises:
             UsageError: lengths disagree, ``real`` is not in ``[1, B]``, a padding row is not a copy
@@ -208,7 +225,26 @@ class DeepseekV4(nn.Module):
             if start == 0:
                 self.release(slot)
             self.positions[slot] = start + 1
-        return Step(ids, starts, slots, real, DecodeRows(starts, slots[:real], ids.device))
+        key = length_bucket(max(starts[:real]), self.max_seq_len)
+        # padding rows keep row 0's position (so their RoPE and projections are row 0's) in the scratch slot
+        both = host_to_device(starts + slots[:real] + [self.scratch] * (B - real), ids.device)  # one copy: [2B]
+        tensors = (both[:B], both[B:])
+        return Step(ids, starts, slots, real, key, tensors, self.step_rows(*tensors, key))
+
+    def step_rows(self, positions: torch.Tensor, index: torch.Tensor, key: int) -> DecodeRows:
+        """The rows of a decode step (no torch op yet: each derived tensor is built on first use, or
+        all by :meth:`DecodeRows.as_tuple`).
+
+        Args:
+            positions: ``[B]`` int64 on the model's device, each row's position (below ``key``);
+            index: ``[B]`` int64, each row's slot (padding rows: :attr:`scratch`); key: the length bucket.
+
+        Raises:
+            UsageError: ``key`` is not in ``[1, max_seq_len]``.
+        """
+        if not 1 <= key <= self.max_seq_len:
+            raise UsageError(f"step_rows: length bucket key={key} must be in [1, max_seq_len={self.max_seq_len}]")
+        return DecodeRows(positions, index, key, self.scratch, self.rows_spec)
 
     def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
         """Token ids ``[T]`` -> ``([T, m, D],)``: the vocab-parallel embedding copied to every stream."""

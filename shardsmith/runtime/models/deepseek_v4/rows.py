@@ -1,28 +1,38 @@
 """The rows of a DeepSeek-V4 decode step on the device, built once per step and shared by the layers.
 
-A batched decode step (``R`` real rows, one token of a different slot each, plus padding rows up to
-the bucket's ``B``) needs a few small device tensors derived from the rows' positions: each layer's
-window column and mask, each compression ratio's entry count, visibility mask, pending-window column
-and the rows that complete a window, and the RoPE tables. They depend on the step, not on the
-layer, so :class:`DecodeRows` builds each once, on first use, from one host-to-device copy of the
-positions and slots, and every later layer of the same window or ratio reuses it (the eager
-attention core's host cost is per torch op: issue 12).
+A batched decode step (``B`` rows, one token of a different slot each; padding rows use the
+model's scratch slot) needs a few small device tensors derived from the rows' positions and slots:
+the window column and mask, per compression ratio the pending-window column, the visibility mask,
+the rows that complete a window and their entry's index and RoPE, and the RoPE tables. They depend
+on the step, not on the layer, so :class:`DecodeRows` builds each once (on first use, or all at
+once by :meth:`DecodeRows.as_tuple`) and every layer reuses it (the eager attention core's host
+cost is per torch op: issue 12).
+
+Every derived tensor is computed by torch ops from the two inputs ``positions [B]`` and
+``index [B]`` alone: no host values, no host-device copies, no shape that depends on data. Shapes
+are fixed by ``B`` and the step's **length bucket** ``key`` (:func:`length_bucket`): ratio ``r``'s
+entries are attended as ``C = min(key, max_seq_len) // r`` columns, the entries a row at a
+position below ``key`` can see at most. So a step of the same ``(B, key)`` reruns the same kernels
+on the same shapes, which is what a CUDA graph replays.
 
 Masks are additive float32 biases (``0`` visible, ``-inf`` hidden), laid out as the attention's
 key buffer is (:class:`~shardsmith.runtime.models.deepseek_v4.attention.Attention`):
 ``[sink | window ring (W) | compressed entries (C)]``.
 
-Legend: B = rows of the step (padding included), R = real rows, W = window, r = ratio, C = entries
-visible to the step's furthest row, n = rows completing a window at this step, h = rope dims / 2.
+Legend: B = rows of the step (padding included), W = window, r = ratio, C = entry columns of the
+bucket, E = entries allocated per slot (``max_seq_len // r``), h = rope dims / 2.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from shardsmith.runtime.models.deepseek_v4.ops import rope_cos_sin, rope_pairs
 
 NEG_INF = float("-inf")
+LENGTH_BUCKET_MIN = 512  # the smallest length bucket: short sequences share one shape (tokens)
 
 
 def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
@@ -34,87 +44,147 @@ def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-class DecodeRows:
-    """One step's rows: positions ``[B]``, the real rows' slots ``[R]``, and per-step derived tensors.
+def length_bucket(furthest: int, max_seq_len: int) -> int:
+    """The length bucket of a step whose furthest row is at position ``furthest``: the smallest power
+    of two ``>= furthest + 1``, at least :data:`LENGTH_BUCKET_MIN`, at most ``max_seq_len`` (tokens)."""
+    return min(max(LENGTH_BUCKET_MIN, 1 << furthest.bit_length()), max_seq_len)
 
-    Args:
-        starts: the ``B`` rows' positions (host ints; rows ``>= real`` are padding, copies of row 0);
-        slots: the real rows' slots (``R`` distinct host ints); device: where the model runs.
+
+@dataclass(frozen=True, eq=False)
+class RowsSpec:
+    """What a model's layers ask of a step's rows (fixed by the model and its cache).
 
     Attributes:
-        starts: ``B`` host ints; slots: ``R`` host ints; real: ``R``;
-        positions_all: ``[B]`` int64 on ``device``; positions: ``[R]`` (a view); index: ``[R]`` int64 slots.
+        window: W, the sliding window (tokens); ratios: the compression ratios that have entries
+        (``E = max_seq_len // r > 0``), ascending; max_seq_len: positions per slot (tokens);
+        freqs: RoPE inverse frequencies ``[h]`` by table name (``main``: sliding layers,
+        ``compress``: compressed layers and every compressor's entries), on the model's device.
     """
 
-    def __init__(self, starts: list[int], slots: list[int], device: torch.device) -> None:
-        self.starts, self.slots, self.real = list(starts), list(slots), len(slots)
-        both = host_to_device(self.starts + self.slots, torch.device(device))  # one copy: [B + R]
-        B = len(self.starts)
-        self.positions_all, self.index = both[:B], both[B:]
-        self.positions = self.positions_all[:self.real]
+    window: int
+    ratios: tuple[int, ...]
+    max_seq_len: int
+    freqs: dict[str, torch.Tensor]
+
+
+class DecodeRows:
+    """One step's rows on the device and the tensors derived from them (each built once, by torch ops).
+
+    Args:
+        positions: ``[B]`` int64, each row's position (padding rows: any position below
+            ``max_seq_len``; the model gives them row 0's); index: ``[B]`` int64, each row's slot
+            (padding rows: ``scratch``); key: the length bucket, above every row's position;
+        scratch: the slot that belongs to no sequence (padding rows read and write it);
+        spec: the model's :class:`RowsSpec`.
+
+    Attributes:
+        positions, index, key, scratch, spec: as given; span: ``min(key, max_seq_len)``.
+    """
+
+    def __init__(self, positions: torch.Tensor, index: torch.Tensor, key: int, scratch: int,
+                 spec: RowsSpec) -> None:
+        self.positions, self.index, self.key, self.scratch, self.spec = positions, index, key, scratch, spec
+        self.span = min(key, spec.max_seq_len)
         self._cache: dict[tuple, object] = {}
 
-    def rope(self, name: str, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[B, h]`` float32 of table ``name`` (``freqs``) at every row's position;
-        the real rows' table is its first ``R`` rows."""
-        key = ("rope", name)
+    def _get(self, key: tuple, build):
         if key not in self._cache:
-            self._cache[key] = rope_cos_sin(self.positions_all, freqs)
+            self._cache[key] = build()
         return self._cache[key]
 
-    def window(self, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(col [R], bias [R, W])``: each row's ring row (``position % W``) and the window bias
+    @property
+    def padding(self) -> torch.Tensor:
+        """``[B]`` bool: the padding rows (slot ``scratch``)."""
+        return self._get(("padding",), lambda: self.index == self.scratch)
+
+    def rope(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[B, h]`` float32 of table ``name`` (:class:`RowsSpec`) at every row's position."""
+        return self._get(("rope", name), lambda: rope_cos_sin(self.positions, self.spec.freqs[name]))
+
+    def window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(col [B], bias [B, W])``: each row's ring row (``position % W``) and the window bias
         (ring row ``j`` holds position ``p = j (mod W)``; hidden while ``j > position``: not yet written)."""
-        key = ("window", W)
-        if key not in self._cache:
+        def build():
+            W = self.spec.window
             j = torch.arange(W, device=self.index.device)
-            bias = torch.where(j[None, :] <= self.positions[:, None], 0.0, NEG_INF)
-            self._cache[key] = (self.positions % W, bias)
-        return self._cache[key]
+            return self.positions % W, torch.where(j[None, :] <= self.positions[:, None], 0.0, NEG_INF)
+        return self._get(("window",), build)
 
     def count(self, ratio: int) -> int:
-        """``C``: the most complete windows of ratio ``ratio`` any real row sees (host arithmetic)."""
-        return max((t + 1) // ratio for t in self.starts[:self.real])
+        """``C``: the entry columns of ratio ``ratio`` in this bucket, ``min(key, max_seq_len) // ratio``
+        (every entry a row below the bucket can see; never more than the ``E`` allocated)."""
+        return self.span // ratio
 
     def column(self, ratio: int) -> torch.Tensor:
-        """``[R]``: each row's column in its slot's pending window (``position % ratio``)."""
-        key = ("column", ratio)
-        if key not in self._cache:
-            self._cache[key] = self.positions % ratio
-        return self._cache[key]
+        """``[B]``: each row's column in its slot's pending window (``position % ratio``)."""
+        return self._get(("column", ratio), lambda: self.positions % ratio)
 
     def visible(self, ratio: int) -> torch.Tensor:
-        """``[R, C]`` bias: entry ``w`` is visible to row ``i`` iff its window is complete
+        """``[B, C]`` bias: entry ``w`` is visible to row ``i`` iff its window is complete
         (``w < (position + 1) // ratio``; compressor.py's :func:`visible`)."""
-        key = ("visible", ratio)
-        if key not in self._cache:
+        def build():
             w = torch.arange(self.count(ratio), device=self.index.device)
-            self._cache[key] = torch.where(w[None, :] < ((self.positions + 1) // ratio)[:, None], 0.0, NEG_INF)
-        return self._cache[key]
+            return torch.where(w[None, :] < ((self.positions + 1) // ratio)[:, None], 0.0, NEG_INF)
+        return self._get(("visible", ratio), build)
 
-    def keys_bias(self, W: int, ratio: int | None) -> torch.Tensor:
-        """``[R, W + C]``: the window bias, then (``ratio`` given) every complete entry visible; the
+    def keys_bias(self, ratio: int | None) -> torch.Tensor:
+        """``[B, W + C]``: the window bias, then (``ratio`` given) every complete entry visible; the
         mask of a sliding (``ratio`` None) or HCA layer's keys after the sink."""
-        key = ("keys", W, ratio)
-        if key not in self._cache:
-            bias = self.window(W)[1]
-            self._cache[key] = bias if ratio is None else torch.cat((bias, self.visible(ratio)), dim=1)
-        return self._cache[key]
+        if ratio is None:
+            return self.window()[1]
+        return self._get(("keys", ratio), lambda: torch.cat((self.window()[1], self.visible(ratio)), dim=1))
 
-    def completed(self, ratio: int, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                   torch.Tensor] | None:
-        """The real rows completing a window of ratio ``ratio`` at this step (``position % r == r - 1``):
-        ``(slots [n], windows [n], cs, sn [n, 2h])`` (the entries' RoPE at ``window * r`` with ``freqs``,
-        the compressed-layer table every compressor uses, as :func:`rope_pairs` tables), or None when
-        no row does. Built from the host positions: one copy."""
-        key = ("completed", ratio)
-        if key not in self._cache:
-            done = [i for i, t in enumerate(self.starts[:self.real]) if t % ratio == ratio - 1]
-            value = None
-            if done:
-                both = host_to_device([self.slots[i] for i in done] + [self.starts[i] // ratio for i in done],
-                                      self.index.device)
-                slots, windows = both[:len(done)], both[len(done):]
-                value = (slots, windows, *rope_pairs(*rope_cos_sin(windows * ratio, freqs)))
-            self._cache[key] = value
-        return self._cache[key]
+    def completion(self, ratio: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Ratio ``ratio``'s window completions at this step: ``(done [B] bool, entry [B] int64, cs, sn
+        [B, 2h])``. ``done``: the row is real and completes its window (``position % r == r - 1``);
+        ``entry``: the entry that window fills, ``position // r``, clamped to ``E - 1`` so that a masked
+        write of a row that is not done stays in bounds (a done row is always below ``E``); ``cs``/``sn``:
+        the entry's RoPE at ``entry * r`` (table ``compress``, as :func:`rope_pairs` tables)."""
+        def build():
+            E = self.spec.max_seq_len // ratio
+            done = (self.positions % ratio == ratio - 1) & ~self.padding
+            entry = (self.positions // ratio).clamp(max=E - 1)
+            return (done, entry, *rope_pairs(*rope_cos_sin(entry * ratio, self.spec.freqs["compress"])))
+        return self._get(("completion", ratio), build)
+
+    def _names(self) -> list[tuple]:
+        """The cache keys of every tensor the layers may ask for, in :meth:`as_tuple`'s order."""
+        names = [("padding",), ("rope", "main"), ("rope", "compress"), ("window",)]
+        for r in self.spec.ratios:
+            names += [("column", r), ("visible", r), ("keys", r), ("completion", r)]
+        return names
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the layers may need, built now, flat in a fixed order: ``positions, index,
+        padding, rope main (cos, sin), rope compress (cos, sin), window (col, bias)``, then per ratio of
+        the spec (ascending) ``column, visible, keys, done, entry, cs, sn``. :meth:`from_tuple` inverts it."""
+        builders = {"padding": lambda: self.padding, "rope": lambda n: self.rope(n), "window": self.window,
+                    "column": self.column, "visible": self.visible, "keys": self.keys_bias,
+                    "completion": self.completion}
+        out = [self.positions, self.index]
+        for name in self._names():
+            value = builders[name[0]](*name[1:])
+            out += list(value) if isinstance(value, tuple) else [value]
+        return tuple(out)
+
+    @classmethod
+    def from_tuple(cls, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], key: int, scratch: int,
+                   spec: RowsSpec) -> "DecodeRows":
+        """The rows whose :meth:`as_tuple` was ``tensors`` (same ``key``, ``scratch``, ``spec``), rebuilt
+        without a torch op (e.g. from a captured piece's static outputs).
+
+        Raises:
+            ValueError: ``tensors`` does not have :meth:`as_tuple`'s length for ``spec``.
+        """
+        rows = cls(tensors[0], tensors[1], key, scratch, spec)
+        sizes = {"padding": 1, "rope": 2, "window": 2, "column": 1, "visible": 1, "keys": 1, "completion": 4}
+        names = rows._names()
+        want = 2 + sum(sizes[n[0]] for n in names)
+        if len(tensors) != want:
+            raise ValueError(f"DecodeRows.from_tuple: {len(tensors)} tensors, the spec's as_tuple has {want}")
+        i = 2
+        for name in names:
+            n = sizes[name[0]]
+            rows._cache[name] = tensors[i] if n == 1 else tuple(tensors[i:i + n])
+            i += n
+        return rows
