@@ -246,6 +246,11 @@ class DeepseekV4(nn.Module):
             raise UsageError(f"step_rows: length bucket key={key} must be in [1, max_seq_len={self.max_seq_len}]")
         return DecodeRows(positions, index, key, self.scratch, self.rows_spec)
 
+    def rows_from_tuple(self, tensors: tuple[torch.Tensor, ...], key: int) -> DecodeRows:
+        """:meth:`step_rows`' rows rebuilt from their :meth:`DecodeRows.as_tuple` (no torch op): how a
+        layer's captured piece reads the rows another piece computed."""
+        return DecodeRows.from_tuple(tensors, key, self.scratch, self.rows_spec)
+
     def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
         """Token ids ``[T]`` -> ``([T, m, D],)``: the vocab-parallel embedding copied to every stream."""
         x = self.embed(ids)  # [T, D]
