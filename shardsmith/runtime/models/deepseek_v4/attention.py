@@ -46,7 +46,7 @@ from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
-from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec, length_bucket
+from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec
 
 QUERY_CHUNK = 1024
 
@@ -144,12 +144,15 @@ class Attention(nn.Module):
 
     def one_row(self, positions: torch.Tensor, slot: int, start: int) -> DecodeRows:
         """The rows of a one-token step of slot ``slot`` at ``start`` (``positions`` ``[1]`` on the
-        device): one real row, the bucket of ``start`` (:func:`length_bucket`), for :meth:`forward`."""
+        device), for :meth:`forward`: one real row, and the exact length ``start + 1`` as its bucket, so
+        that every entry column is visible and the indexer's ``topk`` runs over exactly the complete
+        entries, as transformers' does (exact ties of index scores then break as there; a bucketed
+        step of :meth:`DeepseekV4.decode_step` is the same up to such ties)."""
         E = self.compressor.entries.shape[1] if self.compressor is not None else 0
         spec = RowsSpec(self.window, (self.ratio,) if E else (), self.max_seq_len,
                         {self.table: self.freqs})
         index = torch.full((1,), slot, dtype=torch.int64, device=positions.device)
-        return DecodeRows(positions, index, length_bucket(start, self.max_seq_len), self.keys.shape[0] - 1, spec)
+        return DecodeRows(positions, index, start + 1, self.keys.shape[0] - 1, spec)
 
     # forward in three parts: project and output are row-wise; the decode core reads and appends to each
     # row's slot with shapes fixed by the rows and their length bucket, so all three can be captured
