@@ -520,7 +520,10 @@ def hf_baseline(config: dict, a: argparse.Namespace) -> dict:
         cmd = [sys.executable, str(Path(__file__).with_name("hf_v4_baseline.py")), str(path),
                "--layers", str(config["num_hidden_layers"]), "--experts", str(config["n_routed_experts"]),
                "--prompt", str(a.prompt), "--tokens", str(a.tokens), "--device", a.device]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.hf_timeout_s)
+        env = dict(os.environ)  # SHARDSMITH_HF_PYTHONPATH: a newer transformers for this process only
+        if os.environ.get("SHARDSMITH_HF_PYTHONPATH"):
+            env["PYTHONPATH"] = os.environ["SHARDSMITH_HF_PYTHONPATH"] + os.pathsep + env.get("PYTHONPATH", "")
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.hf_timeout_s, env=env)
     if done.returncode != 0:
         return {"error": (done.stderr or done.stdout)[-600:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
