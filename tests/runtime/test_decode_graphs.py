@@ -232,7 +232,9 @@ def _family_eager_vs_graphed(packs: dict, rank: int, world_size: int, device: st
 
 # On CUDA an FP8 bank kept FP8 runs the fused kernel by expert id on the device (no host sync), so its
 # experts are captured in the layer's one ffn piece (on CPU they run between ffn_in and ffn_out)
-CUDA_PIECES = {"mixtral-fp8": ["attn_in", "ffn"]}
+# An offloaded bank on CUDA runs the kernel over its cache slots, so a step whose experts all sit in
+# slots applies them in the captured ffn_slots piece
+CUDA_PIECES = {"mixtral-fp8": ["attn_in", "ffn"], "mixtral-offloaded": ["attn_in", "ffn_in", "ffn_out", "ffn_slots"]}
 
 
 def _family_check(out: dict, captured: bool) -> None:

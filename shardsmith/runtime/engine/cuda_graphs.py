@@ -179,10 +179,10 @@ def compiled(fn: Callable[..., Tensors]) -> Callable[..., Tensors]:
     The pieces' compile happens in their warm-up run, before capture."""
     if os.environ.get(COMPILE_ENV, "0") != "1" or not torch.cuda.is_available():
         return fn
-    import torch._dynamo
+    from torch import _dynamo as dynamo  # (``import torch._dynamo`` here would make ``torch`` a local name)
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 512)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
+    dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 512)
+    dynamo.config.accumulated_cache_size_limit = max(dynamo.config.accumulated_cache_size_limit, 4096)
     owner, name = getattr(fn, "__self__", None), getattr(fn, "__name__", "")
     cache = _COMPILED.setdefault(type(owner), {}) if owner is not None else {}
     if name not in cache:
