@@ -114,3 +114,23 @@ def test_reference_backend_needs_no_triton():
     bank, ids, weights, x = _bank_case(True, tokens=2, top_k=2, experts=4, dim=64, inter=32, seed=1)
     out = fused_experts(x, ids, weights, **bank, limit=3.0, backend="reference")
     assert torch.equal(out, fused_experts_reference(x, ids, weights, **bank, limit=3.0))
+
+
+@needs_triton
+@pytest.mark.parametrize(("m", "iters", "tokens"), [(4, 20, 1), (4, 20, 8), (3, 5, 2)])  # V4: m=4, 20 rounds
+def test_hc_mix_matches_reference(m, iters, tokens):
+    from shardsmith.runtime.layers.kernels.hc_mix import hc_mix, hc_mix_reference
+
+    gen = torch.Generator(device=DEV).manual_seed(m * 100 + tokens)
+    width = (2 + m) * m
+    f = torch.randn(tokens, width, generator=gen, device=DEV) * 3
+    base, scale = torch.randn(width, generator=gen, device=DEV), torch.rand(3, generator=gen, device=DEV) * 2
+    got = hc_mix(f, base, scale, m, iters, 1e-6, backend="triton")
+    want = hc_mix_reference(f, base, scale, m, iters, 1e-6)
+    for name, a, b in zip(("pre", "post", "comb"), got, want):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    comb = got[2].double()  # doubly stochastic after Sinkhorn: rows and columns sum to ~1
+    assert torch.allclose(comb.sum(-2), torch.ones_like(comb.sum(-2)), atol=1e-4)
+    with pytest.raises(KernelError, match=r"hc_mix: f must be \[T, 24\]"):
+        hc_mix(f[:, :5].contiguous(), base, scale, 4, iters, 1e-6)

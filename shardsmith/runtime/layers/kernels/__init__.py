@@ -9,6 +9,9 @@ kernel                   replaces (the reference)            what it reads
                          gather + expand + bmm (V4           (resident, or the GPU slot pool by slot id),
                          ``routed_pairs``)                   FP4 e2m1 packed with 1x32 UE8M0 scales, FP8
                                                              e4m3 with F32 block scales, or bf16
+:func:`hc_mix`           :func:`hc_mix_reference`: V4's      ``[T, (2+m)*m]`` mixer logits; one program
+                         hyper-connection pre/post and       per token, the 20 Sinkhorn rounds in
+                         Sinkhorn comb                       registers
 =======================  ==================================  ===========================================
 
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on

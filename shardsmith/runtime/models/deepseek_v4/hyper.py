@@ -14,18 +14,18 @@ comb        ``[T,m,m]`` ``softmax(f_comb * scale[2] + base_comb) + eps``, then S
 
 ``streams' [k] = post[k] * block(sum_j pre[j] streams[j]) + sum_j comb[j, k] streams[j]``. The
 head mixer (``hc_head_*``) collapses the streams once more before the final norm. All mixers are
-replicated. On GPU the pre/post/comb maths (40 Sinkhorn half-steps on ``[T, m, m]``) is fused by
-``torch.compile``: eagerly it is launch-bound. Legend: T = tokens, m = streams, D = hidden.
+replicated. The pre/post/comb maths (40 Sinkhorn half-steps on ``[T, m, m]``) is
+:func:`~shardsmith.runtime.layers.kernels.hc_mix.hc_mix`: one Triton program per token on CUDA (eagerly
+it is ~80 tiny kernels; ``torch.compile`` made it 5-6), its PyTorch reference elsewhere. Legend: T = tokens, m = streams, D = hidden.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
 from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
 
 
@@ -51,31 +51,9 @@ class HyperMixer(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, m, D]`` -> ``(collapsed [T, D], post [T, m], comb [T, m, m])``."""
         f = F.linear(rms_unweighted(streams.flatten(1).float(), self.norm_eps), self.fn)  # [T, (2+m)*m]
-        mix = _mix_compiled() if f.is_cuda else _mix
-        pre, post, comb = mix(f, self.base, self.scale, self.m, self.iters, self.eps)
+        pre, post, comb = hc_mix(f, self.base, self.scale, self.m, self.iters, self.eps)
         collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
         return collapsed, post, comb
-
-
-def _mix(f: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, m: int, iters: int,
-         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pre ``[T, m]``, post ``[T, m]`` and Sinkhorn-normalised comb ``[T, m, m]`` from ``f``."""
-    f_pre, f_post, f_comb = f.split([m, m, m * m], dim=-1)
-    b_pre, b_post, b_comb = base.split([m, m, m * m])
-    pre = torch.sigmoid(f_pre * scale[0] + b_pre) + eps
-    post = 2 * torch.sigmoid(f_post * scale[1] + b_post)
-    comb = torch.softmax(f_comb.view(-1, m, m) * scale[2] + b_comb.view(m, m), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
-
-
-@functools.cache
-def _mix_compiled():
-    """:func:`_mix` fused by ``torch.compile`` (on GPU, eager it is ~120 tiny kernels per call)."""
-    return torch.compile(_mix, dynamic=True)
 
 
 def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
