@@ -1,39 +1,46 @@
 #!/usr/bin/env bash
 # On one H200 (issues 12 and 14): DeepSeek-V4's decode step captured whole (static decode core), the
-# full-depth model, transformers at the same shapes, torch.compile of the row-wise pieces. One call,
-# about 7-9 minutes. Carry .inv (the real V4-Flash inventory: headers and config.json). Steps:
+# full-depth model, transformers at the same shapes, torch.compile of the row-wise pieces. Carry .inv
+# (the real V4-Flash inventory: headers and config.json) and, for transformers' DeepSeek-V4 where the
+# host's transformers predates it, .whl-hf. Steps (RUNS picks among the benchmark runs):
 #   1. the V4-Flash-shaped template checkpoint (5 layers, 24 FP4 experts, real per-layer shapes) is
-#      written while the GPU checks run (decode graphs, every family on CUDA, the slot pool kernel);
-#   2. v4_decode.py template mode, 4 layers x 256 experts, resident and a 25% cache, eager and graphed,
-#      profiled (device ops, GPU busy share, the top kernels), with transformers' DeepseekV4ForCausalLM
-#      at the same shapes (--hf);
-#   3. the full-depth model (43 layers, the release's kinds, 24 experts/layer), resident and 25%, --hf;
-#   4. the same resident with SHARDSMITH_COMPILE_PIECES=1 (torch.compile of attn_in / ffn pieces).
-# Logs, result JSONs and profiles go to $OUT. SKIP_TESTS=1 skips step 1's tests; SKIP_COMPILE=1 step 4.
+#      written while the GPU checks run (decode graphs, every family on CUDA, the kernels);
+#   2. v4_decode.py template mode, TP=1, eager and graphed, profiled (device ops, GPU busy share, the
+#      top kernels by GPU time), each run one of
+#        4l256e    4 layers x 256 experts, resident and a 25% cache, with transformers (--hf)
+#        43l24e    the full-depth model (43 layers, the release's kinds, 24 experts/layer), resident
+#                  and 25%, with transformers (--hf)
+#        43l24e-r  the full-depth model resident only
+#        43l24e-c  the same with SHARDSMITH_COMPILE_PIECES=1 (torch.compile of the attn_in / ffn pieces)
+# Logs, result JSONs and profiles go to $OUT. SKIP_TESTS=1 skips step 1's tests.
+# Measured: benchmarks/RESULTS.md, "the whole decode step in one CUDA graph".
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD SHARDSMITH_CACHE=${SHARDSMITH_CACHE:-/tmp/sscache}
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD} SHARDSMITH_CACHE=${SHARDSMITH_CACHE:-/tmp/sscache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 host=${SHARDSMITH_HOST:-h200x1ws}
+RUNS=${RUNS:-4l256e 43l24e 43l24e-c}
 inv=.inv/deepseek-v4-flash-0731-reap160
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' 
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 if ! python3 -c 'from transformers import DeepseekV4ForCausalLM' 2>/dev/null && ls .whl-hf/*.whl >/dev/null 2>&1; then
     # the host's transformers predates DeepSeek-V4: a newer one (carried in .whl-hf) for --hf only
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/hfsite .whl-hf/*.whl
     export SHARDSMITH_HF_PYTHONPATH=/tmp/hfsite
-    PYTHONPATH=/tmp/hfsite:$PYTHONPATH python3 -c 'from transformers import DeepseekV4ForCausalLM; import transformers; print("transformers for --hf:", transformers.__version__)'
 fi
 t0=$SECONDS
-(timeout "${GEN_S:-150}" python3 benchmarks/gen_v4_checkpoint.py /tmp/v4t5 --layers 5 --experts 24 --mtp 0 \
-    --inventory "$inv" > "$OUT/gen.log" 2>&1) &
-gen=$!
+if [ ! -f /tmp/v4t5/config.json ]; then
+    (timeout "${GEN_S:-150}" python3 benchmarks/gen_v4_checkpoint.py /tmp/v4t5 --layers 5 --experts 24 --mtp 0 \
+        --inventory "$inv" > "$OUT/gen.log" 2>&1) &
+    gen=$!
+fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     timeout "${TEST_S:-110}" python3 -m pytest tests/runtime/test_decode_graphs.py tests/runtime/test_families_cuda.py \
-        tests/runtime/test_fused_slots.py -m gpu -q -p no:cacheprovider -x > "$OUT/gpu_tests.log" 2>&1
+        tests/runtime/test_fused_slots.py tests/runtime/test_kernels.py -m "gpu or not gpu" -q -p no:cacheprovider \
+        -o addopts="" -x > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E |^FAILED" "$OUT/gpu_tests.log" | tail -20
 fi
-wait $gen; tail -1 "$OUT/gen.log"; echo "gen $((SECONDS - t0)) s"
+[ -n "${gen:-}" ] && { wait $gen; tail -1 "$OUT/gen.log"; echo "gen $((SECONDS - t0)) s"; }
 common=(/tmp/v4t5 --work /tmp/v4p --device cuda --tp 1 --prompt 16 --tokens 32 --kinds-config "$inv/config.json")
 bench() {  # name, timeout, args...
     local name=$1 limit=$2; shift 2
@@ -43,12 +50,16 @@ bench() {  # name, timeout, args...
     grep -E '"run"|"ms_per_token"|"ms_per_layer"|"device_ops_per_layer"|"gpu_busy_share"|"hit_rate"|time_per_token_over_floor|speedup_vs|"error"|Error' \
         "$OUT/v4_$name.log" | head -40
     cp benchmarks/results/v4_decode-*-"$name".json "$OUT/" 2>/dev/null
-    head -25 /tmp/prof-$name/*kernels.txt 2>/dev/null
+    head -12 /tmp/prof-$name/*graphs-kernels.txt 2>/dev/null
 }
-bench "$host-4l256e" "${BENCH_S:-150}" --layers 4 --experts-per-layer 256 --cache-fraction 0.25 --hf
-bench "$host-43l24e" "${BENCH_S:-150}" --layers 43 --experts-per-layer 24 --cache-fraction 0.25 --hf
-if [ "${SKIP_COMPILE:-0}" != 1 ]; then
-    SHARDSMITH_COMPILE_PIECES=1 bench "$host-43l24e-compile" "${COMPILE_S:-170}" --layers 43 --experts-per-layer 24
-fi
+for run in $RUNS; do
+    case $run in
+        4l256e) bench "$host-4l256e" "${BENCH_S:-165}" --layers 4 --experts-per-layer 256 --cache-fraction 0.25 --hf ;;
+        43l24e) bench "$host-43l24e" "${BENCH_S:-165}" --layers 43 --experts-per-layer 24 --cache-fraction 0.25 --hf ;;
+        43l24e-r) bench "$host-43l24e" "${BENCH_S:-165}" --layers 43 --experts-per-layer 24 ;;
+        43l24e-c) SHARDSMITH_COMPILE_PIECES=1 bench "$host-43l24e-compile" "${COMPILE_S:-160}" --layers 43 --experts-per-layer 24 ;;
+        *) echo "unknown run $run" ;;
+    esac
+done
 tar czf "$OUT/prof.tgz" -C /tmp $(cd /tmp && ls -d prof-* 2>/dev/null) 2>/dev/null
 true
