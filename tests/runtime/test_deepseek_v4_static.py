@@ -6,8 +6,9 @@ CSA; window 16), float32, one rank. Three sequences of 125, 29 and 6 prompt toke
 0 and 1 and decode 4 given tokens together, in a shuffled row order padded to 4 rows: positions
 125..128 complete the first HCA window (127) and every sequence completes a CSA window. Each step
 runs the layers as the lead's one-graph step will: ``step_rows`` -> ``as_tuple`` -> ``from_tuple``
--> per layer ``attn_static`` + ``ffn_block``. The reference is the unchanged prefill path: each
-whole sequence prefilled alone into a spare slot (``Attention.core``, not the decode core).
+-> per layer ``attn_static`` + ``ffn_block`` (the step at 127 also in the bucket 1024). The
+reference is the unchanged prefill path: each whole sequence prefilled alone into a spare slot
+(``Attention.core``, not the decode core).
 """
 
 from __future__ import annotations
@@ -110,12 +111,12 @@ def test_static_steps_match_prefill_and_ignore_padding_and_bucket(model) -> None
             assert torch.equal(t[SPARE], before[name][SPARE]), name  # a slot outside the step: untouched
         assert torch.isfinite(padded["0.keys"][model.scratch]).all()
         assert not torch.equal(padded["0.keys"][model.scratch], before["0.keys"][model.scratch])
-        # the same step in the next bucket: the same logits and state, within float32 rounding
-        restore(model, before)
-        twice = run_rows(model, step.ids, model.step_rows(*step.tensors, 2 * step.key))
-        torch.testing.assert_close(twice, logits, atol=ATOL, rtol=0)
-        for name, t in snapshot(model).items():
-            torch.testing.assert_close(t[:-1], padded[name][:-1], atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+        if starts[seqs.index(0)] == 127:  # the step completing HCA and CSA windows, in the next bucket too:
+            restore(model, before)  # the same logits and state, within float32 rounding
+            twice = run_rows(model, step.ids, model.step_rows(*step.tensors, 2 * step.key))
+            torch.testing.assert_close(twice, logits, atol=ATOL, rtol=0)
+            for name, t in snapshot(model).items():
+                torch.testing.assert_close(t[:-1], padded[name][:-1], atol=ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
         for row, i in enumerate(seqs):
             got[i].append(logits[row])
     for i, (seq, n, slot) in enumerate(zip(SEQS, PROMPT_LENS, SLOTS)):
