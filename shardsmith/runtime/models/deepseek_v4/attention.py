@@ -130,8 +130,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, start: int, slot: int = 0) -> torch.Tensor:
         """Attend new tokens ``x`` ``[T, D]`` of slot ``slot`` at positions ``[start, start + T)``;
-        returns ``[T, D]`` (reduced). One token runs the batched decode core (one row), so a step
-        through :meth:`forward` and one through the decode pieces compute the same bits."""
+        returns ``[T, D]`` (reduced). One token runs the batched decode core (one row, its exact length
+        as bucket: :meth:`one_row`); the decode pieces run the same kernels on a bucket's columns."""
         T = x.shape[0]
         positions = torch.arange(start, start + T, device=x.device)
         cos, sin = rope_cos_sin(positions, self.freqs)  # [T, r/2]
