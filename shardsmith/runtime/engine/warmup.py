@@ -11,6 +11,7 @@ module (``kernel`` on)                 call                                     
 =====================================  ==========================================  ===================
 FP8 ``_Linear``                        ``matmul(x [M, in])`` -> ``fp8_linear``       ``warmup_rows``:
                                                                                    1..16, 17, max
+                                                                                   (at most 32 x SMs)
 ``ExpertBank``                         ``fused_bank`` over its arrays               T = 1..16
 offload runtime                        ``apply_slots`` over the slot pool           T = 1..16
 =====================================  ==========================================  ===================
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from shardsmith.runtime.layers.experts import FUSED_TOKENS_MAX, ExpertBank, fused_bank
+from shardsmith.runtime.layers.kernels._common import sm_count
 from shardsmith.runtime.layers.kernels.fp8_linear import warmup_rows
 from shardsmith.runtime.layers.parallel import _Linear
 
@@ -63,7 +65,7 @@ def warm_kernels(model: torch.nn.Module, *, max_rows: int, top_k: int, dtype: to
             continue
         seen.add(sig)
         if isinstance(m, _Linear):
-            for rows in warmup_rows(max_rows):
+            for rows in warmup_rows(max_rows, sms=sm_count(device)):
                 m.matmul(torch.zeros(rows, m.weight.shape[1], dtype=dtype, device=device))
                 launches += 1
             continue

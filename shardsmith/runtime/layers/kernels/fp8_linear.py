@@ -48,13 +48,15 @@ def auto_split(m: int, n_tiles: int, k_blocks: int, sms: int) -> int:
     return max(1, min(k_blocks, -(-waves // (n_tiles * m_tiles))))
 
 
-def warmup_rows(max_rows: int) -> list[int]:
+def warmup_rows(max_rows: int, *, sms: int = 132) -> list[int]:
     """Row counts M whose :func:`fp8_linear` launches compile every kernel variant that any M in
-    ``1..max_rows`` uses, for any weight (default launch options): each decode M (the sum's size
-    ``M*N`` is specialised too), then 17 and ``max_rows`` (the long kernels' two splits of
-    :func:`auto_split` fall on either side of one M)."""
+    ``1..max_rows`` uses, for any weight (default launch options), on a device of ``sms``
+    multiprocessors: each decode M (the split-sum's size ``M*N`` is specialised too), then 17 and
+    the largest M that may still split (:func:`auto_split` splits up to some M and never past
+    ``32 * sms`` rows, so these two give both long variants without a huge zero input).
+    """
     rows = list(range(1, min(DECODE_M, max_rows) + 1))
-    return rows + sorted({m for m in (DECODE_M + 1, max_rows) if DECODE_M < m <= max_rows})
+    return rows + sorted({m for m in (DECODE_M + 1, min(max_rows, 32 * sms)) if DECODE_M < m <= max_rows})
 
 
 def scale_as_float(scale: torch.Tensor) -> torch.Tensor:
