@@ -317,8 +317,9 @@ class Engine:
         1. every rank launches each Triton kernel variant its steps can use, for steps of up to
            ``max_seq_len`` tokens (:func:`~shardsmith.runtime.engine.warmup.warm_kernels`; the
            ``WARMUP`` command; nothing when no module runs a kernel, as on CPU);
-        2. one tiny prefill and one decode step; with captured decode graphs also one batched
-           step of every bucket, so no graph is captured mid-serving.
+        2. one tiny prefill and one decode step; on CUDA (or with kernels) also one batched step
+           of every bucket, so no graph is captured and nothing compiled mid-serving (graphed or
+           eager: the batched pieces' ``torch.compile`` and kernel shapes).
 
         Every slot it used is released. Sets ``warmup_seconds`` and ``warmup_launches``.
         """
@@ -335,8 +336,8 @@ class Engine:
         self._step([0, 0], 0)
         self._step([0], 2)
         self.release(0)
-        if self.max_num_seqs > 1 and self.graphs is not None and self.graphs.pool.capture:
-            slots = list(range(self.max_num_seqs))
+        if self.max_num_seqs > 1 and (self.device.type == "cuda" or self._kernels):
+            slots = list(range(self.max_num_seqs))  # eager too (--enforce-eager): torch.compile'd pieces
             for rows in self.runner.buckets:
                 for s in slots[:rows]:
                     self.prefill(s, [0, 0], 0)
