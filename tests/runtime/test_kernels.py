@@ -36,6 +36,7 @@ TOL = 1.5e-2
     (5, 256, 512, (128, 128), False, 1),       # F32 weight_scale_inv (V3 / Mixtral-FP8), no split
     (16, 96, 160, (32, 32), True, 3),          # 32x32 blocks, ragged last split
     (19, 130, 128, (128, 128), False, None),   # M past one 16-row tile
+    (40, 96, 512, (128, 128), True, None),     # M > 16 (the long kernel: runtime M and split), split-K
 ])
 def test_fp8_linear_matches_reference(m, n, k, block, ue8m0, split_k):
     gen = torch.Generator(device=DEV).manual_seed(m * 1000 + n)

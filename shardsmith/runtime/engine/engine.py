@@ -14,6 +14,8 @@ FORWARD     ``n, start, all_logits, slot``                ``ids [n]``: one seque
 DECODE      ``B, 0, 0, 0``                                ``[3, B]``: ids, starts, slots (a
                                                           batched one-token step, B sequences)
 RELEASE     ``slot, 0, 0, 0``                             none: the slot's sequence ended
+WARMUP      ``max_rows, 0, 0, 0``                         none: compile the Triton kernels'
+                                                          variants (:mod:`.warmup`)
 SHUTDOWN    ``0, 0, 0, 0``                                none: followers return
 ==========  ============================================  =====================================
 
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
     from shardsmith.runtime.offload import OffloadConfig
 
 log = logging.getLogger("shardsmith.runtime")
-FORWARD, SHUTDOWN, DECODE, RELEASE = 1, 2, 3, 4
+FORWARD, SHUTDOWN, DECODE, RELEASE, WARMUP = 1, 2, 3, 4, 5
 CMD_LEN = 5
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -77,7 +79,9 @@ class Engine:
         (:mod:`~shardsmith.runtime.models.registry`); graphs: the model's
         :class:`~shardsmith.runtime.engine.cuda_graphs.DecodeGraphs` once :meth:`use_decode_graphs`
         ran (None: every step eager); forward: what runs a step (``graphs`` or the model);
-        runner: what runs batched decode steps (``graphs``, or the same pieces run eagerly).
+        runner: what runs batched decode steps (``graphs``, or the same pieces run eagerly);
+        warmup_seconds, warmup_launches: what :meth:`warmup` took (seconds on rank 0) and how
+        many kernel launches it made to compile the Triton variants.
     """
 
     def __init__(self, model: torch.nn.Module, *, config: dict, root: Path, rank: int, world_size: int,
@@ -94,7 +98,9 @@ class Engine:
         self.max_num_seqs = int(getattr(model, "max_num_seqs", 1) or 1)
         self.state_bytes = int(model.state_bytes()) if hasattr(model, "state_bytes") else 0
         self._eager: DecodeGraphs | None = None
+        self._kernels: bool | None = None  # whether some module runs a Triton kernel (warmup)
         self._pos = [0] * self.max_num_seqs  # per slot, where its last step ended (rank 0)
+        self.warmup_seconds, self.warmup_launches = 0.0, 0
 
     @classmethod
     def load(cls, path: str | Path, *, rank: int, world_size: int, device: str = "cpu", from_checkpoint: bool = False,
@@ -306,18 +312,41 @@ class Engine:
             self._release(slot)
 
     def warmup(self) -> None:
-        """One tiny prefill and one decode step on every rank; with captured decode graphs also one
-        batched step of every bucket (rank 0), so no graph is captured mid-serving."""
+        """Prepare every rank for serving, so no request pays a compile or a capture (rank 0):
+
+        1. every rank launches each Triton kernel variant its steps can use, for steps of up to
+           ``max_seq_len`` tokens (:func:`~shardsmith.runtime.engine.warmup.warm_kernels`; the
+           ``WARMUP`` command; nothing when no module runs a kernel, as on CPU);
+        2. one tiny prefill and one decode step; on CUDA (or with kernels) also one batched step
+           of every bucket, so no graph is captured and nothing compiled mid-serving (graphed or
+           eager: the batched pieces' ``torch.compile`` and kernel shapes).
+
+        Every slot it used is released. Sets ``warmup_seconds`` and ``warmup_launches``.
+        """
+        t0 = time.perf_counter()
+        if self._kernels is None:
+            from shardsmith.runtime.engine.warmup import kernel_modules
+
+            self._kernels = bool(kernel_modules(self.model, self.offload))
+        if self._kernels:  # every rank's modules are switched alike (same config, same device kind)
+            with self._lock:
+                if self.world_size > 1:
+                    self._send(torch.tensor([WARMUP, self.max_seq_len, 0, 0, 0], dtype=torch.int64))
+                self.warmup_launches = self._collective(lambda: self._warm_kernels(self.max_seq_len))
         self._step([0, 0], 0)
         self._step([0], 2)
-        if self.max_num_seqs > 1 and self.graphs is not None and self.graphs.pool.capture:
-            slots = list(range(self.max_num_seqs))
+        self.release(0)
+        if self.max_num_seqs > 1 and (self.device.type == "cuda" or self._kernels):
+            slots = list(range(self.max_num_seqs))  # eager too (--enforce-eager): torch.compile'd pieces
             for rows in self.runner.buckets:
                 for s in slots[:rows]:
                     self.prefill(s, [0, 0], 0)
                 self.decode([0] * rows, [2] * rows, slots[:rows])
             for s in slots:
                 self.release(s)
+        self.warmup_seconds = time.perf_counter() - t0
+        log.info("warm-up: %d kernel launches and the decode buckets in %.2f s", self.warmup_launches,
+                 self.warmup_seconds)
 
     def shutdown(self) -> None:
         """Release the followers from :meth:`follow` (rank 0; idempotent)."""
@@ -345,6 +374,8 @@ class Engine:
                 return
             if op == RELEASE:
                 self._release(a)
+            elif op == WARMUP:
+                self._collective(lambda: self._warm_kernels(a))
             elif op == DECODE:
                 payload = torch.empty(3, a, dtype=torch.int64)
                 self._collective(lambda: dist.broadcast(payload, src=0, group=self._group))
@@ -420,6 +451,13 @@ class Engine:
     def _run_decode(self, payload: torch.Tensor) -> torch.Tensor:
         ids, starts, slots = payload[0].to(self.device), payload[1].tolist(), payload[2].tolist()
         return self.runner.decode(ids, starts, slots)
+
+    def _warm_kernels(self, max_rows: int) -> int:
+        from shardsmith.runtime.engine.warmup import warm_kernels
+
+        top_k = int(self.config.get("num_experts_per_tok") or 1)
+        return warm_kernels(self.model, max_rows=max_rows, top_k=top_k, dtype=self.dtype, device=self.device,
+                            offload=self.offload)
 
     def _release(self, slot: int) -> None:
         release = getattr(self.model, "release", None)

@@ -19,6 +19,10 @@ CUDA tensors (or on CPU under ``TRITON_INTERPRET=1``) and the reference otherwis
 no Triton to import or run this package. Triton comes with the ``kernels`` extra. Measured on an
 H200: ``benchmarks/RESULTS.md`` (kernels).
 
+Compiles: each kernel compiles a bounded set of variants whatever the prompt length
+(:mod:`.compile_keys` computes Triton's cache key of a launch on CPU; the engine's warm-up,
+``runtime/engine/warmup.py``, launches every variant at start).
+
 Wiring (``runtime/layers``): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and
 calls ``fp8_linear``; an ``ExpertBank`` (resident) and the offload runtime's slot steps (the expert
 cache's pool, slot ids for expert ids) call ``fused_experts`` through ``experts.fused_bank`` for

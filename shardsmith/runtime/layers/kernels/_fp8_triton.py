@@ -8,6 +8,13 @@ With ``SPLIT`` the partials go to a float32 workspace ``[S, M, N]`` that :func:`
 in a fixed order and casts, so results do not depend on scheduling. A register GEMV (multiply-adds
 and a row sum instead of the padded dot for M <= 4) ran 2.7-30x slower on the H200 and was dropped
 (``benchmarks/RESULTS.md``).
+
+Compiles (issue 14): Triton compiles a kernel once per distinct set of constexpr values and plain-int
+classes (1, multiple of 16, other; :mod:`.compile_keys`). Each kernel is jitted twice: the decode
+variants (M <= ``DECODE_M``: every int specialised, the split fixed by the weight's shape) and the
+long ones (``M`` and the sum's size unspecialised, the split one of two per weight), so a weight
+compiles a bounded handful of variants whatever the prompt length, and ``fp8_linear.warmup_rows``
+lists row counts whose launches compile them all.
 """
 
 from __future__ import annotations
@@ -15,12 +22,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from shardsmith.runtime.layers.kernels.fp8_linear import DECODE_M
 
-@triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                       K_ITERS: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, UE8M0: tl.constexpr,
-                       SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+
+def _fp8_linear(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                K_ITERS: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, UE8M0: tl.constexpr,
+                SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,8 +59,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_
         tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _sum_splits(ws_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_rows(ws_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     """``out = sum(ws[0..SPLITS), axis 0)`` in float32, in split order, cast to ``out``'s dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -62,17 +69,27 @@ def _sum_splits(ws_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexp
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Decode (M <= DECODE_M): every int specialised (M == 1, M % 16), the split from the weight's shape.
+_fp8_linear_kernel = triton.jit(_fp8_linear)
+_sum_splits = triton.jit(_sum_rows)
+# Longer (prefill): M and the sum's size unspecialised and the split one of two (module docstring), so
+# each weight compiles at most two variants of each whatever the prompt length.
+_fp8_linear_long_kernel = triton.jit(do_not_specialize=["M"])(_fp8_linear)
+_sum_splits_long = triton.jit(do_not_specialize=["numel"])(_sum_rows)
+
+
 def launch(x, w, scale, out, ws, *, block: tuple[int, int], ue8m0: bool, splits: int, k_per_split: int,
            block_n: int, block_k: int, num_warps: int, num_stages: int, dot_f32: bool) -> None:
-    """Run the kernel(s) into ``out [M, N]`` (and workspace ``ws [splits, M, N]`` float32 when ``splits > 1``)."""
+    """Run the kernel(s) into ``out [M, N]`` (and workspace ``ws [splits, M, N]`` float32 when ``splits > 1``):
+    the decode kernels up to ``DECODE_M`` rows, the long ones past it."""
     M, K = x.shape
     N = w.shape[0]
+    kernel, sum_kernel = (_fp8_linear_kernel, _sum_splits) if M <= DECODE_M else \
+        (_fp8_linear_long_kernel, _sum_splits_long)
     grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, 16))
-    _fp8_linear_kernel[grid](x, w, scale, ws if splits > 1 else out, M, N, K, x.stride(0), w.stride(0),
-                             scale.stride(0), K_ITERS=k_per_split // block_k, SCALE_N=block[0], SCALE_K=block[1],
-                             UE8M0=ue8m0,
-                             SPLIT=splits > 1, DOT_F32=dot_f32, BLOCK_M=16,
-                             BLOCK_N=block_n, BLOCK_K=block_k,
-                             num_warps=num_warps, num_stages=num_stages)
+    kernel[grid](x, w, scale, ws if splits > 1 else out, M, N, K, x.stride(0), w.stride(0), scale.stride(0),
+                 K_ITERS=k_per_split // block_k, SCALE_N=block[0], SCALE_K=block[1], UE8M0=ue8m0,
+                 SPLIT=splits > 1, DOT_F32=dot_f32, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                 num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _sum_splits[(triton.cdiv(M * N, 1024),)](ws, out, M * N, SPLITS=splits, BLOCK=1024, num_warps=4)
+        sum_kernel[(triton.cdiv(M * N, 1024),)](ws, out, M * N, SPLITS=splits, BLOCK=1024, num_warps=4)

@@ -28,6 +28,35 @@ import torch.nn.functional as F
 from shardsmith.runtime.layers.kernels._common import KernelError, interpreting, sm_count, use_triton
 
 BLOCK_K_MAX = 128
+DECODE_M = 16  # rows up to which the decode kernels run (``_fp8_triton.DECODE_M``; one 16-row tile)
+
+
+def auto_split(m: int, n_tiles: int, k_blocks: int, sms: int) -> int:
+    """K splits for ``m`` rows over ``n_tiles`` column tiles and ``k_blocks`` K blocks, aiming at two
+    waves of ``sms`` multiprocessors.
+
+    Decode (``m <= 16``, one 16-row tile): from the weight's tiles alone. Longer: one of two values
+    per weight, so the split (a constexpr of the kernel) does not compile a variant per prompt
+    length: no split once the row tiles fill two waves, else the split of 17-32 rows (up to
+    ``m_tiles / 2`` times the programs an exact split would give; the extra float32 partials are
+    small next to the weight read).
+    """
+    waves = 2 * sms
+    m_tiles = 1 if m <= DECODE_M else 2
+    if m > DECODE_M and n_tiles * -(-m // 16) >= waves:
+        return 1
+    return max(1, min(k_blocks, -(-waves // (n_tiles * m_tiles))))
+
+
+def warmup_rows(max_rows: int, *, sms: int = 132) -> list[int]:
+    """Row counts M whose :func:`fp8_linear` launches compile every kernel variant that any M in
+    ``1..max_rows`` uses, for any weight (default launch options), on a device of ``sms``
+    multiprocessors: each decode M (the split-sum's size ``M*N`` is specialised too), then 17 and
+    the largest M that may still split (:func:`auto_split` splits up to some M and never past
+    ``32 * sms`` rows, so these two give both long variants without a huge zero input).
+    """
+    rows = list(range(1, min(DECODE_M, max_rows) + 1))
+    return rows + sorted({m for m in (DECODE_M + 1, min(max_rows, 32 * sms)) if DECODE_M < m <= max_rows})
 
 
 def scale_as_float(scale: torch.Tensor) -> torch.Tensor:
@@ -78,7 +107,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     """``x @ (w * scale).T`` with the FP8 weight read once and never dequantized to memory.
 
     Built for decode (M = 1..16 tokens, one 16-row tile); larger M runs in 16-row tiles, correct
-    but not tuned. Split-K spreads K over programs until about two waves of the device's
+    but not tuned, through kernels that compile the same two variants per weight for every M > 16
+    (:func:`auto_split`; :func:`warmup_rows` lists the M that compile them all). Split-K spreads K over programs until about two waves of the device's
     multiprocessors are busy; partials are summed in a fixed order (deterministic). No host sync
     and shapes fixed by the inputs, so calls can be captured in a CUDA graph.
 
@@ -117,8 +147,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     block_k = min(BLOCK_K_MAX, block[1])
     k_blocks = -(-K // block_k)
     if split_k is None:
-        tiles = -(-N // block_n) * -(-M // 16)
-        split_k = max(1, min(k_blocks, -(-2 * sm_count(x.device) // tiles)))
+        split_k = auto_split(M, -(-N // block_n), k_blocks, sm_count(x.device))
     k_per_split = -(-k_blocks // max(1, split_k)) * block_k
     splits = -(-K // k_per_split)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)

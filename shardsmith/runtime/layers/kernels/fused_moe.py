@@ -142,6 +142,10 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     alone and nothing syncs with the host, so a decode step can be captured in a CUDA graph. Ids are
     not range-checked (that would sync): an id outside ``[0, E)`` reads out of bounds.
 
+    Compiles (issue 14): a variant per ``BLOCK_P = next_pow2(T*K)`` and class of ``P`` (1, a
+    multiple of 16, other), at most 7 per bank over T = 1..16, the tokens callers pass
+    (``experts.FUSED_TOKENS_MAX``); the engine's warm-up launches T = 1..16 at start.
+
     Args:
         x: ``[T, D]`` activations (T = 1..16 for decode; more works, unoptimised).
         ids: ``[T, K]`` expert (or slot) ids; weights: ``[T, K]`` routing weights (float32).
