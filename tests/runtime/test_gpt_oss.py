@@ -265,7 +265,7 @@ def test_each_gpt_oss_feature_moves_the_logits(oss: dict, feature: str) -> None:
     model = load_model(oss["packs"][1], 0, 1)
     for layer in model.model.layers:
         if feature == "clamp":
-            layer.mlp.experts.limit = float("inf")
+            layer.mlp.experts.math = dataclasses.replace(layer.mlp.experts.math, limit=float("inf"))
         elif feature == "sinks":
             layer.self_attn.sinks = torch.full_like(layer.self_attn.sinks, float("-inf"))
         elif feature == "window":
@@ -320,3 +320,127 @@ def test_kv_heads_copied_past_the_kv_heads_match_transformers(tmp_path: Path) ->
     ref = reference_run(ckpt, ids)
     out = run_ranks(_rank_main, 2, str(ckpt), True, ids, ref["tokens"], timeout=240)
     check({k: torch.from_numpy(v) for k, v in out.items()}, ref)
+
+
+# ------------------------------------------------------------------ offloaded experts
+
+OFFLOAD = {  # a cache of 4 slots for 4 layers x 8 experts at top-4: every layer misses
+    "slots": dict(backend="gpu", cache_slots=4, probe=False),  # the GPU placement, its pool on the CPU
+    "cpu": dict(backend="cpu", probe=False),
+    "hybrid": dict(backend="hybrid", cache_slots=4, hybrid_fraction=0.5, probe=False),
+}
+
+
+def _offload_run(rank: int, world_size: int, path: str, backends: tuple[str, ...], ids: torch.Tensor,
+                 tokens: torch.Tensor, from_checkpoint: bool = False) -> dict:
+    """Per backend (``resident`` or a key of :data:`OFFLOAD`), on rank 0: :func:`runtime_run`'s logits
+    (every rank runs them in step), the engine's greedy tokens and the offload's numbers."""
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
+    from shardsmith.runtime.offload import OffloadConfig
+
+    out = {}
+    for name in backends:
+        cfg = OffloadConfig(**OFFLOAD[name]) if name in OFFLOAD else None
+        eng = Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=PROMPT_LEN + STEPS,
+                          offload=cfg, from_checkpoint=from_checkpoint)
+        logits = {k: v.numpy() for k, v in runtime_run(eng.model, ids, tokens).items()}
+        if rank == 0:
+            greedy = [s.token_id for s in eng.generate(ids.tolist(), SamplingParams(max_tokens=STEPS))]
+            stats = {}
+            if eng.offload is not None:
+                host = eng.offload.host.layers
+                stats = eng.offload.stats() | {"layers": sorted(host), "arrays": {a: (str(t.dtype), list(t.shape))
+                                                                                  for a, t in host["model.layers.1"].items()}}
+                if world_size == 1:  # layer 1's host bank, for the check against transformers' weights
+                    stats["bank"] = {a: t.view(torch.uint8).numpy().copy() for a, t in host["model.layers.1"].items()
+                                     if a in ("gate_up", "gate_up_scale", "down", "down_scale")}
+                if eng.offload.cache is not None:
+                    stats["pool"] = str(eng.offload.cache.pool["gate_up"].dtype)
+            out[name] = (logits, greedy, stats)  # numpy: a tensor on a queue dies with this process
+            eng.shutdown()
+        else:
+            eng.follow()
+        if eng.offload is not None:
+            eng.offload.close()
+    return out
+
+
+def _offload_rank_main(rank: int, world_size: int, port: int, path: str, backends, ids, tokens, queue) -> None:
+    import traceback
+
+    try:
+        from shardsmith.runtime.layers.parallel import init_distributed
+
+        init_distributed(rank, world_size, master_port=port)
+        out = _offload_run(rank, world_size, path, backends, ids, tokens)
+        if rank == 0:
+            queue.put(("ok", out))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_offloaded_experts_match_transformers_and_resident(oss: dict, world_size: int) -> None:
+    """Experts offloaded as MXFP4 host banks, in a 4-slot cache (``gpu`` placement, its pool on the
+    CPU), on the host (``cpu``) and split between the two (``hybrid``, world size 1): prefill and
+    teacher-forced step logits as transformers', the engine's greedy tokens as its, and the resident
+    model's logits bit for bit (the same expert maths on the same device, summed in the same order).
+    The banks and slots hold MXFP4 bytes (int8 codes, E8M0 scales, the bf16 gate/up bias), exactly the
+    rank's shard of each stacked expert tensor. World size 4 leaves the resident run to
+    :func:`test_tensor_parallel_matches_transformers`."""
+    from shardsmith.runtime.layers.quant import dequantize_fp4
+
+    backends = {1: ("slots", "cpu", "hybrid"), 2: ("resident", "slots", "cpu"), 4: ("slots", "cpu")}[world_size]
+    path, ids, ref = str(oss["packs"][world_size]), oss["ids"], oss["ref"]
+    if world_size == 1:
+        out = _offload_run(0, 1, path, backends, ids, ref["tokens"])
+        out["resident"] = ({k: v.numpy() for k, v in runtime_run(load_model(Path(path), 0, 1), ids, ref["tokens"]).items()},
+                           None, {})
+    else:
+        out = run_ranks_(world_size, path, backends, ids, ref["tokens"])
+    i_r = 256 // world_size  # the rank's intermediate channels (tiny: I = 256, D = 128)
+    slot_bytes = 2 * i_r * (128 // 2 + 128 // 32 + 2) + 128 * (i_r // 2 + i_r // 32)  # gate_up + scales + bias, down + scales
+    for name in backends:
+        logits, greedy, stats = out[name]
+        what = f"{name} at world_size={world_size}"
+        check({k: torch.from_numpy(v) for k, v in logits.items()}, ref)
+        if name == "resident":
+            continue
+        assert greedy == ref["tokens"].tolist(), what
+        if "resident" in out:
+            for k, v in logits.items():
+                assert (v == out["resident"][0][k]).all(), f"{what}: {k} differs from the resident model's"
+        assert stats["layers"] == [f"model.layers.{i}" for i in range(4)], what
+        assert stats["arrays"] == {"gate_up": ("torch.int8", [8, 2 * i_r, 64]),
+                                   "gate_up_scale": ("torch.float8_e8m0fnu", [8, 2 * i_r, 4]),
+                                   "gate_up_bias": ("torch.bfloat16", [8, 2 * i_r]),
+                                   "down": ("torch.int8", [8, 128, i_r // 2]),
+                                   "down_scale": ("torch.float8_e8m0fnu", [8, 128, i_r // 32])}, what
+        assert stats["host_bytes"] == 4 * 8 * slot_bytes, what  # MXFP4 in host memory, nothing expanded
+        if name == "cpu":
+            assert stats["host_experts"] > 0, what
+        else:
+            assert stats["pool"] == "torch.int8" and stats["slot_bytes"] == slot_bytes, what
+            assert stats["misses"] > stats["slots"] and stats["bytes_copied"] == stats["misses"] * slot_bytes, what
+        if "bank" in stats:  # the host bank, expanded here, is transformers' [E, K, N] weights transposed
+            b = {a: torch.from_numpy(v) for a, v in stats["bank"].items()}
+            gate_up = dequantize_fp4(b["gate_up"], b["gate_up_scale"], torch.float32)
+            down = dequantize_fp4(b["down"], b["down_scale"], torch.float32)
+            assert torch.equal(gate_up.transpose(1, 2), ref["gate_up"]) and torch.equal(down.transpose(1, 2), ref["down"])
+
+
+def run_ranks_(world_size: int, path: str, backends: tuple[str, ...], ids: torch.Tensor, tokens: torch.Tensor) -> dict:
+    from shardsmith.testing.ranks import run_ranks
+
+    return run_ranks(_offload_rank_main, world_size, path, backends, ids, tokens, timeout=300)
+
+
+def test_offload_from_checkpoint_reads_the_stacked_shards(oss: dict) -> None:
+    """``--from-checkpoint`` with offload: the host banks are cut from the source at start-up (no pack,
+    no bank files) and give transformers' logits and tokens."""
+    out = _offload_run(0, 1, str(oss["ckpt"]), ("cpu",), oss["ids"], oss["ref"]["tokens"], from_checkpoint=True)
+    logits, greedy, stats = out["cpu"]
+    check({k: torch.from_numpy(v) for k, v in logits.items()}, oss["ref"])
+    assert greedy == oss["ref"]["tokens"].tolist() and stats["host_experts"] > 0
+    assert stats["arrays"]["gate_up"] == ("torch.int8", [8, 512, 64])
