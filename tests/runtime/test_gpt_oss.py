@@ -231,6 +231,33 @@ def test_split_verifies_and_reassembles_bit_for_bit(oss: dict, world_size: int) 
         assert torch.equal(ranks[r][X.format(3) + "down_proj_bias"], ranks[0][X.format(3) + "down_proj_bias"])
 
 
+def test_stacked_bank_specs_are_the_dense_shards_as_they_lie(oss: dict) -> None:
+    """What offload reads as a layer's bank is each stacked expert tensor's rank shard as the pack
+    stores it (same bytes, viewed: U8 MXFP4 blocks as I8 codes, U8 scales as E8M0); a layer lacking
+    one of the stacked tensors is a PlanError naming it."""
+    from shardsmith.errors import PlanError
+    from shardsmith.pack.banks import stacked_bank_specs
+    from shardsmith.pack.reader import open_rank
+
+    for r in range(2):
+        rank = open_rank(oss["packs"][2], r, 2)
+        records = {t.name: t for f in rank.manifest.files if f.kind == "dense" for t in f.tensors}
+        specs = stacked_bank_specs(rank.plan, r)
+        assert list(specs) == [f"model.layers.{i}" for i in range(4)]
+        got = {s.name: (s.source, s.dtype, s.shape) for s in specs["model.layers.2"]}
+        assert got == {"gate_up": (X.format(2) + "gate_up_proj_blocks", "I8", (8, 256, 64)),
+                       "gate_up_scale": (X.format(2) + "gate_up_proj_scales", "F8_E8M0", (8, 256, 4)),
+                       "gate_up_bias": (X.format(2) + "gate_up_proj_bias", "BF16", (8, 256)),
+                       "down": (X.format(2) + "down_proj_blocks", "I8", (8, 128, 64)),
+                       "down_scale": (X.format(2) + "down_proj_scales", "F8_E8M0", (8, 128, 4))}
+        for s in (s for layer in specs.values() for s in layer):
+            assert records[s.source].bytes == s.nbytes
+    plan = open_rank(oss["packs"][2], 0, 2).plan
+    partial = dataclasses.replace(plan, tensors={k: v for k, v in plan.tensors.items() if k != X.format(1) + "down_proj_scales"})
+    with pytest.raises(PlanError, match=r"model.layers.1: stacked experts lack model.layers.1.mlp.experts.down_proj_scales"):
+        stacked_bank_specs(partial, 0)
+
+
 # ------------------------------------------------------------------ runtime numerics
 
 

@@ -9,10 +9,12 @@ intermediate share, D = hidden):
 =================  =====================================  ========================================
 array              shape (rank-local)                     contents
 =================  =====================================  ========================================
-``gate_up``        ``[E, 2*I_r, D]`` (FP4: ``D/2`` I8)    rows ``[0, I_r)`` gate (w1), then up (w3)
+``gate_up``        ``[E, 2*I_r, D]`` (FP4: ``D/2`` I8)    rows ``[0, I_r)`` gate (w1), then up (w3);
+                                                          gpt-oss: gate and up rows interleaved
 ``down``           ``[E, D, I_r]`` (FP4: ``I_r/2`` I8)    w2 shard
 ``*_scale``        blocks of the above                    FP8: F32 ``weight_scale_inv`` blocks;
                                                           FP4: UE8M0 per 1x32, stacked the same way
+``gate_up_bias``   ``[E, 2*I_r]``                         gpt-oss only (offloaded host banks and slots)
 =================  =====================================  ========================================
 
 Formats (:func:`~shardsmith.runtime.layers.quant.bank_format`) and the paths they take:
@@ -35,8 +37,10 @@ bank then stays FP8 at load); decided once at load by :meth:`ExpertBank.use_kern
 (``SHARDSMITH_FUSED_EXPERTS=auto|kernel|off``). Offloaded experts run the same call over the
 expert cache's slot pool, with slot ids for expert ids (:func:`fused_bank`).
 
-The family's arithmetic around the matmuls (SwiGLU clamp, accumulation dtype, pair batching) is an
-:class:`ExpertMath`, so offloaded experts compute what the resident bank computes, bit for bit.
+The family's arithmetic around the matmuls (SwiGLU clamp, accumulation dtype, pair batching,
+gpt-oss's GLU and gate/up layout) is an :class:`ExpertMath`, so offloaded experts compute what the
+resident bank computes, bit for bit. The kernels (fused and host) compute the plain SwiGLU only
+(:attr:`ExpertMath.plain`); other maths stays on the PyTorch paths.
 Legend: T = tokens, K = experts per token, P = T*K (token, expert) pairs, n = an expert's tokens.
 """
 
