@@ -9,7 +9,7 @@ architecture (``config.json``)          plan family   plan/split  serve  expert 
 Mixtral, Qwen3-MoE, Qwen2-MoE           ``mixtral``   yes         yes    yes              unquantized, FP8
 ``DeepseekV4ForCausalLM``               deepseek-v4   yes         yes    yes (FP4 slots)  + FP4 experts
 ``DeepseekV3ForCausalLM``               deepseek-v3   yes         yes    yes (FP8 slots)  unquantized, FP8
-``GptOssForCausalLM``                   gpt-oss       yes         yes    no               MXFP4 (expanded)
+``GptOssForCausalLM``                   gpt-oss       yes         yes    yes (MXFP4)      MXFP4 (expanded)
 ======================================  ============  ==========  =====  ===============  ==================
 
 Which architecture a ``config.json`` is (:func:`architecture_of`), one rule for every caller:
@@ -79,7 +79,7 @@ DEEPSEEK_V4 = Family("deepseek-v4", "DeepSeek-V4", "shardsmith.plans.deepseek_v4
 DEEPSEEK_V3 = Family("deepseek-v3", "DeepSeek-V3", "shardsmith.plans.deepseek_v3:build",
                      runtime="shardsmith.runtime.models.deepseek_v3:build", offload=True, quant=("none", "fp8-block"))
 GPT_OSS = Family("gpt-oss", "gpt-oss", "shardsmith.plans.gpt_oss:build",
-                 runtime="shardsmith.runtime.models.gpt_oss:build", quant=("mxfp4",))
+                 runtime="shardsmith.runtime.models.gpt_oss:build", offload=True, quant=("mxfp4",))
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("DeepseekV4ForCausalLM", "deepseek_v4", DEEPSEEK_V4),

@@ -128,3 +128,78 @@ def expected_entries(plan: ResolvedPlan, rank: int) -> tuple[dict[str, Entry], d
         specs = sorted(specs, key=lambda s: BANK_ORDER.index(s.name))
         banks[layer] = [Entry(s.name, s.dtype, s.shape, s.nbytes) for s in specs]
     return dense, banks
+
+
+# Stacked experts (gpt-oss): the source already holds each layer's experts as ``[E, ...]`` tensors,
+# which the plan splits TP-within-expert and the writer stores in the dense files with their
+# rank-local shapes. A rank's shard of such a tensor is contiguous per expert, so it *is* a bank
+# array once viewed in the bank's stored format; nothing is rewritten. Source suffix -> bank array:
+STACKED_ARRAYS = (
+    ("gate_up_proj_blocks", "gate_up"),
+    ("gate_up_proj_scales", "gate_up_scale"),
+    ("gate_up_proj_bias", "gate_up_bias"),
+    ("down_proj_blocks", "down"),
+    ("down_proj_scales", "down_scale"),
+)
+STACKED_INFIX = ".mlp.experts."
+
+
+@dataclass(frozen=True, slots=True)
+class StackedArraySpec:
+    """One bank array of a layer whose experts are stacked source tensors (gpt-oss), on one rank.
+
+    Attributes:
+        layer: bank layer key (``model.layers.3``); name: bank array (``gate_up``, ``gate_up_scale``,
+            ``gate_up_bias``, ``down``, ``down_scale``); source: the dense tensor holding it.
+        dtype, shape: the bank view of the source shard's bytes: MXFP4 blocks U8 ``[E, R, K/32, 16]``
+            -> ``I8 [E, R, K/2]`` (two e2m1 codes per byte, low nibble first, the FP4 bank format),
+            E8M0 scales U8 ``[E, R, K/32]`` -> ``F8_E8M0``, the bias as stored. ``gate_up`` rows stay
+            interleaved (row ``2j`` gate channel ``j``, ``2j + 1`` up channel ``j``).
+        nbytes: bytes of the rank's shard (the same bytes either way).
+    """
+
+    layer: str
+    name: str
+    source: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def stacked_bank_specs(plan: ResolvedPlan, rank: int) -> dict[str, list[StackedArraySpec]]:
+    """Rank ``rank``'s expert banks over stacked expert tensors (gpt-oss), per layer key in natural order.
+
+    A layer counts when its experts are planned TP-within-expert as whole ``[E, ...]`` tensors (no
+    per-expert bank slots) named ``<layer>.mlp.experts.<suffix>`` with every suffix of
+    :data:`STACKED_ARRAYS`; the down bias is not an expert array (it is added once, after the
+    all-reduce). Empty for every other family.
+
+    Raises:
+        PlanError: a layer with some of the stacked arrays but not all, or MXFP4 blocks that are
+            not ``U8 [E, R, K/32, 16]``.
+    """
+    found: dict[str, dict[str, TensorPlan]] = {}
+    suffixes = dict(STACKED_ARRAYS)
+    for name, tp in plan.tensors.items():
+        layer, infix, suffix = name.partition(STACKED_INFIX)
+        if infix and suffix in suffixes and tp.bank is None and tp.shard_dim is not None:
+            found.setdefault(layer, {})[suffix] = tp
+    out: dict[str, list[StackedArraySpec]] = {}
+    for layer in sorted(found, key=natural_key):
+        tps = found[layer]
+        missing = [s for s, _ in STACKED_ARRAYS if s not in tps]
+        if missing:
+            raise PlanError(f"{layer}: stacked experts lack {', '.join(f'{layer}{STACKED_INFIX}{s}' for s in missing)}")
+        specs = []
+        for suffix, array in STACKED_ARRAYS:
+            tp = tps[suffix]
+            shape, dtype = tp.local_shape(rank), tp.dtype
+            if suffix.endswith("_blocks"):
+                if dtype != "U8" or len(shape) != 4 or shape[-1] != 16:
+                    raise PlanError(f"{tp.name}: MXFP4 blocks must be U8 [E, R, K/32, 16], got {dtype}{list(shape)}")
+                shape, dtype = (*shape[:2], shape[2] * shape[3]), "I8"
+            elif suffix.endswith("_scales"):
+                dtype = "F8_E8M0"
+            specs.append(StackedArraySpec(layer, array, tp.name, dtype, shape, tp.local_nbytes(rank)))
+        out[layer] = specs
+    return out

@@ -231,6 +231,33 @@ def test_split_verifies_and_reassembles_bit_for_bit(oss: dict, world_size: int) 
         assert torch.equal(ranks[r][X.format(3) + "down_proj_bias"], ranks[0][X.format(3) + "down_proj_bias"])
 
 
+def test_stacked_bank_specs_are_the_dense_shards_as_they_lie(oss: dict) -> None:
+    """What offload reads as a layer's bank is each stacked expert tensor's rank shard as the pack
+    stores it (same bytes, viewed: U8 MXFP4 blocks as I8 codes, U8 scales as E8M0); a layer lacking
+    one of the stacked tensors is a PlanError naming it."""
+    from shardsmith.errors import PlanError
+    from shardsmith.pack.banks import stacked_bank_specs
+    from shardsmith.pack.reader import open_rank
+
+    for r in range(2):
+        rank = open_rank(oss["packs"][2], r, 2)
+        records = {t.name: t for f in rank.manifest.files if f.kind == "dense" for t in f.tensors}
+        specs = stacked_bank_specs(rank.plan, r)
+        assert list(specs) == [f"model.layers.{i}" for i in range(4)]
+        got = {s.name: (s.source, s.dtype, s.shape) for s in specs["model.layers.2"]}
+        assert got == {"gate_up": (X.format(2) + "gate_up_proj_blocks", "I8", (8, 256, 64)),
+                       "gate_up_scale": (X.format(2) + "gate_up_proj_scales", "F8_E8M0", (8, 256, 4)),
+                       "gate_up_bias": (X.format(2) + "gate_up_proj_bias", "BF16", (8, 256)),
+                       "down": (X.format(2) + "down_proj_blocks", "I8", (8, 128, 64)),
+                       "down_scale": (X.format(2) + "down_proj_scales", "F8_E8M0", (8, 128, 4))}
+        for s in (s for layer in specs.values() for s in layer):
+            assert records[s.source].bytes == s.nbytes
+    plan = open_rank(oss["packs"][2], 0, 2).plan
+    partial = dataclasses.replace(plan, tensors={k: v for k, v in plan.tensors.items() if k != X.format(1) + "down_proj_scales"})
+    with pytest.raises(PlanError, match=r"model.layers.1: stacked experts lack model.layers.1.mlp.experts.down_proj_scales"):
+        stacked_bank_specs(partial, 0)
+
+
 # ------------------------------------------------------------------ runtime numerics
 
 
@@ -265,7 +292,7 @@ def test_each_gpt_oss_feature_moves_the_logits(oss: dict, feature: str) -> None:
     model = load_model(oss["packs"][1], 0, 1)
     for layer in model.model.layers:
         if feature == "clamp":
-            layer.mlp.experts.limit = float("inf")
+            layer.mlp.experts.math = dataclasses.replace(layer.mlp.experts.math, limit=float("inf"))
         elif feature == "sinks":
             layer.self_attn.sinks = torch.full_like(layer.self_attn.sinks, float("-inf"))
         elif feature == "window":
@@ -320,3 +347,154 @@ def test_kv_heads_copied_past_the_kv_heads_match_transformers(tmp_path: Path) ->
     ref = reference_run(ckpt, ids)
     out = run_ranks(_rank_main, 2, str(ckpt), True, ids, ref["tokens"], timeout=240)
     check({k: torch.from_numpy(v) for k, v in out.items()}, ref)
+
+
+# ------------------------------------------------------------------ offloaded experts
+
+OFFLOAD = {  # a cache of 4 slots for 4 layers x 8 experts at top-4: every layer misses
+    "slots": dict(backend="gpu", cache_slots=4, probe=False),  # the GPU placement, its pool on the CPU
+    "cpu": dict(backend="cpu", probe=False),
+    "hybrid": dict(backend="hybrid", cache_slots=4, hybrid_fraction=0.5, probe=False),
+}
+
+
+def _offload_run(rank: int, world_size: int, path: str, backends: tuple[str, ...], ids: torch.Tensor,
+                 tokens: torch.Tensor, from_checkpoint: bool = False) -> dict:
+    """Per backend (``resident`` or a key of :data:`OFFLOAD`), on rank 0: the engine's prefill logits
+    ``[T, V]`` and one batched decode step per reference token (teacher-forced; the model's decode
+    pieces, as ``serve`` runs them), and the offload's numbers; the other ranks follow."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.offload import OffloadConfig
+
+    out = {}
+    for name in backends:
+        cfg = OffloadConfig(**OFFLOAD[name]) if name in OFFLOAD else None
+        eng = Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=PROMPT_LEN + STEPS,
+                          offload=cfg, from_checkpoint=from_checkpoint)
+        if rank == 0:
+            prefill = eng.prefill(0, ids.tolist(), last_only=False)
+            steps = [eng.decode([tok], [PROMPT_LEN + i], [0])[0] for i, tok in enumerate(tokens.tolist())]
+            logits = {"prefill": prefill.numpy(), "steps": torch.stack(steps).numpy()}
+            stats = {}
+            if eng.offload is not None:
+                host = eng.offload.host.layers
+                stats = eng.offload.stats() | {"layers": sorted(host), "arrays": {a: (str(t.dtype), list(t.shape))
+                                                                                  for a, t in host["model.layers.1"].items()}}
+                if world_size == 1:  # layer 1's host bank, for the check against transformers' weights
+                    stats["bank"] = {a: t.view(torch.uint8).numpy().copy() for a, t in host["model.layers.1"].items()
+                                     if a in ("gate_up", "gate_up_scale", "down", "down_scale")}
+                if eng.offload.cache is not None:
+                    stats["pool"] = str(eng.offload.cache.pool["gate_up"].dtype)
+            out[name] = (logits, stats)  # numpy: a tensor on a queue dies with this process
+            eng.shutdown()
+        else:
+            eng.follow()
+        if eng.offload is not None:
+            eng.offload.close()
+    return out
+
+
+def _offload_rank_main(rank: int, world_size: int, port: int, path: str, backends, ids, tokens, queue) -> None:
+    import traceback
+
+    try:
+        from shardsmith.runtime.layers.parallel import init_distributed
+
+        init_distributed(rank, world_size, master_port=port)
+        out = _offload_run(rank, world_size, path, backends, ids, tokens)
+        if rank == 0:
+            queue.put(("ok", out))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+@pytest.mark.parametrize("world_size, backends", [
+    (1, ("resident", "slots", "cpu")), (2, ("resident", "slots", "cpu")), (4, ("slots",)),
+    pytest.param(4, ("cpu",), marks=pytest.mark.slow),  # ~10 s more on 2 cores; the cpu backend runs at 1 and 2 in CI
+])
+def test_offloaded_experts_match_transformers_and_resident(oss: dict, world_size: int, backends: tuple[str, ...]) -> None:
+    """Experts offloaded as MXFP4 host banks, in a 4-slot cache (``gpu`` placement, its pool on the
+    CPU) and on the host (``cpu``; ``hybrid``: the kernels test below): the engine's prefill and
+    teacher-forced batched decode steps give transformers' logits (so its greedy tokens), and the
+    resident model's bit for bit (the same expert maths on the same device, summed in the same order).
+    The banks and slots hold MXFP4 bytes (int8 codes, E8M0 scales, the bf16 gate/up bias), exactly the
+    rank's shard of each stacked expert tensor. World size 4 leaves the resident run to
+    :func:`test_tensor_parallel_matches_transformers`."""
+    from shardsmith.runtime.layers.quant import dequantize_fp4
+
+    path, ids, ref = str(oss["packs"][world_size]), oss["ids"], oss["ref"]
+    if world_size == 1:
+        out = _offload_run(0, 1, path, backends, ids, ref["tokens"])
+    else:
+        out = run_ranks_(world_size, path, backends, ids, ref["tokens"])
+    i_r = 256 // world_size  # the rank's intermediate channels (tiny: I = 256, D = 128)
+    slot_bytes = 2 * i_r * (128 // 2 + 128 // 32 + 2) + 128 * (i_r // 2 + i_r // 32)  # gate_up + scales + bias, down + scales
+    for name in backends:
+        logits, stats = out[name]
+        what = f"{name} at world_size={world_size}"
+        check({k: torch.from_numpy(v) for k, v in logits.items()}, ref)
+        if name == "resident":
+            continue
+        if "resident" in out:
+            for k, v in logits.items():
+                assert (v == out["resident"][0][k]).all(), f"{what}: {k} differs from the resident model's"
+        assert stats["layers"] == [f"model.layers.{i}" for i in range(4)], what
+        assert stats["arrays"] == {"gate_up": ("torch.int8", [8, 2 * i_r, 64]),
+                                   "gate_up_scale": ("torch.float8_e8m0fnu", [8, 2 * i_r, 4]),
+                                   "gate_up_bias": ("torch.bfloat16", [8, 2 * i_r]),
+                                   "down": ("torch.int8", [8, 128, i_r // 2]),
+                                   "down_scale": ("torch.float8_e8m0fnu", [8, 128, i_r // 32])}, what
+        assert stats["host_bytes"] == 4 * 8 * slot_bytes, what  # MXFP4 in host memory, nothing expanded
+        if name == "cpu":
+            assert stats["host_experts"] > 0, what
+        else:
+            assert stats["pool"] == "torch.int8" and stats["slot_bytes"] == slot_bytes, what
+            assert stats["misses"] > stats["slots"] and stats["bytes_copied"] == stats["misses"] * slot_bytes, what
+        if "bank" in stats:  # the host bank, expanded here, is transformers' [E, K, N] weights transposed
+            b = {a: torch.from_numpy(v) for a, v in stats["bank"].items()}
+            gate_up = dequantize_fp4(b["gate_up"], b["gate_up_scale"], torch.float32)
+            down = dequantize_fp4(b["down"], b["down_scale"], torch.float32)
+            assert torch.equal(gate_up.transpose(1, 2), ref["gate_up"]) and torch.equal(down.transpose(1, 2), ref["down"])
+
+
+def run_ranks_(world_size: int, path: str, backends: tuple[str, ...], ids: torch.Tensor, tokens: torch.Tensor) -> dict:
+    from shardsmith.testing.ranks import run_ranks
+
+    return run_ranks(_offload_rank_main, world_size, path, backends, ids, tokens, timeout=300)
+
+
+def test_offload_from_checkpoint_reads_the_stacked_shards(oss: dict) -> None:
+    """``--from-checkpoint`` with offload: the host banks are cut from the source at start-up (no pack,
+    no bank files) and give transformers' logits."""
+    out = _offload_run(0, 1, str(oss["ckpt"]), ("cpu",), oss["ids"], oss["ref"]["tokens"], from_checkpoint=True)
+    logits, stats = out["cpu"]
+    check({k: torch.from_numpy(v) for k, v in logits.items()}, oss["ref"])
+    assert stats["host_experts"] > 0
+    assert stats["arrays"]["gate_up"] == ("torch.int8", [8, 512, 64])
+
+
+def test_offloaded_experts_stay_off_the_kernels_that_lack_their_maths(oss: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused Triton kernel and the host kernel compute ``silu(gate) * up`` over stacked gate/up
+    rows, without biases: with the fused kernel forced on (Triton's CPU interpreter, as on CUDA) the
+    gpt-oss slots still run the PyTorch maths, and the host experts the plain matmuls; the logits
+    stay the resident model's bit for bit."""
+    pytest.importorskip("triton")
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.models.gpt_oss.moe import expert_math
+    from shardsmith.runtime.offload import OffloadConfig
+
+    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    eng = Engine.load(oss["packs"][1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=PROMPT_LEN + STEPS,
+                      offload=OffloadConfig(**OFFLOAD["hybrid"]))
+    try:
+        assert eng.offload.math == expert_math(eng.model.args) and not eng.offload.math.plain
+        assert not eng.offload.kernel and not eng.offload.slot_path()
+        assert eng.offload.cpu.path().startswith("matmul")
+        want = runtime_run(load_model(oss["packs"][1], 0, 1), oss["ids"], oss["ref"]["tokens"][:2])
+        got = runtime_run(eng.model, oss["ids"], oss["ref"]["tokens"][:2])
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert eng.offload.stats()["host_experts"] > 0 and eng.offload.stats()["misses"] > 0
+    finally:
+        eng.offload.close()

@@ -9,10 +9,12 @@ intermediate share, D = hidden):
 =================  =====================================  ========================================
 array              shape (rank-local)                     contents
 =================  =====================================  ========================================
-``gate_up``        ``[E, 2*I_r, D]`` (FP4: ``D/2`` I8)    rows ``[0, I_r)`` gate (w1), then up (w3)
+``gate_up``        ``[E, 2*I_r, D]`` (FP4: ``D/2`` I8)    rows ``[0, I_r)`` gate (w1), then up (w3);
+                                                          gpt-oss: gate and up rows interleaved
 ``down``           ``[E, D, I_r]`` (FP4: ``I_r/2`` I8)    w2 shard
 ``*_scale``        blocks of the above                    FP8: F32 ``weight_scale_inv`` blocks;
                                                           FP4: UE8M0 per 1x32, stacked the same way
+``gate_up_bias``   ``[E, 2*I_r]``                         gpt-oss only (offloaded host banks and slots)
 =================  =====================================  ========================================
 
 Formats (:func:`~shardsmith.runtime.layers.quant.bank_format`) and the paths they take:
@@ -35,8 +37,10 @@ bank then stays FP8 at load); decided once at load by :meth:`ExpertBank.use_kern
 (``SHARDSMITH_FUSED_EXPERTS=auto|kernel|off``). Offloaded experts run the same call over the
 expert cache's slot pool, with slot ids for expert ids (:func:`fused_bank`).
 
-The family's arithmetic around the matmuls (SwiGLU clamp, accumulation dtype, pair batching) is an
-:class:`ExpertMath`, so offloaded experts compute what the resident bank computes, bit for bit.
+The family's arithmetic around the matmuls (SwiGLU clamp, accumulation dtype, pair batching,
+gpt-oss's GLU and gate/up layout) is an :class:`ExpertMath`, so offloaded experts compute what the
+resident bank computes, bit for bit. The kernels (fused and host) compute the plain SwiGLU only
+(:attr:`ExpertMath.plain`); other maths stays on the PyTorch paths.
 Legend: T = tokens, K = experts per token, P = T*K (token, expert) pairs, n = an expert's tokens.
 """
 
@@ -69,18 +73,38 @@ class ExpertMath:
     """A model family's expert arithmetic, shared by its resident bank and its offloaded experts.
 
     Attributes:
-        limit: SwiGLU clamp ``L`` (DeepSeek-V4 ``swiglu_limit``): ``silu(min(g, L)) * clamp(u, -L, L)``;
-            0 means no clamp (Mixtral / Qwen-MoE).
+        limit: SwiGLU clamp ``L`` (DeepSeek-V4 ``swiglu_limit``, gpt-oss ``swiglu_limit``): gate
+            clamped to at most ``L``, up to ``[-L, L]``; 0 means no clamp (Mixtral / Qwen-MoE).
         accumulate_f32: weight and sum the experts' outputs in float32, cast once at the end
             (DeepSeek-V4); else each weighted output is cast to the activation dtype and summed
-            there (the Mixtral family).
+            there (the Mixtral family, gpt-oss).
         batched_pairs: up to this many (token, expert) pairs, FP4 experts are gathered per pair and
             applied with two batched matmuls (:func:`routed_pairs`; DeepSeek-V4: 16); 0: never.
+        alpha: gpt-oss's GLU, ``(up + 1) * gate * sigmoid(alpha * gate)`` after the clamps (OpenAI's
+            gpt-oss ``swiglu``, transformers ``GptOssExperts``: 1.702); None: ``silu(gate) * up``.
+        interleaved: ``gate_up`` rows alternate gate and up (row ``2j`` gate channel ``j``, ``2j + 1``
+            up channel ``j``: gpt-oss); else gate rows ``[0, I_r)`` then up rows.
     """
 
     limit: float = 0.0
     accumulate_f32: bool = False
     batched_pairs: int = 0
+    alpha: float | None = None
+    interleaved: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is the SwiGLU of stacked gate/up rows that the fused and host kernels compute
+        (no ``alpha``, not interleaved); other maths run the PyTorch paths only."""
+        return self.alpha is None and not self.interleaved
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``[n, 2*I_r]`` gate/up projection (rows laid out as ``interleaved`` says) -> ``[n, I_r]``."""
+        if self.interleaved:
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        return swiglu(gate, up, self.limit, self.alpha)
 
     def accumulator(self, x: torch.Tensor) -> torch.Tensor:
         """Zeros ``[T, D]`` to :meth:`torch.Tensor.index_add_` contributions into."""
@@ -91,34 +115,58 @@ class ExpertMath:
         return y.float() * w.float()[:, None] if self.accumulate_f32 else (y * w[:, None]).to(dtype)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0, alpha: float | None = None) -> torch.Tensor:
     """``silu(min(gate, L)) * clamp(up, -L, L)``; ``silu(gate) * up`` when ``L`` is 0.
 
+    With ``alpha`` (gpt-oss): ``(clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, L)``
+    (OpenAI's gpt-oss ``torch/model.py`` ``swiglu``; transformers ``GptOssExperts``).
     The clamps act on whole elements of the rank's intermediate share, so TP does not change them.
     """
     if limit:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    if alpha is not None:
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     return F.silu(gate) * up
 
 
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, math: ExpertMath,
+               gate_up_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert from whole weights in ``x.dtype``: ``x [n, D] -> [n, D]``, one gate+up matmul.
+
+    Args:
+        gate_up: ``[2*I_r, D]`` (rows as ``math.interleaved`` says); down: ``[D, I_r]``;
+        gate_up_bias: ``[2*I_r]`` or None (gpt-oss's experts have one; their down bias is the MoE
+            layer's, added once after the all-reduce).
+
+    The one place a whole-``gate_up`` expert is written: gpt-oss's resident experts, and every FP4
+    expert of a slot or host bank once expanded (:func:`expert_output`).
+    """
+    bias = None if gate_up_bias is None else gate_up_bias.to(x.dtype)
+    return F.linear(math.glu(F.linear(x, gate_up, bias)), down)
+
+
 def expert_output(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: tuple[int, int] | None,
-                  limit: float = 0.0) -> torch.Tensor:
+                  limit: float = 0.0, *, math: ExpertMath | None = None) -> torch.Tensor:
     """One expert on its token rows: ``x [n, D] -> [n, D]`` (``x.dtype``), wherever its arrays live.
 
     Args:
-        arrays: the expert's ``gate_up``, ``down`` and scales in stored format (a bank row, a cache
-            slot or a host bank row); block: FP8 block size; limit: SwiGLU clamp.
+        arrays: the expert's ``gate_up``, ``down``, scales and (gpt-oss) ``gate_up_bias`` in stored
+            format (a bank row, a cache slot or a host bank row); block: FP8 block size;
+        limit: SwiGLU clamp (when ``math`` is not given); math: the family's :class:`ExpertMath`.
 
-    FP4 experts (DeepSeek-V4) expand ``gate_up`` whole and run one gate+up matmul; dense and FP8
-    ones run gate and up as two matmuls (as each family's bank always has).
+    FP4 experts (DeepSeek-V4, gpt-oss) expand ``gate_up`` whole and run :func:`expert_mlp`; dense
+    and FP8 ones run gate and up as two matmuls (as each family's bank always has).
     """
+    math = ExpertMath(limit=limit) if math is None else math
     if bank_format(arrays["gate_up"]) == "fp4":
         gate_up = dequantize_fp4(arrays["gate_up"], arrays["gate_up_scale"], x.dtype)  # [2*I_r, D]
         down = dequantize_fp4(arrays["down"], arrays["down_scale"], x.dtype)  # [D, I_r]
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, I_r] each
-        return F.linear(swiglu(gate, up, limit), down)
+        return expert_mlp(x, gate_up, down, math, arrays.get("gate_up_bias"))
+    if not math.plain or "gate_up_bias" in arrays:
+        raise RuntimeLoadError(f"expert maths {math} with a {bank_format(arrays['gate_up'])} bank: only FP4 banks "
+                               "take interleaved gate/up rows, alpha or a gate/up bias")
     gate, up, down = expert_weights(arrays, x.dtype, block)
-    return F.linear(swiglu(F.linear(x, gate), F.linear(x, up), limit), down)
+    return F.linear(swiglu(F.linear(x, gate), F.linear(x, up), math.limit), down)
 
 
 def expand_pairs(arrays: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +225,15 @@ class RoutedExperts(nn.Module):
     :meth:`decode_slots` eagerly (the host part) and, when it returns slots, :meth:`apply_slots`
     (device only, so it can be captured). Implemented by the resident :class:`ExpertBank` and by
     :class:`~shardsmith.runtime.offload.runtime.OffloadedExperts` (a slot pool over host banks).
+
+    Attributes:
+        math: the family's :class:`ExpertMath` on resident experts that expert offload may replace
+            (:func:`~shardsmith.runtime.offload.attach.attach_offload` swaps every module with one);
+            None on the offloaded ones. block: an FP8 bank's scale block, else None.
     """
+
+    math: ExpertMath | None = None
+    block: tuple[int, int] | None = None
 
     def decode_sync_free(self) -> bool:
         """Whether a one-token step runs these experts with no host sync (so it can be captured whole)."""
@@ -312,7 +368,7 @@ class ExpertBank(RoutedExperts):
             return out.to(x.dtype)
         index_h = index.cpu()  # the one host sync: ids -> rows per expert on the host
         for e, (tok, k) in rows_by_expert(index_h, index_h.unique().tolist(), x.device).items():  # [n], [n]
-            y = expert_output({a: t[e] for a, t in self.arrays().items()}, x[tok], self.block, self.math.limit)
+            y = expert_output({a: t[e] for a, t in self.arrays().items()}, x[tok], self.block, math=self.math)
             out.index_add_(0, tok, self.math.contribution(y, weight[tok, k], x.dtype))
         return out.to(x.dtype)
 

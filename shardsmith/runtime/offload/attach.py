@@ -1,5 +1,6 @@
-"""Offloaded experts in the model: :func:`attach_offload` swaps each resident
-:class:`~shardsmith.runtime.layers.experts.ExpertBank` of a built (``meta``) model for an
+"""Offloaded experts in the model: :func:`attach_offload` swaps each resident expert module (an
+:class:`~shardsmith.runtime.layers.experts.ExpertBank`, or gpt-oss's stacked
+:class:`~shardsmith.runtime.models.gpt_oss.moe.Experts`: any with a ``math``) of a built (``meta``) model for an
 :class:`OffloadedExperts` over the rank's host banks and slot pool, with the same interface
 (:class:`~shardsmith.runtime.layers.experts.RoutedExperts`), so the MoE layer, its router and its
 single all-reduce stay as they are, and the decode graphs drive it as any bank.
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from ...errors import UsageError
-from shardsmith.runtime.layers.experts import ExpertBank, RoutedExperts
+from shardsmith.runtime.layers.experts import RoutedExperts
 from .config import BACKENDS, OffloadConfig
 from .host_bank import load_host_banks
 from .runtime import OffloadRuntime
@@ -53,8 +54,9 @@ def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: 
     :meth:`OffloadRuntime.start` once the dense weights and KV cache are placed.
 
     Args:
-        model: the built model; its :class:`~shardsmith.runtime.layers.experts.ExpertBank` modules,
-            named ``<layer>.<moe>.experts`` with ``<layer>`` a bank layer key, are replaced (banks of
+        model: the built model; its resident expert modules (a
+            :class:`~shardsmith.runtime.layers.experts.RoutedExperts` with a ``math``), named
+            ``<layer>.<moe>.experts`` with ``<layer>`` a bank layer key, are replaced (banks of
             other layers, e.g. DeepSeek-V4's MTP layers, are not read). The banks' own
             :class:`~shardsmith.runtime.layers.experts.ExpertMath` and FP8 block size are kept, so
             offloaded experts compute what the resident ones would.
@@ -66,9 +68,10 @@ def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: 
     """
     if config.backend not in BACKENDS:
         raise UsageError(f"moe backend must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
-    banks = {name: m for name, m in model.named_modules() if isinstance(m, ExpertBank)}  # model order
+    banks = {name: m for name, m in model.named_modules()
+             if isinstance(m, RoutedExperts) and m.math is not None}  # model order
     if not banks:
-        raise UsageError("expert offload: the model has no ExpertBank modules to offload")
+        raise UsageError("expert offload: the model has no resident expert modules to offload")
     kinds = sorted({(str(b.math), str(b.block)) for b in banks.values()})
     if len(kinds) > 1:
         raise UsageError(f"expert offload: the model's expert banks differ in maths or FP8 block: {kinds}")

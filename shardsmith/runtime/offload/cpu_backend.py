@@ -2,8 +2,9 @@
 
 The host path reads each selected expert's arrays where they lie (no copy) and computes them with
 the stored-format kernel (:mod:`.host_kernel`: FP4, FP8 and bf16 decoded in registers, float32
-accumulation, equal to the GPU path within float32 rounding); formats it does not take, or a
-machine where it cannot be compiled, dequantize to the compute dtype and run the same SwiGLU as
+accumulation, equal to the GPU path within float32 rounding); formats it does not take, maths it
+does not compute (gpt-oss's GLU with alpha, interleaved gate/up and biases), or a machine where it
+cannot be compiled, dequantize to the compute dtype and run the same SwiGLU as
 the GPU path (:func:`~shardsmith.runtime.layers.experts.expert_output`). Threads: every rank's process gets
 ``cores // ranks_on_this_host`` intra-op threads (:func:`~shardsmith.runtime.layers.parallel.clamp_threads`),
 so the ranks' CPU work is partitioned and never oversubscribes the host. The ready log says how
@@ -81,8 +82,8 @@ class CpuExperts:
 
     def _expert_fn(self, layer: int, bank: dict[str, torch.Tensor], x: torch.Tensor):
         """The host path for this bank: the kernel (its layout checked once per layer) or the reference."""
-        if not (self.kernel and supports({name: a[0] for name, a in bank.items()})):
-            return expert_output
+        if not (self.kernel and self.math.plain and supports({name: a[0] for name, a in bank.items()})):
+            return functools.partial(expert_output, math=self.math)
         key = self.layers[layer]
         if key not in self._checked:
             check_expert({name: a[0] for name, a in bank.items()}, x[:1], self.block)
@@ -116,7 +117,7 @@ class CpuExperts:
     def path(self) -> str:
         """How the host computes this model's experts: ``kernel <isa>`` or ``matmul <isa>``."""
         bank = next(iter(self.host.layers.values()))
-        if self.kernel and supports({name: a[0] for name, a in bank.items()}):
+        if self.kernel and self.math.plain and supports({name: a[0] for name, a in bank.items()}):
             return f"kernel {default_isa()}"
         return f"matmul {cpu_matmul_isa()}"
 

@@ -9,14 +9,21 @@ with ``cudaHostRegister`` in chunks of whole expert slots below ``chunk_bytes`` 
 registration of 512 GiB or more fails on current drivers; whole slots keep every expert's copy
 inside one registration). A reader thread reads layer L+1 while layer L is being pinned.
 
+Families whose experts are stacked ``[E, ...]`` source tensors (gpt-oss) have no bank files: their
+rank shards sit in the dense files, each contiguous per expert, and are read the same way (one
+buffer per tensor, hashed against its dense record) and viewed as bank arrays
+(:func:`~shardsmith.pack.banks.stacked_bank_specs`).
+
 Arrays are views of the buffer in their stored format (``manifests/README.md``, bank files):
 
 =================  ==================  ===========================================
 array              shape               dtype
 =================  ==================  ===========================================
 ``gate_up``        ``[E, 2*I_r, D]``   bf16, ``float8_e4m3fn``, or packed e2m1 int8 ``[E, 2*I_r, D/2]``
+                                       (gpt-oss: MXFP4 as int8, gate/up rows interleaved)
 ``down``           ``[E, D, I_r]``     as ``gate_up``
 ``*_scale``        ``[E, rows, cols]`` float32 (FP8 blocks) or ``float8_e8m0fnu`` (FP4 groups)
+``gate_up_bias``   ``[E, 2*I_r]``      gpt-oss only: bf16, split with its rows
 =================  ==================  ===========================================
 
 Host memory per rank is the rank's bank bytes (1/world_size of the model's expert bytes, as the
@@ -42,6 +49,7 @@ import torch
 import xxhash
 
 from shardsmith.errors import IntegrityError, RuntimeLoadError, UsageError
+from shardsmith.pack.banks import stacked_bank_specs
 from shardsmith.pack.format import typed_view
 
 log = logging.getLogger("shardsmith.runtime.offload")
@@ -110,9 +118,12 @@ def check_pinning() -> str | None:
     return err
 
 
-def _view(buf: torch.Tensor, base: int, t) -> torch.Tensor:
-    """Array ``t`` (a :class:`~shardsmith.pack.records.TensorRecord`) as a view of ``buf`` holding file bytes from ``base``."""
-    return typed_view(buf[t.offset - base: t.offset - base + t.bytes], t.dtype, t.shape)
+def _view(buf: torch.Tensor, base: int, t, as_bank: tuple[str, str, tuple[int, ...]] | None = None) -> torch.Tensor:
+    """Array ``t`` (a :class:`~shardsmith.pack.records.TensorRecord`) as a view of ``buf`` holding file
+    bytes from ``base``, in its recorded dtype and shape or, for a stacked expert tensor, as the bank
+    array ``as_bank = (name, dtype, shape)`` says."""
+    dtype, shape = (t.dtype, t.shape) if as_bank is None else as_bank[1:]
+    return typed_view(buf[t.offset - base: t.offset - base + t.bytes], dtype, shape)
 
 
 def _read_layer(path: str, start: int, nbytes: int, tensors: tuple = (),
@@ -202,6 +213,12 @@ def load_host_banks(weights, *, pin: str = "auto", chunk_bytes: int = CHUNK_BYTE
         jobs = [j for j in jobs if j[0] in layers]
     if jobs is None:  # not a pack: take the arrays we are given
         hb.layers = {layer: dict(arrays) for layer, arrays in weights.banks().items() if layers is None or layer in layers}
+        stacked = {layer: specs for layer, specs in stacked_bank_specs(weights.plan, weights.rank).items()
+                   if layers is None or layer in layers}
+        dense = weights.dense() if stacked else {}
+        for layer, specs in stacked.items():
+            hb.layers[layer] = {s.name: typed_view(dense[s.source].contiguous().view(-1).view(torch.uint8), s.dtype, s.shape)
+                                for s in specs}
         hb.nbytes = hb.array_bytes = sum(a.numel() * a.element_size() for arr in hb.layers.values() for a in arr.values())
         if do_pin:
             _pin_or_fall_back(hb, [c for arr in hb.layers.values() for c in _slot_chunks(arr, chunk_bytes)], pin)
@@ -210,13 +227,14 @@ def load_host_banks(weights, *, pin: str = "auto", chunk_bytes: int = CHUNK_BYTE
     with ThreadPoolExecutor(1, thread_name_prefix="bank-reader") as pool:
         verify = bool(getattr(weights, "verify", False))
         nxt = pool.submit(_read_layer, *jobs[0][1:5], verify) if jobs else None
-        for i, (layer, path, start, nbytes, tensors) in enumerate(jobs):
+        for i, (layer, path, start, nbytes, tensors, as_bank) in enumerate(jobs):
             buf, flat, read_s = nxt.result()
             nxt = pool.submit(_read_layer, *jobs[i + 1][1:5], verify) if i + 1 < len(jobs) else None
             hb._buffers.append(buf)
             hb.read_s += read_s
-            arrays = {t.name: _view(flat, start, t) for t in tensors}
-            hb.layers[layer] = arrays
+            arrays = ({t.name: _view(flat, start, t) for t in tensors} if as_bank is None else
+                      {a[0]: _view(flat, start, t, a) for t, a in zip(tensors, as_bank)})
+            hb.layers.setdefault(layer, {}).update(arrays)
             hb.nbytes += nbytes
             hb.array_bytes += sum(t.bytes for t in tensors)
             if do_pin:
@@ -226,7 +244,10 @@ def load_host_banks(weights, *, pin: str = "auto", chunk_bytes: int = CHUNK_BYTE
 
 
 def _read_jobs(weights) -> list[tuple] | None:
-    """Per bank file: ``(layer, path, first array offset, byte span, tensor records)``; None if not a pack."""
+    """Read jobs ``(layer, path, first array offset, byte span, tensor records, as_bank)``: one per bank
+    file (``as_bank`` None: arrays named and shaped as recorded), and one per stacked expert tensor of
+    a dense file (gpt-oss, :func:`~shardsmith.pack.banks.stacked_bank_specs`; ``as_bank`` the bank
+    array's ``(name, dtype, shape)``); None if ``weights`` is not a pack."""
     manifest, root = getattr(weights, "manifest", None), getattr(weights, "dir", None)
     if manifest is None or root is None:
         return None
@@ -236,7 +257,14 @@ def _read_jobs(weights) -> list[tuple] | None:
             continue
         start = min(t.offset for t in rec.tensors)
         end = max(t.offset + t.bytes for t in rec.tensors)
-        jobs.append((rec.layer, str(root / rec.path), start, end - start, rec.tensors))
+        jobs.append((rec.layer, str(root / rec.path), start, end - start, rec.tensors, None))
+    stacked = {s.source: s for specs in stacked_bank_specs(weights.plan, weights.rank).values() for s in specs}
+    records = {t.name: (rec, t) for rec in manifest.files if rec.kind == "dense" for t in rec.tensors if t.name in stacked}
+    for name, spec in stacked.items():
+        if name not in records:
+            raise RuntimeLoadError(f"{root}: stacked expert tensor {name} is not in the rank's dense files")
+        rec, t = records[name]
+        jobs.append((spec.layer, str(root / rec.path), t.offset, t.bytes, (t,), ((spec.name, spec.dtype, spec.shape),)))
     return jobs
 
 

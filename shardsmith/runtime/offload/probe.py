@@ -182,7 +182,7 @@ def measure_gpu_expert(cpu: CpuExperts, device: torch.device, dim: int, dtype: t
     for _ in range(repeats + 1):
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        expert_output(arrays, x, block, cpu.math.limit)
+        expert_output(arrays, x, block, math=cpu.math)
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])

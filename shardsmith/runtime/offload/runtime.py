@@ -97,9 +97,10 @@ class OffloadRuntime:
     def use_kernel_(self, device: torch.device) -> None:
         """Slot steps through the fused kernel when ``SHARDSMITH_FUSED_EXPERTS`` allows on ``device``
         (the resident banks' switch, read once at load), unless the banks are FP8 with scales
-        other than float32 (the kernel's FP8 format)."""
+        other than float32 (the kernel's FP8 format) or the family's maths is not the kernel's
+        (gpt-oss: :attr:`~shardsmith.runtime.layers.experts.ExpertMath.plain`)."""
         fp8 = [a for a in self.host.layers.values() if bank_format(a["gate_up"]) == "fp8"]
-        self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device) and \
+        self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device) and self.math.plain and \
             all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
 
     def slot_path(self) -> bool:
@@ -302,7 +303,7 @@ class OffloadRuntime:
         return missing[len(missing) - k:] if k else []
 
     def _gpu_expert(self, x, weight, tok_d, k_d, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        y = expert_output(self.cache.arrays(slot), x[tok_d], self.block, self.math.limit)
+        y = expert_output(self.cache.arrays(slot), x[tok_d], self.block, math=self.math)
         return tok_d, self.math.contribution(y, weight[tok_d, k_d], x.dtype)
 
     # ------------------------------------------------------------ counters

@@ -1,13 +1,17 @@
 """The gpt-oss causal LM on one rank, built on ``meta`` from the rank's plan and filled from its weights.
 
 Module names mirror the release checkpoint (``model.layers.N.self_attn.q_proj.weight``), so loading
-is a strict name-for-name assignment (:func:`assign_weights`) with one spelled-out rename:
+is a strict name-for-name assignment (:func:`assign_weights`) with two spelled-out renames:
 
-============================================  ===============================  ==================
+============================================  ===============================  ==========================
 source tensors                                module buffer                    why
-============================================  ===============================  ==================
+============================================  ===============================  ==========================
 ``...experts.<proj>_blocks`` + ``_scales``    ``...experts.<proj>`` (dtype)    MXFP4 expanded at load
-============================================  ===============================  ==================
+``...mlp.experts.down_proj_bias``             ``...mlp.down_proj_bias``        added once, by the MoE block
+============================================  ===============================  ==========================
+
+With offloaded experts the stacked ``...mlp.experts.*`` tensors live in host banks instead (read by
+:func:`~shardsmith.runtime.offload.attach.attach_offload`) and are not assigned.
 
 Attention with sinks over sliding and full layers lives in :mod:`~shardsmith.runtime.models.gpt_oss.attention`.
 ``max_num_seqs`` sequences in slots of a static KV cache of ``max_seq_len`` positions of the rank's
@@ -78,7 +82,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.o_proj(o)
         h = self.post_attention_layernorm(x)
         index, weight = self.mlp.route(h)
-        return x, self.mlp.experts.bias(index, weight), h, index, weight
+        return x, self.mlp.bias(index, weight), h, index, weight
 
     def ffn_out(self, x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
                 routed: torch.Tensor) -> tuple[torch.Tensor]:
@@ -185,12 +189,15 @@ class GptOss(nn.Module):
         return (self.lm_head(self.model.norm(x)),)
 
 
-def assign_weights(model: GptOss, dense: dict[str, torch.Tensor], *, device: torch.device) -> None:
+def assign_weights(model: GptOss, dense: dict[str, torch.Tensor], *, device: torch.device,
+                   offloaded: bool = False) -> None:
     """Replace every ``meta`` buffer of ``model`` by the rank's tensor of the same name, strictly.
 
     MXFP4 expert weights (``<proj>_blocks`` with ``<proj>_scales``) are expanded to the compute
     dtype into ``<proj>``; every other tensor is cast to its buffer's dtype (no copy when it
-    already matches, so on CPU the buffer is the mmap view itself).
+    already matches, so on CPU the buffer is the mmap view itself). The renames of the module
+    docstring apply. With ``offloaded`` (the model's experts were swapped for host banks), the
+    stacked expert tensors (``...mlp.experts.*`` but the down bias) are left to the host banks.
 
     Raises:
         RuntimeLoadError: listing every missing, unexpected, mis-shaped or unpaired tensor.
@@ -202,7 +209,11 @@ def assign_weights(model: GptOss, dense: dict[str, torch.Tensor], *, device: tor
     packed: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in dense.items():
         stem, _, part = name.rpartition("_")
-        if ".mlp.experts." in name and part in ("blocks", "scales"):
+        if name.endswith(_DOWN_BIAS):
+            given[name[: -len(_DOWN_BIAS)] + ".mlp.down_proj_bias"] = t
+        elif offloaded and ".mlp.experts." in name:
+            continue
+        elif ".mlp.experts." in name and part in ("blocks", "scales"):
             packed.setdefault(stem, {})[part] = t
         else:
             given[name] = t
@@ -222,6 +233,9 @@ def assign_weights(model: GptOss, dense: dict[str, torch.Tensor], *, device: tor
     install_buffers(model, expected, given, convert, what="the rank's gpt-oss weights")
     if model.args.tie_embeddings:
         model.lm_head._buffers["weight"] = model.model.embed_tokens.weight
+
+
+_DOWN_BIAS = ".mlp.experts.down_proj_bias"
 
 
 class _Packed:

@@ -3,20 +3,24 @@
 Every expert is split on its intermediate dim (TP-within-expert, :mod:`shardsmith.plans.gpt_oss`):
 the rank holds whole interleaved gate/up pairs and the matching columns of the down projection, so
 each rank computes a partial ``[T, D]`` for every selected expert and the layer all-reduces once.
-The down bias is not split: it is added once, after the all-reduce, weighted by the routing weight
-as the reference adds it inside each expert.
+The down bias is not split: it is the MoE block's, added once after the all-reduce, weighted by the
+routing weight as the reference adds it inside each expert.
 
-Experts are resident and dequantized from MXFP4 once at load (:func:`expand_mxfp4`) to the compute
-dtype: simple and exact, but 4x (bf16) the MXFP4 bytes in memory; keeping them packed and expanding
-per use, or offloading them as MXFP4 slots, is future work.
+Resident experts are dequantized from MXFP4 once at load (:func:`expand_mxfp4`) to the compute
+dtype: simple and exact, but 4x (bf16) the MXFP4 bytes in memory. Offloaded experts
+(``--moe-backend``, :func:`~shardsmith.runtime.offload.attach.attach_offload`) stay MXFP4 in host
+banks and cache slots (:func:`~shardsmith.pack.banks.stacked_bank_specs`) and are expanded per use;
+both run :func:`~shardsmith.runtime.layers.experts.expert_mlp` with this family's
+:class:`~shardsmith.runtime.layers.experts.ExpertMath` (:func:`expert_math`), so they compute the
+same bits on one device.
 
 ==========================  ====================  =================================================
 buffer                      shape (rank-local)    contents
 ==========================  ====================  =================================================
-``gate_up_proj``            ``[E, 2*I_r, D]``     row ``2j`` gate channel j, row ``2j+1`` up channel j
-``gate_up_proj_bias``       ``[E, 2*I_r]``        split with its rows (column-parallel)
-``down_proj``               ``[E, D, I_r]``       row-parallel: partial sums
-``down_proj_bias``          ``[E, D]``            whole; added once after the all-reduce
+``experts.gate_up_proj``    ``[E, 2*I_r, D]``     row ``2j`` gate channel j, row ``2j+1`` up channel j
+``experts.gate_up_proj_bias``  ``[E, 2*I_r]``     split with its rows (column-parallel)
+``experts.down_proj``       ``[E, D, I_r]``       row-parallel: partial sums
+``down_proj_bias``          ``[E, D]``            whole, on the MoE block; added once after the all-reduce
 ==========================  ====================  =================================================
 
 Maths (transformers ``GptOssTopKRouter`` / ``GptOssExperts``, OpenAI's gpt-oss ``swiglu``): router
@@ -31,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardsmith.runtime.layers.experts import RoutedExperts
+from shardsmith.runtime.layers.experts import ExpertMath, RoutedExperts, expert_mlp
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
 from shardsmith.runtime.layers.quant import dequantize_fp4
 from shardsmith.runtime.models.gpt_oss.config import GptOssArgs
@@ -52,12 +56,10 @@ def expand_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
     return dequantize_fp4(blocks.reshape(e, n, g * b), scales, dtype)
 
 
-def swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """``[n, 2*I_r]`` interleaved gate/up -> ``[n, I_r]``: gpt-oss's clamped SwiGLU."""
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+def expert_math(args: GptOssArgs) -> ExpertMath:
+    """gpt-oss's :class:`~shardsmith.runtime.layers.experts.ExpertMath`: the clamp ``limit``, GLU ``alpha``,
+    interleaved gate/up rows, each weighted output summed in the activation dtype (as transformers)."""
+    return ExpertMath(limit=args.limit, alpha=args.alpha, interleaved=True)
 
 
 def _local(shards: Shards, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -68,60 +70,60 @@ def _local(shards: Shards, name: str, shape: tuple[int, ...]) -> tuple[int, ...]
 
 
 class Experts(RoutedExperts):
-    """One layer's experts on this rank (buffers in the module docstring's table).
+    """One layer's experts resident on this rank (``experts.*`` buffers of the module docstring's table).
 
     A :class:`~shardsmith.runtime.layers.experts.RoutedExperts` with the defaults: it reads the
     routed ids on the host (not sync-free), so a piecewise decode step runs it between ``ffn_in``
-    and ``ffn_out``; no expert cache slots.
+    and ``ffn_out``; no expert cache slots. Offload replaces it (it has a ``math``).
     """
 
     def __init__(self, args: GptOssArgs, shards: Shards, prefix: str) -> None:
         super().__init__()
-        self.alpha, self.limit = args.alpha, args.limit
+        self.math = expert_math(args)
         e, d, i = args.n_experts, args.dim, args.expert_dim
         for proj, rows, cols in (("gate_up_proj", 2 * i, d), ("down_proj", d, i)):
             e_, rows_r, blocks_r, _ = _local(shards, f"{prefix}.{proj}_blocks", (e, rows, cols // MX_BLOCK, MX_BLOCK // 2))
             _local(shards, f"{prefix}.{proj}_scales", (e, rows, cols // MX_BLOCK))
             self.register_buffer(proj, torch.empty((e_, rows_r, blocks_r * MX_BLOCK), dtype=shards.dtype, device="meta"))
         gu_bias = _local(shards, f"{prefix}.gate_up_proj_bias", (e, 2 * i))
-        down_bias = _local(shards, f"{prefix}.down_proj_bias", (e, d))
         self.register_buffer("gate_up_proj_bias", torch.empty(gu_bias, dtype=shards.dtype, device="meta"))
-        self.register_buffer("down_proj_bias", torch.empty(down_bias, dtype=shards.dtype, device="meta"))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's partial ``[T, D]`` of the selected experts, without the down bias.
+        """This rank's partial ``[T, D]`` of the selected experts, without the down bias, summed in
+        ascending expert order (as the offloaded experts sum theirs).
 
         Args:
             x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` routing weights.
         """
-        out = torch.zeros_like(x)
+        out = self.math.accumulator(x)
         index_h = index.cpu()  # one host sync: the rows of each selected expert
         for e in index_h.unique().tolist():
             tok, slot = (t.to(x.device) for t in torch.where(index_h == e))  # [n], [n]
-            h = F.linear(x[tok], self.gate_up_proj[e], self.gate_up_proj_bias[e])  # [n, 2*I_r]
-            y = F.linear(swiglu(h, self.alpha, self.limit), self.down_proj[e])  # [n, D]
-            out.index_add_(0, tok, y * weight[tok, slot, None])
-        return out
-
-    def bias(self, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``sum_k weight[t, k] * down_proj_bias[index[t, k]]``: ``[T, D]``, the same on every rank."""
-        return (self.down_proj_bias[index] * weight[..., None]).sum(dim=1)
+            y = expert_mlp(x[tok], self.gate_up_proj[e], self.down_proj[e], self.math, self.gate_up_proj_bias[e])
+            out.index_add_(0, tok, self.math.contribution(y, weight[tok, slot], x.dtype))
+        return out.to(x.dtype)
 
 
 class MoE(nn.Module):
-    """Router, this rank's expert partials, one all-reduce, then the down biases once."""
+    """Router, this rank's expert partials (resident or offloaded), one all-reduce, then the down biases once."""
 
     def __init__(self, args: GptOssArgs, shards: Shards, prefix: str) -> None:
         super().__init__()
         self.top_k = args.top_k
         self.router = shards.linear(prefix + ".router", bias=True, shape=(args.n_experts, args.dim))
-        self.experts = Experts(args, shards, prefix + ".experts")
+        self.experts: RoutedExperts = Experts(args, shards, prefix + ".experts")
+        down_bias = _local(shards, f"{prefix}.experts.down_proj_bias", (args.n_experts, args.dim))
+        self.register_buffer("down_proj_bias", torch.empty(down_bias, dtype=shards.dtype, device="meta"))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index [T, K], weight [T, K])``: top-k router logits, softmax over the k (in ``x.dtype``)."""
         top, index = torch.topk(self.router(x), self.top_k, dim=-1)  # [T, K]
         return index, F.softmax(top, dim=-1, dtype=top.dtype)
 
+    def bias(self, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``sum_k weight[t, k] * down_proj_bias[index[t, k]]``: ``[T, D]``, the same on every rank."""
+        return (self.down_proj_bias[index] * weight[..., None]).sum(dim=1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         index, weight = self.route(x)
-        return all_reduce(self.experts(x, index, weight)) + self.experts.bias(index, weight)
+        return all_reduce(self.experts(x, index, weight)) + self.bias(index, weight)
