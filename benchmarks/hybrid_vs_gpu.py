@@ -18,7 +18,7 @@ routing gives, i.e. more misses for the host or the link to cover.
 Rows (one per link, fraction, backend and mode): ``link_cap_gb_per_s`` (None: the real link),
 ``backend`` (requested), ``chosen`` (what the probe picked), ``hybrid_fraction``, ``tokens_per_s``,
 ``hit_rate``, ``host_experts_per_token``, ``h2d_gb_per_s`` (achieved by the miss copies) and
-``probe_h2d_gb_per_s``, ``probe_host_ms_per_expert``, ``probe_host_round_trip_ms``, ``probe_gpu_expert_ms``,
+``probe_h2d_gb_per_s``, ``probe_host_ms_per_expert``, ``probe_host_round_trip_ms``, ``probe_gpu_fused_ms``,
 ``probe_hybrid_gain``, ``host_isa``, ``speedup_vs_gpu`` (same link, fraction and mode) and
 ``tokens_match_gpu``; per decoded token: ``moe_ms_per_token`` (host wall time in the offload runtime's
 layers), ``host_calls_per_token``, ``host_compute_ms_per_token`` (the worker thread), ``host_expert_ms_per_token`` (of which in the expert calls),
@@ -87,7 +87,7 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
     if rt.probe is not None:
         base |= {"probe_h2d_gb_per_s": rt.probe.h2d_gb_per_s, "probe_host_ms_per_expert": rt.probe.cpu_s_per_expert * 1e3,
                  "probe_host_round_trip_ms": rt.probe.host_round_trip_s * 1e3,
-                 "probe_gpu_expert_ms": rt.probe.gpu_expert_s * 1e3, "probe_hybrid_gain": rt.probe.hybrid_gain,
+                 "probe_gpu_fused_ms": rt.probe.gpu_fused_s * 1e3, "probe_hybrid_gain": rt.probe.hybrid_gain,
                  "host_isa": rt.probe.cpu_isa, "probe_reason": rt.probe.reason}
     rows = []
     runs = [("eager", model)]

@@ -95,11 +95,12 @@ def _check(out: dict, captured: bool) -> None:
                                        msg=f"{name} step {i}, replayed")
         # the pieces used in some layer. Resident: one after the attention core; offloaded: ffn_in,
         # then ffn_slots (experts in slots); hybrid: ffn_slots when no expert goes to the host, else
-        # the eager experts and ffn_out (both happen: one output buffer for the next layer either way)
-        # (the first step captures both of ffn_slots and ffn_out: none is captured later, mid-serving)
+        # ffn_gpu (the GPU's experts from slots) and ffn_out after the host's share is added (all
+        # happen: one output buffer for the next layer either way)
+        # (the first step captures ffn_slots, ffn_gpu and ffn_out: none is captured later, mid-serving)
         assert got["pieces"] == {"resident": ["attn_in", "ffn"], "offloaded": ["attn_in", "ffn_in", "ffn_out", "ffn_slots"],
-                                 "hybrid": ["attn_in", "ffn_in", "ffn_out", "ffn_slots"]}[name], got["pieces"]
-        per_layer = 2 if name == "resident" else 4
+                                 "hybrid": ["attn_in", "ffn_gpu", "ffn_in", "ffn_out", "ffn_slots"]}[name], got["pieces"]
+        per_layer = {"resident": 2, "offloaded": 4, "hybrid": 5}[name]
         if captured:  # embed, head and 4 layers' pieces, all in the first graphed step
             assert got["captured"] == 2 + 4 * per_layer, (name, got["captured"])
         else:

@@ -187,13 +187,22 @@ class RoutedExperts(nn.Module):
         """Whether :meth:`decode_slots` may return slots for :meth:`apply_slots` (an expert cache)."""
         return False
 
-    def decode_slots(self, x: torch.Tensor, index: torch.Tensor,
-                     weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(slots [P] int64, None)`` once every pair's expert sits in a slot, else ``(None, routed [T, D])``."""
+    def may_split(self) -> bool:
+        """Whether :meth:`decode_slots` may return the third form (slots and a host share)."""
+        return False
+
+    def decode_slots(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> tuple:
+        """One of three forms: ``(slots [P] int64, None)`` once every pair's expert sits in a slot;
+        ``(None, routed [T, D])`` when the experts ran here; ``(slots, pending)`` for a split step
+        (offloaded ``hybrid``): the host computes some pairs meanwhile, ``slots`` has those pairs
+        masked (negative), and ``pending.add_to(apply_slots(x, weight, slots, masked=True))`` is
+        the routed partial."""
         return None, self(x, index, weight)
 
-    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The routed partial ``[T, D]`` from experts already in ``slots`` (see :meth:`decode_slots`)."""
+    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, *,
+                    masked: bool = False) -> torch.Tensor:
+        """The routed partial ``[T, D]`` from experts already in ``slots`` (see :meth:`decode_slots`);
+        ``masked``: negative slots are pairs computed elsewhere (contribute zero)."""
         raise NotImplementedError(f"{type(self).__name__} has no expert slots")
 
 
