@@ -80,6 +80,7 @@ def test_split_steps_equal_the_reference(fmt, math, kernel, monkeypatch):
             masked = (slots < 0).view(ids.shape)
             assert masked.any() and not masked.all()
             gpu = rt.apply_slots(x, weights, slots, masked=True)
+            assert gpu.dtype == torch.float32  # the float32 sum, cast once after the host's is added
             # the masked pairs add exact zeros: the GPU partial is the GPU pairs' alone
             want_gpu = fused_experts_reference(x.double(), ids, weights * ~masked, **bank, limit=math.limit)
             torch.testing.assert_close(gpu.double(), want_gpu, atol=tol, rtol=0)
@@ -87,6 +88,26 @@ def test_split_steps_equal_the_reference(fmt, math, kernel, monkeypatch):
             assert rt.cpu.calls == before[2] + 2
     finally:
         rt.close()
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_kernel_returns_the_float32_sum_uncast_when_asked():
+    """``out_dtype=float32``: the combine's float32 sum before its cast: cast afterwards, the default
+    call's bits on the reference path, within one bf16 step on the kernel's (Triton's interpreter
+    does not round the combine's cast as torch does)."""
+    from shardsmith.runtime.layers.kernels import fused_experts
+
+    gen = torch.Generator().manual_seed(11)
+    bank = random_bank(8, 64, 32, fp4=True, gen=gen)
+    ids, weights = random_routing(2, TOP_K, 8, gen=gen)
+    x = torch.randn(2, 64, generator=gen).bfloat16()
+    wide = fused_experts(x, ids, weights, **bank, limit=3.0, backend="triton", out_dtype=torch.float32)
+    ref = fused_experts(x, ids, weights, **bank, limit=3.0, backend="reference", out_dtype=torch.float32)
+    assert wide.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(wide.bfloat16(), fused_experts(x, ids, weights, **bank, limit=3.0, backend="triton"),
+                               atol=0, rtol=2**-7)
+    assert (wide - ref).abs().max() <= 1e-2 * ref.abs().max()  # bf16 inputs: the kernel's dot vs the reference's
+    assert torch.equal(ref.bfloat16(), fused_experts(x, ids, weights, **bank, limit=3.0, backend="reference"))
 
 
 def test_host_buffers_are_kept_between_steps(monkeypatch):

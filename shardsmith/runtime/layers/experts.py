@@ -133,8 +133,8 @@ def expand_pairs(arrays: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[t
 
 
 def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                 limit: float) -> torch.Tensor:
-    """Each token's routed sum ``[T, D]`` (``x.dtype``) from its pairs' expanded experts.
+                 limit: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each token's routed sum ``[T, D]`` (``out_dtype``, default ``x.dtype``) from its pairs' expanded experts.
 
     Args:
         gate_up: ``[P, 2*I_r, D]``, down: ``[P, D, I_r]`` (:func:`expand_pairs`), token-major;
@@ -149,24 +149,25 @@ def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, wei
     tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
     gate, up = torch.bmm(gate_up, x[tok][:, :, None]).squeeze(-1).chunk(2, dim=-1)  # [P, I_r] each
     y = torch.bmm(down, swiglu(gate, up, limit)[..., None]).squeeze(-1)  # [P, D]
-    return (y.float() * weight.flatten()[:, None]).view(T, K, y.shape[-1]).sum(dim=1).to(x.dtype)
+    return (y.float() * weight.flatten()[:, None]).view(T, K, y.shape[-1]).sum(dim=1).to(out_dtype or x.dtype)
 
 
 def fused_bank(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor],
-               math: ExpertMath, block: tuple[int, int] | None) -> torch.Tensor:
+               math: ExpertMath, block: tuple[int, int] | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`~shardsmith.runtime.layers.kernels.fused_experts` over a bank's arrays: the one kernel
     call of resident banks (``ids`` = expert ids) and of the slot pool (``ids`` = slot ids).
 
     Args:
         x: ``[T, D]``; ids: ``[T, K]`` rows of ``arrays``; weight: ``[T, K]`` routing weights;
         arrays: ``gate_up``, ``down`` (+ scales) ``[E or S, ...]`` in stored format (FP4, FP8, dense);
-        math: the family's :class:`ExpertMath` (its clamp); block: an FP8 bank's scale block.
+        math: the family's :class:`ExpertMath` (its clamp); block: an FP8 bank's scale block;
+        out_dtype: of the result (default ``x.dtype``; float32 keeps the float32 sum uncast).
 
     Raises:
         KernelError: arrays that do not fit (see ``fused_experts``).
     """
     return fused_experts(x, ids, weight, arrays["gate_up"], arrays["down"], arrays.get("gate_up_scale"),
-                         arrays.get("down_scale"), limit=math.limit, block=block, backend="triton")
+                         arrays.get("down_scale"), limit=math.limit, block=block, backend="triton", out_dtype=out_dtype)
 
 
 class RoutedExperts(nn.Module):

@@ -198,7 +198,7 @@ class CpuExperts:
                 host = torch.empty(x.shape, dtype=acc, pin_memory=cuda)
                 bufs = self._up[key] = (host, torch.empty(x.shape, dtype=acc, device=dev) if cuda else host)
         fut = self._pool.submit(self._partial, layer, x, index, weight, experts, bufs[0])
-        return HostPartial(self, fut, *bufs)
+        return HostPartial(self, fut, *bufs, x.dtype)
 
     def _partial(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
                  experts: list[int], out: torch.Tensor) -> torch.Tensor:
@@ -221,7 +221,7 @@ class CpuExperts:
         if part.device_buf is not part.host_buf:
             part.device_buf.copy_(part.host_buf, non_blocking=True)
             self._up_read = torch.cuda.current_stream(gpu.device).record_event()
-        out = (gpu.float() + part.device_buf.float()).to(gpu.dtype)
+        out = (gpu.float() + part.device_buf.float()).to(part.dtype)
         self.wait_s += t1 - t0
         self.h2d_s += time.perf_counter() - t1
         return out
@@ -246,15 +246,17 @@ class HostPartial:
 
     Attributes:
         future: the worker's call; host_buf: its ``[T, D]`` partial (page-locked on CUDA);
-        device_buf: where it is copied on the device (``host_buf`` itself on a CPU device).
+        device_buf: where it is copied on the device (``host_buf`` itself on a CPU device);
+        dtype: the activations' (the routed partial's).
     """
 
-    def __init__(self, cpu: CpuExperts, future: Future, host_buf: torch.Tensor, device_buf: torch.Tensor) -> None:
-        self.cpu, self.future, self.host_buf, self.device_buf = cpu, future, host_buf, device_buf
+    def __init__(self, cpu: CpuExperts, future: Future, host_buf: torch.Tensor, device_buf: torch.Tensor,
+                 dtype: torch.dtype) -> None:
+        self.cpu, self.future, self.host_buf, self.device_buf, self.dtype = cpu, future, host_buf, device_buf, dtype
 
     def add_to(self, gpu: torch.Tensor) -> torch.Tensor:
-        """The layer's routed partial ``[T, D]`` (``gpu.dtype``): ``gpu`` (the GPU experts' partial)
-        plus the host's, added in float32 and cast once. Waits for the worker, then copies its
+        """The layer's routed partial ``[T, D]`` (the activations' dtype): ``gpu`` (the GPU experts'
+        float32 partial, ``apply_slots(..., masked=True)``) plus the host's, added in float32 and cast once. Waits for the worker, then copies its
         partial to the device asynchronously (no stream sync); call it after queueing the GPU
         experts, so their work overlaps the host's."""
         return self.cpu._finish(self, gpu)

@@ -28,7 +28,8 @@ then the GPU experts are placed (misses copied) and applied by the slot path ove
 host's pairs masked (a negative slot ``-1 - s``: weight 0 on slot ``s`` of a GPU expert of the
 same step, so the kernel reads no extra expert); only then is the host's partial awaited, copied
 up and added (:class:`~.cpu_backend.HostPartial`). Numerics: the GPU pairs are summed in float32 in
-k order and cast, the host's in ascending expert order, the two added in float32 and cast once:
+k order, the host's in ascending expert order, the two added in float32 and cast once (as many
+roundings to the activation dtype as the resident step, one):
 the resident step's value within float32 rounding, not its bits.
 """
 
@@ -244,16 +245,18 @@ class OffloadRuntime:
         over the pool, ``slots`` as ``[T, K]`` ids (the resident kernel bank's call, so the same
         arithmetic per expert); else the resident FP4 bank's expanded pair maths, on the same bits.
         ``masked``: a negative slot ``-1 - s`` is a host pair, run on slot ``s`` with weight 0 (an
-        exact zero: the slot holds a real expert, so its output is finite).
+        exact zero: the slot holds a real expert, so its output is finite); the partial is then
+        returned in float32 (the sum before the cast).
         """
-        if masked:
+        out_dtype = None
+        if masked:  # the float32 sum, uncast: HostPartial.add_to adds the host's and casts once
             keep = slots >= 0  # [P]
             slots = torch.where(keep, slots, -1 - slots)
-            weight = weight * keep.view(weight.shape)
+            weight, out_dtype = weight * keep.view(weight.shape), torch.float32
         if self.kernel:
-            return fused_bank(x, slots.view(weight.shape), weight, self.cache.pool, self.math, self.block)
+            return fused_bank(x, slots.view(weight.shape), weight, self.cache.pool, self.math, self.block, out_dtype)
         gate_up, down = expand_pairs({name: p[slots] for name, p in self.cache.pool.items()}, x.dtype)
-        return routed_pairs(gate_up, down, x, weight, self.math.limit)
+        return routed_pairs(gate_up, down, x, weight, self.math.limit, out_dtype)
 
     def _prepare(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
                  ) -> tuple[torch.Tensor, list[int], list[int], tuple[torch.Tensor, ...] | None]:
