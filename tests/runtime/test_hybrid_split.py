@@ -9,7 +9,8 @@ eager (``run_layer``) and split as a graph runs it (``decode_slots`` -> ``apply_
 in another order than the resident step's); the masked GPU partial alone is exactly the GPU pairs'.
 Engine level: the tiny DeepSeek-V4 with ``hybrid`` at world sizes 1 and 2 (gloo), prefill, batched
 steps of 4 rows through the decode pieces and one-row steps eagerly and through the pieces,
-against the resident model fed the same tokens.
+against the resident model fed the same tokens; the tiny Mixtral the same at world size 1 with the
+kernel forced (``slow``: the interpreter).
 """
 
 from __future__ import annotations
@@ -195,3 +196,29 @@ def test_v4_split_steps_match_resident_world_size_1(tiny_v4_packs: dict[int, Pat
 
 def test_v4_split_steps_match_resident_across_ranks(tiny_v4_packs: dict[int, Path]):
     _check(run_ranks(_rank_main, 2, str(tiny_v4_packs[2]), timeout=300))
+
+
+@pytest.mark.slow  # ~30 s: the resident and the offloaded banks both run the kernel under Triton's interpreter
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_mixtral_split_steps_match_resident(tmp_path, monkeypatch):
+    """Tiny Mixtral (bf16 banks: no slot path without the kernel, so it is forced, as on CUDA):
+    prefill, a step through the decode pieces and a one-row forward, hybrid vs resident, float32."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.testing import tiny_mixtral
+    from shardsmith.writer.split import split_checkpoint
+
+    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel")
+    split_checkpoint(tiny_mixtral(tmp_path / "src", experts=8), tmp_path / "tp1", world_size=1)
+    out = {}
+    for name, offload in (("resident", None), ("hybrid", OffloadConfig(backend="hybrid", cache_slots=3,
+                                                                          hybrid_fraction=0.5, probe=False))):
+        eng = Engine.load(tmp_path / "tp1", rank=0, world_size=1, dtype=torch.float32, max_seq_len=32,
+                          offload=offload, cuda_graphs=False, max_num_seqs=4)
+        logits = [eng.prefill(0, [3, 17, 42, 99]), eng.decode([5], [4], [0]), eng.prefill(0, [6], 5)]
+        out[name] = (logits, eng.offload.stats() if eng.offload else None)
+        if eng.offload:
+            assert eng.offload.kernel
+            eng.offload.close()
+    for want, got in zip(out["resident"][0], out["hybrid"][0]):
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+    assert out["hybrid"][1]["split_steps"] > 0 and out["hybrid"][1]["host_experts"] > 0
