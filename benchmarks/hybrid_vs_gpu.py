@@ -18,12 +18,16 @@ routing gives, i.e. more misses for the host or the link to cover.
 Rows (one per link, fraction, backend and mode): ``link_cap_gb_per_s`` (None: the real link),
 ``backend`` (requested), ``chosen`` (what the probe picked), ``hybrid_fraction``, ``tokens_per_s``,
 ``hit_rate``, ``host_experts_per_token``, ``h2d_gb_per_s`` (achieved by the miss copies) and
-``probe_h2d_gb_per_s``, ``probe_host_ms_per_expert``, ``probe_host_round_trip_ms``, ``probe_gpu_expert_ms``,
+``probe_h2d_gb_per_s``, ``probe_host_ms_per_expert``, ``probe_host_round_trip_ms``, ``probe_gpu_fused_ms``,
 ``probe_hybrid_gain``, ``host_isa``, ``speedup_vs_gpu`` (same link, fraction and mode) and
 ``tokens_match_gpu``; per decoded token: ``moe_ms_per_token`` (host wall time in the offload runtime's
 layers), ``host_calls_per_token``, ``host_compute_ms_per_token`` (the worker thread), ``host_expert_ms_per_token`` (of which in the expert calls),
 ``host_d2h_ms_per_token`` (the one D2H per hybrid layer, a stream sync), ``host_h2d_ms_per_token``,
-``host_wait_ms_per_token`` (the driving thread blocked on the host), ``host_threads``;
+``host_wait_ms_per_token`` (the driving thread blocked on the host), ``host_threads``,
+``split_steps_per_token`` (MoE layers run as split steps: GPU experts on the slot path, the host's
+share overlapped) and the round trip's parts per host call (``d2h_ms_per_call``: the id read that
+brings x along, a stream sync; ``compute_ms_per_call``; ``wait_ms_per_call``: blocked on the host
+after the GPU's work was queued; ``h2d_ms_per_call``: the partial's copy and add);
 ``prefill_host_experts`` (experts the host computed for the prompt: float32 where the GPU computes
 bf16, so a hybrid run's tokens may part from the ``gpu`` run's there even with none in decode). Example (GPU host)::
 
@@ -67,7 +71,8 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
     bank_bytes = sum(t.numel() * t.element_size() for layer, arrays in weights.banks().items()
                      if not layer.startswith("mtp.") for t in arrays.values())
     dtype = getattr(torch, a.dtype)
-    cfg = OffloadConfig(backend=backend, cache_bytes=int(fraction * bank_bytes), policy="hot", probe=cuda)
+    cfg = OffloadConfig(backend=backend, cache_bytes=int(fraction * bank_bytes), policy="hot", probe=cuda,
+                        hybrid_fraction=a.hybrid_fraction if backend == "hybrid" else None)
     t0 = time.perf_counter()
     model, rt = build_v4(weights, rank=0, dtype=dtype, device=dev,
                          place_experts=lambda m: attach_offload(m, weights, cfg, device=dev, dtype=dtype))
@@ -87,7 +92,7 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
     if rt.probe is not None:
         base |= {"probe_h2d_gb_per_s": rt.probe.h2d_gb_per_s, "probe_host_ms_per_expert": rt.probe.cpu_s_per_expert * 1e3,
                  "probe_host_round_trip_ms": rt.probe.host_round_trip_s * 1e3,
-                 "probe_gpu_expert_ms": rt.probe.gpu_expert_s * 1e3, "probe_hybrid_gain": rt.probe.hybrid_gain,
+                 "probe_gpu_fused_ms": rt.probe.gpu_fused_s * 1e3, "probe_hybrid_gain": rt.probe.hybrid_gain,
                  "host_isa": rt.probe.cpu_isa, "probe_reason": rt.probe.reason}
     rows = []
     runs = [("eager", model)]
@@ -113,6 +118,10 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
                 "moe_ms_per_token": 1e3 * st["moe_s"] / n, "steps_all_hit": st["steps_all_hit"],
                 "decode_steps": st["decode_steps"], "prefill_host_experts": prefill.get("host_experts", 0)}
         host |= {f"{k[:-2]}_ms_per_token": 1e3 * v / n for k, v in ht.items() if k.endswith("_s")}
+        host["split_steps_per_token"] = st["split_steps"] / n  # MoE layers run split (GPU slots + host share)
+        calls = max(1, ht["host_calls"])  # the round trip's parts per host call (one per split layer step)
+        host |= {f"{k[5:-2]}_ms_per_call": 1e3 * ht[k] / calls for k in ("host_d2h_s", "host_compute_s", "host_wait_s",
+                                                                         "host_h2d_s")}
         rows.append(base | {"mode": mode, "tokens_per_s": a.tokens / seconds, "ms_per_token": 1e3 * seconds / a.tokens,
                             "tokens": tokens, "hit_rate": st.get("hit_rate"), "misses_per_token": st.get("misses", 0) / n,
                             "host_experts_per_token": st["host_experts"] / n,
@@ -121,6 +130,7 @@ def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: to
         progress(0, 1, f"{where} ({rt.backend}) {mode}: {a.tokens / seconds:.1f} tok/s, "
                        f"hit {st.get('hit_rate', 0):.2f}, host experts/token {st['host_experts'] / n:.1f}, "
                        f"H2D {st.get('h2d_gb_per_s') or 0:.1f} GB/s; per token: MoE {host['moe_ms_per_token']:.2f} ms, "
+                       f"split layers {host['split_steps_per_token']:.2f}, "
                        f"host calls {host['host_calls_per_token']:.2f}, host compute "
                        f"{host['host_compute_ms_per_token']:.2f} ms (experts {host['host_expert_ms_per_token']:.2f}), D2H {host['host_d2h_ms_per_token']:.2f} ms, "
                        f"wait {host['host_wait_ms_per_token']:.2f} ms")
@@ -157,6 +167,8 @@ def main() -> None:
     ap.add_argument("--link-gbps", type=float, action="append", default=[],
                     help="emulate a host-to-GPU link of this rate in GB/s, 0 for the real link (repeatable)")
     ap.add_argument("--threads", type=int, default=None, help="host threads (default: torch's)")
+    ap.add_argument("--hybrid-fraction", type=float, default=None,
+                    help="share of misses the hybrid backend sends to the host (default: the probe's split)")
     ap.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
     a = ap.parse_args()
     from shardsmith.runtime.layers.parallel import init_distributed
@@ -190,7 +202,8 @@ def main() -> None:
             for r in offloaded_runs(weights, dev, a, prompt, f, b, link)]
     compare(rows)
     cols = ("link_cap_gb_per_s", "cache_fraction", "backend", "chosen", "mode", "tokens_per_s", "speedup_vs_gpu", "hit_rate",
-            "host_experts_per_token", "h2d_gb_per_s", "probe_host_ms_per_expert", "tokens_match_gpu")
+            "host_experts_per_token", "split_steps_per_token", "wait_ms_per_call", "h2d_gb_per_s",
+            "probe_host_ms_per_expert", "tokens_match_gpu")
     print(" ".join(f"{c:>14.14}" for c in cols))
     for r in rows:
         print(" ".join(f"{(f'{v:.3g}' if isinstance(v, float) else str(v)):>14.14}" for v in (r.get(c) for c in cols)))

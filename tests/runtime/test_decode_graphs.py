@@ -97,14 +97,16 @@ def _check(out: dict, captured: bool) -> None:
                                        msg=f"{name} step {i}, replayed")
         # DeepSeek-V4's decode core is static (STATIC_DECODE). Resident: the whole step is one piece;
         # offloaded: per layer the attention with its core, ffn_in, then ffn_slots (experts in slots);
-        # hybrid: ffn_slots when no expert goes to the host, else the eager experts and ffn_out (both
-        # happen: one output buffer for the next layer either way) (the first step captures both of
-        # ffn_slots and ffn_out: none is captured later, mid-serving)
+        # hybrid: ffn_slots when no expert goes to the host, else ffn_gpu (the GPU's experts from
+        # slots) and ffn_out after the host's share is added (all happen: one output buffer for the
+        # next layer either way) (the first step captures ffn_slots, ffn_gpu and ffn_out: none is
+        # captured later, mid-serving)
         assert got["pieces"] == {"resident": ["step"], "offloaded": ["attn", "ffn_in", "ffn_out", "ffn_slots"],
-                                 "hybrid": ["attn", "ffn_in", "ffn_out", "ffn_slots"]}[name], got["pieces"]
+                                 "hybrid": ["attn", "ffn_gpu", "ffn_in", "ffn_out", "ffn_slots"]}[name], got["pieces"]
+        per_layer = {"offloaded": 4, "hybrid": 5}.get(name)
         if captured:  # one graph, or step_in, head and 4 layers' pieces, all in the first graphed step (one
             # length bucket: max_seq_len=64 is below the smallest)
-            assert got["captured"] == (1 if name == "resident" else 2 + 4 * 4), (name, got["captured"])
+            assert got["captured"] == (1 if name == "resident" else 2 + 4 * per_layer), (name, got["captured"])
         else:
             assert got["captured"] == 0
 

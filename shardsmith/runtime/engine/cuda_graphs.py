@@ -58,6 +58,13 @@ between embedding and head), else as per-layer ``attn`` pieces (mixer, projectio
 the experts that need the host (:class:`StaticBucketPieces`). The core writes its slots' state, so
 those pieces are *stateful*: they run exactly once per call (:class:`GraphedPiece`).
 
+Between ``ffn_in`` and ``ffn_out``, ``experts.decode_slots(x, index, weight)`` (eager) answers
+``(slots, None)``: the ``ffn_slots`` piece applies them and runs ``ffn_out`` (one graph);
+``(None, r)``: ``ffn_out`` over ``r``; or ``(slots, pending)``, a split step (offloaded ``hybrid``:
+the host computes some pairs meanwhile): the ``ffn_gpu`` piece applies the GPU's pairs from their
+slots (``apply_slots(..., masked=True)``, device only), then ``pending.add_to`` waits for the host
+and adds its partial (copied up asynchronously), and ``ffn_out`` runs over the sum.
+
 Source: PyTorch CUDA graphs notes (https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs).
 """
 
@@ -423,14 +430,21 @@ class DecodeGraphs:
         tag = "" if bucket.rows == 1 else f"[B={bucket.rows}]"
         if experts.slot_path() and "ffn_slots" not in pieces:
             pieces["ffn_slots"] = GraphedPiece(_slots_piece(layer), self.pool, f"layers.{i}.ffn_slots{tag}")
-        if slots is not None:  # every expert in a slot: the experts are captured too
+        if experts.may_split() and "ffn_gpu" not in pieces:
+            pieces["ffn_gpu"] = GraphedPiece(_slots_piece(layer, masked=True), self.pool, f"layers.{i}.ffn_gpu{tag}")
+        if slots is not None and routed is not None:  # split: GPU pairs captured, the host's share added after
+            (gpu,) = pieces["ffn_gpu"](x, weight, slots)
+            (h,) = pieces["ffn_out"](*carry, x, weight, routed.add_to(gpu))
+        elif slots is not None:  # every expert in a slot: the experts are captured too
             (h,) = pieces["ffn_slots"](*carry, x, weight, slots)
         else:
             (h,) = pieces["ffn_out"](*carry, x, weight, routed)
-        # capture the other piece now too, on dummy experts (slot 0, zeros; its result is discarded), so
+        # capture the other pieces now too, on dummy experts (slot 0, zeros; its result is discarded), so
         # that no capture happens later in the middle of serving; every rank takes the same path here
-        if "ffn_slots" in pieces and pieces["ffn_slots"].inputs is None:
-            pieces["ffn_slots"](*carry, x, weight, torch.zeros(weight.numel(), dtype=torch.int64, device=x.device))
+        for name in ("ffn_slots", "ffn_gpu"):
+            if name in pieces and pieces[name].inputs is None:
+                dummy = torch.zeros(weight.numel(), dtype=torch.int64, device=x.device)
+                pieces[name](*(() if name == "ffn_gpu" else carry), x, weight, dummy)
         if pieces["ffn_out"].inputs is None:
             pieces["ffn_out"](*carry, x, weight, torch.zeros_like(x))
         # one address for the layer's output whichever piece made it: the next pieces read it in place
@@ -438,12 +452,16 @@ class DecodeGraphs:
         return h if h is out else out.copy_(h)
 
 
-def _slots_piece(layer: Any) -> Callable[..., Tensors]:
+def _slots_piece(layer: Any, *, masked: bool = False) -> Callable[..., Tensors]:
     """``ffn_slots(*carry, x, weight, slots)``: the layer's ``ffn_out`` over its experts applied from
-    their cache slots (device work only, so it is captured)."""
+    their cache slots (device work only, so it is captured); ``masked``: ``ffn_gpu(x, weight, slots)``,
+    a split step's GPU partial alone (``ffn_out`` follows once the host's share is added)."""
 
     def ffn_slots(*inputs: torch.Tensor) -> Tensors:
         *carry, x, weight, slots = inputs
         return layer.ffn_out(*carry, x, weight, layer.experts.apply_slots(x, weight, slots))
 
-    return ffn_slots
+    def ffn_gpu(x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> Tensors:
+        return (layer.experts.apply_slots(x, weight, slots, masked=True),)
+
+    return ffn_gpu if masked else ffn_slots

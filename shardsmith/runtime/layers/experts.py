@@ -181,8 +181,8 @@ def expand_pairs(arrays: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[t
 
 
 def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                 limit: float) -> torch.Tensor:
-    """Each token's routed sum ``[T, D]`` (``x.dtype``) from its pairs' expanded experts.
+                 limit: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each token's routed sum ``[T, D]`` (``out_dtype``, default ``x.dtype``) from its pairs' expanded experts.
 
     Args:
         gate_up: ``[P, 2*I_r, D]``, down: ``[P, D, I_r]`` (:func:`expand_pairs`), token-major;
@@ -197,24 +197,25 @@ def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, wei
     tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
     gate, up = torch.bmm(gate_up, x[tok][:, :, None]).squeeze(-1).chunk(2, dim=-1)  # [P, I_r] each
     y = torch.bmm(down, swiglu(gate, up, limit)[..., None]).squeeze(-1)  # [P, D]
-    return (y.float() * weight.flatten()[:, None]).view(T, K, y.shape[-1]).sum(dim=1).to(x.dtype)
+    return (y.float() * weight.flatten()[:, None]).view(T, K, y.shape[-1]).sum(dim=1).to(out_dtype or x.dtype)
 
 
 def fused_bank(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor],
-               math: ExpertMath, block: tuple[int, int] | None) -> torch.Tensor:
+               math: ExpertMath, block: tuple[int, int] | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`~shardsmith.runtime.layers.kernels.fused_experts` over a bank's arrays: the one kernel
     call of resident banks (``ids`` = expert ids) and of the slot pool (``ids`` = slot ids).
 
     Args:
         x: ``[T, D]``; ids: ``[T, K]`` rows of ``arrays``; weight: ``[T, K]`` routing weights;
         arrays: ``gate_up``, ``down`` (+ scales) ``[E or S, ...]`` in stored format (FP4, FP8, dense);
-        math: the family's :class:`ExpertMath` (its clamp); block: an FP8 bank's scale block.
+        math: the family's :class:`ExpertMath` (its clamp); block: an FP8 bank's scale block;
+        out_dtype: of the result (default ``x.dtype``; float32 keeps the float32 sum uncast).
 
     Raises:
         KernelError: arrays that do not fit (see ``fused_experts``).
     """
     return fused_experts(x, ids, weight, arrays["gate_up"], arrays["down"], arrays.get("gate_up_scale"),
-                         arrays.get("down_scale"), limit=math.limit, block=block, backend="triton")
+                         arrays.get("down_scale"), limit=math.limit, block=block, backend="triton", out_dtype=out_dtype)
 
 
 class RoutedExperts(nn.Module):
@@ -243,13 +244,22 @@ class RoutedExperts(nn.Module):
         """Whether :meth:`decode_slots` may return slots for :meth:`apply_slots` (an expert cache)."""
         return False
 
-    def decode_slots(self, x: torch.Tensor, index: torch.Tensor,
-                     weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(slots [P] int64, None)`` once every pair's expert sits in a slot, else ``(None, routed [T, D])``."""
+    def may_split(self) -> bool:
+        """Whether :meth:`decode_slots` may return the third form (slots and a host share)."""
+        return False
+
+    def decode_slots(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> tuple:
+        """One of three forms: ``(slots [P] int64, None)`` once every pair's expert sits in a slot;
+        ``(None, routed [T, D])`` when the experts ran here; ``(slots, pending)`` for a split step
+        (offloaded ``hybrid``): the host computes some pairs meanwhile, ``slots`` has those pairs
+        masked (negative), and ``pending.add_to(apply_slots(x, weight, slots, masked=True))`` is
+        the routed partial."""
         return None, self(x, index, weight)
 
-    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The routed partial ``[T, D]`` from experts already in ``slots`` (see :meth:`decode_slots`)."""
+    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, *,
+                    masked: bool = False) -> torch.Tensor:
+        """The routed partial ``[T, D]`` from experts already in ``slots`` (see :meth:`decode_slots`);
+        ``masked``: negative slots are pairs computed elsewhere (contribute zero)."""
         raise NotImplementedError(f"{type(self).__name__} has no expert slots")
 
 

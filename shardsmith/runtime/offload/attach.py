@@ -37,12 +37,15 @@ class OffloadedExperts(RoutedExperts):
         runtime's slot steps (one runtime for every layer: the same answer each call)."""
         self.runtime.use_kernel_(device)
 
-    def decode_slots(self, x: torch.Tensor, index: torch.Tensor,
-                     weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def may_split(self) -> bool:
+        return self.runtime.backend == "hybrid" and self.runtime.slot_path()
+
+    def decode_slots(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> tuple:
         return self.runtime.decode_slots(self.layer, x, index, weight)
 
-    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        return self.runtime.apply_slots(x, weight, slots)
+    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, *,
+                    masked: bool = False) -> torch.Tensor:
+        return self.runtime.apply_slots(x, weight, slots, masked=masked)
 
 
 

@@ -11,11 +11,14 @@ so the ranks' CPU work is partitioned and never oversubscribes the host. The rea
 the host computes (:meth:`CpuExperts.path`): the kernel's instruction set (``kernel avx512``), or,
 on the plain path, the bf16 matmul's (oneDNN: AMX tiles where the CPU has them, ``amx_bf16``).
 
-A hybrid layer's host round trip (:meth:`CpuExperts.submit_from`, :meth:`CpuExperts.collect`):
-activations and routing weights leave the device in one copy (one stream sync, after the ids'),
-the worker thread computes, and every contribution and token row returns in one pinned
-asynchronous copy per dtype (no sync; a pageable ``.to(device)`` per expert syncs the stream twice
-per expert: :mod:`~shardsmith.runtime.layers.staging`). With a GPU driving the step, the worker
+A hybrid decode step's host round trip (:meth:`CpuExperts.stage`, :meth:`CpuExperts.submit_partial`,
+:meth:`HostPartial.add_to`): the ids, activations and routing weights leave the device together,
+into page-locked buffers kept per shape, with the layer's one stream sync; the worker thread sums
+its experts' weighted outputs into one kept page-locked partial ``[T, D]`` while the GPU computes
+the rest; that partial returns in one asynchronous copy into a kept device buffer (no sync; a
+pageable ``.to(device)`` syncs the stream: :mod:`~shardsmith.runtime.layers.staging`) and is added
+to the GPU's. The older per-expert round trip (:meth:`CpuExperts.submit_from`,
+:meth:`CpuExperts.collect`: one more sync, one copy per dtype back) serves prefill-sized steps. With a GPU driving the step, the worker
 uses one intra-op thread fewer than the process (``reserve_core``): the thread that launches the
 GPU work stays busy meanwhile, and a parallel region as wide as every core then waits, at each of
 its barriers, for the one thread the scheduler has parked behind it.
@@ -79,6 +82,9 @@ class CpuExperts:
         self.experts_computed = self.calls = 0
         self.compute_s = self.expert_s = self.d2h_s = self.h2d_s = self.wait_s = 0.0
         self._checked: set[str] = set()  # layers whose bank layout the kernel's Python checks passed
+        self._down: dict[tuple, tuple[torch.Tensor, ...]] = {}  # stage(): (index, x, weight) host buffers per shape
+        self._up: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # submit_partial(): (host, device) partials
+        self._up_read: torch.cuda.Event | None = None  # the last partial's H2D copy (its host buffer is free after)
 
     def _expert_fn(self, layer: int, bank: dict[str, torch.Tensor], x: torch.Tensor):
         """The host path for this bank: the kernel (its layout checked once per layer) or the reference."""
@@ -152,6 +158,75 @@ class CpuExperts:
         self.h2d_s += time.perf_counter() - t1
         return res
 
+    def stage(self, x: torch.Tensor, index: torch.Tensor,
+              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(index [T, K], x [T, D], weight [T, K])`` on the host, copied from ``x``'s device into
+        buffers kept per shape (page-locked on CUDA) with one stream sync: the decode step's read of
+        its ids, which brings the host share's inputs along. The buffers are rewritten by the next
+        call of the same shape: the caller collects its host work before the next layer stages."""
+        key = (tuple(x.shape), x.dtype, tuple(index.shape), index.dtype, weight.dtype)
+        bufs = self._down.get(key)
+        if bufs is None:
+            pin = x.device.type == "cuda"
+            with torch.inference_mode(False):  # kept across calls, written in and out of inference mode
+                bufs = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in (index, x, weight))
+            self._down[key] = bufs
+        t0 = time.perf_counter()
+        for dst, src in zip(bufs, (index, x, weight)):
+            dst.copy_(src, non_blocking=True)
+        if x.device.type == "cuda":
+            torch.cuda.current_stream(x.device).synchronize()
+        self.d2h_s += time.perf_counter() - t0
+        return bufs
+
+    def submit_partial(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                       experts: list[int], device: torch.device) -> HostPartial:
+        """Start the host share of a split decode step on the worker thread: ``experts``' weighted
+        outputs summed into one ``[T, D]`` partial (float32 when the family accumulates in float32,
+        else ``x.dtype``; contributions added in ascending expert order, as the resident general path).
+
+        Args:
+            x, index, weight: host tensors (:meth:`stage`'s); experts: ascending; device: where
+                :meth:`HostPartial.add_to` will add the partial.
+        """
+        acc = torch.float32 if self.math.accumulate_f32 else x.dtype
+        dev = torch.device(device)
+        key = (tuple(x.shape), acc, dev)
+        bufs = self._up.get(key)
+        if bufs is None:
+            cuda = dev.type == "cuda"
+            with torch.inference_mode(False):  # as stage()'s
+                host = torch.empty(x.shape, dtype=acc, pin_memory=cuda)
+                bufs = self._up[key] = (host, torch.empty(x.shape, dtype=acc, device=dev) if cuda else host)
+        fut = self._pool.submit(self._partial, layer, x, index, weight, experts, bufs[0])
+        return HostPartial(self, fut, *bufs, x.dtype)
+
+    def _partial(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                 experts: list[int], out: torch.Tensor) -> torch.Tensor:
+        """Worker thread: :meth:`compute`, its contributions summed into ``out``."""
+        if self._up_read is not None:  # normally long done: the next layer's id read synced past it
+            self._up_read.synchronize()
+        contrib = self.compute(layer, x, index, weight, experts)
+        t0 = time.perf_counter()
+        out.zero_()
+        for e in experts:
+            tok, y = contrib[e]
+            out.index_add_(0, tok, y)
+        self.compute_s += time.perf_counter() - t0
+        return out
+
+    def _finish(self, part: HostPartial, gpu: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        part.future.result()
+        t1 = time.perf_counter()
+        if part.device_buf is not part.host_buf:
+            part.device_buf.copy_(part.host_buf, non_blocking=True)
+            self._up_read = torch.cuda.current_stream(gpu.device).record_event()
+        out = (gpu.float() + part.device_buf.float()).to(part.dtype)
+        self.wait_s += t1 - t0
+        self.h2d_s += time.perf_counter() - t1
+        return out
+
     def timings(self) -> dict[str, float]:
         """Counters for a benchmark row (see the class's Attributes)."""
         return {"host_calls": self.calls, "host_compute_s": self.compute_s, "host_expert_s": self.expert_s,
@@ -165,3 +240,24 @@ class CpuExperts:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class HostPartial:
+    """A split decode step's host share in flight (:meth:`CpuExperts.submit_partial`).
+
+    Attributes:
+        future: the worker's call; host_buf: its ``[T, D]`` partial (page-locked on CUDA);
+        device_buf: where it is copied on the device (``host_buf`` itself on a CPU device);
+        dtype: the activations' (the routed partial's).
+    """
+
+    def __init__(self, cpu: CpuExperts, future: Future, host_buf: torch.Tensor, device_buf: torch.Tensor,
+                 dtype: torch.dtype) -> None:
+        self.cpu, self.future, self.host_buf, self.device_buf, self.dtype = cpu, future, host_buf, device_buf, dtype
+
+    def add_to(self, gpu: torch.Tensor) -> torch.Tensor:
+        """The layer's routed partial ``[T, D]`` (the activations' dtype): ``gpu`` (the GPU experts'
+        float32 partial, ``apply_slots(..., masked=True)``) plus the host's, added in float32 and cast once. Waits for the worker, then copies its
+        partial to the device asynchronously (no stream sync); call it after queueing the GPU
+        experts, so their work overlaps the host's."""
+        return self.cpu._finish(self, gpu)

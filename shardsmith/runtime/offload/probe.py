@@ -2,19 +2,20 @@
 
 What a decode step's MoE layer costs (one rank, one token, ``m`` misses of the GPU slot cache):
 
-* ``gpu``: ``m * t_copy`` with ``t_copy = slot_bytes / h2d_bytes_per_s`` (the miss copies; the
-  slot step's fused compute is small beside them);
-* ``hybrid`` with ``k`` of the misses on the host: the host side costs ``t_round + k * t_host``
-  (``t_round``: the layer's round trip, activations to the host, the hand-off to the worker thread
-  and back, contributions to the device; ``t_host``: one more expert there), the GPU side
-  ``(m - k) * (t_copy + t_gpu)`` (the step leaves the fused slot path, so each GPU expert is a
-  separate call of ``t_gpu``); the two run in parallel, the layer takes the longer.
+* ``gpu``: ``m * t_copy + t_fused`` with ``t_copy = slot_bytes / h2d_bytes_per_s`` (the miss
+  copies) and ``t_fused`` the slot step's compute of the layer's experts (the fused kernel over
+  the slot pool, or the expanded FP4 pairs without it);
+* ``hybrid`` with ``k`` of the misses on the host (a split step, :mod:`.runtime`): the host side
+  costs ``t_round + k * t_host`` (``t_round``: the layer's round trip, the hand-off to the worker
+  thread and back, the partial to the device; ``t_host``: one more expert there), the GPU side
+  ``(m - k) * t_copy + t_fused`` (its experts stay on the slot path, the host's pairs masked); the
+  two run in parallel, the layer takes the longer.
 
 Every term is measured here, warm, as the runtime pays it (:func:`measure_host_path` drives
 :meth:`~.cpu_backend.CpuExperts.submit_from` with device tensors while the calling thread keeps
 launching GPU work, as a decode step's does), as the median of several repeats on experts the
 probe has not touched. ``auto`` then picks ``hybrid`` only where the best ``k`` saves at least
-:data:`HYBRID_MIN_GAIN` of the copy-only time at :data:`REFERENCE_MISSES` misses per layer, else
+:data:`HYBRID_MIN_GAIN` of the ``gpu`` layer time at :data:`REFERENCE_MISSES` misses per layer, else
 ``gpu`` (``cpu`` without a GPU): never a backend the measurements say is slower. Each rank
 measures; :func:`run_probe` reduces the numbers over ranks (the slowest host, the slowest link)
 before deciding, so every rank reaches the same decision from the same inputs.
@@ -29,13 +30,13 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from shardsmith.runtime.layers.experts import expert_output
+from shardsmith.runtime.layers.kernels import fused_experts
 from . import link_cap
 from .cpu_backend import CpuExperts
 from .host_bank import HostBanks
 
 
-HYBRID_MIN_GAIN = 0.2  # share of the copy-only miss time a hybrid split must save for ``auto`` to pick it
+HYBRID_MIN_GAIN = 0.2  # share of the ``gpu`` layer time a hybrid split must save for ``auto`` to pick it
 REFERENCE_MISSES = 6  # misses per layer the decision is made at (DeepSeek-V4's top-6 with a cache that rarely hits)
 
 
@@ -51,8 +52,9 @@ class ProbeResult:
         share of misses sent to the host; reason: one line for the log; cpu_isa: how the host
         computes experts (:meth:`~.cpu_backend.CpuExperts.path`: ``kernel avx512``, ``matmul amx_bf16``).
         host_round_trip_s: fixed seconds of one layer's host call (copies, thread hand-offs).
-        gpu_expert_s: seconds of one expert computed alone on the GPU (the general path's unit).
-        hybrid_gain: share of the copy-only miss time the best split saves (negative: it loses).
+        gpu_fused_s: seconds of the slot path's compute of one token's :data:`REFERENCE_MISSES`
+            experts on the GPU (``t_fused``).
+        hybrid_gain: share of the ``gpu`` layer time the best split saves (0: none does).
     """
 
     h2d_gb_per_s: float
@@ -64,7 +66,7 @@ class ProbeResult:
     reason: str
     cpu_isa: str
     host_round_trip_s: float = 0.0
-    gpu_expert_s: float = 0.0
+    gpu_fused_s: float = 0.0
     hybrid_gain: float = 0.0
 
     def as_dict(self) -> dict:
@@ -121,8 +123,9 @@ def measure_host_path(cpu: CpuExperts, device: torch.device, dim: int, dtype: to
                       batch: int = 4, launches: int = 64) -> tuple[float, float]:
     """``(round_trip_s, s_per_expert)`` of the host path of a one-token layer, warm, medians.
 
-    Times :meth:`~.cpu_backend.CpuExperts.submit_from` plus :meth:`~.cpu_backend.CpuExperts.collect`
-    from and to ``device`` (the runtime's own calls: one D2H, the worker thread, one H2D) with 1 and
+    Times a split step's host round trip from and to ``device`` (the runtime's own calls:
+    :meth:`~.cpu_backend.CpuExperts.stage`, :meth:`~.cpu_backend.CpuExperts.submit_partial`,
+    :meth:`~.cpu_backend.HostPartial.add_to`: one D2H, the worker thread, one H2D) with 1 and
     with ``batch`` experts per call, ``repeats`` times each on fresh experts of the last layer,
     after one warm-up call of each size. While the host computes, this thread launches ``launches``
     small device ops, as a decode step's thread launches its GPU experts (its core and the GIL are
@@ -141,6 +144,7 @@ def measure_host_path(cpu: CpuExperts, device: torch.device, dim: int, dtype: to
     order = iter(probe_experts(n_exp, (repeats + 1) * (batch + 1)))
     x = torch.randn(1, dim, device=dev).to(dtype)
     busy = torch.zeros(64, device=dev)
+    zero = torch.zeros_like(x)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     counters = ("experts_computed", "calls", "compute_s", "expert_s", "d2h_s", "h2d_s", "wait_s")
     before = {k: getattr(cpu, k) for k in counters}
@@ -151,10 +155,11 @@ def measure_host_path(cpu: CpuExperts, device: torch.device, dim: int, dtype: to
         weight = torch.full((1, len(experts)), 1.0 / len(experts), device=dev)
         sync()
         t0 = time.perf_counter()
-        fut = cpu.submit_from(layer, x, index.cpu(), weight, experts)
+        index_h, x_h, w_h = cpu.stage(x, index, weight)
+        part = cpu.submit_partial(layer, x_h, index_h, w_h, experts, dev)
         for _ in range(launches):  # the decode thread's own launches meanwhile (it holds the GIL while it does)
             busy.add_(1.0)
-        cpu.collect(fut, dev)
+        part.add_to(zero)
         sync()
         return time.perf_counter() - t0
 
@@ -167,68 +172,75 @@ def measure_host_path(cpu: CpuExperts, device: torch.device, dim: int, dtype: to
     return max(one - per, 0.0), per
 
 
-def measure_gpu_expert(cpu: CpuExperts, device: torch.device, dim: int, dtype: torch.dtype, block,
-                       *, repeats: int = 5) -> float:
-    """Median seconds of one expert computed alone on ``device`` for one token (the hybrid step's GPU
-    experts leave the fused slot path: :func:`~shardsmith.runtime.layers.experts.expert_output` each,
-    as the runtime's general path calls it); 0.0 off CUDA."""
+def measure_gpu_fused(cpu: CpuExperts, device: torch.device, dim: int, dtype: torch.dtype, block, *,
+                      kernel: bool, misses: int = REFERENCE_MISSES, repeats: int = 5) -> float:
+    """Median seconds of the slot path's compute of one token routed to ``misses`` experts on
+    ``device``: :func:`~shardsmith.runtime.layers.experts.fused_bank` over a pool of them with
+    ``kernel``, else the expanded pairs (the kernel's PyTorch reference, the runtime's pair path);
+    0.0 off CUDA."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return 0.0
     bank = cpu.host.layers[cpu.layers[0]]
-    arrays = {name: a[0].to(dev) for name, a in bank.items()}
+    m = min(misses, bank["gate_up"].shape[0])
+    pool = {name: a[:m].to(dev) for name, a in bank.items()}
     x = torch.randn(1, dim, device=dev).to(dtype)
+    ids = torch.arange(m, device=dev)[None]  # [1, m]
+    weight = torch.full((1, m), 1.0 / m, device=dev)
+    backend = "triton" if kernel else "reference"
     times = []
     for _ in range(repeats + 1):
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        expert_output(arrays, x, block, math=cpu.math)
+        fused_experts(x, ids, weight, pool["gate_up"], pool["down"], pool.get("gate_up_scale"),
+                      pool.get("down_scale"), limit=cpu.math.limit, block=block, backend=backend)
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
 
-def hybrid_split(t_copy: float, t_host: float, *, round_trip_s: float = 0.0, gpu_expert_s: float = 0.0,
+def hybrid_split(t_copy: float, t_host: float, *, round_trip_s: float = 0.0, fused_s: float = 0.0,
                  misses: int = REFERENCE_MISSES) -> tuple[int, float]:
-    """The best number of ``misses`` to send to the host and the share of copy-only time it saves.
+    """The best number of ``misses`` to send to the host and the share of the ``gpu`` layer time it saves.
 
-    Layer time with ``k`` on the host: ``max((m - k) * (t_copy + gpu_expert_s), round_trip_s + k * t_host)``
-    for ``k >= 1`` against ``m * t_copy`` for ``gpu`` (module docstring). Returns ``(k, gain)``, with
-    ``k = 0`` and ``gain = 0.0`` when no split beats copying; all times in seconds.
+    Layer time with ``k`` on the host: ``max((m - k) * t_copy + fused_s, round_trip_s + k * t_host)``
+    for ``k >= 1`` against ``m * t_copy + fused_s`` for ``gpu`` (module docstring: the two sides of
+    a split step overlap). Returns ``(k, gain)``, with ``k = 0`` and ``gain = 0.0`` when no split
+    beats copying; all times in seconds.
 
     Raises:
         ValueError: ``misses`` < 1 or a negative time.
     """
-    if misses < 1 or min(t_copy, t_host, round_trip_s, gpu_expert_s) < 0:
+    if misses < 1 or min(t_copy, t_host, round_trip_s, fused_s) < 0:
         raise ValueError(f"hybrid_split needs misses >= 1 and times >= 0, got misses={misses}, t_copy={t_copy}, "
-                         f"t_host={t_host}, round_trip_s={round_trip_s}, gpu_expert_s={gpu_expert_s}")
+                         f"t_host={t_host}, round_trip_s={round_trip_s}, fused_s={fused_s}")
     if t_copy == float("inf"):
         return misses, 1.0
-    base = misses * t_copy
+    base = misses * t_copy + fused_s
     best_k, best = 0, base
     for k in range(1, misses + 1):
-        t = max((misses - k) * (t_copy + gpu_expert_s), round_trip_s + k * t_host)
+        t = max((misses - k) * t_copy + fused_s, round_trip_s + k * t_host)
         if t < best:
             best_k, best = k, t
     return best_k, (1.0 - best / base) if base > 0 else 0.0
 
 
 def decide(requested: str, *, cuda: bool, h2d_gb_per_s: float, slot_bytes: int, cpu_s_per_expert: float,
-           hybrid_fraction: float | None = None, round_trip_s: float = 0.0, gpu_expert_s: float = 0.0,
+           hybrid_fraction: float | None = None, round_trip_s: float = 0.0, fused_s: float = 0.0,
            misses: int = REFERENCE_MISSES) -> tuple[str, float, str]:
     """``(backend, hybrid_fraction, reason)`` for ``requested`` in ``auto|gpu|cpu|hybrid`` (see :func:`hybrid_split`)."""
     t_copy = slot_bytes / (h2d_gb_per_s * 1e9) if h2d_gb_per_s > 0 else float("inf")
     t_cpu = cpu_s_per_expert
-    k, gain = hybrid_split(t_copy, t_cpu, round_trip_s=round_trip_s, gpu_expert_s=gpu_expert_s, misses=misses)
+    k, gain = hybrid_split(t_copy, t_cpu, round_trip_s=round_trip_s, fused_s=fused_s, misses=misses)
     costs = (f"copy {t_copy * 1e3:.3f} ms/expert vs host {t_cpu * 1e3:.3f} ms/expert + {round_trip_s * 1e3:.3f} ms "
-             f"per layer, GPU expert alone {gpu_expert_s * 1e3:.3f} ms")
+             f"per layer, GPU slot compute {fused_s * 1e3:.3f} ms per layer")
     if requested == "auto":
         if not cuda:
             return "cpu", 1.0, "no CUDA device"
         if k and gain >= HYBRID_MIN_GAIN:
-            return "hybrid", k / misses, (f"{k} of {misses} misses on the host save {gain:.0%} of the miss time "
+            return "hybrid", k / misses, (f"{k} of {misses} misses on the host save {gain:.0%} of the layer time "
                                           f"({costs})")
-        return "gpu", 0.0, (f"a hybrid split saves {max(gain, 0.0):.0%} of the miss time at {misses} misses, "
+        return "gpu", 0.0, (f"a hybrid split saves {max(gain, 0.0):.0%} of the layer time at {misses} misses, "
                             f"under {HYBRID_MIN_GAIN:.0%} ({costs})")
     if requested == "hybrid":
         f = (k / misses if k else 0.0) if hybrid_fraction is None else hybrid_fraction
@@ -247,7 +259,7 @@ def _slowest(values: list[float], device: torch.device) -> list[float]:
 
 
 def run_probe(host: HostBanks, cpu: CpuExperts, *, device: torch.device, dim: int, dtype: torch.dtype,
-              slot_bytes: int, requested: str, hybrid_fraction: float | None,
+              slot_bytes: int, requested: str, hybrid_fraction: float | None, kernel: bool = False,
               misses: int = REFERENCE_MISSES) -> ProbeResult:
     """Measure on every rank, reduce over ranks (slowest link, slowest host), then :func:`decide`.
 
@@ -256,12 +268,12 @@ def run_probe(host: HostBanks, cpu: CpuExperts, *, device: torch.device, dim: in
     dev = torch.device(device)
     bw = measure_h2d(host, dev)
     round_trip, per = measure_host_path(cpu, dev, dim, dtype)
-    gpu_s = measure_gpu_expert(cpu, dev, dim, dtype, cpu.block)
+    gpu_s = measure_gpu_fused(cpu, dev, dim, dtype, cpu.block, kernel=kernel, misses=misses)
     neg_bw, round_trip, per, gpu_s = _slowest([-bw, round_trip, per, gpu_s], dev)
     bw = -neg_bw
     backend, frac, reason = decide(requested, cuda=dev.type == "cuda", h2d_gb_per_s=bw, slot_bytes=slot_bytes,
                                    cpu_s_per_expert=per, hybrid_fraction=hybrid_fraction, round_trip_s=round_trip,
-                                   gpu_expert_s=gpu_s, misses=misses)
+                                   fused_s=gpu_s, misses=misses)
     t_copy = slot_bytes / (bw * 1e9) if bw > 0 else float("inf")
-    _, gain = hybrid_split(t_copy, per, round_trip_s=round_trip, gpu_expert_s=gpu_s, misses=misses)
+    _, gain = hybrid_split(t_copy, per, round_trip_s=round_trip, fused_s=gpu_s, misses=misses)
     return ProbeResult(bw, host.pinned, per, slot_bytes, backend, frac, reason, cpu.path(), round_trip, gpu_s, gain)

@@ -20,6 +20,17 @@ kernel (``SHARDSMITH_FUSED_EXPERTS``, set by :meth:`use_kernel_` as for resident
 resident bank's own :func:`~shardsmith.runtime.layers.experts.fused_bank` call with slot ids for
 expert ids, for any pool format (FP4, FP8, bf16) and up to ``FUSED_TOKENS_MAX`` tokens; without
 it, FP4 pools of at most ``ExpertMath.batched_pairs`` pairs take the expanded pair maths.
+
+A decode-sized ``hybrid`` step with some experts on the host and the rest in slots is a *split
+step* (issue 15): the layer's one sync reads the ids and brings ``x`` and the routing weights
+along (:meth:`~.cpu_backend.CpuExperts.stage`); the host share goes to the worker thread first;
+then the GPU experts are placed (misses copied) and applied by the slot path over every pair, the
+host's pairs masked (a negative slot ``-1 - s``: weight 0 on slot ``s`` of a GPU expert of the
+same step, so the kernel reads no extra expert); only then is the host's partial awaited, copied
+up and added (:class:`~.cpu_backend.HostPartial`). Numerics: the GPU pairs are summed in float32 in
+k order, the host's in ascending expert order, the two added in float32 and cast once (as many
+roundings to the activation dtype as the resident step, one):
+the resident step's value within float32 rounding, not its bits.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ from shardsmith.runtime.layers.parallel import kernel_switch
 from shardsmith.runtime.layers.quant import bank_format
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
 from .config import GiB, OffloadConfig
-from .cpu_backend import CpuExperts
+from .cpu_backend import CpuExperts, HostPartial
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
 from .host_bank import HostBanks
 from .probe import ProbeResult, run_probe
@@ -65,6 +76,7 @@ class OffloadRuntime:
         self.tokens, self.cpu_experts, self.step_s = 0, 0, 0.0
         self.kernel = False  # slot steps run fused_experts over the pool (use_kernel_)
         self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = 0  # _count
+        self.split_steps = 0  # layer steps that ran split (GPU slots + host share)
         self._step_open, self._step_hit = False, True
 
     # ------------------------------------------------------------ start-up
@@ -82,7 +94,8 @@ class OffloadRuntime:
                         requested)
         if c.probe and cuda:  # no host-to-device link to measure on a CPU device
             self.probe = run_probe(self.host, self.cpu, device=self.device, dim=self.dim, dtype=self.dtype,
-                                   slot_bytes=slot_bytes, requested=requested, hybrid_fraction=c.hybrid_fraction)
+                                   slot_bytes=slot_bytes, requested=requested, hybrid_fraction=c.hybrid_fraction,
+                                   kernel=self.kernel)
             self.backend, self.hybrid_fraction = self.probe.backend, self.probe.hybrid_fraction  # agreed over ranks
         elif requested == "auto":
             self.backend = "gpu" if cuda else "cpu"
@@ -150,13 +163,16 @@ class OffloadRuntime:
     def run_layer(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The layer's routed partial ``[T, D]``, summed in ascending expert order as the resident path."""
         t0, m0 = time.perf_counter(), self._misses()
-        index_h, experts, to_host = self._prepare(layer, x, index)
-        if self._pairs(index_h, experts, to_host) and self.kernel:
+        index_h, experts, to_host, staged = self._prepare(layer, x, index, weight)
+        if self._split(index_h, experts, to_host, staged):
+            slots, pending = self._start_split(layer, x, index_h, experts, to_host, staged)
+            out = pending.add_to(self.apply_slots(x, weight, slots, masked=True))
+        elif self._pairs(index_h, experts, to_host) and self.kernel:
             out = self.apply_slots(x, weight, self._place(layer, x, index_h, experts))
         elif self._pairs(index_h, experts, to_host):
             out = self._run_pairs(layer, x, index_h, weight, experts)
         else:
-            out = self._run_general(layer, x, index_h, weight, experts, to_host)
+            out = self._run_general(layer, x, index_h, weight, experts, to_host, staged)
         self._count(layer, x.shape[0], not to_host and self._misses() == m0)
         self.step_s += time.perf_counter() - t0
         return out
@@ -179,54 +195,106 @@ class OffloadRuntime:
         self._step_hit &= all_hit
 
     def decode_slots(self, layer: int, x: torch.Tensor, index: torch.Tensor,
-                     weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                     weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | HostPartial | None]:
         """For a graphed decode step: the slot of every pair, or the routed partial when there are none.
 
         When the step is a slot step (module docstring: no expert on the host, all fit, decode-sized),
         the step's experts are made resident, their misses copied, the current stream made to wait
         for the copies, and ``(slots [P = T*K] int64 on the device, None)`` returned: the caller
         applies the experts from ``cache.pool`` (a captured graph can, the pool never moves).
+        A split step (module docstring) returns ``(slots, HostPartial)``: the host share is running,
+        ``slots`` has the host's pairs masked (negative), the caller applies them with
+        ``apply_slots(..., masked=True)`` and then passes that partial to ``HostPartial.add_to``.
         Otherwise ``(None, routed [T, D])`` from :meth:`run_layer`'s general path.
         """
         t0, m0 = time.perf_counter(), self._misses()
-        index_h, experts, to_host = self._prepare(layer, x, index)
-        if not self._pairs(index_h, experts, to_host):
-            out = (None, self._run_general(layer, x, index_h, weight, experts, to_host))
+        index_h, experts, to_host, staged = self._prepare(layer, x, index, weight)
+        if self._split(index_h, experts, to_host, staged):
+            out = self._start_split(layer, x, index_h, experts, to_host, staged)
+        elif not self._pairs(index_h, experts, to_host):
+            out = (None, self._run_general(layer, x, index_h, weight, experts, to_host, staged))
         else:
             out = (self._place(layer, x, index_h, experts), None)
         self._count(layer, x.shape[0], not to_host and self._misses() == m0)
         self.step_s += time.perf_counter() - t0
         return out
 
-    def _place(self, layer: int, x: torch.Tensor, index_h: torch.Tensor, experts: list[int]) -> torch.Tensor:
+    def _place(self, layer: int, x: torch.Tensor, index_h: torch.Tensor, experts: list[int],
+               host: frozenset[int] = frozenset()) -> torch.Tensor:
         """Make ``experts`` resident (misses copied on the copy stream, which the current stream then
-        waits for) and return each pair's slot ``[P] int64`` on ``x``'s device (one async copy)."""
+        waits for) and return each pair's slot ``[P] int64`` on ``x``'s device (one async copy).
+        Pairs of a ``host`` expert get ``-1 - s``, ``s`` the slots of ``experts`` in turn (so no one
+        expert's run in the kernel grows much: a run longer than 16 pairs re-reads the expert)."""
         slots, _ = self.cache.fetch(layer, experts)
         slot_of = dict(zip(experts, slots))
-        (pair_slots,) = to_device([torch.tensor([slot_of[e] for e in index_h.flatten().tolist()])], x.device)
+        pairs, turn = [], 0
+        for e in index_h.flatten().tolist():
+            if e in host:
+                pairs.append(-1 - slots[turn % len(slots)])
+                turn += 1
+            else:
+                pairs.append(slot_of[e])
+        (pair_slots,) = to_device([torch.tensor(pairs, dtype=torch.int64)], x.device)
         self.cache.wait()
         return pair_slots
 
-    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def apply_slots(self, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, *,
+                    masked: bool = False) -> torch.Tensor:
         """The routed partial ``[T, D]`` of experts already in the pool's ``slots [P]`` (one per pair,
         token-major; from :meth:`decode_slots`), device work only, so a graph can capture it (the
         pool never moves). With the kernel: :func:`~shardsmith.runtime.layers.experts.fused_bank`
         over the pool, ``slots`` as ``[T, K]`` ids (the resident kernel bank's call, so the same
         arithmetic per expert); else the resident FP4 bank's expanded pair maths, on the same bits.
+        ``masked``: a negative slot ``-1 - s`` is a host pair, run on slot ``s`` with weight 0 (an
+        exact zero: the slot holds a real expert, so its output is finite); the partial is then
+        returned in float32 (the sum before the cast).
         """
+        out_dtype = None
+        if masked:  # the float32 sum, uncast: HostPartial.add_to adds the host's and casts once
+            keep = slots >= 0  # [P]
+            slots = torch.where(keep, slots, -1 - slots)
+            weight, out_dtype = weight * keep.view(weight.shape), torch.float32
         if self.kernel:
-            return fused_bank(x, slots.view(weight.shape), weight, self.cache.pool, self.math, self.block)
+            return fused_bank(x, slots.view(weight.shape), weight, self.cache.pool, self.math, self.block, out_dtype)
         gate_up, down = expand_pairs({name: p[slots] for name, p in self.cache.pool.items()}, x.dtype)
-        return routed_pairs(gate_up, down, x, weight, self.math.limit)
+        return routed_pairs(gate_up, down, x, weight, self.math.limit, out_dtype)
 
-    def _prepare(self, layer: int, x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    def _prepare(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
+                 ) -> tuple[torch.Tensor, list[int], list[int], tuple[torch.Tensor, ...] | None]:
         """Count tokens, read the routed ids (the one host sync of the layer): ``(index [T, K] on the
-        host, the distinct experts ascending, those the host computes)``."""
+        host, the distinct experts ascending, those the host computes, staged)``; a decode-sized
+        ``hybrid`` step brings ``x`` and ``weight`` in the same sync, ``staged = (index, x, weight)``
+        on the host (:meth:`~.cpu_backend.CpuExperts.stage`), else ``staged`` is None."""
         if layer == 0:
             self.tokens += x.shape[0]
-        index_h = index.cpu()
+        staged = None
+        if self.backend == "hybrid" and x.shape[0] <= FUSED_TOKENS_MAX:
+            staged = self.cpu.stage(x, index, weight)
+            index_h = staged[0]
+        else:
+            index_h = index.cpu()
         experts = index_h.unique().tolist()
-        return index_h, experts, self._host_share(layer, experts)
+        return index_h, experts, self._host_share(layer, experts), staged
+
+    def _split(self, index_h: torch.Tensor, experts: list[int], to_host: list[int], staged) -> bool:
+        """Whether this step is a split step (module docstring): staged, some experts on each side,
+        the GPU's fit in the slots, and a slot step's size."""
+        if not to_host or staged is None or len(to_host) == len(experts) or not self.slot_path():
+            return False
+        if len(experts) - len(to_host) > self.cache.n_slots:
+            return False
+        return self.kernel or index_h.numel() <= self.math.batched_pairs
+
+    def _start_split(self, layer: int, x: torch.Tensor, index_h: torch.Tensor, experts: list[int],
+                     to_host: list[int], staged) -> tuple[torch.Tensor, HostPartial]:
+        """Submit the host share, then place the GPU experts: ``(masked slots [P], pending host partial)``."""
+        _, x_h, w_h = staged
+        pending = self.cpu.submit_partial(layer, x_h, index_h, w_h, to_host, x.device)  # first: it overlaps the rest
+        host = frozenset(to_host)
+        slots = self._place(layer, x, index_h, [e for e in experts if e not in host], host)
+        self.cpu_experts += len(to_host)
+        self.split_steps += 1
+        return slots, pending
 
     def _pairs(self, index_h: torch.Tensor, experts: list[int], to_host: list[int]) -> bool:
         """Whether this step is a slot step (module docstring)."""
@@ -235,11 +303,14 @@ class OffloadRuntime:
         return index_h.shape[0] <= FUSED_TOKENS_MAX if self.kernel else index_h.numel() <= self.math.batched_pairs
 
     def _run_general(self, layer: int, x: torch.Tensor, index_h: torch.Tensor, weight: torch.Tensor,
-                     experts: list[int], to_host: list[int]) -> torch.Tensor:
-        """Expert by expert on slots (in waves of at most ``n_slots``) and on the host."""
+                     experts: list[int], to_host: list[int], staged=None) -> torch.Tensor:
+        """Expert by expert on slots (in waves of at most ``n_slots``) and on the host (from
+        ``staged`` host copies when the id read brought them, else with one more D2H)."""
         contrib: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         fut = None
-        if to_host:
+        if to_host and staged is not None:
+            fut = self.cpu.submit(layer, staged[1], index_h, staged[2], to_host)
+        elif to_host:
             fut = self.cpu.submit_from(layer, x, index_h, weight, to_host)
         on_gpu = [e for e in experts if e not in set(to_host)]
         where = rows_by_expert(index_h, on_gpu, x.device)  # (tok [n], k [n]) per expert, one async copy
@@ -315,7 +386,7 @@ class OffloadRuntime:
         needed with a device-side slot table), ``layer_steps``, ``layer_steps_all_hit``."""
         out = {"backend": self.backend, "host_bytes": self.host.nbytes, "host_pinned": self.host.pinned,
                "tokens": self.tokens, "host_experts": self.cpu_experts, "moe_s": self.step_s,
-               "decode_steps": self.steps + self._step_open,
+               "decode_steps": self.steps + self._step_open, "split_steps": self.split_steps,
                "steps_all_hit": self.steps_all_hit + (self._step_open and self._step_hit),
                "layer_steps": self.layer_steps, "layer_steps_all_hit": self.layer_steps_all_hit}
         if self.cache is not None:
@@ -329,7 +400,7 @@ class OffloadRuntime:
     def reset_stats(self) -> None:
         """Zero the counters (e.g. after warm-up); the cache contents stay."""
         self.tokens = self.cpu_experts = 0
-        self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = 0
+        self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = self.split_steps = 0
         self._step_open, self._step_hit = False, True
         self.step_s = 0.0
         if self.cache is not None:

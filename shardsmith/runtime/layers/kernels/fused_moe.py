@@ -43,7 +43,7 @@ BLOCK_M = 16  # token rows per expert tile: tl.dot's smallest M; a decode batch 
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                             down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                             down_scale: torch.Tensor | None = None, *, limit: float = 0.0,
-                            block: tuple[int, int] | None = None) -> torch.Tensor:
+                            block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The PyTorch path :func:`fused_experts` replaces: gather each pair's expert, expand FP4 (or
     FP8, expert by expert with ``expert_weights``) to ``x.dtype`` in memory, two batched matmuls,
     the float32 combine (V4 ``routed_pairs``).
@@ -64,7 +64,7 @@ def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
     else:
         gu, dn = expand_pairs({"gate_up": gate_up[sel], "gate_up_scale": gate_up_scale[sel], "down": down[sel],
                                "down_scale": down_scale[sel]}, x.dtype)
-    return routed_pairs(gu, dn, x, weights.float(), limit)
+    return routed_pairs(gu, dn, x, weights.float(), limit, out_dtype)
 
 
 def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale, block) -> str:
@@ -134,7 +134,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                   down_scale: torch.Tensor | None = None, *, limit: float = 0.0,
                   block: tuple[int, int] | None = None, block_i: int | None = None,
                   block_n: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                  scaled_dot: bool | None = None, backend: str = "auto") -> torch.Tensor:
+                  scaled_dot: bool | None = None, backend: str = "auto",
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
 
     Every selected expert's bytes are read once per call however many tokens chose it, straight from
@@ -161,9 +162,11 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             here, and under the interpreter, which lacks it).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
+        out_dtype: the result's dtype (default ``x.dtype``): float32 returns the float32 sum uncast
+            (a split hybrid step adds the host's partial to it before the one cast).
 
     Returns:
-        ``[T, D]`` in ``x.dtype``.
+        ``[T, D]`` in ``out_dtype``.
 
     Raises:
         KernelError: shapes, dtypes or strides do not fit (every problem listed), or the backend
@@ -177,7 +180,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     fp4 = fmt == "fp4"
     if not use_triton(x, backend):
         return fused_experts_reference(x, ids, weights, gate_up, down, gate_up_scale, down_scale, limit=limit,
-                                       block=block)
+                                       block=block, out_dtype=out_dtype)
     import triton
 
     if scaled_dot and (interpreting() or x.dtype != torch.bfloat16):
@@ -204,7 +207,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         gs, ds = gate_up, down  # unused pointers
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)
     y = torch.empty((P, D), dtype=torch.float32, device=x.device)
-    out = torch.empty((T, D), dtype=x.dtype, device=x.device)
+    out = torch.empty((T, D), dtype=out_dtype or x.dtype, device=x.device)
     b0, b1 = block if fmt == "fp8" else (1, 1)
     common = dict(FP4=fp4, FP8=fmt == "fp8", B0=b0, B1=b1, S_R=gs.shape[1] // 2, SCALED_DOT=scaled_dot and fp4,
                   DOT_F32=x.dtype == torch.float32 or interpreting(),
