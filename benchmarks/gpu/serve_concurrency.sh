@@ -8,6 +8,7 @@
 # Each concurrency is run REPEAT (3) times, medians reported: the first use of a new prompt length
 # compiles Triton kernel specializations (seconds, once per length per host cache).
 # Target (issue 14): 8 streams >= 4x the single-stream aggregate tokens/s, per-stream >= 0.5x.
+# OFFLOAD=0 serves with experts resident only.
 # PHASE=gen writes and splits the checkpoint only (to run beside other GPU work); PHASE=serve then serves it.
 set -uo pipefail
 source benchmarks/gpu/env.sh
@@ -41,6 +42,7 @@ rm -f "$json"
 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" \
     --label resident --out "$json" --append 2>&1 | tee "$OUT/resident.log" | tail -8
 echo "resident $((SECONDS - t0)) s"
+[ "${OFFLOAD:-1}" = 1 ] || exit 0  # OFFLOAD=0: experts resident only
 cache_gb=$(python3 -c 'import glob, os; print(0.25 * sum(os.path.getsize(f) for f in glob.glob("/tmp/v4sc-tp1/rank-0-of-1/experts-*.safetensors")) / 2**30)')
 echo "expert cache ${cache_gb} GiB (25% of the rank's expert bytes)"
 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" \
