@@ -51,7 +51,9 @@ class HyperMixer(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, m, D]`` -> ``(collapsed [T, D], post [T, m], comb [T, m, m])``."""
         f = F.linear(rms_unweighted(streams.flatten(1).float(), self.norm_eps), self.fn)  # [T, (2+m)*m]
-        pre, post, comb = hc_mix(f, self.base, self.scale, self.m, self.iters, self.eps)
+        # the kernel on CUDA only: on CPU the reference (TRITON_INTERPRET=1 in a test must not slow every model)
+        pre, post, comb = hc_mix(f, self.base, self.scale, self.m, self.iters, self.eps,
+                                 backend="auto" if f.is_cuda else "reference")
         collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
         return collapsed, post, comb
 
