@@ -47,6 +47,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server started by :func:`start_server` (its clean shutdown), then kill it after 60 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def start_server(pack: Path, *, device: str, dtype: str, max_num_seqs: int, extra: list[str], log: Path):
     port = free_port()
     cmd = [sys.executable, "-m", "shardsmith.cli", "serve", str(pack), "--port", str(port), "--dist-port",
@@ -170,11 +179,7 @@ def main() -> None:
                          "max_num_seqs": a.max_num_seqs, "concurrency": c, "tokens_per_request": a.tokens,
                          "client": client, "serve_args": " ".join(extra), **row})
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     base = next((r for r in rows if r["concurrency"] == 1), None)
     print(f"{'streams':>7} {'aggregate tok/s':>16} {'per-stream tok/s':>17} {'TTFT s':>8} {'agg vs 1':>9} {'per vs 1':>9} {'errors':>6}")
     for r in rows:

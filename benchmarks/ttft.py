@@ -22,14 +22,12 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_concurrency import start_server, stream_urllib  # noqa: E402
+from serve_concurrency import start_server, stop_server, stream_urllib  # noqa: E402
 
 LENGTHS = (3, 17, 29, 61, 100, 257, 400, 700)  # 700 > the 512-token prefill chunk: two chunks
 
@@ -78,11 +76,7 @@ def main() -> None:
                   f"new compile-cache files {rows[-1]['new_cache_files']}", flush=True)
         after = cache_files(a.cache)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     result = {"benchmark": "ttft", "date": time.strftime("%Y-%m-%d"), "host": os.environ.get("SHARDSMITH_HOST"),
               "commit": os.environ.get("SHARDSMITH_COMMIT"), "pack": a.pack.name, "device": a.device,
               "dtype": a.dtype, "serve_args": " ".join(extra), "seconds_to_ready": round(ready_s, 2),

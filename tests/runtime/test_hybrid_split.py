@@ -16,7 +16,6 @@ kernel forced (``slow``: the interpreter).
 from __future__ import annotations
 
 import os
-import traceback
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from shardsmith.runtime.layers.experts import ExpertMath
 from shardsmith.runtime.layers.kernels import fused_experts_reference, triton_available
 from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing
 from shardsmith.runtime.offload import OffloadConfig, host_kernel
-from shardsmith.testing.ranks import run_ranks
+from shardsmith.testing.ranks import run_gloo
 
 V4 = ExpertMath(limit=3.0, accumulate_f32=True, batched_pairs=16)
 MIXTRAL = ExpertMath()
@@ -165,19 +164,6 @@ def _scenario(path: str, rank: int, world_size: int) -> dict:
     return out
 
 
-def _rank_main(rank: int, world_size: int, port: int, path: str, queue) -> None:
-    try:
-        from shardsmith.runtime.layers.parallel import init_distributed
-
-        init_distributed(rank, world_size, master_port=port)
-        out = _scenario(path, rank, world_size)
-        if rank == 0:
-            queue.put(("ok", out))
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise
-
-
 def _check(out: dict) -> None:
     want, _ = out["resident"]
     got, stats = out["hybrid"]
@@ -195,7 +181,7 @@ def test_v4_split_steps_match_resident_world_size_1(tiny_v4_packs: dict[int, Pat
 
 
 def test_v4_split_steps_match_resident_across_ranks(tiny_v4_packs: dict[int, Path]):
-    _check(run_ranks(_rank_main, 2, str(tiny_v4_packs[2]), timeout=300))
+    _check(run_gloo(_scenario, 2, str(tiny_v4_packs[2]), timeout=300))
 
 
 @pytest.mark.slow  # ~30 s: the resident and the offloaded banks both run the kernel under Triton's interpreter
