@@ -52,7 +52,9 @@ def v4_config(config_json: Path, layers: int, experts: int):
 
 @torch.inference_mode()
 def time_decode(model, prompt: int, tokens: int, device: torch.device) -> dict:
-    """Greedy decode after a ``prompt``-token prefill; ``(ms per token over the last tokens - 1 steps, ids)``."""
+    """Greedy decode of ``tokens`` steps after a ``prompt``-token prefill (random ids):
+    ``{"ms_per_token": ...}``, milliseconds per step over the last ``tokens - 1`` steps (the first
+    step's one-time costs left out)."""
     from transformers import DynamicCache
 
     def sync() -> None:
