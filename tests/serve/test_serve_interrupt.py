@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,11 +86,27 @@ class Serve:
     def finish(self, timeout: float = 60.0) -> int:
         try:
             return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher did not exit within {timeout:.0f} s; its process group:\n"
+                        f"{self.snapshot()}\nlog:\n{self.log()}")
         finally:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
             self._log.close()
+
+    def snapshot(self) -> str:
+        """Each process of the group: state, kernel wait channel, command; and its Python stacks
+        when ``py-spy`` is installed (what a hang needs to be understood)."""
+        ps = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:30,etime,args", "-g", str(self.proc.pid)],
+                            capture_output=True, text=True).stdout
+        pids = [int(line.split()[0]) for line in ps.splitlines()[1:] if line.split()]
+        stacks = []
+        if shutil.which("py-spy"):
+            for pid in pids:
+                r = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+                stacks.append(r.stdout + r.stderr)
+        return ps + "\n".join(stacks)
 
     def left_behind(self, within_s: float = 3.0) -> list[int]:
         deadline = time.monotonic() + within_s

@@ -203,16 +203,29 @@ def _close_resource_tracker() -> None:
             pass
 
 
-def _stop_resource_tracker() -> None:
-    """Stop the launcher's resource tracker (after the ranks are down; it exits on its pipe's EOF)."""
+def _stop_resource_tracker(timeout_s: float = 5.0) -> None:
+    """Stop the launcher's resource tracker (after the ranks are down): close its pipe, the EOF it
+    exits on, and reap it; killed after ``timeout_s`` if something still holds the pipe open
+    (``ResourceTracker._stop`` would wait for it without a bound)."""
     from multiprocessing import resource_tracker
 
-    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
-    if stop is not None:
-        try:
-            stop()
-        except Exception:  # noqa: BLE001 - best effort: the tracker also exits with the launcher
-            pass
+    tracker = resource_tracker._resource_tracker  # no public API for the tracker's pid and pipe
+    fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
+    if fd is None or pid is None:
+        return
+    tracker._fd = tracker._pid = None
+    try:
+        os.close(fd)
+        deadline = time.monotonic() + timeout_s
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                log.warning("multiprocessing's resource tracker (pid %d) did not exit; killing it", pid)
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.02)
+    except OSError:  # already reaped or gone: nothing left to stop
+        pass
 
 
 def _child(rank: int, spec: LaunchSpec, job: Job, env: dict[str, str], log_level: int, reports) -> None:
