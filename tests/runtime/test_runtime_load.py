@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from shardsmith.errors import RuntimeLoadError, UsageError
 from shardsmith.runtime.engine.engine import Engine, SamplingParams
-from shardsmith.runtime.engine.sampling import choose, filter_logits, make_generator
+from shardsmith.runtime.engine.sampling import SamplingParams as Params, choose, choose_rows, filter_logits, make_generator
 
 K_PROJ = "model.layers.1.self_attn.k_proj.weight"
 
@@ -155,6 +155,28 @@ def test_sampling_filters_and_seed():
     c = choose(logits, logprobs=2)
     assert c.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
     assert [t for t, _ in c.top_logprobs] == [1, 2]
+
+
+def test_choose_rows_equals_choose_per_row():
+    """The batched choice (greedy rows reduced together, one host copy) is ``choose`` row by row,
+    exactly on CPU: ties to the lowest id, each row's own number of top logprobs, sampled rows
+    drawing from their own seeded generators whatever the other rows are."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g) * 4
+    logits[2, [7, 900]] = 50.0  # a tie: the lowest id wins
+    params = [Params(), Params(logprobs=3), Params(logprobs=1), Params(temperature=0.8, top_p=0.9, seed=5),
+              Params(temperature=1.0, top_k=20, seed=6, logprobs=2), Params(logprobs=5)]
+    gens = [make_generator(p.seed) for p in params]
+    got = choose_rows(logits, params, gens)
+    want = [choose(logits[b], temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=make_generator(p.seed),
+                   logprobs=p.logprobs) for b, p in enumerate(params)]
+    assert got == want
+    assert got[2].token_id == 7 and [len(c.top_logprobs) for c in got] == [0, 3, 1, 0, 2, 5]
+    alone = choose_rows(logits[3:4], params[3:4], [make_generator(5)])  # the seeded row, alone in its batch
+    assert alone[0] == got[3]
+    assert choose_rows(logits.double()[:2], params[:2], gens[:2]) == want[:2]  # any float dtype, reduced in float32
+    with pytest.raises(ValueError, match="6 rows of logits but 2 params"):
+        choose_rows(logits, params[:2], gens)
 
 
 def _die_or_drive(rank: int, port: int, path: str, who_dies: int, queue) -> None:

@@ -259,21 +259,26 @@ class Engine:
         self._request += 1
         return self._step(ids, 0, last_only=False)
 
-    def prefill(self, slot: int, ids: list[int], start: int = 0, *, last_only: bool = True) -> torch.Tensor:
+    def prefill(self, slot: int, ids: list[int], start: int = 0, *, last_only: bool = True,
+                on_device: bool = False) -> torch.Tensor:
         """One sequence's tokens ``ids`` at ``[start, start + len(ids))`` in ``slot`` (a prompt, or one
         chunk of it: chunk k starts where chunk k-1 ended; ``start == 0`` begins a new sequence);
-        float32 CPU logits ``[1, V]`` (``[T, V]`` without ``last_only``). Rank 0; every rank runs it.
+        float32 CPU logits ``[1, V]`` (``[T, V]`` without ``last_only``; left on the engine's device
+        with ``on_device``, for :func:`~shardsmith.runtime.engine.sampling.choose_rows`). Rank 0;
+        every rank runs it.
 
         Raises:
             UsageError: a slot outside ``[0, max_num_seqs)``, or a start the model cannot take.
             RankLostError: another rank died.
         """
         self._check_slots([slot])
-        return self._step(ids, start, last_only=last_only, slot=slot)
+        return self._step(ids, start, last_only=last_only, slot=slot, on_device=on_device)
 
-    def decode(self, ids: list[int], starts: list[int], slots: list[int]) -> torch.Tensor:
+    def decode(self, ids: list[int], starts: list[int], slots: list[int], *, on_device: bool = False) -> torch.Tensor:
         """One batched step: B sequences, one token each (row b: ``ids[b]`` at ``starts[b]`` in
-        ``slots[b]``); float32 CPU logits ``[B, V]``. Rank 0; every rank runs it.
+        ``slots[b]``); float32 CPU logits ``[B, V]`` (left on the engine's device with ``on_device``:
+        the serving loop reduces them there, :func:`~shardsmith.runtime.engine.sampling.choose_rows`).
+        Rank 0; every rank runs it.
 
         The step runs the model's decode pieces (:meth:`DecodeGraphs.decode`: padded to a bucket,
         graphed on CUDA, eager elsewhere); row b equals a one-token :meth:`prefill` of that sequence
@@ -300,7 +305,8 @@ class Engine:
                 self._collective(lambda: dist.broadcast(payload, src=0, group=self._group))
             for s, start in zip(slots, starts):
                 self._pos[s] = start + 1
-            return self._collective(lambda: self._run_decode(payload)).cpu()
+            logits = self._collective(lambda: self._run_decode(payload))
+        return logits if on_device else logits.cpu()
 
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` ended: every rank forgets it (rank 0)."""
@@ -426,8 +432,10 @@ class Engine:
                      if not self.family.rewinds else f"at or before position {pos}, where the last step ended")
             raise UsageError(f"{self.family.name}: a step must start at 0 (a new sequence) or {where}; got start={start}")
 
-    def _step(self, ids: list[int], start: int, *, last_only: bool = True, slot: int = 0) -> torch.Tensor:
-        """Broadcast one sequence's step (command and tokens), run it here; returns float32 CPU logits.
+    def _step(self, ids: list[int], start: int, *, last_only: bool = True, slot: int = 0,
+              on_device: bool = False) -> torch.Tensor:
+        """Broadcast one sequence's step (command and tokens), run it here; returns float32 logits, on
+        the CPU unless ``on_device``.
 
         Raises:
             UsageError: before anything is broadcast, when ``start`` is past where the slot's last step
@@ -441,7 +449,8 @@ class Engine:
                 self._send(torch.tensor([FORWARD, len(ids), start, int(not last_only), slot], dtype=torch.int64))
                 self._collective(lambda: dist.broadcast(tokens, src=0, group=self._group))
             self._pos[slot] = start + len(ids)
-            return self._collective(lambda: self._run_forward(tokens, start, last_only=last_only, slot=slot)).cpu()
+            logits = self._collective(lambda: self._run_forward(tokens, start, last_only=last_only, slot=slot))
+        return logits if on_device else logits.cpu()
 
     def _run_forward(self, tokens: torch.Tensor, start: int, *, last_only: bool, slot: int) -> torch.Tensor:
         if slot == 0:

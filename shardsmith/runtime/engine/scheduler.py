@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from shardsmith.errors import UsageError
-from shardsmith.runtime.engine.sampling import SamplingParams, StepOutput, choose, make_generator
+from shardsmith.runtime.engine.sampling import Choice, SamplingParams, StepOutput, choose_rows, make_generator
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per engine step (all prefilling sequences together)
 
@@ -114,32 +114,37 @@ class Scheduler:
             if budget == 0:
                 break
             n = min(budget, len(seq.prompt_ids) - seq.prefilled)
-            logits = self.engine.prefill(seq.slot, seq.prompt_ids[seq.prefilled: seq.prefilled + n], seq.prefilled)
+            logits = self.engine.prefill(seq.slot, seq.prompt_ids[seq.prefilled: seq.prefilled + n], seq.prefilled,
+                                         on_device=True)
             seq.prefilled += n
             budget -= n
             if seq.prefilled == len(seq.prompt_ids):
                 seq.pos = seq.prefilled
-                out.append((seq, self._sample(seq, logits[-1])))
+                out.append((seq, self._sample([seq], logits[-1:])[0]))
                 fresh.add(id(seq))
         batch = [s for s in self.running if s.pending is not None and id(s) not in fresh
                  and s.prefilled == len(s.prompt_ids)]
         self.last_batch = len(batch)
         if batch:
-            logits = self.engine.decode([s.pending for s in batch], [s.pos for s in batch], [s.slot for s in batch])
-            for b, seq in enumerate(batch):
+            logits = self.engine.decode([s.pending for s in batch], [s.pos for s in batch], [s.slot for s in batch],
+                                        on_device=True)
+            for seq in batch:
                 seq.pos += 1
-                out.append((seq, self._sample(seq, logits[b])))
+            out += zip(batch, self._sample(batch, logits))
         for seq, step in out:
             if step.finished:
                 self.abort(seq)
         return out
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
-        """Choose ``seq``'s next token from its logits ``[V]``; finished when it is a stop token, the
-        last of ``max_tokens``, or has no position left to be fed at (``max_seq_len``)."""
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        """Choose each sequence's next token from its row of ``logits`` ``[B, V]`` (on the engine's
+        device: :func:`choose_rows`); a sequence is finished when its token is a stop token, the last
+        of ``max_tokens``, or has no position left to be fed at (``max_seq_len``)."""
+        choices = choose_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return [self._step_output(seq, c) for seq, c in zip(seqs, choices)]
+
+    def _step_output(self, seq: Sequence, c: Choice) -> StepOutput:
         p = seq.params
-        c = choose(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=seq.generator,
-                   logprobs=p.logprobs)
         seq.generated += 1
         reason = ("stop" if c.token_id in p.stop_token_ids
                   else "length" if seq.generated == p.max_tokens or seq.pos >= self.engine.max_seq_len else None)
