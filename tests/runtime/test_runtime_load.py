@@ -164,6 +164,7 @@ def test_choose_rows_equals_choose_per_row():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 1000, generator=g) * 4
     logits[2, [7, 900]] = 50.0  # a tie: the lowest id wins
+    logits[5, 100:140] = 60.0  # more ties than top_logprobs' candidate window
     params = [Params(), Params(logprobs=3), Params(logprobs=1), Params(temperature=0.8, top_p=0.9, seed=5),
               Params(temperature=1.0, top_k=20, seed=6, logprobs=2), Params(logprobs=5)]
     gens = [make_generator(p.seed) for p in params]
@@ -172,6 +173,7 @@ def test_choose_rows_equals_choose_per_row():
                    logprobs=p.logprobs) for b, p in enumerate(params)]
     assert got == want
     assert got[2].token_id == 7 and [len(c.top_logprobs) for c in got] == [0, 3, 1, 0, 2, 5]
+    assert [t for t, _ in got[5].top_logprobs] == [100, 101, 102, 103, 104] and got[5].token_id == 100
     alone = choose_rows(logits[3:4], params[3:4], [make_generator(5)])  # the seeded row, alone in its batch
     assert alone[0] == got[3]
     assert choose_rows(logits.double()[:2], params[:2], gens[:2]) == want[:2]  # any float dtype, reduced in float32

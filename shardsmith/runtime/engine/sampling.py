@@ -109,15 +109,32 @@ def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p
 def top_logprobs(lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``n`` best entries of each row of ``lp`` ``[..., V]`` (float32): ``(values, ids)``, each
     ``[..., min(n, V)]``, best first and equal values in ascending id, so a row's answer does not
-    depend on ``n`` or on the other rows (``torch.topk`` leaves the order of ties unspecified).
+    depend on ``n`` or on the other rows (``torch.topk`` leaves the order of ties unspecified, and
+    ties are common in logits computed in bfloat16).
 
-    One ``topk`` over an int64 key: the float's order-preserving integer image (sign-magnitude bits,
-    negative values' magnitude bits flipped) in the high 32 bits, ``2**32 - 1 - id`` in the low 32.
+    A ``topk`` of ``n + 16`` candidates, ordered by an exact int64 key (the float's order-preserving
+    integer image in the high 32 bits, ``2**32 - 1 - id`` in the low 32); when more than 16 values
+    tie at the n-th place the whole row is keyed instead (one host sync to find out).
     """
-    bits = lp.float().contiguous().view(torch.int32).long()
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) * 2**32 + (2**32 - 1 - torch.arange(lp.shape[-1], device=lp.device))
-    ids = torch.topk(key, min(n, lp.shape[-1]), dim=-1).indices
-    return lp.gather(-1, ids), ids
+    V = lp.shape[-1]
+    n = min(n, V)
+    window = min(V, n + _TIE_WINDOW)
+    vals, ids = torch.topk(lp, window, dim=-1)
+    pick = torch.topk(_order_key(vals, ids), n, dim=-1).indices
+    vals, ids, top = vals.gather(-1, pick), ids.gather(-1, pick), vals
+    if window < V and bool((top[..., n - 1] == top[..., -1]).any()):  # the tie may reach past the window
+        ids = torch.topk(_order_key(lp, torch.arange(V, device=lp.device).expand_as(lp)), n, dim=-1).indices
+        vals = lp.gather(-1, ids)
+    return vals, ids
+
+
+_TIE_WINDOW = 16
+
+
+def _order_key(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering ``x`` (float32) descending, then ``ids`` ascending."""
+    bits = x.float().contiguous().view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) * 2**32 + (2**32 - 1 - ids)
 
 
 def choose(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
