@@ -215,6 +215,10 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; more get HTTP 429."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk",
                                       help="Prompt tokens per engine step, so a long prompt does not stall running streams."),
+    decode_prompt_tokens: int | None = typer.Option(
+        None, "--decode-prompt-tokens",
+        help="Prompts of at most this many tokens are fed one token per step through the batched decode step "
+             "instead of a prefill forward of their own (default: 8 on CUDA, 0 on CPU)."),
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
     from shardsmith.runtime.serve.launch import launch
@@ -228,6 +232,8 @@ def serve(
         raise UsageError(f"--max-queue must be at least 0, got {max_queue}")
     if prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be at least 1 token, got {prefill_chunk}")
+    if decode_prompt_tokens is not None and decode_prompt_tokens < 0:
+        raise UsageError(f"--decode-prompt-tokens must be at least 0, got {decode_prompt_tokens}")
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
@@ -235,7 +241,8 @@ def serve(
     _check_port(host, port)
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
                                            trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes,
-                                           max_queue=max_queue, prefill_chunk=prefill_chunk)))
+                                           max_queue=max_queue, prefill_chunk=prefill_chunk,
+                                           decode_prompt_tokens=decode_prompt_tokens)))
 
 
 def generate(

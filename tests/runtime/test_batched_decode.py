@@ -144,11 +144,12 @@ def test_buckets():
     assert buckets_for(1) == (1,) and buckets_for(8) == (1, 2, 4, 8) and buckets_for(6) == (1, 2, 4, 6)
 
 
-def _schedule(eng, prompts: list[list[int]], params: list, chunk: int) -> tuple[list[list[int]], list[str], list[int]]:
+def _schedule(eng, prompts: list[list[int]], params: list, chunk: int,
+              decode_prompt: int = 0) -> tuple[list[list[int]], list[str], list[int]]:
     """Every sequence through one Scheduler until all leave: (tokens, finish reasons, batch sizes)."""
     from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
 
-    sched = Scheduler(eng, prefill_chunk=chunk)
+    sched = Scheduler(eng, prefill_chunk=chunk, decode_prompt_tokens=decode_prompt)
     seqs = [Sequence(p, sp) for p, sp in zip(prompts, params)]
     for seq in seqs:
         sched.admit(seq)
@@ -180,3 +181,24 @@ def test_scheduler_chunks_prompts_and_samples_each_sequence_alone(packs):
     assert _schedule(eng, prompts, seeded, chunk=4)[0] == alone
     with pytest.raises(UsageError, match="prefill_chunk must be >= 1 token, got 0"):
         _schedule(eng, prompts, greedy, chunk=0)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v4"])
+def test_short_prompts_fed_through_decode_rows_give_the_prefill_tokens(packs, tiny_v4_packs, family):
+    """``decode_prompt_tokens``: a short prompt goes through the batched decode step one token per
+    row (from position 0 of a slot another sequence used before); the greedy tokens equal those of
+    a prefill, seeded draws equal the sequence's alone, and a fed prompt's first token comes with
+    the batch (no step of its own)."""
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
+
+    pack = packs["mixtral", 1] if family == "mixtral" else tiny_v4_packs[1]
+    eng = Engine.load(pack, rank=0, world_size=1, dtype=torch.float32, max_seq_len=32, max_num_seqs=3)
+    prompts = PROMPTS[:3]  # 10, 2 and 5 tokens: with 5, the last two are fed through decode rows
+    greedy = [SamplingParams(max_tokens=n) for n in (5, 4, 3)]
+    seeded = [SamplingParams(max_tokens=4, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    prefilled, _, _ = _schedule(eng, prompts, greedy, chunk=64)
+    fed, reasons, batches = _schedule(eng, prompts, greedy, chunk=64, decode_prompt=5)
+    assert fed == prefilled and reasons == ["length"] * 3
+    assert batches[:3] == [2, 3, 3]  # step 1: the 10-token prefill beside two fed rows; then all three as rows
+    alone = [_schedule(eng, [p], [sp], chunk=64, decode_prompt=5)[0][0] for p, sp in zip(prompts, seeded)]
+    assert _schedule(eng, prompts, seeded, chunk=64, decode_prompt=5)[0] == alone

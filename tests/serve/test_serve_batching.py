@@ -90,9 +90,11 @@ def test_concurrent_greedy_requests_get_the_tokens_each_gets_alone(server: Serve
 
 
 def test_concurrent_greedy_requests_get_the_tokens_each_gets_alone_at_tp2(smollm2_pack, tmp_path: Path) -> None:
-    srv = Server(smollm2_pack(2), tmp_path / "serve.log", *FLAGS, model=MODEL)
+    """At TP=2, with the two shortest completion prompts fed through decode rows (``--decode-prompt-tokens``)."""
+    srv = Server(smollm2_pack(2), tmp_path / "serve.log", *FLAGS, "--decode-prompt-tokens", "6", model=MODEL)
     try:
         srv.wait_ready()
+        assert "prompts of <= 6 tokens fed through decode steps" in srv.log()
         _invariance(srv)
     finally:
         assert srv.stop() == 0, srv.log()

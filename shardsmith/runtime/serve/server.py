@@ -348,6 +348,8 @@ class ServeJob:
         max_request_bytes: larger request bodies get a 413 (:class:`BodyLimit`).
         max_queue: requests that may wait for a sequence slot (more get a 429).
         prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks).
+        decode_prompt_tokens: prompts of at most this many tokens are fed through the batched decode
+            step (None: 8 on CUDA, 0 on CPU).
     """
 
     host: str
@@ -357,6 +359,7 @@ class ServeJob:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_queue: int = DEFAULT_MAX_QUEUE
     prefill_chunk: int = 512
+    decode_prompt_tokens: int | None = None
 
     def __call__(self, load) -> int:
         """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
@@ -379,7 +382,7 @@ class ServeJob:
                 holder["server"].should_exit = True
 
         worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal, max_queue=self.max_queue,
-                              prefill_chunk=self.prefill_chunk)
+                              prefill_chunk=self.prefill_chunk, decode_prompt_tokens=self.decode_prompt_tokens)
         app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
                          max_request_bytes=self.max_request_bytes)
         server = _server(app, host=self.host, port=self.port, worker=worker)

@@ -178,14 +178,17 @@ class EngineWorker:
         on_fatal: called once, with a message, when the engine fails (load error or dead rank).
         max_queue: jobs that may wait for a slot (>= 0); one more is refused (:class:`QueueFull`).
         prefill_chunk: prompt tokens per engine step (:class:`~shardsmith.runtime.engine.scheduler.Scheduler`).
+        decode_prompt_tokens: prompts of at most this many tokens go through decode rows (None: the
+            device's default, :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
     """
 
     def __init__(self, load: Callable[[], Any], *, metrics: Metrics, on_fatal: Callable[[str], None],
-                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int = 512) -> None:
+                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int = 512,
+                 decode_prompt_tokens: int | None = None) -> None:
         self._load = load
         self.metrics = metrics
         self._on_fatal = on_fatal
-        self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
+        self.max_queue, self.prefill_chunk, self.decode_prompt_tokens = max_queue, prefill_chunk, decode_prompt_tokens
         self._waiting: collections.deque[Job] = collections.deque()
         self._wake = threading.Condition()
         self._stop_requested = False
@@ -265,7 +268,8 @@ class EngineWorker:
                 log.info("%s", offload.ready_line())
             from shardsmith.runtime.engine.scheduler import Scheduler
 
-            self._sched = Scheduler(self.engine, prefill_chunk=self.prefill_chunk)
+            self._sched = Scheduler(self.engine, prefill_chunk=self.prefill_chunk,
+                                    decode_prompt_tokens=self.decode_prompt_tokens)
         except Exception as e:  # noqa: BLE001 - any load failure ends the server with its reason
             log.debug("engine load failed", exc_info=True)
             if self.stopping is not None:  # a rank went down with the stop: not a failure to report
@@ -286,9 +290,11 @@ class EngineWorker:
         self.metrics.set_capacity(max_num_seqs=slots, state_bytes=state_bytes, max_queue=self.max_queue)
         log.info("ready: every rank loaded and warmed up in %.1f s (warm-up %.1f s: %d kernel launches); %d "
                  "sequence slot(s) of %d tokens (%.1f MiB of per-sequence state on rank 0), up to %d waiting, "
-                 "prefill chunks of %d tokens", time.perf_counter() - self._started,
+                 "prefill chunks of %d tokens, prompts of <= %d tokens fed through decode steps",
+                 time.perf_counter() - self._started,
                  float(getattr(e, "warmup_seconds", 0.0)), int(getattr(e, "warmup_launches", 0)), slots,
-                 getattr(e, "max_seq_len", 0), state_bytes / 2**20, self.max_queue, self.prefill_chunk)
+                 getattr(e, "max_seq_len", 0), state_bytes / 2**20, self.max_queue, self.prefill_chunk,
+                 self._sched.decode_prompt_tokens)
         self._loop()
         if self.state is State.READY:
             self._shutdown()
