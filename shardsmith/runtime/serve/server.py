@@ -349,7 +349,7 @@ class ServeJob:
         max_queue: requests that may wait for a sequence slot (more get a 429).
         prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks).
         decode_prompt_tokens: prompts of at most this many tokens are fed through the batched decode
-            step (None: 8 on CUDA, 0 on CPU).
+            step (None: 16 on CUDA, 0 on CPU).
     """
 
     host: str
