@@ -8,7 +8,7 @@
 # Each concurrency is run REPEAT (3) times, medians reported: the first use of a new prompt length
 # compiles Triton kernel specializations (seconds, once per length per host cache).
 # Target (issue 14): 8 streams >= 4x the single-stream aggregate tokens/s, per-stream >= 0.5x.
-# OFFLOAD=0 serves with experts resident only.
+# OFFLOAD=0 serves with experts resident only; PREFILL_EACH=1 adds resident rows with --decode-prompt-tokens 0.
 # PHASE=gen writes and splits the checkpoint only (to run beside other GPU work); PHASE=serve then serves it.
 set -uo pipefail
 source benchmarks/gpu/env.sh
@@ -42,6 +42,12 @@ rm -f "$json"
 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" \
     --label resident --out "$json" --append 2>&1 | tee "$OUT/resident.log" | tail -8
 echo "resident $((SECONDS - t0)) s"
+if [ "${PREFILL_EACH:-0}" = 1 ]; then  # side by side: every prompt through its own prefill forward, as before d3b2661
+    timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" \
+        --repeat "${REPEAT:-3}" --label "resident, prefill each" --out "$json" --append -- --decode-prompt-tokens 0 \
+        2>&1 | tee "$OUT/resident_prefill_each.log" | tail -8
+    echo "resident, prefill each $((SECONDS - t0)) s"
+fi
 [ "${OFFLOAD:-1}" = 1 ] || exit 0  # OFFLOAD=0: experts resident only
 cache_gb=$(python3 -c 'import glob, os; print(0.25 * sum(os.path.getsize(f) for f in glob.glob("/tmp/v4sc-tp1/rank-0-of-1/experts-*.safetensors")) / 2**30)')
 echo "expert cache ${cache_gb} GiB (25% of the rank's expert bytes)"
