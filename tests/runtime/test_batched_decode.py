@@ -202,3 +202,17 @@ def test_short_prompts_fed_through_decode_rows_give_the_prefill_tokens(packs, ti
     assert batches[:3] == [2, 3, 3]  # step 1: the 10-token prefill beside two fed rows; then all three as rows
     alone = [_schedule(eng, [p], [sp], chunk=64, decode_prompt=5)[0][0] for p, sp in zip(prompts, seeded)]
     assert _schedule(eng, prompts, seeded, chunk=64, decode_prompt=5)[0] == alone
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "gpt-oss"])
+def test_fed_prompts_give_the_prefill_tokens_in_the_other_families(tiny, tmp_path, family):
+    """The same for DeepSeek-V3 (MLA cache) and gpt-oss (sliding window, sinks), greedy, from the checkpoint."""
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
+    from shardsmith.testing.tiny_gpt_oss import tiny_gpt_oss
+
+    ckpt = tiny(family) if family != "gpt-oss" else tiny_gpt_oss(tmp_path / "gpt-oss")
+    eng = Engine.load(ckpt, rank=0, world_size=1, from_checkpoint=True, dtype=torch.float32, max_seq_len=32,
+                      max_num_seqs=3)
+    greedy = [SamplingParams(max_tokens=n) for n in (4, 3, 3)]
+    prefilled, _, _ = _schedule(eng, PROMPTS[:3], greedy, chunk=64)
+    assert _schedule(eng, PROMPTS[:3], greedy, chunk=64, decode_prompt=10)[0] == prefilled
