@@ -200,8 +200,9 @@ def test_short_prompts_fed_through_decode_rows_give_the_prefill_tokens(packs, ti
     fed, reasons, batches = _schedule(eng, prompts, greedy, chunk=64, decode_prompt=5)
     assert fed == prefilled and reasons == ["length"] * 3
     assert batches[:3] == [2, 3, 3]  # step 1: the 10-token prefill beside two fed rows; then all three as rows
-    alone = [_schedule(eng, [p], [sp], chunk=64, decode_prompt=5)[0][0] for p, sp in zip(prompts, seeded)]
-    assert _schedule(eng, prompts, seeded, chunk=64, decode_prompt=5)[0] == alone
+    if family == "mixtral":  # the sampling side is the scheduler's, not the model's: once is enough
+        alone = [_schedule(eng, [p], [sp], chunk=64, decode_prompt=5)[0][0] for p, sp in zip(prompts, seeded)]
+        assert _schedule(eng, prompts, seeded, chunk=64, decode_prompt=5)[0] == alone
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "gpt-oss"])
