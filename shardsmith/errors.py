@@ -89,6 +89,18 @@ def exit_code_for(err: BaseException) -> int:
     return 1
 
 
+def error_class(err: BaseException) -> type[ShardsmithError]:
+    """The :data:`~shardsmith.errors.EXIT_CODES` class that sets ``err``'s exit code: the one with
+    the highest code along its ``__cause__`` chain (``RuntimeLoadError`` raised from an
+    ``IntegrityError``: ``IntegrityError``, 2); plain ``ShardsmithError`` (1) for anything else."""
+    found, seen, e = [], set(), err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        found += [c for c in type(e).__mro__ if c in EXIT_CODES][:1]
+        e = e.__cause__
+    return max(found, key=EXIT_CODES.__getitem__, default=ShardsmithError)  # ties: the outermost
+
+
 def format_problems(header: str, problems: list[str], *, limit: int = 50) -> str:
     """Join ``problems`` under ``header``, sorted, listing at most ``limit`` of them."""
     items = sorted(set(problems))

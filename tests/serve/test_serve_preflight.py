@@ -31,6 +31,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 from test_serve_e2e import Server  # noqa: E402  (same directory; pytest puts it on sys.path)
 
+from shardsmith.runtime.serve.launch import free_port  # noqa: E402
 from shardsmith.runtime.serve.metrics import Metrics  # noqa: E402
 from shardsmith.runtime.serve.server import create_app  # noqa: E402
 from shardsmith.runtime.serve.worker import EngineWorker  # noqa: E402
@@ -135,6 +136,15 @@ def test_hash_mismatch_exits_2_and_prints_once(packs, tmp_path: Path) -> None:
     victim.write_bytes(bytes(data))
     _load_failure(_cli("generate", str(pack), "--prompt", "x", "--max-tokens", "1", "--verify-hashes"),
                   "xxh3_128 expected")
+
+
+def test_serve_of_a_truncated_rank_0_file_exits_2_like_verify(packs, tmp_path: Path) -> None:
+    """Rank 0 loads beside its HTTP server; its integrity failure still sets the exit code (was 1)."""
+    pack = tmp_path / "pack"
+    shutil.copytree(packs["mixtral"], pack)
+    victim = sorted((pack / "rank-0-of-2").glob("*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    _load_failure(_cli("serve", str(pack), "--port", str(free_port()), "--dist-port", str(free_port())), "(truncated)")
 
 
 def test_rank_from_another_split_exits_2_before_ranks_start(packs, tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from shardsmith.errors import RankLostError, RuntimeLoadError, UsageError, format_problems
+from shardsmith.errors import EXIT_CODES, RankLostError, RuntimeLoadError, ShardsmithError, UsageError, error_class, format_problems
 from shardsmith.runtime.models.registry import ModelFamily, family_for
 from shardsmith.runtime.layers.parallel import clamp_threads, install_rank_zero_logging, use_kernels_
 from shardsmith.runtime.layers.quant import dequantize_fp8_
@@ -189,7 +189,8 @@ class Engine:
             error = e
         problems = _gather_errors(error, rank, world_size, group, load_timeout_s)
         if problems:
-            raise RuntimeLoadError(format_problems(f"load of {path} at world_size={world_size} failed", problems)) from error
+            message = format_problems(f"load of {path} at world_size={world_size} failed", [p for p, _ in problems])
+            raise RuntimeLoadError(message) from _worst_cause(error, problems)
         if engine.offload is not None:  # collective (slot count and probe agreed by all ranks), after every rank loaded
             engine.offload.start()
         engine.load_seconds = time.perf_counter() - t0
@@ -501,19 +502,30 @@ def _command_group(rank: int, world_size: int) -> object | None:
 
 
 def _gather_errors(error: BaseException | None, rank: int, world_size: int, group: object | None,
-                   timeout_s: float) -> list[str]:
-    """Every rank's load error, one line each (empty when all loaded); collective."""
-    mine = None if error is None else f"rank {rank}: {type(error).__name__}: {error}"
+                   timeout_s: float) -> list[tuple[str, str]]:
+    """Every rank's load error as ``(line, error class name)`` (:func:`~shardsmith.errors.error_class`;
+    empty when all loaded); collective."""
+    mine = None if error is None else (f"rank {rank}: {type(error).__name__}: {error}", error_class(error).__name__)
     if world_size == 1:
         return [mine] if mine else []
     try:
         dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-        everyone: list[str | None] = [None] * world_size
+        everyone: list[tuple[str, str] | None] = [None] * world_size
         dist.all_gather_object(everyone, mine, group=group)
     except RuntimeError as e:
         raise RankLostError(f"rank {rank}: a rank did not finish loading ({str(e).splitlines()[0][:300]})"
-                            + (f"; this rank's own error: {mine}" if mine else "")) from error or e
+                            + (f"; this rank's own error: {mine[0]}" if mine else "")) from error or e
     return [m for m in everyone if m]
+
+
+def _worst_cause(error: BaseException | None, problems: list[tuple[str, str]]) -> BaseException | None:
+    """The cause to chain the load error to: this rank's own error, unless another rank's has a
+    higher exit code (a damaged rank pack: every rank then exits 2, as ``verify`` does)."""
+    classes = {c.__name__: c for c in EXIT_CODES}
+    line, name = max(problems, key=lambda p: EXIT_CODES.get(classes.get(p[1]), 1))
+    if error is not None and EXIT_CODES.get(error_class(error), 1) >= EXIT_CODES.get(classes.get(name), 1):
+        return error
+    return classes.get(name, ShardsmithError)(line)
 
 
 def _eos_ids(root: Path, config: dict) -> tuple[int, ...]:

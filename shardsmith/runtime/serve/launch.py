@@ -48,7 +48,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from shardsmith.errors import EXIT_CODES, RankLostError, ShardsmithError, UsageError, exit_code_for
+from shardsmith.errors import EXIT_CODES, RankLostError, ShardsmithError, UsageError, error_class, exit_code_for
 from shardsmith.runtime.serve.placement import agree_on_local_ranks, pack_world_size  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -175,18 +175,6 @@ def _watch_parent(ppid: int) -> None:
             log.error("the launcher (pid %d) is gone; stopping", ppid)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-
-
-def error_class(err: BaseException) -> type[ShardsmithError]:
-    """The :data:`~shardsmith.errors.EXIT_CODES` class that sets ``err``'s exit code: the one with
-    the highest code along its ``__cause__`` chain (``RuntimeLoadError`` raised from an
-    ``IntegrityError``: ``IntegrityError``, 2); plain ``ShardsmithError`` (1) for anything else."""
-    found, seen, e = [], set(), err
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        found += [c for c in type(e).__mro__ if c in EXIT_CODES][:1]
-        e = e.__cause__
-    return max(found, key=EXIT_CODES.__getitem__, default=ShardsmithError)  # ties: the outermost
 
 
 def _close_resource_tracker() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shardsmith.errors import IntegrityError, ShardsmithError, UsageError
+from shardsmith.errors import IntegrityError, ManifestError, ShardsmithError, UsageError
 
 
 def check_local_ranks(path: Path, ranks: list[int], world_size: int) -> None:
@@ -89,6 +89,8 @@ def pack_world_size(path: Path, *, tp: int | None, from_checkpoint: bool) -> int
     Raises:
         UsageError: no ``pack.yaml`` (not a pack), ``--tp`` missing with ``--from-checkpoint``,
             ``--from-checkpoint`` given a pack, or ``--tp`` disagreeing with the pack.
+        ManifestError: ``pack.yaml`` is not YAML or has no positive integer ``world_size`` (a damaged
+            pack: exit 2, as ``verify``).
     """
     if from_checkpoint:
         if (Path(path) / "pack.yaml").is_file():
@@ -108,9 +110,13 @@ def pack_world_size(path: Path, *, tp: int | None, from_checkpoint: bool) -> int
                          f"or a checkpoint with --from-checkpoint --tp N")
     import yaml
 
-    ws = (yaml.safe_load(manifest.read_text(encoding="utf-8")) or {}).get("world_size")
-    if not isinstance(ws, int) or ws < 1:
-        raise UsageError(f"{manifest}: world_size must be a positive integer, got {ws!r}")
+    try:
+        doc = yaml.safe_load(manifest.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{manifest}: not valid YAML ({e})") from e
+    ws = doc.get("world_size") if isinstance(doc, dict) else None
+    if not isinstance(ws, int) or ws < 1:  # a damaged pack, as `verify` reports it (exit 2)
+        raise ManifestError(f"{manifest}: world_size must be a positive integer, got {ws!r}")
     if tp is not None and tp != ws:
         raise UsageError(f"--tp {tp} does not match the pack's world_size={ws} ({manifest})")
     return ws

@@ -365,6 +365,10 @@ class ServeJob:
         """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
         stopped by SIGTERM, 130 stopped by SIGINT, 1 failed).
 
+        Raises:
+            Exception: what the engine's load raised, once the HTTP server is down (the launcher
+                reports it once; a damaged pack's ``IntegrityError`` exits 2, as ``verify``).
+
         A signal ends every request at once (:meth:`EngineWorker.interrupt`: streams get a last
         error event, then ``[DONE]``), then uvicorn stops and the engine shuts down, releasing the
         other ranks. A signal while the engine is still loading returns at once: the caller exits
@@ -406,6 +410,8 @@ class ServeJob:
             log.error("engine did not shut down within 15 s")
             return 1
         log.info("server stopped")
+        if failed.is_set() and worker.load_error is not None:
+            raise worker.load_error  # reported once by the launcher; its class sets the exit code (2: a damaged pack)
         return 1 if failed.is_set() else 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
 
 

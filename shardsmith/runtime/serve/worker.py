@@ -196,6 +196,7 @@ class EngineWorker:
         self._started = time.perf_counter()
         self.state = State.LOADING
         self.error: str | None = None
+        self.load_error: Exception | None = None  # what the load raised (its class sets the exit code)
         self.engine: Any = None
         self.codec: Codec | None = None
         self.stopping: str | None = None  # why, once interrupt() was called
@@ -250,11 +251,14 @@ class EngineWorker:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, *, report: bool = True) -> None:
+        """The engine failed: ``/health`` turns 503 with ``message``; logged here unless the caller
+        reports it (``report=False``: a load error, which the server raises to the launcher)."""
         self.error = message
         self.state = State.FAILED
         self.metrics.set_ready(False)
-        log.error(message)
+        if report:
+            log.error(message)
         self._on_fatal(message)
 
     def _run(self) -> None:
@@ -275,7 +279,8 @@ class EngineWorker:
             if self.stopping is not None:  # a rank went down with the stop: not a failure to report
                 self.state = State.STOPPED
                 return
-            self._fail(f"engine failed to load: {type(e).__name__}: {e}")
+            self.load_error = e
+            self._fail(f"engine failed to load: {type(e).__name__}: {e}", report=False)
             self._drain(f"engine failed to load: {e}")
             return
         if self.stopping is not None:  # stopped while loading: release the followers, never say "ready"
