@@ -114,6 +114,10 @@ def verify(
     from .ui import emit_json, err_console, human_bytes
     from .writer.verify import verify_pack
 
+    if expect is not None:
+        from .pack.format import parse_digest
+
+        expect = parse_digest(expect, "--expect")
     rep = verify_pack(out, deep=deep, against=against, rank=rank, expect=expect)
     con = err_console()
     if json_out:

@@ -149,13 +149,14 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
     if expect_digest is not None:
         if from_checkpoint:
             raise UsageError("--expect-digest pins a pack; it does not apply with --from-checkpoint")
+        from shardsmith.pack.format import parse_digest
         from shardsmith.pack.reader import open_pack
 
-        open_pack(path, expect_digest=expect_digest)  # ManifestError (exit 2) naming both digests
+        open_pack(path, expect_digest=parse_digest(expect_digest, "--expect-digest"))  # ManifestError (exit 2) naming both digests
     if dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise UsageError(f"--dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
     if max_seq_len < 2:
-        raise UsageError(f"--max-seq-len must be at least 2, got {max_seq_len}")
+        raise UsageError(f"--max-model-len (--max-seq-len) must be at least 2, got {max_seq_len}")
     if max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be at least 1, got {max_num_seqs}")
     if dist_port is not None and not 0 < dist_port < 65536:
@@ -232,8 +233,9 @@ def serve(
         raise UsageError(f"--max-queue must be at least 0, got {max_queue}")
     if prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be at least 1 token, got {prefill_chunk}")
-    if decode_prompt_tokens is not None and decode_prompt_tokens < 0:
-        raise UsageError(f"--decode-prompt-tokens must be at least 0, got {decode_prompt_tokens}")
+    if decode_prompt_tokens is not None and not 0 <= decode_prompt_tokens <= max_seq_len:
+        raise UsageError(f"--decode-prompt-tokens must be between 0 and --max-model-len ({max_seq_len}), "
+                         f"got {decode_prompt_tokens}")
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,

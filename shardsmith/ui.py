@@ -13,11 +13,13 @@ from rich.console import Console
 
 @cache
 def err_console() -> Console:
-    """The Rich console on stderr (tables, progress, errors)."""
+    """The Rich console on stderr (tables, progress, errors). Into a file or pipe, lines are not
+    wrapped (a command printed to copy stays on one line); tables keep ``$COLUMNS`` (160)."""
     import os
 
-    width = None if sys.stderr.isatty() else int(os.environ.get("COLUMNS", "160"))
-    return Console(stderr=True, soft_wrap=False, width=width)
+    tty = sys.stderr.isatty()
+    width = None if tty else int(os.environ.get("COLUMNS", "160"))
+    return Console(stderr=True, soft_wrap=not tty, width=width)
 
 
 def emit_json(obj: object) -> None:

@@ -77,6 +77,18 @@ def root_digest(pack_yaml: bytes) -> str:
     return xxhash.xxh3_128(pack_yaml).hexdigest()
 
 
+def parse_digest(text: str, option: str) -> str:
+    """``text`` as a root digest (:func:`root_digest`: 32 hex digits, any case, spaces around ignored).
+
+    Raises:
+        UsageError: anything else, naming ``option`` (a typo is not a damaged pack).
+    """
+    value = text.strip().lower()
+    if len(value) != 32 or any(c not in "0123456789abcdef" for c in value):
+        raise UsageError(f"{option} takes the root digest split printed (32 hex digits), got {text!r}")
+    return value
+
+
 def self_hash(doc: dict) -> str:
     """XXH3-128 hex of ``doc`` without :data:`HASH_KEY`, canonically JSON-encoded."""
     body = {k: v for k, v in doc.items() if k != HASH_KEY}

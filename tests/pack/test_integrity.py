@@ -227,6 +227,8 @@ def test_root_digest_pins_the_pack(pristine, tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="root digest expected"):
         open_rank(out, 0, 2, expect_digest=digest)
     _fails(["generate", str(out), "--prompt", "x", "--expect-digest", digest], "root digest expected")
+    typo = runner.invoke(app, ["verify", str(out), "--expect", "abc"])  # not a digest: a usage error, not damage
+    assert typo.exit_code == 1 and "--expect takes the root digest split printed (32 hex digits), got 'abc'" in str(typo.exception)
 
 
 # ------------------------------------------------------------------ 11: verified loads by default

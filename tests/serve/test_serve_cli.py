@@ -62,8 +62,11 @@ def test_tp_must_match_pack(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args,match", [
     (("--device", "tpu"), "--device must be cpu or cuda"),
-    (("--max-seq-len", "1"), "--max-seq-len must be at least 2"),
+    (("--max-seq-len", "1"), "--max-model-len (--max-seq-len) must be at least 2"),
+    (("--max-model-len", "0"), "--max-model-len (--max-seq-len) must be at least 2, got 0"),
     (("--dist-port", "70000"), "--dist-port must be in 1..65535"),
+    (("--decode-prompt-tokens", "-1"), "--decode-prompt-tokens must be between 0 and --max-model-len (2048), got -1"),
+    (("--decode-prompt-tokens", "99999999999"), "--decode-prompt-tokens must be between 0 and --max-model-len (2048)"),
 ])
 def test_bad_options(tmp_path: Path, args, match: str) -> None:
     (tmp_path / "pack.yaml").write_text("world_size: 2\n")
