@@ -213,9 +213,24 @@ def test_body_over_the_limit_is_413(client) -> None:
     (CHAT | {"seed": 2**64}, "seed", "less than"),
     (CHAT | {"messages": [{"role": "user", "content": None}]}, "messages.0", "a 'user' message needs 'content'"),
     (CHAT | {"messages": [{"role": "system"}]}, "messages.0", "a 'system' message needs 'content'"),
+    (CHAT | {"stop": 5}, "stop", "'stop' must be a string or a list of strings"),  # a union's branches, said once
+    (CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0", "content part 0 has type 'image_url': only text parts"),
 ])
 def test_wrong_json_types_and_null_content_are_400(client, body, param: str, match: str) -> None:
     _error(client.post("/v1/chat/completions", json=body), 400, match, param=param)
+
+
+def test_wrong_prompt_type_and_an_empty_body_are_named_plainly(client) -> None:
+    _error(client.post("/v1/completions", json={"model": "m", "prompt": 5}), 400,
+           "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists", param="prompt")
+    _error(client.post("/v1/completions", headers={"content-type": "application/json"}), 400,
+           "the request body is empty: send a JSON object", param="body")
+
+
+def test_openai_fields_without_effect_here_are_accepted(client) -> None:
+    body = CHAT | {"store": False, "metadata": {"k": "v"}, "service_tier": "auto", "user": "u"}
+    assert client.post("/v1/chat/completions", json=body).status_code == 503  # valid; the model is loading
 
 
 def test_integers_are_valid_numbers_and_null_content_with_tool_calls_is_allowed(client) -> None:

@@ -6,7 +6,10 @@ rather than silently ignored. Every model is also ``strict``: a field OpenAI typ
 number or boolean takes that JSON type only (``"max_tokens": "3"`` is a 400, as is ``3.0``; an
 integer is a valid number). Fields OpenAI defines but the runtime does not implement are
 accepted at their neutral value (``presence_penalty=0``, ``n=1``, ``echo=false``, no ``tools``)
-and refused otherwise, naming the field. ``top_k`` is an extension (vLLM spells it the same way).
+and refused otherwise, naming the field. ``user``, ``store``, ``metadata`` and ``service_tier``
+are accepted and ignored (nothing is stored; no tier applies), as vLLM does. ``top_k`` is an
+extension (vLLM spells it the same way). A union field's failed branches are reported as one
+message naming the types it takes (pydantic reports one error per branch).
 
 Every string in a request, keys included, must be encodable as UTF-8: JSON's ``\\ud800`` escape
 decodes to a lone surrogate, which no tokenizer takes and no response could echo, so it is a 400
@@ -190,6 +193,16 @@ class ChatMessage(_Strict):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        parts = data.get("content") if isinstance(data, dict) else None
+        for i, part in enumerate(parts if isinstance(parts, list) else []):
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise ValueError(f"content part {i} has type {part.get('type')!r}: only text parts "
+                                 f"({{'type': 'text', 'text': ...}}) are supported (no images, audio or files)")
+        return data
+
     @model_validator(mode="after")
     def _content_given(self) -> "ChatMessage":
         # OpenAI: content is required except on an assistant message carrying tool_calls or a refusal
@@ -218,6 +231,10 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
     tool_choice: str | dict[str, Any] | None = Field(None, json_schema_extra=_ONLY("none", "auto"))
     parallel_tool_calls: bool | None = None
+    # accepted and ignored, as vLLM does: nothing is stored, no tier or metadata applies to a local server
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -243,10 +260,14 @@ def validation_error(errors: list[dict[str, Any]], *, content_type: str | None =
     ``content_type`` is the request's header: a body that is not a JSON object is reported as
     such, naming the content type when it is not JSON (FastAPI then does not parse the body).
     """
-    parts, param = [], None
+    parts, param, unions = [], None, {}
     for e in errors:
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         kind = e.get("type", "")
+        tag = next((i for i, x in enumerate(loc) if x in _UNION_MEMBERS), None)
+        if tag is not None:  # one branch of a union field (str | list[...]): said once per field, below
+            unions.setdefault(".".join(loc[:tag]), []).append(loc[tag])
+            continue
         if kind == "invalid_unicode":
             return invalid(str(e.get("msg")), (e.get("ctx") or {}).get("where"), "invalid_unicode")
         if kind == "json_invalid":
@@ -261,13 +282,26 @@ def validation_error(errors: list[dict[str, Any]], *, content_type: str | None =
             return invalid("the request body must be a JSON object", code="invalid_json")
         where = ".".join(loc) or "body"
         param = param or where
-        if kind == "extra_forbidden":
+        if kind == "missing" and not loc:
+            parts.append("the request body is empty: send a JSON object")
+        elif kind == "extra_forbidden":
             parts.append(f"unknown field '{where}'")
         elif kind == "missing":
             parts.append(f"missing required field '{where}'")
         else:
             parts.append(f"'{where}': {str(e.get('msg', 'invalid value')).removeprefix('Value error, ')}")
+    for where, members in unions.items():
+        param = param or where
+        kinds = [_UNION_MEMBERS[m] for m in dict.fromkeys(members)]
+        parts.append(f"'{where}' must be {', '.join(kinds[:-1])} or {kinds[-1]}" if len(kinds) > 1 else
+                     f"'{where}' must be {kinds[0]}")
     return invalid("; ".join(parts) or "invalid request", param)
+
+
+# pydantic's names for the members of this module's union fields, as a message says them
+_UNION_MEMBERS = {"str": "a string", "list[str]": "a list of strings", "list[int]": "a list of token ids",
+                  "list[list[int]]": "a list of token-id lists", "list[TextPart]": "a list of text parts",
+                  "dict[str,any]": "an object"}
 
 
 # Responses. Token strings and bytes come from the tokenizer (``Codec.token_str`` / ``token_bytes``).
