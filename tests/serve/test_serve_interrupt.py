@@ -123,9 +123,21 @@ def _alive(pid: int) -> bool:
     return "zombie" not in status.lower()
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
 def test_ctrl_c_while_loading_stops_the_load(pack: Path, tmp_path: Path) -> None:
     srv = Serve(pack, tmp_path / "serve.log")
     srv.wait_for("ready once every rank has loaded")  # rank 0's HTTP server is up; the engine is loading
+    want, deadline = {f"shardsmith: rank {r} of 2 {pack}" for r in (0, 1)}, time.monotonic() + 30
+    while not want <= (names := {_cmdline(p) for p in srv.children}) and time.monotonic() < deadline:
+        time.sleep(0.1)  # rank 1 may still be importing
+        srv.note_children()
+    assert want <= names, names  # what `ps -ef` shows for the ranks
     t0 = srv.ctrl_c()
     code = srv.finish()
     elapsed, log = time.monotonic() - t0, srv.log()

@@ -216,10 +216,21 @@ def _stop_resource_tracker(timeout_s: float = 5.0) -> None:
         pass
 
 
+def _name_process(title: str) -> None:
+    """Show ``title`` as this process's command line in ``ps`` (``setproctitle``, the serve extra's;
+    without it ``ps`` shows multiprocessing's ``spawn_main`` line)."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        return
+    setproctitle(title)
+
+
 def _child(rank: int, spec: LaunchSpec, job: Job, env: dict[str, str], log_level: int, reports) -> None:
     _close_resource_tracker()
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "SHARDSMITH_SPAWNED": "1"})
+    _name_process(f"shardsmith: rank {rank} of {spec.world_size} {spec.path}")
     setup_logging(rank, log_level)
     if rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 stops us
