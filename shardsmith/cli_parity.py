@@ -77,7 +77,7 @@ def read_prompts(path: Path | None, root: Path) -> tuple[list[list[int]], object
 
 
 def parity(
-    path: Path = typer.Argument(..., help="Checkpoint (split on the fly per --tp) or pack (runs at its own world size)."),
+    path: Path = typer.Argument(..., metavar="PATH", help="Checkpoint (split on the fly per --tp) or pack (runs at its own world size)."),
     tp: str = typer.Option("1,2", "--tp", help="World sizes to compare, the first is the baseline (e.g. 1,2,4)."),
     checkpoint: Path | None = typer.Option(None, "--checkpoint", help="With a pack: its checkpoint, for the other --tp."),
     reference: str | None = typer.Option(None, "--reference", help="'transformers': add transformers' model as a configuration."),

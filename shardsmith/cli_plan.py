@@ -8,7 +8,7 @@ import typer
 
 
 def inspect(
-    checkpoint: Path = typer.Argument(..., help="Checkpoint directory (config.json + safetensors or .safetensors.json headers)."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="Checkpoint directory (config.json + safetensors or .safetensors.json headers)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON on stdout."),
 ) -> None:
     """Show architecture, layers, experts, dtypes, quantization formats and bytes by category."""
@@ -41,7 +41,7 @@ def inspect(
 
 
 def plan(
-    checkpoint: Path = typer.Argument(..., help="Checkpoint directory."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="Checkpoint directory."),
     tp: int = typer.Option(..., "--tp", help="Tensor-parallel world size."),
     align: int = typer.Option(1, "--align", help="Cut every splittable axis in whole units of N elements (e.g. 128)."),
     json_out: bool = typer.Option(False, "--json", help="Print the resolved plan summary as JSON on stdout."),

@@ -21,7 +21,7 @@ from .errors import UsageError
 
 MOE_BACKENDS = ("resident", "auto", "gpu", "cpu", "hybrid")
 
-PATH_ARG = typer.Argument(..., help="Pack directory written by `shardsmith split` (or a checkpoint with --from-checkpoint).")
+PATH_ARG = typer.Argument(..., metavar="PACK", help="Pack directory written by `shardsmith split` (or a checkpoint with --from-checkpoint).")
 DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r; pick GPUs with CUDA_VISIBLE_DEVICES).")
 DIST_PORT = typer.Option(None, "--dist-port", help="Rendezvous port on 127.0.0.1 (default: a free port).")
 FROM_CKPT = typer.Option(False, "--from-checkpoint", help="Load an unsplit checkpoint, slicing at start-up (needs --tp).")
