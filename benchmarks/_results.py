@@ -23,13 +23,9 @@ def host_name() -> str:
     return os.environ.get("SHARDSMITH_HOST") or socket.gethostname().split(".")[0]
 
 
-def save_results(benchmark: str, rows: list[dict], *, extra: dict | None = None) -> Path:
-    """Write the run and return its path (overwrites a run of the same day and host).
-
-    The commit is ``$SHARDSMITH_COMMIT`` when set (a copied tree, e.g. on the GPU host, whose ``.git``
-    may not be the tree's: one there reported the session's first commit for later trees), else
-    ``git rev-parse --short HEAD``.
-    """
+def commit_id() -> str | None:
+    """``$SHARDSMITH_COMMIT`` when set (a copied tree, e.g. on the GPU host, whose ``.git`` may not be
+    the tree's), else ``git rev-parse --short HEAD`` of this checkout (None outside one)."""
     import os
 
     commit = os.environ.get("SHARDSMITH_COMMIT")
@@ -39,6 +35,17 @@ def save_results(benchmark: str, rows: list[dict], *, extra: dict | None = None)
                                     cwd=Path(__file__).parent).stdout.strip() or None
         except OSError:
             commit = None
+    return commit
+
+
+def save_results(benchmark: str, rows: list[dict], *, extra: dict | None = None) -> Path:
+    """Write the run and return its path (overwrites a run of the same day and host).
+
+    The commit is ``$SHARDSMITH_COMMIT`` when set (a copied tree, e.g. on the GPU host, whose ``.git``
+    may not be the tree's: one there reported the session's first commit for later trees), else
+    ``git rev-parse --short HEAD``.
+    """
+    commit = commit_id()
     doc = {"benchmark": benchmark, "date": dt.date.today().isoformat(), "host": host_name(), "commit": commit,
            "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
            **(extra or {}), "rows": rows}

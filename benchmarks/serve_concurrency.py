@@ -190,10 +190,10 @@ def main() -> None:
               f"{r['ttft_s']:>8.3f} {r.get('aggregate_vs_1', 0):>9.2f} {r.get('per_stream_vs_1', 0):>9.2f} {r['errors']:>6}")
     if a.out:
         old = json.loads(a.out.read_text())["rows"] if a.append and a.out.exists() else []
-        from _results import host_name
+        from _results import commit_id, host_name
 
         a.out.write_text(json.dumps({"benchmark": "serve_concurrency", "date": time.strftime("%Y-%m-%d"),
-                                     "host": host_name(), "commit": os.environ.get("SHARDSMITH_COMMIT"),
+                                     "host": host_name(), "commit": commit_id(),
                                      "rows": old + rows}, indent=2) + "\n")
     else:
         from _results import save_results
