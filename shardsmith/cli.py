@@ -28,6 +28,20 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"shardsmith {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True,
+                                       callback=_version)) -> None:
+    """Split Hugging Face MoE checkpoints into per-rank tensor-parallel packs, verify them, serve them."""
+
+
 def _register() -> None:
     from . import cli_pack, cli_parity, cli_plan, cli_serve
 

@@ -28,6 +28,10 @@ def test_help_is_fast_and_lists_commands() -> None:
     assert time.perf_counter() - t0 < 5.0  # a fresh interpreter; the import itself is ~0.3 s
     for cmd in ("serve", "generate", "demo"):
         assert cmd in out.stdout
+    from shardsmith import __version__
+
+    version = subprocess.run([sys.executable, "-m", "shardsmith.cli", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout == f"shardsmith {__version__}\n"
     code = "import sys, shardsmith.cli; print('torch' in sys.modules, 'fastapi' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False False"
 
