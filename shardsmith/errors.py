@@ -101,6 +101,12 @@ def error_class(err: BaseException) -> type[ShardsmithError]:
     return max(found, key=EXIT_CODES.__getitem__, default=ShardsmithError)  # ties: the outermost
 
 
+def error_class_named(name: str) -> type[ShardsmithError]:
+    """The :data:`EXIT_CODES` class called ``name`` (as :func:`error_class`'s ``__name__`` travels
+    between ranks); plain ``ShardsmithError`` for any other name."""
+    return next((c for c in EXIT_CODES if c.__name__ == name), ShardsmithError)
+
+
 def format_problems(header: str, problems: list[str], *, limit: int = 50) -> str:
     """Join ``problems`` under ``header``, sorted, listing at most ``limit`` of them."""
     items = sorted(set(problems))

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from shardsmith.errors import EXIT_CODES, RankLostError, RuntimeLoadError, ShardsmithError, UsageError, error_class, format_problems
+from shardsmith.errors import EXIT_CODES, RankLostError, RuntimeLoadError, UsageError, error_class, error_class_named, format_problems
 from shardsmith.runtime.models.registry import ModelFamily, family_for
 from shardsmith.runtime.layers.parallel import clamp_threads, install_rank_zero_logging, use_kernels_
 from shardsmith.runtime.layers.quant import dequantize_fp8_
@@ -521,11 +521,11 @@ def _gather_errors(error: BaseException | None, rank: int, world_size: int, grou
 def _worst_cause(error: BaseException | None, problems: list[tuple[str, str]]) -> BaseException | None:
     """The cause to chain the load error to: this rank's own error, unless another rank's has a
     higher exit code (a damaged rank pack: every rank then exits 2, as ``verify`` does)."""
-    classes = {c.__name__: c for c in EXIT_CODES}
-    line, name = max(problems, key=lambda p: EXIT_CODES.get(classes.get(p[1]), 1))
-    if error is not None and EXIT_CODES.get(error_class(error), 1) >= EXIT_CODES.get(classes.get(name), 1):
+    code = lambda cls: EXIT_CODES.get(cls, 1)  # noqa: E731
+    line, worst = max(((line, error_class_named(name)) for line, name in problems), key=lambda p: code(p[1]))
+    if error is not None and code(error_class(error)) >= code(worst):
         return error
-    return classes.get(name, ShardsmithError)(line)
+    return worst(line)
 
 
 def _eos_ids(root: Path, config: dict) -> tuple[int, ...]:

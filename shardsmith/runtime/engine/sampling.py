@@ -119,13 +119,12 @@ def top_logprobs(lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     V = lp.shape[-1]
     n = min(n, V)
     window = min(V, n + _TIE_WINDOW)
-    vals, ids = torch.topk(lp, window, dim=-1)
-    pick = torch.topk(_order_key(vals, ids), n, dim=-1).indices
-    vals, ids, top = vals.gather(-1, pick), ids.gather(-1, pick), vals
-    if window < V and bool((top[..., n - 1] == top[..., -1]).any()):  # the tie may reach past the window
+    cand_vals, cand_ids = torch.topk(lp, window, dim=-1)  # best first; ties in no particular order
+    if window < V and bool((cand_vals[..., n - 1] == cand_vals[..., -1]).any()):  # a tie may reach past the window
         ids = torch.topk(_order_key(lp, torch.arange(V, device=lp.device).expand_as(lp)), n, dim=-1).indices
-        vals = lp.gather(-1, ids)
-    return vals, ids
+        return lp.gather(-1, ids), ids
+    pick = torch.topk(_order_key(cand_vals, cand_ids), n, dim=-1).indices
+    return cand_vals.gather(-1, pick), cand_ids.gather(-1, pick)
 
 
 _TIE_WINDOW = 16

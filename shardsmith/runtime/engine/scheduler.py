@@ -59,7 +59,6 @@ class Sequence:
         slot: its slot once admitted (-1 before); prefilled: prompt tokens already in the slot;
         pending: the last sampled token, to feed at position ``pos`` (None: none yet);
         generated: tokens sampled so far; generator: its random stream; admitted: perf_counter time.
-        fed: its prompt goes through decode rows, one token per step (``decode_prompt_tokens``).
     """
 
     prompt_ids: list[int]
@@ -72,7 +71,6 @@ class Sequence:
     generated: int = 0
     generator: torch.Generator | None = field(default=None, repr=False)
     admitted: float = 0.0
-    fed: bool = False
 
 
 class Scheduler:
@@ -116,7 +114,6 @@ class Scheduler:
         self.engine.check_request(seq.prompt_ids, seq.params)
         seq.slot, seq.prefilled, seq.pending, seq.pos, seq.generated = self._free.pop(), 0, None, 0, 0
         seq.generator, seq.admitted = make_generator(seq.params.seed), time.perf_counter()
-        seq.fed = len(seq.prompt_ids) <= self.decode_prompt_tokens
         self.running.append(seq)
 
     def abort(self, seq: Sequence) -> None:
@@ -137,7 +134,7 @@ class Scheduler:
         """
         out: list[tuple[Sequence, StepOutput]] = []
         budget, fresh = self.prefill_chunk, set()
-        for seq in [s for s in self.running if s.prefilled < len(s.prompt_ids) and not s.fed]:
+        for seq in [s for s in self.running if s.prefilled < len(s.prompt_ids) and not self._fed(s)]:
             if budget == 0:
                 break
             n = min(budget, len(seq.prompt_ids) - seq.prefilled)
@@ -150,7 +147,7 @@ class Scheduler:
                 out.append((seq, self._sample([seq], logits[-1:])[0]))
                 fresh.add(id(seq))
         batch = [s for s in self.running if id(s) not in fresh and (
-            s.pending is not None and s.prefilled == len(s.prompt_ids) or s.fed and s.prefilled < len(s.prompt_ids))]
+            s.pending is not None and s.prefilled == len(s.prompt_ids) or self._fed(s) and s.prefilled < len(s.prompt_ids))]
         self.last_batch = len(batch)
         if batch:
             feeding = [s.prefilled < len(s.prompt_ids) for s in batch]  # a prompt token, not a sampled one
@@ -167,6 +164,10 @@ class Scheduler:
             if step.finished:
                 self.abort(seq)
         return out
+
+    def _fed(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt goes through decode rows, one token per step (``decode_prompt_tokens``)."""
+        return len(seq.prompt_ids) <= self.decode_prompt_tokens
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         """Choose each sequence's next token from its row of ``logits`` ``[B, V]`` (on the engine's

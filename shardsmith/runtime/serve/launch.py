@@ -48,7 +48,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-from shardsmith.errors import EXIT_CODES, RankLostError, ShardsmithError, UsageError, error_class, exit_code_for
+from shardsmith.errors import EXIT_CODES, RankLostError, ShardsmithError, UsageError, error_class, error_class_named, exit_code_for
 from shardsmith.runtime.serve.placement import agree_on_local_ranks, pack_world_size  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -466,12 +466,10 @@ def _raise_reports(received: list[RankReport], world_size: int) -> None:
         return ("every rank" if len(ids) == world_size > 1 else
                 f"rank {ids[0]}" if len(ids) == 1 else f"ranks {', '.join(map(str, ids))}")
 
-    classes = {c.__name__: c for c in EXIT_CODES}
-    cls = max((classes.get(r.error_class, ShardsmithError) for r in shown),
-              key=lambda c: EXIT_CODES.get(c, 1))
+    cls = max((error_class_named(r.error_class) for r in shown), key=lambda c: EXIT_CODES.get(c, 1))
     if len(by_text) == 1:
         (text, ranks), = by_text.items()
-        raise cls(text if classes.get(shown[0].error_class) else f"{who(ranks)} failed: {text}")
+        raise cls(text if error_class_named(shown[0].error_class) in EXIT_CODES else f"{who(ranks)} failed: {text}")
     raise cls("\n".join(f"{who(ranks)} failed: {text}" for text, ranks in by_text.items()))
 
 

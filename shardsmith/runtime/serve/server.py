@@ -365,14 +365,14 @@ class ServeJob:
         """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
         stopped by SIGTERM, 130 stopped by SIGINT, 1 failed).
 
-        Raises:
-            Exception: what the engine's load raised, once the HTTP server is down (the launcher
-                reports it once; a damaged pack's ``IntegrityError`` exits 2, as ``verify``).
-
         A signal ends every request at once (:meth:`EngineWorker.interrupt`: streams get a last
         error event, then ``[DONE]``), then uvicorn stops and the engine shuts down, releasing the
         other ranks. A signal while the engine is still loading returns at once: the caller exits
         the process under the load.
+
+        Raises:
+            Exception: what the engine's load raised, once the HTTP server is down (the launcher
+                reports it once; a damaged pack's ``IntegrityError`` exits 2, as ``verify``).
         """
         import signal
 
