@@ -10,7 +10,11 @@ different prompts), ``--repeat`` times. Client: the ``openai`` package when inst
 - ``per_stream_tokens_per_s``: mean over streams of (tokens - 1) / (end - first token);
 - ``ttft_s``: mean time from sending a request to its first token; ``ttft_max_s``: the worst;
 - ``aggregate_vs_1`` / ``per_stream_vs_1``: ratios to the C = 1 row (issue 14's target on the GPU:
-  8 streams >= 4x the single-stream aggregate, per-stream >= 0.5x).
+  8 streams >= 4x the single-stream aggregate, per-stream >= 0.5x);
+- where the time went, from the server's ``/metrics`` before and after each run: ``engine_step_ms``
+  (mean engine step: prefill chunks, batched decode, token choice), ``step_output_ms`` (mean text
+  side per step: detokenise, stop strings), ``mean_decode_rows`` and ``engine_busy_share``
+  (engine step seconds over the run's wall seconds; the rest is the server and the clients).
 
 Medians over ``--repeat``. Writes ``benchmarks/results/serve_concurrency-<YYYYMMDD>-<host>.json``
 (``SHARDSMITH_HOST`` labels the host), or ``--out FILE``.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -144,6 +149,36 @@ def run_concurrency(url: str, c: int, tokens: int, stream) -> dict:
             "tokens": total, "errors": len(errors)}
 
 
+STEP_SERIES = ("shardsmith_engine_step_seconds", "shardsmith_step_output_seconds", "shardsmith_decode_batch_size")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The ``_sum`` and ``_count`` of the step histograms in the server's ``/metrics``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.removesuffix("_sum").removesuffix("_count") in STEP_SERIES and name.endswith(("_sum", "_count")):
+            out[name] = float(value)
+    return out
+
+
+def step_split(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+    """Where a run's steps went: mean engine step and text side per step (ms), mean decode rows,
+    and the share of the wall time the engine thread spent in steps."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("shardsmith_engine_step_seconds_count", 0.0)
+    if not steps:
+        return {}
+    rows = d.get("shardsmith_decode_batch_size_count", 0.0)
+    return {"steps": int(steps),
+            "engine_step_ms": 1e3 * d["shardsmith_engine_step_seconds_sum"] / steps,
+            "step_output_ms": 1e3 * d["shardsmith_step_output_seconds_sum"] / steps,
+            "mean_decode_rows": d["shardsmith_decode_batch_size_sum"] / rows if rows else 0.0,
+            "engine_busy_share": d["shardsmith_engine_step_seconds_sum"] / wall_s}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("pack", type=Path)
@@ -166,28 +201,36 @@ def main() -> None:
         stream, client = stream_openai, "openai"
     except ImportError:
         stream, client = stream_urllib, "urllib"
-    log = Path(os.environ.get("OUT", "/tmp")) / f"serve_concurrency{'-' + a.label if a.label else ''}.log"
+    tag = re.sub(r"[^A-Za-z0-9]+", "-", a.label).strip("-")
+    log = Path(os.environ.get("OUT", "/tmp")) / f"serve_concurrency{'-' + tag if tag else ''}.log"
     load_before = os.getloadavg()
     proc, url = start_server(a.pack, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, extra=extra, log=log)
     rows = []
     try:
         run_concurrency(url, 1, 4, stream)  # warm: the first request's one-time costs
         for c in a.concurrency:
-            runs = [run_concurrency(url, c, a.tokens, stream) for _ in range(a.repeat)]
-            row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            runs = []
+            for _ in range(a.repeat):
+                before, t0 = scrape(url), time.perf_counter()
+                run = run_concurrency(url, c, a.tokens, stream)
+                runs.append(run | step_split(before, scrape(url), time.perf_counter() - t0))
+            row = {k: statistics.median(r[k] for r in runs) for k in runs[0] if all(k in r for r in runs)}
             rows.append({"label": a.label, "pack": a.pack.name, "device": a.device, "dtype": a.dtype,
                          "max_num_seqs": a.max_num_seqs, "concurrency": c, "tokens_per_request": a.tokens,
                          "client": client, "serve_args": " ".join(extra), **row})
     finally:
         stop_server(proc)
     base = next((r for r in rows if r["concurrency"] == 1), None)
-    print(f"{'streams':>7} {'aggregate tok/s':>16} {'per-stream tok/s':>17} {'TTFT s':>8} {'agg vs 1':>9} {'per vs 1':>9} {'errors':>6}")
+    print(f"{'streams':>7} {'aggregate tok/s':>16} {'per-stream tok/s':>17} {'TTFT s':>8} {'agg vs 1':>9} {'per vs 1':>9} "
+          f"{'errors':>6} {'step ms':>8} {'text ms':>8} {'rows':>5} {'busy':>5}")
     for r in rows:
         if base:
             r["aggregate_vs_1"] = r["aggregate_tokens_per_s"] / base["aggregate_tokens_per_s"]
             r["per_stream_vs_1"] = r["per_stream_tokens_per_s"] / base["per_stream_tokens_per_s"]
         print(f"{r['concurrency']:>7} {r['aggregate_tokens_per_s']:>16.1f} {r['per_stream_tokens_per_s']:>17.1f} "
-              f"{r['ttft_s']:>8.3f} {r.get('aggregate_vs_1', 0):>9.2f} {r.get('per_stream_vs_1', 0):>9.2f} {r['errors']:>6}")
+              f"{r['ttft_s']:>8.3f} {r.get('aggregate_vs_1', 0):>9.2f} {r.get('per_stream_vs_1', 0):>9.2f} {r['errors']:>6} "
+              f"{r.get('engine_step_ms', 0):>8.2f} {r.get('step_output_ms', 0):>8.2f} {r.get('mean_decode_rows', 0):>5.1f} "
+              f"{r.get('engine_busy_share', 0):>5.2f}")
     if a.out:
         old = json.loads(a.out.read_text())["rows"] if a.append and a.out.exists() else []
         from _results import commit_id, host_name

@@ -80,6 +80,10 @@ def _invariance(server: Server) -> None:
     batched = (after["shardsmith_decode_batch_size_count"] - before["shardsmith_decode_batch_size_count"]) - (
         after['shardsmith_decode_batch_size_bucket{le="1.0"}'] - before['shardsmith_decode_batch_size_bucket{le="1.0"}'])
     assert batched > 0, "no decode step ran more than one sequence"
+    steps = after["shardsmith_engine_step_seconds_count"] - before["shardsmith_engine_step_seconds_count"]
+    assert steps >= after["shardsmith_decode_batch_size_count"] - before["shardsmith_decode_batch_size_count"] > 0
+    assert after["shardsmith_engine_step_seconds_sum"] > before["shardsmith_engine_step_seconds_sum"]
+    assert after["shardsmith_step_output_seconds_count"] - before["shardsmith_step_output_seconds_count"] == steps
     assert after["shardsmith_max_num_seqs"] == SLOTS and after["shardsmith_sequence_state_bytes"] > 0
     assert after["shardsmith_queue_time_seconds_count"] >= 2 * len(REQUESTS)
     assert f"{SLOTS} sequence slot(s) of 256 tokens" in server.log()

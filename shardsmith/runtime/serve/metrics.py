@@ -20,6 +20,10 @@ requests_running / requests_waiting           gauge      sequences in the batch 
 queue_time_seconds                            histogram  request arrival to its admission into a slot
 batch_size                                    gauge      rows of the last batched decode step
 decode_batch_size                             histogram  rows of every batched decode step
+engine_step_seconds                           histogram  one engine step: prefill chunks, the batched
+                                                         decode and token choice (rank 0's view)
+step_output_seconds                           histogram  one step's text side: detokenising and stop
+                                                         strings of every row
 max_num_seqs / max_queue                      gauge      sequence slots / waiting requests allowed
 sequence_state_bytes                          gauge      per-sequence state of every slot, rank 0, bytes
 load_seconds                                  gauge      engine load time on rank 0 (weights)
@@ -34,6 +38,7 @@ import math
 import threading
 from collections import defaultdict
 
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -82,6 +87,8 @@ class Metrics:
         self.duration = Histogram()
         self.queue_time = Histogram()
         self.batch_sizes = Histogram(BATCH_BUCKETS)
+        self.engine_step = Histogram(STEP_BUCKETS)
+        self.step_output = Histogram(STEP_BUCKETS)
         self.running = 0
         self.waiting = 0
         self.batch_size = 0
@@ -115,6 +122,13 @@ class Metrics:
             self.batch_size = rows
             if rows:
                 self.batch_sizes.observe(rows)
+
+    def step_time(self, *, engine_seconds: float, output_seconds: float) -> None:
+        """One engine step took ``engine_seconds`` (model and token choice) and its text side
+        ``output_seconds`` (seconds): where a step's time goes, engine or server."""
+        with self._lock:
+            self.engine_step.observe(engine_seconds)
+            self.step_output.observe(output_seconds)
 
     def set_capacity(self, *, max_num_seqs: int, state_bytes: int, max_queue: int) -> None:
         """Slots, the per-sequence state they take on rank 0 (bytes) and the queue limit, at ready."""
@@ -193,6 +207,8 @@ class Metrics:
                 ("request_duration_seconds", self.duration, "Request arrival to last generated token."),
                 ("queue_time_seconds", self.queue_time, "Request arrival to its admission into a sequence slot."),
                 ("decode_batch_size", self.batch_sizes, "Rows of each batched decode step."),
+                ("engine_step_seconds", self.engine_step, "One engine step (prefill chunks, batched decode, token choice)."),
+                ("step_output_seconds", self.step_output, "One step's text side (detokenise, stop strings)."),
             ):
                 out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} histogram"] + hist.lines(p + name)
         return "\n".join(out) + "\n"

@@ -356,12 +356,14 @@ class EngineWorker:
             self._finish(job, emit_done=False)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         outputs = self._sched.step()
         self.metrics.batch(self._sched.last_batch, len(self._running))
         now = time.perf_counter()
-        for seq, out in outputs:
-            job = seq.tag
-            ev = job.text.push(out)
+        events = [(seq.tag, seq.tag.text.push(out)) for seq, out in outputs]
+        # recorded before any event leaves: a client that read its last token sees this step counted
+        self.metrics.step_time(engine_seconds=now - t0, output_seconds=time.perf_counter() - now)
+        for job, ev in events:
             self.metrics.token(first=job.tokens == 0, since=now - job.last)
             job.tokens, job.last = job.tokens + 1, now
             job.emit(ev)
