@@ -9,7 +9,8 @@
 # compiles Triton kernel specializations (seconds, once per length per host cache).
 # Target (issue 14): 8 streams >= 4x the single-stream aggregate tokens/s, per-stream >= 0.5x.
 # OFFLOAD=0 serves with experts resident only; PREFILL_EACH=1 adds resident rows with --decode-prompt-tokens 0;
-# COMPILED=1 adds resident rows with SHARDSMITH_COMPILE_PIECES=1 and runs the CUDA family tests with it too.
+# UNCOMPILED=1 adds resident rows with SHARDSMITH_COMPILE_PIECES=0 (the pieces not torch.compile'd);
+# BATCH_STEP=1 times the engine step alone at 1-8 rows (benchmarks/batch_step.py, device time by kernel).
 # Rows also say where a step's time went (engine step ms, text side ms, engine busy share: from /metrics).
 # PHASE=gen writes and splits the checkpoint only (to run beside other GPU work); PHASE=serve then serves it.
 set -uo pipefail
@@ -36,11 +37,6 @@ if [ "${TESTS:-1}" = 1 ]; then
     timeout "${TEST_S:-200}" python3 -m pytest tests/runtime/test_families_cuda.py tests/runtime/test_host_kernel.py \
         -m "gpu or not gpu" -q -p no:cacheprovider -o addopts="" -rs > "$OUT/tests.log" 2>&1
     echo "tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | head -12
-    if [ "${COMPILED:-0}" = 1 ]; then  # the family tests again with the row-wise pieces torch.compile'd (issue 12)
-        SHARDSMITH_COMPILE_PIECES=1 timeout "${TEST_S:-200}" python3 -m pytest tests/runtime/test_families_cuda.py \
-            -m gpu -q -p no:cacheprovider -o addopts="" -rs > "$OUT/tests_compiled.log" 2>&1
-        echo "tests (compiled pieces) rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests_compiled.log" | head -12
-    fi
 fi
 [ "$PHASE" != serve ] && { wait $gen; cat "$OUT/gen_sc.log"; }
 echo "gen + split $((SECONDS - t0)) s"
@@ -55,12 +51,16 @@ if [ "${PREFILL_EACH:-0}" = 1 ]; then  # side by side: every prompt through its 
         2>&1 | tee "$OUT/resident_prefill_each.log" | tail -8
     echo "resident, prefill each $((SECONDS - t0)) s"
 fi
-if [ "${COMPILED:-0}" = 1 ]; then  # side by side: the row-wise pieces torch.compile'd (SHARDSMITH_COMPILE_PIECES=1)
-    SHARDSMITH_COMPILE_PIECES=1 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda \
-        --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" --label "resident, compiled pieces" --out "$json" --append \
-        2>&1 | tee "$OUT/resident_compiled.log" | tail -8
-    grep -E -i "ready|warm-up" "$OUT/serve_concurrency-resident-compiled-pieces.log" 2>/dev/null | head -3
-    echo "resident, compiled pieces $((SECONDS - t0)) s"
+if [ "${UNCOMPILED:-0}" = 1 ]; then  # side by side: the row-wise pieces not torch.compile'd (SHARDSMITH_COMPILE_PIECES=0)
+    SHARDSMITH_COMPILE_PIECES=0 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda \
+        --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" --label "resident, pieces not compiled" --out "$json" \
+        --append 2>&1 | tee "$OUT/resident_uncompiled.log" | tail -8
+    echo "resident, pieces not compiled $((SECONDS - t0)) s"
+fi
+if [ "${BATCH_STEP:-0}" = 1 ]; then  # the engine step alone at 1-8 rows, device time split by kernel (no server)
+    timeout "${STEP_S:-150}" python3 benchmarks/batch_step.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --profile "$OUT/prof" \
+        --out "$OUT/batch_step-$(date +%Y%m%d)-${SHARDSMITH_HOST}.json" --append 2>&1 | grep -v "INFO" | tee "$OUT/batch_step.log" | tail -6
+    echo "batch step $((SECONDS - t0)) s"
 fi
 [ "${OFFLOAD:-1}" = 1 ] || exit 0  # OFFLOAD=0: experts resident only
 cache_gb=$(python3 -c 'import glob, os; print(0.25 * sum(os.path.getsize(f) for f in glob.glob("/tmp/v4sc-tp1/rank-0-of-1/experts-*.safetensors")) / 2**30)')

@@ -180,11 +180,13 @@ COMPILE_ENV = "SHARDSMITH_COMPILE_PIECES"
 
 def compiled(fn: Callable[..., Tensors]) -> Callable[..., Tensors]:
     """``fn`` (a layer's row-wise piece: norms, projections, mixers, router) fused by ``torch.compile``
-    when ``SHARDSMITH_COMPILE_PIECES=1`` and it runs on CUDA, else ``fn``: one compiled function per
+    on CUDA (``SHARDSMITH_COMPILE_PIECES=0`` turns it off), else ``fn``: one compiled function per
     method, shared by every layer (dynamo lifts a module's tensors to inputs, so layers of one kind
     and batch bucket share a compiled graph; the Triton kernels inside are traced as user kernels).
-    The pieces' compile happens in their warm-up run, before capture."""
-    if os.environ.get(COMPILE_ENV, "0") != "1" or not torch.cuda.is_available():
+    The pieces' compile happens in their warm-up run, before capture (the server's warm-up: ~65 s
+    more on a cold inductor cache for a V4-Flash-shaped model on an H200; the step ran 1.4x faster
+    at one row and 1.5x at eight, ``benchmarks/RESULTS.md``)."""
+    if os.environ.get(COMPILE_ENV, "1") != "1" or not torch.cuda.is_available():
         return fn
     from torch import _dynamo as dynamo  # (``import torch._dynamo`` here would make ``torch`` a local name)
 
