@@ -132,7 +132,8 @@ def bench_fp8(a, ceiling: float, configs: list[dict], shapes: dict, with_refs: b
     return rows
 
 
-def bench_experts(a, ceiling: float, configs: list[dict], banks: list[tuple[bool, int]], with_refs: bool) -> list[dict]:
+def bench_experts(a, ceiling: float, configs: list[dict], banks: list[tuple[bool, int]], with_refs: bool,
+                  tokens_list: tuple[int, ...] = TOKENS) -> list[dict]:
     from shardsmith.runtime.layers.kernels import fused_experts, fused_experts_reference
     from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing
 
@@ -140,7 +141,7 @@ def bench_experts(a, ceiling: float, configs: list[dict], banks: list[tuple[bool
     for fp4, inter in banks:
         bank = random_bank(EXPERTS, HIDDEN, inter, fp4=fp4, gen=gen)
         per_expert = sum(t[0].nbytes for t in bank.values())
-        for tokens in TOKENS:
+        for tokens in tokens_list:
             routes = [random_routing(tokens, TOP_K, EXPERTS, gen=gen) for _ in range(a.rotate)]
             x = torch.randn(tokens, HIDDEN, generator=gen, device="cuda", dtype=torch.bfloat16)
             distinct = statistics.mean(len(set(ids.flatten().tolist())) for ids, _ in routes)
@@ -168,7 +169,10 @@ def _cfg(cfg: dict) -> str:
 
 
 def _parse(text: str | None) -> list[dict]:
-    return [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in text.split(","))] if text else [{}]
+    """``k=v,k=v`` (one configuration) or several separated by ``;``; values are integers."""
+    if not text:
+        return [{}]
+    return [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in one.split(",") if kv) for one in text.split(";")]
 
 
 FP8_SWEEP = [dict(block_n=bn, num_stages=st) for bn, st in ((32, 3), (64, 3), (128, 3), (32, 4), (64, 4))]
@@ -201,7 +205,10 @@ def main() -> None:
     p.add_argument("--rotate", type=int, default=8, help="routings (weight sets: up to 4x) per captured graph")
     p.add_argument("--sweep", action="store_true", help="time launch configurations first (M = 1 and 16)")
     p.add_argument("--fp8-config", help="e.g. block_n=64,num_stages=4 (default: fp8_linear's defaults)")
-    p.add_argument("--moe-config", help="e.g. block_i=32,block_n=64,num_warps=4 (default: fused_experts's)")
+    p.add_argument("--moe-config", help="e.g. block_i=32,block_n=64,num_warps=4 (default: fused_experts's); "
+                   "several separated by ';' run side by side")
+    p.add_argument("--moe-only", action="store_true",
+                   help="only fused_experts on the FP4 TP=1 bank at T = 1, 4, 8, 16, each --moe-config side by side")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -223,8 +230,11 @@ def main() -> None:
             print(f"best {kernel}: {best} ({total[best]:.1f} us summed over the sweep)")
             cfgs.append(next(c for c in space if _cfg(c) == best))
     rows = [{"kernel": "device_copy", "copy_GBps": round(ceiling, 1)}]
-    rows += bench_fp8(a, ceiling, fp8_cfgs, DENSE, with_refs=True)
-    rows += bench_experts(a, ceiling, moe_cfgs, [(True, 2048), (True, 1024), (False, 1024)], with_refs=True)
+    if a.moe_only:
+        rows += bench_experts(a, ceiling, moe_cfgs, [(True, 2048)], with_refs=False, tokens_list=(1, 4, 8, 16))
+    else:
+        rows += bench_fp8(a, ceiling, fp8_cfgs, DENSE, with_refs=True)
+        rows += bench_experts(a, ceiling, moe_cfgs, [(True, 2048), (True, 1024), (False, 1024)], with_refs=True)
     print_table(rows[1:], f"fused decode kernels, {torch.cuda.get_device_name()}, CUDA-graph replays, bf16 activations")
     if not a.no_save:
         from _results import save_results
