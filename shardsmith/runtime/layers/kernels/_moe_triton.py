@@ -12,10 +12,6 @@ Three launches per call, after one device sort of the (token, expert) pairs by e
    rows, multiply by the routing weight and write each pair's float32 row ``y [P, D]``.
 3. :func:`_combine_kernel`: ``out[t] = sum_k y[t*K + k]`` in k order, cast (deterministic; no atomics).
 
-``SWAP`` computes each tile transposed (``W @ x.T``: the expert's weight rows are the dot's M side, the
-16 token rows its N side), the operand order of Hopper weight-only GEMMs (Machete, Marlin), where the
-upcast weight tile can feed wgmma from registers instead of a shared-memory round trip.
-
 Grouping by expert so each expert's bytes are read once per step follows vLLM/SGLang's fused MoE
 (``moe_align_block_size``); the in-kernel leader test replaces their host-sized padding so every
 shape is fixed by ``T*K`` alone (CUDA-graph friendly). FP4 e2m1 is decoded with bit arithmetic:
@@ -59,28 +55,10 @@ def _run_rows(sorted_ptr, P, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _mma(acc, a, w, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
-    """``acc += a @ w.T`` (``[BLOCK_M, BLOCK_R]``), or with ``SWAP`` ``acc += w @ a.T`` (``[BLOCK_R, BLOCK_M]``:
-    the weight tile is the dot's M side, so Hopper's wgmma can take it from registers)."""
-    if SWAP:
-        if DOT_F32:
-            acc += tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(w.to(a.dtype), tl.trans(a))
-    else:
-        if DOT_F32:
-            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
-    return acc
-
-
-@triton.jit
 def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s_ptr, s_rows, s_stride, k0, KDIM,
               FP4: tl.constexpr, FP8: tl.constexpr, B1: tl.constexpr, SCALED_DOT: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, SWAP: tl.constexpr):
-    """``acc += a[a_rows, k0:k0+BLOCK_K] @ W[w_rows, k0:k0+BLOCK_K].T`` (W FP4-packed, FP8 or plain);
-    with ``SWAP`` the transposed product ``W @ a.T`` into ``acc [BLOCK_R, BLOCK_M]``.
+              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """``acc += a[a_rows, k0:k0+BLOCK_K] @ W[w_rows, k0:k0+BLOCK_K].T`` (W FP4-packed, FP8 or plain).
 
     FP4 reads its scales at rows ``w_rows`` (one byte per 32 elements); FP8 reads float32 block
     scales at rows ``s_rows`` and column ``k // B1`` and scales each weight in float32 before the
@@ -96,14 +74,9 @@ def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s
         scale_u8 = tl.load(s_ptr + w_rows[:, None] * s_stride + g[None, :], mask=s_mask, other=0)  # [BLOCK_R, G]
         if SCALED_DOT:  # Triton's microscaling dot (OCP MX e2m1 + E8M0 per 32): it upcasts on Hopper
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            if SWAP:  # the packed weights as the left operand [BLOCK_R, BLOCK_K/2]
-                byte = tl.load(w_ptr + w_rows[:, None] * w_stride + kb[None, :],
-                               mask=w_ok[:, None] & (kb < KDIM // 2)[None, :], other=0)
-                acc = tl.dot_scaled(byte, scale_u8, "e2m1", tl.trans(a), None, "bf16", acc)
-            else:
-                byte = tl.load(w_ptr + w_rows[None, :] * w_stride + kb[:, None],
-                               mask=w_ok[None, :] & (kb < KDIM // 2)[:, None], other=0)  # [BLOCK_K/2, BLOCK_R]
-                acc = tl.dot_scaled(a, None, "bf16", byte, scale_u8, "e2m1", acc)
+            byte = tl.load(w_ptr + w_rows[None, :] * w_stride + kb[:, None],
+                           mask=w_ok[None, :] & (kb < KDIM // 2)[:, None], other=0)  # [BLOCK_K/2, BLOCK_R]
+            acc = tl.dot_scaled(a, None, "bf16", byte, scale_u8, "e2m1", acc)
         else:
             b = tl.arange(0, 16)
             kb = k0 // 2 + (tl.arange(0, G) * 16)[:, None] + b[None, :]  # [G, 16] byte columns
@@ -113,14 +86,20 @@ def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s
             scale = _ue8m0(scale_u8)[:, :, None]
             w = tl.join(_e2m1(byte & 0xF) * scale, _e2m1(byte >> 4) * scale)  # [BLOCK_R, G, 16, 2]: low nibble first
             w = tl.reshape(w, (BLOCK_R, BLOCK_K))
-            acc = _mma(acc, a, w, SWAP, DOT_F32)
+            if DOT_F32:
+                acc += tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(a, tl.trans(w.to(a.dtype)))
     else:
         w_mask = w_ok[:, None] & (ks < KDIM)[None, :]
         w = tl.load(w_ptr + w_rows[:, None] * w_stride + ks[None, :], mask=w_mask, other=0.0)
         if FP8:  # [BLOCK_R, BLOCK_K] scale gather (cached: 4 bytes per b0 x b1 block); any block, ragged edges
             s = tl.load(s_ptr + s_rows[:, None] * s_stride + (ks // B1)[None, :], mask=w_mask, other=0.0)
             w = w.to(tl.float32) * s
-        acc = _mma(acc, a, w, SWAP, DOT_F32)
+        if DOT_F32:
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w.to(a.dtype)))
     return acc
 
 
@@ -128,7 +107,7 @@ def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s
 def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride_x, stride_we, stride_wr,
                     stride_se, stride_sr, limit, TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                     FP4: tl.constexpr, FP8: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, S_R: tl.constexpr,
-                    SCALED_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr, SWAP: tl.constexpr,
+                    SCALED_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
                     BLOCK_P: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
     skip, e, rows, row_mask = _run_rows(sorted_ptr, P, BLOCK_P, BLOCK_M)
@@ -143,34 +122,25 @@ def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride
     else:
         gs_rows, us_rows = g_rows, u_rows
     w_e, s_e = w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se
-    if SWAP:  # [BLOCK_I, BLOCK_M]: intermediate rows x token rows
-        gate = tl.zeros((BLOCK_I, BLOCK_M), dtype=tl.float32)
-        up = tl.zeros((BLOCK_I, BLOCK_M), dtype=tl.float32)
-    else:
-        gate = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+    gate = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_I), dtype=tl.float32)
     for d in range((D + BLOCK_D - 1) // BLOCK_D):
         gate = _rows_dot(gate, x_ptr, tok, stride_x, row_mask, w_e, g_rows, stride_wr, s_e, gs_rows, stride_sr,
-                         d * BLOCK_D, D, FP4, FP8, B1, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32, SWAP)
+                         d * BLOCK_D, D, FP4, FP8, B1, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
         up = _rows_dot(up, x_ptr, tok, stride_x, row_mask, w_e, u_rows, stride_wr, s_e, us_rows, stride_sr,
-                       d * BLOCK_D, D, FP4, FP8, B1, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32, SWAP)
+                       d * BLOCK_D, D, FP4, FP8, B1, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
     if HAS_LIMIT:  # DeepSeek-V4: silu(min(gate, L)) * clamp(up, -L, L)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate * tl.sigmoid(gate) * up
-    if SWAP:
-        mask = (offs_i < I)[:, None] & row_mask[None, :]
-        tl.store(h_ptr + rows[None, :] * I + offs_i[:, None], h.to(h_ptr.dtype.element_ty), mask=mask)
-    else:
-        mask = row_mask[:, None] & (offs_i < I)[None, :]
-        tl.store(h_ptr + rows[:, None] * I + offs_i[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    mask = row_mask[:, None] & (offs_i < I)[None, :]
+    tl.store(h_ptr + rows[:, None] * I + offs_i[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _down_kernel(h_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, route_ptr, y_ptr, P, stride_we, stride_wr, stride_se,
                  stride_sr, D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr,
                  B0: tl.constexpr, B1: tl.constexpr, S_R: tl.constexpr, SCALED_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-                 SWAP: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     skip, e, rows, row_mask = _run_rows(sorted_ptr, P, BLOCK_P, BLOCK_M)
     if skip:
@@ -183,20 +153,12 @@ def _down_kernel(h_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, route_ptr, y_ptr, P
     else:
         ds_rows = d_rows
     w_e, s_e = w_ptr + e.to(tl.int64) * stride_we, s_ptr + e.to(tl.int64) * stride_se
-    if SWAP:  # [BLOCK_N, BLOCK_M]: hidden rows x pair rows
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range((I + BLOCK_K - 1) // BLOCK_K):
         acc = _rows_dot(acc, h_ptr, rows, I, row_mask, w_e, d_rows, stride_wr, s_e, ds_rows, stride_sr,
-                        k * BLOCK_K, I, FP4, FP8, B1, SCALED_DOT, BLOCK_N, BLOCK_K, DOT_F32, SWAP)
-    route = tl.load(route_ptr + pair, mask=row_mask, other=0.0)
-    if SWAP:
-        acc *= route[None, :]
-        tl.store(y_ptr + pair[None, :] * D + offs_n[:, None], acc, mask=(offs_n < D)[:, None] & row_mask[None, :])
-    else:
-        acc *= route[:, None]
-        tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc, mask=row_mask[:, None] & (offs_n < D)[None, :])
+                        k * BLOCK_K, I, FP4, FP8, B1, SCALED_DOT, BLOCK_N, BLOCK_K, DOT_F32)
+    acc *= tl.load(route_ptr + pair, mask=row_mask, other=0.0)[:, None]
+    tl.store(y_ptr + pair[:, None] * D + offs_n[None, :], acc, mask=row_mask[:, None] & (offs_n < D)[None, :])
 
 
 @triton.jit

@@ -38,7 +38,6 @@ import torch
 from shardsmith.runtime.layers.kernels._common import KernelError, interpreting, use_triton
 
 BLOCK_M = 16  # token rows per expert tile: tl.dot's smallest M; a decode batch is at most 16 tokens
-SWAP_AB_DEFAULT = True  # weights on the dot's M side (``fused_experts(swap_ab=)``)
 
 
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -135,7 +134,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                   down_scale: torch.Tensor | None = None, *, limit: float = 0.0,
                   block: tuple[int, int] | None = None, block_i: int | None = None,
                   block_n: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                  scaled_dot: bool | None = None, swap_ab: bool | None = None, backend: str = "auto",
+                  scaled_dot: bool | None = None, backend: str = "auto",
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
 
@@ -161,8 +160,6 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             instead of the in-register decode (default: on when compiled with bf16 ``x``, 1.1-1.5x
             faster on the H200; off for float16/float32 ``x``, which ``tl.dot_scaled`` does not take
             here, and under the interpreter, which lacks it).
-        swap_ab: compute each tile as ``W @ x.T`` (the weights on the dot's M side; default
-            ``SWAP_AB_DEFAULT``); the sums are the same up to the MMA's accumulation order.
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
         out_dtype: the result's dtype (default ``x.dtype``): float32 returns the float32 sum uncast
@@ -213,7 +210,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     out = torch.empty((T, D), dtype=out_dtype or x.dtype, device=x.device)
     b0, b1 = block if fmt == "fp8" else (1, 1)
     common = dict(FP4=fp4, FP8=fmt == "fp8", B0=b0, B1=b1, S_R=gs.shape[1] // 2, SCALED_DOT=scaled_dot and fp4,
-                  DOT_F32=x.dtype == torch.float32 or interpreting(), SWAP=SWAP_AB_DEFAULT if swap_ab is None else swap_ab,
+                  DOT_F32=x.dtype == torch.float32 or interpreting(),
                   BLOCK_P=triton.next_power_of_2(P),
                   BLOCK_M=BLOCK_M, num_warps=num_warps, num_stages=num_stages)
     k._gate_up_kernel[(P, triton.cdiv(I, block_i))](
