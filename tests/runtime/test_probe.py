@@ -50,6 +50,12 @@ def test_split_step_pays_where_the_host_keeps_up_with_the_link() -> None:
     backend, f, reason = decide("auto", cuda=True, h2d_gb_per_s=25, slot_bytes=slot, cpu_s_per_expert=0.630 * MS,
                                 round_trip_s=round_trip, fused_s=fused)
     assert (backend, f) == ("hybrid", pytest.approx(2 / 6)) and "2 of 6 misses" in reason
+    # eager steps (--enforce-eager): a split step measured slower than gpu there, so auto keeps gpu
+    backend, f, reason = decide("auto", cuda=True, h2d_gb_per_s=25, slot_bytes=slot, cpu_s_per_expert=0.630 * MS,
+                                round_trip_s=round_trip, fused_s=fused, graphed=False)
+    assert (backend, f) == ("gpu", 0.0) and "eagerly" in reason
+    assert decide("hybrid", cuda=True, h2d_gb_per_s=25, slot_bytes=slot, cpu_s_per_expert=0.630 * MS,
+                  round_trip_s=round_trip, fused_s=fused, graphed=False)[0] == "hybrid"  # asked for: given
     k, gain = hybrid_split(t_copy, 1.5 * MS, round_trip_s=round_trip, fused_s=fused)
     assert k == 1 and 0 < gain < HYBRID_MIN_GAIN
     assert decide("auto", cuda=True, h2d_gb_per_s=25, slot_bytes=slot, cpu_s_per_expert=1.5 * MS,

@@ -192,7 +192,7 @@ class Engine:
             message = format_problems(f"load of {path} at world_size={world_size} failed", [p for p, _ in problems])
             raise RuntimeLoadError(message) from _worst_cause(error, problems)
         if engine.offload is not None:  # collective (slot count and probe agreed by all ranks), after every rank loaded
-            engine.offload.start()
+            engine.offload.start(graphed=cuda_graphs and dev.type == "cuda")
         engine.load_seconds = time.perf_counter() - t0
         log.info("rank 0 of %d ready in %.2f s (%s, %s; %d sequence slot(s) of %d positions, %.1f MiB of "
                  "per-sequence state)", world_size, engine.load_seconds, dev, dtype, engine.max_num_seqs,

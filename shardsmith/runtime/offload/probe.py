@@ -227,8 +227,13 @@ def hybrid_split(t_copy: float, t_host: float, *, round_trip_s: float = 0.0, fus
 
 def decide(requested: str, *, cuda: bool, h2d_gb_per_s: float, slot_bytes: int, cpu_s_per_expert: float,
            hybrid_fraction: float | None = None, round_trip_s: float = 0.0, fused_s: float = 0.0,
-           misses: int = REFERENCE_MISSES) -> tuple[str, float, str]:
-    """``(backend, hybrid_fraction, reason)`` for ``requested`` in ``auto|gpu|cpu|hybrid`` (see :func:`hybrid_split`)."""
+           misses: int = REFERENCE_MISSES, graphed: bool = True) -> tuple[str, float, str]:
+    """``(backend, hybrid_fraction, reason)`` for ``requested`` in ``auto|gpu|cpu|hybrid`` (see :func:`hybrid_split`).
+
+    ``graphed``: whether decode steps run as CUDA graphs. ``auto`` picks ``hybrid`` only then: eager
+    split steps measured slower than eager ``gpu`` at rates where graphed ones were 1.27x faster
+    (one H200, 25 GB/s link: 54.7 vs 64.1 tok/s eager, 160.8 vs 126.3 graphed; benchmarks/RESULTS.md,
+    h200x1i), as the eager step's launches occupy the thread that hands the host its work."""
     t_copy = slot_bytes / (h2d_gb_per_s * 1e9) if h2d_gb_per_s > 0 else float("inf")
     t_cpu = cpu_s_per_expert
     k, gain = hybrid_split(t_copy, t_cpu, round_trip_s=round_trip_s, fused_s=fused_s, misses=misses)
@@ -237,6 +242,9 @@ def decide(requested: str, *, cuda: bool, h2d_gb_per_s: float, slot_bytes: int, 
     if requested == "auto":
         if not cuda:
             return "cpu", 1.0, "no CUDA device"
+        if k and gain >= HYBRID_MIN_GAIN and not graphed:
+            return "gpu", 0.0, (f"{k} of {misses} misses on the host would save {gain:.0%} of a graphed layer, but "
+                                f"steps run eagerly (--enforce-eager), where a split step is slower ({costs})")
         if k and gain >= HYBRID_MIN_GAIN:
             return "hybrid", k / misses, (f"{k} of {misses} misses on the host save {gain:.0%} of the layer time "
                                           f"({costs})")
@@ -260,7 +268,7 @@ def _slowest(values: list[float], device: torch.device) -> list[float]:
 
 def run_probe(host: HostBanks, cpu: CpuExperts, *, device: torch.device, dim: int, dtype: torch.dtype,
               slot_bytes: int, requested: str, hybrid_fraction: float | None, kernel: bool = False,
-              misses: int = REFERENCE_MISSES) -> ProbeResult:
+              misses: int = REFERENCE_MISSES, graphed: bool = True) -> ProbeResult:
     """Measure on every rank, reduce over ranks (slowest link, slowest host), then :func:`decide`.
 
     Collective when torch.distributed is initialised: every rank must call it.
@@ -273,7 +281,7 @@ def run_probe(host: HostBanks, cpu: CpuExperts, *, device: torch.device, dim: in
     bw = -neg_bw
     backend, frac, reason = decide(requested, cuda=dev.type == "cuda", h2d_gb_per_s=bw, slot_bytes=slot_bytes,
                                    cpu_s_per_expert=per, hybrid_fraction=hybrid_fraction, round_trip_s=round_trip,
-                                   fused_s=gpu_s, misses=misses)
+                                   fused_s=gpu_s, misses=misses, graphed=graphed)
     t_copy = slot_bytes / (bw * 1e9) if bw > 0 else float("inf")
     _, gain = hybrid_split(t_copy, per, round_trip_s=round_trip, fused_s=gpu_s, misses=misses)
     return ProbeResult(bw, host.pinned, per, slot_bytes, backend, frac, reason, cpu.path(), round_trip, gpu_s, gain)

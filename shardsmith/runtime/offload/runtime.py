@@ -81,8 +81,11 @@ class OffloadRuntime:
 
     # ------------------------------------------------------------ start-up
 
-    def start(self) -> None:
-        """Probe, size and allocate the slot pool (collective: every rank agrees), log the numbers."""
+    def start(self, *, graphed: bool = True) -> None:
+        """Probe, size and allocate the slot pool (collective: every rank agrees), log the numbers.
+
+        ``graphed``: decode steps will run as CUDA graphs (``auto`` picks ``hybrid`` only then:
+        :func:`~.probe.decide`)."""
         sig = slot_signature(self.host)
         slot_bytes = slot_nbytes(sig)
         c = self.config
@@ -95,7 +98,7 @@ class OffloadRuntime:
         if c.probe and cuda:  # no host-to-device link to measure on a CPU device
             self.probe = run_probe(self.host, self.cpu, device=self.device, dim=self.dim, dtype=self.dtype,
                                    slot_bytes=slot_bytes, requested=requested, hybrid_fraction=c.hybrid_fraction,
-                                   kernel=self.kernel)
+                                   kernel=self.kernel, graphed=graphed)
             self.backend, self.hybrid_fraction = self.probe.backend, self.probe.hybrid_fraction  # agreed over ranks
         elif requested == "auto":
             self.backend = "gpu" if cuda else "cpu"
