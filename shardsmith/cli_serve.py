@@ -244,7 +244,7 @@ def serve(
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
                                            trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes,
                                            max_queue=max_queue, prefill_chunk=prefill_chunk,
-                                           decode_prompt_tokens=decode_prompt_tokens)))
+                                           decode_prompt_tokens=decode_prompt_tokens, max_model_len=max_seq_len)))
 
 
 def generate(

@@ -156,3 +156,39 @@ def test_queue_limit_429_and_a_disconnect_frees_its_slot(server: Server) -> None
     m = metrics(server)
     assert m["shardsmith_requests_running"] == 0 and m["shardsmith_requests_waiting"] == 0, m
     assert ask(server, *REQUESTS[1])[1] > 0  # still serving
+
+
+def test_n_choices_are_seeded_sequences_each_reproducible_alone(server: Server) -> None:
+    """``n=3``: three choices, ``index`` 0..2, choice i equal to the request alone with ``seed + i``;
+    ``usage`` counts every choice's tokens; more choices than the server holds at once is a 400."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 41}
+    r = httpx.post(f"{server.url}/v1/completions", json=body | {"n": 3}, timeout=900)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    alone = [ask(server, "/v1/completions", body | {"seed": 41 + i}) for i in range(3)]
+    assert [(c["text"], c["finish_reason"]) for c in choices] == [(t, "length") for t, _ in alone]
+    assert len({t for t, _ in alone}) > 1, "the choices' seeds differ, so should their texts"
+    assert r.json()["usage"]["completion_tokens"] == sum(n for _, n in alone) == 24
+    too_many = httpx.post(f"{server.url}/v1/completions", json=body | {"n": SLOTS + QUEUE + 1}, timeout=120)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n", too_many.text
+    assert f"holds {SLOTS + QUEUE} sequences" in too_many.json()["error"]["message"]
+
+
+def test_n_streamed_chat_choices_interleave_and_each_ends(server: Server) -> None:
+    """A streamed chat request with ``n=2``: each choice opens with its role, ends with one finish
+    chunk, and its content equals the same request's non-streamed choice."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6,
+            "temperature": 1.0, "seed": 5, "n": 2}
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=900).json()
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=900,
+                      json=body | {"stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    chunks = [e["choices"][0] for e in events if e["choices"]]
+    for i in range(2):
+        mine = [c for c in chunks if c["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert [c["finish_reason"] for c in mine[1:-1]] == [None] * (len(mine) - 2) and mine[-1]["finish_reason"]
+        text = "".join(c["delta"].get("content", "") for c in mine)
+        assert text == whole["choices"][i]["message"]["content"]
+    assert events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] > 0

@@ -57,7 +57,8 @@ def test_malformed_json(loading_client) -> None:
     ("/v1/chat/completions", CHAT | {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "role"),
     ("/v1/chat/completions", CHAT | {"temperature": 3}, "temperature", "less than or equal to 2"),
     ("/v1/completions", COMPLETION | {"logprobs": 50}, "logprobs", "less than or equal to 20"),
-    ("/v1/completions", COMPLETION | {"n": 2}, "n", "only n=1"),
+    ("/v1/completions", COMPLETION | {"n": 0}, "n", "greater than or equal to 1"),
+    ("/v1/chat/completions", CHAT | {"n": 129}, "n", "less than or equal to 128"),
     ("/v1/chat/completions", CHAT | {"stream_options": {"include_usage": True}}, "stream_options", "only allowed when 'stream'"),
     ("/v1/chat/completions", CHAT | {"stream": True, "stream_options": {"include_usage": True, "x": 1}},
      "stream_options.x", "unknown field"),
@@ -92,7 +93,7 @@ def test_valid_request_while_loading_is_503_and_server_keeps_serving(loading_cli
 
 
 def test_metrics_count_rejected_requests(loading_client) -> None:
-    loading_client.post("/v1/completions", json=COMPLETION | {"n": 3})
+    loading_client.post("/v1/completions", json=COMPLETION | {"best_of": 3})
     loading_client.post("/v1/completions", json=COMPLETION)
     text = loading_client.get("/metrics").text
     assert 'shardsmith_requests_total{endpoint="/v1/completions",status="400"} 1' in text
@@ -148,6 +149,14 @@ def test_openapi_schema_is_published(loading_client) -> None:
     assert "ChatCompletionRequest" in schema["components"]["schemas"]
 
 
+def test_models_show_the_configured_context_while_loading() -> None:
+    metrics = Metrics()
+    worker = EngineWorker(lambda: None, metrics=metrics, on_fatal=lambda msg: None)  # never started: loading
+    with TestClient(create_app(worker, model_name=MODEL, metrics=metrics, max_model_len=4096)) as client:
+        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 4096
+        assert client.get(f"/v1/models/{MODEL}").json()["max_model_len"] == 4096
+
+
 def test_models_retrieve(loading_client) -> None:
     r = loading_client.get(f"/v1/models/{MODEL}")
     assert r.status_code == 200
@@ -170,7 +179,7 @@ def test_openapi_schema_says_which_values_are_served(loading_client) -> None:
     """Fields accepted only at their neutral value say so in the schema, and that value passes
     validation (a 503 while loading, not a 400); another one is refused as the schema says."""
     props = loading_client.get("/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert props["n"]["enum"] == [1, None] and props["tools"]["maxItems"] == 0
+    assert props["n"]["anyOf"][0]["maximum"] == 128 and props["tools"]["maxItems"] == 0
     assert props["tool_choice"]["enum"] == ["none", "auto", None]
     ok = CHAT | {"n": 1, "tools": [], "tool_choice": "auto", "presence_penalty": 0}
     _error(loading_client.post("/v1/chat/completions", json=ok), 503, code="model_not_ready")

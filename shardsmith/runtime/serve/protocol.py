@@ -5,7 +5,7 @@ Fields follow the OpenAI API reference (Completions, legacy; Chat Completions). 
 rather than silently ignored. Every model is also ``strict``: a field OpenAI types as integer,
 number or boolean takes that JSON type only (``"max_tokens": "3"`` is a 400, as is ``3.0``; an
 integer is a valid number). Fields OpenAI defines but the runtime does not implement are
-accepted at their neutral value (``presence_penalty=0``, ``n=1``, ``echo=false``, no ``tools``)
+accepted at their neutral value (``presence_penalty=0``, ``echo=false``, no ``tools``)
 and refused otherwise, naming the field. ``user``, ``store``, ``metadata`` and ``service_tier``
 are accepted and ignored (nothing is stored; no tier applies), as vLLM does. ``top_k`` is an
 extension (vLLM spells it the same way). A union field's failed branches are reported as one
@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # choices per request (OpenAI's bound)
 MAX_STOP = 4
 
 
@@ -106,7 +107,7 @@ class _Sampling(_Strict):
     top_k: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
-    n: int | None = Field(1, json_schema_extra=_ONLY(1))
+    n: int | None = Field(1, ge=1, le=MAX_N)  # choices: n sequences from the one prompt, each its own slot
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(0.0, json_schema_extra=_ONLY(0))
@@ -135,8 +136,6 @@ class _Sampling(_Strict):
 
     def check_supported(self) -> None:
         """Refuse defined-but-unimplemented options at a non-neutral value."""
-        if self.n not in (None, 1):
-            raise invalid(f"only n=1 is supported, got n={self.n}", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise invalid(f"'{name}' is not supported (must be 0), got {getattr(self, name)}", name)

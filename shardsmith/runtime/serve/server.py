@@ -22,6 +22,7 @@ Handlers await their tokens on an ``asyncio.Queue``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import threading
@@ -56,13 +57,14 @@ class Prepared:
 
     Attributes:
         prompt_ids: prompt tokens; params: the engine's ``SamplingParams``; stop: stop strings;
-        want_logprobs: the response carries ``logprobs``.
+        want_logprobs: the response carries ``logprobs``; n: choices (sequences from this prompt).
     """
 
     prompt_ids: list[int]
     params: Any
     stop: list[str]
     want_logprobs: bool
+    n: int = 1
 
 
 class Service:
@@ -158,21 +160,62 @@ class Service:
             top_k=d["top_k"] if req.top_k is None else req.top_k,
             top_p=d["top_p"] if req.top_p is None else req.top_p,
             seed=req.seed, stop_token_ids=tuple(codec.eos_token_ids), logprobs=top_n if want else 0)
-        return Prepared(prompt_ids, params, stop, want)
+        n = req.n or 1
+        if n > (cap := self.worker.capacity()):
+            raise invalid(f"n={n} choices cannot run at once on this server: it holds {cap} sequences "
+                          f"(--max-num-seqs slots plus --max-queue)", "n")
+        return Prepared(prompt_ids, params, stop, want, n)
 
-    def submit(self, p: Prepared) -> Job:
-        """Queue the request on the engine thread (before any response byte is sent).
+    def submit(self, p: Prepared) -> list[Job]:
+        """Queue the request's ``n`` choices on the engine thread, all or none (before any response
+        byte is sent). Choice i of a seeded request samples with ``seed + i`` (mod 2**64), so the
+        choices differ and each is reproducible alone.
 
         Raises:
             APIError: 429 when ``max_queue`` requests are already waiting (with ``Retry-After``).
         """
-        job = Job(p.prompt_ids, p.params, tuple(p.stop), asyncio.get_running_loop())
+        loop, seed = asyncio.get_running_loop(), p.params.seed
+        jobs = [Job(p.prompt_ids, p.params if seed is None or i == 0 else dataclasses.replace(p.params, seed=_nth_seed(seed, i)),
+                    tuple(p.stop), loop) for i in range(p.n)]
         try:
-            self.worker.submit(job)
+            self.worker.submit(*jobs)
         except QueueFull as e:
             raise APIError(429, str(e), type="requests", code="rate_limit_exceeded",
                            headers={"Retry-After": str(e.retry_after)}) from e
-        return job
+        return jobs
+
+    async def choices(self, jobs: list[Job]) -> AsyncIterator[tuple[int, TextEvent | None]]:
+        """``(i, event)`` of the submitted ``jobs`` (choice i) as they arrive, then ``(i, None)`` when
+        choice i ends; an error of any choice ends them all (raised here)."""
+        if len(jobs) == 1:
+            async for ev in self.events(jobs[0]):
+                yield 0, ev
+            yield 0, None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, job: Job) -> None:
+            try:
+                async for ev in self.events(job):
+                    queue.put_nowait((i, ev))
+                queue.put_nowait((i, None))
+            except APIError as e:
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+        try:
+            left = len(jobs)
+            while left:
+                i, item = await queue.get()
+                if isinstance(item, APIError):
+                    raise item
+                left -= item is None
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for job in jobs:
+                job.cancelled.set()
 
     async def events(self, job: Job) -> AsyncIterator[TextEvent]:
         """Yield the submitted ``job``'s text events as they arrive."""
@@ -187,6 +230,11 @@ class Service:
                 yield item
         finally:
             job.cancelled.set()  # no-op when done; stops generation when the client went away
+
+
+def _nth_seed(seed: int, i: int) -> int:
+    """Choice i's seed: ``seed + i``, wrapped into the range requests take (``[-2**63, 2**64)``)."""
+    return seed + i - 2**64 if seed + i >= 2**64 else seed + i
 
 
 class ErrorResponse(JSONResponse):
@@ -266,9 +314,10 @@ class BodyLimit:
 
 
 def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust_remote_code: bool = False,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_model_len: int | None = None) -> FastAPI:
     """The FastAPI app over ``worker``; ``model_name`` is the id clients must send as ``model``;
-    ``trust_remote_code``: see :class:`Service`; ``max_request_bytes``: see :class:`BodyLimit`."""
+    ``trust_remote_code``: see :class:`Service`; ``max_request_bytes``: see :class:`BodyLimit`;
+    ``max_model_len``: the configured context per sequence, which ``/v1/models`` shows while loading."""
     from shardsmith.runtime.serve.streaming import chat_response, completion_response
 
     app = FastAPI(title="shardsmith", summary="OpenAI-compatible completions and chat completions over a TP pack",
@@ -308,8 +357,8 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
     def card() -> dict[str, Any]:
         engine = worker.engine if worker.state is State.READY else None
         out = {"id": model_name, "object": "model", "created": svc.created, "owned_by": "shardsmith"}
-        if engine is not None:
-            out["max_model_len"] = engine.max_seq_len
+        if engine is not None or max_model_len is not None:
+            out["max_model_len"] = engine.max_seq_len if engine is not None else max_model_len
         return out
 
     @app.get("/v1/models")
@@ -350,6 +399,8 @@ class ServeJob:
         prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks).
         decode_prompt_tokens: prompts of at most this many tokens are fed through the batched decode
             step (None: 16 on CUDA, 0 on CPU).
+        max_model_len: the context each sequence gets (``--max-model-len``), shown by ``/v1/models``
+            while the engine loads (then the engine's own figure).
     """
 
     host: str
@@ -360,6 +411,7 @@ class ServeJob:
     max_queue: int = DEFAULT_MAX_QUEUE
     prefill_chunk: int = 512
     decode_prompt_tokens: int | None = None
+    max_model_len: int | None = None
 
     def __call__(self, load) -> int:
         """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
@@ -388,7 +440,7 @@ class ServeJob:
         worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal, max_queue=self.max_queue,
                               prefill_chunk=self.prefill_chunk, decode_prompt_tokens=self.decode_prompt_tokens)
         app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
-                         max_request_bytes=self.max_request_bytes)
+                         max_request_bytes=self.max_request_bytes, max_model_len=self.max_model_len)
         server = _server(app, host=self.host, port=self.port, worker=worker)
         holder["server"] = server
         # Before uvicorn captures the signals, and after it re-raises them on its way out: the same stop.

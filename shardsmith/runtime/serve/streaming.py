@@ -28,14 +28,17 @@ def _gone(svc, path: str) -> Response:
     return Response(status_code=CLIENT_CLOSED)
 
 
-async def _collect(events: AsyncIterator) -> tuple[str, list, list[int], str | None]:
-    text, steps, offsets, finish = "", [], [], None
-    async for ev in events:
+async def _collect(choices: AsyncIterator, n: int) -> list[tuple[str, list, list[int], str | None]]:
+    """Each of the ``n`` choices' ``(text, steps, offsets, finish_reason)`` from ``Service.choices``."""
+    out = [("", [], [], None) for _ in range(n)]
+    async for i, ev in choices:
+        if ev is None:
+            continue
+        text, steps, offsets, _ = out[i]
         offsets.append(len(text))
-        text += ev.text
         steps.append(ev.step)
-        finish = ev.finish_reason
-    return text, steps, offsets, finish
+        out[i] = (text + ev.text, steps, offsets, ev.finish_reason)
+    return out
 
 
 async def until_disconnected(request, work: Awaitable):
@@ -68,7 +71,14 @@ async def until_disconnected(request, work: Awaitable):
     return None
 
 
-def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, Any]]], job) -> StreamingResponse:
+def _cancel(jobs) -> Callable[[], None]:
+    def cancel() -> None:
+        for job in jobs:
+            job.cancelled.set()
+    return cancel
+
+
+def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, Any]]], jobs) -> StreamingResponse:
     async def body():
         status = CLIENT_CLOSED
         try:
@@ -83,79 +93,85 @@ def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, A
         finally:
             svc.metrics.request_done(path, status)
 
-    # the job ends with the response, even one whose client left before its first byte (body never ran)
-    return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(job.cancelled.set),
+    # the jobs end with the response, even one whose client left before its first byte (body never ran)
+    return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(_cancel(jobs)),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def completion_response(svc, p, *, stream: bool, include_usage: bool, request=None):
-    """``/v1/completions`` body for the prepared request ``p`` (a dict, or a streaming response);
-    ``request``: the HTTP request, watched for a disconnect (:func:`until_disconnected`)."""
+    """``/v1/completions`` body for the prepared request ``p`` (a dict, or a streaming response) with
+    its ``p.n`` choices (``index`` 0..n-1); ``request``: the HTTP request, watched for a disconnect
+    (:func:`until_disconnected`)."""
     path, codec, n_prompt = "/v1/completions", svc.worker.codec, len(p.prompt_ids)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": svc.model_name}
-    job = svc.submit(p)  # a 429 here, before any byte is sent
+    jobs = svc.submit(p)  # a 429 here, before any byte is sent
     if not stream:
-        if (got := await until_disconnected(request, _collect(svc.events(job)))) is None:
-            job.cancelled.set()
+        if (got := await until_disconnected(request, _collect(svc.choices(jobs), p.n))) is None:
+            _cancel(jobs)()
             return _gone(svc, path)
-        text, steps, offsets, finish = got
         svc.metrics.request_done(path, 200)
-        lp = completion_logprobs(steps, codec, offsets) if p.want_logprobs else None
-        return head | {"choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
-                       "usage": usage(n_prompt, len(steps))}
+        choices = [{"index": i, "text": text, "logprobs": completion_logprobs(steps, codec, offsets) if p.want_logprobs
+                    else None, "finish_reason": finish} for i, (text, steps, offsets, finish) in enumerate(got)]
+        return head | {"choices": choices, "usage": usage(n_prompt, sum(len(c[1]) for c in got))}
 
     extra = {"usage": None} if include_usage else {}
 
     async def chunks():
-        n, offset = 0, 0
-        async for ev in svc.events(job):
+        n, offset = 0, [0] * p.n
+        async for i, ev in svc.choices(jobs):
+            if ev is None:
+                continue
             n += 1
             if not ev.text and ev.finish_reason is None and not p.want_logprobs:
                 continue
-            lp = completion_logprobs([ev.step], codec, [offset]) if p.want_logprobs else None
-            offset += len(ev.text)
-            yield head | {"choices": [{"index": 0, "text": ev.text, "logprobs": lp,
+            lp = completion_logprobs([ev.step], codec, [offset[i]]) if p.want_logprobs else None
+            offset[i] += len(ev.text)
+            yield head | {"choices": [{"index": i, "text": ev.text, "logprobs": lp,
                                        "finish_reason": ev.finish_reason}]} | extra
         if include_usage:
             yield head | {"choices": [], "usage": usage(n_prompt, n)}
 
-    return _sse_response(svc, path, chunks, job)
+    return _sse_response(svc, path, chunks, jobs)
 
 
 async def chat_response(svc, p, *, stream: bool, include_usage: bool, request=None):
-    """``/v1/chat/completions`` body for the prepared request ``p``; ``request`` as in :func:`completion_response`."""
+    """``/v1/chat/completions`` body for the prepared request ``p`` (``p.n`` choices); ``request`` as in
+    :func:`completion_response`."""
     path, codec, n_prompt = "/v1/chat/completions", svc.worker.codec, len(p.prompt_ids)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
-    job = svc.submit(p)  # a 429 here, before any byte is sent
+    jobs = svc.submit(p)  # a 429 here, before any byte is sent
     if not stream:
-        if (got := await until_disconnected(request, _collect(svc.events(job)))) is None:
-            job.cancelled.set()
+        if (got := await until_disconnected(request, _collect(svc.choices(jobs), p.n))) is None:
+            _cancel(jobs)()
             return _gone(svc, path)
-        text, steps, _, finish = got
         svc.metrics.request_done(path, 200)
-        return head | {"object": "chat.completion",
-                       "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                    "logprobs": chat_logprobs(steps, codec) if p.want_logprobs else None,
-                                    "finish_reason": finish}],
-                       "usage": usage(n_prompt, len(steps))}
+        choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": chat_logprobs(steps, codec) if p.want_logprobs else None, "finish_reason": finish}
+                   for i, (text, steps, _, finish) in enumerate(got)]
+        return head | {"object": "chat.completion", "choices": choices,
+                       "usage": usage(n_prompt, sum(len(c[1]) for c in got))}
 
     head = head | {"object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(delta: dict, *, logprobs=None, finish=None) -> dict[str, Any]:
-        return head | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]} | extra
+    def chunk(i: int, delta: dict, *, logprobs=None, finish=None) -> dict[str, Any]:
+        return head | {"choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]} | extra
 
     async def chunks():
-        yield chunk({"role": "assistant", "content": ""})
-        n, finish = 0, None
-        async for ev in svc.events(job):
+        for i in range(p.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        n, finish = 0, [None] * p.n
+        async for i, ev in svc.choices(jobs):
+            if ev is None:  # choice i ended
+                yield chunk(i, {}, finish=finish[i] or "length")
+                continue
             n += 1
-            finish = ev.finish_reason
+            finish[i] = ev.finish_reason
             if ev.text or p.want_logprobs:
-                yield chunk({"content": ev.text}, logprobs=chat_logprobs([ev.step], codec) if p.want_logprobs else None)
-        yield chunk({}, finish=finish or "length")
+                yield chunk(i, {"content": ev.text},
+                            logprobs=chat_logprobs([ev.step], codec) if p.want_logprobs else None)
         if include_usage:
             yield head | {"choices": [], "usage": usage(n_prompt, n)}
 
-    return _sse_response(svc, path, chunks, job)
+    return _sse_response(svc, path, chunks, jobs)

@@ -206,22 +206,27 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
-        """Queue ``job`` for a slot (FIFO). Jobs submitted while slots are free wait only for the next
-        step boundary: they do not count against ``max_queue``.
+    def submit(self, *jobs: Job) -> None:
+        """Queue ``jobs`` for slots (FIFO), all or none (a request's ``n`` choices). Jobs submitted
+        while slots are free wait only for the next step boundary: they do not count against
+        ``max_queue``.
 
         Raises:
-            QueueFull: ``max_queue`` jobs are already waiting beyond the free slots.
+            QueueFull: the jobs do not fit: ``max_queue`` would be exceeded beyond the free slots.
         """
         with self._wake:
             free = self._sched.free_slots if self._sched is not None else 0
-            if len(self._waiting) >= self.max_queue + free:
+            if len(self._waiting) + len(jobs) > self.max_queue + free:
                 raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting for one of "
                                 f"{self._slots()} sequence slots (--max-queue {self.max_queue}); retry later",
                                 retry_after=self._retry_after())
-            self.metrics.queued(+1)
-            self._waiting.append(job)
+            self.metrics.queued(+len(jobs))
+            self._waiting.extend(jobs)
             self._wake.notify()
+
+    def capacity(self) -> int:
+        """Jobs that can ever be queued or running at once: the slots plus ``max_queue``."""
+        return self._slots() + self.max_queue
 
     def _slots(self) -> int:
         return int(getattr(self.engine, "max_num_seqs", 1) or 1)
