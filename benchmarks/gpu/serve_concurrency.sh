@@ -34,7 +34,7 @@ gen=$!
 [ "$PHASE" = gen ] && { wait $gen; cat "$OUT/gen_sc.log"; exit 0; }
 # meanwhile (GPU idle): every family graphed and batched on CUDA, and the host kernel's checks
 if [ "${TESTS:-1}" = 1 ]; then
-    timeout "${TEST_S:-200}" python3 -m pytest tests/runtime/test_families_cuda.py tests/runtime/test_host_kernel.py \
+    timeout "${TEST_S:-300}" python3 -m pytest tests/runtime/test_families_cuda.py tests/runtime/test_host_kernel.py \
         -m "gpu or not gpu" -q -p no:cacheprovider -o addopts="" -rs > "$OUT/tests.log" 2>&1
     echo "tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | head -12
 fi

@@ -11,7 +11,8 @@
 #        43l24e    the full-depth model (43 layers, the release's kinds, 24 experts/layer), resident
 #                  and 25%, with transformers (--hf)
 #        43l24e-r  the full-depth model resident only
-#        43l24e-c  the same with SHARDSMITH_COMPILE_PIECES=1 (torch.compile of the attn_in / ffn pieces)
+#        43l24e-e  the same with SHARDSMITH_COMPILE_PIECES=0 (the attn_in / ffn pieces not torch.compile'd;
+#                  compiling them is the default on CUDA since session 8)
 # Logs, result JSONs and profiles go to $OUT. SKIP_TESTS=1 skips step 1's tests.
 # Measured: benchmarks/RESULTS.md, "the whole decode step in one CUDA graph".
 set -uo pipefail
@@ -19,7 +20,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-$PWD} SHARDSMITH_CACHE=${SHARDSMITH_CACHE:-/tmp/sscache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 host=${SHARDSMITH_HOST:-h200x1ws}
-RUNS=${RUNS:-4l256e 43l24e 43l24e-c}
+RUNS=${RUNS:-4l256e 43l24e 43l24e-e}
 inv=.inv/deepseek-v4-flash-0731-reap160
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
@@ -57,7 +58,7 @@ for run in $RUNS; do
         4l256e) bench "$host-4l256e" "${BENCH_S:-165}" --layers 4 --experts-per-layer 256 --cache-fraction 0.25 --hf ;;
         43l24e) bench "$host-43l24e" "${BENCH_S:-165}" --layers 43 --experts-per-layer 24 --cache-fraction 0.25 --hf ;;
         43l24e-r) bench "$host-43l24e" "${BENCH_S:-165}" --layers 43 --experts-per-layer 24 ;;
-        43l24e-c) SHARDSMITH_COMPILE_PIECES=1 bench "$host-43l24e-compile" "${COMPILE_S:-160}" --layers 43 --experts-per-layer 24 ;;
+        43l24e-e) SHARDSMITH_COMPILE_PIECES=0 bench "$host-43l24e-eager-pieces" "${BENCH_S:-165}" --layers 43 --experts-per-layer 24 ;;
         *) echo "unknown run $run" ;;
     esac
 done
