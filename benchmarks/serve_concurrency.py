@@ -16,7 +16,8 @@ different prompts), ``--repeat`` times. Client: the ``openai`` package when inst
 - where the time went, from the server's ``/metrics`` before and after each run: ``engine_step_ms``
   (mean engine step: prefill chunks, batched decode, token choice), ``step_output_ms`` (mean text
   side per step: detokenise, stop strings), ``mean_decode_rows`` and ``engine_busy_share``
-  (engine step seconds over the run's wall seconds; the rest is the server and the clients).
+  (engine step seconds over the run's wall seconds, first request sent to last stream's end; the
+  rest is the server and the clients).
 
 Medians over ``--repeat``. Writes ``benchmarks/results/serve_concurrency-<YYYYMMDD>-<host>.json``
 (``SHARDSMITH_HOST`` labels the host), or ``--out FILE``.
@@ -153,7 +154,7 @@ def run_concurrency(url: str, c: int, tokens: int, stream) -> dict:
     start, end = min(r[0] for r in ok), max(r[2] for r in ok)
     total = sum(r[3] for r in ok)
     per = [(r[3] - 1) / (r[2] - r[1]) for r in ok if r[3] > 1 and r[2] > r[1]]
-    return {"aggregate_tokens_per_s": total / (end - start), "per_stream_tokens_per_s": statistics.mean(per) if per else 0.0,
+    return {"wall_s": end - start, "aggregate_tokens_per_s": total / (end - start), "per_stream_tokens_per_s": statistics.mean(per) if per else 0.0,
             "ttft_s": statistics.mean(r[1] - r[0] for r in ok), "ttft_max_s": max(r[1] - r[0] for r in ok),
             "tokens": total, "errors": len(errors)}
 
@@ -223,9 +224,9 @@ def main() -> None:
         for c in a.concurrency:
             runs = []
             for _ in range(a.repeat):
-                before, t0 = scrape(url), time.perf_counter()
+                before = scrape(url)
                 run = run_concurrency(url, c, a.tokens, stream)
-                runs.append(run | step_split(before, scrape(url), time.perf_counter() - t0))
+                runs.append(run | step_split(before, scrape(url), run["wall_s"]))
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0] if all(k in r for r in runs)}
             rows.append({"label": a.label, "pack": a.pack.name, "device": a.device, "dtype": a.dtype,
                          "max_num_seqs": a.max_num_seqs, "concurrency": c, "tokens_per_request": a.tokens,
