@@ -38,19 +38,21 @@ def commit_id() -> str | None:
     return commit
 
 
-def save_results(benchmark: str, rows: list[dict], *, extra: dict | None = None) -> Path:
-    """Write the run and return its path (overwrites a run of the same day and host).
+def save_results(benchmark: str, rows: list[dict], *, extra: dict | None = None, path: Path | None = None,
+                 append: bool = False) -> Path:
+    """Write the run and return its path: ``path`` when given (with ``append``, after the rows a run
+    already wrote there: one file for several configurations of one GPU call), else
+    ``results/<benchmark>-<YYYYMMDD>-<host>.json`` (overwriting a run of the same day and host).
 
-    The commit is ``$SHARDSMITH_COMMIT`` when set (a copied tree, e.g. on the GPU host, whose ``.git``
-    may not be the tree's: one there reported the session's first commit for later trees), else
-    ``git rev-parse --short HEAD``.
+    The commit is :func:`commit_id`'s.
     """
-    commit = commit_id()
-    doc = {"benchmark": benchmark, "date": dt.date.today().isoformat(), "host": host_name(), "commit": commit,
+    old = json.loads(path.read_text())["rows"] if path is not None and append and path.exists() else []
+    doc = {"benchmark": benchmark, "date": dt.date.today().isoformat(), "host": host_name(), "commit": commit_id(),
            "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
-           **(extra or {}), "rows": rows}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{benchmark}-{dt.date.today():%Y%m%d}-{host_name()}.json"
+           **(extra or {}), "rows": old + rows}
+    if path is None:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path = RESULTS / f"{benchmark}-{dt.date.today():%Y%m%d}-{host_name()}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"saved {path}")
     return path

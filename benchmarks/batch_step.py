@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ EXPERT_KERNELS = ("_gate_up_kernel", "_down_kernel", "_combine_kernel")
 
 
 def kernel_kind(name: str) -> str:
+    """The kind a device kernel's time counts under: ``expert_kernel``, ``fp8_linear`` or ``other_gpu``."""
     if any(k in name for k in EXPERT_KERNELS):
         return "expert_kernel"
     if "fp8" in name.lower():
@@ -118,14 +118,9 @@ def main() -> None:
             r["tokens_per_s_vs_1"] = r["tokens_per_s"] / base["tokens_per_s"]
         print(f"{r['batch_rows']:>4} {r['ms_per_step']:>8.3f} {r['tokens_per_s']:>8.0f} {r.get('tokens_per_s_vs_1', 0):>6.2f} "
               + " ".join(f"{r.get(c, 0):>15.3f}" for c in cols))
-    from _results import commit_id, host_name, save_results
+    from _results import save_results
 
-    if a.out:
-        old = json.loads(a.out.read_text())["rows"] if a.append and a.out.exists() else []
-        a.out.write_text(json.dumps({"benchmark": "batch_step", "date": time.strftime("%Y-%m-%d"), "host": host_name(),
-                                     "commit": commit_id(), "rows": old + rows}, indent=2) + "\n")
-    else:
-        save_results("batch_step", rows)
+    save_results("batch_step", rows, path=a.out, append=a.append)
 
 
 def profile_rows(step, B: int, steps: int, sync, out: Path | None, label: str) -> dict:

@@ -86,8 +86,9 @@ def start_server(pack: Path, *, device: str, dtype: str, max_num_seqs: int, extr
     raise SystemExit("server not ready within 30 minutes")
 
 
-def stream_urllib(url: str, body: dict, client=None) -> tuple[float, float, int]:
-    """(first token time, end time, tokens) of one streaming completion read with urllib."""
+def stream_urllib(url: str, body: dict, client: None) -> tuple[float, float, int]:
+    """(first token time, end time, tokens) of one streaming completion read with urllib (no client
+    object: ``client`` is None)."""
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     first, n = None, 0
@@ -112,9 +113,8 @@ def openai_client(url: str):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=3600)
 
 
-def stream_openai(url: str, body: dict, client=None) -> tuple[float, float, int]:
-    """The same with the ``openai`` client (``client``: :func:`openai_client`'s, reused)."""
-    client = client or openai_client(url)
+def stream_openai(url: str, body: dict, client) -> tuple[float, float, int]:
+    """The same with the ``openai`` client (``client``: :func:`openai_client`'s)."""
     first, n = None, 0
     for chunk in client.completions.create(stream=True, **body):
         if chunk.usage:
@@ -244,19 +244,11 @@ def main() -> None:
               f"{r['ttft_s']:>8.3f} {r.get('aggregate_vs_1', 0):>9.2f} {r.get('per_stream_vs_1', 0):>9.2f} {r['errors']:>6} "
               f"{r.get('server_ttft_s', 0):>8.3f} {r.get('engine_step_ms', 0):>8.2f} {r.get('step_output_ms', 0):>8.2f} {r.get('mean_decode_rows', 0):>5.1f} "
               f"{r.get('engine_busy_share', 0):>5.2f}")
-    if a.out:
-        old = json.loads(a.out.read_text())["rows"] if a.append and a.out.exists() else []
-        from _results import commit_id, host_name
+    from _results import save_results
 
-        a.out.write_text(json.dumps({"benchmark": "serve_concurrency", "date": time.strftime("%Y-%m-%d"),
-                                     "host": host_name(), "commit": commit_id(),
-                                     "rows": old + rows}, indent=2) + "\n")
-    else:
-        from _results import save_results
-
-        # the 1-minute load average before and after: on a shared machine other work skews every number
-        save_results("serve_concurrency", rows, extra={"load_average_1m": [load_before[0], os.getloadavg()[0]],
-                                                       "cores": os.cpu_count()})
+    # the 1-minute load average before and after: on a shared machine other work skews every number
+    save_results("serve_concurrency", rows, path=a.out, append=a.append,
+                 extra={"load_average_1m": [load_before[0], os.getloadavg()[0]], "cores": os.cpu_count()})
 
 
 if __name__ == "__main__":

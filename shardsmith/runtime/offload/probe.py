@@ -242,10 +242,10 @@ def decide(requested: str, *, cuda: bool, h2d_gb_per_s: float, slot_bytes: int, 
     if requested == "auto":
         if not cuda:
             return "cpu", 1.0, "no CUDA device"
-        if k and gain >= HYBRID_MIN_GAIN and not graphed:
-            return "gpu", 0.0, (f"{k} of {misses} misses on the host would save {gain:.0%} of a graphed layer, but "
-                                f"steps run eagerly (--enforce-eager), where a split step is slower ({costs})")
         if k and gain >= HYBRID_MIN_GAIN:
+            if not graphed:
+                return "gpu", 0.0, (f"{k} of {misses} misses on the host would save {gain:.0%} of a graphed layer, "
+                                    f"but steps run eagerly (--enforce-eager), where a split step is slower ({costs})")
             return "hybrid", k / misses, (f"{k} of {misses} misses on the host save {gain:.0%} of the layer time "
                                           f"({costs})")
         return "gpu", 0.0, (f"a hybrid split saves {max(gain, 0.0):.0%} of the layer time at {misses} misses, "

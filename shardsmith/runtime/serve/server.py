@@ -186,7 +186,12 @@ class Service:
 
     async def choices(self, jobs: list[Job]) -> AsyncIterator[tuple[int, TextEvent | None]]:
         """``(i, event)`` of the submitted ``jobs`` (choice i) as they arrive, then ``(i, None)`` when
-        choice i ends; an error of any choice ends them all (raised here)."""
+        choice i ends. One choice is read directly (the common case, no task per token); several are
+        merged through a queue, one task each. Every job is cancelled when the caller stops reading.
+
+        Raises:
+            APIError: any choice's error (:meth:`events`), which ends them all.
+        """
         if len(jobs) == 1:
             async for ev in self.events(jobs[0]):
                 yield 0, ev
