@@ -169,10 +169,12 @@ def _cfg(cfg: dict) -> str:
 
 
 def _parse(text: str | None) -> list[dict]:
-    """``k=v,k=v`` (one configuration) or several separated by ``;``; values are integers."""
+    """``k=v,k=v`` (one configuration) or several separated by ``;``; values are integers or words
+    (``path=pairs``)."""
     if not text:
         return [{}]
-    return [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in one.split(",") if kv) for one in text.split(";")]
+    value = lambda v: int(v) if v.lstrip("-").isdigit() else v  # noqa: E731
+    return [dict((kv.split("=")[0], value(kv.split("=")[1])) for kv in one.split(",") if kv) for one in text.split(";")]
 
 
 FP8_SWEEP = [dict(block_n=bn, num_stages=st) for bn, st in ((32, 3), (64, 3), (128, 3), (32, 4), (64, 4))]
@@ -208,7 +210,9 @@ def main() -> None:
     p.add_argument("--moe-config", help="e.g. block_i=32,block_n=64,num_warps=4 (default: fused_experts's); "
                    "several separated by ';' run side by side")
     p.add_argument("--moe-only", action="store_true",
-                   help="only fused_experts on the FP4 TP=1 bank at T = 1, 4, 8, 16, each --moe-config side by side")
+                   help="only fused_experts on --moe-banks at T = 1, 4, 8, 16, each --moe-config side by side")
+    p.add_argument("--moe-banks", default="fp4:2048",
+                   help="--moe-only's banks, format:I_r pairs (fp4 or bf16), e.g. fp4:2048,bf16:1024")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -231,7 +235,8 @@ def main() -> None:
             cfgs.append(next(c for c in space if _cfg(c) == best))
     rows = [{"kernel": "device_copy", "copy_GBps": round(ceiling, 1)}]
     if a.moe_only:
-        rows += bench_experts(a, ceiling, moe_cfgs, [(True, 2048)], with_refs=False, tokens_list=(1, 4, 8, 16))
+        banks = [(fmt == "fp4", int(inter)) for fmt, inter in (b.split(":") for b in a.moe_banks.split(","))]
+        rows += bench_experts(a, ceiling, moe_cfgs, banks, with_refs=False, tokens_list=(1, 4, 8, 16))
     else:
         rows += bench_fp8(a, ceiling, fp8_cfgs, DENSE, with_refs=True)
         rows += bench_experts(a, ceiling, moe_cfgs, [(True, 2048), (True, 1024), (False, 1024)], with_refs=True)

@@ -69,16 +69,23 @@ def _bank_case(fp4: bool, tokens: int, top_k: int, experts: int, dim: int, inter
 
 
 @needs_triton
-@pytest.mark.parametrize(("fp4", "tokens", "limit"), [(True, 1, 3.0), (True, 16, 3.0), (False, 5, 0.0),
-                                                     (False, 3, 3.0)])
-def test_fused_experts_matches_reference(fp4, tokens, limit):
+@pytest.mark.parametrize(("fp4", "tokens", "limit", "path"), [
+    (True, 1, 3.0, "grouped"), (True, 16, 3.0, "grouped"), (False, 5, 0.0, "grouped"), (False, 3, 3.0, "grouped"),
+    (True, 2, 3.0, "pairs"), (False, 3, 3.0, "pairs"),  # one program row per (token, expert) pair
+])
+def test_fused_experts_matches_reference(fp4, tokens, limit, path):
     bank, ids, weights, x = _bank_case(fp4, tokens, top_k=3, experts=8, dim=128, inter=64, seed=tokens)
-    out = fused_experts(x, ids, weights, **bank, limit=limit, backend="triton")
+    out = fused_experts(x, ids, weights, **bank, limit=limit, backend="triton", path=path)
     ref = fused_experts_reference(x, ids, weights, **bank, limit=limit)
     truth = fused_experts_reference(x.double(), ids, weights, **bank, limit=limit)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert rel_error(out, truth) < TOL, (rel_error(out, truth), rel_error(ref, truth))
     assert rel_error(out, ref) < TOL
+    if path == "pairs":  # float32 activations: the same sums as the float64 truth up to float32 rounding
+        f32 = fused_experts(x.float(), ids, weights, **bank, limit=limit, backend="triton", path=path)
+        assert rel_error(f32, truth) < 1e-5
+        alone = fused_experts(x[1:2], ids[1:2], weights[1:2], **bank, limit=limit, backend="triton", path=path)
+        assert torch.equal(out[1:2], alone), "a pair's result must not depend on the rest of the batch"
     if limit:  # the clamp matters on these inputs, so dropping it would fail the check above
         assert rel_error(fused_experts_reference(x.double(), ids, weights, **bank, limit=0.0), truth) > 10 * TOL
 

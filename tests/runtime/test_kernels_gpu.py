@@ -63,6 +63,10 @@ def test_fused_experts_v4_shapes(gen, v4_bank):
             assert rel_error(scaled, truth) < TOL, (tokens, rel_error(scaled, truth))
         again = fused_experts(x, ids, weights, **v4_bank, limit=3.0, scaled_dot=False, backend="triton")
         assert torch.equal(out, again), "run-to-run differences: a race or an atomic"
+        pairs = fused_experts(x, ids, weights, **v4_bank, limit=3.0, path="pairs", backend="triton")
+        assert rel_error(pairs, truth) < TOL, (tokens, rel_error(pairs, truth))
+        alone = fused_experts(x[:1], ids[:1], weights[:1], **v4_bank, limit=3.0, path="pairs", backend="triton")
+        assert torch.equal(pairs[:1], alone), "the pair path's row 0 depends on the rest of the batch"
 
 
 def test_kernels_capture_in_one_cuda_graph(gen):

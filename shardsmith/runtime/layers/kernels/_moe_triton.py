@@ -169,3 +169,87 @@ def _combine_kernel(y_ptr, out_ptr, D: tl.constexpr, TOP_K: tl.constexpr, BLOCK:
     for k in range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + k) * D + offs, mask=offs < D, other=0.0)
     tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=offs < D)
+
+
+# --- the pair path: one (token, expert) pair per program row, CUDA-core dot products -----------------
+#
+# For decode batches the grouped path's tl.dot pads each expert's run to 16 rows and upcasts FP4 for
+# the tensor cores; that upcast, not the bytes, set its time (benchmarks/RESULTS.md, h200x1b). Here
+# each program owns BLOCK_R output rows of one pair and accumulates products in float32 registers
+# (no reduction inside the loop but the one over a 32-element scale group, which stays in-thread):
+# many small programs keep enough loads in flight, nothing is sorted, and a pair's result does not
+# depend on the rest of the batch. An expert chosen by several tokens of the batch is read once per
+# pair (the later reads mostly hit L2).
+
+
+@triton.jit
+def _e2m1_x16k(code):
+    """float32 value of e2m1 codes (int32 tensor, 0..15) times ``2^-14``, exact: the three magnitude
+    bits become a float16's two low exponent bits and top mantissa bit (a subnormal when ``e = 0``)."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pair_rows(a_ptr, w_e, s_e, rows, ok, stride_w, stride_s, KDIM: tl.constexpr, FP4: tl.constexpr,
+               BLOCK_R: tl.constexpr, G: tl.constexpr):
+    """``W[rows, :KDIM] @ a[:KDIM]`` in float32 ``[BLOCK_R]`` for one expert ``W`` at ``w_e``.
+
+    FP4: each step reads ``G`` scale groups (``16*G`` bytes) of every row, decodes both nibbles
+    (element ``2i`` in the low one), sums each group in float32 and scales it by its UE8M0 byte.
+    Plain weights: ``G`` elements per step."""
+    acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
+    if FP4:
+        b = tl.arange(0, 16)
+        for g0 in range(0, KDIM // 32, G):
+            g = g0 + tl.arange(0, G)
+            g_ok = g < KDIM // 32
+            a = tl.load(a_ptr + g[:, None] * 32 + tl.arange(0, 32)[None, :], mask=g_ok[:, None], other=0.0)
+            a_lo, a_hi = tl.split(tl.reshape(a.to(tl.float32), (G, 16, 2)))  # each byte's even, odd element
+            m = ok[:, None] & g_ok[None, :]
+            byte = tl.load(w_e + rows[:, None, None] * stride_w + (g[:, None] * 16 + b[None, :])[None, :, :],
+                           mask=m[:, :, None], other=0).to(tl.int32)  # [BLOCK_R, G, 16]
+            part = tl.sum(_e2m1_x16k(byte & 15) * a_lo[None, :, :] + _e2m1_x16k(byte >> 4) * a_hi[None, :, :], axis=2)
+            acc += part * _ue8m0(tl.load(s_e + rows[:, None] * stride_s + g[None, :], mask=m, other=0))
+        return tl.sum(acc, axis=1) * 16384.0  # undo the decode's 2^-14 (exact: a power of two)
+    else:
+        for k0 in range(0, KDIM, G):
+            k = k0 + tl.arange(0, G)
+            k_ok = k < KDIM
+            a = tl.load(a_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_e + rows[:, None] * stride_w + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+        return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _pair_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, stride_x, stride_we, stride_wr, stride_se, stride_sr,
+                         limit, TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr,
+                         HAS_LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr):
+    """Grid ``(P, cdiv(I, BLOCK_R))``: ``h[p, rows] = swiglu(gate, up)`` of pair ``p``'s token."""
+    p = tl.program_id(0)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    a_ptr = x_ptr + (p // TOP_K).to(tl.int64) * stride_x
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < I
+    w_e, s_e = w_ptr + e * stride_we, s_ptr + e * stride_se
+    gate = _pair_rows(a_ptr, w_e, s_e, rows, ok, stride_wr, stride_sr, D, FP4, BLOCK_R, G)
+    up = _pair_rows(a_ptr, w_e, s_e, rows + I, ok, stride_wr, stride_sr, D, FP4, BLOCK_R, G)
+    if HAS_LIMIT:  # DeepSeek-V4: silu(min(gate, L)) * clamp(up, -L, L)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + p * I + rows, h.to(h_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _pair_down_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, route_ptr, y_ptr, stride_we, stride_wr, stride_se, stride_sr,
+                      D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr):
+    """Grid ``(P, cdiv(D, BLOCK_R))``: ``y[p, rows] = route[p] * down(h[p])`` in float32."""
+    p = tl.program_id(0)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < D
+    acc = _pair_rows(h_ptr + p * I, w_ptr + e * stride_we, s_ptr + e * stride_se, rows, ok, stride_wr, stride_sr,
+                     I, FP4, BLOCK_R, G)
+    tl.store(y_ptr + p * D + rows, acc * tl.load(route_ptr + p), mask=ok)

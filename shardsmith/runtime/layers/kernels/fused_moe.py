@@ -33,6 +33,8 @@ slots), D = hidden, I_r = this rank's intermediate share (TP-within-expert).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from shardsmith.runtime.layers.kernels._common import KernelError, interpreting, use_triton
@@ -134,7 +136,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                   down_scale: torch.Tensor | None = None, *, limit: float = 0.0,
                   block: tuple[int, int] | None = None, block_i: int | None = None,
                   block_n: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                  scaled_dot: bool | None = None, backend: str = "auto",
+                  scaled_dot: bool | None = None, backend: str = "auto", path: str = "auto",
+                  block_r: int = 16, block_g: int | None = None,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
 
@@ -162,6 +165,12 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             here, and under the interpreter, which lacks it).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
+        path: the Triton kernels: ``grouped`` (pairs sorted by expert, each expert's run of up to
+            16 tokens through ``tl.dot``), ``pairs`` (one program row per (token, expert) pair,
+            float32 multiply-adds on CUDA cores; FP4 and plain banks) or ``auto``
+            (``SHARDSMITH_MOE_PATH`` when set, else :func:`pick_path`).
+        block_r, block_g: the pair path's output rows per program and scale groups (FP4; plain:
+            elements) per loop step (default 8 groups, 256 elements).
         out_dtype: the result's dtype (default ``x.dtype``): float32 returns the float32 sum uncast
             (a split hybrid step adds the host's partial to it before the one cast).
 
@@ -186,6 +195,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     if scaled_dot and (interpreting() or x.dtype != torch.bfloat16):
         raise KernelError("fused_experts: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled) and bf16 "
                           f"activations, got {x.dtype}")
+    if _pick(path, fmt, x.shape[0]) == "pairs":
+        return _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4, float(limit), block_r,
+                      block_g or (8 if fp4 else 256), num_warps, out_dtype)
     scaled_dot = not interpreting() and x.dtype == torch.bfloat16 if scaled_dot is None else scaled_dot
     block_i = block_i or (64 if fp4 else 32)
     block_n = block_n or (128 if fp4 else 64)
@@ -220,5 +232,57 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     k._down_kernel[(P, triton.cdiv(D, block_n))](
         h, sorted_ids, order, down, ds, route, y, P, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1),
         D=D, I=I, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(I)), **common)
+    k._combine_kernel[(T, triton.cdiv(D, 1024))](y, out, D=D, TOP_K=TOP_K, BLOCK=1024, num_warps=4)
+    return out
+
+
+PATHS = ("auto", "grouped", "pairs")
+
+
+def pick_path(fmt: str, tokens: int) -> str:
+    """The kernel path ``auto`` takes for a bank format (``fp4``, ``fp8``, ``dense``) and batch size."""
+    return "grouped"
+
+
+def _pick(path: str, fmt: str, tokens: int) -> str:
+    if path == "auto":
+        path = os.environ.get("SHARDSMITH_MOE_PATH", "auto") or "auto"
+        if path not in PATHS:
+            raise KernelError(f"SHARDSMITH_MOE_PATH={path!r}: expected one of {', '.join(PATHS)}")
+        path = pick_path(fmt, tokens) if path == "auto" else path
+    if path not in PATHS:
+        raise KernelError(f"fused_experts: path {path!r}: expected one of {', '.join(PATHS)}")
+    if path == "pairs" and fmt == "fp8":
+        return "grouped"  # the pair path reads FP4 and plain banks; FP8 block scales stay grouped
+    return path
+
+
+def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool, limit: float, block_r: int,
+           block_g: int, num_warps: int, out_dtype) -> torch.Tensor:
+    """The pair path of :func:`fused_experts` (inputs checked there)."""
+    import triton
+
+    from shardsmith.runtime.layers.kernels import _moe_triton as k
+
+    (T, D), TOP_K = x.shape, ids.shape[1]
+    I, P = gate_up.shape[1] // 2, T * TOP_K
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids, route = ids.contiguous(), weights.float().contiguous()
+    if fp4:
+        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
+        gs, ds = gate_up_scale.view(torch.uint8), down_scale.view(torch.uint8)
+    else:
+        gs, ds = gate_up, down  # unused pointers
+    h = torch.empty((P, I), dtype=x.dtype, device=x.device)
+    y = torch.empty((P, D), dtype=torch.float32, device=x.device)
+    out = torch.empty((T, D), dtype=out_dtype or x.dtype, device=x.device)
+    g_max = triton.next_power_of_2(max(1, min(D, I) // 32 if fp4 else min(D, I)))
+    G = min(block_g, g_max)
+    k._pair_gate_up_kernel[(P, triton.cdiv(I, block_r))](
+        x, ids, gate_up, gs, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0), gs.stride(1), limit,
+        TOP_K=TOP_K, D=D, I=I, FP4=fp4, HAS_LIMIT=bool(limit), BLOCK_R=block_r, G=G, num_warps=num_warps)
+    k._pair_down_kernel[(P, triton.cdiv(D, block_r))](
+        h, ids, down, ds, route, y, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1), D=D, I=I, FP4=fp4,
+        BLOCK_R=block_r, G=G, num_warps=num_warps)
     k._combine_kernel[(T, triton.cdiv(D, 1024))](y, out, D=D, TOP_K=TOP_K, BLOCK=1024, num_warps=4)
     return out
