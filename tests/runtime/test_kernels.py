@@ -100,9 +100,10 @@ def test_fused_experts_long_run_and_slot_pool_view():
     bank = {name: t.view(torch.float8_e8m0fnu) if name.endswith("_scale") else t for name, t in bank.items()}
     pool = {name: t[::2] for name, t in bank.items()}  # slots 0..7 = experts 0, 2, ..., 14; rows contiguous
     slot_ids = ids // 2
-    out = fused_experts(x, slot_ids, weights, **pool, backend="triton")
     truth = fused_experts_reference(x.double(), slot_ids, weights, **pool)
-    assert rel_error(out, truth) < TOL
+    for path in ("grouped", "pairs"):
+        out = fused_experts(x, slot_ids, weights, **pool, backend="triton", path=path)
+        assert rel_error(out, truth) < TOL, path
 
 
 def test_kernels_refuse_bad_inputs_listing_every_problem():

@@ -135,7 +135,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                   down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                   down_scale: torch.Tensor | None = None, *, limit: float = 0.0,
                   block: tuple[int, int] | None = None, block_i: int | None = None,
-                  block_n: int | None = None, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                  block_n: int | None = None, block_k: int = 128, num_warps: int | None = None, num_stages: int = 3,
                   scaled_dot: bool | None = None, backend: str = "auto", path: str = "auto",
                   block_r: int = 16, block_g: int | None = None,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -159,7 +159,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         block_i, block_n: intermediate rows per gate_up program, hidden rows per down program
             (default 64, 128 for FP4 and 32, 64 for bf16 and FP8: the H200 sweep's fastest for FP4 and bf16);
         block_k: elements of the reduction dim (D, then I_r) per loop step;
-        num_warps, num_stages: Triton launch options; scaled_dot: FP4 through ``tl.dot_scaled``
+        num_warps, num_stages: Triton launch options (warps: 4; 8 on the pair path with a plain
+            bank); scaled_dot: FP4 through ``tl.dot_scaled``
             instead of the in-register decode (default: on when compiled with bf16 ``x``, 1.1-1.5x
             faster on the H200; off for float16/float32 ``x``, which ``tl.dot_scaled`` does not take
             here, and under the interpreter, which lacks it).
@@ -197,9 +198,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                           f"activations, got {x.dtype}")
     if _pick(path, fmt, x.shape[0]) == "pairs":
         return _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4, float(limit), block_r,
-                      block_g or (8 if fp4 else 256), num_warps, out_dtype)
+                      block_g or (8 if fp4 else 256), num_warps or (4 if fp4 else 8), out_dtype)
     scaled_dot = not interpreting() and x.dtype == torch.bfloat16 if scaled_dot is None else scaled_dot
-    block_i = block_i or (64 if fp4 else 32)
+    block_i, num_warps = block_i or (64 if fp4 else 32), num_warps or 4
     block_n = block_n or (128 if fp4 else 64)
 
     from shardsmith.runtime.layers.kernels import _moe_triton as k
@@ -240,7 +241,13 @@ PATHS = ("auto", "grouped", "pairs")
 
 
 def pick_path(fmt: str, tokens: int) -> str:
-    """The kernel path ``auto`` takes for a bank format (``fp4``, ``fp8``, ``dense``) and batch size."""
+    """The kernel path ``auto`` takes for a bank format (``fp4``, ``fp8``, ``dense``) and batch size.
+
+    From the H200 sweep (benchmarks/RESULTS.md, h200x1j): FP4 takes the pair path at every decode
+    batch (1.7x the grouped path at T = 1, 1.15x at T = 16); bf16 only up to 4 tokens (1.1x), past
+    that the grouped ``tl.dot`` reads each shared expert once and wins; FP8 stays grouped."""
+    if fmt == "fp4" or (fmt == "dense" and tokens <= 4):
+        return "pairs"
     return "grouped"
 
 
@@ -268,8 +275,8 @@ def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool,
     I, P = gate_up.shape[1] // 2, T * TOP_K
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, route = ids.contiguous(), weights.float().contiguous()
-    if fp4:
-        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
+    if fp4:  # int32 words of 8 codes (D and I_r are multiples of 32, so rows are whole words)
+        gate_up, down = gate_up.view(torch.uint8).view(torch.int32), down.view(torch.uint8).view(torch.int32)
         gs, ds = gate_up_scale.view(torch.uint8), down_scale.view(torch.uint8)
     else:
         gs, ds = gate_up, down  # unused pointers
