@@ -183,16 +183,10 @@ def _combine_kernel(y_ptr, out_ptr, D: tl.constexpr, TOP_K: tl.constexpr, BLOCK:
 
 
 @triton.jit
-def _e2m1_pairs_x16k(v):
-    """Two e2m1 codes per int32 lane (bits 0-3 and 16-19 of ``v``) as two float16 bit patterns
-    (bits 0-15 and 16-31) worth ``2^-14`` times the codes, exact: each code's three magnitude bits
-    become a float16's two low exponent bits and top mantissa bit (a subnormal when ``e = 0``)."""
-    return ((v & 0x00070007) << 9) | ((v & 0x00080008) << 12)
-
-
-@triton.jit
-def _half_to_f32(bits):
-    """float32 of the float16 whose bit pattern is the low 16 bits of an int32 tensor."""
+def _e2m1_x16k(code):
+    """float32 value of e2m1 codes (int32 tensor, 0..15) times ``2^-14``, exact: the three magnitude
+    bits become a float16's two low exponent bits and top mantissa bit (a subnormal when ``e = 0``)."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
@@ -201,25 +195,21 @@ def _pair_rows(a_ptr, w_e, s_e, rows, ok, stride_w, stride_s, KDIM: tl.constexpr
                BLOCK_R: tl.constexpr, G: tl.constexpr):
     """``W[rows, :KDIM] @ a[:KDIM]`` in float32 ``[BLOCK_R]`` for one expert ``W`` at ``w_e``.
 
-    FP4 (``w_e`` an int32 view: 8 codes per word, element ``8j + n`` in bits ``4n..4n+3``): each
-    step reads ``G`` scale groups (4 words) of every row and decodes two codes per integer op
-    (elements ``n`` and ``n + 4`` of a word share a lane), sums each group in float32 and scales it
-    by its UE8M0 byte. Plain weights: ``G`` elements per step."""
+    FP4: each step reads ``G`` scale groups (``16*G`` bytes) of every row, decodes both nibbles
+    (element ``2i`` in the low one), sums each group in float32 and scales it by its UE8M0 byte.
+    Plain weights: ``G`` elements per step."""
     acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
     if FP4:
-        j = tl.arange(0, 4)
+        b = tl.arange(0, 16)
         for g0 in range(0, KDIM // 32, G):
             g = g0 + tl.arange(0, G)
             g_ok = g < KDIM // 32
-            k = g[:, None, None] * 32 + j[None, :, None] * 8 + j[None, None, :]  # [G, 4, 4]: word, code n < 4
-            a_lo = tl.load(a_ptr + k, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
-            a_hi = tl.load(a_ptr + k + 4, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + g[:, None] * 32 + tl.arange(0, 32)[None, :], mask=g_ok[:, None], other=0.0)
+            a_lo, a_hi = tl.split(tl.reshape(a.to(tl.float32), (G, 16, 2)))  # each byte's even, odd element
             m = ok[:, None] & g_ok[None, :]
-            word = tl.load(w_e + rows[:, None, None] * stride_w + (g[:, None] * 4 + j[None, :])[None, :, :],
-                           mask=m[:, :, None], other=0)  # [BLOCK_R, G, 4] int32
-            bits = _e2m1_pairs_x16k(word[:, :, :, None] >> (4 * j)[None, None, None, :])  # [BLOCK_R, G, 4, 4]
-            prod = _half_to_f32(bits) * a_lo[None, :, :, :] + _half_to_f32(bits >> 16) * a_hi[None, :, :, :]
-            part = tl.sum(tl.sum(prod, axis=3), axis=2)
+            byte = tl.load(w_e + rows[:, None, None] * stride_w + (g[:, None] * 16 + b[None, :])[None, :, :],
+                           mask=m[:, :, None], other=0).to(tl.int32)  # [BLOCK_R, G, 16]
+            part = tl.sum(_e2m1_x16k(byte & 15) * a_lo[None, :, :] + _e2m1_x16k(byte >> 4) * a_hi[None, :, :], axis=2)
             acc += part * _ue8m0(tl.load(s_e + rows[:, None] * stride_s + g[None, :], mask=m, other=0))
         return tl.sum(acc, axis=1) * 16384.0  # undo the decode's 2^-14 (exact: a power of two)
     else:

@@ -275,8 +275,8 @@ def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool,
     I, P = gate_up.shape[1] // 2, T * TOP_K
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, route = ids.contiguous(), weights.float().contiguous()
-    if fp4:  # int32 words of 8 codes (D and I_r are multiples of 32, so rows are whole words)
-        gate_up, down = gate_up.view(torch.uint8).view(torch.int32), down.view(torch.uint8).view(torch.int32)
+    if fp4:
+        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
         gs, ds = gate_up_scale.view(torch.uint8), down_scale.view(torch.uint8)
     else:
         gs, ds = gate_up, down  # unused pointers
