@@ -9,6 +9,7 @@
 # compiles Triton kernel specializations (seconds, once per length per host cache).
 # Target (issue 14): 8 streams >= 4x the single-stream aggregate tokens/s, per-stream >= 0.5x.
 # OFFLOAD=0 serves with experts resident only; PREFILL_EACH=1 adds resident rows with --decode-prompt-tokens 0;
+# SWITCH_MS="0.2 1" adds resident rows per thread switch interval (SHARDSMITH_SWITCH_INTERVAL_MS);
 # UNCOMPILED=1 adds resident rows with SHARDSMITH_COMPILE_PIECES=0 (the pieces not torch.compile'd);
 # BATCH_STEP=1 times the engine step alone at 1-8 rows (benchmarks/batch_step.py, device time by kernel).
 # Rows also say where a step's time went (engine step ms, text side ms, engine busy share: from /metrics).
@@ -51,6 +52,12 @@ if [ "${PREFILL_EACH:-0}" = 1 ]; then  # side by side: every prompt through its 
         2>&1 | tee "$OUT/resident_prefill_each.log" | tail -8
     echo "resident, prefill each $((SECONDS - t0)) s"
 fi
+for ms in ${SWITCH_MS:-}; do  # side by side: the interpreter's switch interval (SHARDSMITH_SWITCH_INTERVAL_MS)
+    SHARDSMITH_SWITCH_INTERVAL_MS=$ms timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 \
+        --device cuda --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" --label "resident, switch interval $ms ms" \
+        --out "$json" --append 2>&1 | tee "$OUT/resident_switch_$ms.log" | tail -8
+    echo "resident, switch interval $ms ms $((SECONDS - t0)) s"
+done
 if [ "${UNCOMPILED:-0}" = 1 ]; then  # side by side: the row-wise pieces not torch.compile'd (SHARDSMITH_COMPILE_PIECES=0)
     SHARDSMITH_COMPILE_PIECES=0 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda \
         --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" --label "resident, pieces not compiled" --out "$json" \

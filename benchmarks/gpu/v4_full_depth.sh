@@ -12,7 +12,8 @@
 #      and 25% cache, eager and graphed, graphed steps profiled (device ops, GPU busy share);
 #   3. the same at full depth: 43 layers with the release's kinds (2 sliding, 21 CSA, 20 HCA, first 3
 #      hash-routed) x 24 experts, resident and 25% cache.
-# Logs, the results JSONs and the host profiles go to $OUT. SKIP_TESTS=1 skips step 1's tests.
+# Logs, the results JSONs and the host profiles go to $OUT. SKIP_TESTS=1 skips step 1's tests;
+# RUNS="43-24" runs step 3 alone (layers-experts pairs, space separated).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD SHARDSMITH_CACHE=${SHARDSMITH_CACHE:-/tmp/sscache}
@@ -33,8 +34,8 @@ fi
 wait $gen; tail -1 "$OUT/gen.log"; echo "gen $((SECONDS - t0)) s"
 common=(/tmp/v4t5 --work /tmp/v4p --device cuda --tp 1 --prompt 16 --tokens 16 --kinds-config "$inv/config.json"
         --cache-fraction 0.25)
-for run in "4 256" "43 24"; do
-    set -- $run
+for run in ${RUNS:-4-256 43-24}; do
+    set -- ${run/-/ }
     name=$host-${1}l${2}e
     SHARDSMITH_HOST=$name timeout "${BENCH_S:-125}" python3 benchmarks/v4_decode.py "${common[@]}" --layers "$1" \
         --experts-per-layer "$2" --hang-s $(( ${BENCH_S:-125} - 8 )) --profile "/tmp/prof-$name" > "$OUT/v4_$name.log" 2>&1

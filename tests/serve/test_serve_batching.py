@@ -192,3 +192,24 @@ def test_n_streamed_chat_choices_interleave_and_each_ends(server: Server) -> Non
         text = "".join(c["delta"].get("content", "") for c in mine)
         assert text == whole["choices"][i]["message"]["content"]
     assert events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] > 0
+
+
+def test_switch_interval_from_the_environment(monkeypatch):
+    """``SHARDSMITH_SWITCH_INTERVAL_MS`` sets the interpreter's switch interval; junk is refused by name."""
+    import sys
+
+    from shardsmith.errors import UsageError
+    from shardsmith.runtime.serve.worker import set_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        monkeypatch.setenv("SHARDSMITH_SWITCH_INTERVAL_MS", "0.25")
+        assert set_switch_interval() == pytest.approx(0.00025)
+        for bad in ("0", "-1", "fast"):
+            monkeypatch.setenv("SHARDSMITH_SWITCH_INTERVAL_MS", bad)
+            with pytest.raises(UsageError, match=f"SHARDSMITH_SWITCH_INTERVAL_MS={bad!r}"):
+                set_switch_interval()
+        monkeypatch.delenv("SHARDSMITH_SWITCH_INTERVAL_MS")
+        assert set_switch_interval() == pytest.approx(0.00025)  # unset: what is in force stays
+    finally:
+        sys.setswitchinterval(before)

@@ -164,6 +164,51 @@ class Job:
             pass
 
 
+def _put_all(items: list[tuple[asyncio.Queue, TextEvent]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def emit_all(pairs: list[tuple[Job, TextEvent]]) -> None:
+    """Deliver one step's events with one ``call_soon_threadsafe`` per event loop (one wake-up of
+    the loop per step, not one per sequence), in order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for job, ev in pairs:
+        by_loop.setdefault(job.loop, []).append((job.events, ev))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # loop closed: the server is gone
+            pass
+
+
+def set_switch_interval(env: str = "SHARDSMITH_SWITCH_INTERVAL_MS") -> float:
+    """Apply ``$SHARDSMITH_SWITCH_INTERVAL_MS`` (milliseconds, > 0) as the interpreter's thread
+    switch interval (``sys.setswitchinterval``) and return the interval in force, in seconds.
+
+    The engine thread holds the GIL only between device waits; when a step's result is ready while
+    the event loop runs Python (sending other streams' events), the engine waits for the loop to
+    release the GIL: at an I/O call, or at the latest after the switch interval (Python's default:
+    5 ms, two decode steps at 8 streams on an H200). Unset: the default stays.
+
+    Raises:
+        UsageError: the value is not a positive number.
+    """
+    import os
+    import sys
+
+    text = os.environ.get(env, "").strip()
+    if text:
+        try:
+            ms = float(text)
+        except ValueError:
+            ms = -1.0
+        if not ms > 0:
+            raise UsageError(f"{env}={text!r}: expected a positive number of milliseconds")
+        sys.setswitchinterval(ms / 1e3)
+    return sys.getswitchinterval()
+
+
 class EngineWorker:
     """Owns the engine on one thread and runs the continuous batch.
 
@@ -204,6 +249,7 @@ class EngineWorker:
         self._sched: Any = None
 
     def start(self) -> None:
+        set_switch_interval()
         self._thread.start()
 
     def submit(self, *jobs: Job) -> None:
@@ -368,10 +414,11 @@ class EngineWorker:
         events = [(seq.tag, seq.tag.text.push(out)) for seq, out in outputs]
         # recorded before any event leaves: a client that read its last token sees this step counted
         self.metrics.step_time(engine_seconds=now - t0, output_seconds=time.perf_counter() - now)
-        for job, ev in events:
+        for job, _ in events:
             self.metrics.token(first=job.tokens == 0, since=now - job.last)
             job.tokens, job.last = job.tokens + 1, now
-            job.emit(ev)
+        emit_all(events)
+        for job, ev in events:
             if ev.finish_reason is not None:  # a stop token or length (already left), or a stop string
                 self._finish(job, emit_done=True)
 
