@@ -1,6 +1,8 @@
 """Triton kernels behind :func:`~shardsmith.runtime.layers.kernels.fused_moe.fused_experts`.
 
-Three launches per call, after one device sort of the (token, expert) pairs by expert (or slot) id:
+Two paths. The pair path (end of this file: ``_pair_gate_up_kernel``, ``_pair_down_kernel``, then the
+combine) gives every (token, expert) pair its own programs. The grouped path: three launches per
+call, after one device sort of the (token, expert) pairs by expert (or slot) id:
 
 1. :func:`_gate_up_kernel`, grid ``(P, cdiv(I, BLOCK_I))``: the program at sorted position ``j``
    leads when ``j`` starts a run of one expert (or each 16th pair of a longer run); it gathers the

@@ -1,7 +1,12 @@
 """Fused routed experts for decode: gate_up + SwiGLU (clamped) + down, weighted and summed per token.
 
 Reference: :func:`fused_experts_reference` (the DeepSeek-V4 pair path: gather each pair's expert,
-``expand_pairs``, ``routed_pairs``); :func:`fused_experts` is the Triton kernel that replaces it.
+``expand_pairs``, ``routed_pairs``); :func:`fused_experts` is the Triton kernel that replaces it,
+by one of two paths (``_moe_triton.py``): ``grouped`` sorts the (token, expert) pairs by expert and
+runs each expert's tokens through ``tl.dot`` (each expert's bytes read once per call), ``pairs``
+gives each pair its own programs and multiply-adds on CUDA cores (an expert chosen by several tokens
+is read once per pair, mostly from L2; faster for FP4 decode, whose tensor-core upcast costs more
+than the bytes: benchmarks/RESULTS.md, h200x1j). :func:`pick_path` chooses per format and batch.
 
 A bank is indexed by expert id (the resident bank) or by slot id (the GPU slot pool of the expert
 cache): one layout, one code path. Bank arrays (``runtime/layers/experts.py``; FP4 stays packed,
@@ -141,12 +146,13 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
 
-    Every selected expert's bytes are read once per call however many tokens chose it, straight from
-    the (packed) bank: nothing is gathered or expanded to memory. The launch shapes depend on T*K
-    alone and nothing syncs with the host, so a decode step can be captured in a CUDA graph. Ids are
-    not range-checked (that would sync): an id outside ``[0, E)`` reads out of bounds.
+    Experts are read straight from the (packed) bank: nothing is gathered or expanded to memory (the
+    grouped path reads each selected expert once per call, the pair path once per pair). The launch
+    shapes depend on T*K alone and nothing syncs with the host, so a decode step can be captured in
+    a CUDA graph. Ids are not range-checked (that would sync): an id outside ``[0, E)`` reads out of
+    bounds. On the pair path a token's result does not depend on the other tokens of the call.
 
-    Compiles (issue 14): a variant per ``BLOCK_P = next_pow2(T*K)`` and class of ``P`` (1, a
+    Compiles (issue 14; the grouped path): a variant per ``BLOCK_P = next_pow2(T*K)`` and class of ``P`` (1, a
     multiple of 16, other), at most 7 per bank over T = 1..16, the tokens callers pass
     (``experts.FUSED_TOKENS_MAX``); the engine's warm-up launches T = 1..16 at start.
 
