@@ -92,7 +92,7 @@ def test_warmup_launches_every_variant_serving_uses(tiny, monkeypatch, flush_den
                 eng.prefill(s, [5, 6, 7], 0)
             eng.decode([1] * rows, [3] * rows, list(range(rows)))
     names = {key[0] for key in served}
-    assert {"_fp8_linear_kernel", "_fp8_linear_long_kernel", "_gate_up_kernel"} <= names
+    assert {"_fp8_linear_kernel", "_fp8_linear_long_kernel", "_pair_gate_up_kernel"} <= names  # FP4: the pair path
     missing = set(served) - set(warm)
     assert not missing, f"{len(missing)} variants compiled while serving: {sorted(k[0] for k in missing)}"
 

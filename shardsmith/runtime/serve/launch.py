@@ -168,6 +168,17 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
     return 0
 
 
+def _leave_group() -> None:
+    """Destroy this rank's process group after a clean finish (every rank got here: rank 0's job
+    returned after its shutdown broadcast, the others left ``Engine.follow()`` on it). Left to
+    interpreter teardown, gloo's worker threads can be destroyed still joinable, which aborts the
+    rank ("terminate called without an active exception", exit -6) after its answer was printed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _watch_parent(ppid: int) -> None:
     while True:
         time.sleep(1.0)
@@ -305,8 +316,10 @@ def launch(spec: LaunchSpec, job: Job, *, log_level: int = logging.INFO) -> int:
             raise UsageError(f"torchrun started {ws} ranks but the pack needs world_size={spec.world_size}")
         setup_logging(rank, log_level)
         try:
-            return run_rank(spec, job, rank=rank, world_size=ws, local_rank=int(os.environ["LOCAL_RANK"]),
+            code = run_rank(spec, job, rank=rank, world_size=ws, local_rank=int(os.environ["LOCAL_RANK"]),
                             init_method="env://")
+            _leave_group()
+            return code
         except ShardsmithError as e:
             if EXIT_CODES.get(cls := error_class(e), 1) > exit_code_for(e):
                 raise cls(str(e)) from e  # its cause sets the exit code
