@@ -118,6 +118,25 @@ def test_kernels_refuse_bad_inputs_listing_every_problem():
         fused_experts(torch.ones(2, 64), ids, weights, **bank, backend="fast")
 
 
+def test_auto_path_by_format_and_batch(monkeypatch):
+    """``auto``: the pair path for FP4 decode batches (<= 16 tokens) and bf16 up to 4, grouped
+    otherwise (FP8 always); ``SHARDSMITH_MOE_PATH`` overrides it, and a bad value is refused by name."""
+    from shardsmith.runtime.layers.kernels.fused_moe import _pick, pick_path
+
+    assert [pick_path("fp4", t) for t in (1, 8, 16, 17)] == ["pairs", "pairs", "pairs", "grouped"]
+    assert [pick_path("dense", t) for t in (1, 4, 5)] == ["pairs", "pairs", "grouped"]
+    assert pick_path("fp8", 1) == "grouped"
+    monkeypatch.setenv("SHARDSMITH_MOE_PATH", "grouped")
+    assert _pick("auto", "fp4", 1) == "grouped" and _pick("pairs", "fp4", 1) == "pairs"
+    monkeypatch.setenv("SHARDSMITH_MOE_PATH", "pairs")
+    assert _pick("auto", "dense", 16) == "pairs" and _pick("auto", "fp8", 1) == "grouped"  # FP8 has no pair path
+    monkeypatch.setenv("SHARDSMITH_MOE_PATH", "fastest")
+    with pytest.raises(KernelError, match="SHARDSMITH_MOE_PATH='fastest'"):
+        _pick("auto", "fp4", 1)
+    with pytest.raises(KernelError, match="path 'fast'"):
+        _pick("fast", "fp4", 1)
+
+
 def test_reference_backend_needs_no_triton():
     """``backend='reference'`` (and ``auto`` off CUDA without the interpreter) is the plain PyTorch path."""
     bank, ids, weights, x = _bank_case(True, tokens=2, top_k=2, experts=4, dim=64, inter=32, seed=1)

@@ -250,9 +250,14 @@ def pick_path(fmt: str, tokens: int) -> str:
     """The kernel path ``auto`` takes for a bank format (``fp4``, ``fp8``, ``dense``) and batch size.
 
     From the H200 sweep (benchmarks/RESULTS.md, h200x1j): FP4 takes the pair path at every decode
-    batch (1.7x the grouped path at T = 1, 1.15x at T = 16); bf16 only up to 4 tokens (1.1x), past
-    that the grouped ``tl.dot`` reads each shared expert once and wins; FP8 stays grouped."""
-    if fmt == "fp4" or (fmt == "dense" and tokens <= 4):
+    batch up to 16 tokens (1.7x the grouped path at T = 1, 1.15x at T = 16); bf16 only up to 4
+    tokens (1.1x), past that the grouped ``tl.dot`` reads each shared expert once and wins; FP8 and
+    longer batches (prefill: the pair path would read an expert once per token) stay grouped.
+
+    >>> pick_path("fp4", 1), pick_path("fp4", 16), pick_path("fp4", 17), pick_path("dense", 8)
+    ('pairs', 'pairs', 'grouped', 'grouped')
+    """
+    if fmt == "fp4" and tokens <= 16 or fmt == "dense" and tokens <= 4:
         return "pairs"
     return "grouped"
 
