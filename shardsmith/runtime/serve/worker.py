@@ -28,6 +28,8 @@ import asyncio
 import collections
 import enum
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -194,9 +196,6 @@ def set_switch_interval(env: str = "SHARDSMITH_SWITCH_INTERVAL_MS") -> float:
     Raises:
         UsageError: the value is not a positive number.
     """
-    import os
-    import sys
-
     text = os.environ.get(env, "").strip()
     if text:
         try:

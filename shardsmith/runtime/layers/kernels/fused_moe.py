@@ -213,20 +213,10 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
 
     (T, D), TOP_K = x.shape, ids.shape[1]
     I, P = gate_up.shape[1] // 2, T * TOP_K
-    x = x if x.stride(-1) == 1 else x.contiguous()
     sorted_ids, order = ids.flatten().to(torch.int32).sort(stable=True)  # [P] each, on the device
     order = order.to(torch.int32)
     route = weights.float().flatten().contiguous()  # [P]
-    if fp4:
-        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
-        gs, ds = gate_up_scale.view(torch.uint8), down_scale.view(torch.uint8)
-    elif fmt == "fp8":
-        gs, ds = gate_up_scale, down_scale
-    else:
-        gs, ds = gate_up, down  # unused pointers
-    h = torch.empty((P, I), dtype=x.dtype, device=x.device)
-    y = torch.empty((P, D), dtype=torch.float32, device=x.device)
-    out = torch.empty((T, D), dtype=out_dtype or x.dtype, device=x.device)
+    x, gate_up, down, gs, ds, h, y, out = _operands(fmt, x, gate_up, down, gate_up_scale, down_scale, P, out_dtype)
     b0, b1 = block if fmt == "fp8" else (1, 1)
     common = dict(FP4=fp4, FP8=fmt == "fp8", B0=b0, B1=b1, S_R=gs.shape[1] // 2, SCALED_DOT=scaled_dot and fp4,
                   DOT_F32=x.dtype == torch.float32 or interpreting(),
@@ -275,6 +265,25 @@ def _pick(path: str, fmt: str, tokens: int) -> str:
     return path
 
 
+def _operands(fmt: str, x, gate_up, down, gate_up_scale, down_scale, P: int, out_dtype) -> tuple:
+    """What both paths' kernels take: ``x`` with contiguous rows, the bank as the kernels read it
+    (FP4 bytes and UE8M0 scales as uint8; a plain bank's scale pointers are unused stand-ins), and
+    the buffers ``h [P, I_r]`` (x's dtype), ``y [P, D]`` (float32) and ``out [T, D]``."""
+    (T, D), I = x.shape, gate_up.shape[1] // 2
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if fmt == "fp4":
+        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
+        gs, ds = gate_up_scale.view(torch.uint8), down_scale.view(torch.uint8)
+    elif fmt == "fp8":
+        gs, ds = gate_up_scale, down_scale
+    else:
+        gs, ds = gate_up, down  # unused pointers
+    h = torch.empty((P, I), dtype=x.dtype, device=x.device)
+    y = torch.empty((P, D), dtype=torch.float32, device=x.device)
+    out = torch.empty((T, D), dtype=out_dtype or x.dtype, device=x.device)
+    return x, gate_up, down, gs, ds, h, y, out
+
+
 def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool, limit: float, block_r: int,
            block_g: int, num_warps: int, out_dtype) -> torch.Tensor:
     """The pair path of :func:`fused_experts` (inputs checked there)."""
@@ -284,16 +293,9 @@ def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool,
 
     (T, D), TOP_K = x.shape, ids.shape[1]
     I, P = gate_up.shape[1] // 2, T * TOP_K
-    x = x if x.stride(-1) == 1 else x.contiguous()
     ids, route = ids.contiguous(), weights.float().contiguous()
-    if fp4:
-        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
-        gs, ds = gate_up_scale.view(torch.uint8), down_scale.view(torch.uint8)
-    else:
-        gs, ds = gate_up, down  # unused pointers
-    h = torch.empty((P, I), dtype=x.dtype, device=x.device)
-    y = torch.empty((P, D), dtype=torch.float32, device=x.device)
-    out = torch.empty((T, D), dtype=out_dtype or x.dtype, device=x.device)
+    x, gate_up, down, gs, ds, h, y, out = _operands("fp4" if fp4 else "dense", x, gate_up, down, gate_up_scale,
+                                                    down_scale, P, out_dtype)
     g_max = triton.next_power_of_2(max(1, min(D, I) // 32 if fp4 else min(D, I)))
     G = min(block_g, g_max)
     k._pair_gate_up_kernel[(P, triton.cdiv(I, block_r))](
