@@ -17,7 +17,11 @@ different prompts), ``--repeat`` times. Client: the ``openai`` package when inst
   (mean engine step: prefill chunks, batched decode, token choice), ``step_output_ms`` (mean text
   side per step: detokenise, stop strings), ``mean_decode_rows`` and ``engine_busy_share``
   (engine step seconds over the run's wall seconds, first request sent to last stream's end; the
-  rest is the server and the clients).
+  rest is the server and the clients);
+- with ``--step-trace FILE`` (the server's ``SHARDSMITH_STEP_TRACE``), the engine steps by kind: count
+  and mean ms of steps that prefilled a prompt eagerly (``prefill_*``), fed prompt tokens through
+  decode rows (``feeding_*``) or only decoded (``decode_*``), and the mean ms per step between steps
+  (``gap_ms_per_step``), on the text side and handing events to the event loop.
 
 Medians over ``--repeat``. Writes ``benchmarks/results/serve_concurrency-<YYYYMMDD>-<host>.json``
 (``SHARDSMITH_HOST`` labels the host), or ``--out FILE``.
@@ -64,12 +68,14 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def start_server(pack: Path, *, device: str, dtype: str, max_num_seqs: int, extra: list[str], log: Path):
+def start_server(pack: Path, *, device: str, dtype: str, max_num_seqs: int, extra: list[str], log: Path,
+                 trace: Path | None = None):
     port = free_port()
+    env = os.environ | {"PYTHONUNBUFFERED": "1"} | ({"SHARDSMITH_STEP_TRACE": str(trace)} if trace else {})
     cmd = [sys.executable, "-m", "shardsmith.cli", "serve", str(pack), "--port", str(port), "--dist-port",
            str(free_port()), "--device", device, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
            "--served-model-name", "bench", *extra]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline:
@@ -192,6 +198,35 @@ def step_split(before: dict[str, float], after: dict[str, float], wall_s: float)
             "engine_busy_share": d["shardsmith_engine_step_seconds_sum"] / wall_s}
 
 
+def trace_lines(path: Path, start: int, timeout: float = 10.0) -> list[dict]:
+    """The server's step-trace lines from line ``start`` on, once the run's last step (nothing running
+    or waiting) is written: the server writes its buffered lines when the batch goes idle."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [json.loads(x) for x in path.read_text().splitlines()[start:]] if path.exists() else []
+        if lines and lines[-1]["running"] == 0 and lines[-1]["waiting"] == 0 or time.monotonic() > deadline:
+            return lines
+
+
+def trace_split(lines: list[dict]) -> dict:
+    """Where a run's engine steps went, by kind, from its step-trace lines (``SHARDSMITH_STEP_TRACE``):
+    steps that prefilled a prompt eagerly, steps that fed prompt tokens through decode rows, and the
+    rest (decode only); mean engine ms of each kind, their counts, and the mean ms per step between
+    steps (``gap``), on the text side and handing events to the event loop (``emit``)."""
+    if not lines:
+        return {}
+    kinds = {"prefill": [x for x in lines if x["prefill_tokens"]],
+             "feeding": [x for x in lines if x["feeding_rows"] and not x["prefill_tokens"]],
+             "decode": [x for x in lines if not x["feeding_rows"] and not x["prefill_tokens"]]}
+    out = {}
+    for kind, xs in kinds.items():
+        out[f"{kind}_steps"] = len(xs)
+        out[f"{kind}_step_ms"] = 1e3 * statistics.mean(x["engine_s"] for x in xs) if xs else 0.0
+    for part in ("gap", "output", "emit"):
+        out[f"{part}_ms_per_step"] = 1e3 * statistics.mean(x[f"{part}_s"] for x in lines[1:] or lines)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("pack", type=Path)
@@ -204,6 +239,9 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a name for this configuration in the rows (resident, offload-25%%)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON here instead of benchmarks/results/")
     ap.add_argument("--append", action="store_true", help="add the rows to --out's existing rows")
+    ap.add_argument("--step-trace", type=Path, default=None,
+                    help="have the server write a line per engine step here (SHARDSMITH_STEP_TRACE); rows then say "
+                         "how long prefill, prompt-feeding and decode-only steps took")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])
@@ -217,7 +255,10 @@ def main() -> None:
     tag = re.sub(r"[^A-Za-z0-9]+", "-", a.label).strip("-")
     log = Path(os.environ.get("OUT", "/tmp")) / f"serve_concurrency{'-' + tag if tag else ''}.log"
     load_before = os.getloadavg()
-    proc, url = start_server(a.pack, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, extra=extra, log=log)
+    if a.step_trace is not None and a.step_trace.exists():
+        a.step_trace.unlink()  # a previous run's lines (before the server opens the file)
+    proc, url = start_server(a.pack, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, extra=extra, log=log,
+                              trace=a.step_trace)
     rows = []
     try:
         run_concurrency(url, 1, 4, stream)  # warm: the first request's one-time costs
@@ -225,8 +266,10 @@ def main() -> None:
             runs = []
             for _ in range(a.repeat):
                 before = scrape(url)
+                mark = len(a.step_trace.read_text().splitlines()) if a.step_trace and a.step_trace.exists() else 0
                 run = run_concurrency(url, c, a.tokens, stream)
-                runs.append(run | step_split(before, scrape(url), run["wall_s"]))
+                runs.append(run | step_split(before, scrape(url), run["wall_s"])
+                            | (trace_split(trace_lines(a.step_trace, mark)) if a.step_trace else {}))
             row = {k: statistics.median(r[k] for r in runs) for k in runs[0] if all(k in r for r in runs)}
             rows.append({"label": a.label, "pack": a.pack.name, "device": a.device, "dtype": a.dtype,
                          "max_num_seqs": a.max_num_seqs, "concurrency": c, "tokens_per_request": a.tokens,
@@ -244,6 +287,14 @@ def main() -> None:
               f"{r['ttft_s']:>8.3f} {r.get('aggregate_vs_1', 0):>9.2f} {r.get('per_stream_vs_1', 0):>9.2f} {r['errors']:>6} "
               f"{r.get('server_ttft_s', 0):>8.3f} {r.get('engine_step_ms', 0):>8.2f} {r.get('step_output_ms', 0):>8.2f} {r.get('mean_decode_rows', 0):>5.1f} "
               f"{r.get('engine_busy_share', 0):>5.2f}")
+    if a.step_trace:
+        print(f"{'streams':>7} {'prefill steps (ms)':>19} {'feeding steps (ms)':>19} {'decode steps (ms)':>18} "
+              f"{'gap ms':>7} {'text ms':>7} {'emit ms':>7}")
+        for r in rows:
+            print(f"{r['concurrency']:>7} " + " ".join(
+                f"{r.get(k + '_steps', 0):>9.0f} ({r.get(k + '_step_ms', 0):6.2f})" for k in ("prefill", "feeding")) +
+                f" {r.get('decode_steps', 0):>8.0f} ({r.get('decode_step_ms', 0):6.2f}) {r.get('gap_ms_per_step', 0):>7.3f} "
+                f"{r.get('output_ms_per_step', 0):>7.3f} {r.get('emit_ms_per_step', 0):>7.3f}")
     from _results import save_results
 
     # the 1-minute load average before and after: on a shared machine other work skews every number

@@ -11,6 +11,8 @@
 # OFFLOAD=0 serves with experts resident only; PREFILL_EACH=1 adds resident rows with --decode-prompt-tokens 0;
 # SWITCH_MS="0.2 1" adds resident rows per thread switch interval (SHARDSMITH_SWITCH_INTERVAL_MS);
 # UNCOMPILED=1 adds resident rows with SHARDSMITH_COMPILE_PIECES=0 (the pieces not torch.compile'd);
+# FEED_TOKENS="32 64" adds resident rows per --decode-prompt-tokens value (prompts up to N tokens fed through decode rows);
+# every serving row also writes the server's step trace to $OUT/steps-<label>.jsonl (prefill / feeding / decode steps).
 # BATCH_STEP=1 times the engine step alone at 1-8 rows (benchmarks/batch_step.py, device time by kernel).
 # Rows also say where a step's time went (engine step ms, text side ms, engine busy share: from /metrics).
 # PHASE=gen writes and splits the checkpoint only (to run beside other GPU work); PHASE=serve then serves it.
@@ -44,7 +46,7 @@ echo "gen + split $((SECONDS - t0)) s"
 json="$OUT/serve_concurrency-$(date +%Y%m%d)-${SHARDSMITH_HOST}.json"
 rm -f "$json"
 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" \
-    --label resident --out "$json" --append 2>&1 | tee "$OUT/resident.log" | tail -8
+    --label resident --out "$json" --append --step-trace "$OUT/steps-resident.jsonl" 2>&1 | tee "$OUT/resident.log" | tail -12
 echo "resident $((SECONDS - t0)) s"
 if [ "${PREFILL_EACH:-0}" = 1 ]; then  # side by side: every prompt through its own prefill forward, as before d3b2661
     timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" \
@@ -52,6 +54,12 @@ if [ "${PREFILL_EACH:-0}" = 1 ]; then  # side by side: every prompt through its 
         2>&1 | tee "$OUT/resident_prefill_each.log" | tail -8
     echo "resident, prefill each $((SECONDS - t0)) s"
 fi
+for n in ${FEED_TOKENS:-}; do  # side by side: longer prompts fed through decode rows instead of an eager prefill
+    timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" \
+        --repeat "${REPEAT:-3}" --label "resident, prompts of <= $n fed" --out "$json" --append --step-trace "$OUT/steps-feed$n.jsonl" \
+        -- --decode-prompt-tokens "$n" 2>&1 | tee "$OUT/resident_feed$n.log" | tail -12
+    echo "resident, prompts of <= $n fed $((SECONDS - t0)) s"
+done
 for ms in ${SWITCH_MS:-}; do  # side by side: the interpreter's switch interval (SHARDSMITH_SWITCH_INTERVAL_MS)
     SHARDSMITH_SWITCH_INTERVAL_MS=$ms timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 \
         --device cuda --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" --label "resident, switch interval $ms ms" \

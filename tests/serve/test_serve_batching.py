@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import time
 from pathlib import Path
 
@@ -38,7 +39,13 @@ REQUESTS = [
 @pytest.fixture(scope="module")
 def server(smollm2_pack, tmp_path_factory):
     """A TP=1 server; the TP=2 one runs in its own test (load is the slow part on this CPU)."""
-    srv = Server(smollm2_pack(1), tmp_path_factory.mktemp("log") / "serve.log", *FLAGS, model=MODEL)
+    logs = tmp_path_factory.mktemp("log")
+    os.environ["SHARDSMITH_STEP_TRACE"] = str(logs / "steps.jsonl")  # read by test_step_trace_accounts_for_every_token
+    try:
+        srv = Server(smollm2_pack(1), logs / "serve.log", *FLAGS, model=MODEL)
+    finally:
+        del os.environ["SHARDSMITH_STEP_TRACE"]
+    srv.trace = logs / "steps.jsonl"
     try:
         srv.wait_ready()
         yield srv
@@ -192,6 +199,33 @@ def test_n_streamed_chat_choices_interleave_and_each_ends(server: Server) -> Non
         text = "".join(c["delta"].get("content", "") for c in mine)
         assert text == whole["choices"][i]["message"]["content"]
     assert events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] > 0
+
+
+def test_step_trace_accounts_for_every_token(server: Server) -> None:
+    """``SHARDSMITH_STEP_TRACE``: one line per engine step, written when the batch goes idle; over two
+    concurrent requests the lines count every prompt token (prefilled in chunks of 8 on a CPU, where
+    no prompt is fed through decode rows) and every generated one (a decode row, or the token sampled
+    from a prompt's last chunk)."""
+    def lines() -> list[dict]:
+        return [json.loads(x) for x in server.trace.read_text().splitlines()] if server.trace.exists() else []
+
+    time.sleep(0.5)  # the batch is idle between tests: what earlier tests ran is written
+    before = len(lines())
+    bodies = [{"prompt": "The capital of France is", "max_tokens": 7},
+              {"prompt": "def fibonacci(n):\n    return", "max_tokens": 5}]
+    with cf.ThreadPoolExecutor(2) as pool:
+        usage = list(pool.map(lambda b: httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "temperature": 0} | b,
+                                                   timeout=900).json()["usage"], bodies))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (new := lines()[before:]):
+        time.sleep(0.2)
+    assert new, "no step lines were written after the requests"
+    assert sum(x["prefill_tokens"] for x in new) == sum(u["prompt_tokens"] for u in usage)
+    assert sum(x["feeding_rows"] for x in new) == 0
+    first_tokens = 2  # each request's first token comes from its last prefill chunk, not a decode row
+    assert sum(x["rows"] for x in new) + first_tokens == sum(u["completion_tokens"] for u in usage)
+    assert max(x["rows"] for x in new) == 2 and all(x["engine_s"] > 0 and x["gap_s"] >= 0 for x in new)
+    assert [x["t_s"] for x in new] == sorted(x["t_s"] for x in new)
 
 
 def test_switch_interval_from_the_environment(monkeypatch):

@@ -98,6 +98,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._free = list(range(engine.max_num_seqs))[::-1]  # pop() gives the lowest slot
         self.last_batch = 0  # rows of the last decode step
+        self.last_feeding = 0  # of them, rows that fed a prompt token (decode_prompt_tokens)
+        self.last_prefill_tokens = 0  # prompt tokens the last step prefilled (eager prefill chunks)
 
     @property
     def free_slots(self) -> int:
@@ -134,6 +136,7 @@ class Scheduler:
         """
         out: list[tuple[Sequence, StepOutput]] = []
         budget, fresh = self.prefill_chunk, set()
+        self.last_prefill_tokens = self.last_feeding = 0
         for seq in [s for s in self.running if s.prefilled < len(s.prompt_ids) and not self._fed(s)]:
             if budget == 0:
                 break
@@ -142,6 +145,7 @@ class Scheduler:
                                          on_device=True)
             seq.prefilled += n
             budget -= n
+            self.last_prefill_tokens += n
             if seq.prefilled == len(seq.prompt_ids):
                 seq.pos = seq.prefilled
                 out.append((seq, self._sample([seq], logits[-1:])[0]))
@@ -151,6 +155,7 @@ class Scheduler:
         self.last_batch = len(batch)
         if batch:
             feeding = [s.prefilled < len(s.prompt_ids) for s in batch]  # a prompt token, not a sampled one
+            self.last_feeding = sum(feeding)
             ids = [s.prompt_ids[s.prefilled] if f else s.pending for s, f in zip(batch, feeding)]
             logits = self.engine.decode(ids, [s.pos for s in batch], [s.slot for s in batch], on_device=True)
             for seq, f in zip(batch, feeding):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import json
 import logging
 import os
 import sys
@@ -208,6 +209,42 @@ def set_switch_interval(env: str = "SHARDSMITH_SWITCH_INTERVAL_MS") -> float:
     return sys.getswitchinterval()
 
 
+class StepTrace:
+    """One JSON line per engine step, appended to ``path`` (``$SHARDSMITH_STEP_TRACE``): where a serving
+    run's time went, step by step (the histograms in ``/metrics`` keep only sums and buckets).
+
+    Fields (seconds, from ``time.perf_counter``): ``t_s`` the step's start since the trace opened;
+    ``gap_s`` since the previous step's end (admission, dropping cancelled jobs, waiting for work or
+    for the interpreter lock); ``engine_s`` the engine step (prefill chunks, the batched decode, token
+    choice); ``output_s`` the text side; ``emit_s`` handing the events to the event loop; then
+    ``rows`` (decode rows), ``feeding_rows`` (of them, rows feeding a prompt token),
+    ``prefill_tokens`` (tokens prefilled eagerly), ``running`` and ``waiting`` sequences.
+    Lines are buffered and written whenever the batch goes idle, and when the worker stops.
+
+    Raises:
+        OSError: ``path`` cannot be opened for appending.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._t0 = self._end = time.perf_counter()
+
+    def step(self, t0: float, engine_end: float, output_end: float, end: float, sched: Any, running: int,
+             waiting: int) -> None:
+        self._file.write(json.dumps({
+            "t_s": round(t0 - self._t0, 6), "gap_s": round(t0 - self._end, 6), "engine_s": round(engine_end - t0, 6),
+            "output_s": round(output_end - engine_end, 6), "emit_s": round(end - output_end, 6),
+            "rows": sched.last_batch, "feeding_rows": sched.last_feeding, "prefill_tokens": sched.last_prefill_tokens,
+            "running": running, "waiting": waiting}) + "\n")
+        self._end = end
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class EngineWorker:
     """Owns the engine on one thread and runs the continuous batch.
 
@@ -246,6 +283,8 @@ class EngineWorker:
         self.stopping: str | None = None  # why, once interrupt() was called
         self._running: list[Job] = []
         self._sched: Any = None
+        trace = os.environ.get("SHARDSMITH_STEP_TRACE", "").strip()
+        self._trace = StepTrace(trace) if trace else None
 
     def start(self) -> None:
         set_switch_interval()
@@ -350,7 +389,11 @@ class EngineWorker:
                  float(getattr(e, "warmup_seconds", 0.0)), int(getattr(e, "warmup_launches", 0)), slots,
                  getattr(e, "max_seq_len", 0), state_bytes / 2**20, self.max_queue, self.prefill_chunk,
                  self._sched.decode_prompt_tokens)
-        self._loop()
+        try:
+            self._loop()
+        finally:
+            if self._trace is not None:
+                self._trace.close()
         if self.state is State.READY:
             self._shutdown()
 
@@ -358,6 +401,8 @@ class EngineWorker:
         """Admit, step, emit, until :meth:`stop` with nothing left (or a failure)."""
         while True:
             with self._wake:  # idle until a job, a stop() or an interrupt() (which drops the running jobs)
+                if self._trace is not None and not self._running and not self._waiting:
+                    self._trace.flush()
                 while not self._running and not self._waiting and not self._stop_requested:
                     self._wake.wait()
                 if not self._running and not self._waiting and self._stop_requested:
@@ -412,7 +457,8 @@ class EngineWorker:
         now = time.perf_counter()
         events = [(seq.tag, seq.tag.text.push(out)) for seq, out in outputs]
         # recorded before any event leaves: a client that read its last token sees this step counted
-        self.metrics.step_time(engine_seconds=now - t0, output_seconds=time.perf_counter() - now)
+        text_end = time.perf_counter()
+        self.metrics.step_time(engine_seconds=now - t0, output_seconds=text_end - now)
         for job, _ in events:
             self.metrics.token(first=job.tokens == 0, since=now - job.last)
             job.tokens, job.last = job.tokens + 1, now
@@ -420,6 +466,8 @@ class EngineWorker:
         for job, ev in events:
             if ev.finish_reason is not None:  # a stop token or length (already left), or a stop string
                 self._finish(job, emit_done=True)
+        if self._trace is not None:
+            self._trace.step(t0, now, text_end, time.perf_counter(), self._sched, len(self._running), len(self._waiting))
 
     def _finish(self, job: Job, *, emit_done: bool) -> None:
         self._running.remove(job)
