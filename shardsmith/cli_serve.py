@@ -219,7 +219,8 @@ def serve(
     decode_prompt_tokens: int | None = typer.Option(
         None, "--decode-prompt-tokens",
         help="Prompts of at most this many tokens are fed one token per step through the batched decode step "
-             "instead of a prefill forward of their own (default: 16 on CUDA, 0 on CPU)."),
+             "instead of a prefill forward of their own (default on CUDA: measured at warm-up, the largest power "
+             "of two of decode steps that cost no more than one eager prefill, at most 256; 0 on CPU)."),
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
     from shardsmith.runtime.serve.launch import launch

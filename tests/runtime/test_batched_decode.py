@@ -217,3 +217,36 @@ def test_fed_prompts_give_the_prefill_tokens_in_the_other_families(tiny, tmp_pat
     greedy = [SamplingParams(max_tokens=n) for n in (4, 3, 3)]
     prefilled, _, _ = _schedule(eng, PROMPTS[:3], greedy, chunk=64)
     assert _schedule(eng, PROMPTS[:3], greedy, chunk=64, decode_prompt=10)[0] == prefilled
+
+
+def test_feed_limit_is_the_power_of_two_that_a_prefill_pays_for():
+    """The measured default of ``decode_prompt_tokens``: the largest power of two n with n decode steps
+    costing no more than one eager prefill, capped at 256 and half the context; 0 below 2 steps."""
+    from shardsmith.runtime.engine.scheduler import feed_limit
+
+    assert feed_limit(0.085, 0.0012, 2048) == 64  # the H200 measurement: ratio 70.8
+    assert feed_limit(0.064, 0.001, 2048) == 64  # exactly 64 steps: still worth it
+    assert feed_limit(0.0639, 0.001, 2048) == 32
+    assert feed_limit(1.8, 0.001, 2048) == 256  # capped
+    assert feed_limit(1.8, 0.001, 100) == 32  # at most half the context (50 -> 32)
+    assert feed_limit(0.0019, 0.001, 2048) == 0  # a prefill costs less than two steps: never fed
+    assert feed_limit(0.002, 0.001, 2048) == 2
+    assert feed_limit(0.01, 0.0, 2048) == 0 and feed_limit(0.0, 0.01, 2048) == 0  # nothing measured
+
+
+def test_default_feed_limit_by_device(packs):
+    """CPU: prompts are prefilled (0), and warm-up measures nothing; CUDA without a measurement: 16."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.engine.scheduler import Scheduler, default_decode_prompt_tokens
+
+    eng = Engine.load(packs["mixtral", 1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=32, max_num_seqs=2)
+    eng.warmup()
+    assert eng.prompt_costs is None and default_decode_prompt_tokens(eng) == 0
+    assert Scheduler(eng).decode_prompt_tokens == 0
+
+    class OnCuda:  # what the scheduler reads of an engine: its device, warm-up costs and context
+        device, max_seq_len, prompt_costs = "cuda:0", 2048, None
+
+    assert default_decode_prompt_tokens(OnCuda()) == 16
+    OnCuda.prompt_costs = (0.085, 0.0012)
+    assert default_decode_prompt_tokens(OnCuda()) == 64

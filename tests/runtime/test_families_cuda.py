@@ -78,6 +78,20 @@ def test_graphed_and_batched_decode_on_cuda(family: str, tmp_path: Path) -> None
     assert graphed.graphs.pool.pieces > 0  # something was captured
 
 
+def test_warmup_prices_prefill_against_a_decode_step(tmp_path: Path) -> None:
+    """On CUDA, warm-up times an eager 32-token prefill and a one-row decode step; the scheduler's
+    default feeds prompts through decode rows up to :func:`feed_limit` of the two."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.engine.scheduler import Scheduler, feed_limit
+
+    eng = Engine.load(_build("mixtral", tmp_path), rank=0, world_size=1, device="cuda", dtype="bfloat16",
+                      max_seq_len=160, max_num_seqs=2)
+    eng.warmup()
+    prefill, step = eng.prompt_costs
+    assert prefill > step > 0
+    assert Scheduler(eng).decode_prompt_tokens == feed_limit(prefill, step, 160) > 0
+
+
 def check_offloaded_gpt_oss(root: Path, device: str) -> dict[str, dict]:
     """gpt-oss with offloaded MXFP4 experts on ``device`` (graphed on CUDA): the slot cache (4 slots for
     4 layers x 8 experts, so steps miss and copy on the copy stream), the host (``cpu``) and ``hybrid``

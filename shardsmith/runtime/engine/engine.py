@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardsmith.runtime")
 FORWARD, SHUTDOWN, DECODE, RELEASE, WARMUP = 1, 2, 3, 4, 5
 CMD_LEN = 5
+PROMPT_PROBE_TOKENS = 32  # the prompt length warm-up prefills to price a prefill against a decode step
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -101,6 +102,7 @@ class Engine:
         self._kernels: bool | None = None  # whether some module runs a Triton kernel (warmup)
         self._pos = [0] * self.max_num_seqs  # per slot, where its last step ended (rank 0)
         self.warmup_seconds, self.warmup_launches = 0.0, 0
+        self.prompt_costs: tuple[float, float] | None = None  # (prefill, decode step) seconds, from warmup() on CUDA
 
     @classmethod
     def load(cls, path: str | Path, *, rank: int, world_size: int, device: str = "cpu", from_checkpoint: bool = False,
@@ -328,6 +330,11 @@ class Engine:
            of every bucket, so no graph is captured and nothing compiled mid-serving (graphed or
            eager: the batched pieces' ``torch.compile`` and kernel shapes).
 
+        3. on CUDA, times both ways a short prompt can take (best of 3, warm): an eager prefill of
+           :data:`PROMPT_PROBE_TOKENS` tokens and a one-row decode step, into ``prompt_costs``
+           (seconds); the scheduler feeds prompts through decode rows up to their ratio
+           (:func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
+
         Every slot it used is released. Sets ``warmup_seconds`` and ``warmup_launches``.
         """
         t0 = time.perf_counter()
@@ -351,9 +358,30 @@ class Engine:
                 self.decode([0] * rows, [2] * rows, slots[:rows])
             for s in slots:
                 self.release(s)
+        if self.device.type == "cuda":
+            self.prompt_costs = self._time_prompt_paths()
         self.warmup_seconds = time.perf_counter() - t0
-        log.info("warm-up: %d kernel launches and the decode buckets in %.2f s", self.warmup_launches,
-                 self.warmup_seconds)
+        log.info("warm-up: %d kernel launches and the decode buckets in %.2f s%s", self.warmup_launches,
+                 self.warmup_seconds, "" if self.prompt_costs is None else
+                 "; a %d-token prefill takes %.1f ms, a one-row decode step %.2f ms" % (
+                     min(PROMPT_PROBE_TOKENS, self.max_seq_len - 1), 1e3 * self.prompt_costs[0], 1e3 * self.prompt_costs[1]))
+
+    def _time_prompt_paths(self) -> tuple[float, float]:
+        """(seconds of an eager prefill of :data:`PROMPT_PROBE_TOKENS` tokens, seconds of a one-row decode
+        step after it), each the best of 3 in slot 0, synchronised on rank 0's device; slot 0 is released."""
+        n = max(1, min(PROMPT_PROBE_TOKENS, self.max_seq_len - 1))
+        prefill = step = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize(self.device)
+            t = time.perf_counter()
+            self.prefill(0, [0] * n, 0, on_device=True)
+            torch.cuda.synchronize(self.device)
+            t1 = time.perf_counter()
+            self.decode([0], [n], [0], on_device=True)
+            torch.cuda.synchronize(self.device)
+            prefill, step = min(prefill, t1 - t), min(step, time.perf_counter() - t1)
+        self.release(0)
+        return prefill, step
 
     def shutdown(self) -> None:
         """Release the followers from :meth:`follow` (rank 0; idempotent)."""

@@ -13,8 +13,9 @@ iteration-level scheduling, in its simplest form):
 
 A prompt of at most ``decode_prompt_tokens`` tokens skips step 1: it is fed one token per step as
 a row of the batched decode step (its row's logits are discarded until its last prompt token, which
-samples the first generated token). On a GPU a captured decode step costs a fraction of an eager
-prefill forward (DeepSeek-V4-Flash-shaped, 2 layers, one H200: ~3 ms against ~40 ms), so requests
+samples the first generated token). On a GPU a captured decode step costs a small fraction of an
+eager prefill forward (DeepSeek-V4-Flash-shaped, 2 layers, one H200: ~1.2 ms against ~85 ms for
+17 tokens; the default limit is measured at warm-up, :func:`default_decode_prompt_tokens`), so requests
 that arrive together start together instead of queueing behind one prefill each; the policy depends
 only on the prompt's length, so a sequence's tokens do not depend on what else is running.
 
@@ -40,14 +41,35 @@ from shardsmith.runtime.engine.sampling import Choice, SamplingParams, StepOutpu
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per engine step (all prefilling sequences together)
 
 
-def default_decode_prompt_tokens(device: str) -> int:
-    """Prompts fed through decode rows by default: 16 tokens on CUDA, 0 on CPU.
+MAX_DECODE_PROMPT_TOKENS = 256  # the measured default never feeds longer prompts through decode rows
 
-    On one H200, 16 captured steps cost about what one eager prefill of a short prompt does (2-layer
-    V4-Flash-shaped model: ~3 ms per step against ~42 ms; 43 layers: ~21-34 ms against ~340 ms),
-    and concurrent arrivals share the steps; on a CPU a prefill forward of a short prompt costs
-    about one decode step."""
-    return 16 if device.startswith("cuda") else 0
+
+def feed_limit(prefill_seconds: float, step_seconds: float, max_seq_len: int) -> int:
+    """The longest prompt worth feeding through decode rows: the largest power of two ``n`` with
+    ``n * step_seconds <= prefill_seconds`` (a prompt of ``n`` tokens fed one per step costs at most
+    what one eager prefill of a short prompt does, and concurrent arrivals share the steps), 0 when
+    even 2 steps cost more; at most :data:`MAX_DECODE_PROMPT_TOKENS` and ``max_seq_len // 2`` (tokens).
+    A power of two, so small differences between measurements do not move it."""
+    if not (step_seconds > 0 and prefill_seconds > 0):
+        return 0
+    ratio = min(prefill_seconds / step_seconds, MAX_DECODE_PROMPT_TOKENS, max_seq_len // 2)
+    return 0 if ratio < 2 else 1 << (int(ratio).bit_length() - 1)
+
+
+def default_decode_prompt_tokens(engine: Any) -> int:
+    """Prompts fed through decode rows by default (tokens): on CUDA, :func:`feed_limit` of what the
+    engine's warm-up measured (``Engine.prompt_costs``: an eager prefill of a 32-token prompt against a
+    one-row decode step; 16 when nothing was measured); 0 on CPU, where a prefill forward of a short
+    prompt costs about one decode step.
+
+    Measured on one H200 (2-layer DeepSeek-V4-Flash-shaped pack, 2026-12-02): an eager prefill of 17
+    tokens ~85 ms, a captured one-row step ~1.2 ms, so prompts of up to 64 tokens are fed."""
+    if not str(getattr(engine, "device", "cpu")).startswith("cuda"):
+        return 0
+    costs = getattr(engine, "prompt_costs", None)
+    if costs is None:
+        return 16
+    return feed_limit(*costs, int(getattr(engine, "max_seq_len", 2 * MAX_DECODE_PROMPT_TOKENS)))
 
 
 @dataclass(eq=False)
@@ -80,7 +102,7 @@ class Scheduler:
         engine: a loaded :class:`~shardsmith.runtime.engine.engine.Engine` (rank 0).
         prefill_chunk: prompt tokens per step across the prefilling sequences (>= 1).
         decode_prompt_tokens: prompts of at most this many tokens are fed through decode rows
-            (0: never); None: :func:`default_decode_prompt_tokens` for the engine's device.
+            (0: never); None: :func:`default_decode_prompt_tokens` (measured at warm-up on CUDA).
 
     Raises:
         UsageError: ``prefill_chunk`` below 1, ``decode_prompt_tokens`` below 0.
@@ -91,7 +113,7 @@ class Scheduler:
         if prefill_chunk < 1:
             raise UsageError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if decode_prompt_tokens is None:
-            decode_prompt_tokens = default_decode_prompt_tokens(str(getattr(engine, "device", "cpu")))
+            decode_prompt_tokens = default_decode_prompt_tokens(engine)
         if decode_prompt_tokens < 0:
             raise UsageError(f"decode_prompt_tokens must be >= 0, got {decode_prompt_tokens}")
         self.engine, self.prefill_chunk, self.decode_prompt_tokens = engine, prefill_chunk, decode_prompt_tokens

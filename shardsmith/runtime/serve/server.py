@@ -403,7 +403,7 @@ class ServeJob:
         max_queue: requests that may wait for a sequence slot (more get a 429).
         prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks).
         decode_prompt_tokens: prompts of at most this many tokens are fed through the batched decode
-            step (None: 16 on CUDA, 0 on CPU).
+            step (None: measured at warm-up on CUDA, 0 on CPU: :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
         max_model_len: the context each sequence gets (``--max-model-len``), shown by ``/v1/models``
             while the engine loads (then the engine's own figure).
     """
