@@ -11,6 +11,7 @@
 # OFFLOAD=0 serves with experts resident only; PREFILL_EACH=1 adds resident rows with --decode-prompt-tokens 0;
 # SWITCH_MS="0.2 1" adds resident rows per thread switch interval (SHARDSMITH_SWITCH_INTERVAL_MS);
 # UNCOMPILED=1 adds resident rows with SHARDSMITH_COMPILE_PIECES=0 (the pieces not torch.compile'd);
+# PLAIN=1 adds resident rows with SHARDSMITH_OVERLAP_STEPS=0 (each step's tokens read before the next is launched);
 # FEED_TOKENS="32 64" adds resident rows per --decode-prompt-tokens value (prompts up to N tokens fed through decode rows);
 # every serving row also writes the server's step trace to $OUT/steps-<label>.jsonl (prefill / feeding / decode steps).
 # BATCH_STEP=1 times the engine step alone at 1-8 rows (benchmarks/batch_step.py, device time by kernel).
@@ -54,6 +55,12 @@ if [ "${PREFILL_EACH:-0}" = 1 ]; then  # side by side: every prompt through its 
         2>&1 | tee "$OUT/resident_prefill_each.log" | tail -8
     echo "resident, prefill each $((SECONDS - t0)) s"
 fi
+if [ "${PLAIN:-0}" = 1 ]; then  # side by side: steps not overlapped (the tokens read before the next step launches)
+    SHARDSMITH_OVERLAP_STEPS=0 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda \
+        --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" --label "resident, plain steps" --out "$json" --append \
+        --step-trace "$OUT/steps-plain.jsonl" 2>&1 | tee "$OUT/resident_plain.log" | tail -12
+    echo "resident, plain steps $((SECONDS - t0)) s"
+fi
 for n in ${FEED_TOKENS:-}; do  # side by side: longer prompts fed through decode rows instead of an eager prefill
     timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" \
         --repeat "${REPEAT:-3}" --label "resident, prompts of <= $n fed" --out "$json" --append --step-trace "$OUT/steps-feed$n.jsonl" \
@@ -81,8 +88,8 @@ fi
 cache_gb=$(python3 -c 'import glob, os; print(0.25 * sum(os.path.getsize(f) for f in glob.glob("/tmp/v4sc-tp1/rank-0-of-1/experts-*.safetensors")) / 2**30)')
 echo "expert cache ${cache_gb} GiB (25% of the rank's expert bytes)"
 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" \
-    --label offload-25% --out "$json" --append -- --moe-backend gpu --expert-cache-gb "$cache_gb" \
-    2>&1 | tee "$OUT/offload.log" | tail -8
+    --label offload-25% --out "$json" --append --step-trace "$OUT/steps-offload.jsonl" -- --moe-backend gpu \
+    --expert-cache-gb "$cache_gb" 2>&1 | tee "$OUT/offload.log" | tail -12
 echo "offload $((SECONDS - t0)) s"
 cp /tmp/serve_concurrency*.log "$OUT/" 2>/dev/null
 true

@@ -145,11 +145,11 @@ def test_buckets():
 
 
 def _schedule(eng, prompts: list[list[int]], params: list, chunk: int,
-              decode_prompt: int = 0) -> tuple[list[list[int]], list[str], list[int]]:
+              decode_prompt: int = 0, overlap: bool = False) -> tuple[list[list[int]], list[str], list[int]]:
     """Every sequence through one Scheduler until all leave: (tokens, finish reasons, batch sizes)."""
     from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
 
-    sched = Scheduler(eng, prefill_chunk=chunk, decode_prompt_tokens=decode_prompt)
+    sched = _schedule.last = Scheduler(eng, prefill_chunk=chunk, decode_prompt_tokens=decode_prompt, overlap=overlap)
     seqs = [Sequence(p, sp) for p, sp in zip(prompts, params)]
     for seq in seqs:
         sched.admit(seq)
@@ -250,3 +250,51 @@ def test_default_feed_limit_by_device(packs):
     assert default_decode_prompt_tokens(OnCuda()) == 16
     OnCuda.prompt_costs = (0.085, 0.0012)
     assert default_decode_prompt_tokens(OnCuda()) == 64
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v4"])
+def test_overlapped_steps_give_the_same_tokens(packs, tiny_v4_packs, family):
+    """``overlap``: each all-greedy step is launched before the previous one's tokens are read (its
+    tokens fed from the device); every sequence gets the tokens and finish reasons of the plain
+    scheduler: prefilled and fed prompts, ``max_tokens`` (the sequence is left out of the next step)
+    and a stop token read after its next row was launched (that row is dropped); a sampled request
+    in the batch makes the steps plain again and draws what it draws alone."""
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
+
+    pack = packs["mixtral", 1] if family == "mixtral" else tiny_v4_packs[1]
+    eng = Engine.load(pack, rank=0, world_size=1, dtype=torch.float32, max_seq_len=32, max_num_seqs=4)
+    greedy = [SamplingParams(max_tokens=n) for n in (7, 3, 6, 5)]
+    plain, reasons, _ = _schedule(eng, PROMPTS, greedy, chunk=64, decode_prompt=5)
+    assert _schedule(eng, PROMPTS, greedy, chunk=64, decode_prompt=5, overlap=True)[:2] == (plain, reasons)
+    assert _schedule.last.overlapped_steps >= 4  # most steps really ran ahead
+    assert _schedule(eng, PROMPTS, greedy, chunk=4, overlap=True)[0] == _schedule(eng, PROMPTS, greedy, chunk=4)[0]
+    # a stop token: the third token of the first sequence ends it there
+    stop = plain[0][2]
+    stopping = [SamplingParams(max_tokens=7, stop_token_ids=(stop,))] + greedy[1:]
+    want = _schedule(eng, PROMPTS, stopping, chunk=64, decode_prompt=5)
+    got = _schedule(eng, PROMPTS, stopping, chunk=64, decode_prompt=5, overlap=True)
+    assert got[:2] == want[:2] and got[1][0] == "stop" and got[0][0][-1] == stop
+    # one sampled request: plain steps whenever it runs; seeded, it draws what it draws alone
+    mixed = greedy[:3] + [SamplingParams(max_tokens=4, temperature=1.0, seed=7)]
+    alone = _schedule(eng, PROMPTS[3:], mixed[3:], chunk=64, decode_prompt=5)[0][0]
+    tokens = _schedule(eng, PROMPTS, mixed, chunk=64, decode_prompt=5, overlap=True)[0]
+    assert tokens[:3] == plain[:3] and tokens[3] == alone
+
+
+def test_overlap_needs_one_rank(packs, monkeypatch):
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.engine.scheduler import Scheduler
+
+    eng = Engine.load(packs["mixtral", 1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=32, max_num_seqs=2)
+    assert Scheduler(eng).overlap is False  # CPU: plain steps by default
+    monkeypatch.setenv("SHARDSMITH_OVERLAP_STEPS", "1")
+    assert Scheduler(eng).overlap is True
+    monkeypatch.setenv("SHARDSMITH_OVERLAP_STEPS", "yes")
+    with pytest.raises(UsageError, match="SHARDSMITH_OVERLAP_STEPS='yes': expected 0 or 1"):
+        Scheduler(eng)
+    monkeypatch.delenv("SHARDSMITH_OVERLAP_STEPS")
+    eng.world_size = 2  # what the check reads; no step runs
+    with pytest.raises(UsageError, match="overlapped steps run one rank only"):
+        Scheduler(eng, overlap=True)
+    with pytest.raises(UsageError, match="decode_on_device runs one rank only"):
+        eng.decode_on_device(torch.zeros(1, dtype=torch.int64), [0], [0])

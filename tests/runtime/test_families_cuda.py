@@ -76,6 +76,25 @@ def test_graphed_and_batched_decode_on_cuda(family: str, tmp_path: Path) -> None
     assert [_greedy_alone(graphed, p) for p in prompts] == want
     assert _greedy_batched(graphed, prompts) == want
     assert graphed.graphs.pool.pieces > 0  # something was captured
+    assert _scheduled(graphed, prompts, overlap=False) == want
+    assert _scheduled(graphed, prompts, overlap=True) == want  # steps launched ahead of their tokens
+
+
+def _scheduled(engine, prompts: list[list[int]], *, overlap: bool) -> list[list[int]]:
+    """Greedy tokens of every prompt through one Scheduler (continuous batching), plain or overlapped."""
+    from shardsmith.runtime.engine.engine import SamplingParams
+    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+
+    sched = Scheduler(engine, decode_prompt_tokens=0, overlap=overlap)
+    seqs = [Sequence(p, SamplingParams(max_tokens=STEPS)) for p in prompts]
+    for seq in seqs:
+        sched.admit(seq)
+    out = {id(s): [] for s in seqs}
+    while sched.running:
+        for seq, step in sched.step():
+            out[id(seq)].append(step.token_id)
+    assert not overlap or sched.overlapped_steps > 0
+    return [out[id(s)] for s in seqs]
 
 
 def test_warmup_prices_prefill_against_a_decode_step(tmp_path: Path) -> None:

@@ -293,14 +293,7 @@ class Engine:
             RankLostError: another rank died.
         """
         B = len(ids)
-        if not 1 <= B <= self.max_num_seqs or len(starts) != B or len(slots) != B:
-            raise UsageError(f"decode needs 1..{self.max_num_seqs} rows with one start and slot each; got "
-                             f"{B} ids, {len(starts)} starts, {len(slots)} slots")
-        if len(set(slots)) != B:
-            raise UsageError(f"decode: a slot appears twice in {slots}")
-        self._check_slots(slots)
-        for s, start in zip(slots, starts):
-            self._check_start(s, start)
+        self._check_rows(B, starts, slots)
         payload = torch.tensor([ids, starts, slots], dtype=torch.int64)  # [3, B]
         with self._lock:
             if self.world_size > 1:
@@ -310,6 +303,37 @@ class Engine:
                 self._pos[s] = start + 1
             logits = self._collective(lambda: self._run_decode(payload))
         return logits if on_device else logits.cpu()
+
+    def decode_on_device(self, ids: torch.Tensor, starts: list[int], slots: list[int]) -> torch.Tensor:
+        """:meth:`decode` with the tokens already on the engine's device: ``ids`` ``[B]`` int64 (the
+        previous step's greedy choices, :func:`~shardsmith.runtime.engine.sampling.greedy_on_device`),
+        logits ``[B, V]`` float32 left there; nothing waits for the device. The serving loop launches
+        the next step this way before it reads the last one's tokens (one rank: the other ranks take
+        their tokens from the command broadcast, which is on the host).
+
+        Raises:
+            UsageError: more than one rank, ``ids`` not ``[B]`` on the engine's device, or the checks
+                of :meth:`decode`.
+        """
+        if self.world_size != 1:
+            raise UsageError(f"decode_on_device runs one rank only (world_size {self.world_size})")
+        if ids.dim() != 1 or ids.device.type != torch.device(self.device).type:
+            raise UsageError(f"decode_on_device: ids must be [B] on {self.device}, got {list(ids.shape)} on {ids.device}")
+        self._check_rows(ids.shape[0], starts, slots)
+        with self._lock:
+            for s, start in zip(slots, starts):
+                self._pos[s] = start + 1
+            return self.runner.decode(ids, list(starts), list(slots))
+
+    def _check_rows(self, B: int, starts: list[int], slots: list[int]) -> None:
+        if not 1 <= B <= self.max_num_seqs or len(starts) != B or len(slots) != B:
+            raise UsageError(f"decode needs 1..{self.max_num_seqs} rows with one start and slot each; got "
+                             f"{B} ids, {len(starts)} starts, {len(slots)} slots")
+        if len(set(slots)) != B:
+            raise UsageError(f"decode: a slot appears twice in {slots}")
+        self._check_slots(slots)
+        for s, start in zip(slots, starts):
+            self._check_start(s, start)
 
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` ended: every rank forgets it (rank 0)."""

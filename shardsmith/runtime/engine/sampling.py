@@ -162,6 +162,36 @@ def choose(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int = 0, to
     return Choice(token, float(lp[token]), top)
 
 
+def greedy_on_device(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Greedy rows' choices, computed where ``logits`` ``[G, V]`` are, nothing brought to the host
+    (unless a tie in the top logprobs reaches past :func:`top_logprobs`' window).
+
+    Returns:
+        ``(ids [G] int64, packed [G, 2 + 2n] float64, n)``, on ``logits``' device: each row's token
+        (argmax, lowest id on ties), then its log-probability, then the ids and log-probabilities
+        of the top ``n`` (the most any row asks for), as :func:`unpack_greedy` reads them.
+    """
+    x = logits.float()
+    lp = torch.log_softmax(x, dim=-1)  # [G, V]
+    ids = torch.argmax(x, dim=-1, keepdim=True)  # [G, 1]
+    cols = [ids.double(), lp.gather(1, ids).double()]
+    n = min(max(p.logprobs for p in params), lp.shape[-1])
+    if n > 0:
+        vals, top_ids = top_logprobs(lp, n)
+        cols += [top_ids.double(), vals.double()]
+    return ids[:, 0], torch.cat(cols, dim=1), n
+
+
+def unpack_greedy(rows: list[list[float]], params: Sequence[SamplingParams], n: int) -> list[Choice]:
+    """The :class:`Choice` of each row of :func:`greedy_on_device`'s ``packed``, on the host (row b
+    keeps its own ``params[b].logprobs`` of the ``n``)."""
+    out = []
+    for row, p in zip(rows, params):
+        k = min(p.logprobs, n)
+        out.append(Choice(int(row[0]), row[1], tuple(zip((int(t) for t in row[2:2 + k]), row[2 + n:2 + n + k]))))
+    return out
+
+
 def choose_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> list[Choice]:
     """Pick each row's next token from a batched step's logits ``[B, V]`` on any device.
@@ -189,19 +219,10 @@ def choose_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     out: list[Choice | None] = [None] * B
     greedy = [b for b, p in enumerate(params) if p.temperature <= 0.0]
     if greedy:
-        x = logits.float() if len(greedy) == B else logits[torch.tensor(greedy, device=logits.device)].float()
-        lp = torch.log_softmax(x, dim=-1)  # [G, V]
-        ids = torch.argmax(x, dim=-1, keepdim=True)  # [G, 1]
-        cols = [ids.double(), lp.gather(1, ids).double()]
-        n = min(max(params[b].logprobs for b in greedy), lp.shape[-1])
-        if n > 0:
-            vals, top_ids = top_logprobs(lp, n)
-            cols += [top_ids.double(), vals.double()]
-        host = torch.cat(cols, dim=1).cpu().tolist()  # the step's one device-to-host copy
-        for row, b in zip(host, greedy):
-            k = min(params[b].logprobs, n)
-            top = tuple(zip((int(t) for t in row[2:2 + k]), row[2 + n:2 + n + k]))
-            out[b] = Choice(int(row[0]), row[1], top)
+        x = logits if len(greedy) == B else logits[torch.tensor(greedy, device=logits.device)]
+        _, packed, n = greedy_on_device(x, [params[b] for b in greedy])
+        for b, c in zip(greedy, unpack_greedy(packed.cpu().tolist(), [params[b] for b in greedy], n)):
+            out[b] = c  # the step's one device-to-host copy
     for b, p in enumerate(params):
         if out[b] is None:
             out[b] = choose(logits[b].cpu(), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,

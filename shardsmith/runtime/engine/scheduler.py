@@ -19,6 +19,18 @@ eager prefill forward (DeepSeek-V4-Flash-shaped, 2 layers, one H200: ~1.2 ms aga
 that arrive together start together instead of queueing behind one prefill each; the policy depends
 only on the prompt's length, so a sequence's tokens do not depend on what else is running.
 
+**Overlapped steps** (on CUDA at world size 1; :func:`default_overlap`): when every running
+sequence is greedy and no prompt is being prefilled, a decode step is launched before the previous
+step's tokens are read: its rows take their tokens from the previous step's argmax on the device,
+its own choices are reduced there and copied to pinned host memory without waiting, and only then
+are the previous step's tokens read (by then the device has finished it), so the host's work for
+a step (the scheduler, the text side, the event loop's) runs while the device computes the next.
+Tokens therefore reach the caller one step later. A sequence whose next token surely ends it
+(``max_tokens``, the last position) is left out of the step launched ahead; one that ends on a stop
+token read after its next row was launched wastes that row, whose result is dropped (its slot is
+released behind it in the device's stream order). A sampled request or a prefill makes the steps
+plain (all tokens read first): the tokens are the same either way.
+
 Each sequence samples with its own ``torch.Generator`` (seeded from its request), so a seeded
 request draws the same tokens whatever else is in the batch. A sequence leaves (its slot is
 released on every rank) when it finishes (a stop token, ``max_tokens``, the context is full) or
@@ -29,6 +41,7 @@ turns its :class:`~shardsmith.runtime.engine.sampling.StepOutput` items into tex
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +49,17 @@ from typing import Any
 import torch
 
 from shardsmith.errors import UsageError
-from shardsmith.runtime.engine.sampling import Choice, SamplingParams, StepOutput, choose_rows, make_generator
+from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_rows, greedy_on_device,
+                                                make_generator, unpack_greedy)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per engine step (all prefilling sequences together)
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as int64 on ``device``: from pinned memory without waiting on CUDA."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 MAX_DECODE_PROMPT_TOKENS = 256  # the measured default never feeds longer prompts through decode rows
@@ -93,6 +114,36 @@ class Sequence:
     generated: int = 0
     generator: torch.Generator | None = field(default=None, repr=False)
     admitted: float = 0.0
+    inflight: int = -1  # its row in the step still in flight (its token on the device only), else -1
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A decode step launched and not yet read back (overlapped steps): the rows that sample a token,
+    their tokens on the device, and their packed choices on their way to the host
+    (:func:`~shardsmith.runtime.engine.sampling.greedy_on_device`)."""
+
+    seqs: list[Sequence]  # the rows that sample a token, in order
+    pos: list[int]  # where each one's token will be fed
+    ids: torch.Tensor  # [R] int64 on the device: their greedy tokens
+    host: torch.Tensor  # [R, 2 + 2n] float64 packed choices: pinned on CUDA, filled by a non-blocking copy
+    n: int
+    done: Any = None  # the CUDA event after the copy (None on CPU)
+
+
+def default_overlap(engine: Any, env: str = "SHARDSMITH_OVERLAP_STEPS") -> bool:
+    """Whether steps overlap by default: on CUDA at world size 1, unless ``$SHARDSMITH_OVERLAP_STEPS``
+    is ``0`` (``1`` asks for them on a CPU too).
+
+    Raises:
+        UsageError: the variable is set to something other than 0 or 1.
+    """
+    value = os.environ.get(env, "").strip()
+    if value not in ("", "0", "1"):
+        raise UsageError(f"{env}={value!r}: expected 0 or 1")
+    if engine.world_size != 1 or value == "0":
+        return False
+    return value == "1" or str(getattr(engine, "device", "cpu")).startswith("cuda")
 
 
 class Scheduler:
@@ -103,13 +154,16 @@ class Scheduler:
         prefill_chunk: prompt tokens per step across the prefilling sequences (>= 1).
         decode_prompt_tokens: prompts of at most this many tokens are fed through decode rows
             (0: never); None: :func:`default_decode_prompt_tokens` (measured at warm-up on CUDA).
+        overlap: launch each all-greedy decode step before reading the previous one's tokens
+            (module docstring); None: :func:`default_overlap` (on CUDA at world size 1).
 
     Raises:
-        UsageError: ``prefill_chunk`` below 1, ``decode_prompt_tokens`` below 0.
+        UsageError: ``prefill_chunk`` below 1, ``decode_prompt_tokens`` below 0, ``overlap`` with
+            more than one rank.
     """
 
     def __init__(self, engine: Any, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 decode_prompt_tokens: int | None = None) -> None:
+                 decode_prompt_tokens: int | None = None, overlap: bool | None = None) -> None:
         if prefill_chunk < 1:
             raise UsageError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if decode_prompt_tokens is None:
@@ -122,6 +176,13 @@ class Scheduler:
         self.last_batch = 0  # rows of the last decode step
         self.last_feeding = 0  # of them, rows that fed a prompt token (decode_prompt_tokens)
         self.last_prefill_tokens = 0  # prompt tokens the last step prefilled (eager prefill chunks)
+        if overlap is None:
+            overlap = default_overlap(engine)
+        if overlap and engine.world_size != 1:
+            raise UsageError(f"overlapped steps run one rank only (world_size {engine.world_size})")
+        self.overlap = overlap
+        self.overlapped_steps = 0  # decode steps launched before the previous step's tokens were read
+        self._inflight: _InFlight | None = None
 
     @property
     def free_slots(self) -> int:
@@ -151,7 +212,9 @@ class Scheduler:
     def step(self) -> list[tuple[Sequence, StepOutput]]:
         """One engine step: a prefill budget, then one batched decode; each sampled token, in order.
 
-        Sequences that finish leave (slots released) before this returns.
+        With ``overlap``, an all-greedy decode step is launched before the previous step's tokens are
+        read, and this returns the previous step's tokens (module docstring). Sequences that finish
+        leave (slots released) before this returns.
 
         Raises:
             RankLostError: another rank died (the caller fails every sequence).
@@ -159,7 +222,11 @@ class Scheduler:
         out: list[tuple[Sequence, StepOutput]] = []
         budget, fresh = self.prefill_chunk, set()
         self.last_prefill_tokens = self.last_feeding = 0
-        for seq in [s for s in self.running if s.prefilled < len(s.prompt_ids) and not self._fed(s)]:
+        prefilling = [s for s in self.running if s.prefilled < len(s.prompt_ids) and not self._fed(s)]
+        overlap = self.overlap and not prefilling and all(s.params.temperature <= 0.0 for s in self.running)
+        if self._inflight is not None and not overlap:
+            out += self._land()  # every token on the host before a step that needs them there
+        for seq in prefilling:
             if budget == 0:
                 break
             n = min(budget, len(seq.prompt_ids) - seq.prefilled)
@@ -172,25 +239,94 @@ class Scheduler:
                 seq.pos = seq.prefilled
                 out.append((seq, self._sample([seq], logits[-1:])[0]))
                 fresh.add(id(seq))
-        batch = [s for s in self.running if id(s) not in fresh and (
-            s.pending is not None and s.prefilled == len(s.prompt_ids) or self._fed(s) and s.prefilled < len(s.prompt_ids))]
+        batch = [s for s in self.running if id(s) not in fresh and self._in_batch(s)]
         self.last_batch = len(batch)
         if batch:
             feeding = [s.prefilled < len(s.prompt_ids) for s in batch]  # a prompt token, not a sampled one
             self.last_feeding = sum(feeding)
-            ids = [s.prompt_ids[s.prefilled] if f else s.pending for s, f in zip(batch, feeding)]
-            logits = self.engine.decode(ids, [s.pos for s in batch], [s.slot for s in batch], on_device=True)
-            for seq, f in zip(batch, feeding):
-                seq.pos += 1
-                seq.prefilled += f
-            ready = [b for b, (s, f) in enumerate(zip(batch, feeding)) if not f or s.prefilled == len(s.prompt_ids)]
-            if ready:
-                rows = logits if len(ready) == len(batch) else logits[torch.tensor(ready, device=logits.device)]
-                out += zip([batch[b] for b in ready], self._sample([batch[b] for b in ready], rows))
+            if overlap:
+                out += self._launch(batch, feeding)
+            else:
+                ids = [s.prompt_ids[s.prefilled] if f else s.pending for s, f in zip(batch, feeding)]
+                logits = self.engine.decode(ids, [s.pos for s in batch], [s.slot for s in batch], on_device=True)
+                ready = self._advance(batch, feeding)
+                if ready:
+                    rows = logits if len(ready) == len(batch) else logits[torch.tensor(ready, device=logits.device)]
+                    out += zip([batch[b] for b in ready], self._sample([batch[b] for b in ready], rows))
+        elif self._inflight is not None:
+            out += self._land()
         for seq, step in out:
             if step.finished:
                 self.abort(seq)
         return out
+
+    def _in_batch(self, s: Sequence) -> bool:
+        """Whether ``s`` has a token to feed in the next decode step: a prompt token (fed prompts), a
+        sampled token on the host, or one still on the device from the step in flight (unless that
+        token surely ends it: its ``max_tokens`` or the last position)."""
+        if s.prefilled < len(s.prompt_ids):
+            return self._fed(s)
+        if self._inflight is not None and s.inflight >= 0:
+            return s.generated + 1 < s.params.max_tokens and s.pos < self.engine.max_seq_len
+        return s.pending is not None
+
+    def _advance(self, batch: list[Sequence], feeding: list[bool]) -> list[int]:
+        """After a decode step is launched: every row's position moves on (a fed prompt token counts as
+        prefilled); returns the rows that sample a token (not feeding, or their last prompt token)."""
+        for seq, f in zip(batch, feeding):
+            seq.pos += 1
+            seq.prefilled += f
+        return [b for b, (s, f) in enumerate(zip(batch, feeding)) if not f or s.prefilled == len(s.prompt_ids)]
+
+    def _launch(self, batch: list[Sequence], feeding: list[bool]) -> list[tuple[Sequence, StepOutput]]:
+        """An overlapped step: the rows' tokens assembled on the device (a prompt token or a host token,
+        or the step in flight's greedy choice), the step and its greedy choices launched, their copy to
+        the host started; then the step in flight before it is read (its tokens returned)."""
+        prev = self._inflight
+        self.overlapped_steps += prev is not None
+        device = torch.device(self.engine.device)
+        host = [s.prompt_ids[s.prefilled] if f else (s.pending if s.inflight < 0 else 0) for s, f in zip(batch, feeding)]
+        src = [-1 if f or prev is None else s.inflight for s, f in zip(batch, feeding)]
+        ids = _to_device(host, device)
+        if max(src) >= 0:
+            idx = _to_device(src, device)
+            ids = torch.where(idx >= 0, prev.ids[idx.clamp(min=0)], ids)
+        logits = self.engine.decode_on_device(ids, [s.pos for s in batch], [s.slot for s in batch])
+        ready = self._advance(batch, feeding)
+        self._inflight = None
+        for seq in prev.seqs if prev is not None else ():
+            seq.inflight = -1
+        if ready:
+            rows = logits if len(ready) == len(batch) else logits[_to_device(ready, device)]
+            seqs = [batch[b] for b in ready]
+            chosen, packed, n = greedy_on_device(rows, [s.params for s in seqs])
+            fl = _InFlight(seqs, [s.pos for s in seqs], chosen, packed, n)
+            if device.type == "cuda":
+                fl.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                fl.host.copy_(packed, non_blocking=True)
+                fl.done = torch.cuda.Event()
+                fl.done.record()
+            for j, seq in enumerate(seqs):
+                seq.inflight = j
+            self._inflight = fl
+        return self._read(prev) if prev is not None else []
+
+    def _land(self) -> list[tuple[Sequence, StepOutput]]:
+        """Read the step in flight (waits for its copy); no step is in flight after."""
+        fl, self._inflight = self._inflight, None
+        for seq in fl.seqs:
+            seq.inflight = -1
+        return self._read(fl)
+
+    def _read(self, fl: _InFlight) -> list[tuple[Sequence, StepOutput]]:
+        """The step outputs of ``fl``'s rows whose sequences still run (one that left meanwhile, a stop
+        token read after its next row was launched or an abort, is skipped)."""
+        if fl.done is not None:
+            fl.done.synchronize()
+        choices = unpack_greedy(fl.host.tolist(), [s.params for s in fl.seqs], fl.n)
+        running = set(map(id, self.running))
+        return [(seq, self._step_output(seq, c, pos)) for seq, c, pos in zip(fl.seqs, choices, fl.pos)
+                if id(seq) in running]
 
     def _fed(self, seq: Sequence) -> bool:
         """Whether ``seq``'s prompt goes through decode rows, one token per step (``decode_prompt_tokens``)."""
@@ -201,12 +337,14 @@ class Scheduler:
         device: :func:`choose_rows`); a sequence is finished when its token is a stop token, the last
         of ``max_tokens``, or has no position left to be fed at (``max_seq_len``)."""
         choices = choose_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return [self._step_output(seq, c) for seq, c in zip(seqs, choices)]
+        return [self._step_output(seq, c, seq.pos) for seq, c in zip(seqs, choices)]
 
-    def _step_output(self, seq: Sequence, c: Choice) -> StepOutput:
+    def _step_output(self, seq: Sequence, c: Choice, pos: int) -> StepOutput:
+        """``seq``'s output for token ``c``, to be fed at ``pos``: finished on a stop token, its
+        ``max_tokens``-th token, or no position left (``max_seq_len``)."""
         p = seq.params
         seq.generated += 1
         reason = ("stop" if c.token_id in p.stop_token_ids
-                  else "length" if seq.generated == p.max_tokens or seq.pos >= self.engine.max_seq_len else None)
+                  else "length" if seq.generated == p.max_tokens or pos >= self.engine.max_seq_len else None)
         seq.pending = c.token_id
         return StepOutput(c.token_id, c.logprob, c.top_logprobs, reason is not None, reason)
