@@ -244,12 +244,14 @@ def test_default_feed_limit_by_device(packs):
     assert eng.prompt_costs is None and default_decode_prompt_tokens(eng) == 0
     assert Scheduler(eng).decode_prompt_tokens == 0
 
-    class OnCuda:  # what the scheduler reads of an engine: its device, warm-up costs and context
-        device, max_seq_len, prompt_costs = "cuda:0", 2048, None
+    class OnCuda:  # what the scheduler reads of an engine: its device, warm-up costs, context and slots
+        device, max_seq_len, max_num_seqs, prompt_costs = "cuda:0", 2048, 8, None
 
     assert default_decode_prompt_tokens(OnCuda()) == 16
-    OnCuda.prompt_costs = (0.085, 0.0012)
+    OnCuda.prompt_costs = (0.0127, 0.00111)  # the H200's warm-up: 11.4 steps per prefill, times 8 slots
     assert default_decode_prompt_tokens(OnCuda()) == 64
+    OnCuda.max_num_seqs = 1  # one sequence: a prefill stalls nobody else
+    assert default_decode_prompt_tokens(OnCuda()) == 8
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v4"])

@@ -99,7 +99,8 @@ def _scheduled(engine, prompts: list[list[int]], *, overlap: bool) -> list[list[
 
 def test_warmup_prices_prefill_against_a_decode_step(tmp_path: Path) -> None:
     """On CUDA, warm-up times an eager 32-token prefill and a one-row decode step; the scheduler's
-    default feeds prompts through decode rows up to :func:`feed_limit` of the two."""
+    default feeds prompts through decode rows up to :func:`feed_limit` of the two (the prefill counted
+    once per slot)."""
     from shardsmith.runtime.engine.engine import Engine
     from shardsmith.runtime.engine.scheduler import Scheduler, feed_limit
 
@@ -108,7 +109,7 @@ def test_warmup_prices_prefill_against_a_decode_step(tmp_path: Path) -> None:
     eng.warmup()
     prefill, step = eng.prompt_costs
     assert prefill > step > 0
-    assert Scheduler(eng).decode_prompt_tokens == feed_limit(prefill, step, 160) > 0
+    assert Scheduler(eng).decode_prompt_tokens == feed_limit(prefill * 2, step, 160) > 0  # 2 slots
 
 
 def check_offloaded_gpt_oss(root: Path, device: str) -> dict[str, dict]:

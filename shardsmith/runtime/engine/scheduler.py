@@ -14,8 +14,9 @@ iteration-level scheduling, in its simplest form):
 A prompt of at most ``decode_prompt_tokens`` tokens skips step 1: it is fed one token per step as
 a row of the batched decode step (its row's logits are discarded until its last prompt token, which
 samples the first generated token). On a GPU a captured decode step costs a small fraction of an
-eager prefill forward (DeepSeek-V4-Flash-shaped, 2 layers, one H200: ~1.2 ms against ~85 ms for
-17 tokens; the default limit is measured at warm-up, :func:`default_decode_prompt_tokens`), so requests
+eager prefill forward (DeepSeek-V4-Flash-shaped, 2 layers, one H200: ~1.1 ms against 12 ms for 32
+tokens alone and 40-110 ms while requests arrive; the default limit is measured at warm-up,
+:func:`default_decode_prompt_tokens`), so requests
 that arrive together start together instead of queueing behind one prefill each; the policy depends
 only on the prompt's length, so a sequence's tokens do not depend on what else is running.
 
@@ -80,17 +81,22 @@ def feed_limit(prefill_seconds: float, step_seconds: float, max_seq_len: int) ->
 def default_decode_prompt_tokens(engine: Any) -> int:
     """Prompts fed through decode rows by default (tokens): on CUDA, :func:`feed_limit` of what the
     engine's warm-up measured (``Engine.prompt_costs``: an eager prefill of a 32-token prompt against a
-    one-row decode step; 16 when nothing was measured); 0 on CPU, where a prefill forward of a short
-    prompt costs about one decode step.
+    one-row decode step; 16 when nothing was measured), with the prefill's time counted once per
+    sequence slot (``max_num_seqs``): an eager prefill stalls every running sequence for its whole
+    length, while a fed prompt's rows ride along in steps the others take anyway; 0 on CPU, where a
+    prefill forward of a short prompt costs about one decode step.
 
-    Measured on one H200 (2-layer DeepSeek-V4-Flash-shaped pack, 2026-12-02): an eager prefill of 17
-    tokens ~85 ms, a captured one-row step ~1.2 ms, so prompts of up to 64 tokens are fed."""
+    Measured on one H200 (2-layer DeepSeek-V4-Flash-shaped pack, 8 slots, 2026-12-02): an eager
+    32-token prefill 12 ms alone (40-110 ms while 2-8 requests arrive and stream), a captured
+    one-row step 1.1 ms, so prompts of up to 64 tokens are fed."""
     if not str(getattr(engine, "device", "cpu")).startswith("cuda"):
         return 0
     costs = getattr(engine, "prompt_costs", None)
     if costs is None:
         return 16
-    return feed_limit(*costs, int(getattr(engine, "max_seq_len", 2 * MAX_DECODE_PROMPT_TOKENS)))
+    prefill, step = costs
+    slots = max(1, int(getattr(engine, "max_num_seqs", 1) or 1))
+    return feed_limit(prefill * slots, step, int(getattr(engine, "max_seq_len", 2 * MAX_DECODE_PROMPT_TOKENS)))
 
 
 @dataclass(eq=False)
