@@ -49,7 +49,7 @@ def test_isas_follow_the_cpu_flags() -> None:
     flags = set(host_kernel._cpu_flags().split())
     assert host_kernel.isas()[0] == "scalar"
     assert ("avx2" in host_kernel.isas()) == ({"avx2", "fma", "f16c"} <= flags)
-    assert ("avx512" in host_kernel.isas()) == ({"avx2", "fma", "f16c", "avx512f"} <= flags)
+    assert ("avx512" in host_kernel.isas()) == ({"avx2", "fma", "f16c", "avx512f", "avx512bw"} <= flags)
     assert host_kernel.default_isa() == host_kernel.isas()[-1]
 
 

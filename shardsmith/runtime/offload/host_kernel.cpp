@@ -44,7 +44,8 @@ bool cpu_has(const char* feature) {
   __builtin_cpu_init();
   if (!std::strcmp(feature, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                                             __builtin_cpu_supports("f16c");
-  if (!std::strcmp(feature, "avx512")) return cpu_has("avx2") && __builtin_cpu_supports("avx512f");
+  if (!std::strcmp(feature, "avx512"))
+    return cpu_has("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 #endif
   (void)feature;
   return false;

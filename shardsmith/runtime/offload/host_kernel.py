@@ -11,8 +11,9 @@ cores, :func:`~shardsmith.runtime.layers.parallel.clamp_threads`).
 
 Instruction sets (:func:`isas`, chosen per call; :func:`default_isa` is the best one, or
 ``$SHARDSMITH_HOST_ISA``): ``scalar`` (plain C++), ``avx2`` (AVX2 + FMA + F16C: FP4 through a pshufb
-table, FP8 -> f16 by bit moves), ``avx512`` (AVX-512F: FP4 through a 16-entry float table per
-vpermps, 16 lanes). One build holds all three (each file targets its set by pragma) and the CPU's
+table, FP8 -> f16 by bit moves), ``avx512`` (AVX-512F and BW: FP4 through a 16-entry float table per
+vpermps, 16 lanes; FP8 decoded 32 bytes at a time on 16-bit lanes, its block scales folded into a
+per-thread copy of the activations once per row block, so the inner loop is decode + FMA). One build holds all three (each file targets its set by pragma) and the CPU's
 features decide at run time, so the paths can be compared on one host (``benchmarks/host_experts.py
 --isa``). Tried and not taken: int8 activations with integer dot products (VNNI / maddubs) and
 bf16 dot products (AVX512-BF16) are faster per byte but round the activations, so the result would

@@ -1,13 +1,15 @@
-// AVX-512F rows of the host expert kernel (see host_kernel.cpp and host_kernel.h); picked at run
-// time where the CPU has AVX-512F (plus the AVX2, FMA and F16C it builds on).
+// AVX-512 rows of the host expert kernel (see host_kernel.cpp and host_kernel.h); picked at run
+// time where the CPU has AVX-512F and BW (plus the AVX2, FMA and F16C it builds on).
 //
 // fp4:  16 bytes (32 codes) per group: zero-extended to 16 dwords, whose low 4 bits (the low
 //       nibbles) and, after a shift by 4, whose high nibbles index a 16-entry float table of e2m1
 //       values already times the group's UE8M0 scale (vpermps: one instruction per 16 weights; the
 //       scaled table is exact, the scale a power of two); x in the fp4 activation layout
 //       (host_kernel.h), so a tile's tokens are at fixed offsets from one pointer.
-// fp8:  16 bytes per step, e4m3 -> f16 by bit moves (see host_kernel_avx2.cpp), vcvtph2ps to 16
-//       floats, times the block scale times 2^8. No table gather.
+// fp8:  32 bytes per step, e4m3 -> f16 by bit moves on 32 16-bit lanes (see host_kernel_avx2.cpp),
+//       two vcvtph2ps to 32 floats (2^-8 of the values); no table gather and no multiply by the
+//       scale: each thread multiplies the activations by the block scales (times 2^8) once per
+//       128-row block (a T x C float buffer), so the inner loop is decode + FMA only.
 // bf16: 16 per step, shifted into the high half of a float.
 // Short token tiles keep 2-4 independent accumulator chains per token so the FMA latency is
 // hidden; up to kTile tokens share each decoded vector.
@@ -18,12 +20,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx2,fma,f16c"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx2,fma,f16c")
 #endif
 
 namespace shardsmith_host {
@@ -69,6 +72,86 @@ inline __m512 fp8x16(const uint8_t* p) {
   const __m256i nan = _mm256_and_si256(
       _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00));
   return _mm512_cvtph_ps(_mm256_or_si256(h, nan));
+}
+
+// 32 e4m3 bytes -> 32 floats in two halves (columns 0-15, 16-31), each 2^-8 times its value: the
+// bit moves of fp8x16 on 32 16-bit lanes at once.
+inline void fp8x32(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i s = _mm512_slli_epi16(b, 7);
+  __m512i h = _mm512_add_epi16(s, _mm512_and_si512(s, _mm512_set1_epi16(0x4000)));
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7F));
+  h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7E00));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+// One fp8 row against NT tokens of activations already times the row block's column scales
+// (and 2^8): xs[t * C + c].
+template <int NT>
+void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy) {
+  constexpr int U = NT == 1 ? 2 : 1;  // 32-column steps per iteration, two accumulators each
+  __m512 acc[2 * U][NT];
+  float tail[NT];
+  for (int t = 0; t < NT; ++t) {
+    tail[t] = 0.f;
+    for (int u = 0; u < 2 * U; ++u) acc[u][t] = _mm512_setzero_ps();
+  }
+  int64_t c = 0;
+  for (; c + 32 * U <= C; c += 32 * U)
+    for (int u = 0; u < U; ++u) {
+      __m512 lo, hi;
+      fp8x32(w + c + 32 * u, lo, hi);
+      for (int t = 0; t < NT; ++t) {
+        const float* x = xs + t * C + c + 32 * u;
+        acc[2 * u][t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x), acc[2 * u][t]);
+        acc[2 * u + 1][t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), acc[2 * u + 1][t]);
+      }
+    }
+  for (; c + 16 <= C; c += 16) {
+    const __m512 v = fp8x16(w + c);
+    for (int t = 0; t < NT; ++t) acc[0][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xs + t * C + c), acc[0][t]);
+  }
+  for (; c < C; ++c) {
+    const float v = fp8_e4m3(w[c]) * (1.f / 256.f);
+    for (int t = 0; t < NT; ++t) tail[t] += v * xs[t * C + c];
+  }
+  for (int t = 0; t < NT; ++t) {
+    __m512 sum = acc[0][t];
+    for (int u = 1; u < 2 * U; ++u) sum = _mm512_add_ps(sum, acc[u][t]);
+    y[t * ldy] = _mm512_reduce_add_ps(sum) + tail[t];
+  }
+}
+
+// xs[t * C + c] = x[t * C + c] * 2^8 * (the scale of row block rb, column block c / bc).
+void fp8_scale_activations(const Matrix& m, const Activations& a, int64_t rb, float* xs) {
+  const float* sc = m.sf + rb * m.lsf;
+  for (int t = 0; t < a.T; ++t) {
+    const float* x = a.x + t * m.C;
+    float* o = xs + t * m.C;
+    for (int64_t c0 = 0; c0 < m.C; c0 += m.bc) {
+      const float s = sc[c0 / m.bc] * 256.f;
+      const int64_t c1 = std::min(m.C, c0 + m.bc);
+      for (int64_t c = c0; c < c1; ++c) o[c] = x[c] * s;
+    }
+  }
+}
+
+using Fp8RowFn = void (*)(const uint8_t*, int64_t, const float*, float*, int64_t);
+constexpr Fp8RowFn kFp8Rows[kTile + 1] = {nullptr, fp8_row<1>, fp8_row<2>, fp8_row<3>, fp8_row<4>,
+                                          fp8_row<5>, fp8_row<6>, fp8_row<7>, fp8_row<8>};
+
+void fp8_rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
+  std::vector<float> xs(static_cast<size_t>(a.T) * m.C);
+  int64_t block = -1;
+  for (int64_t r = r0; r < r1; ++r) {
+    if (r / m.br != block) {
+      block = r / m.br;
+      fp8_scale_activations(m, a, block, xs.data());
+    }
+    for (int t0 = 0; t0 < a.T; t0 += kTile)
+      kFp8Rows[std::min(kTile, a.T - t0)](m.w + r * m.lw, m.C, xs.data() + t0 * m.C, a.y + t0 * a.ldy + r, a.ldy);
+  }
 }
 
 inline __m512 bf16x16(const uint8_t* p) {
@@ -139,16 +222,13 @@ void rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
 
 constexpr TileFn kFp4[kTile + 1] = {nullptr, fp4_tile<1>, fp4_tile<2>, fp4_tile<3>, fp4_tile<4>,
                                     fp4_tile<5>, fp4_tile<6>, fp4_tile<7>, fp4_tile<8>};
-constexpr TileFn kFp8[kTile + 1] = {nullptr, dense_tile<true, 1>, dense_tile<true, 2>, dense_tile<true, 3>,
-                                    dense_tile<true, 4>, dense_tile<true, 5>, dense_tile<true, 6>,
-                                    dense_tile<true, 7>, dense_tile<true, 8>};
 constexpr TileFn kBf16[kTile + 1] = {nullptr, dense_tile<false, 1>, dense_tile<false, 2>, dense_tile<false, 3>,
                                      dense_tile<false, 4>, dense_tile<false, 5>, dense_tile<false, 6>,
                                      dense_tile<false, 7>, dense_tile<false, 8>};
 
 }  // namespace
 
-Kernels avx512_kernels() { return {rows<kFp4>, rows<kFp8>, rows<kBf16>}; }
+Kernels avx512_kernels() { return {rows<kFp4>, fp8_rows, rows<kBf16>}; }
 
 }  // namespace shardsmith_host
 
