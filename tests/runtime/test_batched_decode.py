@@ -259,8 +259,8 @@ def test_overlapped_steps_give_the_same_tokens(packs, tiny_v4_packs, family):
     """``overlap``: each all-greedy step is launched before the previous one's tokens are read (its
     tokens fed from the device); every sequence gets the tokens and finish reasons of the plain
     scheduler: prefilled and fed prompts, ``max_tokens`` (the sequence is left out of the next step)
-    and a stop token read after its next row was launched (that row is dropped); a sampled request
-    in the batch makes the steps plain again and draws what it draws alone."""
+    and a stop token read after its next row was launched (that row is dropped); seeded sampled
+    requests overlap too and draw what they draw alone."""
     from shardsmith.runtime.engine.engine import Engine, SamplingParams
 
     pack = packs["mixtral", 1] if family == "mixtral" else tiny_v4_packs[1]
@@ -276,11 +276,15 @@ def test_overlapped_steps_give_the_same_tokens(packs, tiny_v4_packs, family):
     want = _schedule(eng, PROMPTS, stopping, chunk=64, decode_prompt=5)
     got = _schedule(eng, PROMPTS, stopping, chunk=64, decode_prompt=5, overlap=True)
     assert got[:2] == want[:2] and got[1][0] == "stop" and got[0][0][-1] == stop
-    # one sampled request: plain steps whenever it runs; seeded, it draws what it draws alone
-    mixed = greedy[:3] + [SamplingParams(max_tokens=4, temperature=1.0, seed=7)]
-    alone = _schedule(eng, PROMPTS[3:], mixed[3:], chunk=64, decode_prompt=5)[0][0]
+    # seeded sampled requests overlap too (each draw is taken from its generator at launch): the
+    # tokens of the plain scheduler, and each what it draws alone
+    mixed = greedy[:2] + [SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=3),
+                          SamplingParams(max_tokens=4, temperature=1.0, top_k=50, seed=7)]
+    alone = [_schedule(eng, [p], [sp], chunk=64, decode_prompt=5)[0][0] for p, sp in zip(PROMPTS[2:], mixed[2:])]
     tokens = _schedule(eng, PROMPTS, mixed, chunk=64, decode_prompt=5, overlap=True)[0]
-    assert tokens[:3] == plain[:3] and tokens[3] == alone
+    assert _schedule.last.overlapped_steps >= 4
+    assert tokens == _schedule(eng, PROMPTS, mixed, chunk=64, decode_prompt=5)[0]
+    assert tokens[:2] == plain[:2] and tokens[2:] == alone
 
 
 def test_overlap_needs_one_rank(packs, monkeypatch):

@@ -306,7 +306,7 @@ class Engine:
 
     def decode_on_device(self, ids: torch.Tensor, starts: list[int], slots: list[int]) -> torch.Tensor:
         """:meth:`decode` with the tokens already on the engine's device: ``ids`` ``[B]`` int64 (the
-        previous step's greedy choices, :func:`~shardsmith.runtime.engine.sampling.greedy_on_device`),
+        previous step's choices, :func:`~shardsmith.runtime.engine.sampling.choose_on_device`),
         logits ``[B, V]`` float32 left there; nothing waits for the device. The serving loop launches
         the next step this way before it reads the last one's tokens (one rank: the other ranks take
         their tokens from the command broadcast, which is on the host).

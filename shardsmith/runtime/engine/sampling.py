@@ -11,10 +11,13 @@ is always kept). ``temperature == 0`` is greedy and ignores the rest. Legend: B 
 V = vocabulary.
 
 A batched step's rows are chosen together by :func:`choose_rows` where the logits are (the GPU):
-greedy rows' argmax, log-probability and top logprobs are reduced there and only ``B * (2 + 2n)``
-numbers cross to the host, instead of the ``[B, V]`` logits (4 MB at B = 8 for a 129k vocabulary)
-and B host passes over them. Rows that sample copy their own row and use :func:`choose` with the
-request's CPU generator, so a seeded request draws the same tokens on any device and in any batch.
+greedy rows' argmax, sampled rows' filters and draw, log-probabilities and top logprobs are all
+computed there and only ``B * (2 + 2n)`` numbers cross to the host, instead of the ``[B, V]``
+logits (4 MB at B = 8 for a 129k vocabulary) and B host passes over them. A sampled token spends
+one uniform from its request's own CPU generator (inverse transform sampling over the filtered
+distribution, sorted best first, or in vocabulary order when nothing is filtered), so a seeded request draws the same tokens in any batch, and on
+any device up to that device's rounding of the softmax; the draw does not depend on the device,
+which lets the serving loop draw it before the step that needs it is launched.
 """
 
 from __future__ import annotations
@@ -85,25 +88,66 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Scaled and masked logits ``[V]`` (masked entries ``-inf``) to sample from.
+    """Scaled and masked logits ``[V]`` (masked entries ``-inf``) to sample from, in vocabulary order
+    (:func:`sorted_filtered` for one row).
 
     Args:
-        logits: ``[V]`` float32; temperature: > 0; top_k: keep the k best (0: all);
-        top_p: keep the nucleus of mass ``top_p`` (1.0: all).
+        logits: ``[V]`` float32; temperature: > 0; top_k: keep the k best, ties with the k-th
+            included (0: all); top_p: keep the nucleus of mass ``top_p`` (1.0: all).
     """
-    x = logits / temperature
-    if 0 < top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of the better tokens
-        drop = before >= top_p
-        drop[0] = False
-        x = x.clone()
-        x[order[drop]] = float("-inf")
-    return x
+    sx, order = sorted_filtered(logits.float()[None], torch.tensor([temperature]), torch.tensor([top_k]),
+                                torch.tensor([top_p], dtype=torch.float64))
+    return torch.empty_like(sx).scatter_(1, order, sx)[0]
+
+
+def sorted_filtered(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` ``[G, V]`` (float32) scaled by its temperature, sorted best first (stable:
+    equal values in ascending id) and masked by its top-k and then its top-p (``-inf``); with the
+    sort's order. Per-row settings are ``[G]`` tensors on any device (top_k 0: all; top_p 1.0: all).
+
+    The kept entries are a prefix of each sorted row: top-k keeps every value at least the k-th's
+    (ties included), top-p the smallest prefix whose probability reaches ``top_p`` (the best token
+    always stays), computed on the top-k-masked row, as transformers and vLLM order them.
+
+    Returns:
+        ``(sorted_masked [G, V] float32, order [G, V] int64)``: ``sorted_masked[g, i]`` is the
+        scaled logit of token ``order[g, i]``, or ``-inf``.
+    """
+    dev = x.device
+    t, k, p = (v.to(dev, non_blocking=True) for v in (temperature, top_k, top_p))
+    sx, order = torch.sort(x / t.to(x.dtype)[:, None], dim=-1, descending=True, stable=True)
+    V = x.shape[-1]
+    k = torch.where((k > 0) & (k < V), k, V).long()
+    kth = sx.gather(1, (k - 1)[:, None])
+    sx = sx.masked_fill(sx < kth, float("-inf"))
+    probs = torch.softmax(sx, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of the better tokens
+    drop = (before >= p[:, None].to(probs.dtype)) & (p < 1.0)[:, None]
+    drop[:, 0] = False
+    return sx.masked_fill(drop, float("-inf")), order
+
+
+def draw_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse transform sampling: per row of ``probs`` ``[G, V]`` (rows summing to about 1, in any
+    order) the first column whose cumulative probability passes ``u[g]`` times the row's total
+    (``u`` ``[G]`` in ``[0, 1)``), never past the last column of nonzero probability. ``[G, 1]`` int64."""
+    cdf = torch.cumsum(probs, dim=-1)
+    idx = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1])[:, None], right=True)
+    V = probs.shape[-1]
+    last = V - 1 - torch.argmax(torch.flip(probs > 0, dims=[-1]).to(torch.uint8), dim=-1, keepdim=True)
+    return torch.minimum(idx, last)
+
+
+def draw_sorted(sx: torch.Tensor, order: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of :func:`sorted_filtered`'s output (:func:`draw_index` over the sorted,
+    masked row; never a masked token). Returns ``[G]`` int64 token ids."""
+    return order.gather(1, draw_index(torch.softmax(sx, dim=-1), u))[:, 0]
+
+
+def draw(generator: torch.Generator | None) -> float:
+    """The uniform in ``[0, 1)`` a sampled token spends from its request's generator (float64)."""
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
 
 
 def top_logprobs(lp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +182,7 @@ def _order_key(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def choose(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            generator: torch.Generator | None = None, logprobs: int = 0) -> Choice:
-    """Pick the next token from ``logits`` ``[V]`` (float32).
+    """Pick the next token from ``logits`` ``[V]`` (float32): :func:`choose_rows` for one row.
 
     Args:
         temperature: 0 for greedy (argmax, lowest id on ties), else the softmax temperature.
@@ -148,32 +192,45 @@ def choose(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int = 0, to
     Returns:
         the :class:`Choice`.
     """
-    logits = logits.float()
-    if temperature <= 0.0:
-        token = int(torch.argmax(logits))
-    else:
-        probs = torch.softmax(filter_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p), dim=-1)
-        token = int(torch.multinomial(probs, 1, generator=generator))
-    lp = torch.log_softmax(logits, dim=-1)
-    top: tuple[tuple[int, float], ...] = ()
-    if logprobs > 0:
-        vals, ids = top_logprobs(lp, logprobs)
-        top = tuple(zip(ids.tolist(), vals.tolist()))
-    return Choice(token, float(lp[token]), top)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, logprobs=logprobs)
+    return choose_rows(logits[None], [params], [generator])[0]
 
 
-def greedy_on_device(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Greedy rows' choices, computed where ``logits`` ``[G, V]`` are, nothing brought to the host
+def choose_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     draws: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Every row's choice, computed where ``logits`` ``[B, V]`` are; nothing waits for the device
     (unless a tie in the top logprobs reaches past :func:`top_logprobs`' window).
 
+    Greedy rows (``temperature <= 0``): argmax, lowest id on ties. Sampled rows: ``draws[b]`` (a
+    uniform from the request's generator, :func:`draw`; ignored for greedy rows) through
+    :func:`sorted_filtered` and :func:`draw_sorted`, or, for a row with neither top-k nor top-p,
+    through :func:`draw_index` over its tempered softmax in vocabulary order (no sort). Which way a
+    row goes depends only on its own parameters. Log-probabilities are of the raw logits.
+
     Returns:
-        ``(ids [G] int64, packed [G, 2 + 2n] float64, n)``, on ``logits``' device: each row's token
-        (argmax, lowest id on ties), then its log-probability, then the ids and log-probabilities
-        of the top ``n`` (the most any row asks for), as :func:`unpack_greedy` reads them.
+        ``(ids [B] int64, packed [B, 2 + 2n] float64, n)``, on ``logits``' device: each row's token,
+        then its log-probability, then the ids and log-probabilities of the top ``n`` (the most any
+        row asks for), as :func:`unpack_choices` reads them.
     """
     x = logits.float()
-    lp = torch.log_softmax(x, dim=-1)  # [G, V]
-    ids = torch.argmax(x, dim=-1, keepdim=True)  # [G, 1]
+    lp = torch.log_softmax(x, dim=-1)  # [B, V]
+    ids = torch.argmax(x, dim=-1)  # [B]
+    V = x.shape[-1]
+    plain = [b for b, p in enumerate(params) if p.temperature > 0.0 and not 0 < p.top_k < V and p.top_p >= 1.0]
+    filtered = [b for b, p in enumerate(params) if p.temperature > 0.0 and b not in plain]
+    for group in (plain, filtered):  # unfiltered rows skip the sort: [B, V] sorts cost ms on a CPU
+        if not group:
+            continue
+        meta = torch.tensor([[draws[b], params[b].temperature, params[b].top_k, params[b].top_p] for b in group],
+                            dtype=torch.float64, pin_memory=x.device.type == "cuda").to(x.device, non_blocking=True)
+        where = None if len(group) == len(params) else torch.tensor(group).to(x.device, non_blocking=True)
+        rows = x if where is None else x[where]
+        if group is plain:
+            tok = draw_index(torch.softmax(rows / meta[:, 1:2].to(x.dtype), dim=-1), meta[:, 0])[:, 0]
+        else:
+            tok = draw_sorted(*sorted_filtered(rows, meta[:, 1], meta[:, 2].long(), meta[:, 3]), meta[:, 0])
+        ids = tok if where is None else ids.index_copy(0, where, tok)
+    ids = ids[:, None]
     cols = [ids.double(), lp.gather(1, ids).double()]
     n = min(max(p.logprobs for p in params), lp.shape[-1])
     if n > 0:
@@ -182,8 +239,8 @@ def greedy_on_device(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     return ids[:, 0], torch.cat(cols, dim=1), n
 
 
-def unpack_greedy(rows: list[list[float]], params: Sequence[SamplingParams], n: int) -> list[Choice]:
-    """The :class:`Choice` of each row of :func:`greedy_on_device`'s ``packed``, on the host (row b
+def unpack_choices(rows: list[list[float]], params: Sequence[SamplingParams], n: int) -> list[Choice]:
+    """The :class:`Choice` of each row of :func:`choose_on_device`'s ``packed``, on the host (row b
     keeps its own ``params[b].logprobs`` of the ``n``)."""
     out = []
     for row, p in zip(rows, params):
@@ -194,14 +251,10 @@ def unpack_greedy(rows: list[list[float]], params: Sequence[SamplingParams], n: 
 
 def choose_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> list[Choice]:
-    """Pick each row's next token from a batched step's logits ``[B, V]`` on any device.
-
-    Greedy rows (``temperature <= 0``) are reduced on ``logits``' device (argmax with the lowest id
-    on ties, as :func:`choose`; log-probability of the token and the top ``logprobs`` from one
-    ``log_softmax``), and one ``[B, 2 + 2n]`` float64 tensor comes back (n = the most top logprobs
-    any row asks for). A sampled row's logits are copied to the host and go through :func:`choose`
-    with ``generators[b]``. Row b's result equals ``choose(logits[b].cpu(), ...)``: exactly on CPU,
-    and up to the device's reduction rounding in the logprobs on a GPU.
+    """Pick each row's next token from a batched step's logits ``[B, V]`` on any device: each sampled
+    row spends one uniform from ``generators[b]`` (:func:`draw`), every row is chosen where the logits
+    are (:func:`choose_on_device`) and one ``[B, 2 + 2n]`` float64 tensor comes back (n = the most
+    top logprobs any row asks for). Row b's result does not depend on the other rows.
 
     Args:
         logits: ``[B, V]`` (any float dtype; reduced in float32). params: per row, its
@@ -216,15 +269,6 @@ def choose_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     B = logits.shape[0]
     if len(params) != B or len(generators) != B:
         raise ValueError(f"choose_rows: {B} rows of logits but {len(params)} params and {len(generators)} generators")
-    out: list[Choice | None] = [None] * B
-    greedy = [b for b, p in enumerate(params) if p.temperature <= 0.0]
-    if greedy:
-        x = logits if len(greedy) == B else logits[torch.tensor(greedy, device=logits.device)]
-        _, packed, n = greedy_on_device(x, [params[b] for b in greedy])
-        for b, c in zip(greedy, unpack_greedy(packed.cpu().tolist(), [params[b] for b in greedy], n)):
-            out[b] = c  # the step's one device-to-host copy
-    for b, p in enumerate(params):
-        if out[b] is None:
-            out[b] = choose(logits[b].cpu(), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                            generator=generators[b], logprobs=p.logprobs)
-    return out  # type: ignore[return-value]
+    draws = [draw(g) if p.temperature > 0.0 else 0.0 for p, g in zip(params, generators)]
+    _, packed, n = choose_on_device(logits, params, draws)
+    return unpack_choices(packed.cpu().tolist(), params, n)  # the step's one device-to-host copy

@@ -20,17 +20,18 @@ tokens alone and 40-110 ms while requests arrive; the default limit is measured 
 that arrive together start together instead of queueing behind one prefill each; the policy depends
 only on the prompt's length, so a sequence's tokens do not depend on what else is running.
 
-**Overlapped steps** (on CUDA at world size 1; :func:`default_overlap`): when every running
-sequence is greedy and no prompt is being prefilled, a decode step is launched before the previous
-step's tokens are read: its rows take their tokens from the previous step's argmax on the device,
-its own choices are reduced there and copied to pinned host memory without waiting, and only then
+**Overlapped steps** (on CUDA at world size 1; :func:`default_overlap`): when no prompt is being
+prefilled, a decode step is launched before the previous step's tokens are read: its rows take
+their tokens from the previous step's choices on the device (a sampled row's uniform is drawn from
+its generator at launch, :func:`~shardsmith.runtime.engine.sampling.draw`), its own choices are made
+there and copied to pinned host memory without waiting, and only then
 are the previous step's tokens read (by then the device has finished it), so the host's work for
 a step (the scheduler, the text side, the event loop's) runs while the device computes the next.
 Tokens therefore reach the caller one step later. A sequence whose next token surely ends it
 (``max_tokens``, the last position) is left out of the step launched ahead; one that ends on a stop
 token read after its next row was launched wastes that row, whose result is dropped (its slot is
-released behind it in the device's stream order). A sampled request or a prefill makes the steps
-plain (all tokens read first): the tokens are the same either way.
+released behind it in the device's stream order). A prefill makes the step plain (all tokens read
+first): the tokens are the same either way.
 
 Each sequence samples with its own ``torch.Generator`` (seeded from its request), so a seeded
 request draws the same tokens whatever else is in the batch. A sequence leaves (its slot is
@@ -50,8 +51,8 @@ from typing import Any
 import torch
 
 from shardsmith.errors import UsageError
-from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_rows, greedy_on_device,
-                                                make_generator, unpack_greedy)
+from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_on_device, choose_rows, draw,
+                                                make_generator, unpack_choices)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per engine step (all prefilling sequences together)
 
@@ -127,11 +128,11 @@ class Sequence:
 class _InFlight:
     """A decode step launched and not yet read back (overlapped steps): the rows that sample a token,
     their tokens on the device, and their packed choices on their way to the host
-    (:func:`~shardsmith.runtime.engine.sampling.greedy_on_device`)."""
+    (:func:`~shardsmith.runtime.engine.sampling.choose_on_device`)."""
 
     seqs: list[Sequence]  # the rows that sample a token, in order
     pos: list[int]  # where each one's token will be fed
-    ids: torch.Tensor  # [R] int64 on the device: their greedy tokens
+    ids: torch.Tensor  # [R] int64 on the device: their chosen tokens
     host: torch.Tensor  # [R, 2 + 2n] float64 packed choices: pinned on CUDA, filled by a non-blocking copy
     n: int
     done: Any = None  # the CUDA event after the copy (None on CPU)
@@ -160,7 +161,7 @@ class Scheduler:
         prefill_chunk: prompt tokens per step across the prefilling sequences (>= 1).
         decode_prompt_tokens: prompts of at most this many tokens are fed through decode rows
             (0: never); None: :func:`default_decode_prompt_tokens` (measured at warm-up on CUDA).
-        overlap: launch each all-greedy decode step before reading the previous one's tokens
+        overlap: launch each decode step before reading the previous one's tokens
             (module docstring); None: :func:`default_overlap` (on CUDA at world size 1).
 
     Raises:
@@ -218,7 +219,7 @@ class Scheduler:
     def step(self) -> list[tuple[Sequence, StepOutput]]:
         """One engine step: a prefill budget, then one batched decode; each sampled token, in order.
 
-        With ``overlap``, an all-greedy decode step is launched before the previous step's tokens are
+        With ``overlap``, a decode step is launched before the previous step's tokens are
         read, and this returns the previous step's tokens (module docstring). Sequences that finish
         leave (slots released) before this returns.
 
@@ -229,7 +230,7 @@ class Scheduler:
         budget, fresh = self.prefill_chunk, set()
         self.last_prefill_tokens = self.last_feeding = 0
         prefilling = [s for s in self.running if s.prefilled < len(s.prompt_ids) and not self._fed(s)]
-        overlap = self.overlap and not prefilling and all(s.params.temperature <= 0.0 for s in self.running)
+        overlap = self.overlap and not prefilling
         if self._inflight is not None and not overlap:
             out += self._land()  # every token on the host before a step that needs them there
         for seq in prefilling:
@@ -286,7 +287,7 @@ class Scheduler:
 
     def _launch(self, batch: list[Sequence], feeding: list[bool]) -> list[tuple[Sequence, StepOutput]]:
         """An overlapped step: the rows' tokens assembled on the device (a prompt token or a host token,
-        or the step in flight's greedy choice), the step and its greedy choices launched, their copy to
+        or the step in flight's choice), the step and its choices launched, their copy to
         the host started; then the step in flight before it is read (its tokens returned)."""
         prev = self._inflight
         self.overlapped_steps += prev is not None
@@ -305,7 +306,8 @@ class Scheduler:
         if ready:
             rows = logits if len(ready) == len(batch) else logits[_to_device(ready, device)]
             seqs = [batch[b] for b in ready]
-            chosen, packed, n = greedy_on_device(rows, [s.params for s in seqs])
+            draws = [draw(s.generator) if s.params.temperature > 0.0 else 0.0 for s in seqs]
+            chosen, packed, n = choose_on_device(rows, [s.params for s in seqs], draws)
             fl = _InFlight(seqs, [s.pos for s in seqs], chosen, packed, n)
             if device.type == "cuda":
                 fl.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -329,7 +331,7 @@ class Scheduler:
         token read after its next row was launched or an abort, is skipped)."""
         if fl.done is not None:
             fl.done.synchronize()
-        choices = unpack_greedy(fl.host.tolist(), [s.params for s in fl.seqs], fl.n)
+        choices = unpack_choices(fl.host.tolist(), [s.params for s in fl.seqs], fl.n)
         running = set(map(id, self.running))
         return [(seq, self._step_output(seq, c, pos)) for seq, c, pos in zip(fl.seqs, choices, fl.pos)
                 if id(seq) in running]
