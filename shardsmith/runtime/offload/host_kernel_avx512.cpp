@@ -159,13 +159,8 @@ inline __m512 bf16x16(const uint8_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
 
-template <bool kFp8>
-inline __m512 decode16(const uint8_t* w, int64_t c, __m512 sc) {
-  return kFp8 ? _mm512_mul_ps(fp8x16(w + c), sc) : bf16x16(w + 2 * c);
-}
-
-template <bool kFp8, int NT>
-void dense_row(const Matrix& m, const float* x, const uint8_t* w, const float* scales, float* y, int64_t ldy) {
+template <int NT>
+void bf16_row(const Matrix& m, const float* x, const uint8_t* w, float* y, int64_t ldy) {
   constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // 16-column steps per iteration, own accumulators each
   __m512 acc[U][NT];
   float tail[NT];
@@ -173,26 +168,19 @@ void dense_row(const Matrix& m, const float* x, const uint8_t* w, const float* s
     tail[t] = 0.f;
     for (int u = 0; u < U; ++u) acc[u][t] = _mm512_setzero_ps();
   }
-  const int64_t block = kFp8 ? m.bc : m.C;
-  for (int64_t c0 = 0; c0 < m.C; c0 += block) {
-    const int64_t c1 = std::min(m.C, c0 + block);
-    const float scale = kFp8 ? scales[c0 / m.bc] : 1.f;
-    const __m512 sc = _mm512_set1_ps(scale * 256.f);  // fp8x16 returns 2^-8 of the value
-    int64_t c = c0;
-    for (; c + 16 * U <= c1; c += 16 * U) {
-      for (int u = 0; u < U; ++u) {
-        const __m512 v = decode16<kFp8>(w, c + 16 * u, sc);
-        for (int t = 0; t < NT; ++t) acc[u][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * m.C + c + 16 * u), acc[u][t]);
-      }
+  int64_t c = 0;
+  for (; c + 16 * U <= m.C; c += 16 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m512 v = bf16x16(w + 2 * (c + 16 * u));
+      for (int t = 0; t < NT; ++t) acc[u][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * m.C + c + 16 * u), acc[u][t]);
     }
-    for (; c + 16 <= c1; c += 16) {
-      const __m512 v = decode16<kFp8>(w, c, sc);
-      for (int t = 0; t < NT; ++t) acc[0][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * m.C + c), acc[0][t]);
-    }
-    for (; c < c1; ++c) {
-      const float v = kFp8 ? fp8_e4m3(w[c]) * scale : bf16(w + 2 * c);
-      for (int t = 0; t < NT; ++t) tail[t] += v * x[t * m.C + c];
-    }
+  for (; c + 16 <= m.C; c += 16) {
+    const __m512 v = bf16x16(w + 2 * c);
+    for (int t = 0; t < NT; ++t) acc[0][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * m.C + c), acc[0][t]);
+  }
+  for (; c < m.C; ++c) {
+    const float v = bf16(w + 2 * c);
+    for (int t = 0; t < NT; ++t) tail[t] += v * x[t * m.C + c];
   }
   for (int t = 0; t < NT; ++t) {
     __m512 sum = acc[0][t];
@@ -206,10 +194,9 @@ void fp4_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
   fp4_row<NT>(m, a.x + t0 * 32, int64_t{a.T} * 32, m.w + r * m.lw, m.s8 + r * m.ls8, a.y + t0 * a.ldy + r, a.ldy);
 }
 
-template <bool kFp8, int NT>
-void dense_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
-  dense_row<kFp8, NT>(m, a.x + t0 * m.C, m.w + r * m.lw, kFp8 ? m.sf + (r / m.br) * m.lsf : nullptr,
-                      a.y + t0 * a.ldy + r, a.ldy);
+template <int NT>
+void bf16_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
+  bf16_row<NT>(m, a.x + t0 * m.C, m.w + r * m.lw, a.y + t0 * a.ldy + r, a.ldy);
 }
 
 using TileFn = void (*)(const Matrix&, const Activations&, int, int64_t);
@@ -222,9 +209,8 @@ void rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
 
 constexpr TileFn kFp4[kTile + 1] = {nullptr, fp4_tile<1>, fp4_tile<2>, fp4_tile<3>, fp4_tile<4>,
                                     fp4_tile<5>, fp4_tile<6>, fp4_tile<7>, fp4_tile<8>};
-constexpr TileFn kBf16[kTile + 1] = {nullptr, dense_tile<false, 1>, dense_tile<false, 2>, dense_tile<false, 3>,
-                                     dense_tile<false, 4>, dense_tile<false, 5>, dense_tile<false, 6>,
-                                     dense_tile<false, 7>, dense_tile<false, 8>};
+constexpr TileFn kBf16[kTile + 1] = {nullptr, bf16_tile<1>, bf16_tile<2>, bf16_tile<3>, bf16_tile<4>,
+                                     bf16_tile<5>, bf16_tile<6>, bf16_tile<7>, bf16_tile<8>};
 
 }  // namespace
 
