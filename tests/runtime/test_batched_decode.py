@@ -304,3 +304,35 @@ def test_overlap_needs_one_rank(packs, monkeypatch):
         Scheduler(eng, overlap=True)
     with pytest.raises(UsageError, match="decode_on_device runs one rank only"):
         eng.decode_on_device(torch.zeros(1, dtype=torch.int64), [0], [0])
+
+
+def test_a_prefill_arriving_mid_flight_reads_the_step_and_lets_finished_sequences_leave(packs):
+    """A prompt that needs a prefill arrives while a step is in flight: that step is read first, and
+    a sequence whose token read there ends it (its max_tokens, or a stop token) leaves before the
+    next batch is chosen: every sequence gets its tokens once, one finish each, as the plain
+    scheduler gives them, whichever step the prefill arrives at."""
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
+    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+
+    eng = Engine.load(packs["mixtral", 1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=32, max_num_seqs=4)
+
+    def run(overlap: bool, k: int, stop: tuple[int, ...] = ()) -> list[tuple[str, int, bool]]:
+        sched = Scheduler(eng, prefill_chunk=64, decode_prompt_tokens=5, overlap=overlap)
+        a = Sequence(PROMPTS[0][:3], SamplingParams(max_tokens=4, stop_token_ids=stop))  # fed through decode rows
+        b = Sequence(PROMPTS[0], SamplingParams(max_tokens=3))  # 10 tokens: prefilled
+        sched.admit(a)
+        log, i = [], 0
+        while sched.running or i <= k:
+            if i == k:
+                sched.admit(b)
+            log += [("a" if seq is a else "b", out.token_id, out.finished) for seq, out in sched.step()]
+            i += 1
+        return log
+
+    for k in range(8):
+        plain = run(False, k)
+        assert run(True, k) == plain, k
+        assert [f for who, _, f in plain if who == "a"] == [False] * 3 + [True]
+    stop = tuple(t for who, t, _ in run(False, 0) if who == "a")[2:]  # a stops at its third token
+    for k in range(8):
+        assert run(True, k, stop) == run(False, k, stop), k

@@ -187,6 +187,16 @@ def test_sampled_draws_follow_the_filtered_distribution():
     assert draw_sorted(sx, order, torch.tensor([0.0, 1 - 1e-12])).tolist() == [1, 5]
 
 
+def test_a_tiny_temperature_samples_the_best_token():
+    """Temperatures whose division overflows float32 (1e-39) or that are 0 in float32 (1e-46) still
+    pick the argmax, with and without filters (the logits are shifted and divided in float64)."""
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(2)) * 3
+    for t in (1e-39, 1e-46):
+        for extra in ({}, {"top_p": 0.9}, {"top_k": 5}):
+            got = choose_rows(logits, [Params(temperature=t, **extra)] * 2, [make_generator(1), make_generator(2)])
+            assert [c.token_id for c in got] == logits.argmax(-1).tolist(), (t, extra)
+
+
 def test_choose_rows_equals_choose_per_row():
     """The batched choice (greedy rows reduced together, one host copy) is ``choose`` row by row,
     exactly on CPU: ties to the lowest id, each row's own number of top logprobs, sampled rows

@@ -382,7 +382,7 @@ class Engine:
                 self.decode([0] * rows, [2] * rows, slots[:rows])
             for s in slots:
                 self.release(s)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.max_seq_len >= 3:  # a prefill and a step after it must fit
             self.prompt_costs = self._time_prompt_paths()
         self.warmup_seconds = time.perf_counter() - t0
         log.info("warm-up: %d kernel launches and the decode buckets in %.2f s%s", self.warmup_launches,

@@ -88,8 +88,8 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Scaled and masked logits ``[V]`` (masked entries ``-inf``) to sample from, in vocabulary order
-    (:func:`sorted_filtered` for one row).
+    """Scaled and masked logits ``[V]`` (masked entries ``-inf``; shifted so the best is 0) to sample
+    from, in vocabulary order (:func:`sorted_filtered` for one row).
 
     Args:
         logits: ``[V]`` float32; temperature: > 0; top_k: keep the k best, ties with the k-th
@@ -102,7 +102,7 @@ def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p
 
 def sorted_filtered(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of ``x`` ``[G, V]`` (float32) scaled by its temperature, sorted best first (stable:
+    """Each row of ``x`` ``[G, V]`` (float32) scaled by its temperature (:func:`tempered`), sorted best first (stable:
     equal values in ascending id) and masked by its top-k and then its top-p (``-inf``); with the
     sort's order. Per-row settings are ``[G]`` tensors on any device (top_k 0: all; top_p 1.0: all).
 
@@ -116,7 +116,7 @@ def sorted_filtered(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     """
     dev = x.device
     t, k, p = (v.to(dev, non_blocking=True) for v in (temperature, top_k, top_p))
-    sx, order = torch.sort(x / t.to(x.dtype)[:, None], dim=-1, descending=True, stable=True)
+    sx, order = torch.sort(tempered(x, t), dim=-1, descending=True, stable=True)
     V = x.shape[-1]
     k = torch.where((k > 0) & (k < V), k, V).long()
     kth = sx.gather(1, (k - 1)[:, None])
@@ -126,6 +126,15 @@ def sorted_filtered(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     drop = (before >= p[:, None].to(probs.dtype)) & (p < 1.0)[:, None]
     drop[:, 0] = False
     return sx.masked_fill(drop, float("-inf")), order
+
+
+def tempered(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``(x - rowmax) / temperature`` per row of ``x`` ``[G, V]`` (float32 out; ``temperature`` ``[G]``,
+    > 0), divided in float64: the best entry is 0 and the rest finite or ``-inf`` for any positive
+    temperature, however small (a float32 ``x / 1e-39`` overflows, and ``1e-46`` is 0 in float32);
+    the shift changes no softmax, top-k or top-p."""
+    shifted = (x - x.max(dim=-1, keepdim=True).values).double()
+    return (shifted / temperature.double()[:, None]).to(x.dtype)
 
 
 def draw_index(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -226,7 +235,7 @@ def choose_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
         where = None if len(group) == len(params) else torch.tensor(group).to(x.device, non_blocking=True)
         rows = x if where is None else x[where]
         if group is plain:
-            tok = draw_index(torch.softmax(rows / meta[:, 1:2].to(x.dtype), dim=-1), meta[:, 0])[:, 0]
+            tok = draw_index(torch.softmax(tempered(rows, meta[:, 1]), dim=-1), meta[:, 0])[:, 0]
         else:
             tok = draw_sorted(*sorted_filtered(rows, meta[:, 1], meta[:, 2].long(), meta[:, 3]), meta[:, 0])
         ids = tok if where is None else ids.index_copy(0, where, tok)

@@ -233,6 +233,9 @@ class Scheduler:
         overlap = self.overlap and not prefilling
         if self._inflight is not None and not overlap:
             out += self._land()  # every token on the host before a step that needs them there
+            for seq, step in out:
+                if step.finished:  # it leaves before this step's batch is chosen
+                    self.abort(seq)
         for seq in prefilling:
             if budget == 0:
                 break
