@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace shardsmith_host {
 
@@ -71,6 +72,38 @@ inline float bf16(const uint8_t* p) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+// FP8 rows with the block scales folded into the activations (the AVX2 and AVX-512 paths): per
+// 128-row block (m.br rows) each thread rebuilds xs[t * C + c] = x[t * C + c] * 2^8 * scale(block,
+// c / bc) (the 2^8 because the vector decoders return 2^-8 of each value), so a row's inner loop is
+// decode + FMA; kRows[n] computes one row against n <= kTile tokens of xs.
+using Fp8RowFn = void (*)(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy);
+
+inline void fp8_scale_activations(const Matrix& m, const Activations& a, int64_t block, float* xs) {
+  const float* sc = m.sf + block * m.lsf;
+  for (int t = 0; t < a.T; ++t)
+    for (int64_t c0 = 0; c0 < m.C; c0 += m.bc) {
+      const float s = sc[c0 / m.bc] * 256.f;
+      const int64_t c1 = c0 + m.bc < m.C ? c0 + m.bc : m.C;
+      for (int64_t c = c0; c < c1; ++c) xs[t * m.C + c] = a.x[t * m.C + c] * s;
+    }
+}
+
+template <Fp8RowFn const* kRows>
+void fp8_rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
+  std::vector<float> xs(static_cast<size_t>(a.T) * m.C);
+  int64_t block = -1;
+  for (int64_t r = r0; r < r1; ++r) {
+    if (r / m.br != block) {
+      block = r / m.br;
+      fp8_scale_activations(m, a, block, xs.data());
+    }
+    for (int t0 = 0; t0 < a.T; t0 += kTile) {
+      const int n = a.T - t0 < kTile ? a.T - t0 : kTile;
+      kRows[n](m.w + r * m.lw, m.C, xs.data() + t0 * m.C, a.y + t0 * a.ldy + r, a.ldy);
+    }
+  }
 }
 
 }  // namespace shardsmith_host

@@ -4,9 +4,11 @@
 //       2 * e2m1 (exact integers -12..12, pshufb), widened to float; x in the fp4 activation
 //       layout (host_kernel.h), so each nibble set meets a contiguous run of x. The group's dot is multiplied by its UE8M0
 //       scale times 0.5 (exact: powers of two).
-// fp8:  8 bytes per step, e4m3 -> f16 by bit moves (S.EEEE.MMM -> S.0EEEE.MMM0000000 is the same
-//       value times 2^-8, subnormals included; S.1111.111 becomes a NaN), vcvtph2ps, times the block
-//       scale times 2^8. No table gather.
+// fp8:  16 bytes per step, e4m3 -> f16 by bit moves on 16-bit lanes (S.EEEE.MMM -> S.0EEEE.MMM0000000
+//       is the same value times 2^-8, subnormals included; S.1111.111 becomes a NaN): the byte
+//       sign-extended, shifted left by 7, the sign's copy in bit 14 cleared; two vcvtph2ps;
+//       no table gather and no multiply by the scale: the block scales (times 2^8) are folded into a
+//       per-thread copy of the activations once per row block (fp8_rows, host_kernel.h).
 // bf16: 8 per step, shifted into the high half of a float.
 // Up to kTile tokens share each decoded vector; the accumulators are template-sized, so registers.
 
@@ -64,12 +66,60 @@ void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w,
 
 // 8 e4m3 bytes -> 8 floats, each 2^-8 times its value.
 inline __m256 fp8x8(const uint8_t* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i s = _mm_slli_epi16(b, 7);                              // 0.S.EEEE.MMM.0000000
-  const __m128i h = _mm_add_epi16(s, _mm_and_si128(s, _mm_set1_epi16(0x4000)));  // S moved up a bit
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));  // sign-extended
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));  // S.0EEEE.MMM.0000000
   const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7F)),
                                     _mm_set1_epi16(0x7E00));
   return _mm256_cvtph_ps(_mm_or_si128(h, nan));
+}
+
+// 16 e4m3 bytes -> columns 0-7 and 8-15 as floats, 2^-8 of each value: fp8x8's moves on 16 lanes.
+inline void fp8x16(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // sign-extended
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+  const __m256i nan = _mm256_and_si256(
+      _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00));
+  const __m256i f = _mm256_or_si256(h, nan);
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(f));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(f, 1));
+}
+
+// One fp8 row against NT tokens of pre-scaled activations xs[t * C + c] (fp8_rows, host_kernel.h);
+// K independent accumulator chains per token hide the FMA latency when few tokens share a row.
+template <int NT>
+void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy) {
+  constexpr int K = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+  constexpr int U = K == 4 ? 2 : 1;  // 16-column steps per iteration
+  __m256 acc[K][NT];
+  float tail[NT];
+  for (int t = 0; t < NT; ++t) {
+    tail[t] = 0.f;
+    for (int k = 0; k < K; ++k) acc[k][t] = _mm256_setzero_ps();
+  }
+  int64_t c = 0;
+  for (; c + 16 * U <= C; c += 16 * U)
+    for (int u = 0; u < U; ++u) {
+      __m256 lo, hi;
+      fp8x16(w + c + 16 * u, lo, hi);
+      for (int t = 0; t < NT; ++t) {
+        const float* x = xs + t * C + c + 16 * u;
+        acc[(2 * u) % K][t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x), acc[(2 * u) % K][t]);
+        acc[(2 * u + 1) % K][t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 8), acc[(2 * u + 1) % K][t]);
+      }
+    }
+  for (; c + 8 <= C; c += 8) {
+    const __m256 v = fp8x8(w + c);
+    for (int t = 0; t < NT; ++t) acc[0][t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs + t * C + c), acc[0][t]);
+  }
+  for (; c < C; ++c) {
+    const float v = fp8_e4m3(w[c]) * (1.f / 256.f);
+    for (int t = 0; t < NT; ++t) tail[t] += v * xs[t * C + c];
+  }
+  for (int t = 0; t < NT; ++t) {
+    __m256 sum = acc[0][t];
+    for (int k = 1; k < K; ++k) sum = _mm256_add_ps(sum, acc[k][t]);
+    y[t * ldy] = hsum(sum) + tail[t];
+  }
 }
 
 inline __m256 bf16x8(const uint8_t* p) {
@@ -77,26 +127,19 @@ inline __m256 bf16x8(const uint8_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
 
-template <bool kFp8, int NT>
-void dense_row(const Matrix& m, const float* x, const uint8_t* w, const float* scales, float* y, int64_t ldy) {
-  constexpr int kEl = kFp8 ? 1 : 2;  // bytes per element
+template <int NT>
+void bf16_row(const Matrix& m, const float* x, const uint8_t* w, float* y, int64_t ldy) {
   __m256 acc[NT];
   float tail[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps(), tail[t] = 0.f;
-  const int64_t block = kFp8 ? m.bc : m.C;
-  for (int64_t c0 = 0; c0 < m.C; c0 += block) {
-    const int64_t c1 = std::min(m.C, c0 + block);
-    const float scale = kFp8 ? scales[c0 / m.bc] : 1.f;
-    const __m256 sc = _mm256_set1_ps(scale * 256.f);  // fp8x8 returns 2^-8 of the value
-    int64_t c = c0;
-    for (; c + 8 <= c1; c += 8) {
-      const __m256 v = kFp8 ? _mm256_mul_ps(fp8x8(w + c), sc) : bf16x8(w + kEl * c);
-      for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + t * m.C + c), acc[t]);
-    }
-    for (; c < c1; ++c) {
-      const float v = kFp8 ? fp8_e4m3(w[c]) * scale : bf16(w + 2 * c);
-      for (int t = 0; t < NT; ++t) tail[t] += v * x[t * m.C + c];
-    }
+  int64_t c = 0;
+  for (; c + 8 <= m.C; c += 8) {
+    const __m256 v = bf16x8(w + 2 * c);
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + t * m.C + c), acc[t]);
+  }
+  for (; c < m.C; ++c) {
+    const float v = bf16(w + 2 * c);
+    for (int t = 0; t < NT; ++t) tail[t] += v * x[t * m.C + c];
   }
   for (int t = 0; t < NT; ++t) y[t * ldy] = hsum(acc[t]) + tail[t];
 }
@@ -107,10 +150,9 @@ void fp4_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
   fp4_row<NT>(m, a.x + t0 * 32, int64_t{a.T} * 32, m.w + r * m.lw, m.s8 + r * m.ls8, a.y + t0 * a.ldy + r, a.ldy);
 }
 
-template <bool kFp8, int NT>
-void dense_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
-  dense_row<kFp8, NT>(m, a.x + t0 * m.C, m.w + r * m.lw, kFp8 ? m.sf + (r / m.br) * m.lsf : nullptr,
-                      a.y + t0 * a.ldy + r, a.ldy);
+template <int NT>
+void bf16_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
+  bf16_row<NT>(m, a.x + t0 * m.C, m.w + r * m.lw, a.y + t0 * a.ldy + r, a.ldy);
 }
 
 using TileFn = void (*)(const Matrix&, const Activations&, int, int64_t);
@@ -123,16 +165,14 @@ void rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
 
 constexpr TileFn kFp4[kTile + 1] = {nullptr, fp4_tile<1>, fp4_tile<2>, fp4_tile<3>, fp4_tile<4>,
                                     fp4_tile<5>, fp4_tile<6>, fp4_tile<7>, fp4_tile<8>};
-constexpr TileFn kFp8[kTile + 1] = {nullptr, dense_tile<true, 1>, dense_tile<true, 2>, dense_tile<true, 3>,
-                                    dense_tile<true, 4>, dense_tile<true, 5>, dense_tile<true, 6>,
-                                    dense_tile<true, 7>, dense_tile<true, 8>};
-constexpr TileFn kBf16[kTile + 1] = {nullptr, dense_tile<false, 1>, dense_tile<false, 2>, dense_tile<false, 3>,
-                                     dense_tile<false, 4>, dense_tile<false, 5>, dense_tile<false, 6>,
-                                     dense_tile<false, 7>, dense_tile<false, 8>};
+constexpr Fp8RowFn kFp8Rows[kTile + 1] = {nullptr, fp8_row<1>, fp8_row<2>, fp8_row<3>, fp8_row<4>,
+                                          fp8_row<5>, fp8_row<6>, fp8_row<7>, fp8_row<8>};
+constexpr TileFn kBf16[kTile + 1] = {nullptr, bf16_tile<1>, bf16_tile<2>, bf16_tile<3>, bf16_tile<4>,
+                                     bf16_tile<5>, bf16_tile<6>, bf16_tile<7>, bf16_tile<8>};
 
 }  // namespace
 
-Kernels avx2_kernels() { return {rows<kFp4>, rows<kFp8>, rows<kBf16>}; }
+Kernels avx2_kernels() { return {rows<kFp4>, fp8_rows<kFp8Rows>, rows<kBf16>}; }
 
 }  // namespace shardsmith_host
 

@@ -20,7 +20,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <vector>
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))), apply_to = function)
@@ -66,28 +65,27 @@ void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w,
 
 // 16 e4m3 bytes -> 16 floats, each 2^-8 times its value.
 inline __m512 fp8x16(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i s = _mm256_slli_epi16(b, 7);                                       // 0.S.EEEE.MMM.0000000
-  const __m256i h = _mm256_add_epi16(s, _mm256_and_si256(s, _mm256_set1_epi16(0x4000)));  // S moved up a bit
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // sign-extended
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));  // S.0EEEE.MMM.0000000
   const __m256i nan = _mm256_and_si256(
       _mm256_cmpeq_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00));
   return _mm512_cvtph_ps(_mm256_or_si256(h, nan));
 }
 
-// 32 e4m3 bytes -> 32 floats in two halves (columns 0-15, 16-31), each 2^-8 times its value: the
-// bit moves of fp8x16 on 32 16-bit lanes at once.
+// 32 e4m3 bytes -> 32 floats in two halves (columns 0-15, 16-31), each 2^-8 times its value. The
+// bytes are sign-extended to 16 bits, so after the shift by 7 the sign is already in bit 15 and its
+// copy in bit 14 is cleared (S.S.EEEE.MMM.0000000 -> S.0EEEE.MMM.0000000, fp8x16's f16 pattern).
 inline void fp8x32(const uint8_t* p, __m512& lo, __m512& hi) {
-  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i s = _mm512_slli_epi16(b, 7);
-  __m512i h = _mm512_add_epi16(s, _mm512_and_si512(s, _mm512_set1_epi16(0x4000)));
-  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7F));
+  const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // sign-extended
+  __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16(static_cast<short>(0xBF80)));
+  const __mmask32 nan = _mm512_cmpeq_epu16_mask(_mm512_and_si512(b, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7F));
   h = _mm512_mask_mov_epi16(h, nan, _mm512_set1_epi16(0x7E00));
   lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
   hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
 // One fp8 row against NT tokens of activations already times the row block's column scales
-// (and 2^8): xs[t * C + c].
+// (and 2^8): xs[t * C + c] (fp8_rows in host_kernel.h).
 template <int NT>
 void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy) {
   constexpr int U = NT == 1 ? 2 : 1;  // 32-column steps per iteration, two accumulators each
@@ -123,36 +121,8 @@ void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy
   }
 }
 
-// xs[t * C + c] = x[t * C + c] * 2^8 * (the scale of row block rb, column block c / bc).
-void fp8_scale_activations(const Matrix& m, const Activations& a, int64_t rb, float* xs) {
-  const float* sc = m.sf + rb * m.lsf;
-  for (int t = 0; t < a.T; ++t) {
-    const float* x = a.x + t * m.C;
-    float* o = xs + t * m.C;
-    for (int64_t c0 = 0; c0 < m.C; c0 += m.bc) {
-      const float s = sc[c0 / m.bc] * 256.f;
-      const int64_t c1 = std::min(m.C, c0 + m.bc);
-      for (int64_t c = c0; c < c1; ++c) o[c] = x[c] * s;
-    }
-  }
-}
-
-using Fp8RowFn = void (*)(const uint8_t*, int64_t, const float*, float*, int64_t);
 constexpr Fp8RowFn kFp8Rows[kTile + 1] = {nullptr, fp8_row<1>, fp8_row<2>, fp8_row<3>, fp8_row<4>,
                                           fp8_row<5>, fp8_row<6>, fp8_row<7>, fp8_row<8>};
-
-void fp8_rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
-  std::vector<float> xs(static_cast<size_t>(a.T) * m.C);
-  int64_t block = -1;
-  for (int64_t r = r0; r < r1; ++r) {
-    if (r / m.br != block) {
-      block = r / m.br;
-      fp8_scale_activations(m, a, block, xs.data());
-    }
-    for (int t0 = 0; t0 < a.T; t0 += kTile)
-      kFp8Rows[std::min(kTile, a.T - t0)](m.w + r * m.lw, m.C, xs.data() + t0 * m.C, a.y + t0 * a.ldy + r, a.ldy);
-  }
-}
 
 inline __m512 bf16x16(const uint8_t* p) {
   const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -214,7 +184,7 @@ constexpr TileFn kBf16[kTile + 1] = {nullptr, bf16_tile<1>, bf16_tile<2>, bf16_t
 
 }  // namespace
 
-Kernels avx512_kernels() { return {rows<kFp4>, fp8_rows, rows<kBf16>}; }
+Kernels avx512_kernels() { return {rows<kFp4>, fp8_rows<kFp8Rows>, rows<kBf16>}; }
 
 }  // namespace shardsmith_host
 
