@@ -234,6 +234,7 @@ def serve(
         raise UsageError(f"--max-queue must be at least 0, got {max_queue}")
     if prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be at least 1 token, got {prefill_chunk}")
+    _check_serving_environment()
     if decode_prompt_tokens is not None and not 0 <= decode_prompt_tokens <= max_seq_len:
         raise UsageError(f"--decode-prompt-tokens must be between 0 and --max-model-len ({max_seq_len}), "
                          f"got {decode_prompt_tokens}")
@@ -349,3 +350,23 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.command("generate")(generate)
     app.command("demo")(demo)
+
+
+def _check_serving_environment() -> None:
+    """The serving loop's environment knobs, checked before any rank starts.
+
+    Raises:
+        UsageError: ``SHARDSMITH_OVERLAP_STEPS`` is neither 0 nor 1, or ``SHARDSMITH_STEP_TRACE``
+            names a file that cannot be appended to.
+    """
+    import os
+
+    from shardsmith.runtime.engine.scheduler import overlap_setting
+
+    overlap_setting()
+    trace = os.environ.get("SHARDSMITH_STEP_TRACE", "").strip()
+    if trace:
+        try:
+            open(trace, "a", encoding="utf-8").close()
+        except OSError as e:
+            raise UsageError(f"SHARDSMITH_STEP_TRACE={trace!r}: cannot append to it ({e.strerror})") from e

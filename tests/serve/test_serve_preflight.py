@@ -38,9 +38,9 @@ from shardsmith.runtime.serve.worker import EngineWorker  # noqa: E402
 from shardsmith.writer.split import split_checkpoint  # noqa: E402
 
 
-def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardsmith.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                          timeout=timeout, env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}))
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,15 @@ def _refused(proc: subprocess.CompletedProcess, match: str) -> None:
 def test_bad_options_fail_before_ranks_start(packs, args, match: str) -> None:
     pack = packs["mixtral"]
     _refused(_cli(*(a.format(pack=pack) for a in args), timeout=60), match.format(pack=pack))
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"SHARDSMITH_OVERLAP_STEPS": "2"}, "SHARDSMITH_OVERLAP_STEPS='2': expected 0 or 1"),
+    ({"SHARDSMITH_STEP_TRACE": "/nonexistent/dir/steps.jsonl"},
+     "SHARDSMITH_STEP_TRACE='/nonexistent/dir/steps.jsonl': cannot append to it (No such file or directory)"),
+])
+def test_bad_serving_environment_fails_before_ranks_start(packs, env: dict[str, str], match: str) -> None:
+    _refused(_cli("serve", str(packs["mixtral"]), timeout=60, env=env), match)
 
 
 def test_port_in_use_fails_before_ranks_start(packs, busy_port: int) -> None:

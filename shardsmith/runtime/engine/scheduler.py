@@ -138,19 +138,32 @@ class _InFlight:
     done: Any = None  # the CUDA event after the copy (None on CPU)
 
 
-def default_overlap(engine: Any, env: str = "SHARDSMITH_OVERLAP_STEPS") -> bool:
-    """Whether steps overlap by default: on CUDA at world size 1, unless ``$SHARDSMITH_OVERLAP_STEPS``
-    is ``0`` (``1`` asks for them on a CPU too).
+OVERLAP_ENV = "SHARDSMITH_OVERLAP_STEPS"
+
+
+def overlap_setting() -> bool | None:
+    """``$SHARDSMITH_OVERLAP_STEPS``: ``0`` off, ``1`` on (a CPU too), unset None.
 
     Raises:
         UsageError: the variable is set to something other than 0 or 1.
     """
-    value = os.environ.get(env, "").strip()
+    value = os.environ.get(OVERLAP_ENV, "").strip()
     if value not in ("", "0", "1"):
-        raise UsageError(f"{env}={value!r}: expected 0 or 1")
-    if engine.world_size != 1 or value == "0":
+        raise UsageError(f"{OVERLAP_ENV}={value!r}: expected 0 or 1")
+    return None if not value else value == "1"
+
+
+def default_overlap(engine: Any) -> bool:
+    """Whether steps overlap by default: on CUDA at world size 1, unless :func:`overlap_setting` says
+    otherwise (``1`` asks for them on a CPU too; never at world size > 1).
+
+    Raises:
+        UsageError: a bad ``$SHARDSMITH_OVERLAP_STEPS``.
+    """
+    setting = overlap_setting()
+    if engine.world_size != 1 or setting is False:
         return False
-    return value == "1" or str(getattr(engine, "device", "cpu")).startswith("cuda")
+    return bool(setting) or str(getattr(engine, "device", "cpu")).startswith("cuda")
 
 
 class Scheduler:

@@ -261,6 +261,10 @@ class EngineWorker:
         prefill_chunk: prompt tokens per engine step (:class:`~shardsmith.runtime.engine.scheduler.Scheduler`).
         decode_prompt_tokens: prompts of at most this many tokens go through decode rows (None: the
             device's default, :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
+
+    Raises:
+        UsageError: ``$SHARDSMITH_STEP_TRACE`` cannot be opened, or ``$SHARDSMITH_OVERLAP_STEPS`` is
+            neither 0 nor 1 (before anything loads).
     """
 
     def __init__(self, load: Callable[[], Any], *, metrics: Metrics, on_fatal: Callable[[str], None],
@@ -283,8 +287,14 @@ class EngineWorker:
         self.stopping: str | None = None  # why, once interrupt() was called
         self._running: list[Job] = []
         self._sched: Any = None
+        from shardsmith.runtime.engine.scheduler import overlap_setting
+
+        overlap_setting()  # a bad SHARDSMITH_OVERLAP_STEPS fails now, not after the load
         trace = os.environ.get("SHARDSMITH_STEP_TRACE", "").strip()
-        self._trace = StepTrace(trace) if trace else None
+        try:
+            self._trace = StepTrace(trace) if trace else None
+        except OSError as e:
+            raise UsageError(f"SHARDSMITH_STEP_TRACE={trace!r}: cannot append to it ({e.strerror})") from e
 
     def start(self) -> None:
         set_switch_interval()
