@@ -287,7 +287,7 @@ def test_overlapped_steps_give_the_same_tokens(packs, tiny_v4_packs, family):
     assert tokens[:2] == plain[:2] and tokens[2:] == alone
 
 
-def test_overlap_needs_one_rank(packs, monkeypatch):
+def test_overlap_needs_one_rank(packs, monkeypatch, caplog):
     from shardsmith.runtime.engine.engine import Engine
     from shardsmith.runtime.engine.scheduler import Scheduler
 
@@ -302,6 +302,10 @@ def test_overlap_needs_one_rank(packs, monkeypatch):
     eng.world_size = 2  # what the check reads; no step runs
     with pytest.raises(UsageError, match="overlapped steps run one rank only"):
         Scheduler(eng, overlap=True)
+    monkeypatch.setenv("SHARDSMITH_OVERLAP_STEPS", "1")
+    with caplog.at_level("WARNING", logger="shardsmith.runtime.engine.scheduler"):
+        assert Scheduler(eng).overlap is False  # asked for, but two ranks: plain, and said so
+    assert "SHARDSMITH_OVERLAP_STEPS=1 is ignored: overlapped steps run one rank only (world size 2)" in caplog.text
     with pytest.raises(UsageError, match="decode_on_device runs one rank only"):
         eng.decode_on_device(torch.zeros(1, dtype=torch.int64), [0], [0])
 

@@ -43,6 +43,7 @@ turns its :class:`~shardsmith.runtime.engine.sampling.StepOutput` items into tex
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ import torch
 from shardsmith.errors import UsageError
 from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_on_device, choose_rows, draw,
                                                 make_generator, unpack_choices)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per engine step (all prefilling sequences together)
 
@@ -161,6 +164,9 @@ def default_overlap(engine: Any) -> bool:
         UsageError: a bad ``$SHARDSMITH_OVERLAP_STEPS``.
     """
     setting = overlap_setting()
+    if setting and engine.world_size != 1:
+        log.warning("%s=1 is ignored: overlapped steps run one rank only (world size %d); steps are plain",
+                    OVERLAP_ENV, engine.world_size)
     if engine.world_size != 1 or setting is False:
         return False
     return bool(setting) or str(getattr(engine, "device", "cpu")).startswith("cuda")

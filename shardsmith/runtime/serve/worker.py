@@ -394,11 +394,11 @@ class EngineWorker:
         self.metrics.set_capacity(max_num_seqs=slots, state_bytes=state_bytes, max_queue=self.max_queue)
         log.info("ready: every rank loaded and warmed up in %.1f s (warm-up %.1f s: %d kernel launches); %d "
                  "sequence slot(s) of %d tokens (%.1f MiB of per-sequence state on rank 0), up to %d waiting, "
-                 "prefill chunks of %d tokens, prompts of <= %d tokens fed through decode steps",
+                 "prefill chunks of %d tokens, prompts of <= %d tokens fed through decode steps, steps %s",
                  time.perf_counter() - self._started,
                  float(getattr(e, "warmup_seconds", 0.0)), int(getattr(e, "warmup_launches", 0)), slots,
                  getattr(e, "max_seq_len", 0), state_bytes / 2**20, self.max_queue, self.prefill_chunk,
-                 self._sched.decode_prompt_tokens)
+                 self._sched.decode_prompt_tokens, "overlapped" if self._sched.overlap else "plain")
         try:
             self._loop()
         finally:
