@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardsmith.runtime.layers.staging import to_device
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -230,9 +232,10 @@ def choose_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
     for group in (plain, filtered):  # unfiltered rows skip the sort: [B, V] sorts cost ms on a CPU
         if not group:
             continue
-        meta = torch.tensor([[draws[b], params[b].temperature, params[b].top_k, params[b].top_p] for b in group],
-                            dtype=torch.float64, pin_memory=x.device.type == "cuda").to(x.device, non_blocking=True)
-        where = None if len(group) == len(params) else torch.tensor(group).to(x.device, non_blocking=True)
+        host = torch.tensor([[draws[b], params[b].temperature, params[b].top_k, params[b].top_p] for b in group],
+                            dtype=torch.float64)
+        meta = to_device([host.flatten()], x.device)[0].view(-1, 4)  # [S, 4]: draw, temperature, top_k, top_p
+        where = None if len(group) == len(params) else to_device([torch.tensor(group)], x.device)[0]
         rows = x if where is None else x[where]
         if group is plain:
             tok = draw_index(torch.softmax(tempered(rows, meta[:, 1]), dim=-1), meta[:, 0])[:, 0]

@@ -54,17 +54,11 @@ import torch
 from shardsmith.errors import UsageError
 from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_on_device, choose_rows, draw,
                                                 make_generator, unpack_choices)
+from shardsmith.runtime.layers.staging import to_device
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per engine step (all prefilling sequences together)
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as int64 on ``device``: from pinned memory without waiting on CUDA."""
-    if device.type == "cuda":
-        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 MAX_DECODE_PROMPT_TOKENS = 256  # the measured default never feeds longer prompts through decode rows
@@ -295,7 +289,7 @@ class Scheduler:
         token surely ends it: its ``max_tokens`` or the last position)."""
         if s.prefilled < len(s.prompt_ids):
             return self._fed(s)
-        if self._inflight is not None and s.inflight >= 0:
+        if s.inflight >= 0:  # set only while its step is in flight
             return s.generated + 1 < s.params.max_tokens and s.pos < self.engine.max_seq_len
         return s.pending is not None
 
@@ -315,18 +309,19 @@ class Scheduler:
         self.overlapped_steps += prev is not None
         device = torch.device(self.engine.device)
         host = [s.prompt_ids[s.prefilled] if f else (s.pending if s.inflight < 0 else 0) for s, f in zip(batch, feeding)]
-        src = [-1 if f or prev is None else s.inflight for s, f in zip(batch, feeding)]
-        ids = _to_device(host, device)
+        src = [-1 if f else s.inflight for s, f in zip(batch, feeding)]  # a row of the step in flight, or -1
         if max(src) >= 0:
-            idx = _to_device(src, device)
+            ids, idx = to_device([torch.tensor(host), torch.tensor(src)], device)
             ids = torch.where(idx >= 0, prev.ids[idx.clamp(min=0)], ids)
+        else:
+            ids = to_device([torch.tensor(host)], device)[0]
         logits = self.engine.decode_on_device(ids, [s.pos for s in batch], [s.slot for s in batch])
         ready = self._advance(batch, feeding)
         self._inflight = None
         for seq in prev.seqs if prev is not None else ():
             seq.inflight = -1
         if ready:
-            rows = logits if len(ready) == len(batch) else logits[_to_device(ready, device)]
+            rows = logits if len(ready) == len(batch) else logits[to_device([torch.tensor(ready)], device)[0]]
             seqs = [batch[b] for b in ready]
             draws = [draw(s.generator) if s.params.temperature > 0.0 else 0.0 for s in seqs]
             chosen, packed, n = choose_on_device(rows, [s.params for s in seqs], draws)
