@@ -231,6 +231,8 @@ class StepTrace:
 
     def step(self, t0: float, engine_end: float, output_end: float, end: float, sched: Any, running: int,
              waiting: int) -> None:
+        """Record one step from its ``perf_counter`` marks (start, engine done, text done, end) and the
+        scheduler's counts of that step (``last_batch``, ``last_feeding``, ``last_prefill_tokens``)."""
         self._file.write(json.dumps({
             "t_s": round(t0 - self._t0, 6), "gap_s": round(t0 - self._end, 6), "engine_s": round(engine_end - t0, 6),
             "output_s": round(output_end - engine_end, 6), "emit_s": round(end - output_end, 6),
