@@ -5,7 +5,8 @@
 #  1. the host expert kernel's tests on this CPU (every instruction set it has: AVX-512 is checked
 #     only here, the CI machine lacks it) and the link emulation's GPU test;
 #  2. benchmarks/host_experts.py with the AVX2 and the AVX-512 path side by side (TP 1 on every core,
-#     TP 2 on half), next to the memory floor;
+#     TP 2 on half), one expert per call and a layer's six, next to the memory floor; then one expert
+#     over and over (cache-resident: the kernel's compute rate with memory out of the way);
 #  3. a DeepSeek-V4-Flash-shaped checkpoint (2 layers, the inventory's 160 FP4 experts each, real
 #     shapes) split at TP=1, decoded with --moe-backend gpu, hybrid and auto at a GPU expert cache of
 #     6.25% of the experts (a 16 GB card's share of V4-Flash), first with the host-to-GPU link
@@ -20,7 +21,7 @@ export SHARDSMITH_HOST=${SHARDSMITH_HOST:-h200x1}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ "${TINY:-0}" = 1 ]; then
     export PYTHONPATH=$PWD SHARDSMITH_CACHE=${SHARDSMITH_CACHE:-/tmp/sscache}
-    he=(--formats fp4,fp8 --tokens 1,4 --experts 2 --repeat 1 --no-save)
+    he=(--formats fp4,fp8 --tokens 1,4 --experts 2 --per-call 1,2 --repeat 1 --rounds 2 --no-save)
     hv=(--tiny --work /tmp/hvg-tiny --device cpu --dtype float32 --prompt 4 --tokens 4 --cache-fraction 0.25 --no-save
         --link-gbps 25)
     gen() { :; }
@@ -52,11 +53,17 @@ if [ "${HOST_CHECKS:-0}" = 1 ]; then  # steps 1-2 (measured at h200x1b; ~3-4 min
 
     timeout 100 python3 benchmarks/host_experts.py --threads "$cores" --tp 1 --isa avx2,avx512 --no-reference "${he[@]}" \
         > "$OUT/host_experts_tp1.log" 2>&1
-    echo "host experts tp1 rc=$? $((SECONDS - t0)) s"; tail -20 "$OUT/host_experts_tp1.log"
+    echo "host experts tp1 rc=$? $((SECONDS - t0)) s"; tail -40 "$OUT/host_experts_tp1.log"
     [ "${TINY:-0}" = 1 ] || cp "$(ls -t benchmarks/results/host_experts-*-"$SHARDSMITH_HOST".json | head -1)" "$OUT/host_experts_tp1.json"
     timeout 40 python3 benchmarks/host_experts.py --threads $((cores / 2)) --tp 2 --isa avx2,avx512 --no-reference \
-        --formats fp4 --tokens 1 --experts 8 --repeat 3 --no-save > "$OUT/host_experts_tp2.log" 2>&1
-    echo "host experts tp2 rc=$? $((SECONDS - t0)) s"; tail -3 "$OUT/host_experts_tp2.log"
+        --formats fp4 --tokens 1 --experts 12 --repeat 3 --no-save > "$OUT/host_experts_tp2.log" 2>&1
+    echo "host experts tp2 rc=$? $((SECONDS - t0)) s"; tail -5 "$OUT/host_experts_tp2.log"
+    # one expert over and over: its bytes stay in the last-level cache, so this is the kernel's compute
+    # rate with memory out of the way (set against the rows above: memory- or instruction-bound?)
+    timeout 40 python3 benchmarks/host_experts.py --threads "$cores" --tp 1 --isa "$(python3 -c 'from shardsmith.runtime.offload import host_kernel as h; print(h.default_isa())')" \
+        --no-reference --formats fp4,fp8,bf16 --tokens 1 --experts 1 --per-call 1 --repeat 20 --no-save \
+        > "$OUT/host_experts_cached.log" 2>&1
+    echo "host experts cache-resident rc=$? $((SECONDS - t0)) s"; tail -4 "$OUT/host_experts_cached.log"
 fi
 
 gen | tee "$OUT/gen.log"

@@ -117,6 +117,42 @@ def test_bf16_expert_equals_reference_and_keeps_dtype(isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", ["fp4", "fp8", "bf16"])
+def test_layer_call_equals_each_expert_alone(isa: str, fmt: str) -> None:
+    """A layer's experts in one call (one parallel region per phase, token blocks of 1, 3, 9 and 2
+    rows: a single row, a short tile, more than one 8-token tile) equal each expert computed alone,
+    bitwise (the same rows function on the same rows), and the reference within float32 rounding."""
+    g = torch.Generator().manual_seed(5)
+    block = (16, 48) if fmt == "fp8" else None
+    if fmt == "fp4":
+        experts = [_fp4_expert(g, inter=96, dim=160) for _ in range(4)]
+    elif fmt == "fp8":
+        experts = [_fp8_expert(g, inter=72, dim=160, block=block) for _ in range(4)]
+    else:
+        experts = [{"gate_up": torch.randn(2 * 40, 160, generator=g).bfloat16(),
+                    "down": torch.randn(160, 40, generator=g).bfloat16()} for _ in range(4)]
+    xs = [torch.randn(n, 160, generator=g) for n in (1, 3, 9, 2)]
+    got = host_kernel.experts_swiglu_host(experts, xs, block, 1.5, isa=isa)
+    assert [y.shape for y in got] == [x.shape for x in xs]
+    for arrays, x, y in zip(experts, xs, got):
+        assert torch.equal(y, host_kernel.expert_swiglu_host(arrays, x, block, 1.5, isa=isa))
+        want = expert_output(arrays if fmt != "bf16" else {k: v.float() for k, v in arrays.items()}, x, block, 1.5)
+        _close(y, want)
+
+
+def test_layer_call_refuses_mixed_or_missing_experts() -> None:
+    g = torch.Generator().manual_seed(6)
+    a, b = _fp4_expert(g, inter=32, dim=64), _fp4_expert(g, inter=64, dim=64)
+    x = torch.randn(2, 64)
+    with pytest.raises(UsageError, match="2 experts and 1 token blocks"):
+        host_kernel.experts_swiglu_host([a, a], [x], None)
+    with pytest.raises(UsageError, match="0 experts and 0 token blocks"):
+        host_kernel.experts_swiglu_host([], [], None)
+    with pytest.raises(UsageError, match=r"expert 1's gate_up is torch.int8 \[128, 32\], expert 0's torch.int8 \[64, 32\]"):
+        host_kernel.experts_swiglu_host([a, b], [x, x], None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_fp4_special_scales_and_codes(isa: str) -> None:
     """Every e2m1 code (incl. -0) under the smallest and largest normal UE8M0 scales."""
     codes = torch.arange(256, dtype=torch.uint8).repeat(2, 1)  # [2, 256] bytes: 512 columns, all pairs

@@ -37,7 +37,7 @@ import torch
 from shardsmith.runtime.layers.experts import ExpertMath, expert_output
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
 from .host_bank import HostBanks
-from .host_kernel import check_expert, default_isa, expert_swiglu_host, supports
+from .host_kernel import check_expert, default_isa, experts_swiglu_host, supports
 
 
 @functools.cache
@@ -86,19 +86,21 @@ class CpuExperts:
         self._up: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # submit_partial(): (host, device) partials
         self._up_read: torch.cuda.Event | None = None  # the last partial's H2D copy (its host buffer is free after)
 
-    def _expert_fn(self, layer: int, bank: dict[str, torch.Tensor], x: torch.Tensor):
-        """The host path for this bank: the kernel (its layout checked once per layer) or the reference."""
+    def _experts_fn(self, layer: int, bank: dict[str, torch.Tensor], x: torch.Tensor):
+        """The host path for this bank, ``fn(arrays_list, xs, block, limit) -> ys``: one kernel call for
+        all of the step's experts (their layout checked once per layer), or the reference per expert."""
         if not (self.kernel and self.math.plain and supports({name: a[0] for name, a in bank.items()})):
-            return functools.partial(expert_output, math=self.math)
+            one = functools.partial(expert_output, math=self.math)
+            return lambda arrays, xs, block, limit: [one(a, xe, block, limit) for a, xe in zip(arrays, xs)]
         key = self.layers[layer]
         if key not in self._checked:
             check_expert({name: a[0] for name, a in bank.items()}, x[:1], self.block)
             self._checked.add(key)
-        return functools.partial(expert_swiglu_host, check=False)
+        return functools.partial(experts_swiglu_host, check=False)
 
     def compute(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
                 experts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Each expert's weighted partial on the host.
+        """Each expert's weighted partial on the host (every expert of the layer in one kernel call).
 
         Args:
             x: ``[T, D]`` host; index: ``[T, K]`` host; weight: ``[T, K]`` host; experts: which to compute.
@@ -108,13 +110,16 @@ class CpuExperts:
         """
         t0 = time.perf_counter()
         bank = self.host.layers[self.layers[layer]]
-        expert = self._expert_fn(layer, bank, x)
+        groups = rows_by_expert(index, experts, index.device)
         out = {}
-        for e, (tok, k) in rows_by_expert(index, experts, index.device).items():
+        if groups:
+            fn = self._experts_fn(layer, bank, x)
             t1 = time.perf_counter()
-            y = expert({name: a[e] for name, a in bank.items()}, x[tok], self.block, self.math.limit)
+            ys = fn([{name: a[e] for name, a in bank.items()} for e in groups], [x[tok] for tok, _ in groups.values()],
+                    self.block, self.math.limit)
             self.expert_s += time.perf_counter() - t1
-            out[e] = (tok, self.math.contribution(y, weight[tok, k], x.dtype))
+            for (e, (tok, k)), y in zip(groups.items(), ys):
+                out[e] = (tok, self.math.contribution(y, weight[tok, k], x.dtype))
         self.experts_computed += len(experts)
         self.calls += 1
         self.compute_s += time.perf_counter() - t0

@@ -1,5 +1,5 @@
 // Host routed-expert kernels: y[t, r] = sum_c W[r, c] * x[t, c] with W read in its stored format, and
-// one whole expert (gate_up, SwiGLU, down) in one call.
+// a layer's routed experts (gate_up, SwiGLU, down) in one call.
 //
 // The weight is decoded in registers and multiplied there; no dequantized copy is written to
 // memory, so an expert's bytes are read once per step, and up to kTile tokens share every decoded
@@ -119,14 +119,15 @@ void run(RowsFn fn, const std::vector<Segment>& segs) {
   });
 }
 
-// x [T, C] in the fp4 activation layout (host_kernel.h, fp4_x_index).
-at::Tensor fp4_activations(const at::Tensor& x) {
-  at::Tensor out = at::empty_like(x);
-  const float* src = x.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  const int64_t T = x.size(0), C = x.size(1);
+// x [T, C] in the fp4 activation layout (host_kernel.h, fp4_x_index), written to dst [T * C].
+void fp4_activations(const float* src, int64_t T, int64_t C, float* dst) {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < C; ++i) dst[fp4_x_index(t, i, T)] = src[t * C + i];
+}
+
+at::Tensor fp4_activations(const at::Tensor& x) {
+  at::Tensor out = at::empty_like(x);
+  fp4_activations(x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<float>());
   return out;
 }
 
@@ -191,60 +192,85 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   return linear(x, m, w.size(0), scale.has_value() ? k.fp8 : k.bf16);
 }
 
-// One expert: y [T, D] float32 = down(act(gate x, up x)), act = silu(min(g, L)) * clamp(u, -L, L)
-// (L = limit > 0) or silu(g) * u; gate_up holds the gate rows, then the up rows (fp8: their scale
-// rows stacked the same way, each half starting a new block).
-at::Tensor expert(const at::Tensor& x, const at::Tensor& gu, const c10::optional<at::Tensor>& gus, const at::Tensor& dn,
-                  const c10::optional<at::Tensor>& dns, const std::string& fmt, int64_t br, int64_t bc, double limit,
-                  const std::string& isa) {
+// Routed experts of one layer in one call: y [N, D] float32, where expert e's tokens are the
+// rows[e] consecutive rows of x [N, D] starting at sum(rows[:e]), and each is down(act(gate x, up x))
+// with act = silu(min(g, L)) * clamp(u, -L, L) (L = limit > 0) or silu(g) * u. gate_up holds the
+// gate rows, then the up rows (fp8: their scale rows stacked the same way, each half starting a new
+// block). Every expert's gate_up rows share one parallel region, their SwiGLU one, their down rows
+// one: a layer pays the threads' wake-up and barriers once, not once per expert.
+at::Tensor experts(const at::Tensor& x, c10::IntArrayRef rows, at::TensorList gu, at::TensorList gus, at::TensorList dn,
+                   at::TensorList dns, const std::string& fmt, int64_t br, int64_t bc, double limit,
+                   const std::string& isa) {
   sync_threads();
   TORCH_CHECK(fmt == "fp4" || fmt == "fp8" || fmt == "bf16", "format must be fp4, fp8 or bf16, got " + fmt);
   const bool fp4 = fmt == "fp4";
-  TORCH_CHECK((fmt != "bf16") == gus.has_value(), "fp4 and fp8 take scales, bf16 none");
-  TORCH_CHECK(gus.has_value() == dns.has_value(), "gate_up and down scales must both be given or both not");
-  TORCH_CHECK(gu.dim() == 2 && gu.size(0) % 2 == 0, "gate_up must be [2*I, ...], got " + dims(gu));
+  const int64_t E = static_cast<int64_t>(gu.size());
+  TORCH_CHECK(E >= 1 && static_cast<int64_t>(rows.size()) == E && static_cast<int64_t>(dn.size()) == E,
+              "experts: rows, gate_up and down must have one entry per expert");
+  const int64_t S = fmt == "bf16" ? 0 : E;
+  TORCH_CHECK(static_cast<int64_t>(gus.size()) == S && static_cast<int64_t>(dns.size()) == S,
+              "experts: fp4 and fp8 take one scale per weight, bf16 none");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [N, D]");
+  TORCH_CHECK(gu[0].dim() == 2 && gu[0].size(0) % 2 == 0, "gate_up must be [2*I, ...], got " + dims(gu[0]));
   const Kernels k = kernels_for(isa);
   const RowsFn fn = fp4 ? k.fp4 : fmt == "fp8" ? k.fp8 : k.bf16;
-  const int64_t I = gu.size(0) / 2, T = x.size(0);
-  at::Tensor h = at::empty({T, 2 * I}, x.options());  // gate | up
-  std::vector<Segment> gate_up;
-  Matrix down;
-  at::Tensor xin = x;
-  if (fp4) {
-    const Matrix m = fp4_matrix(gu, *gus);
-    check_x(x, m.C);
-    xin = fp4_activations(x);
-    gate_up.push_back({m, {xin.data_ptr<float>(), static_cast<int>(T), h.data_ptr<float>(), 2 * I}, 2 * I});
-    down = fp4_matrix(dn, *dns);
-  } else {
-    c10::optional<at::Tensor> gs, us;
-    if (gus.has_value()) {
-      const int64_t sr = gus->size(0) / 2;
-      gs = gus->narrow(0, 0, sr), us = gus->narrow(0, sr, sr);
-    }
-    const Matrix gate = dense_matrix(gu.narrow(0, 0, I), gs, br, bc), up = dense_matrix(gu.narrow(0, I, I), us, br, bc);
-    check_x(x, gate.C);
-    gate_up.push_back({gate, {x.data_ptr<float>(), static_cast<int>(T), h.data_ptr<float>(), 2 * I}, I});
-    gate_up.push_back({up, {x.data_ptr<float>(), static_cast<int>(T), h.data_ptr<float>() + I, 2 * I}, I});
-    down = dense_matrix(dn, dns, br, bc);
+  const int64_t I = gu[0].size(0) / 2, N = x.size(0), D = x.size(1);
+  std::vector<int64_t> first(E + 1, 0);  // expert e's rows are [first[e], first[e + 1])
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(rows[e] >= 1, "expert " + num(e) + " has no tokens");
+    TORCH_CHECK(gu[e].dim() == 2 && gu[e].size(0) == 2 * I, "gate_up " + num(e) + " is " + dims(gu[e]) + ", expert 0's " + dims(gu[0]));
+    first[e + 1] = first[e] + rows[e];
   }
-  TORCH_CHECK(down.C == I && dn.size(0) == x.size(1), "down " + dims(dn) + " does not match gate_up " + dims(gu));
-  run(fn, gate_up);
-  at::Tensor act = at::empty({T, I}, x.options());
-  const float* hp = h.data_ptr<float>();
+  TORCH_CHECK(first[E] == N, "rows add up to " + num(first[E]) + ", x has " + num(N));
+  at::Tensor h = at::empty({N, 2 * I}, x.options());  // gate | up, per token row
+  at::Tensor xin = fp4 ? at::empty_like(x) : x;       // fp4: each expert's rows in the fp4 activation layout
+  float* hp = h.data_ptr<float>();
+  std::vector<Segment> gate_up, down;
+  at::Tensor act = at::empty({N, I}, x.options());
+  at::Tensor y = at::empty({N, D}, x.options());
   float* ap = act.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    const int T = static_cast<int>(rows[e]);
+    const int64_t o = first[e];
+    float* he = hp + o * 2 * I;
+    Matrix dm;
+    if (fp4) {
+      const Matrix m = fp4_matrix(gu[e], gus[e]);
+      TORCH_CHECK(m.C == D, "gate_up " + num(e) + " takes " + num(m.C) + " columns, x has " + num(D));
+      fp4_activations(x.data_ptr<float>() + o * D, T, D, xin.data_ptr<float>() + o * D);
+      gate_up.push_back({m, {xin.data_ptr<float>() + o * D, T, he, 2 * I}, 2 * I});
+      dm = fp4_matrix(dn[e], dns[e]);
+    } else {
+      c10::optional<at::Tensor> gs, us;
+      if (S) {
+        const int64_t sr = gus[e].size(0) / 2;
+        gs = gus[e].narrow(0, 0, sr), us = gus[e].narrow(0, sr, sr);
+      }
+      const Matrix gate = dense_matrix(gu[e].narrow(0, 0, I), gs, br, bc), up = dense_matrix(gu[e].narrow(0, I, I), us, br, bc);
+      TORCH_CHECK(gate.C == D, "gate_up " + num(e) + " takes " + num(gate.C) + " columns, x has " + num(D));
+      gate_up.push_back({gate, {x.data_ptr<float>() + o * D, T, he, 2 * I}, I});
+      gate_up.push_back({up, {x.data_ptr<float>() + o * D, T, he + I, 2 * I}, I});
+      dm = dense_matrix(dn[e], S ? c10::optional<at::Tensor>(dns[e]) : c10::nullopt, br, bc);
+    }
+    TORCH_CHECK(dm.C == I && dn[e].size(0) == D, "down " + num(e) + " is " + dims(dn[e]) + ", gate_up " + dims(gu[e]));
+    down.push_back({dm, {ap + o * I, T, y.data_ptr<float>() + o * D, D}, D});
+  }
+  run(fn, gate_up);
   const float L = static_cast<float>(limit);
   at::parallel_for(0, I, 256, [&](int64_t i0, int64_t i1) {  // a serial expf over I_r = 2048 costs ~20 us
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t i = i0; i < i1; ++i) {
-        float g = hp[t * 2 * I + i], u = hp[t * 2 * I + I + i];
-        if (L > 0.f) g = std::min(g, L), u = std::min(std::max(u, -L), L);
-        ap[fp4 ? fp4_x_index(t, i, T) : t * I + i] = g / (1.f + std::exp(-g)) * u;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t o = first[e], T = rows[e];
+      for (int64_t t = 0; t < T; ++t) {
+        const float* hr = hp + (o + t) * 2 * I;
+        for (int64_t i = i0; i < i1; ++i) {
+          float g = hr[i], u = hr[I + i];
+          if (L > 0.f) g = std::min(g, L), u = std::min(std::max(u, -L), L);
+          ap[o * I + (fp4 ? fp4_x_index(t, i, T) : t * I + i)] = g / (1.f + std::exp(-g)) * u;
+        }
       }
     }
   });
-  at::Tensor y = at::empty({T, x.size(1)}, x.options());
-  run(fn, {{down, {ap, static_cast<int>(T), y.data_ptr<float>(), x.size(1)}, x.size(1)}});
+  run(fn, down);
   return y;
 }
 
@@ -254,6 +280,6 @@ TORCH_LIBRARY(shardsmith_host, m) {
   m.def("isas() -> str", &isas);
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, str isa) -> Tensor", &fp4_linear);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? scale, int br, int bc, str isa) -> Tensor", &dense_linear);
-  m.def("expert(Tensor x, Tensor gate_up, Tensor? gate_up_scale, Tensor down, Tensor? down_scale, str fmt, int br, "
-        "int bc, float limit, str isa) -> Tensor", &expert);
+  m.def("experts(Tensor x, int[] rows, Tensor[] gate_up, Tensor[] gate_up_scale, Tensor[] down, Tensor[] down_scale, "
+        "str fmt, int br, int bc, float limit, str isa) -> Tensor", &experts);
 }

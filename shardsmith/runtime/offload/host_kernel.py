@@ -3,8 +3,8 @@
 The plain path (:func:`shardsmith.runtime.layers.experts.expert_output`, the reference) expands an
 expert to a dense copy, then multiplies: for a DeepSeek-V4-Flash expert at batch 1 that is 12.75 MB
 of packed FP4 expanded to 50 MB of bf16, written and read again, about 100x the host's memory floor.
-:func:`expert_swiglu_host` runs the whole expert (gate_up, SwiGLU, down) in one kernel call that
-decodes the stored bytes in registers instead (``host_kernel*.cpp``: FP4 e2m1 + UE8M0 per 32, FP8
+:func:`expert_swiglu_host` runs the whole expert (gate_up, SwiGLU, down; :func:`experts_swiglu_host` a layer's
+experts) in one kernel call that decodes the stored bytes in registers instead (``host_kernel*.cpp``: FP4 e2m1 + UE8M0 per 32, FP8
 e4m3 + float32 block scales, bf16), shares every decoded vector among up to 8 of the step's tokens,
 and accumulates in float32, with rows split over torch's intra-op threads (the rank's share of the
 cores, :func:`~shardsmith.runtime.layers.parallel.clamp_threads`).
@@ -258,7 +258,8 @@ def expert_swiglu_host(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: 
     ``down(act(gate x, up x))`` with ``act(g, u) = silu(g) * u``, or with ``limit`` L > 0
     ``silu(min(g, L)) * clamp(u, -L, L)`` (DeepSeek-V4): the function of
     :func:`~shardsmith.runtime.layers.experts.expert_output` (the reference), computed in float32
-    without expanding the weights; equal to the reference within float32 rounding.
+    without expanding the weights; equal to the reference within float32 rounding. A layer's experts
+    are better computed together (:func:`experts_swiglu_host`).
 
     Args:
         arrays: one expert's ``gate_up [2*I_r, D]`` (FP4: ``[2*I_r, D/2]``; gate rows, then up rows),
@@ -273,20 +274,52 @@ def expert_swiglu_host(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: 
         UsageError: from :func:`check_expert`, before the kernel runs (shapes that do not match, a
             missing scale or block, an instruction set this CPU or build lacks).
     """
-    gu, down = arrays["gate_up"], arrays["down"]
-    fmt = bank_format(gu)
+    return experts_swiglu_host([arrays], [x], block, limit, isa=isa, check=check)[0]
+
+
+def experts_swiglu_host(experts: list[dict[str, torch.Tensor]], xs: list[torch.Tensor],
+                        block: tuple[int, int] | None, limit: float = 0.0, *, isa: str | None = None,
+                        check: bool = True) -> list[torch.Tensor]:
+    """A layer's routed experts, each on its own token rows, in one kernel call: ``xs[e] [n_e, D] ->
+    [n_e, D]`` (``xs[0].dtype``), the function of :func:`expert_swiglu_host` per expert.
+
+    One call runs every expert's gate_up rows in one parallel region, their SwiGLU in a second and
+    their down rows in a third, so a decode step pays the threads' wake-up, the barriers and the
+    Python around the operator once per layer instead of once per expert (``benchmarks/host_experts.py``
+    compares the two per expert).
+
+    Args:
+        experts: each expert's arrays, as :func:`expert_swiglu_host` takes them; every one the same
+            format and shapes (one bank's experts).
+        xs: each expert's ``[n_e, D]`` token rows (n_e >= 1), in the order of ``experts``.
+        block, limit, isa, check: as :func:`expert_swiglu_host` (``check`` checks every expert).
+
+    Raises:
+        UsageError: no experts, ``xs`` of another length, experts of different formats or shapes, or
+            anything :func:`check_expert` finds, before the kernel runs.
+    """
+    if not experts or len(experts) != len(xs):
+        raise UsageError(f"host expert kernel: {len(experts)} experts and {len(xs)} token blocks (want as many, >= 1)")
     isa = default_isa() if isa is None else isa
+    gu0 = experts[0]["gate_up"]
     if check:
-        check_expert(arrays, x, block, isa)
-    x32 = x.float().contiguous()
+        for e, (arrays, x) in enumerate(zip(experts, xs)):
+            check_expert(arrays, x, block, isa)
+            if (arrays["gate_up"].dtype, arrays["gate_up"].shape) != (gu0.dtype, gu0.shape):
+                _fail([f"expert {e}'s gate_up is {arrays['gate_up'].dtype} {list(arrays['gate_up'].shape)}, expert 0's "
+                       f"{gu0.dtype} {list(gu0.shape)} (one call takes one bank's experts)"])
+    fmt = bank_format(gu0)
+    rows = [x.shape[0] for x in xs]
+    x32 = xs[0].float().contiguous() if len(xs) == 1 else torch.cat([x.float() for x in xs])
+    gate_up, down = [a["gate_up"] for a in experts], [a["down"] for a in experts]
     if fmt == "fp4":
-        y = torch.ops.shardsmith_host.expert(x32, gu.view(torch.uint8), arrays["gate_up_scale"].view(torch.uint8),
-                                             down.view(torch.uint8), arrays["down_scale"].view(torch.uint8),
-                                             "fp4", 0, 0, limit, isa)
+        u8 = lambda ts: [t.view(torch.uint8) for t in ts]  # noqa: E731
+        y = torch.ops.shardsmith_host.experts(x32, rows, u8(gate_up), u8(a["gate_up_scale"] for a in experts), u8(down),
+                                              u8(a["down_scale"] for a in experts), "fp4", 0, 0, limit, isa)
     elif fmt == "fp8":
         br, bc = block
-        y = torch.ops.shardsmith_host.expert(x32, gu, arrays["gate_up_scale"].float(), down, arrays["down_scale"].float(),
-                                             "fp8", br, bc, limit, isa)
+        y = torch.ops.shardsmith_host.experts(x32, rows, gate_up, [a["gate_up_scale"].float() for a in experts], down,
+                                              [a["down_scale"].float() for a in experts], "fp8", br, bc, limit, isa)
     else:
-        y = torch.ops.shardsmith_host.expert(x32, gu, None, down, None, "bf16", 0, 0, limit, isa)
-    return y.to(x.dtype)
+        y = torch.ops.shardsmith_host.experts(x32, rows, gate_up, [], down, [], "bf16", 0, 0, limit, isa)
+    return list(y.to(xs[0].dtype).split(rows))
