@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardsmith.runtime.engine.cuda_graphs import GraphedPiece, GraphPool
+from shardsmith.runtime.engine.cuda_graphs import COMPILE_ENV, GraphedPiece, GraphPool
 from shardsmith.runtime.offload import OffloadConfig
 from shardsmith.testing.ranks import run_ranks
 
@@ -84,13 +84,18 @@ def _eager_then_graphed(eng) -> dict:
             "captured": graphs.pool.pieces, "layers": len(eng.model.decode_layers)}
 
 
-def _check(out: dict, captured: bool) -> None:
+# bf16 logits that may differ in rounding only: the hybrid step's (below) and the torch.compile'd pieces'
+# (inductor fuses the row-wise chains and rounds their intermediates differently from the eager kernels)
+BF16_CLOSE = {"atol": 0.05, "rtol": 0.02}
+
+
+def _check(out: dict, captured: bool, exact: bool = True) -> None:
     for name, got in out.items():
         eager, graphed, again = got["runs"]
         assert len(eager) == STEPS + 1 + 4
         # hybrid: which experts the host computes depends on the cache state, which differs between
         # the runs, and host experts sum per expert rather than per pair: close, not the same bits
-        tol = {"atol": 0, "rtol": 0} if name != "hybrid" else {"atol": 0.05, "rtol": 0.02}
+        tol = {"atol": 0, "rtol": 0} if exact and name != "hybrid" else BF16_CLOSE
         for i, (want, have, have2) in enumerate(zip(eager, graphed, again)):
             torch.testing.assert_close(torch.from_numpy(have), torch.from_numpy(want), **tol, msg=f"{name} step {i}")
             torch.testing.assert_close(torch.from_numpy(have2), torch.from_numpy(want), **tol,
@@ -186,9 +191,13 @@ def test_a_piece_overwrites_its_outputs_and_rejects_other_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_captured_decode_graphs_match_eager_on_cuda(packs):
-    """Real CUDA graphs (bf16): the captured pieces give the eager kernels' bits."""
-    _check(_eager_vs_graphed(str(packs[1]), 0, 1, "cuda", torch.bfloat16), captured=True)
+@pytest.mark.parametrize("compiled", ["0", "1"])
+def test_captured_decode_graphs_match_eager_on_cuda(packs, compiled, monkeypatch):
+    """Real CUDA graphs (bf16): the captured pieces give the eager kernels' bits; with the row-wise
+    pieces compiled (``SHARDSMITH_COMPILE_PIECES=1``, the CUDA default) the eager logits within bf16
+    rounding."""
+    monkeypatch.setenv(COMPILE_ENV, compiled)
+    _check(_eager_vs_graphed(str(packs[1]), 0, 1, "cuda", torch.bfloat16), captured=True, exact=compiled == "0")
 
 
 # ------------------------------------------------------------------ the Mixtral family
@@ -239,12 +248,13 @@ def _family_eager_vs_graphed(packs: dict, rank: int, world_size: int, device: st
 CUDA_PIECES = {"mixtral-fp8": ["attn_in", "ffn"], "mixtral-offloaded": ["attn_in", "ffn_in", "ffn_out", "ffn_slots"]}
 
 
-def _family_check(out: dict, captured: bool) -> None:
+def _family_check(out: dict, captured: bool, exact: bool = True) -> None:
+    tol = {"atol": 0, "rtol": 0} if exact else BF16_CLOSE
     for name, got in out.items():
         eager, graphed, again = got["runs"]
         for i, (want, have, have2) in enumerate(zip(eager, graphed, again)):
-            torch.testing.assert_close(torch.from_numpy(have), torch.from_numpy(want), atol=0, rtol=0, msg=f"{name} {i}")
-            torch.testing.assert_close(torch.from_numpy(have2), torch.from_numpy(want), atol=0, rtol=0, msg=f"{name} {i}")
+            torch.testing.assert_close(torch.from_numpy(have), torch.from_numpy(want), **tol, msg=f"{name} {i}")
+            torch.testing.assert_close(torch.from_numpy(have2), torch.from_numpy(want), **tol, msg=f"{name} {i}")
         want_pieces = CUDA_PIECES.get(name, FAMILY[name][2]) if captured else FAMILY[name][2]
         assert got["pieces"] == want_pieces, (name, got["pieces"])
         if captured:
@@ -261,5 +271,8 @@ def test_mixtral_family_graphed_pieces_match_the_forward_across_ranks(family_pac
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_mixtral_family_captured_graphs_match_eager_on_cuda(family_packs):
-    _family_check(_family_eager_vs_graphed(family_packs, 0, 1, "cuda", torch.bfloat16), captured=True)
+@pytest.mark.parametrize("compiled", ["0", "1"])
+def test_mixtral_family_captured_graphs_match_eager_on_cuda(family_packs, compiled, monkeypatch):
+    monkeypatch.setenv(COMPILE_ENV, compiled)
+    _family_check(_family_eager_vs_graphed(family_packs, 0, 1, "cuda", torch.bfloat16), captured=True,
+                  exact=compiled == "0")
