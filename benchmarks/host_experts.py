@@ -98,6 +98,7 @@ def main() -> None:
     p.add_argument("--per-call", default="1,6", help="experts per kernel call, comma list")
     p.add_argument("--repeat", type=int, default=3, help="passes over the experts per round")
     p.add_argument("--rounds", type=int, default=5, help="alternating floor / kernel measurements (medians)")
+    p.add_argument("--prefetch", default="", help="software prefetch distances in bytes, comma list (default: the runtime's)")
     p.add_argument("--dtype", default="bfloat16", help="activation dtype")
     p.add_argument("--isa", default="", help="comma list of kernel instruction sets (default: all but scalar)")
     p.add_argument("--no-reference", action="store_true", help="skip the expand-then-matmul timing")
@@ -111,6 +112,7 @@ def main() -> None:
         print(f"isa {isa}: not supported by this CPU, skipped", file=sys.stderr)
     isas = [i for i in isas if i in host_kernel.isas()]
     per_call = [int(k) for k in a.per_call.split(",")]
+    prefetch = [int(b) for b in a.prefetch.split(",")] if a.prefetch else [host_kernel.prefetch_bytes()]
     if max(per_call) > a.experts or min(per_call) < 1:
         sys.exit(f"--per-call {a.per_call}: each must be 1 .. --experts ({a.experts})")
     default = host_kernel.default_isa()
@@ -129,7 +131,8 @@ def main() -> None:
             x = torch.randn(n, D, generator=g).to(act)
             ref = 0.0 if a.no_reference else per_expert_s(lambda es, x: expert_output(es[0], x, block), experts, x,
                                                           max(1, a.repeat // 2))
-            for isa, k in ((isa, k) for isa in isas for k in per_call):
+            for isa, k, pf in ((isa, k, pf) for isa in isas for k in per_call for pf in prefetch):
+                host_kernel.set_prefetch_bytes(pf)
                 call = lambda es, x: host_kernel.experts_swiglu_host(es, [x] * len(es), block, isa=isa, check=False)  # noqa: E731
                 host_kernel.experts_swiglu_host(experts[:1], [x], block, isa=isa)  # the runtime's one check per layout
                 kerns, floors = [], []
@@ -138,7 +141,8 @@ def main() -> None:
                     kerns.append(per_expert_s(call, experts, x, a.repeat, k))
                 kern, floor = median(kerns), median(floors)
                 rows.append({"format": fmt, "tokens": n, "tp": a.tp, "threads": a.threads, "activation_dtype": a.dtype,
-                             "isa": isa, "isa_default": isa == default, "experts_per_call": k, "rounds": a.rounds,
+                             "isa": isa, "isa_default": isa == default, "experts_per_call": k, "prefetch_bytes": pf,
+                             "rounds": a.rounds,
                              "expert_bytes": nbytes, "read_gb_per_s": round(nbytes / floor / 1e9, 2),
                              "kernel_ms_per_expert": round(kern * 1e3, 3),
                              "kernel_ms_per_expert_token": round(kern * 1e3 / n, 3),
@@ -148,7 +152,7 @@ def main() -> None:
                              "kernel_over_floor": round(median([kt / ft for kt, ft in zip(kerns, floors)]), 2),
                              "kernel_over_floor_best": round(min(kt / ft for kt, ft in zip(kerns, floors)), 2),
                              "reference_over_kernel": round(ref / kern, 2) if ref else None})
-    hdr = ("format", "tokens", "isa", "experts_per_call", "kernel_ms_per_expert", "kernel_ms_per_expert_token",
+    hdr = ("format", "tokens", "isa", "experts_per_call", "prefetch_bytes", "kernel_ms_per_expert", "kernel_ms_per_expert_token",
            "reference_ms_per_expert", "floor_ms_per_expert", "kernel_over_floor", "kernel_over_floor_best",
            "reference_over_kernel")
     print(" ".join(f"{h:>14.14}" for h in hdr))

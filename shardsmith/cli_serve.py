@@ -356,14 +356,17 @@ def _check_serving_environment() -> None:
     """The serving loop's environment knobs, checked before any rank starts.
 
     Raises:
-        UsageError: ``SHARDSMITH_OVERLAP_STEPS`` is neither 0 nor 1, or ``SHARDSMITH_STEP_TRACE``
-            names a file that cannot be appended to.
+        UsageError: ``SHARDSMITH_OVERLAP_STEPS`` is neither 0 nor 1, ``SHARDSMITH_STEP_TRACE``
+            names a file that cannot be appended to, or ``SHARDSMITH_HOST_PREFETCH`` is not a
+            distance in bytes.
     """
     import os
 
     from shardsmith.runtime.engine.scheduler import overlap_setting
+    from shardsmith.runtime.offload.host_kernel import prefetch_bytes
 
     overlap_setting()
+    prefetch_bytes()
     trace = os.environ.get("SHARDSMITH_STEP_TRACE", "").strip()
     if trace:
         try:

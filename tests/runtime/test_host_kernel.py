@@ -140,6 +140,39 @@ def test_layer_call_equals_each_expert_alone(isa: str, fmt: str) -> None:
         _close(y, want)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefetch_distance_changes_no_bit(isa: str) -> None:
+    """The rows' software prefetch only moves lines into the cache early: every distance gives the
+    same bits (FP4 and FP8 rows of V4 width, 1 and 3 tokens), and the setting is checked."""
+    g = torch.Generator().manual_seed(9)
+    fp4 = _fp4_expert(g, inter=256, dim=4096)
+    fp8 = _fp8_expert(g, inter=256, dim=4096, block=(128, 128))
+    before = host_kernel.set_prefetch_bytes(0)
+    try:
+        for arrays, block in ((fp4, None), (fp8, (128, 128))):
+            for tokens in (1, 3):
+                x = torch.randn(tokens, 4096, generator=g)
+                host_kernel.set_prefetch_bytes(0)
+                want = host_kernel.expert_swiglu_host(arrays, x, block, isa=isa)
+                for distance in (64, 1024, 65536):
+                    host_kernel.set_prefetch_bytes(distance)
+                    assert torch.equal(host_kernel.expert_swiglu_host(arrays, x, block, isa=isa), want), distance
+        with pytest.raises(UsageError, match="outside 0"):
+            host_kernel.set_prefetch_bytes(-1)
+    finally:
+        host_kernel.set_prefetch_bytes(before)
+
+
+def test_prefetch_variable_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(host_kernel.PREFETCH_ENV, "2048")
+    assert host_kernel.prefetch_bytes() == 2048
+    monkeypatch.setenv(host_kernel.PREFETCH_ENV, "lots")
+    with pytest.raises(UsageError, match="SHARDSMITH_HOST_PREFETCH='lots'"):
+        host_kernel.prefetch_bytes()
+    monkeypatch.delenv(host_kernel.PREFETCH_ENV)
+    assert host_kernel.prefetch_bytes() == host_kernel.PREFETCH_BYTES
+
+
 def test_layer_call_refuses_mixed_or_missing_experts() -> None:
     g = torch.Generator().manual_seed(6)
     a, b = _fp4_expert(g, inter=32, dim=64), _fp4_expert(g, inter=64, dim=64)

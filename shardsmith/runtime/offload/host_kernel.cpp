@@ -71,6 +71,14 @@ std::string dims(const at::Tensor& t) {
   return out + "]";
 }
 
+// Sets the rows' software prefetch distance (host_kernel.h: g_prefetch_bytes), returns the one before.
+int64_t set_prefetch_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes <= (int64_t{1} << 20), "prefetch distance must be 0 .. 1 MiB, got " + num(bytes));
+  const int64_t before = g_prefetch_bytes;
+  g_prefetch_bytes = bytes;
+  return before;
+}
+
 std::string isas() {
   std::string out;
   for (const auto& s : supported()) out += (out.empty() ? "" : ",") + s;
@@ -278,6 +286,7 @@ at::Tensor experts(const at::Tensor& x, c10::IntArrayRef rows, at::TensorList gu
 
 TORCH_LIBRARY(shardsmith_host, m) {
   m.def("isas() -> str", &isas);
+  m.def("set_prefetch_bytes(int bytes) -> int", &set_prefetch_bytes);
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, str isa) -> Tensor", &fp4_linear);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? scale, int br, int bc, str isa) -> Tensor", &dense_linear);
   m.def("experts(Tensor x, int[] rows, Tensor[] gate_up, Tensor[] gate_up_scale, Tensor[] down, Tensor[] down_scale, "

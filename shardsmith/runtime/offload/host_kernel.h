@@ -55,6 +55,15 @@ inline int64_t fp4_x_index(int64_t t, int64_t i, int64_t T) {
 
 constexpr int kTile = 8;  // tokens sharing one decoded row (accumulators held in registers)
 
+// Software prefetch distance, in bytes ahead of the weight bytes a row function is decoding (0: none;
+// set_prefetch_bytes in host_kernel.cpp). A stored row is 1-4 KiB, so the L2 hardware streamer, which
+// stops at each 4 KiB page, re-trains every row or two while a thread decodes; one prefetch per 64-byte
+// line this far ahead keeps lines in flight across those edges (benchmarks/host_experts.py --prefetch).
+extern int64_t g_prefetch_bytes;
+inline void prefetch_ahead(const uint8_t* p) {
+  if (g_prefetch_bytes > 0) __builtin_prefetch(p + g_prefetch_bytes, 0, 3);
+}
+
 // Decode tables, filled before any kernel runs (host_kernel.cpp):
 //   ue8m0[s] = 2^(s - 127), ue8m0[255] = NaN (OCP MX spec v1.0; as torch's float8_e8m0fnu -> float);
 //   fp8[b] = the e4m3fn byte's value (S.EEEE.MMM, bias 7, subnormals; only S.1111.111 is NaN).

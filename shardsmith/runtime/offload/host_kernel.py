@@ -52,6 +52,8 @@ SOURCES = tuple(_HERE / f for f in ("host_kernel.cpp", "host_kernel_scalar.cpp",
                                      "host_kernel_avx512.cpp"))
 HEADER = _HERE / "host_kernel.h"
 ISA_ENV = "SHARDSMITH_HOST_ISA"
+PREFETCH_ENV = "SHARDSMITH_HOST_PREFETCH"
+PREFETCH_BYTES = 1024  # software prefetch distance of the row functions (set_prefetch_bytes; 0: none)
 
 
 def _cpu_flags() -> str:
@@ -84,7 +86,37 @@ def available() -> bool:
         log.warning("host expert kernel unavailable (%s: %s); routed experts on the host use the plain path",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return False
+    torch.ops.shardsmith_host.set_prefetch_bytes(prefetch_bytes())
     return True
+
+
+def prefetch_bytes() -> int:
+    """The rows' software prefetch distance in bytes: ``$SHARDSMITH_HOST_PREFETCH`` or :data:`PREFETCH_BYTES`.
+
+    Raises:
+        UsageError: the variable is not a whole number of bytes in 0 .. 1 MiB.
+    """
+    raw = os.environ.get(PREFETCH_ENV, "")
+    try:
+        value = int(raw) if raw else PREFETCH_BYTES
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 1 << 20:
+        raise UsageError(f"{PREFETCH_ENV}={raw!r}: want a whole number of bytes in 0 .. {1 << 20}")
+    return value
+
+
+def set_prefetch_bytes(value: int) -> int:
+    """Set the rows' software prefetch distance (bytes, 0 for none) for this process; returns the previous.
+
+    Raises:
+        UsageError: the kernel is not available, or ``value`` is outside 0 .. 1 MiB.
+    """
+    if not available():
+        raise UsageError("host expert kernel: not available here (see the warning at load)")
+    if not 0 <= value <= 1 << 20:
+        raise UsageError(f"host expert kernel: prefetch distance {value} bytes is outside 0 .. {1 << 20}")
+    return torch.ops.shardsmith_host.set_prefetch_bytes(value)
 
 
 @functools.cache

@@ -47,6 +47,7 @@ void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w,
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   const int64_t groups = m.C / 32;
   for (int64_t g = 0; g < groups; ++g) {
+    if ((g & 3) == 0) prefetch_ahead(w + g * 16);  // once per 64-byte line (4 groups)
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
     const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, low4));                     // even columns
     const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), low4));  // odd columns
@@ -97,7 +98,8 @@ void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy
     for (int k = 0; k < K; ++k) acc[k][t] = _mm256_setzero_ps();
   }
   int64_t c = 0;
-  for (; c + 16 * U <= C; c += 16 * U)
+  for (; c + 16 * U <= C; c += 16 * U) {
+    if ((c & 63) < 16 * U) prefetch_ahead(w + c);  // once per 64-byte line
     for (int u = 0; u < U; ++u) {
       __m256 lo, hi;
       fp8x16(w + c + 16 * u, lo, hi);
@@ -107,6 +109,7 @@ void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy
         acc[(2 * u + 1) % K][t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 8), acc[(2 * u + 1) % K][t]);
       }
     }
+  }
   for (; c + 8 <= C; c += 8) {
     const __m256 v = fp8x8(w + c);
     for (int t = 0; t < NT; ++t) acc[0][t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs + t * C + c), acc[0][t]);

@@ -53,8 +53,10 @@ void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w,
     for (int t = 0; t < NT; ++t) acc[u][t] = _mm512_setzero_ps();
   const int64_t groups = m.C / 32;
   int64_t g = 0;
-  for (; g + U <= groups; g += U)
+  for (; g + U <= groups; g += U) {
+    if ((g & 3) < U) prefetch_ahead(w + g * 16);  // once per 64-byte line (4 groups)
     for (int u = 0; u < U; ++u) fp4_group<NT>(w + (g + u) * 16, ue8m0(s[g + u]), x + (g + u) * gstride, lut, acc[u]);
+  }
   for (; g < groups; ++g) fp4_group<NT>(w + g * 16, ue8m0(s[g]), x + g * gstride, lut, acc[0]);
   for (int t = 0; t < NT; ++t) {
     __m512 sum = acc[0][t];
@@ -96,7 +98,8 @@ void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy
     for (int u = 0; u < 2 * U; ++u) acc[u][t] = _mm512_setzero_ps();
   }
   int64_t c = 0;
-  for (; c + 32 * U <= C; c += 32 * U)
+  for (; c + 32 * U <= C; c += 32 * U) {
+    if ((c & 63) < 32 * U) prefetch_ahead(w + c);  // once per 64-byte line
     for (int u = 0; u < U; ++u) {
       __m512 lo, hi;
       fp8x32(w + c + 32 * u, lo, hi);
@@ -106,6 +109,7 @@ void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy
         acc[2 * u + 1][t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), acc[2 * u + 1][t]);
       }
     }
+  }
   for (; c + 16 <= C; c += 16) {
     const __m512 v = fp8x16(w + c);
     for (int t = 0; t < NT; ++t) acc[0][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xs + t * C + c), acc[0][t]);
