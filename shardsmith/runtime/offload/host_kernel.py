@@ -53,7 +53,8 @@ SOURCES = tuple(_HERE / f for f in ("host_kernel.cpp", "host_kernel_scalar.cpp",
 HEADER = _HERE / "host_kernel.h"
 ISA_ENV = "SHARDSMITH_HOST_ISA"
 PREFETCH_ENV = "SHARDSMITH_HOST_PREFETCH"
-PREFETCH_BYTES = 1024  # software prefetch distance of the row functions (set_prefetch_bytes; 0: none)
+PREFETCH_BYTES = 2048  # software prefetch distance of the row functions (set_prefetch_bytes; 0: none;
+# benchmarks/RESULTS.md: 2048 measured best of 0-8192 for FP4 on the H200 host, FP8 1.3-1.45x there)
 
 
 def _cpu_flags() -> str:
