@@ -19,6 +19,11 @@ features decide at run time, so the paths can be compared on one host (``benchma
 bf16 dot products (AVX512-BF16) are faster per byte but round the activations, so the result would
 no longer equal the resident bank's within float32 rounding.
 
+The FP4 and FP8 rows prefetch their weight stream :func:`prefetch_bytes` ahead (``$SHARDSMITH_HOST_PREFETCH``,
+default 2048): a stored row is 1-4 KiB, so the L2 streamer, which stops at every 4 KiB page, re-trains
+every row or two; on the H200 host's 16 cores this took an FP4 expert at one token from 2.9x to 1.9x
+the memory floor and FP8 from 1.8x to 1.45x (``benchmarks/RESULTS.md``).
+
 The kernel is compiled once per machine on first use (``torch.utils.cpp_extension``, ``-O3``),
 cached by the hash of its sources, the torch version and the CPU's flags under
 ``$SHARDSMITH_CACHE/host_kernel``. Without a compiler everything still works: :func:`available`
