@@ -271,6 +271,7 @@ def generate(
 
     _check_sampling(prompts=prompt, chat=chat, max_tokens=max_tokens, max_seq_len=max_seq_len,
                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    _check_serving_environment()
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
@@ -353,20 +354,22 @@ def register(app: typer.Typer) -> None:
 
 
 def _check_serving_environment() -> None:
-    """The serving loop's environment knobs, checked before any rank starts.
+    """The serving loop's and the ranks' environment knobs, checked before any rank starts (serve, generate).
 
     Raises:
         UsageError: ``SHARDSMITH_OVERLAP_STEPS`` is neither 0 nor 1, ``SHARDSMITH_STEP_TRACE``
-            names a file that cannot be appended to, or ``SHARDSMITH_HOST_PREFETCH`` is not a
-            distance in bytes.
+            names a file that cannot be appended to, ``SHARDSMITH_HOST_PREFETCH`` is not a
+            distance in bytes, or ``SHARDSMITH_PIN_CORES`` is neither 0 nor 1.
     """
     import os
 
+    from shardsmith.runtime.engine.dist import pin_setting
     from shardsmith.runtime.engine.scheduler import overlap_setting
     from shardsmith.runtime.offload.host_kernel import prefetch_bytes
 
     overlap_setting()
     prefetch_bytes()
+    pin_setting()
     trace = os.environ.get("SHARDSMITH_STEP_TRACE", "").strip()
     if trace:
         try:

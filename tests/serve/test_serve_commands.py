@@ -34,6 +34,8 @@ def test_generate_spawns_ranks(pack: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"{PARIS}\n{PARIS}\n"  # nothing but the answers on stdout
     assert "[rank 1]" not in out.stderr  # only rank 0 logs
+    if len(os.sched_getaffinity(0)) >= 2:  # each rank pinned to its own half of the CPUs (dist.pin_cores)
+        assert "rank 0 of 2 on this host: pinned to CPUs" in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")

@@ -101,6 +101,7 @@ def test_bad_options_fail_before_ranks_start(packs, args, match: str) -> None:
 @pytest.mark.parametrize("env,match", [
     ({"SHARDSMITH_OVERLAP_STEPS": "2"}, "SHARDSMITH_OVERLAP_STEPS='2': expected 0 or 1"),
     ({"SHARDSMITH_HOST_PREFETCH": "-5"}, "SHARDSMITH_HOST_PREFETCH='-5': want a whole number of bytes"),
+    ({"SHARDSMITH_PIN_CORES": "yes"}, "SHARDSMITH_PIN_CORES='yes': expected 0 or 1"),
     ({"SHARDSMITH_STEP_TRACE": "/nonexistent/dir/steps.jsonl"},
      "SHARDSMITH_STEP_TRACE='/nonexistent/dir/steps.jsonl': cannot append to it (No such file or directory)"),
 ])

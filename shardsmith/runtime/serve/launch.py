@@ -139,7 +139,7 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
 
     from shardsmith.runtime.layers.parallel import clamp_threads, init_distributed
 
-    clamp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    clamp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), local_rank=local_rank)  # and pin (dist.pin_cores)
     device = f"cuda:{local_rank}" if spec.device.startswith("cuda") else "cpu"
     if world_size > 1 and init_method == "env://":
         if spec.device.startswith("cuda"):
