@@ -17,9 +17,11 @@ this CPU supports but ``scalar``; ``isa_default`` marks the one the runtime uses
 
 A shared host's bandwidth moves between calls (1.5-2x on the GPU host), so floor and kernel are
 measured in ``--rounds`` alternating pairs: ``kernel_over_floor`` is the median of the rounds'
-ratios, the times the medians of theirs. Experts are cycled through ``--experts`` distinct copies
-(more bytes than the last-level cache) so every call reads its weights from memory, as a decode
-step does. Example: ``python benchmarks/host_experts.py --threads 16 --tp 1`` (on the GPU host: the
+ratios, the times the medians of theirs. Experts are cycled through distinct copies whose bytes are
+at least twice the last-level cache (``--experts``, default from the cache size sysfs reports: the
+GPU host's L3 is 300 MiB, which 12 FP4 experts of 13.4 MB fit in), so every call reads its weights
+from memory, as a decode step over 43 layers does; rows record ``experts_cycled`` and
+``llc_bytes``. Example: ``python benchmarks/host_experts.py --threads 16 --tp 1`` (on the GPU host: the
 numbers behind ``--moe-backend auto``'s choice; ``--isa avx2,avx512`` there compares the two paths).
 """
 
@@ -52,6 +54,19 @@ def make_expert(fmt: str, inter: int, g: torch.Generator) -> dict[str, torch.Ten
         return {"gate_up": f8(2 * inter, D), "gate_up_scale": blocks(2 * inter, D), "down": f8(D, inter),
                 "down_scale": blocks(D, inter)}
     return {"gate_up": torch.randn(2 * inter, D, generator=g).bfloat16(), "down": torch.randn(D, inter, generator=g).bfloat16()}
+
+
+def llc_bytes() -> int:
+    """The largest CPU cache's size in bytes, from sysfs (``cpu0/cache/index*/size``); 0 where unknown."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (d / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        best = max(best, int(text.rstrip("KMG")) * unit)
+    return best
 
 
 def read_bandwidth(repeat: int = 5) -> float:
@@ -94,7 +109,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="intermediate share: I = 2048 / tp")
     p.add_argument("--formats", default="fp4,fp8,bf16")
     p.add_argument("--tokens", default="1,4,8")
-    p.add_argument("--experts", type=int, default=12, help="distinct experts cycled through")
+    p.add_argument("--experts", type=int, default=0,
+                   help="distinct experts cycled through (default: enough for twice the last-level cache, at least 12)")
     p.add_argument("--per-call", default="1,6", help="experts per kernel call, comma list")
     p.add_argument("--repeat", type=int, default=3, help="passes over the experts per round")
     p.add_argument("--rounds", type=int, default=5, help="alternating floor / kernel measurements (medians)")
@@ -113,8 +129,9 @@ def main() -> None:
     isas = [i for i in isas if i in host_kernel.isas()]
     per_call = [int(k) for k in a.per_call.split(",")]
     prefetch = [int(b) for b in a.prefetch.split(",")] if a.prefetch else [host_kernel.prefetch_bytes()]
-    if max(per_call) > a.experts or min(per_call) < 1:
+    if min(per_call) < 1 or (a.experts and max(per_call) > a.experts):
         sys.exit(f"--per-call {a.per_call}: each must be 1 .. --experts ({a.experts})")
+    llc = llc_bytes()
     default = host_kernel.default_isa()
     act = getattr(torch, a.dtype)
     inter = I_FULL // a.tp
@@ -124,8 +141,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows = []
     for fmt in a.formats.split(","):
-        experts = [make_expert(fmt, inter, g) for _ in range(a.experts)]
-        nbytes = sum(t.numel() * t.element_size() for t in experts[0].values())
+        first = make_expert(fmt, inter, g)
+        nbytes = sum(t.numel() * t.element_size() for t in first.values())
+        count = a.experts or max(12, max(per_call), -(-2 * llc // nbytes))
+        experts = [first] + [make_expert(fmt, inter, g) for _ in range(count - 1)]
         block = (128, 128) if fmt == "fp8" else None
         for n in (int(t) for t in a.tokens.split(",")):
             x = torch.randn(n, D, generator=g).to(act)
@@ -142,7 +161,7 @@ def main() -> None:
                 kern, floor = median(kerns), median(floors)
                 rows.append({"format": fmt, "tokens": n, "tp": a.tp, "threads": a.threads, "activation_dtype": a.dtype,
                              "isa": isa, "isa_default": isa == default, "experts_per_call": k, "prefetch_bytes": pf,
-                             "rounds": a.rounds,
+                             "rounds": a.rounds, "experts_cycled": len(experts), "llc_bytes": llc,
                              "expert_bytes": nbytes, "read_gb_per_s": round(nbytes / floor / 1e9, 2),
                              "kernel_ms_per_expert": round(kern * 1e3, 3),
                              "kernel_ms_per_expert_token": round(kern * 1e3 / n, 3),

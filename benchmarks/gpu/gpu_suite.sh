@@ -15,10 +15,10 @@ t0=$SECONDS
 timeout "${TEST_S:-300}" python3 -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" -m gpu -rs > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E |^FAILED|^SKIPPED" "$OUT/gpu_tests.log" | tail -30
 cores=$(nproc)
-timeout "${HOST_S:-150}" python3 benchmarks/host_experts.py --threads "$cores" --tp 1 --experts 16 --repeat 3 > "$OUT/host_experts_tp1.log" 2>&1
+timeout "${HOST_S:-150}" python3 benchmarks/host_experts.py --threads "$cores" --tp 1 --repeat 3 > "$OUT/host_experts_tp1.log" 2>&1
 echo "host experts tp1 rc=$? $((SECONDS - t0)) s"; tail -12 "$OUT/host_experts_tp1.log"
 cp benchmarks/results/host_experts-*-"$SHARDSMITH_HOST".json "$OUT/host_experts_tp1.json" 2>/dev/null
-timeout "${HOST_S:-120}" python3 benchmarks/host_experts.py --threads $((cores / 2)) --tp 2 --experts 16 --repeat 3 --no-save \
+timeout "${HOST_S:-120}" python3 benchmarks/host_experts.py --threads $((cores / 2)) --tp 2 --repeat 3 --no-save \
     > "$OUT/host_experts_tp2.log" 2>&1
 echo "host experts tp2 rc=$? $((SECONDS - t0)) s"; tail -12 "$OUT/host_experts_tp2.log"
 true

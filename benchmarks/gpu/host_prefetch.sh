@@ -16,11 +16,11 @@ timeout 150 python3 -m pytest tests/runtime/test_host_kernel.py -q -p no:cachepr
 echo "host kernel tests rc=$? $((SECONDS - t0)) s"; tail -2 "$OUT/host_kernel_tests.log"
 timeout 150 python3 benchmarks/host_experts.py --threads "$cores" --tp 1 --isa avx512 --no-reference \
     --formats fp4,fp8,bf16 --tokens 1,4 --per-call 6 --prefetch "${PREFETCH:-0,512,1024,2048,4096,8192}" \
-    --experts 12 --repeat 3 --rounds 7 > "$OUT/host_prefetch_tp1.log" 2>&1
+    --repeat 3 --rounds 7 > "$OUT/host_prefetch_tp1.log" 2>&1
 echo "host prefetch tp1 rc=$? $((SECONDS - t0)) s"; tail -40 "$OUT/host_prefetch_tp1.log"
 cp "$(ls -t benchmarks/results/host_experts-*-"$SHARDSMITH_HOST".json | head -1)" "$OUT/" 2>/dev/null
 timeout 60 python3 benchmarks/host_experts.py --threads $((cores / 2)) --tp 2 --isa avx512 --no-reference \
-    --formats fp4 --tokens 1 --per-call 6 --prefetch 0,1024,2048 --experts 12 --repeat 3 --rounds 7 --no-save \
+    --formats fp4 --tokens 1 --per-call 6 --prefetch 0,1024,2048 --repeat 3 --rounds 7 --no-save \
     > "$OUT/host_prefetch_tp2.log" 2>&1
 echo "host prefetch tp2 rc=$? $((SECONDS - t0)) s"; tail -4 "$OUT/host_prefetch_tp2.log"
 if [ "${GPU_TESTS:-1}" = 1 ]; then

@@ -27,7 +27,7 @@ if [ "${TINY:-0}" = 1 ]; then
     gen() { :; }
 else
     source benchmarks/gpu/env.sh
-    he=(--experts 16 --repeat 3)
+    he=(--repeat 3)
     hv=(/tmp/v4ck160 --work /tmp/hvg --cache-fraction 0.0625 --prompt 32 --tokens 32 --link-gbps 25 --link-gbps 0)
     inv=.inv/deepseek-v4-flash-0731-reap160
     [ -d "$inv" ] || inv=../shared/real-inventories/deepseek-v4-flash-0731-reap160
@@ -56,7 +56,7 @@ if [ "${HOST_CHECKS:-0}" = 1 ]; then  # steps 1-2 (measured at h200x1b; ~3-4 min
     echo "host experts tp1 rc=$? $((SECONDS - t0)) s"; tail -40 "$OUT/host_experts_tp1.log"
     [ "${TINY:-0}" = 1 ] || cp "$(ls -t benchmarks/results/host_experts-*-"$SHARDSMITH_HOST".json | head -1)" "$OUT/host_experts_tp1.json"
     timeout 40 python3 benchmarks/host_experts.py --threads $((cores / 2)) --tp 2 --isa avx2,avx512 --no-reference \
-        --formats fp4 --tokens 1 --experts 12 --repeat 3 --no-save > "$OUT/host_experts_tp2.log" 2>&1
+        --formats fp4 --tokens 1 --repeat 3 --no-save > "$OUT/host_experts_tp2.log" 2>&1
     echo "host experts tp2 rc=$? $((SECONDS - t0)) s"; tail -5 "$OUT/host_experts_tp2.log"
     # one expert over and over: its bytes stay in the last-level cache, so this is the kernel's compute
     # rate with memory out of the way (set against the rows above: memory- or instruction-bound?)

@@ -230,9 +230,13 @@ def _bf16_spread(load) -> tuple[float, float]:
     eager = _forced(eng, tokens)
     eng.use_decode_graphs()
     graphed = _forced(eng, tokens)
+    assert eng.graphs.pool.pieces > 0  # the steps ran through captured (compiled) pieces, not eagerly
     if eng.offload:
         eng.offload.close()
-    ref = _forced(load(torch.float32), tokens)
+    ref_engine = load(torch.float32)
+    ref = _forced(ref_engine, tokens)
+    if ref_engine.offload:
+        ref_engine.offload.close()
     spread = lambda run: max((a - r).abs().max().item() for a, r in zip(run, ref))  # noqa: E731
     return spread(eager), spread(graphed)
 

@@ -148,6 +148,7 @@ def test_prefetch_distance_changes_no_bit(isa: str) -> None:
     fp4 = _fp4_expert(g, inter=256, dim=4096)
     fp8 = _fp8_expert(g, inter=256, dim=4096, block=(128, 128))
     before = host_kernel.set_prefetch_bytes(0)
+    assert before == host_kernel.prefetch_bytes()  # the load set the configured distance in the kernel
     try:
         for arrays, block in ((fp4, None), (fp8, (128, 128))):
             for tokens in (1, 3):
@@ -183,6 +184,8 @@ def test_layer_call_refuses_mixed_or_missing_experts() -> None:
         host_kernel.experts_swiglu_host([], [], None)
     with pytest.raises(UsageError, match=r"expert 1's gate_up is torch.int8 \[128, 32\], expert 0's torch.int8 \[64, 32\]"):
         host_kernel.experts_swiglu_host([a, b], [x, x], None)
+    with pytest.raises(UsageError, match="several dtypes \\(torch.bfloat16, torch.float32\\)"):
+        host_kernel.experts_swiglu_host([a, a], [x, x.bfloat16()], None)
 
 
 @pytest.mark.parametrize("isa", ISAS)

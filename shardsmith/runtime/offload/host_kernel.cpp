@@ -74,9 +74,7 @@ std::string dims(const at::Tensor& t) {
 // Sets the rows' software prefetch distance (host_kernel.h: g_prefetch_bytes), returns the one before.
 int64_t set_prefetch_bytes(int64_t bytes) {
   TORCH_CHECK(bytes >= 0 && bytes <= (int64_t{1} << 20), "prefetch distance must be 0 .. 1 MiB, got " + num(bytes));
-  const int64_t before = g_prefetch_bytes;
-  g_prefetch_bytes = bytes;
-  return before;
+  return g_prefetch_bytes.exchange(bytes);
 }
 
 std::string isas() {
@@ -225,7 +223,7 @@ at::Tensor experts(const at::Tensor& x, c10::IntArrayRef rows, at::TensorList gu
   const int64_t I = gu[0].size(0) / 2, N = x.size(0), D = x.size(1);
   std::vector<int64_t> first(E + 1, 0);  // expert e's rows are [first[e], first[e + 1])
   for (int64_t e = 0; e < E; ++e) {
-    TORCH_CHECK(rows[e] >= 1, "expert " + num(e) + " has no tokens");
+    TORCH_CHECK(rows[e] >= 1, "expert " + num(e) + " of this call has no tokens");
     TORCH_CHECK(gu[e].dim() == 2 && gu[e].size(0) == 2 * I, "gate_up " + num(e) + " is " + dims(gu[e]) + ", expert 0's " + dims(gu[0]));
     first[e + 1] = first[e] + rows[e];
   }

@@ -7,6 +7,7 @@
 // the AVX2 one on the same host.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -59,9 +60,11 @@ constexpr int kTile = 8;  // tokens sharing one decoded row (accumulators held i
 // set_prefetch_bytes in host_kernel.cpp). A stored row is 1-4 KiB, so the L2 hardware streamer, which
 // stops at each 4 KiB page, re-trains every row or two while a thread decodes; one prefetch per 64-byte
 // line this far ahead keeps lines in flight across those edges (benchmarks/host_experts.py --prefetch).
-extern int64_t g_prefetch_bytes;
-inline void prefetch_ahead(const uint8_t* p) {
-  if (g_prefetch_bytes > 0) __builtin_prefetch(p + g_prefetch_bytes, 0, 3);
+// Read once per row function (a relaxed atomic: set_prefetch_bytes may run on another thread).
+extern std::atomic<int64_t> g_prefetch_bytes;
+inline int64_t prefetch_distance() { return g_prefetch_bytes.load(std::memory_order_relaxed); }
+inline void prefetch_ahead(const uint8_t* p, int64_t distance) {
+  if (distance > 0) __builtin_prefetch(p + distance, 0, 3);
 }
 
 // Decode tables, filled before any kernel runs (host_kernel.cpp):

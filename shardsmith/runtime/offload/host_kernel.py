@@ -92,7 +92,12 @@ def available() -> bool:
         log.warning("host expert kernel unavailable (%s: %s); routed experts on the host use the plain path",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return False
-    torch.ops.shardsmith_host.set_prefetch_bytes(prefetch_bytes())
+    try:
+        distance = prefetch_bytes()
+    except UsageError as exc:  # serve and generate refuse it before ranks start; here, say so and go on
+        log.warning("%s; the host kernel prefetches %d bytes ahead", exc, PREFETCH_BYTES)
+        distance = PREFETCH_BYTES
+    torch.ops.shardsmith_host.set_prefetch_bytes(distance)
     return True
 
 
@@ -333,11 +338,14 @@ def experts_swiglu_host(experts: list[dict[str, torch.Tensor]], xs: list[torch.T
         block, limit, isa, check: as :func:`expert_swiglu_host` (``check`` checks every expert).
 
     Raises:
-        UsageError: no experts, ``xs`` of another length, experts of different formats or shapes, or
-            anything :func:`check_expert` finds, before the kernel runs.
+        UsageError: no experts, ``xs`` of another length or of several dtypes, experts of different
+            formats or shapes, or anything :func:`check_expert` finds, before the kernel runs.
     """
     if not experts or len(experts) != len(xs):
         raise UsageError(f"host expert kernel: {len(experts)} experts and {len(xs)} token blocks (want as many, >= 1)")
+    if len({x.dtype for x in xs}) > 1:
+        kinds = ", ".join(sorted({str(x.dtype) for x in xs}))
+        raise UsageError(f"host expert kernel: token blocks of several dtypes ({kinds}); one call returns one dtype")
     isa = default_isa() if isa is None else isa
     gu0 = experts[0]["gate_up"]
     if check:

@@ -41,13 +41,14 @@ inline __m256 widen(__m128i i8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32
 template <int NT>
 void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w, const uint8_t* s, float* y,
              int64_t ldy) {
+  const int64_t pf = prefetch_distance();
   const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   const int64_t groups = m.C / 32;
   for (int64_t g = 0; g < groups; ++g) {
-    if ((g & 3) == 0) prefetch_ahead(w + g * 16);  // once per 64-byte line (4 groups)
+    if ((g & 3) == 0) prefetch_ahead(w + g * 16, pf);  // once per 64-byte line (4 groups)
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
     const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, low4));                     // even columns
     const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), low4));  // odd columns
@@ -89,6 +90,7 @@ inline void fp8x16(const uint8_t* p, __m256& lo, __m256& hi) {
 // K independent accumulator chains per token hide the FMA latency when few tokens share a row.
 template <int NT>
 void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy) {
+  const int64_t pf = prefetch_distance();
   constexpr int K = NT == 1 ? 4 : NT == 2 ? 2 : 1;
   constexpr int U = K == 4 ? 2 : 1;  // 16-column steps per iteration
   __m256 acc[K][NT];
@@ -99,7 +101,7 @@ void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy
   }
   int64_t c = 0;
   for (; c + 16 * U <= C; c += 16 * U) {
-    if ((c & 63) < 16 * U) prefetch_ahead(w + c);  // once per 64-byte line
+    if ((c & 63) < 16 * U) prefetch_ahead(w + c, pf);  // once per 64-byte line
     for (int u = 0; u < U; ++u) {
       __m256 lo, hi;
       fp8x16(w + c + 16 * u, lo, hi);

@@ -46,6 +46,7 @@ inline void fp4_group(const uint8_t* w, float scale, const float* x, __m512 lut,
 template <int NT>
 void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w, const uint8_t* s, float* y,
              int64_t ldy) {
+  const int64_t pf = prefetch_distance();
   constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // groups per step, each with its own accumulators
   const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
   __m512 acc[U][NT];
@@ -54,7 +55,7 @@ void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w,
   const int64_t groups = m.C / 32;
   int64_t g = 0;
   for (; g + U <= groups; g += U) {
-    if ((g & 3) < U) prefetch_ahead(w + g * 16);  // once per 64-byte line (4 groups)
+    if ((g & 3) < U) prefetch_ahead(w + g * 16, pf);  // once per 64-byte line (4 groups)
     for (int u = 0; u < U; ++u) fp4_group<NT>(w + (g + u) * 16, ue8m0(s[g + u]), x + (g + u) * gstride, lut, acc[u]);
   }
   for (; g < groups; ++g) fp4_group<NT>(w + g * 16, ue8m0(s[g]), x + g * gstride, lut, acc[0]);
@@ -90,6 +91,7 @@ inline void fp8x32(const uint8_t* p, __m512& lo, __m512& hi) {
 // (and 2^8): xs[t * C + c] (fp8_rows in host_kernel.h).
 template <int NT>
 void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy) {
+  const int64_t pf = prefetch_distance();
   constexpr int U = NT == 1 ? 2 : 1;  // 32-column steps per iteration, two accumulators each
   __m512 acc[2 * U][NT];
   float tail[NT];
@@ -99,7 +101,7 @@ void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy
   }
   int64_t c = 0;
   for (; c + 32 * U <= C; c += 32 * U) {
-    if ((c & 63) < 32 * U) prefetch_ahead(w + c);  // once per 64-byte line
+    if ((c & 63) < 32 * U) prefetch_ahead(w + c, pf);  // once per 64-byte line
     for (int u = 0; u < U; ++u) {
       __m512 lo, hi;
       fp8x32(w + c + 32 * u, lo, hi);

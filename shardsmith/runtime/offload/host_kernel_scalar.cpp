@@ -28,7 +28,7 @@ Tables::Tables() {
   }
 }
 const Tables kTables;
-int64_t g_prefetch_bytes = 0;
+std::atomic<int64_t> g_prefetch_bytes{0};
 
 namespace {
 
