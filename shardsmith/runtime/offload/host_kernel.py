@@ -21,8 +21,8 @@ no longer equal the resident bank's within float32 rounding.
 
 The FP4 and FP8 rows prefetch their weight stream :func:`prefetch_bytes` ahead (``$SHARDSMITH_HOST_PREFETCH``,
 default 2048): a stored row is 1-4 KiB, so the L2 streamer, which stops at every 4 KiB page, re-trains
-every row or two; on the H200 host's 16 cores this took an FP4 expert at one token from 2.9x to 1.9x
-the memory floor and FP8 from 1.8x to 1.45x (``benchmarks/RESULTS.md``).
+every row or two; on the H200 host's 16 cores this took an FP4 expert at one token from 0.36 to 0.26
+ms and FP8 from 0.49 to 0.38 ms (``benchmarks/RESULTS.md``, 12 experts cycled).
 
 The kernel is compiled once per machine on first use (``torch.utils.cpp_extension``, ``-O3``),
 cached by the hash of its sources, the torch version and the CPU's flags under
@@ -59,7 +59,7 @@ HEADER = _HERE / "host_kernel.h"
 ISA_ENV = "SHARDSMITH_HOST_ISA"
 PREFETCH_ENV = "SHARDSMITH_HOST_PREFETCH"
 PREFETCH_BYTES = 2048  # software prefetch distance of the row functions (set_prefetch_bytes; 0: none;
-# benchmarks/RESULTS.md: 2048 measured best of 0-8192 for FP4 on the H200 host, FP8 1.3-1.45x there)
+# benchmarks/RESULTS.md: of 0-8192 bytes, 2048 gave the best FP4 median on the H200 host, FP8 within noise of 4096)
 
 
 def _cpu_flags() -> str:
