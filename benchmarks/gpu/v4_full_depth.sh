@@ -13,7 +13,8 @@
 #   3. the same at full depth: 43 layers with the release's kinds (2 sliding, 21 CSA, 20 HCA, first 3
 #      hash-routed) x 24 experts, resident and 25% cache.
 # Logs, the results JSONs and the host profiles go to $OUT. SKIP_TESTS=1 skips step 1's tests;
-# RUNS="43-24" runs step 3 alone (layers-experts pairs, space separated).
+# RUNS="43-24" runs step 3 alone (layers-experts pairs, space separated). Each run's limit: BENCH_S, else
+# 125 s for a few layers and 330 s at full depth (whose profiled replay ran past 125 s at h200x1l).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD SHARDSMITH_CACHE=${SHARDSMITH_CACHE:-/tmp/sscache}
@@ -37,8 +38,9 @@ common=(/tmp/v4t5 --work /tmp/v4p --device cuda --tp 1 --prompt 16 --tokens 16 -
 for run in ${RUNS:-4-256 43-24}; do
     set -- ${run/-/ }
     name=$host-${1}l${2}e
-    SHARDSMITH_HOST=$name timeout "${BENCH_S:-125}" python3 benchmarks/v4_decode.py "${common[@]}" --layers "$1" \
-        --experts-per-layer "$2" --hang-s $(( ${BENCH_S:-125} - 8 )) --profile "/tmp/prof-$name" > "$OUT/v4_$name.log" 2>&1
+    limit=${BENCH_S:-$([ "$1" -gt 8 ] && echo 330 || echo 125)}  # full depth with its profile: 95 s at h200x1s, past 125 at h200x1l
+    SHARDSMITH_HOST=$name timeout "$limit" python3 benchmarks/v4_decode.py "${common[@]}" --layers "$1" \
+        --experts-per-layer "$2" --hang-s $(( limit - 8 )) --profile "/tmp/prof-$name" > "$OUT/v4_$name.log" 2>&1
     echo "v4 ${1} layers x ${2} experts rc=$? $((SECONDS - t0)) s"
     grep -E '^\[tp=|"run"|"ms_per_token"|"ms_per_layer"|"device_ops_per_layer"|"gpu_busy_share"|"hit_rate"|time_per_token_over_floor|Error' \
         "$OUT/v4_$name.log" | head -40
