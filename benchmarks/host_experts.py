@@ -105,10 +105,10 @@ def main() -> None:
     from shardsmith.runtime.layers.experts import expert_output
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads (default: torch's)")
     p.add_argument("--tp", type=int, default=1, help="intermediate share: I = 2048 / tp")
-    p.add_argument("--formats", default="fp4,fp8,bf16")
-    p.add_argument("--tokens", default="1,4,8")
+    p.add_argument("--formats", default="fp4,fp8,bf16", help="stored formats, comma list")
+    p.add_argument("--tokens", default="1,4,8", help="tokens routed to each expert, comma list")
     p.add_argument("--experts", type=int, default=0,
                    help="distinct experts cycled through (default: enough for twice the last-level cache, at least 12)")
     p.add_argument("--per-call", default="1,6", help="experts per kernel call, comma list")
@@ -118,7 +118,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="activation dtype")
     p.add_argument("--isa", default="", help="comma list of kernel instruction sets (default: all but scalar)")
     p.add_argument("--no-reference", action="store_true", help="skip the expand-then-matmul timing")
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if not host_kernel.available():
@@ -137,7 +137,8 @@ def main() -> None:
     inter = I_FULL // a.tp
     bw = read_bandwidth()
     print(f"threads {a.threads}, read bandwidth {bw / 1e9:.1f} GB/s, expert intermediate {inter} (tp {a.tp}), "
-          f"kernel isas {','.join(host_kernel.isas())} (default {default})", file=sys.stderr)
+          f"kernel isas {','.join(host_kernel.isas())} (default {default}), last-level cache {llc / 2**20:.0f} MiB; "
+          f"kernel_over_floor is the median of the rounds' ratios (not the ratio of the median times)", file=sys.stderr)
     g = torch.Generator().manual_seed(0)
     rows = []
     for fmt in a.formats.split(","):
@@ -171,12 +172,15 @@ def main() -> None:
                              "kernel_over_floor": round(median([kt / ft for kt, ft in zip(kerns, floors)]), 2),
                              "kernel_over_floor_best": round(min(kt / ft for kt, ft in zip(kerns, floors)), 2),
                              "reference_over_kernel": round(ref / kern, 2) if ref else None})
-    hdr = ("format", "tokens", "isa", "experts_per_call", "prefetch_bytes", "kernel_ms_per_expert", "kernel_ms_per_expert_token",
-           "reference_ms_per_expert", "floor_ms_per_expert", "kernel_over_floor", "kernel_over_floor_best",
-           "reference_over_kernel")
-    print(" ".join(f"{h:>14.14}" for h in hdr))
+    hdr = ["format", "tokens", "isa", "experts_per_call", "prefetch_bytes", "experts_cycled", "kernel_ms_per_expert",
+           "kernel_ms_per_expert_token", "floor_ms_per_expert", "kernel_over_floor", "kernel_over_floor_best"]
+    if not a.no_reference:
+        hdr[7:7] = ["reference_ms_per_expert"]
+        hdr.append("reference_over_kernel")
+    width = {h: max(len(h), *(len(str(r[h])) for r in rows)) for h in hdr}
+    print(" ".join(f"{h:>{width[h]}}" for h in hdr))
     for r in rows:
-        print(" ".join(f"{r[h]!s:>14.14}" for h in hdr))
+        print(" ".join(f"{r[h]!s:>{width[h]}}" for h in hdr))
     if not a.no_save:
         from _results import save_results
 

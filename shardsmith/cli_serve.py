@@ -321,6 +321,7 @@ def demo(
 
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
     _check_device(device, 2)
+    _check_serving_environment()
     con.print("[bold]1/4[/] SmolLM2-135M MoE checkpoint (built once, then cached)")
     from .ui import step_lines
 
@@ -354,7 +355,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _check_serving_environment() -> None:
-    """The serving loop's and the ranks' environment knobs, checked before any rank starts (serve, generate).
+    """The serving loop's and the ranks' environment knobs, checked before any rank starts (serve, generate, demo).
 
     Raises:
         UsageError: ``SHARDSMITH_OVERLAP_STEPS`` is neither 0 nor 1, ``SHARDSMITH_STEP_TRACE``

@@ -32,6 +32,13 @@ def test_offloaded_generate_matches_resident(smollm2_pack, backend: str) -> None
     if backend == "gpu":
         assert "policy hot" in log and "GiB/GPU" in log
         assert "--moe-backend gpu on a CPU device" in log and "H2D" not in log  # said once, no bogus probe
+    else:  # the ready line says how the host computes: the kernel with its instruction set and prefetch
+        import re
+
+        from shardsmith.runtime.offload import host_kernel
+
+        want = r"host experts: kernel \w+, prefetch \d+ B" if host_kernel.available() else r"host experts: matmul"
+        assert re.search(want, log), log[-2000:]
 
 
 def test_unknown_backend_is_a_usage_error(smollm2_pack) -> None:

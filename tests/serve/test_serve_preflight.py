@@ -109,6 +109,10 @@ def test_bad_serving_environment_fails_before_ranks_start(packs, env: dict[str, 
     _refused(_cli("serve", str(packs["mixtral"]), timeout=60, env=env), match)
 
 
+def test_demo_checks_the_environment_before_building_anything() -> None:
+    _refused(_cli("demo", timeout=60, env={"SHARDSMITH_PIN_CORES": "yes"}), "SHARDSMITH_PIN_CORES='yes': expected 0 or 1")
+
+
 def test_port_in_use_fails_before_ranks_start(packs, busy_port: int) -> None:
     _refused(_cli("serve", str(packs["mixtral"]), "--port", str(busy_port), timeout=60),
              f"--port {busy_port}: cannot listen on 127.0.0.1:{busy_port}: already in use")

@@ -67,7 +67,8 @@ def clamp_threads(local_world_size: int | None = None, local_rank: int | None = 
         if share is not None:
             _PINNED, n = share, len(share)
             logging.getLogger("shardsmith.runtime").info(
-                "rank %d of %d on this host: pinned to CPUs %s (%d threads)", local_rank, local, _ranges(share), n)
+                "rank %d of %d on this host: pinned to CPUs %s (%d thread%s)", local_rank, local, _ranges(share), n,
+                "" if n == 1 else "s")
     torch.set_num_threads(n)
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
     return n
@@ -148,14 +149,14 @@ def core_share(cpus: list[int], local_rank: int, local_world_size: int, node_of:
 
 
 def pin_setting() -> bool:
-    """Whether ranks pin their CPUs: ``SHARDSMITH_PIN_CORES`` (default 1).
+    """Whether ranks pin their CPUs: ``SHARDSMITH_PIN_CORES`` (default 1; empty is the default).
 
     Raises:
         UsageError: the variable is neither 0 nor 1.
     """
     from shardsmith.errors import UsageError
 
-    setting = os.environ.get(PIN_ENV, "1").strip()
+    setting = os.environ.get(PIN_ENV, "").strip() or "1"  # unset or empty: the default
     if setting not in ("0", "1"):
         raise UsageError(f"{PIN_ENV}={setting!r}: expected 0 or 1")
     return setting == "1"

@@ -38,7 +38,7 @@ import torch
 from shardsmith.runtime.layers.experts import ExpertMath, expert_output
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
 from .host_bank import HostBanks
-from .host_kernel import check_expert, default_isa, experts_swiglu_host, supports
+from .host_kernel import check_expert, current_prefetch_bytes, default_isa, experts_swiglu_host, supports
 
 
 @functools.cache
@@ -127,10 +127,10 @@ class CpuExperts:
         return out
 
     def path(self) -> str:
-        """How the host computes this model's experts: ``kernel <isa>`` or ``matmul <isa>``."""
+        """How the host computes this model's experts: ``kernel <isa>, prefetch <n> B`` or ``matmul <isa>``."""
         bank = next(iter(self.host.layers.values()))
         if self.kernel and self.math.plain and supports({name: a[0] for name, a in bank.items()}):
-            return f"kernel {default_isa()}"
+            return f"kernel {default_isa()}, prefetch {current_prefetch_bytes()} B"
         return f"matmul {cpu_matmul_isa()}"
 
     def submit(self, *args) -> Future:

@@ -77,6 +77,8 @@ int64_t set_prefetch_bytes(int64_t bytes) {
   return g_prefetch_bytes.exchange(bytes);
 }
 
+int64_t prefetch_bytes() { return prefetch_distance(); }
+
 std::string isas() {
   std::string out;
   for (const auto& s : supported()) out += (out.empty() ? "" : ",") + s;
@@ -285,6 +287,7 @@ at::Tensor experts(const at::Tensor& x, c10::IntArrayRef rows, at::TensorList gu
 TORCH_LIBRARY(shardsmith_host, m) {
   m.def("isas() -> str", &isas);
   m.def("set_prefetch_bytes(int bytes) -> int", &set_prefetch_bytes);
+  m.def("prefetch_bytes() -> int", &prefetch_bytes);
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, str isa) -> Tensor", &fp4_linear);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? scale, int br, int bc, str isa) -> Tensor", &dense_linear);
   m.def("experts(Tensor x, int[] rows, Tensor[] gate_up, Tensor[] gate_up_scale, Tensor[] down, Tensor[] down_scale, "

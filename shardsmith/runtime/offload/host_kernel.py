@@ -86,6 +86,8 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         root.mkdir(parents=True, exist_ok=True)
+        if not any(root.glob("*.so")):
+            log.info("compiling the host expert kernel (once per machine and torch version; cached in %s)", root)
         load(name=f"shardsmith_host_{key}", sources=[str(s) for s in SOURCES], build_directory=str(root),
              is_python_module=False, extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no headers, a failed build: the reference path still works
@@ -115,6 +117,11 @@ def prefetch_bytes() -> int:
     if not 0 <= value <= 1 << 20:
         raise UsageError(f"{PREFETCH_ENV}={raw!r}: want a whole number of bytes in 0 .. {1 << 20}")
     return value
+
+
+def current_prefetch_bytes() -> int:
+    """The distance the loaded kernel uses now (bytes; 0 without the kernel)."""
+    return torch.ops.shardsmith_host.prefetch_bytes() if available() else 0
 
 
 def set_prefetch_bytes(value: int) -> int:

@@ -153,6 +153,8 @@ class OffloadRuntime:
             total = sum(a["gate_up"].shape[0] for a in hb.layers.values())
             parts.append(f"cache {self.cache.n_slots}/{total} experts x {self.cache.slot_bytes / 2**20:.2f} MiB = "
                          f"{self.cache.n_slots * self.cache.slot_bytes / GiB:.2f} GiB/GPU, policy {self.config.policy}")
+        if self.backend in ("cpu", "hybrid"):
+            parts.append(f"host experts: {self.cpu.path()}")
         if self.backend == "hybrid":
             parts.append(f"{self.hybrid_fraction:.2f} of misses on the host")
         if self.probe is not None:

@@ -29,8 +29,8 @@ def check_local_ranks(path: Path, ranks: list[int], world_size: int) -> None:
     from shardsmith.pack.format import PACK_MANIFEST, RANK_MANIFEST, load_yaml, rank_dir
 
     pack_id = load_yaml(Path(path) / PACK_MANIFEST).get("pack_id")
-    fix = (f"give this node its rank: `shardsmith split --ranks R` into this directory, or `shardsmith export "
-           f"PACK --rank R rank-R.tar.zst` then `shardsmith import rank-R.tar.zst DIR` (README: Several machines)")
+    fix = ("give this node its rank: `shardsmith split --ranks R` into this directory, or `shardsmith export "
+           "PACK --rank R rank-R.tar.zst` then `shardsmith import rank-R.tar.zst DIR` (README: Several machines)")
     for rank in ranks:
         d = Path(path) / rank_dir(rank, world_size)
         if not (d / RANK_MANIFEST).is_file():
