@@ -362,18 +362,14 @@ def _check_serving_environment() -> None:
             names a file that cannot be appended to, ``SHARDSMITH_HOST_PREFETCH`` is not a
             distance in bytes, or ``SHARDSMITH_PIN_CORES`` is neither 0 nor 1.
     """
-    import os
-
     from shardsmith.runtime.engine.dist import pin_setting
     from shardsmith.runtime.engine.scheduler import overlap_setting
     from shardsmith.runtime.offload.host_kernel import prefetch_bytes
+    from shardsmith.runtime.serve.worker import open_step_trace
 
     overlap_setting()
     prefetch_bytes()
     pin_setting()
-    trace = os.environ.get("SHARDSMITH_STEP_TRACE", "").strip()
-    if trace:
-        try:
-            open(trace, "a", encoding="utf-8").close()
-        except OSError as e:
-            raise UsageError(f"SHARDSMITH_STEP_TRACE={trace!r}: cannot append to it ({e.strerror})") from e
+    trace = open_step_trace()
+    if trace is not None:
+        trace.close()

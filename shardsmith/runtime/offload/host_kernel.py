@@ -58,6 +58,7 @@ SOURCES = tuple(_HERE / f for f in ("host_kernel.cpp", "host_kernel_scalar.cpp",
 HEADER = _HERE / "host_kernel.h"
 ISA_ENV = "SHARDSMITH_HOST_ISA"
 PREFETCH_ENV = "SHARDSMITH_HOST_PREFETCH"
+MAX_PREFETCH_BYTES = 1 << 20  # the kernel's own bound (set_prefetch_bytes in host_kernel.cpp)
 PREFETCH_BYTES = 2048  # software prefetch distance of the row functions (set_prefetch_bytes; 0: none;
 # benchmarks/RESULTS.md: of 0-8192 bytes, 2048 gave the best FP4 median on the H200 host, FP8 within noise of 4096)
 
@@ -114,8 +115,8 @@ def prefetch_bytes() -> int:
         value = int(raw) if raw else PREFETCH_BYTES
     except ValueError:
         value = -1
-    if not 0 <= value <= 1 << 20:
-        raise UsageError(f"{PREFETCH_ENV}={raw!r}: want a whole number of bytes in 0 .. {1 << 20}")
+    if not 0 <= value <= MAX_PREFETCH_BYTES:
+        raise UsageError(f"{PREFETCH_ENV}={raw!r}: want a whole number of bytes in 0 .. {MAX_PREFETCH_BYTES}")
     return value
 
 
@@ -132,8 +133,8 @@ def set_prefetch_bytes(value: int) -> int:
     """
     if not available():
         raise UsageError("host expert kernel: not available here (see the warning at load)")
-    if not 0 <= value <= 1 << 20:
-        raise UsageError(f"host expert kernel: prefetch distance {value} bytes is outside 0 .. {1 << 20}")
+    if not 0 <= value <= MAX_PREFETCH_BYTES:
+        raise UsageError(f"host expert kernel: prefetch distance {value} bytes is outside 0 .. {MAX_PREFETCH_BYTES}")
     return torch.ops.shardsmith_host.set_prefetch_bytes(value)
 
 

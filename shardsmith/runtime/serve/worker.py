@@ -247,6 +247,19 @@ class StepTrace:
         self._file.close()
 
 
+def open_step_trace() -> StepTrace | None:
+    """The :class:`StepTrace` that ``$SHARDSMITH_STEP_TRACE`` asks for, None where it is unset.
+
+    Raises:
+        UsageError: the file cannot be opened for appending (named, with the reason).
+    """
+    path = os.environ.get("SHARDSMITH_STEP_TRACE", "").strip()
+    try:
+        return StepTrace(path) if path else None
+    except OSError as e:
+        raise UsageError(f"SHARDSMITH_STEP_TRACE={path!r}: cannot append to it ({e.strerror})") from e
+
+
 class EngineWorker:
     """Owns the engine on one thread and runs the continuous batch.
 
@@ -292,11 +305,7 @@ class EngineWorker:
         from shardsmith.runtime.engine.scheduler import overlap_setting
 
         overlap_setting()  # a bad SHARDSMITH_OVERLAP_STEPS fails now, not after the load
-        trace = os.environ.get("SHARDSMITH_STEP_TRACE", "").strip()
-        try:
-            self._trace = StepTrace(trace) if trace else None
-        except OSError as e:
-            raise UsageError(f"SHARDSMITH_STEP_TRACE={trace!r}: cannot append to it ({e.strerror})") from e
+        self._trace = open_step_trace()
 
     def start(self) -> None:
         set_switch_interval()
