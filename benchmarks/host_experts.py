@@ -115,6 +115,9 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="passes over the experts per round")
     p.add_argument("--rounds", type=int, default=5, help="alternating floor / kernel measurements (medians)")
     p.add_argument("--prefetch", default="", help="software prefetch distances in bytes, comma list (default: the runtime's)")
+    p.add_argument("--row-blocking", default="1",
+                   help="1: several rows per call share each activation load (the runtime's way); 0: one row per "
+                        "call (before 2026-12-02); '1,0' times both (the same bits)")
     p.add_argument("--dtype", default="bfloat16", help="activation dtype")
     p.add_argument("--isa", default="", help="comma list of kernel instruction sets (default: all but scalar)")
     p.add_argument("--no-reference", action="store_true", help="skip the expand-then-matmul timing")
@@ -129,6 +132,7 @@ def main() -> None:
     isas = [i for i in isas if i in host_kernel.isas()]
     per_call = [int(k) for k in a.per_call.split(",")]
     prefetch = [int(b) for b in a.prefetch.split(",")] if a.prefetch else [host_kernel.prefetch_bytes()]
+    blocking = [bool(int(b)) for b in a.row_blocking.split(",")]
     if min(per_call) < 1 or (a.experts and max(per_call) > a.experts):
         sys.exit(f"--per-call {a.per_call}: each must be 1 .. --experts ({a.experts})")
     llc = llc_bytes()
@@ -151,8 +155,10 @@ def main() -> None:
             x = torch.randn(n, D, generator=g).to(act)
             ref = 0.0 if a.no_reference else per_expert_s(lambda es, x: expert_output(es[0], x, block), experts, x,
                                                           max(1, a.repeat // 2))
-            for isa, k, pf in ((isa, k, pf) for isa in isas for k in per_call for pf in prefetch):
+            for isa, k, pf, rb in ((isa, k, pf, rb) for isa in isas for k in per_call for pf in prefetch
+                                   for rb in blocking):
                 host_kernel.set_prefetch_bytes(pf)
+                host_kernel.set_row_blocking(rb)
                 call = lambda es, x: host_kernel.experts_swiglu_host(es, [x] * len(es), block, isa=isa, check=False)  # noqa: E731
                 host_kernel.experts_swiglu_host(experts[:1], [x], block, isa=isa)  # the runtime's one check per layout
                 kerns, floors = [], []
@@ -162,6 +168,7 @@ def main() -> None:
                 kern, floor = median(kerns), median(floors)
                 rows.append({"format": fmt, "tokens": n, "tp": a.tp, "threads": a.threads, "activation_dtype": a.dtype,
                              "isa": isa, "isa_default": isa == default, "experts_per_call": k, "prefetch_bytes": pf,
+                             "row_blocking": rb,
                              "rounds": a.rounds, "experts_cycled": len(experts), "llc_bytes": llc,
                              "expert_bytes": nbytes, "read_gb_per_s": round(nbytes / floor / 1e9, 2),
                              "kernel_ms_per_expert": round(kern * 1e3, 3),
@@ -172,15 +179,26 @@ def main() -> None:
                              "kernel_over_floor": round(median([kt / ft for kt, ft in zip(kerns, floors)]), 2),
                              "kernel_over_floor_best": round(min(kt / ft for kt, ft in zip(kerns, floors)), 2),
                              "reference_over_kernel": round(ref / kern, 2) if ref else None})
-    hdr = ["format", "tokens", "isa", "experts_per_call", "prefetch_bytes", "experts_cycled", "kernel_ms_per_expert",
+    hdr = ["format", "tokens", "isa", "experts_per_call", "prefetch_bytes", "row_blocking", "experts_cycled",
+           "kernel_ms_per_expert",
            "kernel_ms_per_expert_token", "floor_ms_per_expert", "kernel_over_floor", "kernel_over_floor_best"]
     if not a.no_reference:
-        hdr[7:7] = ["reference_ms_per_expert"]
+        hdr[hdr.index("kernel_ms_per_expert_token") + 1:hdr.index("kernel_ms_per_expert_token") + 1] = \
+            ["reference_ms_per_expert"]
         hdr.append("reference_over_kernel")
     width = {h: max(len(h), *(len(str(r[h])) for r in rows)) for h in hdr}
     print(" ".join(f"{h:>{width[h]}}" for h in hdr))
     for r in rows:
         print(" ".join(f"{r[h]!s:>{width[h]}}" for h in hdr))
+    if len(blocking) > 1:  # side by side: one row per call over several rows per call, same run
+        key = lambda r: (r["format"], r["tokens"], r["isa"], r["experts_per_call"], r["prefetch_bytes"])  # noqa: E731
+        single = {key(r): r for r in rows if not r["row_blocking"]}
+        print("row blocking: kernel_ms_per_expert with one row per call over several rows per call")
+        for r in (r for r in rows if r["row_blocking"] and key(r) in single):
+            r["row_blocking_speedup"] = round(single[key(r)]["kernel_ms_per_expert"] / r["kernel_ms_per_expert"], 2)
+            print(f"  {r['format']:>4} tokens {r['tokens']:>2} {r['isa']} per call {r['experts_per_call']} prefetch "
+                  f"{r['prefetch_bytes']}: {single[key(r)]['kernel_ms_per_expert']} / {r['kernel_ms_per_expert']} ms "
+                  f"= {r['row_blocking_speedup']}x")
     if not a.no_save:
         from _results import save_results
 

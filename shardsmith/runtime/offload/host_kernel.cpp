@@ -79,6 +79,10 @@ int64_t set_prefetch_bytes(int64_t bytes) {
 
 int64_t prefetch_bytes() { return prefetch_distance(); }
 
+// Sets whether the row functions take several rows per call (host_kernel.h: g_row_blocking), returns the
+// setting before.
+bool set_row_blocking(bool on) { return g_row_blocking.exchange(on); }
+
 std::string isas() {
   std::string out;
   for (const auto& s : supported()) out += (out.empty() ? "" : ",") + s;
@@ -288,6 +292,7 @@ TORCH_LIBRARY(shardsmith_host, m) {
   m.def("isas() -> str", &isas);
   m.def("set_prefetch_bytes(int bytes) -> int", &set_prefetch_bytes);
   m.def("prefetch_bytes() -> int", &prefetch_bytes);
+  m.def("set_row_blocking(bool on) -> bool", &set_row_blocking);
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, str isa) -> Tensor", &fp4_linear);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? scale, int br, int bc, str isa) -> Tensor", &dense_linear);
   m.def("experts(Tensor x, int[] rows, Tensor[] gate_up, Tensor[] gate_up_scale, Tensor[] down, Tensor[] down_scale, "

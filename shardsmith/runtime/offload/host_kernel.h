@@ -67,6 +67,13 @@ inline void prefetch_ahead(const uint8_t* p, int64_t distance) {
   if (distance > 0) __builtin_prefetch(p + distance, 0, 3);
 }
 
+// Whether the tile functions take several rows per call (their kRowsAt; the default) or one (the kernel
+// before 2026-12-02, kept so benchmarks/host_experts.py --row-blocking can time both in one run). Every
+// accumulator sees the same operations in the same order either way: the same bits. A relaxed atomic
+// read once per tile call (set_row_blocking in host_kernel.cpp).
+extern std::atomic<bool> g_row_blocking;
+inline bool row_blocking() { return g_row_blocking.load(std::memory_order_relaxed); }
+
 // Decode tables, filled before any kernel runs (host_kernel.cpp):
 //   ue8m0[s] = 2^(s - 127), ue8m0[255] = NaN (OCP MX spec v1.0; as torch's float8_e8m0fnu -> float);
 //   fp8[b] = the e4m3fn byte's value (S.EEEE.MMM, bias 7, subnormals; only S.1111.111 is NaN).
@@ -86,11 +93,30 @@ inline float bf16(const uint8_t* p) {
   return f;
 }
 
+// Rows [r, r + n) of one matrix against the token tile t0 of kTiles' size (NT <= kTile tokens); each
+// instruction set's tile functions take rows several at a time (their kRowsAt), so the activation
+// vectors a step loads serve several rows.
+using TileFn = void (*)(const Matrix& m, const Activations& a, int t0, int64_t r, int64_t n);
+
+constexpr int64_t kRowChunk = 4;  // rows handed to the tile functions per call (a multiple of every kRowsAt)
+
+// Rows [r0, r1) in chunks of kRowChunk rows, each chunk against every token tile before the next (past
+// kTile tokens a chunk's weight bytes are still in L1 for the next tile).
+template <TileFn const* kTiles>
+void rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; r += kRowChunk) {
+    const int64_t n = r1 - r < kRowChunk ? r1 - r : kRowChunk;
+    for (int t0 = 0; t0 < a.T; t0 += kTile) kTiles[a.T - t0 < kTile ? a.T - t0 : kTile](m, a, t0, r, n);
+  }
+}
+
 // FP8 rows with the block scales folded into the activations (the AVX2 and AVX-512 paths): per
 // 128-row block (m.br rows) each thread rebuilds xs[t * C + c] = x[t * C + c] * 2^8 * scale(block,
 // c / bc) (the 2^8 because the vector decoders return 2^-8 of each value), so a row's inner loop is
-// decode + FMA; kRows[n] computes one row against n <= kTile tokens of xs.
-using Fp8RowFn = void (*)(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy);
+// decode + FMA; kTiles[NT] computes n rows of one block (row i at w + i * lw, output y + i) against
+// NT <= kTile tokens of xs.
+using Fp8TileFn = void (*)(const uint8_t* w, int64_t lw, int64_t n, int64_t C, const float* xs, float* y,
+                           int64_t ldy);
 
 inline void fp8_scale_activations(const Matrix& m, const Activations& a, int64_t block, float* xs) {
   const float* sc = m.sf + block * m.lsf;
@@ -102,18 +128,18 @@ inline void fp8_scale_activations(const Matrix& m, const Activations& a, int64_t
     }
 }
 
-template <Fp8RowFn const* kRows>
+template <Fp8TileFn const* kTiles>
 void fp8_rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
   std::vector<float> xs(static_cast<size_t>(a.T) * m.C);
-  int64_t block = -1;
-  for (int64_t r = r0; r < r1; ++r) {
-    if (r / m.br != block) {
-      block = r / m.br;
-      fp8_scale_activations(m, a, block, xs.data());
-    }
-    for (int t0 = 0; t0 < a.T; t0 += kTile) {
-      const int n = a.T - t0 < kTile ? a.T - t0 : kTile;
-      kRows[n](m.w + r * m.lw, m.C, xs.data() + t0 * m.C, a.y + t0 * a.ldy + r, a.ldy);
+  for (int64_t r = r0; r < r1;) {
+    const int64_t block = r / m.br, end = (block + 1) * m.br < r1 ? (block + 1) * m.br : r1;
+    fp8_scale_activations(m, a, block, xs.data());
+    while (r < end) {
+      const int64_t n = end - r < kRowChunk ? end - r : kRowChunk;
+      for (int t0 = 0; t0 < a.T; t0 += kTile)
+        kTiles[a.T - t0 < kTile ? a.T - t0 : kTile](m.w + r * m.lw, m.lw, n, m.C, xs.data() + t0 * m.C,
+                                                     a.y + t0 * a.ldy + r, a.ldy);
+      r += n;
     }
   }
 }

@@ -138,6 +138,20 @@ def set_prefetch_bytes(value: int) -> int:
     return torch.ops.shardsmith_host.set_prefetch_bytes(value)
 
 
+def set_row_blocking(on: bool) -> bool:
+    """Whether the row functions take several rows per call (the default; at 2-8 tokens each activation
+    vector loaded then serves 2-4 rows) or one (the kernel before 2026-12-02); returns the setting
+    before. The same bits either way; for side-by-side timings (``benchmarks/host_experts.py
+    --row-blocking``).
+
+    Raises:
+        UsageError: the kernel is not available.
+    """
+    if not available():
+        raise UsageError("host expert kernel: not available here (see the warning at load)")
+    return bool(torch.ops.shardsmith_host.set_row_blocking(bool(on)))
+
+
 @functools.cache
 def isas() -> tuple[str, ...]:
     """Instruction sets this build and CPU support, worst first (``scalar``, ``avx2``, ``avx512``); () without the kernel."""

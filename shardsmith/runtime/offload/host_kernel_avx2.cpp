@@ -10,7 +10,8 @@
 //       no table gather and no multiply by the scale: the block scales (times 2^8) are folded into a
 //       per-thread copy of the activations once per row block (fp8_rows, host_kernel.h).
 // bf16: 8 per step, shifted into the high half of a float.
-// Up to kTile tokens share each decoded vector; the accumulators are template-sized, so registers.
+// Up to kTile tokens share each decoded vector (fp8 and bf16: at 2-4 tokens two rows share each
+// activation vector loaded); the accumulators are template-sized, so registers.
 
 #include "host_kernel.h"
 
@@ -86,45 +87,55 @@ inline void fp8x16(const uint8_t* p, __m256& lo, __m256& hi) {
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(f, 1));
 }
 
-// One fp8 row against NT tokens of pre-scaled activations xs[t * C + c] (fp8_rows, host_kernel.h);
-// K independent accumulator chains per token hide the FMA latency when few tokens share a row.
-template <int NT>
-void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy) {
+// NR fp8 rows of one scale block (row i at w + i * lw, output y + i) against NT tokens of pre-scaled
+// activations xs[t * C + c] (fp8_rows, host_kernel.h); K independent accumulator chains per row and
+// token hide the FMA latency when few tokens share a row. Each accumulator sees the same operations in
+// the same order whatever NR is.
+template <int NR, int NT>
+void fp8_rows_nr(const uint8_t* w, int64_t lw, int64_t C, const float* xs, float* y, int64_t ldy) {
   const int64_t pf = prefetch_distance();
   constexpr int K = NT == 1 ? 4 : NT == 2 ? 2 : 1;
   constexpr int U = K == 4 ? 2 : 1;  // 16-column steps per iteration
-  __m256 acc[K][NT];
-  float tail[NT];
-  for (int t = 0; t < NT; ++t) {
-    tail[t] = 0.f;
-    for (int k = 0; k < K; ++k) acc[k][t] = _mm256_setzero_ps();
-  }
+  __m256 acc[K][NR][NT];
+  float tail[NR][NT];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) {
+      tail[i][t] = 0.f;
+      for (int k = 0; k < K; ++k) acc[k][i][t] = _mm256_setzero_ps();
+    }
   int64_t c = 0;
   for (; c + 16 * U <= C; c += 16 * U) {
-    if ((c & 63) < 16 * U) prefetch_ahead(w + c, pf);  // once per 64-byte line
+    if ((c & 63) < 16 * U)  // once per 64-byte line of each row
+      for (int i = 0; i < NR; ++i) prefetch_ahead(w + i * lw + c, pf);
     for (int u = 0; u < U; ++u) {
-      __m256 lo, hi;
-      fp8x16(w + c + 16 * u, lo, hi);
+      __m256 lo[NR], hi[NR];
+      for (int i = 0; i < NR; ++i) fp8x16(w + i * lw + c + 16 * u, lo[i], hi[i]);
       for (int t = 0; t < NT; ++t) {
         const float* x = xs + t * C + c + 16 * u;
-        acc[(2 * u) % K][t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x), acc[(2 * u) % K][t]);
-        acc[(2 * u + 1) % K][t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 8), acc[(2 * u + 1) % K][t]);
+        const __m256 xl = _mm256_loadu_ps(x), xh = _mm256_loadu_ps(x + 8);
+        for (int i = 0; i < NR; ++i) {
+          acc[(2 * u) % K][i][t] = _mm256_fmadd_ps(lo[i], xl, acc[(2 * u) % K][i][t]);
+          acc[(2 * u + 1) % K][i][t] = _mm256_fmadd_ps(hi[i], xh, acc[(2 * u + 1) % K][i][t]);
+        }
       }
     }
   }
-  for (; c + 8 <= C; c += 8) {
-    const __m256 v = fp8x8(w + c);
-    for (int t = 0; t < NT; ++t) acc[0][t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs + t * C + c), acc[0][t]);
-  }
-  for (; c < C; ++c) {
-    const float v = fp8_e4m3(w[c]) * (1.f / 256.f);
-    for (int t = 0; t < NT; ++t) tail[t] += v * xs[t * C + c];
-  }
-  for (int t = 0; t < NT; ++t) {
-    __m256 sum = acc[0][t];
-    for (int k = 1; k < K; ++k) sum = _mm256_add_ps(sum, acc[k][t]);
-    y[t * ldy] = hsum(sum) + tail[t];
-  }
+  for (; c + 8 <= C; c += 8)
+    for (int i = 0; i < NR; ++i) {
+      const __m256 v = fp8x8(w + i * lw + c);
+      for (int t = 0; t < NT; ++t) acc[0][i][t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs + t * C + c), acc[0][i][t]);
+    }
+  for (; c < C; ++c)
+    for (int i = 0; i < NR; ++i) {
+      const float v = fp8_e4m3(w[i * lw + c]) * (1.f / 256.f);
+      for (int t = 0; t < NT; ++t) tail[i][t] += v * xs[t * C + c];
+    }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) {
+      __m256 sum = acc[0][i][t];
+      for (int k = 1; k < K; ++k) sum = _mm256_add_ps(sum, acc[k][i][t]);
+      y[t * ldy + i] = hsum(sum) + tail[i][t];
+    }
 }
 
 inline __m256 bf16x8(const uint8_t* p) {
@@ -132,52 +143,71 @@ inline __m256 bf16x8(const uint8_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
 
-template <int NT>
-void bf16_row(const Matrix& m, const float* x, const uint8_t* w, float* y, int64_t ldy) {
-  __m256 acc[NT];
-  float tail[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps(), tail[t] = 0.f;
+template <int NR, int NT>
+void bf16_rows(const Matrix& m, const float* x, const uint8_t* w, float* y, int64_t ldy) {
+  __m256 acc[NR][NT];
+  float tail[NR][NT];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_setzero_ps(), tail[i][t] = 0.f;
   int64_t c = 0;
   for (; c + 8 <= m.C; c += 8) {
-    const __m256 v = bf16x8(w + 2 * c);
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + t * m.C + c), acc[t]);
+    __m256 v[NR];
+    for (int i = 0; i < NR; ++i) v[i] = bf16x8(w + i * m.lw + 2 * c);
+    for (int t = 0; t < NT; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * m.C + c);
+      for (int i = 0; i < NR; ++i) acc[i][t] = _mm256_fmadd_ps(v[i], xv, acc[i][t]);
+    }
   }
-  for (; c < m.C; ++c) {
-    const float v = bf16(w + 2 * c);
-    for (int t = 0; t < NT; ++t) tail[t] += v * x[t * m.C + c];
-  }
-  for (int t = 0; t < NT; ++t) y[t * ldy] = hsum(acc[t]) + tail[t];
+  for (; c < m.C; ++c)
+    for (int i = 0; i < NR; ++i) {
+      const float v = bf16(w + i * m.lw + 2 * c);
+      for (int t = 0; t < NT; ++t) tail[i][t] += v * x[t * m.C + c];
+    }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) y[t * ldy + i] = hsum(acc[i][t]) + tail[i][t];
 }
 
-// Rows [r0, r1), tokens in tiles of at most kTile (each tile's row code instantiated for its size).
+// Rows per call at NT tokens (16 ymm registers: NR * NT accumulators, times the chains, at most 8):
+// at 2-4 tokens two rows share each activation load; fp4 keeps one (its per-group dot needs its own
+// registers per row and token).
 template <int NT>
-void fp4_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
-  fp4_row<NT>(m, a.x + t0 * 32, int64_t{a.T} * 32, m.w + r * m.lw, m.s8 + r * m.ls8, a.y + t0 * a.ldy + r, a.ldy);
+constexpr int kRowsAt = NT >= 2 && NT <= 4 ? 2 : 1;
+
+// Rows [r, r + n) against the token tile at t0 (host_kernel.h: rows).
+template <int NT>
+void fp4_tile(const Matrix& m, const Activations& a, int t0, int64_t r, int64_t n) {
+  for (int64_t i = r; i < r + n; ++i)
+    fp4_row<NT>(m, a.x + t0 * 32, int64_t{a.T} * 32, m.w + i * m.lw, m.s8 + i * m.ls8, a.y + t0 * a.ldy + i, a.ldy);
 }
 
 template <int NT>
-void bf16_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
-  bf16_row<NT>(m, a.x + t0 * m.C, m.w + r * m.lw, a.y + t0 * a.ldy + r, a.ldy);
+void bf16_tile(const Matrix& m, const Activations& a, int t0, int64_t r, int64_t n) {
+  constexpr int NR = kRowsAt<NT>;
+  const float* x = a.x + t0 * m.C;
+  float* y = a.y + t0 * a.ldy;
+  int64_t i = 0;
+  for (; row_blocking() && i + NR <= n; i += NR) bf16_rows<NR, NT>(m, x, m.w + (r + i) * m.lw, y + r + i, a.ldy);
+  for (; i < n; ++i) bf16_rows<1, NT>(m, x, m.w + (r + i) * m.lw, y + r + i, a.ldy);
 }
 
-using TileFn = void (*)(const Matrix&, const Activations&, int, int64_t);
-
-template <TileFn const* kTiles>
-void rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int t0 = 0; t0 < a.T; t0 += kTile) kTiles[std::min(kTile, a.T - t0)](m, a, t0, r);
+template <int NT>
+void fp8_tile(const uint8_t* w, int64_t lw, int64_t n, int64_t C, const float* xs, float* y, int64_t ldy) {
+  constexpr int NR = kRowsAt<NT>;
+  int64_t i = 0;
+  for (; row_blocking() && i + NR <= n; i += NR) fp8_rows_nr<NR, NT>(w + i * lw, lw, C, xs, y + i, ldy);
+  for (; i < n; ++i) fp8_rows_nr<1, NT>(w + i * lw, lw, C, xs, y + i, ldy);
 }
 
 constexpr TileFn kFp4[kTile + 1] = {nullptr, fp4_tile<1>, fp4_tile<2>, fp4_tile<3>, fp4_tile<4>,
                                     fp4_tile<5>, fp4_tile<6>, fp4_tile<7>, fp4_tile<8>};
-constexpr Fp8RowFn kFp8Rows[kTile + 1] = {nullptr, fp8_row<1>, fp8_row<2>, fp8_row<3>, fp8_row<4>,
-                                          fp8_row<5>, fp8_row<6>, fp8_row<7>, fp8_row<8>};
+constexpr Fp8TileFn kFp8[kTile + 1] = {nullptr, fp8_tile<1>, fp8_tile<2>, fp8_tile<3>, fp8_tile<4>,
+                                       fp8_tile<5>, fp8_tile<6>, fp8_tile<7>, fp8_tile<8>};
 constexpr TileFn kBf16[kTile + 1] = {nullptr, bf16_tile<1>, bf16_tile<2>, bf16_tile<3>, bf16_tile<4>,
                                      bf16_tile<5>, bf16_tile<6>, bf16_tile<7>, bf16_tile<8>};
 
 }  // namespace
 
-Kernels avx2_kernels() { return {rows<kFp4>, fp8_rows<kFp8Rows>, rows<kBf16>}; }
+Kernels avx2_kernels() { return {rows<kFp4>, fp8_rows<kFp8>, rows<kBf16>}; }
 
 }  // namespace shardsmith_host
 

@@ -12,7 +12,8 @@
 //       128-row block (a T x C float buffer), so the inner loop is decode + FMA only.
 // bf16: 16 per step, shifted into the high half of a float.
 // Short token tiles keep 2-4 independent accumulator chains per token so the FMA latency is
-// hidden; up to kTile tokens share each decoded vector.
+// hidden; up to kTile tokens share each decoded vector, and at 2-8 tokens 2-4 rows share each
+// activation vector loaded (kRowsAt), so the activations are not re-read from L2 for every row.
 
 #include "host_kernel.h"
 
@@ -31,39 +32,64 @@
 namespace shardsmith_host {
 namespace {
 
+// Rows per call of a row function at NT tokens: every activation vector a step loads serves NR rows.
+// At one token the activations (16 KiB for C = 4096) stay in L1 and one row at a time keeps the
+// most independent chains; at 4-8 tokens they are 64-128 KiB, so each row re-reading them from L2
+// set the time (FP4 at 8 tokens took 8x one token's time), and NR rows share each load: NR * NT
+// accumulators (times the chains) fill at most 16 of the 32 zmm registers.
 template <int NT>
-inline void fp4_group(const uint8_t* w, float scale, const float* x, __m512 lut, __m512* acc) {
-  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  const __m512 table = _mm512_mul_ps(lut, _mm512_set1_ps(scale));
-  const __m512 lo = _mm512_permutexvar_ps(idx, table);                         // even columns
-  const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);  // odd columns
+constexpr int kRowsAt = NT == 1 ? 1 : NT <= 4 ? 4 : 2;
+
+// 32 fp4 codes of NR rows (16 bytes each, row i at w + i * lw, its UE8M0 scale at s[i * ls]) against
+// NT tokens (x + t * 32: 16 even columns, then 16 odd ones).
+template <int NR, int NT>
+inline void fp4_group(const uint8_t* w, int64_t lw, const uint8_t* s, int64_t ls, const float* x, __m512 lut,
+                      __m512 (&acc)[NR][NT]) {
+  __m512 lo[NR], hi[NR];
+  for (int i = 0; i < NR; ++i) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * lw)));
+    const __m512 table = _mm512_mul_ps(lut, _mm512_set1_ps(ue8m0(s[i * ls])));
+    lo[i] = _mm512_permutexvar_ps(idx, table);                         // even columns
+    hi[i] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);  // odd columns
+  }
   for (int t = 0; t < NT; ++t) {
-    acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + t * 32), acc[t]);
-    acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + t * 32 + 16), acc[t]);
+    const __m512 xl = _mm512_loadu_ps(x + t * 32), xh = _mm512_loadu_ps(x + t * 32 + 16);
+    for (int i = 0; i < NR; ++i) {
+      acc[i][t] = _mm512_fmadd_ps(lo[i], xl, acc[i][t]);
+      acc[i][t] = _mm512_fmadd_ps(hi[i], xh, acc[i][t]);
+    }
   }
 }
 
-template <int NT>
-void fp4_row(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w, const uint8_t* s, float* y,
-             int64_t ldy) {
+// NR fp4 rows (row i: bytes w + i * lw, scales s + i * ls, output y + i) against NT tokens. U groups
+// per step, each with its own accumulators, hide the FMA latency where few tokens share a row; each
+// accumulator sees the same operations in the same order whatever NR is, so a row's result does not
+// depend on the rows it was computed with.
+template <int NR, int NT>
+void fp4_rows(const Matrix& m, const float* x, int64_t gstride, const uint8_t* w, const uint8_t* s, float* y,
+              int64_t ldy) {
   const int64_t pf = prefetch_distance();
-  constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // groups per step, each with its own accumulators
+  constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;
   const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
-  __m512 acc[U][NT];
+  __m512 acc[U][NR][NT];
   for (int u = 0; u < U; ++u)
-    for (int t = 0; t < NT; ++t) acc[u][t] = _mm512_setzero_ps();
+    for (int i = 0; i < NR; ++i)
+      for (int t = 0; t < NT; ++t) acc[u][i][t] = _mm512_setzero_ps();
   const int64_t groups = m.C / 32;
   int64_t g = 0;
   for (; g + U <= groups; g += U) {
-    if ((g & 3) < U) prefetch_ahead(w + g * 16, pf);  // once per 64-byte line (4 groups)
-    for (int u = 0; u < U; ++u) fp4_group<NT>(w + (g + u) * 16, ue8m0(s[g + u]), x + (g + u) * gstride, lut, acc[u]);
+    if ((g & 3) < U)  // once per 64-byte line (4 groups) of each row
+      for (int i = 0; i < NR; ++i) prefetch_ahead(w + i * m.lw + g * 16, pf);
+    for (int u = 0; u < U; ++u)
+      fp4_group<NR, NT>(w + (g + u) * 16, m.lw, s + g + u, m.ls8, x + (g + u) * gstride, lut, acc[u]);
   }
-  for (; g < groups; ++g) fp4_group<NT>(w + g * 16, ue8m0(s[g]), x + g * gstride, lut, acc[0]);
-  for (int t = 0; t < NT; ++t) {
-    __m512 sum = acc[0][t];
-    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][t]);
-    y[t * ldy] = _mm512_reduce_add_ps(sum);
-  }
+  for (; g < groups; ++g) fp4_group<NR, NT>(w + g * 16, m.lw, s + g, m.ls8, x + g * gstride, lut, acc[0]);
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) {
+      __m512 sum = acc[0][i][t];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][i][t]);
+      y[t * ldy + i] = _mm512_reduce_add_ps(sum);
+    }
 }
 
 // 16 e4m3 bytes -> 16 floats, each 2^-8 times its value.
@@ -87,110 +113,145 @@ inline void fp8x32(const uint8_t* p, __m512& lo, __m512& hi) {
   hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 
-// One fp8 row against NT tokens of activations already times the row block's column scales
-// (and 2^8): xs[t * C + c] (fp8_rows in host_kernel.h).
+// NR fp8 rows (row i at w + i * lw, output y + i) of one scale block against NT tokens of activations
+// already times the block's column scales (and 2^8): xs[t * C + c] (fp8_rows in host_kernel.h). K
+// chains per row and token: the 32 columns of a step go to K accumulators (K = 2: low and high
+// halves apart; with one token, two steps per iteration make four chains).
 template <int NT>
-void fp8_row(const uint8_t* w, int64_t C, const float* xs, float* y, int64_t ldy) {
+constexpr int kFp8Chains = NT == 1 ? 4 : NT <= 4 ? 2 : 1;
+
+template <int NR, int NT>
+void fp8_row(const uint8_t* w, int64_t lw, int64_t C, const float* xs, float* y, int64_t ldy) {
   const int64_t pf = prefetch_distance();
-  constexpr int U = NT == 1 ? 2 : 1;  // 32-column steps per iteration, two accumulators each
-  __m512 acc[2 * U][NT];
-  float tail[NT];
-  for (int t = 0; t < NT; ++t) {
-    tail[t] = 0.f;
-    for (int u = 0; u < 2 * U; ++u) acc[u][t] = _mm512_setzero_ps();
-  }
+  constexpr int K = kFp8Chains<NT>;
+  constexpr int U = K == 4 ? 2 : 1;  // 32-column steps per iteration
+  __m512 acc[K][NR][NT];
+  float tail[NR][NT];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) {
+      tail[i][t] = 0.f;
+      for (int k = 0; k < K; ++k) acc[k][i][t] = _mm512_setzero_ps();
+    }
   int64_t c = 0;
   for (; c + 32 * U <= C; c += 32 * U) {
-    if ((c & 63) < 32 * U) prefetch_ahead(w + c, pf);  // once per 64-byte line
+    if ((c & 63) < 32 * U)  // once per 64-byte line of each row
+      for (int i = 0; i < NR; ++i) prefetch_ahead(w + i * lw + c, pf);
     for (int u = 0; u < U; ++u) {
-      __m512 lo, hi;
-      fp8x32(w + c + 32 * u, lo, hi);
+      __m512 lo[NR], hi[NR];
+      for (int i = 0; i < NR; ++i) fp8x32(w + i * lw + c + 32 * u, lo[i], hi[i]);
       for (int t = 0; t < NT; ++t) {
         const float* x = xs + t * C + c + 32 * u;
-        acc[2 * u][t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x), acc[2 * u][t]);
-        acc[2 * u + 1][t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), acc[2 * u + 1][t]);
+        const __m512 xl = _mm512_loadu_ps(x), xh = _mm512_loadu_ps(x + 16);
+        for (int i = 0; i < NR; ++i) {
+          acc[(2 * u) % K][i][t] = _mm512_fmadd_ps(lo[i], xl, acc[(2 * u) % K][i][t]);
+          acc[(2 * u + 1) % K][i][t] = _mm512_fmadd_ps(hi[i], xh, acc[(2 * u + 1) % K][i][t]);
+        }
       }
     }
   }
-  for (; c + 16 <= C; c += 16) {
-    const __m512 v = fp8x16(w + c);
-    for (int t = 0; t < NT; ++t) acc[0][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xs + t * C + c), acc[0][t]);
-  }
-  for (; c < C; ++c) {
-    const float v = fp8_e4m3(w[c]) * (1.f / 256.f);
-    for (int t = 0; t < NT; ++t) tail[t] += v * xs[t * C + c];
-  }
-  for (int t = 0; t < NT; ++t) {
-    __m512 sum = acc[0][t];
-    for (int u = 1; u < 2 * U; ++u) sum = _mm512_add_ps(sum, acc[u][t]);
-    y[t * ldy] = _mm512_reduce_add_ps(sum) + tail[t];
-  }
+  for (; c + 16 <= C; c += 16)
+    for (int i = 0; i < NR; ++i) {
+      const __m512 v = fp8x16(w + i * lw + c);
+      for (int t = 0; t < NT; ++t) acc[0][i][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xs + t * C + c), acc[0][i][t]);
+    }
+  for (; c < C; ++c)
+    for (int i = 0; i < NR; ++i) {
+      const float v = fp8_e4m3(w[i * lw + c]) * (1.f / 256.f);
+      for (int t = 0; t < NT; ++t) tail[i][t] += v * xs[t * C + c];
+    }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) {
+      __m512 sum = acc[0][i][t];
+      for (int k = 1; k < K; ++k) sum = _mm512_add_ps(sum, acc[k][i][t]);
+      y[t * ldy + i] = _mm512_reduce_add_ps(sum) + tail[i][t];
+    }
 }
-
-constexpr Fp8RowFn kFp8Rows[kTile + 1] = {nullptr, fp8_row<1>, fp8_row<2>, fp8_row<3>, fp8_row<4>,
-                                          fp8_row<5>, fp8_row<6>, fp8_row<7>, fp8_row<8>};
 
 inline __m512 bf16x16(const uint8_t* p) {
   const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
 
-template <int NT>
-void bf16_row(const Matrix& m, const float* x, const uint8_t* w, float* y, int64_t ldy) {
+// NR bf16 rows (row i at w + i * lw, output y + i) against NT tokens, U chains per row and token.
+template <int NR, int NT>
+void bf16_rows(const Matrix& m, const float* x, const uint8_t* w, float* y, int64_t ldy) {
   constexpr int U = NT == 1 ? 4 : NT == 2 ? 2 : 1;  // 16-column steps per iteration, own accumulators each
-  __m512 acc[U][NT];
-  float tail[NT];
-  for (int t = 0; t < NT; ++t) {
-    tail[t] = 0.f;
-    for (int u = 0; u < U; ++u) acc[u][t] = _mm512_setzero_ps();
-  }
+  __m512 acc[U][NR][NT];
+  float tail[NR][NT];
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) {
+      tail[i][t] = 0.f;
+      for (int u = 0; u < U; ++u) acc[u][i][t] = _mm512_setzero_ps();
+    }
   int64_t c = 0;
   for (; c + 16 * U <= m.C; c += 16 * U)
     for (int u = 0; u < U; ++u) {
-      const __m512 v = bf16x16(w + 2 * (c + 16 * u));
-      for (int t = 0; t < NT; ++t) acc[u][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * m.C + c + 16 * u), acc[u][t]);
+      __m512 v[NR];
+      for (int i = 0; i < NR; ++i) v[i] = bf16x16(w + i * m.lw + 2 * (c + 16 * u));
+      for (int t = 0; t < NT; ++t) {
+        const __m512 xv = _mm512_loadu_ps(x + t * m.C + c + 16 * u);
+        for (int i = 0; i < NR; ++i) acc[u][i][t] = _mm512_fmadd_ps(v[i], xv, acc[u][i][t]);
+      }
     }
-  for (; c + 16 <= m.C; c += 16) {
-    const __m512 v = bf16x16(w + 2 * c);
-    for (int t = 0; t < NT; ++t) acc[0][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * m.C + c), acc[0][t]);
-  }
-  for (; c < m.C; ++c) {
-    const float v = bf16(w + 2 * c);
-    for (int t = 0; t < NT; ++t) tail[t] += v * x[t * m.C + c];
-  }
-  for (int t = 0; t < NT; ++t) {
-    __m512 sum = acc[0][t];
-    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][t]);
-    y[t * ldy] = _mm512_reduce_add_ps(sum) + tail[t];
-  }
+  for (; c + 16 <= m.C; c += 16)
+    for (int i = 0; i < NR; ++i) {
+      const __m512 v = bf16x16(w + i * m.lw + 2 * c);
+      for (int t = 0; t < NT; ++t) acc[0][i][t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * m.C + c), acc[0][i][t]);
+    }
+  for (; c < m.C; ++c)
+    for (int i = 0; i < NR; ++i) {
+      const float v = bf16(w + i * m.lw + 2 * c);
+      for (int t = 0; t < NT; ++t) tail[i][t] += v * x[t * m.C + c];
+    }
+  for (int i = 0; i < NR; ++i)
+    for (int t = 0; t < NT; ++t) {
+      __m512 sum = acc[0][i][t];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][i][t]);
+      y[t * ldy + i] = _mm512_reduce_add_ps(sum) + tail[i][t];
+    }
+}
+
+// Rows [r, r + n) against the token tile at t0 of NT tokens: kRowsAt<NT> rows per call, the rest one by one.
+template <int NT>
+void fp4_tile(const Matrix& m, const Activations& a, int t0, int64_t r, int64_t n) {
+  constexpr int NR = kRowsAt<NT>;
+  const float* x = a.x + t0 * 32;
+  const int64_t gstride = int64_t{a.T} * 32;
+  float* y = a.y + t0 * a.ldy;
+  int64_t i = 0;
+  for (; row_blocking() && i + NR <= n; i += NR)
+    fp4_rows<NR, NT>(m, x, gstride, m.w + (r + i) * m.lw, m.s8 + (r + i) * m.ls8, y + r + i, a.ldy);
+  for (; i < n; ++i) fp4_rows<1, NT>(m, x, gstride, m.w + (r + i) * m.lw, m.s8 + (r + i) * m.ls8, y + r + i, a.ldy);
 }
 
 template <int NT>
-void fp4_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
-  fp4_row<NT>(m, a.x + t0 * 32, int64_t{a.T} * 32, m.w + r * m.lw, m.s8 + r * m.ls8, a.y + t0 * a.ldy + r, a.ldy);
+void bf16_tile(const Matrix& m, const Activations& a, int t0, int64_t r, int64_t n) {
+  constexpr int NR = kRowsAt<NT>;
+  const float* x = a.x + t0 * m.C;
+  float* y = a.y + t0 * a.ldy;
+  int64_t i = 0;
+  for (; row_blocking() && i + NR <= n; i += NR) bf16_rows<NR, NT>(m, x, m.w + (r + i) * m.lw, y + r + i, a.ldy);
+  for (; i < n; ++i) bf16_rows<1, NT>(m, x, m.w + (r + i) * m.lw, y + r + i, a.ldy);
 }
 
 template <int NT>
-void bf16_tile(const Matrix& m, const Activations& a, int t0, int64_t r) {
-  bf16_row<NT>(m, a.x + t0 * m.C, m.w + r * m.lw, a.y + t0 * a.ldy + r, a.ldy);
-}
-
-using TileFn = void (*)(const Matrix&, const Activations&, int, int64_t);
-
-template <TileFn const* kTiles>
-void rows(const Matrix& m, const Activations& a, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r)
-    for (int t0 = 0; t0 < a.T; t0 += kTile) kTiles[std::min(kTile, a.T - t0)](m, a, t0, r);
+void fp8_tile(const uint8_t* w, int64_t lw, int64_t n, int64_t C, const float* xs, float* y, int64_t ldy) {
+  constexpr int NR = NT == 1 ? 1 : NT == 2 ? 4 : 2;  // NR * NT * K <= 16 accumulators
+  int64_t i = 0;
+  for (; row_blocking() && i + NR <= n; i += NR) fp8_row<NR, NT>(w + i * lw, lw, C, xs, y + i, ldy);
+  for (; i < n; ++i) fp8_row<1, NT>(w + i * lw, lw, C, xs, y + i, ldy);
 }
 
 constexpr TileFn kFp4[kTile + 1] = {nullptr, fp4_tile<1>, fp4_tile<2>, fp4_tile<3>, fp4_tile<4>,
                                     fp4_tile<5>, fp4_tile<6>, fp4_tile<7>, fp4_tile<8>};
 constexpr TileFn kBf16[kTile + 1] = {nullptr, bf16_tile<1>, bf16_tile<2>, bf16_tile<3>, bf16_tile<4>,
                                      bf16_tile<5>, bf16_tile<6>, bf16_tile<7>, bf16_tile<8>};
+constexpr Fp8TileFn kFp8[kTile + 1] = {nullptr, fp8_tile<1>, fp8_tile<2>, fp8_tile<3>, fp8_tile<4>,
+                                       fp8_tile<5>, fp8_tile<6>, fp8_tile<7>, fp8_tile<8>};
 
 }  // namespace
 
-Kernels avx512_kernels() { return {rows<kFp4>, fp8_rows<kFp8Rows>, rows<kBf16>}; }
+Kernels avx512_kernels() { return {rows<kFp4>, fp8_rows<kFp8>, rows<kBf16>}; }
 
 }  // namespace shardsmith_host
 

@@ -29,6 +29,7 @@ Tables::Tables() {
 }
 const Tables kTables;
 std::atomic<int64_t> g_prefetch_bytes{0};
+std::atomic<bool> g_row_blocking{true};
 
 namespace {
 

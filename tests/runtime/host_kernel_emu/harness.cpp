@@ -2,9 +2,11 @@
 // FP4 (column counts 32..4096, odd group counts for the unrolled loops), FP8 (ragged blocks, a NaN
 // code) and bf16 (odd column counts), 1..19 tokens (every tile size, several tiles). Built by
 // tests/runtime/test_host_kernel_emulated.py with the AVX-512 file compiled against SIMDe, so the
-// AVX-512 path is checked on machines without AVX-512. Prints each failure; exit status 1 if any.
+// AVX-512 path is checked on machines without AVX-512. Each path's rows are also computed one per call
+// and split at row 5, for the same bits. Prints each failure; exit status 1 if any.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -34,6 +36,23 @@ void compare(const char* path, const char* what, const std::vector<float>& got, 
     ++failures;
     std::printf("FAIL %s %s: max error %g, max value %g, NaN mismatches %d\n", path, what, err, top, nan_mismatch);
   }
+}
+
+// The same rows computed one per call (row blocking off) and split at an odd row (as parallel_for's
+// chunks may be) must give the same bits as all rows at once.
+void same_bits(const char* path, const char* what, RowsFn f, const Matrix& m, const std::vector<float>& x, int T,
+               int R, const std::vector<float>& got) {
+  std::vector<float> one(T * R), split(T * R);
+  g_row_blocking = false;
+  f(m, {x.data(), T, one.data(), R}, 0, R);
+  g_row_blocking = true;
+  f(m, {x.data(), T, split.data(), R}, 0, 5);
+  f(m, {x.data(), T, split.data(), R}, 5, R);
+  for (const auto* v : {&one, &split})
+    if (std::memcmp(v->data(), got.data(), got.size() * sizeof(float)) != 0) {
+      ++failures;
+      std::printf("FAIL %s %s: %s differs in its bits\n", path, what, v == &one ? "one row per call" : "split at row 5");
+    }
 }
 
 }  // namespace
@@ -66,6 +85,7 @@ int main() {
         std::vector<float> got(T * R);
         p.k.fp4(m, {x.data(), T, got.data(), R}, 0, R);
         compare(p.name, what, got, want);
+        same_bits(p.name, what, p.k.fp4, m, x, T, R, got);
         ++cases;
       }
     }
@@ -97,6 +117,7 @@ int main() {
             std::vector<float> got(T * R);
             (fp8 ? p.k.fp8 : p.k.bf16)(m, {x.data(), T, got.data(), R}, 0, R);
             compare(p.name, what, got, want);
+            same_bits(p.name, what, fp8 ? p.k.fp8 : p.k.bf16, m, x, T, R, got);
             ++cases;
           }
         }
