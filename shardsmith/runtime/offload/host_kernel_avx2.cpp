@@ -19,6 +19,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
@@ -128,7 +129,7 @@ void fp8_rows_nr(const uint8_t* w, int64_t lw, int64_t C, const float* xs, float
   for (; c < C; ++c)
     for (int i = 0; i < NR; ++i) {
       const float v = fp8_e4m3(w[i * lw + c]) * (1.f / 256.f);
-      for (int t = 0; t < NT; ++t) tail[i][t] += v * xs[t * C + c];
+      for (int t = 0; t < NT; ++t) tail[i][t] = std::fma(v, xs[t * C + c], tail[i][t]);
     }
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) {
@@ -161,7 +162,7 @@ void bf16_rows(const Matrix& m, const float* x, const uint8_t* w, float* y, int6
   for (; c < m.C; ++c)
     for (int i = 0; i < NR; ++i) {
       const float v = bf16(w + i * m.lw + 2 * c);
-      for (int t = 0; t < NT; ++t) tail[i][t] += v * x[t * m.C + c];
+      for (int t = 0; t < NT; ++t) tail[i][t] = std::fma(v, x[t * m.C + c], tail[i][t]);
     }
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) y[t * ldy + i] = hsum(acc[i][t]) + tail[i][t];

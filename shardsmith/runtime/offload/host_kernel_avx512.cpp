@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx2,fma,f16c"))), apply_to = function)
@@ -157,7 +158,7 @@ void fp8_row(const uint8_t* w, int64_t lw, int64_t C, const float* xs, float* y,
   for (; c < C; ++c)
     for (int i = 0; i < NR; ++i) {
       const float v = fp8_e4m3(w[i * lw + c]) * (1.f / 256.f);
-      for (int t = 0; t < NT; ++t) tail[i][t] += v * xs[t * C + c];
+      for (int t = 0; t < NT; ++t) tail[i][t] = std::fma(v, xs[t * C + c], tail[i][t]);
     }
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) {
@@ -201,7 +202,7 @@ void bf16_rows(const Matrix& m, const float* x, const uint8_t* w, float* y, int6
   for (; c < m.C; ++c)
     for (int i = 0; i < NR; ++i) {
       const float v = bf16(w + i * m.lw + 2 * c);
-      for (int t = 0; t < NT; ++t) tail[i][t] += v * x[t * m.C + c];
+      for (int t = 0; t < NT; ++t) tail[i][t] = std::fma(v, x[t * m.C + c], tail[i][t]);
     }
   for (int i = 0; i < NR; ++i)
     for (int t = 0; t < NT; ++t) {
