@@ -13,7 +13,11 @@ this CPU supports but ``scalar``; ``isa_default`` marks the one the runtime uses
 - ``reference_ms_per_expert``: :func:`shardsmith.runtime.layers.experts.expert_output` (the path the
   ``cpu`` and ``hybrid`` backends took before: expand to the compute dtype, then matmul);
 - ``floor_ms_per_expert``: the expert's stored bytes over the host read bandwidth measured with the
-  same threads (a float32 sum over 1 GiB), the time no kernel can beat at batch 1.
+  same threads (a float32 sum over 1 GiB), the time no kernel can beat at batch 1;
+- ``kernel_over_floor``: a call's time (all its tokens) over that floor; ``kernel_token_over_floor``:
+  the time per expert per token (issue 15's measure) over it. Past one token the call does the
+  multiply-adds of every token on one read of the weights, so the first grows with the tokens (the
+  FMAs, not the bytes, set it) while the second falls.
 
 A shared host's bandwidth moves between calls (1.5-2x on the GPU host), so floor and kernel are
 measured in ``--rounds`` alternating pairs: ``kernel_over_floor`` is the median of the rounds'
@@ -178,10 +182,12 @@ def main() -> None:
                              "floor_ms_per_expert": round(floor * 1e3, 3),
                              "kernel_over_floor": round(median([kt / ft for kt, ft in zip(kerns, floors)]), 2),
                              "kernel_over_floor_best": round(min(kt / ft for kt, ft in zip(kerns, floors)), 2),
+                             "kernel_token_over_floor": round(median([kt / n / ft for kt, ft in zip(kerns, floors)]), 2),
                              "reference_over_kernel": round(ref / kern, 2) if ref else None})
     hdr = ["format", "tokens", "isa", "experts_per_call", "prefetch_bytes", "row_blocking", "experts_cycled",
            "kernel_ms_per_expert",
-           "kernel_ms_per_expert_token", "floor_ms_per_expert", "kernel_over_floor", "kernel_over_floor_best"]
+           "kernel_ms_per_expert_token", "floor_ms_per_expert", "kernel_over_floor", "kernel_over_floor_best",
+           "kernel_token_over_floor"]
     if not a.no_reference:
         hdr[hdr.index("kernel_ms_per_expert_token") + 1:hdr.index("kernel_ms_per_expert_token") + 1] = \
             ["reference_ms_per_expert"]
