@@ -57,6 +57,7 @@ def _tiny_v4(tiny, monkeypatch, **kw):
 
     monkeypatch.setenv("SHARDSMITH_FP8_DENSE", "kernel" if DEV == "cpu" else "auto")
     monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel" if DEV == "cpu" else "auto")
+    monkeypatch.setenv("SHARDSMITH_DECODE_ATTENTION", "kernel" if DEV == "cpu" else "auto")
     return Engine.load(tiny("deepseek-v4"), rank=0, world_size=1, device=DEV, dtype=torch.float32,
                        from_checkpoint=True, cuda_graphs=False, **kw)
 
@@ -71,9 +72,9 @@ def flush_denormals():
 
 @needs_triton
 def test_warmup_launches_every_variant_serving_uses(tiny, monkeypatch, flush_denormals):
-    """Tiny DeepSeek-V4 (FP8 linears, FP4 experts) with the kernels on: the keys of prefills of
-    1..40 tokens (the fused experts' T classes and both long splits), a second chunk and batched
-    decode steps of 2 and 4 rows are all among the keys the kernel warm-up launched (values
+    """Tiny DeepSeek-V4 (FP8 linears, FP4 experts, decode attention) with the kernels on: the keys of
+    prefills of 1..40 tokens (the fused experts' T classes and both long splits), a second chunk and
+    batched decode steps of 2 and 4 rows are all among the keys the kernel warm-up launched (values
     unchecked: nothing runs)."""
     from shardsmith.runtime.engine.warmup import kernel_modules
     from shardsmith.runtime.layers.kernels.compile_keys import record_launches
@@ -92,7 +93,8 @@ def test_warmup_launches_every_variant_serving_uses(tiny, monkeypatch, flush_den
                 eng.prefill(s, [5, 6, 7], 0)
             eng.decode([1] * rows, [3] * rows, list(range(rows)))
     names = {key[0] for key in served}
-    assert {"_fp8_linear_kernel", "_fp8_linear_long_kernel", "_pair_gate_up_kernel"} <= names  # FP4: the pair path
+    assert {"_fp8_linear_kernel", "_fp8_linear_long_kernel", "_pair_gate_up_kernel",  # FP4: the pair path
+            "_sink_split_kernel", "_sink_merge_kernel"} <= names  # V4's decode attention
     missing = set(served) - set(warm)
     assert not missing, f"{len(missing)} variants compiled while serving: {sorted(k[0] for k in missing)}"
 

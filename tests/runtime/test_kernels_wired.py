@@ -1,7 +1,9 @@
 """The decode kernels wired into the runtime (issue 12): FP8 linears stay FP8 and call ``fp8_linear``,
-resident dense/FP4 expert banks call ``fused_experts`` for decode-sized steps.
+resident dense/FP4 expert banks call ``fused_experts`` for decode-sized steps, DeepSeek-V4's decode
+core attends through ``sink_attention``.
 
-CPU: the switch (``SHARDSMITH_FP8_DENSE``, ``SHARDSMITH_FUSED_EXPERTS``) is decided once at load,
+CPU: the switch (``SHARDSMITH_FP8_DENSE``, ``SHARDSMITH_FUSED_EXPERTS``, ``SHARDSMITH_DECODE_ATTENTION``)
+is decided once at load,
 off on CPU unless forced; forced on under Triton's interpreter (``TRITON_INTERPRET=1``), the tiny
 DeepSeek-V4 (FP8 dense, FP4 experts) and tiny Mixtral-FP8 (FP8 dense, FP8 experts dequantized at
 load to a bf16 bank) give the dequantize path's logits within float32 / bf16 rounding, prefill and
@@ -28,7 +30,7 @@ from shardsmith.runtime.layers.parallel import _Linear, kernel_switch
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 7]
 STEPS = 3
-ENV = ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS")
+ENV = ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS", "SHARDSMITH_DECODE_ATTENTION")
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
@@ -38,6 +40,7 @@ def _load(path, device: str, dtype: torch.dtype, kernels: bool, monkeypatch, *, 
     forced = "kernel" if device == "cpu" else "auto"
     monkeypatch.setenv("SHARDSMITH_FP8_DENSE", forced if kernels else "dequantize")
     monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", forced if kernels else "off")
+    monkeypatch.setenv("SHARDSMITH_DECODE_ATTENTION", forced if kernels else "off")
     return Engine.load(path, rank=0, world_size=1, device=device, dtype=dtype, from_checkpoint=True, max_seq_len=64,
                        cuda_graphs=graphs)
 
@@ -82,7 +85,8 @@ def _linear_bytes(model, plan) -> dict:
 
 def test_switch_is_off_on_cpu_unless_forced(monkeypatch):
     cpu = torch.device("cpu")
-    for var, off in (("SHARDSMITH_FP8_DENSE", "dequantize"), ("SHARDSMITH_FUSED_EXPERTS", "off")):
+    for var, off in (("SHARDSMITH_FP8_DENSE", "dequantize"), ("SHARDSMITH_FUSED_EXPERTS", "off"),
+                     ("SHARDSMITH_DECODE_ATTENTION", "off")):
         monkeypatch.delenv(var, raising=False)
         assert kernel_switch(var, off, cpu) is False  # auto: CUDA only, even under the interpreter
         monkeypatch.setenv(var, off)

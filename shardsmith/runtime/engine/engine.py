@@ -129,9 +129,10 @@ class Engine:
             fp8: ``load`` dequantizes FP8 block weights once to ``dtype``; ``on-the-fly`` keeps
                 them FP8 and dequantizes per matmul (see :mod:`~shardsmith.runtime.layers.parallel`).
                 On CUDA, FP8 linears stay FP8 either way and run the ``fp8_linear`` kernel, and
-                resident expert banks run ``fused_experts`` for decode steps
-                (:func:`~shardsmith.runtime.layers.parallel.use_kernels_`; ``SHARDSMITH_FP8_DENSE=dequantize``
-                and ``SHARDSMITH_FUSED_EXPERTS=off`` force the PyTorch paths).
+                resident expert banks run ``fused_experts`` for decode steps, V4's decode attention
+                ``sink_attention`` (:func:`~shardsmith.runtime.layers.parallel.use_kernels_`;
+                ``SHARDSMITH_FP8_DENSE=dequantize``, ``SHARDSMITH_FUSED_EXPERTS=off`` and
+                ``SHARDSMITH_DECODE_ATTENTION=off`` force the PyTorch paths).
             offload: place routed experts in host memory with a device expert cache
                 (:mod:`shardsmith.runtime.offload`); None keeps every expert resident.
             cuda_graphs: on CUDA, run one-token decode steps as piecewise CUDA graphs (both

@@ -14,6 +14,9 @@ FP8 ``_Linear``                        ``matmul(x [M, in])`` -> ``fp8_linear``  
                                                                                    (at most 32 x SMs)
 ``ExpertBank``                         ``fused_bank`` over its arrays               T = 1..16
 offload runtime                        ``apply_slots`` over the slot pool           T = 1..16
+V4 ``Attention``                       ``warm_kernel`` -> ``sink_attention``         1 (column counts,
+                                                                                   rows and splits are
+                                                                                   not specialised)
 =====================================  ==========================================  ===================
 
 Modules with the same weight shapes, dtypes and block share variants and are warmed once. Nothing
@@ -80,6 +83,9 @@ def warm_kernels(model: torch.nn.Module, *, max_rows: int, top_k: int, dtype: to
             else:
                 fused_bank(x, ids, weight, m.arrays(), m.math, m.block)
             launches += 1
+    for m in model.modules():  # DeepSeek-V4's decode attention (sink_attention)
+        if getattr(m, "kernel", False) and hasattr(m, "warm_kernel"):
+            launches += m.warm_kernel(seen)
     if launches and device.type == "cuda":
         torch.cuda.synchronize(device)
     return launches

@@ -127,7 +127,8 @@ def kernel_switch(var: str, off: str, device: torch.device) -> bool:
 
 def use_kernels_(model: nn.Module, device: torch.device) -> None:
     """Switch every module of ``model`` with a ``use_kernel_(device)`` method to its Triton kernel where
-    its switch allows (FP8 linears: ``SHARDSMITH_FP8_DENSE``; expert banks: ``SHARDSMITH_FUSED_EXPERTS``).
+    its switch allows (FP8 linears: ``SHARDSMITH_FP8_DENSE``; expert banks: ``SHARDSMITH_FUSED_EXPERTS``;
+    DeepSeek-V4's decode attention: ``SHARDSMITH_DECODE_ATTENTION``).
     Once, at load, before :func:`~shardsmith.runtime.layers.quant.dequantize_fp8_` (which then keeps
     the kernel linears FP8)."""
     for m in model.modules():

@@ -12,6 +12,9 @@ kernel                   replaces (the reference)            what it reads
 :func:`hc_mix`           :func:`hc_mix_reference`: V4's      ``[T, (2+m)*m]`` mixer logits; one program
                          hyper-connection pre/post and       per token, the 20 Sinkhorn rounds in
                          Sinkhorn comb                       registers
+:func:`sink_attention`   :func:`sink_attention_reference`:   each decode row's key columns straight
+                         V4's decode core (gather, float32   from the layer's key buffer, once; split
+                         ``baddbmm``, softmax, ``bmm``)      over programs, merged with the sink
 =======================  ==================================  ===========================================
 
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on
@@ -24,7 +27,8 @@ Compiles: each kernel compiles a bounded set of variants whatever the prompt len
 ``runtime/engine/warmup.py``, launches every variant at start).
 
 Wiring (``runtime/layers``): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and
-calls ``fp8_linear``; an ``ExpertBank`` (resident) and the offload runtime's slot steps (the expert
+calls ``fp8_linear``; V4's ``Attention.decode_core`` calls ``sink_attention``; an ``ExpertBank``
+(resident) and the offload runtime's slot steps (the expert
 cache's pool, slot ids for expert ids) call ``fused_experts`` through ``experts.fused_bank`` for
 decode batches of up to 16 tokens; Mixtral-family bf16 banks pass ``gate_up`` and ``down`` alone
 and ``limit=0``, FP8 banks their scales and ``block``.

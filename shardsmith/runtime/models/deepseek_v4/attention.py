@@ -42,7 +42,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardsmith.runtime.layers.parallel import Shards
+from shardsmith.runtime.layers.kernels.sink_attention import sink_attention
+from shardsmith.runtime.layers.parallel import Shards, kernel_switch
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
@@ -87,6 +88,7 @@ class Attention(nn.Module):
         self.ratio = ratio
         self.keys = self.win = None  # set by allocate
         self.max_seq_len = 0
+        self.kernel = False  # decode attention through the Triton kernels (use_kernel_)
 
     def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
         """Preallocate every slot's state in ``dtype``: the key buffer ``keys`` ``[N, 1 + W + E, d]``
@@ -234,24 +236,41 @@ class Attention(nn.Module):
         Returns:
             ``[B, n, d]`` attention output.
         """
-        B, n, W = q.shape[0], self.n_heads, self.window
         col, _ = rows.window()
         self.win[rows.index, col] = kv
-        C, ratio = 0, None
+        ratio = None
         if self.compressor is not None and self.compressor.entries.shape[1]:  # E = 0: statically nothing
-            C, ratio = rows.count(self.ratio), self.ratio
+            ratio = self.ratio
             if self.indexer is not None:
                 select = self.indexer.step(*side[:3], rows)  # [B, C]
             self.compressor.step(side[-1], rows)
-        bias = rows.keys_bias(ratio)  # [B, W (+ C)]: window, and every complete entry
-        sink = self.attn_sink[None, :, None].expand(B, n, 1)
         if ratio is not None and self.indexer is not None:  # CSA: the window, then the indexer's picks
-            bias = torch.cat((sink, bias[:, None, :W].expand(B, n, W), select[:, None, :].expand(B, n, C)), dim=2)
+            biases = (rows.window()[1], select)  # [B, W], [B, C]
         else:
-            bias = torch.cat((sink, bias[:, None, :].expand(B, n, W + C)), dim=2)  # [B, n, S]
-        keys = self.keys[rows.index, :1 + W + C].float()  # [B, S, d]
-        logits = torch.baddbmm(bias, q.float(), keys.transpose(1, 2), alpha=self.head_dim ** -0.5)
-        return torch.bmm(logits.softmax(dim=-1), keys).to(q.dtype)  # [B, n, d]
+            biases = (rows.keys_bias(ratio),)  # [B, W (+ C)]: window, and every complete entry
+        return sink_attention(q, self.keys, rows.index, biases, self.attn_sink, self.head_dim ** -0.5,
+                              backend="auto" if self.kernel else "reference")  # [B, n, d]
+
+    def warm_kernel(self, seen: set) -> int:
+        """Launch :func:`sink_attention` once on zero queries against slot 0's keys (read only), so its
+        kernels compile before serving (``engine/warmup.py``), unless a layer of the same variant did
+        (``seen``: what decides the variants); returns the launches (0 or 1)."""
+        n, d, W = self.n_heads, self.head_dim, self.window
+        C = min(self.keys.shape[1] - 1 - W, 16) if self.indexer is not None else 0
+        key = ("sink_attention", n, d, self.keys.dtype, C > 0, self.keys.stride())
+        if key in seen:
+            return 0
+        seen.add(key)
+        q = torch.zeros(1, n, d, dtype=self.keys.dtype, device=self.keys.device)
+        biases = (q.new_zeros(1, W, dtype=torch.float32),) + ((q.new_zeros(1, C, dtype=torch.float32),) if C else ())
+        sink_attention(q, self.keys, torch.zeros(1, dtype=torch.int64, device=q.device), biases, self.attn_sink,
+                       d ** -0.5)
+        return 1
+
+    def use_kernel_(self, device: torch.device) -> None:
+        """Run the decode core's attention through :func:`sink_attention`'s Triton kernels when
+        ``SHARDSMITH_DECODE_ATTENTION`` allows on ``device`` (``auto``: on CUDA; ``off``: the PyTorch path)."""
+        self.kernel = kernel_switch("SHARDSMITH_DECODE_ATTENTION", "off", device)
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""
