@@ -74,7 +74,9 @@ def _fp8_linear(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_x
                 for j in range(SPLITS):  # _sum_rows's order; .cg: from L2, never a stale L1 line
                     total += tl.load(ws_ptr + j * M * N + out, mask=mask, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + out, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(cnt, 0)  # ready for the next launch (every program of this tile has counted)
+                # ready for the next launch (every program of this tile has counted); relaxed: the launch's end
+                # orders it before the next one, and a release here would wait for the store above first
+                tl.atomic_xchg(cnt, 0, sem="relaxed")
 
 
 def _sum_rows(ws_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):

@@ -40,10 +40,10 @@ COUNTERS_MIN = 4096  # split-K tile counters first allocated (16 KiB): decode at
 # stream): the runtime runs FP8 linears on one stream per device at a time. Decode pieces warm up
 # and capture on the GraphPool's stream, which waits for the current stream before and is waited
 # for after (``engine/cuda_graphs.py``); graphs replay on the current stream, in order with the
-# eager pieces; the other streams (expert cache, link probes) only copy. Two fp8_linear launches
-# overlapping on two streams would count on the same tiles and could add each other's partials:
-# a caller that overlaps them passes ``fused_sum=False``. Per-stream buffers would also break a
-# piece whose warm-up (capture stream) and eager calls (current stream) must share one buffer.
+# eager pieces; the other streams (expert cache, link probes) only copy. Per-stream buffers would
+# not isolate graphs anyway: a graph keeps the capture stream's buffer and replays on another.
+# Two fp8_linear launches overlapping on two streams would count on the same tiles and could add
+# each other's partials: a caller that overlaps them passes ``fused_sum=False``.
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # outgrown buffers, kept alive: a captured graph may still count in one
 
@@ -94,7 +94,9 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     launch needs more; ``None`` when they would have to grow while the current stream captures a
     CUDA graph (an allocation there would come from the graph's pool and its zeroing would become
     a replayed launch): the caller then adds the splits with the second kernel. The engine's
-    warm-up grows them before any capture (:func:`warmup_rows`).
+    warm-up grows them before any capture and before the decode pieces' ``torch.compile`` trace
+    (:func:`warmup_rows`); a growth while dynamo traces costs one graph break (the capture check
+    returns a bool it cannot trace) and a recompile once grown.
     """
     key = (device.type, device.index)
     buf = _COUNTERS.get(key)
