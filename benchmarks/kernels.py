@@ -134,8 +134,8 @@ def bench_fp8(a, ceiling: float, configs: list[dict], shapes: dict, with_refs: b
                 sums = dict(refs)
                 if splits > 1 and "fused_sum" not in cfg:  # the same call with the second sum kernel
                     sep = {**cfg, "fused_sum": False}
-                    sums["separate_sum"] = try_seconds([lambda w=w, s=s: fp8_linear(x, w, s, (128, 128), **sep)
-                                                        for w, s in sets], a.replays, f"fp8_linear {name} M={m} {sep}")
+                    calls = [lambda w=w, s=s, x=x, sep=sep: fp8_linear(x, w, s, (128, 128), **sep) for w, s in sets]
+                    sums["separate_sum"] = try_seconds(calls, a.replays, f"fp8_linear {name} M={m} {sep}")
                 if sec is not None:
                     rows.append(row("fp8_linear", f"{name} [{n}, {k}]", m, _cfg(cfg), sec, nbytes,
                                     {r: t for r, t in sums.items() if t is not None}, ceiling,

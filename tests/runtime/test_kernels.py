@@ -111,9 +111,8 @@ def test_split_sum_switch_and_counters_growth(monkeypatch):
     the counters grow (at least doubling) when a launch needs more tiles, keeping the old buffer."""
     import sys
 
-    from shardsmith.runtime.layers.kernels.fp8_linear import _fused_sum_default, split_counters
-
     mod = sys.modules["shardsmith.runtime.layers.kernels.fp8_linear"]
+    _fused_sum_default, split_counters = mod._fused_sum_default, mod.split_counters
     assert _fused_sum_default()
     monkeypatch.setenv("SHARDSMITH_FP8_SPLIT_SUM", "separate")
     assert not _fused_sum_default()
