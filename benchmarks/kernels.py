@@ -7,6 +7,9 @@ H200's 4.8 TB/s (datasheet) and against a measured device copy, and the time rat
 - ``fp8_linear``: V4's dense FP8 projections (128x128 UE8M0 scales) at M tokens; references:
   ``dequant+linear`` (:func:`fp8_linear_reference`, F32 scales as the runtime holds them) and
   ``bf16_linear`` (``F.linear`` on a weight dequantized at load: today's GPU path, twice the bytes).
+  Side by side, for each configuration that splits K: the split-K partials added in the kernel's
+  own launch (``fused_sum``, the default: ``kernel_us``) and by a second kernel
+  (``separate_sum_us``, ``speedup_vs_separate_sum``); ``splits`` is the launch's K split.
 - ``fused_experts``: one layer's routed experts, 256 experts, top-6, D = 4096, I_r = 2048 (TP=1)
   and 1024 (TP=2), FP4 (V4) and bf16 banks; reference: gather + expand + bmm (the V4 pair path).
 
@@ -101,7 +104,8 @@ def row(kernel: str, shape: str, tokens: int, config: str, seconds: float, nbyte
 
 def bench_fp8(a, ceiling: float, configs: list[dict], shapes: dict, with_refs: bool) -> list[dict]:
     from shardsmith.runtime.layers.kernels import fp8_linear, fp8_linear_reference
-    from shardsmith.runtime.layers.kernels.fp8_linear import scale_as_float
+    from shardsmith.runtime.layers.kernels._common import sm_count
+    from shardsmith.runtime.layers.kernels.fp8_linear import k_splits, scale_as_float
     from shardsmith.runtime.layers.kernels.testing import random_fp8_linear
 
     gen, rows = torch.Generator(device="cuda").manual_seed(1), []
@@ -125,9 +129,17 @@ def bench_fp8(a, ceiling: float, configs: list[dict], shapes: dict, with_refs: b
                 err = check(lambda: fp8_linear(x, *sets[0], (128, 128), **cfg), want, f"fp8_linear {name} {cfg}")
                 sec = try_seconds([lambda w=w, s=s: fp8_linear(x, w, s, (128, 128), **cfg) for w, s in sets],
                                   a.replays, f"fp8_linear {name} M={m} {cfg}")
+                splits, _ = k_splits(m, n, k, block_k=128, block_n=cfg.get("block_n", 32), split_k=cfg.get("split_k"),
+                                     sms=sm_count(x.device))
+                sums = dict(refs)
+                if splits > 1 and "fused_sum" not in cfg:  # the same call with the second sum kernel
+                    sep = {**cfg, "fused_sum": False}
+                    calls = [lambda w=w, s=s, x=x, sep=sep: fp8_linear(x, w, s, (128, 128), **sep) for w, s in sets]
+                    sums["separate_sum"] = try_seconds(calls, a.replays, f"fp8_linear {name} M={m} {sep}")
                 if sec is not None:
-                    rows.append(row("fp8_linear", f"{name} [{n}, {k}]", m, _cfg(cfg), sec, nbytes, refs, ceiling,
-                                    rel_err_vs_reference=err))
+                    rows.append(row("fp8_linear", f"{name} [{n}, {k}]", m, _cfg(cfg), sec, nbytes,
+                                    {r: t for r, t in sums.items() if t is not None}, ceiling,
+                                    rel_err_vs_reference=err, splits=splits))
         del sets, f32
     return rows
 
@@ -188,7 +200,7 @@ def print_table(rows: list[dict], title: str) -> None:
 
     t = Table(title=title)
     for col in ("kernel", "shape", "M", "config", "err", "us", "GB/s", "of 4.8 TB/s", "ref us", "x ref", "bf16 us",
-                "x bf16"):
+                "x bf16", "splits", "2-kernel sum us", "x 2-kernel"):
         t.add_column(col)
     for r in rows:
         ref = r.get("dequant_linear_us", r.get("expand_bmm_us"))
@@ -197,7 +209,8 @@ def print_table(rows: list[dict], title: str) -> None:
                   f"{r['kernel_us']:.1f}",
                   f"{r['kernel_GBps']:.0f}", f"{r['share_of_4800_GBps']:.0%}", "-" if ref is None else f"{ref:.1f}",
                   "-" if x_ref is None else f"{x_ref:.2f}", str(r.get("bf16_linear_us", "-")),
-                  str(r.get("speedup_vs_bf16_linear", "-")))
+                  str(r.get("speedup_vs_bf16_linear", "-")), str(r.get("splits", "-")),
+                  str(r.get("separate_sum_us", "-")), str(r.get("speedup_vs_separate_sum", "-")))
     Console(width=200).print(t)
 
 
@@ -213,6 +226,7 @@ def main() -> None:
                    help="only fused_experts on --moe-banks at T = 1, 4, 8, 16, each --moe-config side by side")
     p.add_argument("--moe-banks", default="fp4:2048",
                    help="--moe-only's banks, format:I_r pairs (fp4 or bf16), e.g. fp4:2048,bf16:1024")
+    p.add_argument("--fp8-only", action="store_true", help="only fp8_linear, with its references")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -239,7 +253,8 @@ def main() -> None:
         rows += bench_experts(a, ceiling, moe_cfgs, banks, with_refs=False, tokens_list=(1, 4, 8, 16))
     else:
         rows += bench_fp8(a, ceiling, fp8_cfgs, DENSE, with_refs=True)
-        rows += bench_experts(a, ceiling, moe_cfgs, [(True, 2048), (True, 1024), (False, 1024)], with_refs=True)
+        if not a.fp8_only:
+            rows += bench_experts(a, ceiling, moe_cfgs, [(True, 2048), (True, 1024), (False, 1024)], with_refs=True)
     print_table(rows[1:], f"fused decode kernels, {torch.cuda.get_device_name()}, CUDA-graph replays, bf16 activations")
     if not a.no_save:
         from _results import save_results

@@ -38,15 +38,18 @@ def _fp8_keys(n: int, k: int, rows) -> set[tuple]:
 
 
 @needs_triton
+@pytest.mark.parametrize("split_sum", ["fused", "separate"])
 @pytest.mark.parametrize("n, k", [(512, 4096), (1024, 4096), (4096, 1024), (200, 300)])
-def test_fp8_linear_compiles_a_bounded_set_over_prompt_lengths(n, k):
-    """Over M = 1..2048 rows: at most 3 decode variants (M == 1, M % 16 == 0, other), 2 decode
-    split-sums (``M*N % 16`` when N is ragged), 2 long variants (split or not) and 1 long split-sum;
-    ``warmup_rows`` hits every one."""
+def test_fp8_linear_compiles_a_bounded_set_over_prompt_lengths(n, k, split_sum, monkeypatch):
+    """Over M = 1..2048 rows: at most 3 decode variants (M == 1, M % 16 == 0, other), 2 long
+    variants (split or not) and, with the separate split sum, 2 decode split-sums (``M*N % 16``
+    when N is ragged) and 1 long split-sum; ``warmup_rows`` hits every one."""
+    monkeypatch.setenv("SHARDSMITH_FP8_SPLIT_SUM", split_sum)
     every = _fp8_keys(n, k, LENGTHS)
     per_kernel = {name: sum(key[0] == name for key in every) for name in {key[0] for key in every}}
-    assert len(every) <= 8, per_kernel
+    assert len(every) <= (5 if split_sum == "fused" else 8), per_kernel
     assert per_kernel.get("_fp8_linear_long_kernel", 0) <= 2, per_kernel
+    assert split_sum == "separate" or not any(name.startswith("_sum_splits") for name in per_kernel), per_kernel
     from shardsmith.runtime.layers.kernels.fp8_linear import warmup_rows
 
     assert _fp8_keys(n, k, warmup_rows(max(LENGTHS))) == every

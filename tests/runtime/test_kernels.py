@@ -61,6 +61,74 @@ def test_fp8_linear_keeps_leading_dims_and_float32():
     assert rel_error(out, fp8_linear_reference(x.double(), w, scale, (128, 128))) < 1e-5
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` (bitwise comparison: -0.0 differs from 0.0, NaN matches itself)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _fp8_launches(x, w, scale, block, **kw) -> tuple[torch.Tensor, list[str]]:
+    """``fp8_linear``'s output and the names of the kernels it launched."""
+    from shardsmith.runtime.layers.kernels.compile_keys import record_launches
+
+    with record_launches(run=True) as keys:
+        out = fp8_linear(x, w, scale, block, backend="triton", **kw)
+    return out, [key[0] for key in keys]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16, 17])
+@pytest.mark.parametrize(("n", "k", "block", "split_k"), [
+    (200, 300, (128, 128), 3),   # ragged N and K: 3 splits, the last one 44 of K
+    (72, 300, (32, 32), 4),      # 4 splits of 96, a ragged N tile, the last split 12 of K
+    (48, 256, (32, 64), 8),      # split_k past K's blocks: 4 splits of one 64-wide block
+])
+def test_fp8_linear_fused_split_sum_is_the_two_kernel_sum(dtype, m, n, k, block, split_k):
+    """The split sum folded into the one launch (the last program of a tile adds the partials) gives
+    the two-kernel path's bits, from one launch instead of two; twice in a row (the counters were
+    set back to 0) the same bits again, and the counters are all zero after."""
+    from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
+
+    gen = torch.Generator(device=DEV).manual_seed(m * 100 + n + k)
+    w, scale = random_fp8_linear(n, k, block, ue8m0=m % 2 == 1, gen=gen)
+    x = torch.randn(m, k, generator=gen, device=DEV).to(dtype)
+    kernel = "_fp8_linear_kernel" if m <= 16 else "_fp8_linear_long_kernel"
+    two, two_names = _fp8_launches(x, w, scale, block, split_k=split_k, fused_sum=False)
+    assert two_names == [kernel, "_sum_splits" if m <= 16 else "_sum_splits_long"]
+    fused, names = _fp8_launches(x, w, scale, block, split_k=split_k, fused_sum=True)
+    assert names == [kernel]
+    assert fused.dtype == dtype and torch.equal(_bits(fused), _bits(two))
+    again = fp8_linear(x, w, scale, block, split_k=split_k, fused_sum=True, backend="triton")
+    assert torch.equal(_bits(again), _bits(fused)), "a counter left non-zero by the first call"
+    assert not split_counters(x.device, 0).any()
+    truth = fp8_linear_reference(x.double(), w, scale, block)
+    assert rel_error(fused, truth) < (1e-5 if dtype == torch.float32 else TOL)
+    assert rel_error(fused, fp8_linear_reference(x, w, scale, block)) < (1e-5 if dtype == torch.float32 else TOL)
+
+
+def test_split_sum_switch_and_counters_growth(monkeypatch):
+    """``SHARDSMITH_FP8_SPLIT_SUM`` sets ``fused_sum``'s default and is refused by name when wrong;
+    the counters grow (at least doubling) when a launch needs more tiles, keeping the old buffer."""
+    import sys
+
+    mod = sys.modules["shardsmith.runtime.layers.kernels.fp8_linear"]
+    _fused_sum_default, split_counters = mod._fused_sum_default, mod.split_counters
+    assert _fused_sum_default()
+    monkeypatch.setenv("SHARDSMITH_FP8_SPLIT_SUM", "separate")
+    assert not _fused_sum_default()
+    monkeypatch.setenv("SHARDSMITH_FP8_SPLIT_SUM", "both")
+    with pytest.raises(KernelError, match="SHARDSMITH_FP8_SPLIT_SUM='both'"):
+        _fused_sum_default()
+    monkeypatch.setattr(mod, "_COUNTERS", {})
+    monkeypatch.setattr(mod, "_RETIRED", [])
+    monkeypatch.setattr(mod, "COUNTERS_MIN", 4)
+    first = split_counters(torch.device("cpu"), 3)
+    assert first.numel() == 4 and first.dtype == torch.int32 and split_counters(torch.device("cpu"), 4) is first
+    grown = split_counters(torch.device("cpu"), 5)
+    assert grown.numel() == 8 and not grown.any() and mod._RETIRED == [first]
+    assert split_counters(torch.device("cpu"), 20).numel() == 20
+
+
 def _bank_case(fp4: bool, tokens: int, top_k: int, experts: int, dim: int, inter: int, seed: int):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     bank = random_bank(experts, dim, inter, fp4=fp4, gen=gen)

@@ -4,7 +4,9 @@ Hidden 4096, expert intermediate 2048 (TP=1) and 1024 (TP=2), 256 experts, top-6
 and 16 tokens; the dense FP8 projections of one V4 layer (``wq_a``, ``wq_b``, ``wo_b``, the shared
 expert's ``w2``) plus a ragged one. Each kernel is compared with its reference run on float32
 inputs (the truth) and with the bf16 reference; then both kernels are captured in one CUDA graph
-and replayed on new inputs, and run twice for bitwise determinism. Numbers: benchmarks/RESULTS.md.
+and replayed on new inputs, and run twice for bitwise determinism. ``fp8_linear``'s split sum folded
+into its launch gives the bits of the two-kernel sum, eager, captured and replayed, and under
+``torch.compile`` as the decode pieces run it. Numbers: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -93,3 +95,90 @@ def test_kernels_capture_in_one_cuda_graph(gen):
         graph.replay()
         eager = step()
         assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1])
+
+
+SPLIT_SHAPES = [(4096, 4096), (8192, 4096), (32768, 1024), (4096, 1024), (1024, 4096), (4000, 3000)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _graphed(step):
+    """``step()``'s outputs captured in a CUDA graph (warmed up on a side stream first) and the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return outs, graph
+
+
+@pytest.mark.parametrize("n, k", SPLIT_SHAPES)
+def test_fp8_linear_fused_split_sum_is_the_two_kernel_sum_v4_shapes(gen, n, k):
+    """M = 1, 4, 16 with the default split and with 8 and 32 forced: fused == two-kernel bit for
+    bit, eager, repeated 20 times (a race or a stale counter would show), and captured in one
+    CUDA graph replayed twice on new inputs; the counters are zero after."""
+    from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
+
+    w, scale = random_fp8_linear(n, k, (128, 128), ue8m0=True, gen=gen)
+    xs = [torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) for m in (1, 4, 16)]
+
+    def step():
+        return [fp8_linear(x, w, scale, split_k=s, fused_sum=fused) for x in xs for s in (None, 8, 32)
+                for fused in (True, False)]
+
+    first = step()
+    for _ in range(20):
+        outs = step()
+        for i in range(0, len(outs), 2):
+            assert torch.equal(_bits(outs[i]), _bits(outs[i + 1])) and torch.equal(_bits(outs[i]), _bits(first[i]))
+    assert rel_error(first[0], fp8_linear_reference(xs[0].float(), w, scale, (128, 128))) < TOL
+    outs, graph = _graphed(step)
+    for _ in range(2):
+        for x in xs:
+            x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        graph.replay()
+        eager = step()
+        for i in range(0, len(outs), 2):
+            assert torch.equal(_bits(outs[i]), _bits(outs[i + 1])) and torch.equal(_bits(outs[i]), _bits(eager[i]))
+    torch.cuda.synchronize()
+    assert not split_counters(xs[0].device, 0).any()
+
+
+def test_fp8_linear_split_sum_under_capture_without_counters(gen, monkeypatch):
+    """Counters that would have to grow during capture are not allocated there: the captured call
+    sums with the second kernel, same bits, and the counters stay unallocated."""
+    import sys
+
+    mod = sys.modules["shardsmith.runtime.layers.kernels.fp8_linear"]
+    w, scale = random_fp8_linear(4096, 4096, (128, 128), ue8m0=True, gen=gen)
+    x = torch.randn(4, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)
+    want = fp8_linear(x, w, scale, split_k=8, fused_sum=False)  # compiles the two-kernel variant
+    monkeypatch.setattr(mod, "_COUNTERS", {})
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = fp8_linear(x, w, scale, split_k=8, fused_sum=True)
+    assert mod._COUNTERS == {}
+    graph.replay()
+    assert torch.equal(_bits(out), _bits(want))
+
+
+def test_fp8_linear_fused_split_sum_under_torch_compile(gen):
+    """As the decode pieces run it (``torch.compile``, the kernel traced as a user kernel): the
+    bits of the eager two-kernel path, captured and replayed too."""
+    w, scale = random_fp8_linear(4096, 4096, (128, 128), ue8m0=True, gen=gen)
+    x = torch.randn(4, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)
+    want = fp8_linear(x, w, scale, split_k=8, fused_sum=False)
+    fn = torch.compile(lambda x: fp8_linear(x, w, scale, split_k=8) * 1.0, dynamic=False)
+    assert torch.equal(_bits(fn(x)), _bits(want))
+    assert torch.equal(_bits(fn(x)), _bits(want))
+    outs, graph = _graphed(lambda: fn(x))
+    x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+    graph.replay()
+    assert torch.equal(_bits(outs), _bits(fp8_linear(x, w, scale, split_k=8, fused_sum=False)))

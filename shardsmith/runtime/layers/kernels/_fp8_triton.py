@@ -4,8 +4,16 @@ One program owns a ``[BLOCK_M, BLOCK_N]`` tile of the output and a contiguous ra
 it streams its FP8 weight rows once, widens them to bf16 in registers, multiplies by the padded
 token tile with ``tl.dot`` (M is padded to 16, the smallest dot shape) and applies the block scale
 to the float32 partial of each K block, as vLLM's ``w8a8_block_fp8_matmul`` does (written anew).
-With ``SPLIT`` the partials go to a float32 workspace ``[S, M, N]`` that :func:`_sum_splits` adds
-in a fixed order and casts, so results do not depend on scheduling. A register GEMV (multiply-adds
+With ``SPLITS > 1`` each program stores its float32 partial to a workspace ``[S, M, N]``; the S
+partials of a tile are then added in split order 0, 1, ..., S-1 from 0.0 and cast, so results do
+not depend on scheduling. The sum either folds into the same launch (``FUSED_SUM``, the default:
+one launch per call) or runs as a second kernel, :func:`_sum_splits` (the path before issue 12's
+fold, kept to compare). The fold is the classic split-K semaphore ("last program reduces", as in
+CUTLASS's serial split-K and stream-K fix-up): after storing its partial, a program bumps its
+tile's int32 counter with ``tl.atomic_add`` (acq_rel, gpu scope); the one that sees ``S - 1``
+knows every partial is visible, sums them in split order (the same additions as
+:func:`_sum_rows`, so the bits equal the two-kernel path's) and sets the counter back to 0 for
+the next launch (no memset: a captured CUDA graph replays as is). A register GEMV (multiply-adds
 and a row sum instead of the padded dot for M <= 4) ran 2.7-30x slower on the H200 and was dropped
 (``benchmarks/RESULTS.md``).
 
@@ -25,9 +33,9 @@ import triton.language as tl
 from shardsmith.runtime.layers.kernels.fp8_linear import DECODE_M
 
 
-def _fp8_linear(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+def _fp8_linear(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                 K_ITERS: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, UE8M0: tl.constexpr,
-                SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+                SPLITS: tl.constexpr, FUSED_SUM: tl.constexpr, DOT_F32: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -54,10 +62,21 @@ def _fp8_linear(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, str
         acc += part * s[None, :]
     out = offs_m[:, None] * N + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    if SPLIT:
-        tl.store(out_ptr + pid_k * M * N + out, acc, mask=mask)
-    else:
+    if SPLITS == 1:
         tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + pid_k * M * N + out, acc, mask=mask)
+        if FUSED_SUM:  # the last of the tile's SPLITS programs to get here adds the partials (module docstring)
+            tl.debug_barrier()  # every thread's partial stored before the one thread's release below
+            cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:  # the others' partials happen-before
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for j in range(SPLITS):  # _sum_rows's order; .cg: from L2, never a stale L1 line
+                    total += tl.load(ws_ptr + j * M * N + out, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + out, total.to(out_ptr.dtype.element_ty), mask=mask)
+                # ready for the next launch (every program of this tile has counted); relaxed: the launch's end
+                # orders it before the next one, and a release here would wait for the store above first
+                tl.atomic_xchg(cnt, 0, sem="relaxed")
 
 
 def _sum_rows(ws_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -79,18 +98,21 @@ _fp8_linear_long_kernel = triton.jit(do_not_specialize=["M"])(_fp8_linear)
 _sum_splits_long = triton.jit(do_not_specialize=["numel"])(_sum_rows)
 
 
-def launch(x, w, scale, out, ws, *, block: tuple[int, int], ue8m0: bool, splits: int, k_per_split: int,
-           block_n: int, block_k: int, num_warps: int, num_stages: int, dot_f32: bool) -> None:
+def launch(x, w, scale, out, ws, counters, *, block: tuple[int, int], ue8m0: bool, splits: int,
+           k_per_split: int, block_n: int, block_k: int, num_warps: int, num_stages: int, dot_f32: bool) -> None:
     """Run the kernel(s) into ``out [M, N]`` (and workspace ``ws [splits, M, N]`` float32 when ``splits > 1``):
-    the decode kernels up to ``DECODE_M`` rows, the long ones past it."""
+    the decode kernels up to ``DECODE_M`` rows, the long ones past it. With ``splits > 1``, ``counters``
+    (int32, one per output tile ``[ceil(M/16), ceil(N/block_n)]``, all zero, left zero) folds the sum
+    into the one launch; ``None`` adds the splits with a second kernel."""
     M, K = x.shape
     N = w.shape[0]
     kernel, sum_kernel = (_fp8_linear_kernel, _sum_splits) if M <= DECODE_M else \
         (_fp8_linear_long_kernel, _sum_splits_long)
     grid = (triton.cdiv(N, block_n), splits, triton.cdiv(M, 16))
-    kernel[grid](x, w, scale, ws if splits > 1 else out, M, N, K, x.stride(0), w.stride(0), scale.stride(0),
+    fused = splits > 1 and counters is not None
+    kernel[grid](x, w, scale, out, ws, counters if fused else ws, M, N, K, x.stride(0), w.stride(0), scale.stride(0),
                  K_ITERS=k_per_split // block_k, SCALE_N=block[0], SCALE_K=block[1], UE8M0=ue8m0,
-                 SPLIT=splits > 1, DOT_F32=dot_f32, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
+                 SPLITS=splits, FUSED_SUM=fused, DOT_F32=dot_f32, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k,
                  num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
+    if splits > 1 and not fused:
         sum_kernel[(triton.cdiv(M * N, 1024),)](ws, out, M * N, SPLITS=splits, BLOCK=1024, num_warps=4)

@@ -22,6 +22,8 @@ features, (b0, b1) = block shape in elements.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +31,21 @@ from shardsmith.runtime.layers.kernels._common import KernelError, interpreting,
 
 BLOCK_K_MAX = 128
 DECODE_M = 16  # rows up to which the decode kernels run (``_fp8_triton.DECODE_M``; one 16-row tile)
+SPLIT_SUM_ENV = "SHARDSMITH_FP8_SPLIT_SUM"  # fused (default) or separate: fp8_linear's fused_sum default
+SUMS = ("fused", "separate")
+COUNTERS_MIN = 4096  # split-K tile counters first allocated (16 KiB): decode at N <= 131072, block_n 32
+
+# Split-K tile counters (``_fp8_triton``'s fused sum): one int32 buffer per device, zero between
+# launches (each launch sets the counters it used back to 0). Keyed by device, not by (device,
+# stream): the runtime runs FP8 linears on one stream per device at a time. Decode pieces warm up
+# and capture on the GraphPool's stream, which waits for the current stream before and is waited
+# for after (``engine/cuda_graphs.py``); graphs replay on the current stream, in order with the
+# eager pieces; the other streams (expert cache, link probes) only copy. Per-stream buffers would
+# not isolate graphs anyway: a graph keeps the capture stream's buffer and replays on another.
+# Two fp8_linear launches overlapping on two streams would count on the same tiles and could add
+# each other's partials: a caller that overlaps them passes ``fused_sum=False``.
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers, kept alive: a captured graph may still count in one
 
 
 def auto_split(m: int, n_tiles: int, k_blocks: int, sms: int) -> int:
@@ -48,15 +65,51 @@ def auto_split(m: int, n_tiles: int, k_blocks: int, sms: int) -> int:
     return max(1, min(k_blocks, -(-waves // (n_tiles * m_tiles))))
 
 
+def k_splits(m: int, n: int, k: int, *, block_k: int, block_n: int, split_k: int | None, sms: int) -> tuple[int, int]:
+    """``(splits, K elements per split)`` of an ``[m, k] x [n, k]`` launch: ``split_k`` (default
+    :func:`auto_split`) rounded to whole ``block_k`` blocks per split; the last split may be short."""
+    k_blocks = -(-k // block_k)
+    if split_k is None:
+        split_k = auto_split(m, -(-n // block_n), k_blocks, sms)
+    k_per_split = -(-k_blocks // max(1, split_k)) * block_k
+    return -(-k // k_per_split), k_per_split
+
+
 def warmup_rows(max_rows: int, *, sms: int = 132) -> list[int]:
     """Row counts M whose :func:`fp8_linear` launches compile every kernel variant that any M in
     ``1..max_rows`` uses, for any weight (default launch options), on a device of ``sms``
     multiprocessors: each decode M (the split-sum's size ``M*N`` is specialised too), then 17 and
     the largest M that may still split (:func:`auto_split` splits up to some M and never past
-    ``32 * sms`` rows, so these two give both long variants without a huge zero input).
+    ``32 * sms`` rows, so these two give both long variants without a huge zero input). The same
+    launches, run before any CUDA graph capture (the engine's warm-up), grow the split-K counters
+    (:func:`split_counters`) to the most tiles a split launch of those weights uses.
     """
     rows = list(range(1, min(DECODE_M, max_rows) + 1))
     return rows + sorted({m for m in (DECODE_M + 1, min(max_rows, 32 * sms)) if DECODE_M < m <= max_rows})
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's split-K tile counters: int32, zero, at least ``tiles`` of them (one per output
+    tile of a split launch), allocated on first use and reallocated larger (at least twice) when a
+    launch needs more; ``None`` when they would have to grow while the current stream captures a
+    CUDA graph (an allocation there would come from the graph's pool and its zeroing would become
+    a replayed launch): the caller then adds the splits with the second kernel. The engine's
+    warm-up grows them before any capture and before the decode pieces' ``torch.compile`` trace
+    (:func:`warmup_rows`); a growth while dynamo traces costs one graph break (the capture check
+    returns a bool it cannot trace) and a recompile once grown.
+    """
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= tiles:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    size = max(COUNTERS_MIN, tiles)
+    if buf is not None:
+        _RETIRED.append(buf)
+        size = max(size, 2 * buf.numel())
+    _COUNTERS[key] = buf = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
 
 
 def scale_as_float(scale: torch.Tensor) -> torch.Tensor:
@@ -101,16 +154,26 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[i
         raise KernelError("fp8_linear: " + "; ".join(problems))
 
 
+def _fused_sum_default() -> bool:
+    mode = os.environ.get(SPLIT_SUM_ENV, "fused") or "fused"
+    if mode not in SUMS:
+        raise KernelError(f"{SPLIT_SUM_ENV}={mode!r}: expected one of {', '.join(SUMS)}")
+    return mode == "fused"
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), *,
                split_k: int | None = None, block_n: int = 32, num_warps: int = 4, num_stages: int = 4,
-               backend: str = "auto") -> torch.Tensor:
+               fused_sum: bool | None = None, backend: str = "auto") -> torch.Tensor:
     """``x @ (w * scale).T`` with the FP8 weight read once and never dequantized to memory.
 
     Built for decode (M = 1..16 tokens, one 16-row tile); larger M runs in 16-row tiles, correct
     but not tuned, through kernels that compile the same two variants per weight for every M > 16
-    (:func:`auto_split`; :func:`warmup_rows` lists the M that compile them all). Split-K spreads K over programs until about two waves of the device's
-    multiprocessors are busy; partials are summed in a fixed order (deterministic). No host sync
-    and shapes fixed by the inputs, so calls can be captured in a CUDA graph.
+    (:func:`auto_split`; :func:`warmup_rows` lists the M that compile them all). Split-K spreads K
+    over programs until about two waves of the device's multiprocessors are busy; partials are
+    summed in split order (deterministic), in the same launch by the last program of each output
+    tile or by a second kernel, with the same bits. No host sync and shapes fixed by the inputs,
+    so calls can be captured in a CUDA graph. The fused sum counts on per-device counters
+    (:func:`split_counters`): calls must not overlap on two streams of one device.
 
     Args:
         x: ``[..., K]`` activations; w: ``[N, K]`` float8_e4m3fn; scale: ``[ceil(N/b0), ceil(K/b1)]``
@@ -118,6 +181,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         split_k: K splits (default: from the multiprocessor count); block_n: output features per
             program; num_warps, num_stages: Triton launch options (defaults: the fastest of the
             H200 sweep in ``benchmarks/kernels.py``).
+        fused_sum: add the split-K partials in the kernel's launch (True) or in a second kernel
+            (False; bitwise the same result); default ``$SHARDSMITH_FP8_SPLIT_SUM``, ``fused``
+            (or ``separate``).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
@@ -125,8 +191,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         ``[..., N]`` in ``x.dtype``.
 
     Raises:
-        KernelError: shapes, dtypes, block or devices do not fit (every problem listed), or the
-            backend cannot run.
+        KernelError: shapes, dtypes, block or devices do not fit (every problem listed), the
+            backend cannot run, or ``$SHARDSMITH_FP8_SPLIT_SUM`` is neither ``fused`` nor ``separate``.
 
     Example:
         >>> y = fp8_linear(x, layer.weight, layer.weight_scale_inv, (128, 128))  # doctest: +SKIP
@@ -145,14 +211,14 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     ue8m0 = scale.dtype != torch.float32
     scale = (scale.view(torch.uint8) if ue8m0 else scale).contiguous()
     block_k = min(BLOCK_K_MAX, block[1])
-    k_blocks = -(-K // block_k)
-    if split_k is None:
-        split_k = auto_split(M, -(-N // block_n), k_blocks, sm_count(x.device))
-    k_per_split = -(-k_blocks // max(1, split_k)) * block_k
-    splits = -(-K // k_per_split)
+    splits, k_per_split = k_splits(M, N, K, block_k=block_k, block_n=block_n, split_k=split_k,
+                                   sms=sm_count(x.device))
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
-    _fp8_triton.launch(x2, w, scale, out, ws, block=block, ue8m0=ue8m0, splits=splits, k_per_split=k_per_split,
-                       block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                       dot_f32=x.dtype == torch.float32 or interpreting())
+    counters = None
+    if splits > 1 and (_fused_sum_default() if fused_sum is None else fused_sum):
+        counters = split_counters(x.device, -(-N // block_n) * -(-M // 16))
+    _fp8_triton.launch(x2, w, scale, out, ws, counters, block=block, ue8m0=ue8m0, splits=splits,
+                       k_per_split=k_per_split, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                       num_stages=num_stages, dot_f32=x.dtype == torch.float32 or interpreting())
     return out.view(*lead, N)
