@@ -12,7 +12,8 @@
 #      and 25% cache, eager and graphed, graphed steps profiled (device ops, GPU busy share);
 #   3. the same at full depth: 43 layers with the release's kinds (2 sliding, 21 CSA, 20 HCA, first 3
 #      hash-routed) x 24 experts, resident and 25% cache.
-# Logs, the results JSONs and the host profiles go to $OUT. SKIP_TESTS=1 skips step 1's tests;
+# Logs, the results JSONs and the host profiles go to $OUT. SKIP_TESTS=1 skips step 1's tests, TESTS
+# names other test files for it (the gpu marker); GEN=0 reuses step 1's checkpoint from an earlier run;
 # RUNS="43-24" runs step 3 alone (layers-experts pairs, space separated). Each run's limit: BENCH_S, else
 # 125 s for a few layers and 330 s at full depth (whose profiled replay ran past 125 s at h200x1l).
 set -uo pipefail
@@ -24,15 +25,18 @@ inv=.inv/deepseek-v4-flash-0731-reap160
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 t0=$SECONDS
-(timeout "${GEN_S:-150}" python3 benchmarks/gen_v4_checkpoint.py /tmp/v4t5 --layers 5 --experts 24 --mtp 0 \
-    --inventory "$inv" > "$OUT/gen.log" 2>&1) &
-gen=$!
+gen=
+if [ "${GEN:-1}" = 1 ]; then
+    (timeout "${GEN_S:-150}" python3 benchmarks/gen_v4_checkpoint.py /tmp/v4t5 --layers 5 --experts 24 --mtp 0 \
+        --inventory "$inv" > "$OUT/gen.log" 2>&1) &
+    gen=$!
+fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    timeout "${TEST_S:-100}" python3 -m pytest tests/runtime/test_fused_slots.py -m gpu -s \
+    timeout "${TEST_S:-100}" python3 -m pytest ${TESTS:-tests/runtime/test_fused_slots.py} -m gpu -s \
         -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E |^FAILED|through the kernel" "$OUT/gpu_tests.log" | tail -20
 fi
-wait $gen; tail -1 "$OUT/gen.log"; echo "gen $((SECONDS - t0)) s"
+if [ -n "$gen" ]; then wait $gen; tail -1 "$OUT/gen.log"; echo "gen $((SECONDS - t0)) s"; fi
 common=(/tmp/v4t5 --work /tmp/v4p --device cuda --tp 1 --prompt 16 --tokens 16 --kinds-config "$inv/config.json"
         --cache-fraction 0.25)
 for run in ${RUNS:-4-256 43-24}; do
