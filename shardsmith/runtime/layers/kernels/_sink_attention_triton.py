@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FLOOR = -1.0e30  # the running max's start: finite, below any real logit
+FLOOR = tl.constexpr(-1.0e30)  # the running max's start: finite, below any real logit (a constexpr: jit code reads no other globals)
 
 
 @triton.jit(do_not_specialize=["c1", "columns", "chunk", "stride_b1", "stride_b2"])
