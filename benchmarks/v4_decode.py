@@ -482,6 +482,7 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
     args = V4Args.from_config(config)
     kernels = {v: os.environ.get(v, "auto") for v in ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS",
                                                        "SHARDSMITH_DECODE_ATTENTION")}
+    kernels["SHARDSMITH_FP8_SPLIT_SUM"] = os.environ.get("SHARDSMITH_FP8_SPLIT_SUM", "fused")
     row = {"tp": tp, "device": a.device, "dtype": a.dtype, "fp8": a.fp8, "kernels": kernels, "layers": args.n_layers, "layer_kinds": list(args.kinds),
            "experts": args.n_experts, "hidden": args.dim, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
            "split_seconds": split_s}
