@@ -111,6 +111,23 @@ def test_backends_match_resident_world_size_2(packs):
     _check({k: (torch.from_numpy(v[0]), *v[1:]) for k, v in payload.items()})
 
 
+def test_host_backends_match_resident_world_size_4(tmp_path):
+    """The host kernel's experts (``cpu``, ``hybrid``) at world size 4 (gloo, four ranks): a tiny
+    Mixtral with four KV heads (the fixture's three do not split four ways), bf16 and FP8 experts,
+    float32, against the resident model split the same way."""
+    from shardsmith.testing import tiny_mixtral
+    from shardsmith.writer.split import split_checkpoint
+
+    cases = []
+    for fmt in ("bf16", "fp8"):
+        src = tiny_mixtral(tmp_path / f"src-{fmt}", fp8=fmt == "fp8", experts=8, heads=8, kv_heads=4)
+        split_checkpoint(src, tmp_path / f"{fmt}-tp4", world_size=4)
+        cases += [(f"{fmt}/{b}", str(tmp_path / f"{fmt}-tp4"), b) for b in ("resident", "cpu", "hybrid")]
+    payload = run_ranks(_rank_main, 4, cases, timeout=300)
+    assert {k for k, _ in payload} == {c[0] for c in cases}
+    _check({k: (torch.from_numpy(v[0]), *v[1:]) for k, v in payload.items()})
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_host_banks_match_the_pack_bit_for_bit(packs, fmt):
     from shardsmith.pack.reader import open_rank
