@@ -113,7 +113,7 @@ def bench_fp8(a, ceiling: float, configs: list[dict], shapes: dict, with_refs: b
         sets = [random_fp8_linear(n, k, (128, 128), ue8m0=True, gen=gen) for _ in range(max(2, (256 << 20) // (n * k)))]
         sets = sets[:a.rotate * 4]
         f32 = [scale_as_float(s) for _, s in sets]
-        for m in TOKENS:
+        for m in getattr(a, "tokens", TOKENS):
             x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
             nbytes = n * k + sets[0][1].numel() + 2 * m * (n + k)
             refs = {}
@@ -125,7 +125,8 @@ def bench_fp8(a, ceiling: float, configs: list[dict], shapes: dict, with_refs: b
                                                     a.replays)
                 del bf16
             want = fp8_linear_reference(x, *sets[0], (128, 128))
-            for cfg in configs:
+            for named in configs:
+                cfg = _with_waves(named, m, n, k, sm_count(x.device))
                 err = check(lambda: fp8_linear(x, *sets[0], (128, 128), **cfg), want, f"fp8_linear {name} {cfg}")
                 sec = try_seconds([lambda w=w, s=s: fp8_linear(x, w, s, (128, 128), **cfg) for w, s in sets],
                                   a.replays, f"fp8_linear {name} M={m} {cfg}")
@@ -137,7 +138,7 @@ def bench_fp8(a, ceiling: float, configs: list[dict], shapes: dict, with_refs: b
                     calls = [lambda w=w, s=s, x=x, sep=sep: fp8_linear(x, w, s, (128, 128), **sep) for w, s in sets]
                     sums["separate_sum"] = try_seconds(calls, a.replays, f"fp8_linear {name} M={m} {sep}")
                 if sec is not None:
-                    rows.append(row("fp8_linear", f"{name} [{n}, {k}]", m, _cfg(cfg), sec, nbytes,
+                    rows.append(row("fp8_linear", f"{name} [{n}, {k}]", m, _cfg(named), sec, nbytes,
                                     {r: t for r, t in sums.items() if t is not None}, ceiling,
                                     rel_err_vs_reference=err, splits=splits))
         del sets, f32
@@ -174,6 +175,18 @@ def bench_experts(a, ceiling: float, configs: list[dict], banks: list[tuple[bool
         del bank
         torch.cuda.empty_cache()
     return rows
+
+
+def _with_waves(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
+    """``cfg`` with ``waves=W`` (a sweep knob: aim the split-K at W waves of the multiprocessors, where
+    :func:`auto_split` aims at 2) turned into this shape's ``split_k``."""
+    if "waves" not in cfg:
+        return cfg
+    from shardsmith.runtime.layers.kernels.fp8_linear import auto_split
+
+    out = {key: v for key, v in cfg.items() if key != "waves"}
+    out["split_k"] = auto_split(m, -(-n // cfg.get("block_n", 32)), -(-k // 128), sms * cfg["waves"] // 2)
+    return out
 
 
 def _cfg(cfg: dict) -> str:
@@ -219,7 +232,8 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--rotate", type=int, default=8, help="routings (weight sets: up to 4x) per captured graph")
     p.add_argument("--sweep", action="store_true", help="time launch configurations first (M = 1 and 16)")
-    p.add_argument("--fp8-config", help="e.g. block_n=64,num_stages=4 (default: fp8_linear's defaults)")
+    p.add_argument("--fp8-config", help="e.g. block_n=64,num_stages=4 (default: fp8_linear's defaults); several "
+                   "separated by ';' run side by side; waves=W aims the split-K at W waves (auto: 2)")
     p.add_argument("--moe-config", help="e.g. block_i=32,block_n=64,num_warps=4 (default: fused_experts's); "
                    "several separated by ';' run side by side")
     p.add_argument("--moe-only", action="store_true",
@@ -227,8 +241,10 @@ def main() -> None:
     p.add_argument("--moe-banks", default="fp4:2048",
                    help="--moe-only's banks, format:I_r pairs (fp4 or bf16), e.g. fp4:2048,bf16:1024")
     p.add_argument("--fp8-only", action="store_true", help="only fp8_linear, with its references")
+    p.add_argument("--fp8-tokens", default="1,4,16", help="fp8_linear's M values, comma list")
     p.add_argument("--no-save", action="store_true")
     a = p.parse_args()
+    a.tokens = tuple(int(t) for t in a.fp8_tokens.split(","))
     if not torch.cuda.is_available():
         sys.exit("kernels.py times CUDA graphs: it needs a CUDA GPU")
     ceiling = copy_gbps()
