@@ -97,7 +97,7 @@ def test_warmup_launches_every_variant_serving_uses(tiny, monkeypatch, flush_den
             eng.decode([1] * rows, [3] * rows, list(range(rows)))
     names = {key[0] for key in served}
     assert {"_fp8_linear_kernel", "_fp8_linear_long_kernel", "_pair_gate_up_kernel",  # FP4: the pair path
-            "_sink_split_kernel", "_sink_merge_kernel"} <= names  # V4's decode attention
+            "_sink_split_kernel", "_sink_merge_kernel", "_indexer_scores_kernel"} <= names  # V4's decode attention
     missing = set(served) - set(warm)
     assert not missing, f"{len(missing)} variants compiled while serving: {sorted(k[0] for k in missing)}"
 

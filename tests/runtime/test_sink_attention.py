@@ -1,12 +1,15 @@
-"""DeepSeek-V4's decode attention kernel (``sink_attention``) against its PyTorch reference.
+"""DeepSeek-V4's decode attention kernels (``sink_attention``, ``indexer_scores``) against their PyTorch
+references.
 
 CPU: under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton loads) on small shapes in
 float32: one or two bias tensors (sliding / HCA, CSA), head counts below and past one 16-head block, a
 head dim that is not a power of two, rows whose every key is hidden (only the sink remains: output
 zero), enough splits that some chunks are empty, and rows that share a slot. The kernel's float32
 dot and online softmax land within float32 rounding of the reference's ``baddbmm`` / ``bmm``.
+The indexer's scores: one to many score blocks, padded heads and head dims, within float32 rounding.
 GPU (``-m gpu``): V4-Flash's real shapes (64 heads, head dim 512, window 128, 4-2048 entries) in bf16
-within bf16 rounding of the reference, the same bits under CUDA-graph capture and replay.
+within bf16 rounding of the reference, the same bits under CUDA-graph capture and replay; the
+indexer's 64 x 128 heads over 128-4096 entries within float32 rounding.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
+from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores, indexer_scores_reference
 from shardsmith.runtime.layers.kernels.sink_attention import (BLOCK_S, sink_attention, sink_attention_reference,
                                                                splits_for)
 
@@ -129,3 +133,50 @@ def test_v4_shapes_on_cuda_within_bf16_and_graphed(B, C, two):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, got)
+
+
+# ------------------------------------------------------------------ the indexer's scores (CSA layers)
+
+
+def _index_case(B: int, h: int, c: int, E: int, *, dtype=torch.float32, device: str = "cpu", seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, h, c, generator=g, device=device).to(dtype)
+    w = torch.randn(B, h, generator=g, device=device)
+    entries = torch.randn(6, E, c, generator=g, device=device).to(dtype)
+    index = torch.randint(0, 6, (B,), generator=g, device=device)
+    return q, w, entries, index
+
+
+@needs_triton
+@pytest.mark.parametrize(("B", "h", "c", "E", "C"), [
+    (1, 4, 32, 40, 40),      # every entry, a partial second block
+    (3, 20, 48, 100, 67),    # heads past 16 (padded to 32), c not a power of two, C < E
+    (2, 64, 128, 64, 16),    # V4's index heads and dim, a short bucket
+])
+def test_indexer_scores_match_reference(B, h, c, E, C):
+    q, w, entries, index = _index_case(B, h, c, E, seed=B + h)
+    got = indexer_scores(q, w, entries, index, C, backend="triton")
+    want = indexer_scores_reference(q, w, entries, index, C)
+    _close(got, want, 2e-6)
+    assert got.shape == (B, C)
+
+
+def test_indexer_reference_is_the_weighted_relu_sum_and_refuses_bad_inputs():
+    q, w, entries, index = _index_case(2, 3, 8, 5)
+    got = indexer_scores_reference(q, w, entries, index, 4)
+    for b in range(2):
+        want = (torch.relu(q[b] @ entries[index[b], :4].T) * 8 ** -0.5 * w[b][:, None]).sum(0)
+        assert torch.allclose(got[b], want, atol=1e-6)
+    with pytest.raises(KernelError, match=r"columns 9: want 0 .. E = 5.*w \(2, 2\)"):
+        indexer_scores(q, w[:, :2], entries, index, 9, backend="reference")
+    assert indexer_scores(q, w, entries, index, 0).shape == (2, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("B", "C"), [(1, 128), (4, 1024), (16, 4096)])
+def test_indexer_scores_v4_shapes_on_cuda(B, C):
+    q, w, entries, index = _index_case(B, 64, 128, 4096, dtype=torch.bfloat16, device="cuda", seed=C)
+    got = indexer_scores(q, w, entries, index, C)
+    want = indexer_scores_reference(q, w, entries, index, C)
+    _close(got, want, 1e-5)  # exact bf16 products, float32 sums in another order

@@ -15,6 +15,9 @@ kernel                   replaces (the reference)            what it reads
 :func:`sink_attention`   :func:`sink_attention_reference`:   each decode row's key columns straight
                          V4's decode core (gather, float32   from the layer's key buffer, once; split
                          ``baddbmm``, softmax, ``bmm``)      over programs, merged with the sink
+:func:`indexer_scores`   :func:`indexer_scores_reference`:   a CSA layer's compressed entries straight
+                         V4's indexer (gather, float32       from the indexer's buffer, scored against
+                         einsum, relu, weighted head sum)    every index head with ``tl.dot``
 =======================  ==================================  ===========================================
 
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on
@@ -27,7 +30,7 @@ Compiles: each kernel compiles a bounded set of variants whatever the prompt len
 ``runtime/engine/warmup.py``, launches every variant at start).
 
 Wiring (``runtime/layers``): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and
-calls ``fp8_linear``; V4's ``Attention.decode_core`` calls ``sink_attention``; an ``ExpertBank``
+calls ``fp8_linear``; V4's ``Attention.decode_core`` calls ``sink_attention`` (and ``Indexer.step`` ``indexer_scores``); an ``ExpertBank``
 (resident) and the offload runtime's slot steps (the expert
 cache's pool, slot ids for expert ids) call ``fused_experts`` through ``experts.fused_bank`` for
 decode batches of up to 16 tokens; Mixtral-family bf16 banks pass ``gate_up`` and ``down`` alone

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
 from shardsmith.runtime.layers.kernels.sink_attention import sink_attention
 from shardsmith.runtime.layers.parallel import Shards, kernel_switch
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
@@ -242,7 +243,7 @@ class Attention(nn.Module):
         if self.compressor is not None and self.compressor.entries.shape[1]:  # E = 0: statically nothing
             ratio = self.ratio
             if self.indexer is not None:
-                select = self.indexer.step(*side[:3], rows)  # [B, C]
+                select = self.indexer.step(*side[:3], rows, kernel=self.kernel)  # [B, C]
             self.compressor.step(side[-1], rows)
         if ratio is not None and self.indexer is not None:  # CSA: the window, then the indexer's picks
             biases = (rows.window()[1], select)  # [B, W], [B, C]
@@ -252,8 +253,8 @@ class Attention(nn.Module):
                               backend="auto" if self.kernel else "reference")  # [B, n, d]
 
     def warm_kernel(self, seen: set) -> int:
-        """Launch :func:`sink_attention` once on zero queries against slot 0's keys (read only), so its
-        kernels compile before serving (``engine/warmup.py``), unless a layer of the same variant did
+        """Launch :func:`sink_attention` (and on CSA layers :func:`indexer_scores`) once on zero queries
+        against slot 0's keys (read only), so their kernels compile before serving (``engine/warmup.py``), unless a layer of the same variant did
         (``seen``: what decides the variants); returns the launches (0 or 1)."""
         n, d, W = self.n_heads, self.head_dim, self.window
         C = min(self.keys.shape[1] - 1 - W, 16) if self.indexer is not None else 0
@@ -263,13 +264,18 @@ class Attention(nn.Module):
         seen.add(key)
         q = torch.zeros(1, n, d, dtype=self.keys.dtype, device=self.keys.device)
         biases = (q.new_zeros(1, W, dtype=torch.float32),) + ((q.new_zeros(1, C, dtype=torch.float32),) if C else ())
-        sink_attention(q, self.keys, torch.zeros(1, dtype=torch.int64, device=q.device), biases, self.attn_sink,
-                       d ** -0.5)
+        index = torch.zeros(1, dtype=torch.int64, device=q.device)
+        sink_attention(q, self.keys, index, biases, self.attn_sink, d ** -0.5)
+        if C:  # CSA: the indexer's scores too
+            ix = self.indexer
+            indexer_scores(q.new_zeros(1, ix.heads, ix.head_dim), q.new_zeros(1, ix.heads, dtype=torch.float32),
+                           ix.compressor.entries, index, C)
         return 1
 
     def use_kernel_(self, device: torch.device) -> None:
-        """Run the decode core's attention through :func:`sink_attention`'s Triton kernels when
-        ``SHARDSMITH_DECODE_ATTENTION`` allows on ``device`` (``auto``: on CUDA; ``off``: the PyTorch path)."""
+        """Run the decode core's attention through :func:`sink_attention`'s Triton kernels, and a CSA
+        layer's index scores through :func:`indexer_scores`, when ``SHARDSMITH_DECODE_ATTENTION`` allows
+        on ``device`` (``auto``: on CUDA; ``off``: the PyTorch paths)."""
         self.kernel = kernel_switch("SHARDSMITH_DECODE_ATTENTION", "off", device)
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
 from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, apply_rope_pairs, rope_cos_sin
 from shardsmith.runtime.models.deepseek_v4.rows import NEG_INF, DecodeRows
@@ -214,7 +215,8 @@ class Indexer(nn.Module):
         ``attn_in`` piece): its compressor's ``kv_gate`` ``[T, 2, 2c]`` and :meth:`query`'s ``(q, w)``."""
         return (self.compressor.project(x), *self.query(x, q_lora, cos, sin))
 
-    def step(self, kv_gate: torch.Tensor, q: torch.Tensor, w: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
+    def step(self, kv_gate: torch.Tensor, q: torch.Tensor, w: torch.Tensor, rows: DecodeRows, *,
+             kernel: bool = False) -> torch.Tensor:
         """One token per row (row ``i``: slot ``rows.index[i]`` at ``rows.positions[i]``): the selection
         as an additive bias ``[B, C]`` float32 over entries ``[0, C)`` of each row's own slot (``0``:
         picked, ``-inf``: not), ``C`` the bucket's columns (:meth:`DecodeRows.count`); the top
@@ -222,7 +224,8 @@ class Indexer(nn.Module):
 
         Args:
             kv_gate, q, w: the rows' :meth:`project` ``[B, ...]``; rows: the step's rows (the
-                ratio's visibility and completed windows).
+                ratio's visibility and completed windows); kernel: score through
+                :func:`indexer_scores`'s Triton kernel (else its reference, the same maths as prefill's).
         """
         B, C = q.shape[0], rows.count(self.ratio)
         if self.compressor.entries.shape[1] == 0:  # E = 0 (max_seq_len < ratio): no entry ever
@@ -230,9 +233,9 @@ class Indexer(nn.Module):
         self.compressor.step(kv_gate, rows)
         if C == 0:
             return torch.zeros(B, 0, device=q.device)
-        keys = self.compressor.entries[rows.index, :C]  # [B, C, c]
         hidden = rows.visible(self.ratio)  # [B, C]: 0 visible, -inf not
-        score = self._score(q, w, keys) + hidden  # non-causal entries: -inf
+        score = indexer_scores(q, w, self.compressor.entries, rows.index, C,
+                               backend="auto" if kernel else "reference") + hidden  # non-causal entries: -inf
         top = score.topk(min(self.topk, C), dim=-1).indices
         # picked entries weigh 0, the rest -inf; a row with fewer than k causal entries picks some -inf
         # ones, which the visibility bias hides again

@@ -1,0 +1,92 @@
+"""DeepSeek-V4's lightning-indexer scores for decode rows, read straight from the compressed-entry buffer.
+
+A CSA layer's indexer scores each row's compressed entries before its top-k (paper §2.3;
+``Indexer.step`` in ``models/deepseek_v4/compressor.py``):
+
+``score[b, s] = sum_h w[b, h] * relu(q[b, h] . k[index[b], s]) * c^-1/2``
+
+=================  ==================  ==========================================================
+tensor             shape               what
+=================  ==================  ==========================================================
+``q``              ``[B, h, c]``       the rows' index queries (bf16, f16 or f32)
+``w``              ``[B, h]`` float32  the rows' head weights
+``entries``        ``[N, E, c]``       the indexer compressor's entries per slot (``q``'s dtype)
+``index``          ``[B]`` int64       each row's slot
+output             ``[B, C]`` float32  scores of entries ``[0, C)`` (``C <= E``: the bucket's)
+=================  ==================  ==========================================================
+
+:func:`indexer_scores_reference` is the PyTorch maths the model ran (a gather of ``entries[index, :C]``,
+float32 copies of it and of ``q``, an einsum, relu, a weighted sum: six kernels and two ``[B, C, c]``
+copies per CSA layer); :func:`indexer_scores` is one Triton launch that reads each entry once and
+scores it against every head with ``tl.dot`` (float32 accumulation of exact bf16 products): equal
+within float32 rounding, not bitwise, so a top-k over near-ties may pick differently.
+
+Legend: B = decode rows, h = index heads, c = index head dim, N = slots, E = entries per slot, C =
+entry columns scored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardsmith.runtime.layers.kernels._common import KernelError, interpreting, use_triton
+
+BLOCK_S = 32  # entries per program
+
+
+def indexer_scores_reference(q: torch.Tensor, w: torch.Tensor, entries: torch.Tensor, index: torch.Tensor,
+                             columns: int) -> torch.Tensor:
+    """The PyTorch path :func:`indexer_scores` replaces (shapes in the module table)."""
+    keys = entries[index, :columns]  # [B, C, c]
+    scores = F.relu(torch.einsum("thc,tsc->ths", q.float(), keys.float())) * q.shape[-1] ** -0.5
+    return (scores * w[..., None]).sum(dim=1)  # [B, C]
+
+
+def _check(q: torch.Tensor, w: torch.Tensor, entries: torch.Tensor, index: torch.Tensor, columns: int) -> None:
+    problems = []
+    if q.dim() != 3 or entries.dim() != 3 or q.shape[-1] != entries.shape[-1]:
+        problems.append(f"q {tuple(q.shape)} and entries {tuple(entries.shape)}: want [B, h, c] and [N, E, c]")
+    elif not 0 <= columns <= entries.shape[1]:
+        problems.append(f"columns {columns}: want 0 .. E = {entries.shape[1]}")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or entries.dtype != q.dtype:
+        problems.append(f"q {q.dtype}, entries {entries.dtype}: one of bfloat16, float16, float32")
+    if w.dtype != torch.float32 or w.shape != q.shape[:2]:
+        problems.append(f"w {tuple(w.shape)} {w.dtype}: want [B, h] float32")
+    if index.dtype != torch.int64 or index.shape != q.shape[:1]:
+        problems.append(f"index {tuple(index.shape)} {index.dtype}: want [B] int64")
+    if len({t.device for t in (q, w, entries, index)}) != 1:
+        problems.append("q, w, entries and index must be on one device")
+    if problems:
+        raise KernelError("indexer_scores: " + "; ".join(problems))
+
+
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, entries: torch.Tensor, index: torch.Tensor, columns: int, *,
+                   backend: str = "auto") -> torch.Tensor:
+    """Index scores of ``B`` decode rows over their slots' first ``columns`` entries, each entry read once.
+
+    No host sync and shapes fixed by the inputs, so calls can be captured in a CUDA graph.
+
+    Args:
+        q, w, entries, index: as the module table; columns: C, the entries scored.
+        backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
+            ``triton`` or ``reference``.
+
+    Returns:
+        ``[B, C]`` float32.
+
+    Raises:
+        KernelError: shapes, dtypes or devices do not fit (every problem listed), or the backend cannot run.
+    """
+    _check(q, w, entries, index, columns)
+    if not use_triton(q, backend) or columns == 0:
+        return indexer_scores_reference(q, w, entries, index, columns)
+    from shardsmith.runtime.layers.kernels import _indexer_triton
+
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    w = w.contiguous()
+    entries = entries if entries.stride(-1) == 1 else entries.contiguous()
+    out = torch.empty((q.shape[0], columns), dtype=torch.float32, device=q.device)
+    _indexer_triton.launch(q, w, entries, index, out, block_s=BLOCK_S,
+                           dot_f32=q.dtype == torch.float32 or interpreting())
+    return out
