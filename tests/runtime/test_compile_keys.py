@@ -61,6 +61,7 @@ def _tiny_v4(tiny, monkeypatch, **kw):
     monkeypatch.setenv("SHARDSMITH_FP8_DENSE", "kernel" if DEV == "cpu" else "auto")
     monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel" if DEV == "cpu" else "auto")
     monkeypatch.setenv("SHARDSMITH_DECODE_ATTENTION", "kernel" if DEV == "cpu" else "auto")
+    monkeypatch.setenv("SHARDSMITH_INDEXER_SCORES", "kernel" if DEV == "cpu" else "auto")
     return Engine.load(tiny("deepseek-v4"), rank=0, world_size=1, device=DEV, dtype=torch.float32,
                        from_checkpoint=True, cuda_graphs=False, **kw)
 

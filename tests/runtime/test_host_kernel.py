@@ -175,19 +175,22 @@ def test_row_blocking_changes_no_bit(isa: str) -> None:
                "fp8": (_fp8_expert(g, inter=72, dim=512, block=(128, 128)), (128, 128)),  # scalar tails
                "bf16": ({"gate_up": torch.randn(2 * 40, 512, generator=g).bfloat16(),
                          "down": torch.randn(512, 40, generator=g).bfloat16()}, None)}
+    threads = torch.get_num_threads()
     try:
-        for name, (arrays, block) in experts.items():
+        for name, (arrays, block), n_threads in ((*item, n) for item in experts.items() for n in (threads, 3)):
+            torch.set_num_threads(n_threads)  # 3 threads: chunks of rows that start and end off a multiple of 4
             for tokens in (1, 2, 3, 4, 5, 8, 11):
                 x = torch.randn(tokens, 512, generator=g)
                 host_kernel.set_row_blocking(True)
                 blocked = host_kernel.expert_swiglu_host(arrays, x, block, isa=isa)
                 host_kernel.set_row_blocking(False)
                 single = host_kernel.expert_swiglu_host(arrays, x, block, isa=isa)
-                assert torch.equal(blocked, single), (name, tokens)
+                assert torch.equal(blocked, single), (name, tokens, n_threads)
                 exact = arrays if name != "bf16" else {k: v.float() for k, v in arrays.items()}
                 _close(blocked, expert_output(exact, x, block))
     finally:
         host_kernel.set_row_blocking(True)
+        torch.set_num_threads(threads)
 
 
 def test_prefetch_variable_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,7 @@ from shardsmith.runtime.layers.parallel import _Linear, kernel_switch
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 7]
 STEPS = 3
-ENV = ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS", "SHARDSMITH_DECODE_ATTENTION")
+ENV = ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS", "SHARDSMITH_DECODE_ATTENTION", "SHARDSMITH_INDEXER_SCORES")
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
@@ -41,6 +41,7 @@ def _load(path, device: str, dtype: torch.dtype, kernels: bool, monkeypatch, *, 
     monkeypatch.setenv("SHARDSMITH_FP8_DENSE", forced if kernels else "dequantize")
     monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", forced if kernels else "off")
     monkeypatch.setenv("SHARDSMITH_DECODE_ATTENTION", forced if kernels else "off")
+    monkeypatch.setenv("SHARDSMITH_INDEXER_SCORES", forced if kernels else "off")
     return Engine.load(path, rank=0, world_size=1, device=device, dtype=dtype, from_checkpoint=True, max_seq_len=64,
                        cuda_graphs=graphs)
 
@@ -100,6 +101,8 @@ def test_switch_is_off_on_cpu_unless_forced(monkeypatch):
             kernel_switch(var, off, cpu)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert kernel_switch(var, off, cpu) is triton_available()
+    monkeypatch.delenv("SHARDSMITH_INDEXER_SCORES", raising=False)  # not yet measured on a GPU: off unless asked
+    assert kernel_switch("SHARDSMITH_INDEXER_SCORES", "off", torch.device("cuda"), default="off") is False
 
 
 def test_cpu_load_keeps_the_dequantize_path(tiny, monkeypatch):

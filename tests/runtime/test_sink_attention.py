@@ -4,7 +4,8 @@ references.
 CPU: under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton loads) on small shapes in
 float32: one or two bias tensors (sliding / HCA, CSA), head counts below and past one 16-head block, a
 head dim that is not a power of two, rows whose every key is hidden (only the sink remains: output
-zero), enough splits that some chunks are empty, and rows that share a slot. The kernel's float32
+zero), many splits with chunks whose columns are all hidden, rows that share a slot, an index view
+that is not contiguous, and no rows at all. The kernel's float32
 dot and online softmax land within float32 rounding of the reference's ``baddbmm`` / ``bmm``.
 The indexer's scores: one to many score blocks, padded heads and head dims, within float32 rounding.
 GPU (``-m gpu``): V4-Flash's real shapes (64 heads, head dim 512, window 128, 4-2048 entries) in bf16
@@ -76,6 +77,16 @@ def test_hidden_rows_keep_only_the_sink_and_shared_slots():
     assert torch.equal(got[0], torch.zeros_like(got[0]))
     _close(got, sink_attention_reference(q, keys, index, biases, sink, 32 ** -0.5), 2e-6)
     assert not torch.allclose(got[1], got[2])
+
+
+@needs_triton
+def test_strided_index_and_empty_batches():
+    q, keys, index, biases, sink = _case(3, 4, 32, 8, 8, True, slots=6, seed=5)
+    wide = torch.stack((index, torch.full_like(index, 99)), dim=1)  # a column view: stride 2
+    got = sink_attention(q, keys, wide[:, 0], biases, sink, 32 ** -0.5, backend="triton")
+    _close(got, sink_attention_reference(q, keys, index, biases, sink, 32 ** -0.5), 2e-6)
+    empty = sink_attention(q[:0], keys, index[:0], tuple(b[:0] for b in biases), sink, 0.1, backend="triton")
+    assert empty.shape == (0, 4, 32)
 
 
 def test_reference_is_the_sink_softmax():

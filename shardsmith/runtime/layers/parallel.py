@@ -105,15 +105,16 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 # ------------------------------------------------------------------ layers
 
 
-def kernel_switch(var: str, off: str, device: torch.device) -> bool:
+def kernel_switch(var: str, off: str, device: torch.device, *, default: str = "auto") -> bool:
     """Whether a Triton kernel path is on for modules on ``device``: environment variable ``var`` is
-    ``auto`` (default: on for CUDA with Triton installed), ``kernel`` (on; on CPU only under
-    ``TRITON_INTERPRET=1``, for tests) or ``off`` (the PyTorch path). Read once, at load.
+    ``auto`` (on for CUDA with Triton installed), ``kernel`` (on; on CPU only under
+    ``TRITON_INTERPRET=1``, for tests) or ``off`` (the PyTorch path); unset or empty: ``default``
+    (``auto``, or ``off`` for a kernel not yet measured on a GPU). Read once, at load.
 
     Raises:
         UsageError: another value, or ``kernel`` where the kernel cannot run.
     """
-    mode = os.environ.get(var, "auto") or "auto"
+    mode = os.environ.get(var, "") or default
     if mode not in ("auto", "kernel", off):
         raise UsageError(f"{var}={mode!r}: expected auto, kernel or {off}")
     if mode == off:

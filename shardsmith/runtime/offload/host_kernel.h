@@ -67,10 +67,10 @@ inline void prefetch_ahead(const uint8_t* p, int64_t distance) {
   if (distance > 0) __builtin_prefetch(p + distance, 0, 3);
 }
 
-// Whether the tile functions take several rows per call (their kRowsAt; the default) or one (the kernel
-// before 2026-12-02, kept so benchmarks/host_experts.py --row-blocking can time both in one run). Every
-// accumulator sees the same operations in the same order either way: the same bits. A relaxed atomic
-// read once per tile call (set_row_blocking in host_kernel.cpp).
+// Whether the tile functions take several rows per call (their kRowsAt; the default) or one (the load
+// pattern of the kernel before 2026-12-02, kept so benchmarks/host_experts.py --row-blocking can time
+// both in one run). Every accumulator sees the same operations in the same order either way: the same
+// bits. A relaxed atomic read once per tile call (set_row_blocking in host_kernel.cpp).
 extern std::atomic<bool> g_row_blocking;
 inline bool row_blocking() { return g_row_blocking.load(std::memory_order_relaxed); }
 

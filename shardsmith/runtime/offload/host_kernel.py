@@ -140,9 +140,10 @@ def set_prefetch_bytes(value: int) -> int:
 
 def set_row_blocking(on: bool) -> bool:
     """Whether the row functions take several rows per call (the default; at 2-8 tokens each activation
-    vector loaded then serves 2-4 rows) or one (the kernel before 2026-12-02); returns the setting
-    before. The same bits either way; for side-by-side timings (``benchmarks/host_experts.py
-    --row-blocking``).
+    vector loaded then serves 2-4 rows) or one (the same accumulator chains in the same order, so the
+    same bits; the load pattern of the kernel before 2026-12-02, whose FP8 rows at 5-8 tokens kept two
+    chains per token where both settings now keep one); returns the setting before. For side-by-side
+    timings (``benchmarks/host_experts.py --row-blocking``).
 
     Raises:
         UsageError: the kernel is not available.

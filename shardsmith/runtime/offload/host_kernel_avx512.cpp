@@ -219,8 +219,9 @@ void fp4_tile(const Matrix& m, const Activations& a, int t0, int64_t r, int64_t 
   const float* x = a.x + t0 * 32;
   const int64_t gstride = int64_t{a.T} * 32;
   float* y = a.y + t0 * a.ldy;
+  const bool blocked = row_blocking();
   int64_t i = 0;
-  for (; row_blocking() && i + NR <= n; i += NR)
+  for (; blocked && i + NR <= n; i += NR)
     fp4_rows<NR, NT>(m, x, gstride, m.w + (r + i) * m.lw, m.s8 + (r + i) * m.ls8, y + r + i, a.ldy);
   for (; i < n; ++i) fp4_rows<1, NT>(m, x, gstride, m.w + (r + i) * m.lw, m.s8 + (r + i) * m.ls8, y + r + i, a.ldy);
 }
@@ -230,16 +231,18 @@ void bf16_tile(const Matrix& m, const Activations& a, int t0, int64_t r, int64_t
   constexpr int NR = kRowsAt<NT>;
   const float* x = a.x + t0 * m.C;
   float* y = a.y + t0 * a.ldy;
+  const bool blocked = row_blocking();
   int64_t i = 0;
-  for (; row_blocking() && i + NR <= n; i += NR) bf16_rows<NR, NT>(m, x, m.w + (r + i) * m.lw, y + r + i, a.ldy);
+  for (; blocked && i + NR <= n; i += NR) bf16_rows<NR, NT>(m, x, m.w + (r + i) * m.lw, y + r + i, a.ldy);
   for (; i < n; ++i) bf16_rows<1, NT>(m, x, m.w + (r + i) * m.lw, y + r + i, a.ldy);
 }
 
 template <int NT>
 void fp8_tile(const uint8_t* w, int64_t lw, int64_t n, int64_t C, const float* xs, float* y, int64_t ldy) {
   constexpr int NR = NT == 1 ? 1 : NT == 2 ? 4 : 2;  // NR * NT * K <= 16 accumulators
+  const bool blocked = row_blocking();
   int64_t i = 0;
-  for (; row_blocking() && i + NR <= n; i += NR) fp8_row<NR, NT>(w + i * lw, lw, C, xs, y + i, ldy);
+  for (; blocked && i + NR <= n; i += NR) fp8_row<NR, NT>(w + i * lw, lw, C, xs, y + i, ldy);
   for (; i < n; ++i) fp8_row<1, NT>(w + i * lw, lw, C, xs, y + i, ldy);
 }
 

@@ -79,12 +79,12 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, entries: torch.Tensor, inde
         KernelError: shapes, dtypes or devices do not fit (every problem listed), or the backend cannot run.
     """
     _check(q, w, entries, index, columns)
-    if not use_triton(q, backend) or columns == 0:
+    if not use_triton(q, backend) or columns == 0 or q.numel() == 0:
         return indexer_scores_reference(q, w, entries, index, columns)
     from shardsmith.runtime.layers.kernels import _indexer_triton
 
     q = q if q.stride(-1) == 1 else q.contiguous()
-    w = w.contiguous()
+    w, index = w.contiguous(), index.contiguous()  # read by element offset
     entries = entries if entries.stride(-1) == 1 else entries.contiguous()
     out = torch.empty((q.shape[0], columns), dtype=torch.float32, device=q.device)
     _indexer_triton.launch(q, w, entries, index, out, block_s=BLOCK_S,

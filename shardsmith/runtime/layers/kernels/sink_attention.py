@@ -114,16 +114,19 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, bia
     from shardsmith.runtime.layers.kernels import _sink_attention_triton
 
     B, n, d = q.shape
+    if q.numel() == 0:  # no rows or no heads: nothing to attend
+        return q.new_empty(q.shape)
     columns = sum(b.shape[1] for b in biases)
     splits, chunk = splits_for(B, n, columns, sm_count(q.device))
     q = q if q.stride(-1) == 1 else q.contiguous()
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     biases = tuple(b if b.stride(-1) == 1 else b.contiguous() for b in biases)
+    index, sink = index.contiguous(), sink.float().contiguous()  # the kernels read both by element offset
     part_m = torch.empty((B, n, splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((B, n, splits, d), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    _sink_attention_triton.launch(q, keys, index, biases, sink.float(), scale, out, part_m, part_l, part_acc,
+    _sink_attention_triton.launch(q, keys, index, biases, sink, scale, out, part_m, part_l, part_acc,
                                   chunk=chunk, block_h=BLOCK_H, block_s=BLOCK_S,
                                   dot_f32=q.dtype == torch.float32 or interpreting())
     return out

@@ -26,10 +26,12 @@ The state is kept per **slot** (one independent sequence each, preallocated by
 :meth:`Attention.allocate`): a window ring per slot and the compressors' per-slot state. A prefill
 (or chunk) of one sequence runs :meth:`Attention.core` on its slot; a batched decode step (``B``
 rows, one token of a different slot each) runs :meth:`Attention.decode_core`, which attends all rows
-at once over their own slot's window and entries, padded to the step's length bucket and masked: one gather
-from the layer's key buffer ``[sink | window | entries]``, one ``baddbmm`` with an additive bias, a
-softmax and a ``bmm``, the step's masks and indices built once per step (:class:`DecodeRows`), and
-the compressors' and indexer's row-wise projections done in :meth:`Attention.project`. The core is
+at once over their own slot's window and entries, padded to the step's length bucket and masked, from
+the layer's key buffer ``[sink | window | entries]`` with an additive bias (on CUDA two Triton launches
+that read each key row once, :func:`~shardsmith.runtime.layers.kernels.sink_attention.sink_attention`;
+its reference, one gather, a ``baddbmm``, a softmax and a ``bmm``, on CPU), the step's masks and
+indices built once per step (:class:`DecodeRows`), and the compressors' and indexer's row-wise
+projections done in :meth:`Attention.project`. The core is
 device-only with shapes fixed by the rows and the length bucket, so a whole decode step can be
 captured in one CUDA graph (padding rows use the model's scratch slot).
 
@@ -89,7 +91,7 @@ class Attention(nn.Module):
         self.ratio = ratio
         self.keys = self.win = None  # set by allocate
         self.max_seq_len = 0
-        self.kernel = False  # decode attention through the Triton kernels (use_kernel_)
+        self.kernel = self.index_kernel = False  # decode attention / index scores through Triton (use_kernel_)
 
     def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
         """Preallocate every slot's state in ``dtype``: the key buffer ``keys`` ``[N, 1 + W + E, d]``
@@ -243,7 +245,7 @@ class Attention(nn.Module):
         if self.compressor is not None and self.compressor.entries.shape[1]:  # E = 0: statically nothing
             ratio = self.ratio
             if self.indexer is not None:
-                select = self.indexer.step(*side[:3], rows, kernel=self.kernel)  # [B, C]
+                select = self.indexer.step(*side[:3], rows, kernel=self.index_kernel)  # [B, C]
             self.compressor.step(side[-1], rows)
         if ratio is not None and self.indexer is not None:  # CSA: the window, then the indexer's picks
             biases = (rows.window()[1], select)  # [B, W], [B, C]
@@ -258,7 +260,7 @@ class Attention(nn.Module):
         (``seen``: what decides the variants); returns the launches (0 or 1)."""
         n, d, W = self.n_heads, self.head_dim, self.window
         C = min(self.keys.shape[1] - 1 - W, 16) if self.indexer is not None else 0
-        key = ("sink_attention", n, d, self.keys.dtype, C > 0, self.keys.stride())
+        key = ("sink_attention", n, d, self.keys.dtype, C > 0, self.index_kernel, self.keys.stride())
         if key in seen:
             return 0
         seen.add(key)
@@ -266,17 +268,20 @@ class Attention(nn.Module):
         biases = (q.new_zeros(1, W, dtype=torch.float32),) + ((q.new_zeros(1, C, dtype=torch.float32),) if C else ())
         index = torch.zeros(1, dtype=torch.int64, device=q.device)
         sink_attention(q, self.keys, index, biases, self.attn_sink, d ** -0.5)
-        if C:  # CSA: the indexer's scores too
+        if C and self.index_kernel:  # CSA: the indexer's scores too
             ix = self.indexer
             indexer_scores(q.new_zeros(1, ix.heads, ix.head_dim), q.new_zeros(1, ix.heads, dtype=torch.float32),
                            ix.compressor.entries, index, C)
         return 1
 
     def use_kernel_(self, device: torch.device) -> None:
-        """Run the decode core's attention through :func:`sink_attention`'s Triton kernels, and a CSA
-        layer's index scores through :func:`indexer_scores`, when ``SHARDSMITH_DECODE_ATTENTION`` allows
-        on ``device`` (``auto``: on CUDA; ``off``: the PyTorch paths)."""
+        """Run the decode core's attention through :func:`sink_attention`'s Triton kernels when
+        ``SHARDSMITH_DECODE_ATTENTION`` allows on ``device`` (``auto``: on CUDA; ``off``: the PyTorch
+        path), and with it a CSA layer's index scores through :func:`indexer_scores` when
+        ``SHARDSMITH_INDEXER_SCORES`` asks (``auto`` or ``kernel``; off by default until measured on a GPU)."""
         self.kernel = kernel_switch("SHARDSMITH_DECODE_ATTENTION", "off", device)
+        # written and tested under the interpreter, not yet run on a GPU (2026-12-02): opt-in until measured
+        self.index_kernel = self.kernel and kernel_switch("SHARDSMITH_INDEXER_SCORES", "off", device, default="off")
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""
