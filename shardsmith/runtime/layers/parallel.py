@@ -126,6 +126,27 @@ def kernel_switch(var: str, off: str, device: torch.device, *, default: str = "a
     return runnable
 
 
+KERNEL_SWITCHES = {"SHARDSMITH_FP8_DENSE": "dequantize", "SHARDSMITH_FUSED_EXPERTS": "off",
+                   "SHARDSMITH_DECODE_ATTENTION": "off", "SHARDSMITH_INDEXER_SCORES": "off"}  # variable: its off word
+
+
+def check_kernel_switches() -> None:
+    """Every kernel switch's value (:data:`KERNEL_SWITCHES`, and ``SHARDSMITH_FP8_SPLIT_SUM``), checked
+    before ranks start, so a typo is refused at once and not at load (or at the first FP8 call).
+
+    Raises:
+        UsageError: a variable holds a word its switch does not take (every such variable listed).
+    """
+    from shardsmith.runtime.layers.kernels.fp8_linear import SPLIT_SUM_ENV, SUMS
+
+    problems = [f"{var}={os.environ[var]!r}: expected auto, kernel or {off}" for var, off in KERNEL_SWITCHES.items()
+                if os.environ.get(var, "") not in ("", "auto", "kernel", off)]
+    if os.environ.get(SPLIT_SUM_ENV, "") not in ("", *SUMS):
+        problems.append(f"{SPLIT_SUM_ENV}={os.environ[SPLIT_SUM_ENV]!r}: expected {' or '.join(SUMS)}")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
 def use_kernels_(model: nn.Module, device: torch.device) -> None:
     """Switch every module of ``model`` with a ``use_kernel_(device)`` method to its Triton kernel where
     its switch allows (FP8 linears: ``SHARDSMITH_FP8_DENSE``; expert banks: ``SHARDSMITH_FUSED_EXPERTS``;
