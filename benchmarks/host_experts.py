@@ -108,21 +108,40 @@ def main() -> None:
     from shardsmith.runtime.offload import host_kernel
     from shardsmith.runtime.layers.experts import expert_output
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads (default: torch's)")
-    p.add_argument("--tp", type=int, default=1, help="intermediate share: I = 2048 / tp")
-    p.add_argument("--formats", default="fp4,fp8,bf16", help="stored formats, comma list")
-    p.add_argument("--tokens", default="1,4,8", help="tokens routed to each expert, comma list")
+    def ints(low: int, high: int | None = None, words: str = "whole numbers"):
+        def parse(text: str) -> list[int]:
+            try:
+                values = [int(v) for v in text.split(",")]
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{text!r}: want {words}, comma separated") from None
+            if any(v < low or high is not None and v > high for v in values):
+                raise argparse.ArgumentTypeError(f"{text!r}: each must be {low} .. {high if high is not None else 'up'}")
+            return values
+        return parse
+
+    def formats(text: str) -> list[str]:
+        bad = [f for f in text.split(",") if f not in ("fp4", "fp8", "bf16")]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{','.join(bad)}: the formats are fp4, fp8 and bf16")
+        return text.split(",")
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads (default: torch's, %(default)s)")
+    p.add_argument("--tp", type=int, default=1, help="intermediate share: I = 2048 / tp (default %(default)s)")
+    p.add_argument("--formats", type=formats, default="fp4,fp8,bf16", help="stored formats, comma list (default %(default)s)")
+    p.add_argument("--tokens", type=ints(1), default="1,4,8", help="tokens routed to each expert, comma list (default %(default)s)")
     p.add_argument("--experts", type=int, default=0,
                    help="distinct experts cycled through (default: enough for twice the last-level cache, at least 12)")
-    p.add_argument("--per-call", default="1,6", help="experts per kernel call, comma list")
-    p.add_argument("--repeat", type=int, default=3, help="passes over the experts per round")
-    p.add_argument("--rounds", type=int, default=5, help="alternating floor / kernel measurements (medians)")
-    p.add_argument("--prefetch", default="", help="software prefetch distances in bytes, comma list (default: the runtime's)")
-    p.add_argument("--row-blocking", default="1",
-                   help="1: several rows per call share each activation load (the runtime's way); 0: one row per "
-                        "call (before 2026-12-02); '1,0' times both (the same bits)")
-    p.add_argument("--dtype", default="bfloat16", help="activation dtype")
+    p.add_argument("--per-call", type=ints(1), default="1,6", help="experts per kernel call, comma list (default %(default)s)")
+    p.add_argument("--repeat", type=int, default=3, help="passes over the experts per round (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating floor / kernel measurements (medians; default %(default)s)")
+    p.add_argument("--prefetch", type=ints(0, 1 << 20, "bytes"), default=None,
+                   help="software prefetch distances in bytes, comma list (default: the runtime's)")
+    p.add_argument("--row-blocking", type=ints(0, 1, "0 or 1"), default="1",
+                   help="1: at 2+ tokens several rows per call share each activation load (the runtime's way); 0: one "
+                        "row per call (the same bits); '1,0' times both and prints their ratio, above 1 when "
+                        "blocking is faster (default %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="activation dtype")
     p.add_argument("--isa", default="", help="comma list of kernel instruction sets (default: all but scalar)")
     p.add_argument("--no-reference", action="store_true", help="skip the expand-then-matmul timing")
     p.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
@@ -131,14 +150,14 @@ def main() -> None:
     if not host_kernel.available():
         sys.exit("the host expert kernel could not be compiled on this machine (see the warning above)")
     isas = a.isa.split(",") if a.isa else [i for i in host_kernel.isas() if i != "scalar"] or ["scalar"]
-    for isa in [i for i in isas if i not in host_kernel.isas()]:
-        print(f"isa {isa}: not supported by this CPU, skipped", file=sys.stderr)
-    isas = [i for i in isas if i in host_kernel.isas()]
-    per_call = [int(k) for k in a.per_call.split(",")]
-    prefetch = [int(b) for b in a.prefetch.split(",")] if a.prefetch else [host_kernel.prefetch_bytes()]
-    blocking = [bool(int(b)) for b in a.row_blocking.split(",")]
-    if min(per_call) < 1 or (a.experts and max(per_call) > a.experts):
-        sys.exit(f"--per-call {a.per_call}: each must be 1 .. --experts ({a.experts})")
+    missing = [i for i in isas if i not in host_kernel.isas()]
+    if missing:
+        p.error(f"--isa {','.join(missing)}: this build and CPU support {','.join(host_kernel.isas())}")
+    per_call = a.per_call
+    prefetch = a.prefetch if a.prefetch is not None else [host_kernel.prefetch_bytes()]
+    blocking = [bool(b) for b in a.row_blocking]
+    if a.experts and max(per_call) > a.experts:
+        p.error(f"--per-call {max(per_call)}: more than --experts ({a.experts})")
     llc = llc_bytes()
     default = host_kernel.default_isa()
     act = getattr(torch, a.dtype)
@@ -149,13 +168,16 @@ def main() -> None:
           f"kernel_over_floor is the median of the rounds' ratios (not the ratio of the median times)", file=sys.stderr)
     g = torch.Generator().manual_seed(0)
     rows = []
-    for fmt in a.formats.split(","):
+    for fmt in a.formats:
         first = make_expert(fmt, inter, g)
         nbytes = sum(t.numel() * t.element_size() for t in first.values())
         count = a.experts or max(12, max(per_call), -(-2 * llc // nbytes))
         experts = [first] + [make_expert(fmt, inter, g) for _ in range(count - 1)]
+        if llc and count * nbytes < 2 * llc:
+            print(f"{fmt}: {count} experts are {count * nbytes / 2**20:.0f} MiB, under twice the {llc / 2**20:.0f} MiB "
+                  "last-level cache: the kernel may read from the cache while the floor is memory's", file=sys.stderr)
         block = (128, 128) if fmt == "fp8" else None
-        for n in (int(t) for t in a.tokens.split(",")):
+        for n in a.tokens:
             x = torch.randn(n, D, generator=g).to(act)
             ref = 0.0 if a.no_reference else per_expert_s(lambda es, x: expert_output(es[0], x, block), experts, x,
                                                           max(1, a.repeat // 2))

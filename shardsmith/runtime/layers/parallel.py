@@ -131,18 +131,22 @@ KERNEL_SWITCHES = {"SHARDSMITH_FP8_DENSE": "dequantize", "SHARDSMITH_FUSED_EXPER
 
 
 def check_kernel_switches() -> None:
-    """Every kernel switch's value (:data:`KERNEL_SWITCHES`, and ``SHARDSMITH_FP8_SPLIT_SUM``), checked
-    before ranks start, so a typo is refused at once and not at load (or at the first FP8 call).
+    """Every kernel switch's value (:data:`KERNEL_SWITCHES`, ``SHARDSMITH_FP8_SPLIT_SUM``,
+    ``SHARDSMITH_MOE_PATH``, ``SHARDSMITH_COMPILE_PIECES``), checked before ranks start, so a typo is
+    refused at once and not at load, at the first kernel call, or never (a switch the model does not use).
 
     Raises:
         UsageError: a variable holds a word its switch does not take (every such variable listed).
     """
+    from shardsmith.runtime.engine.cuda_graphs import COMPILE_ENV
     from shardsmith.runtime.layers.kernels.fp8_linear import SPLIT_SUM_ENV, SUMS
+    from shardsmith.runtime.layers.kernels.fused_moe import PATHS
 
     problems = [f"{var}={os.environ[var]!r}: expected auto, kernel or {off}" for var, off in KERNEL_SWITCHES.items()
                 if os.environ.get(var, "") not in ("", "auto", "kernel", off)]
-    if os.environ.get(SPLIT_SUM_ENV, "") not in ("", *SUMS):
-        problems.append(f"{SPLIT_SUM_ENV}={os.environ[SPLIT_SUM_ENV]!r}: expected {' or '.join(SUMS)}")
+    for var, words in ((SPLIT_SUM_ENV, SUMS), ("SHARDSMITH_MOE_PATH", PATHS), (COMPILE_ENV, ("0", "1"))):
+        if os.environ.get(var, "") not in ("", *words):
+            problems.append(f"{var}={os.environ[var]!r}: expected {' or '.join(words)}")
     if problems:
         raise UsageError("; ".join(problems))
 

@@ -44,6 +44,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -78,7 +79,10 @@ def available() -> bool:
     """Compile (once per machine, cached) and load the kernel; False, with one warning, if that fails."""
     if os.environ.get("SHARDSMITH_HOST_KERNEL", "1") == "0":
         return False
-    h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode())
+    # the build records this environment's include and library paths (torch's cpp_extension writes them
+    # into build.ninja), so two environments with the same torch get their own folders, not a rebuild each
+    h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode() + sys.prefix.encode() +
+                       str(Path(torch.__file__).parent).encode())
     for f in (*SOURCES, HEADER):
         h.update(f.read_bytes())
     key = h.hexdigest()[:16]
