@@ -105,6 +105,8 @@ def test_bad_options_fail_before_ranks_start(packs, args, match: str) -> None:
     ({"SHARDSMITH_DECODE_ATTENTION": "maybe", "SHARDSMITH_FP8_SPLIT_SUM": "both", "SHARDSMITH_MOE_PATH": "x"},
      "SHARDSMITH_DECODE_ATTENTION='maybe': expected auto, kernel or off; SHARDSMITH_FP8_SPLIT_SUM='both': "
      "expected fused or separate; SHARDSMITH_MOE_PATH='x': expected auto or grouped or pairs"),
+    ({"SHARDSMITH_HOST_ISA": "avx9000", "SHARDSMITH_HOST_KERNEL": "yes"},
+     "SHARDSMITH_HOST_KERNEL='yes': expected 0 or 1; SHARDSMITH_HOST_ISA='avx9000': this CPU supports scalar"),
     ({"SHARDSMITH_STEP_TRACE": "/nonexistent/dir/steps.jsonl"},
      "SHARDSMITH_STEP_TRACE='/nonexistent/dir/steps.jsonl': cannot append to it (No such file or directory)"),
 ])

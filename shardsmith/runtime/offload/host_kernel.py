@@ -163,6 +163,26 @@ def isas() -> tuple[str, ...]:
     return tuple(torch.ops.shardsmith_host.isas().split(",")) if available() else ()
 
 
+def check_settings() -> None:
+    """``SHARDSMITH_HOST_KERNEL`` (0 or 1) and ``SHARDSMITH_HOST_ISA`` (an instruction set this CPU's
+    flags allow), checked without building the kernel: for the CLI, before ranks start.
+
+    Raises:
+        UsageError: either names something else (every problem listed).
+    """
+    problems = []
+    if os.environ.get("SHARDSMITH_HOST_KERNEL", "") not in ("", "0", "1"):
+        problems.append(f"SHARDSMITH_HOST_KERNEL={os.environ['SHARDSMITH_HOST_KERNEL']!r}: expected 0 or 1")
+    flags = set(_cpu_flags().split())
+    allowed = ["scalar"] + [isa for isa, need in (("avx2", {"avx2", "fma", "f16c"}), ("avx512", {"avx512f", "avx512bw"}))
+                            if need <= flags]
+    want = os.environ.get(ISA_ENV, "")
+    if want and want not in allowed:
+        problems.append(f"{ISA_ENV}={want!r}: this CPU supports {', '.join(allowed)}")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
 def default_isa() -> str:
     """``$SHARDSMITH_HOST_ISA`` if set, else the best of :func:`isas`.
 
