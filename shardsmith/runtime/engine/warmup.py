@@ -17,6 +17,8 @@ offload runtime                        ``apply_slots`` over the slot pool       
 V4 ``Attention``                       ``warm_kernel`` -> ``sink_attention``         1 (column counts,
                                                                                    rows and splits are
                                                                                    not specialised)
+V4 ``Compressor``                      ``warm_kernel`` -> ``compressor_step``        1 (on a scratch copy
+                                                                                   of one slot's state)
 =====================================  ==========================================  ===================
 
 Modules with the same weight shapes, dtypes and block share variants and are warmed once. Nothing
@@ -83,7 +85,7 @@ def warm_kernels(model: torch.nn.Module, *, max_rows: int, top_k: int, dtype: to
             else:
                 fused_bank(x, ids, weight, m.arrays(), m.math, m.block)
             launches += 1
-    for m in model.modules():  # DeepSeek-V4's decode attention (sink_attention)
+    for m in model.modules():  # DeepSeek-V4's decode attention (sink_attention), compressors (compressor_step)
         if getattr(m, "kernel", False) and hasattr(m, "warm_kernel"):
             launches += m.warm_kernel(seen)
     if launches and device.type == "cuda":

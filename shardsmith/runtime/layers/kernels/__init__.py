@@ -18,6 +18,10 @@ kernel                   replaces (the reference)            what it reads
 :func:`indexer_scores`   :func:`indexer_scores_reference`:   a CSA layer's compressed entries straight
                          V4's indexer (gather, float32       from the indexer's buffer, scored against
                          einsum, relu, weighted head sum)    every index head with ``tl.dot``
+:func:`compressor_step`  :func:`compressor_step_reference`:  each row's new kv/gate into its window; the
+                         V4's compressor decode step         window (and CSA carry) pooled, normed and
+                         (gathers, softmax pool, RMSNorm,    roped into an entry only on the rows that
+                         RoPE, index_puts: 22-30 kernels)    complete it (one program per row)
 =======================  ==================================  ===========================================
 
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on
@@ -30,7 +34,8 @@ Compiles: each kernel compiles a bounded set of variants whatever the prompt len
 ``runtime/engine/warmup.py``, launches every variant at start).
 
 Wiring (``runtime/layers``): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and
-calls ``fp8_linear``; V4's ``Attention.decode_core`` calls ``sink_attention`` (and ``Indexer.step`` ``indexer_scores``); an ``ExpertBank``
+calls ``fp8_linear``; V4's ``Attention.decode_core`` calls ``sink_attention`` (and ``Indexer.step``
+``indexer_scores``, ``Compressor.step`` ``compressor_step``); an ``ExpertBank``
 (resident) and the offload runtime's slot steps (the expert
 cache's pool, slot ids for expert ids) call ``fused_experts`` through ``experts.fused_bank`` for
 decode batches of up to 16 tokens; Mixtral-family bf16 banks pass ``gate_up`` and ``down`` alone

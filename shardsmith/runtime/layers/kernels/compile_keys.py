@@ -86,7 +86,7 @@ class _Recorder:
 @contextlib.contextmanager
 def record_launches(*, run: bool = False) -> Iterator[list[tuple]]:
     """Record the compile key of every launch of the kernels behind ``fp8_linear``, ``fused_experts``,
-    ``sink_attention`` and ``indexer_scores`` while the block runs; without ``run`` nothing is launched (the wrappers'
+    ``sink_attention``, ``indexer_scores`` and ``compressor_step`` while the block runs; without ``run`` nothing is launched (the wrappers'
     outputs are then uninitialised).
 
     Yields:
@@ -98,11 +98,12 @@ def record_launches(*, run: bool = False) -> Iterator[list[tuple]]:
         ...     fp8_linear(x, w, scale, backend="triton")
         >>> len(set(keys))  # doctest: +SKIP
     """
-    from shardsmith.runtime.layers.kernels import _fp8_triton, _indexer_triton, _moe_triton, _sink_attention_triton
+    from shardsmith.runtime.layers.kernels import (_compressor_triton, _fp8_triton, _indexer_triton, _moe_triton,
+                                                   _sink_attention_triton)
 
     keys: list[tuple] = []
     saved = []
-    for mod in (_fp8_triton, _moe_triton, _sink_attention_triton, _indexer_triton):
+    for mod in (_fp8_triton, _moe_triton, _sink_attention_triton, _indexer_triton, _compressor_triton):
         for name, obj in list(vars(mod).items()):
             if name.endswith("_kernel") or name.startswith("_sum_splits"):
                 if hasattr(obj, "fn") and not isinstance(obj, _Recorder):

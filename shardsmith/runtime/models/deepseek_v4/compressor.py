@@ -30,9 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardsmith.runtime.layers.kernels.compressor_step import compressor_step
 from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
-from shardsmith.runtime.layers.parallel import Shards
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, apply_rope_pairs, rope_cos_sin
+from shardsmith.runtime.layers.parallel import Shards, kernel_switch
+from shardsmith.runtime.models.deepseek_v4.ops import (
+    RMSNorm,
+    apply_rope,
+    rope_cos_sin,
+)
 from shardsmith.runtime.models.deepseek_v4.rows import NEG_INF, DecodeRows
 
 
@@ -70,6 +75,7 @@ class Compressor(nn.Module):
         self.register_buffer("ape", torch.empty(ratio, self.width, dtype=torch.float32, device="meta"))
         self.norm = RMSNorm(dim, eps)
         self.buf = self.buf_kv = self.buf_gate = self.prev_kv = self.prev_gate = self.entries = None
+        self.kernel = False  # step through the Triton kernel (use_kernel_)
 
     def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype, *,
                  entries: torch.Tensor | None = None) -> None:
@@ -133,26 +139,40 @@ class Compressor(nn.Module):
         """Take one token per row: row ``i`` of ``kv_gate`` ``[B, 2, width]`` (:meth:`project`) is slot
         ``rows.index[i]``'s token at ``rows.positions[i]`` (padding rows: the scratch slot's).
 
-        Device-only, static shapes: every row pools its slot's pending window as if complete, and the
-        rows that complete it (``position % r == r - 1``, real; :meth:`DecodeRows.completion`) keep the
-        result, others write back what was there: ``entries[index, entry] = where(done, new, old)``,
-        the CSA carry ``prev_kv/prev_gate`` likewise. No host branch, no host value. Needs ``E > 0``
-        (the caller skips a compressor without entries).
+        Device-only, static shapes, no host value: the rows that complete their window (``position %
+        r == r - 1``, real; :meth:`DecodeRows.completion`) write its pooled entry and (CSA) the carry
+        ``prev_kv/prev_gate``: :func:`compressor_step`, one Triton launch on CUDA (its reference on
+        CPU, or with ``SHARDSMITH_COMPRESSOR_STEP=off``: every row pools as if complete and keeps the
+        result where done). Needs ``E > 0`` (the caller skips a compressor without entries).
         """
-        index = rows.index
-        self.buf[index, rows.column(self.ratio)] = kv_gate
         done, entry, cs, sn = rows.completion(self.ratio)
-        window = self.buf[index]  # [B, r, 2, width]
-        kv_w, gate_w = window[:, :, 0], window[:, :, 1] + self.ape  # [B, r, width]; gate float32
-        prev = (None, None)
-        if self.overlap:
-            d = self.dim
-            prev = (self.prev_kv[index], self.prev_gate[index])  # copies (advanced indexing): read before the update
-            keep = done[:, None, None]
-            self.prev_kv[index] = torch.where(keep, kv_w[..., :d], prev[0])
-            self.prev_gate[index] = torch.where(keep, gate_w[..., :d], prev[1])
-        new = apply_rope_pairs(self._pool(kv_w, gate_w, *prev), cs, sn)  # [B, d]
-        self.entries[index, entry] = torch.where(done[:, None], new, self.entries[index, entry])
+        compressor_step(kv_gate, self.buf, self.ape, self.norm.weight, self.entries, rows.index,
+                        rows.column(self.ratio), done, entry, cs, sn, self.prev_kv, self.prev_gate,
+                        eps=self.norm.eps, backend="auto" if self.kernel else "reference")
+
+    def use_kernel_(self, device: torch.device) -> None:
+        """Run :meth:`step` through :func:`compressor_step`'s Triton kernel when
+        ``SHARDSMITH_COMPRESSOR_STEP`` allows on ``device`` (``auto``: on CUDA; ``off``: its PyTorch
+        reference, the same maths in about 22-30 launches)."""
+        self.kernel = kernel_switch("SHARDSMITH_COMPRESSOR_STEP", "off", device)
+
+    def warm_kernel(self, seen: set) -> int:
+        """Launch :func:`compressor_step` once on a one-slot scratch copy of this compressor's state
+        (no sequence slot touched), so its kernel compiles before serving (``engine/warmup.py``),
+        unless a compressor of the same variant did (``seen``); returns the launches (0 or 1)."""
+        key = ("compressor_step", self.ratio, self.dim, self.overlap, self.buf.dtype, self.freqs.shape[0])
+        if key in seen:
+            return 0
+        seen.add(key)
+        dev, dt, r, d = self.buf.device, self.buf.dtype, self.ratio, self.dim
+        one = torch.zeros(1, dtype=torch.int64, device=dev)
+        cs = torch.zeros(1, 2 * self.freqs.shape[0], device=dev)
+        prev = (torch.zeros(1, r, d, dtype=dt, device=dev), torch.zeros(1, r, d, device=dev)) if self.overlap \
+            else (None, None)
+        compressor_step(torch.zeros(1, 2, self.width, dtype=dt, device=dev), torch.zeros_like(self.buf[:1]),
+                        self.ape, self.norm.weight, torch.zeros(1, 1, d, dtype=dt, device=dev), one, one,
+                        torch.ones(1, dtype=torch.bool, device=dev), one, cs, cs, *prev, eps=self.norm.eps)
+        return 1
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
               prev_gate: torch.Tensor | None) -> torch.Tensor:
