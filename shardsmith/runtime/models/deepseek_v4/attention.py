@@ -278,10 +278,9 @@ class Attention(nn.Module):
         """Run the decode core's attention through :func:`sink_attention`'s Triton kernels when
         ``SHARDSMITH_DECODE_ATTENTION`` allows on ``device`` (``auto``: on CUDA; ``off``: the PyTorch
         path), and with it a CSA layer's index scores through :func:`indexer_scores` when
-        ``SHARDSMITH_INDEXER_SCORES`` asks (``auto`` or ``kernel``; off by default until measured on a GPU)."""
+        ``SHARDSMITH_INDEXER_SCORES`` allows (``auto``, the default, or ``kernel``; ``off``: its reference)."""
         self.kernel = kernel_switch("SHARDSMITH_DECODE_ATTENTION", "off", device)
-        # written and tested under the interpreter, not yet run on a GPU (2026-12-02): opt-in until measured
-        self.index_kernel = self.kernel and kernel_switch("SHARDSMITH_INDEXER_SCORES", "off", device, default="off")
+        self.index_kernel = self.kernel and kernel_switch("SHARDSMITH_INDEXER_SCORES", "off", device)
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""
