@@ -51,9 +51,9 @@ def _window_rows(buf_row, ape_ptr, pkv_row, pg_row, j, cols, c_mask,
     return kv, tl.where(r_mask[:, None], gate, float("-inf"))
 
 
-@triton.jit(do_not_specialize=["stride_en", "stride_ee"])
+@triton.jit(do_not_specialize=["stride_kb", "stride_en", "stride_ee"])
 def _compressor_step_kernel(kvg_ptr, buf_ptr, ape_ptr, w_ptr, ent_ptr, idx_ptr, col_ptr, done_ptr, entry_ptr,
-                            cs_ptr, sn_ptr, pkv_ptr, pg_ptr, eps, stride_en, stride_ee,
+                            cs_ptr, sn_ptr, pkv_ptr, pg_ptr, eps, stride_kb, stride_en, stride_ee,
                             R: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, OVERLAP: tl.constexpr,
                             BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     WIDTH: tl.constexpr = 2 * D if OVERLAP else D
@@ -65,8 +65,8 @@ def _compressor_step_kernel(kvg_ptr, buf_ptr, ape_ptr, w_ptr, ent_ptr, idx_ptr, 
     offs = tl.arange(0, BLOCK_W)
     w_mask = offs < WIDTH
     new_row = buf_row + tl.load(col_ptr + b) * 2 * WIDTH
-    tl.store(new_row + offs, tl.load(kvg_ptr + b * 2 * WIDTH + offs, mask=w_mask), mask=w_mask)
-    tl.store(new_row + WIDTH + offs, tl.load(kvg_ptr + b * 2 * WIDTH + WIDTH + offs, mask=w_mask), mask=w_mask)
+    tl.store(new_row + offs, tl.load(kvg_ptr + b * stride_kb + offs, mask=w_mask), mask=w_mask)
+    tl.store(new_row + WIDTH + offs, tl.load(kvg_ptr + b * stride_kb + WIDTH + offs, mask=w_mask), mask=w_mask)
     if tl.load(done_ptr + b) != 0:
         tl.debug_barrier()  # the row just stored is read back below
         cols = tl.arange(0, BLOCK_D)
@@ -101,7 +101,7 @@ def _compressor_step_kernel(kvg_ptr, buf_ptr, ape_ptr, w_ptr, ent_ptr, idx_ptr, 
         pairs = tl.arange(0, ROPE)
         at = D - ROPE + pairs
         x = tl.load(ent_row + at).to(tl.float32)
-        partner = tl.load(ent_row + (at ^ 1)).to(tl.float32)  # the pair's other channel (pairs start even)
+        partner = tl.load(ent_row + D - ROPE + (pairs ^ 1)).to(tl.float32)  # the pair's other channel
         rotated = x * tl.load(cs_ptr + b * ROPE + pairs) + partner * tl.load(sn_ptr + b * ROPE + pairs)
         tl.debug_barrier()  # every thread's reads of the unrotated row done
         tl.store(ent_row + at, rotated.to(dt))
@@ -119,7 +119,8 @@ def _compressor_step_kernel(kvg_ptr, buf_ptr, ape_ptr, w_ptr, ent_ptr, idx_ptr, 
 
 def launch(kv_gate, buf, ape, weight, entries, index, column, done_u8, entry, cs, sn, prev_kv, prev_gate, *,
            eps: float) -> None:
-    """One program per row of ``kv_gate [B, 2, width]`` (shapes: ``compressor_step``'s module table)."""
+    """One program per row of ``kv_gate [B, 2, width]`` (rows may be strided; each row's ``[2, width]``
+    contiguous), shapes as ``compressor_step``'s module table."""
     B = kv_gate.shape[0]
     _, r, _, width = buf.shape
     d = entries.shape[-1]
@@ -127,6 +128,7 @@ def launch(kv_gate, buf, ape, weight, entries, index, column, done_u8, entry, cs
     rows = (2 if overlap else 1) * r
     _compressor_step_kernel[(B,)](
         kv_gate, buf, ape, weight, entries, index, column, done_u8, entry, cs, sn,
-        prev_kv if overlap else buf, prev_gate if overlap else ape, eps, entries.stride(0), entries.stride(1),
+        prev_kv if overlap else buf, prev_gate if overlap else ape, eps, kv_gate.stride(0), entries.stride(0),
+        entries.stride(1),
         R=r, D=d, ROPE=cs.shape[1], OVERLAP=overlap, BLOCK_W=triton.next_power_of_2(width),
         BLOCK_D=triton.next_power_of_2(d), BLOCK_R=min(8, triton.next_power_of_2(rows)), num_warps=4)

@@ -112,19 +112,21 @@ def _check(kv_gate, buf, ape, weight, entries, index, column, done, entry, cs, s
                         or prev_gate.dtype != torch.float32):
             problems.append(f"prev_kv {tuple(prev_kv.shape)}, prev_gate {tuple(prev_gate.shape)} {prev_gate.dtype}: "
                             f"want [{N}, {r}, {d}], the gate float32")
-    B = kv_gate.shape[0] if kv_gate.dim() else -1
+    B = kv_gate.shape[0] if kv_gate.dim() == 3 else -1
     for name, t, dtype in (("index", index, torch.int64), ("column", column, torch.int64),
                            ("done", done, torch.bool), ("entry", entry, torch.int64)):
         if tuple(t.shape) != (B,) or t.dtype != dtype:
             problems.append(f"{name} {tuple(t.shape)} {t.dtype}: want [{B}] {dtype}")
-    if cs.shape != sn.shape or cs.dim() != 2 or cs.shape[0] != B or cs.shape[1] % 2 or \
-            entries.dim() == 3 and cs.shape[1] > entries.shape[-1]:
-        problems.append(f"cs {tuple(cs.shape)}, sn {tuple(sn.shape)}: want [{B}, R], R even and <= d")
+    if cs.shape != sn.shape or cs.dim() != 2 or cs.shape[0] != B or cs.shape[1] % 2 or cs.shape[1] < 2 or \
+            entries.dim() == 3 and cs.shape[1] > entries.shape[-1] or \
+            cs.dtype != torch.float32 or sn.dtype != torch.float32:
+        problems.append(f"cs {tuple(cs.shape)} {cs.dtype}, sn {tuple(sn.shape)} {sn.dtype}: want [{B}, R] float32, "
+                        "R even, 2 <= R <= d")
     kinds = (torch.bfloat16, torch.float16, torch.float32)
-    if buf.dtype not in kinds or kv_gate.dtype != buf.dtype or entries.dtype != buf.dtype or \
-            prev_kv is not None and prev_kv.dtype != buf.dtype:
-        problems.append(f"kv_gate {kv_gate.dtype}, buf {buf.dtype}, entries {entries.dtype}: one of bfloat16, "
-                        "float16, float32")
+    named = [("kv_gate", kv_gate), ("buf", buf), ("entries", entries)] + ([("prev_kv", prev_kv)] if prev_kv is not None
+                                                                          else [])
+    if buf.dtype not in kinds or any(t.dtype != buf.dtype for _, t in named):
+        problems.append(", ".join(f"{n} {t.dtype}" for n, t in named) + ": one dtype of bfloat16, float16, float32")
     tensors = (kv_gate, buf, ape, weight, entries, index, column, done, entry, cs, sn,
                *(t for t in (prev_kv, prev_gate) if t is not None))
     if len({t.device for t in tensors}) != 1:
@@ -140,8 +142,10 @@ def compressor_step(kv_gate: torch.Tensor, buf: torch.Tensor, ape: torch.Tensor,
     """Take one token per row into its slot's window; done rows write their pooled entry (in place).
 
     Real rows must hold distinct slots (padding rows may share the scratch slot: its state is
-    garbage but finite). No host sync and shapes fixed by the inputs, so calls can be captured in a
-    CUDA graph.
+    garbage but finite); ``index < N``, ``column < r`` and ``entry < E`` are the caller's to keep
+    (:class:`~shardsmith.runtime.models.deepseek_v4.rows.DecodeRows` builds them so): the kernel
+    reads no host value and checks no index, where the reference raises ``IndexError``. No host
+    sync and shapes fixed by the inputs, so calls can be captured in a CUDA graph.
 
     Args:
         kv_gate, buf, ape, weight, entries, index, column, done, entry, cs, sn, prev_kv, prev_gate: as
@@ -169,7 +173,9 @@ def compressor_step(kv_gate: torch.Tensor, buf: torch.Tensor, ape: torch.Tensor,
     if cs.shape[1] & (cs.shape[1] - 1):
         raise KernelError(f"compressor_step: rope dims {cs.shape[1]}: the kernel takes a power of two")
     # read-only inputs made contiguous (the kernel reads them by element offset)
-    kv_gate, ape, weight, cs, sn = (t.contiguous() for t in (kv_gate, ape, weight, cs, sn))
+    if kv_gate.stride(2) != 1 or kv_gate.stride(1) != kv_gate.shape[2]:  # rows may be strided (a merged GEMM's)
+        kv_gate = kv_gate.contiguous()
+    ape, weight, cs, sn = (t.contiguous() for t in (ape, weight, cs, sn))
     index, column, entry = index.contiguous(), column.contiguous(), entry.contiguous()
     _compressor_triton.launch(kv_gate, buf, ape, weight, entries, index, column, done.contiguous().view(torch.uint8),
                               entry, cs, sn, prev_kv, prev_gate, eps=eps)
