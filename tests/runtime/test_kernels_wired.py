@@ -135,7 +135,8 @@ def test_cpu_load_keeps_the_dequantize_path(tiny, monkeypatch):
 def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, name, dtype):
     """Same logits (prefill, then decode steps teacher-forced on the dequantize path's greedy tokens);
     the FP8 linears stay FP8 and the decode steps' experts run ``fused_experts``; V4's compressors step
-    through ``compressor_step``'s kernel (four steps: the last completes a ratio-4 window)."""
+    through ``compressor_step``'s kernel (four steps: the last completes a ratio-4 window) with the
+    attention's projections of x merged."""
     from shardsmith.runtime.models.deepseek_v4 import compressor as v4_compressor
 
     calls, steps_by = [], []
@@ -154,6 +155,10 @@ def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, name, dtype):
     assert len(calls) == (steps + 1) * len(banks)  # the 8-token prefill (16 pairs) and every decode step
     if name == "deepseek-v4":  # every compressor step through the kernel, some completing a window
         assert steps_by and all(backend == "auto" for backend, _ in steps_by) and any(done for _, done in steps_by)
+        for layer in eng.model.layers:  # x's projections merged (wq_a | wkv; the compressors'), the linears views
+            attn = layer.attn
+            assert attn.x_fp8 is not None and attn.wkv.weight.data_ptr() == attn.x_fp8[0][-attn.head_dim:].data_ptr()
+            assert (attn.x_dense is not None) == (attn.compressor is not None)
     tol = 2e-5 if dtype == torch.float32 else 4e-2
     for r, g in zip(ref, got):
         err = ((g - r).abs().max() / r.abs().max()).item()

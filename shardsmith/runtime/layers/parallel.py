@@ -133,7 +133,7 @@ KERNEL_SWITCHES = {"SHARDSMITH_FP8_DENSE": "dequantize", "SHARDSMITH_FUSED_EXPER
 
 def check_kernel_switches() -> None:
     """Every kernel switch's value (:data:`KERNEL_SWITCHES`, ``SHARDSMITH_FP8_SPLIT_SUM``,
-    ``SHARDSMITH_MOE_PATH``, ``SHARDSMITH_COMPILE_PIECES``), checked before ranks start, so a typo is
+    ``SHARDSMITH_MOE_PATH``, ``SHARDSMITH_COMPILE_PIECES``, ``SHARDSMITH_MERGE_PROJECTIONS``), checked before ranks start, so a typo is
     refused at once and not at load, at the first kernel call, or never (a switch the model does not use).
 
     Raises:
@@ -145,7 +145,8 @@ def check_kernel_switches() -> None:
 
     problems = [f"{var}={os.environ[var]!r}: expected auto, kernel or {off}" for var, off in KERNEL_SWITCHES.items()
                 if os.environ.get(var, "") not in ("", "auto", "kernel", off)]
-    for var, words in ((SPLIT_SUM_ENV, SUMS), ("SHARDSMITH_MOE_PATH", PATHS), (COMPILE_ENV, ("0", "1"))):
+    for var, words in ((SPLIT_SUM_ENV, SUMS), ("SHARDSMITH_MOE_PATH", PATHS), (COMPILE_ENV, ("0", "1")),
+                       ("SHARDSMITH_MERGE_PROJECTIONS", ("0", "1"))):
         if os.environ.get(var, "") not in ("", *words):
             problems.append(f"{var}={os.environ[var]!r}: expected {' or '.join(words)}")
     if problems:

@@ -41,18 +41,23 @@ S = window keys, C = compressed entries, G = local output groups, o = o_lora_ran
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear
 from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
 from shardsmith.runtime.layers.kernels.sink_attention import sink_attention
-from shardsmith.runtime.layers.parallel import Shards, kernel_switch
+from shardsmith.runtime.layers.parallel import ReplicatedLinear, Shards, _Linear, kernel_switch
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
 from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec
 
 QUERY_CHUNK = 1024
+MERGE_ENV = "SHARDSMITH_MERGE_PROJECTIONS"  # 1 (default) or 0: Attention.fuse_projections_
 
 
 class Attention(nn.Module):
@@ -92,6 +97,7 @@ class Attention(nn.Module):
         self.keys = self.win = None  # set by allocate
         self.max_seq_len = 0
         self.kernel = self.index_kernel = False  # decode attention / index scores through Triton (use_kernel_)
+        self.x_fp8 = self.x_dense = None  # merged projections of x (fuse_projections_)
 
     def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
         """Preallocate every slot's state in ``dtype``: the key buffer ``keys`` ``[N, 1 + W + E, d]``
@@ -119,6 +125,41 @@ class Attention(nn.Module):
             self.compressor.allocate(num_slots, max_seq_len, device, dtype, entries=self.keys[:, 1 + W:])
         if self.indexer is not None:
             self.indexer.compressor.allocate(num_slots, max_seq_len, device, dtype)
+        self.fuse_projections_()
+
+    def fuse_projections_(self) -> None:
+        """Merge the projections of the layer input ``x`` that share a format into one weight each, so a
+        decode step reads each group in one launch (on the kernel path, CUDA; once the weights are final):
+
+        ===========  =====================================================  ===========================
+        group        weights, in order (rows concatenated)                  when
+        ===========  =====================================================  ===========================
+        ``x_fp8``    ``wq_a [q_lora, D] | wkv [d, D]`` and their scales     both kernel FP8 linears,
+                                                                            rows in whole scale blocks
+        ``x_dense``  ``compressor.wkv | .wgate`` (``[width, D]`` each),     the compressor steps
+                     then the indexer's ``compressor.wkv | .wgate`` and     through its kernel
+                     ``weights_proj [h, D]``
+        ===========  =====================================================  ===========================
+
+        Only replicated weights without bias are merged. Each linear keeps a view of its rows of the
+        merged weight (no extra memory; prefill still calls it alone). The merged product is the
+        same sums as the separate ones (each output row's dot over ``D``) in a different launch, so
+        equal within float32 summation order, not bitwise. ``SHARDSMITH_MERGE_PROJECTIONS=0`` keeps them apart
+        (to compare)."""
+        if self.x_fp8 is not None or self.x_dense is not None or os.environ.get(MERGE_ENV, "1") == "0":
+            return
+        fp8 = [self.wq_a, self.wkv]
+        if all(type(m) is ReplicatedLinear and m.kernel and m.bias is None and m.block == fp8[0].block
+               and m.weight.shape[0] % m.block[0] == 0 and m.weight_scale_inv.dtype == fp8[0].weight_scale_inv.dtype
+               for m in fp8):
+            self.x_fp8 = (_merge_rows(fp8, "weight"), _merge_rows(fp8, "weight_scale_inv"))
+        if self.compressor is not None and self.compressor.kernel:
+            dense = [self.compressor.wkv, self.compressor.wgate]
+            if self.indexer is not None:
+                dense += [self.indexer.compressor.wkv, self.indexer.compressor.wgate, self.indexer.weights_proj]
+            if all(type(m) is ReplicatedLinear and m.block is None and m.bias is None
+                   and m.weight.dtype == dense[0].weight.dtype for m in dense):
+                self.x_dense = _merge_rows(dense, "weight")
 
     def state(self) -> list[torch.Tensor]:
         """The preallocated per-slot state tensors of this layer (window ring, compressors)."""
@@ -181,16 +222,32 @@ class Attention(nn.Module):
         False): its compressors project the chunk themselves.
         """
         T, d = x.shape[0], self.head_dim
-        q_lora = self.q_norm(self.wq_a(x))  # [T, q_lora]
+        if self.x_fp8 is not None:  # wq_a | wkv in one launch (fuse_projections_)
+            q_a, kv = fp8_linear(x, *self.x_fp8, self.wq_a.block, backend="triton").split(
+                (self.wq_a.weight.shape[0], d), dim=-1)
+        else:
+            q_a, kv = self.wq_a(x), self.wkv(x)
+        q_lora = self.q_norm(q_a)  # [T, q_lora]
         q = rms_unweighted(self.wq_b(q_lora).view(T, self.n_heads, d), self.eps)  # [T, n, d]
         q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, d]
+        kv = apply_rope(self.kv_norm(kv), cos, sin)  # [T, d]
         out = (q, kv, q_lora)
-        if side and self.indexer is not None:
-            out += self.indexer.project(x, q_lora, cos, sin)
-        if side and self.compressor is not None:
-            out += (self.compressor.project(x),)
-        return out
+        if not side or self.compressor is None:
+            return out
+        if self.x_dense is None:
+            if self.indexer is not None:
+                out += self.indexer.project(x, q_lora, cos, sin)
+            return out + (self.compressor.project(x),)
+        # the compressors' kv | gate rows and the indexer's head weights in one GEMM (fuse_projections_)
+        y = F.linear(x, self.x_dense)
+        main = 2 * self.compressor.width
+        kv_gate = y[:, :main].view(T, 2, self.compressor.width)  # [T, 2, width]: stack((wkv x, wgate x), 1)
+        if self.indexer is not None:
+            ix = self.indexer
+            width = ix.compressor.width
+            ix_kv_gate = y[:, main:main + 2 * width].view(T, 2, width)
+            out += (ix_kv_gate, *ix.query(x, q_lora, cos, sin, weights=y[:, main + 2 * width:]))
+        return out + (kv_gate,)
 
     def core(self, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_lora: torch.Tensor,
              positions: torch.Tensor, start: int, slot: int) -> torch.Tensor:
@@ -307,6 +364,17 @@ class Attention(nn.Module):
             logits = logits.masked_fill(~mask, float("-inf"))
         probs = _sink_softmax(logits, self.attn_sink.float()[:, None, None])
         return torch.einsum("nts,sd->tnd", probs, k.float()).to(q.dtype)  # [T, n, d]
+
+
+def _merge_rows(linears: list[_Linear], name: str) -> torch.Tensor:
+    """Buffer ``name`` of ``linears`` concatenated on rows; each linear's buffer becomes a view of its rows."""
+    merged = torch.cat([m._buffers[name] for m in linears])
+    at = 0
+    for m in linears:
+        rows = m._buffers[name].shape[0]
+        m._buffers[name] = merged[at:at + rows]
+        at += rows
+    return merged
 
 
 def _sink_softmax(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

@@ -261,13 +261,14 @@ class Indexer(nn.Module):
         # ones, which the visibility bias hides again
         return torch.full_like(score, NEG_INF).scatter_(1, top, 0.0) + hidden
 
-    def query(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def query(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries ``q`` ``[T, h, c]`` (compressed-layer RoPE, ``cos``/``sin`` ``[T, rope_dim/2]``
-        at the query positions) and head weights ``w`` ``[T, h]`` float32 (``weights_proj(x) / sqrt(h)``)."""
+        at the query positions) and head weights ``w`` ``[T, h]`` float32 (``weights_proj(x) / sqrt(h)``;
+        ``weights``: ``weights_proj(x)`` already computed, e.g. in the attention's merged projection)."""
         T = x.shape[0]
         q = apply_rope(self.wq_b(q_lora).view(T, self.heads, self.head_dim), cos, sin)
-        return q, self.weights_proj(x).float() * self.heads ** -0.5
+        return q, (self.weights_proj(x) if weights is None else weights).float() * self.heads ** -0.5
 
     def _score(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Index scores ``[T, C]`` float32 of :meth:`query`'s ``q``, ``w`` over keys ``[C, c]`` (one
