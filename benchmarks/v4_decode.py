@@ -239,10 +239,13 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
             weights = TemplateWeights(weights, Path(t["ckpt"]), Path(t["work"]), layers=t["layers"],
                                       experts=t["experts"], kinds=t["kinds"])
         model = DeepseekV4.from_weights(weights, device=dev, dtype=getattr(torch, a["dtype"]),
-                                        max_seq_len=a["prompt"] + 2 * a["tokens"] + 8)
+                                        max_seq_len=a["max_seq_len"])
         use_kernels_(model, dev)  # as Engine.load does: on CUDA FP8 linears stay FP8, banks run fused_experts
         if a["fp8"] == "load":  # as Engine.load does by default
             dequantize_fp8_(model, getattr(torch, a["dtype"]))
+        # as Engine.load does: the cache set up after the kernels are chosen (V4's attention then merges its
+        # projections of x: Attention.fuse_projections_)
+        model.setup_cache(a["max_seq_len"], dev, getattr(torch, a["dtype"]))
         sync()
         barrier()
         ready = time.perf_counter() - t0
@@ -308,7 +311,7 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
     use_kernels_(model, dev)
     if a["fp8"] == "load":
         dequantize_fp8_(model, dtype)
-    model.setup_cache(a["prompt"] + 2 * a["tokens"] + 8, dev, dtype)
+    model.setup_cache(a["max_seq_len"], dev, dtype)
     rt.start()
     sync()
     barrier()
@@ -464,7 +467,9 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
+        max_seq_len = a.max_seq_len or a.prompt + 2 * a.tokens + 8
         opts = {"pack": str(pack), "device": a.device, "dtype": a.dtype, "prompt": a.prompt, "tokens": a.tokens,
+                "max_seq_len": max_seq_len,
                 "cache_fractions": a.cache_fraction, "hang_s": a.hang_s,
                 "profile": str(a.profile) if a.profile else None, "fp8": a.fp8, "template": template(a, ckpt)}
         try:
@@ -481,13 +486,16 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
         config = target_config(config, layers=t["layers"], experts=t["experts"], kinds=t["kinds"])
     args = V4Args.from_config(config)
     kernels = {v: os.environ.get(v, "auto") for v in ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS",
-                                                       "SHARDSMITH_DECODE_ATTENTION")}
+                                                       "SHARDSMITH_DECODE_ATTENTION", "SHARDSMITH_INDEXER_SCORES",
+                                                       "SHARDSMITH_COMPRESSOR_STEP")}
     kernels["SHARDSMITH_FP8_SPLIT_SUM"] = os.environ.get("SHARDSMITH_FP8_SPLIT_SUM", "fused")
+    kernels["SHARDSMITH_MERGE_PROJECTIONS"] = os.environ.get("SHARDSMITH_MERGE_PROJECTIONS", "1")
     row = {"tp": tp, "device": a.device, "dtype": a.dtype, "fp8": a.fp8, "kernels": kernels, "layers": args.n_layers, "layer_kinds": list(args.kinds),
            "experts": args.n_experts, "hidden": args.dim, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
-           "split_seconds": split_s}
+           "max_seq_len_tokens": max_seq_len, "split_seconds": split_s}
     row.update(summarize(ranks, args.kinds, a.tokens), run="resident")
-    common = {k: row[k] for k in ("device", "dtype", "fp8", "kernels", "layers", "experts", "hidden")}
+    common = {k: row[k] for k in ("device", "dtype", "fp8", "kernels", "layers", "experts", "hidden",
+                                  "max_seq_len_tokens")}
     graphed_s = max(r["graphed_decode_s"] for r in ranks)
     graphed = {"tp": tp, **common, "run": "resident graphs", "tokens_per_s": a.tokens / graphed_s,
                "ms_per_token": 1e3 * graphed_s / a.tokens, "tokens_match_eager": ranks[0]["graphed_tokens"] == ranks[0]["tokens"],
@@ -584,6 +592,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens")
+    ap.add_argument("--max-seq-len", type=int, default=None,
+                    help="positions per sequence slot (default prompt + 2 x tokens + 8); at 8192 every compressed "
+                         "layer has entries and a step attends over the smallest length bucket (512 positions: "
+                         "CSA 128 entries, HCA 4), as a served model would, where the default leaves HCA layers "
+                         "(ratio 128) without entries")
     ap.add_argument("--cache-fraction", type=float, action="append", default=[],
                     help="also decode with offloaded experts and a cache of this share of the TP=1 expert bytes")
     ap.add_argument("--fp8", choices=("load", "on-the-fly"), default="load",
