@@ -136,7 +136,7 @@ def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, name, dtype):
     """Same logits (prefill, then decode steps teacher-forced on the dequantize path's greedy tokens);
     the FP8 linears stay FP8 and the decode steps' experts run ``fused_experts``; V4's compressors step
     through ``compressor_step``'s kernel (four steps: the last completes a ratio-4 window) with the
-    attention's projections of x merged."""
+    attention's projections of x and the shared expert's w1 | w3 merged."""
     from shardsmith.runtime.models.deepseek_v4 import compressor as v4_compressor
 
     calls, steps_by = [], []
@@ -159,6 +159,8 @@ def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, name, dtype):
             attn = layer.attn
             assert attn.x_fp8 is not None and attn.wkv.weight.data_ptr() == attn.x_fp8[0][-attn.head_dim:].data_ptr()
             assert (attn.x_dense is not None) == (attn.compressor is not None)
+            w13 = layer.ffn.shared_w13  # the shared expert's w1 | w3
+            assert w13 is not None and layer.ffn.shared_experts.w3.weight.data_ptr() == w13[0][-w13[0].shape[0] // 2:].data_ptr()
     tol = 2e-5 if dtype == torch.float32 else 4e-2
     for r, g in zip(ref, got):
         err = ((g - r).abs().max() / r.abs().max()).item()

@@ -146,11 +146,28 @@ def check_kernel_switches() -> None:
     problems = [f"{var}={os.environ[var]!r}: expected auto, kernel or {off}" for var, off in KERNEL_SWITCHES.items()
                 if os.environ.get(var, "") not in ("", "auto", "kernel", off)]
     for var, words in ((SPLIT_SUM_ENV, SUMS), ("SHARDSMITH_MOE_PATH", PATHS), (COMPILE_ENV, ("0", "1")),
-                       ("SHARDSMITH_MERGE_PROJECTIONS", ("0", "1"))):
+                       (MERGE_ENV, ("0", "1"))):
         if os.environ.get(var, "") not in ("", *words):
             problems.append(f"{var}={os.environ[var]!r}: expected {' or '.join(words)}")
     if problems:
         raise UsageError("; ".join(problems))
+
+
+MERGE_ENV = "SHARDSMITH_MERGE_PROJECTIONS"  # 1 (default) or 0: models merge same-input projections on the kernel path
+
+
+def merge_rows(linears: list["_Linear"], name: str) -> torch.Tensor:
+    """Buffer ``name`` (``weight`` or ``weight_scale_inv``) of ``linears`` concatenated on rows (dim 0),
+    as one tensor a single launch reads; each linear's buffer becomes a view of its own rows, so the
+    merge costs no memory and the linears still run alone. Callers merge only linears that take the
+    same input, with the same format and no bias (a model's ``fuse_projections_``)."""
+    merged = torch.cat([m._buffers[name] for m in linears])
+    at = 0
+    for m in linears:
+        rows = m._buffers[name].shape[0]
+        m._buffers[name] = merged[at:at + rows]
+        at += rows
+    return merged
 
 
 def use_kernels_(model: nn.Module, device: torch.device) -> None:

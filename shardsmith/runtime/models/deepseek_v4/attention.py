@@ -50,14 +50,13 @@ from torch import nn
 from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear
 from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
 from shardsmith.runtime.layers.kernels.sink_attention import sink_attention
-from shardsmith.runtime.layers.parallel import ReplicatedLinear, Shards, _Linear, kernel_switch
+from shardsmith.runtime.layers.parallel import MERGE_ENV, ReplicatedLinear, Shards, kernel_switch, merge_rows
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
 from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec
 
 QUERY_CHUNK = 1024
-MERGE_ENV = "SHARDSMITH_MERGE_PROJECTIONS"  # 1 (default) or 0: Attention.fuse_projections_
 
 
 class Attention(nn.Module):
@@ -152,14 +151,14 @@ class Attention(nn.Module):
         if all(type(m) is ReplicatedLinear and m.kernel and m.bias is None and m.block == fp8[0].block
                and m.weight.shape[0] % m.block[0] == 0 and m.weight_scale_inv.dtype == fp8[0].weight_scale_inv.dtype
                for m in fp8):
-            self.x_fp8 = (_merge_rows(fp8, "weight"), _merge_rows(fp8, "weight_scale_inv"))
+            self.x_fp8 = (merge_rows(fp8, "weight"), merge_rows(fp8, "weight_scale_inv"))
         if self.compressor is not None and self.compressor.kernel:
             dense = [self.compressor.wkv, self.compressor.wgate]
             if self.indexer is not None:
                 dense += [self.indexer.compressor.wkv, self.indexer.compressor.wgate, self.indexer.weights_proj]
             if all(type(m) is ReplicatedLinear and m.block is None and m.bias is None
                    and m.weight.dtype == dense[0].weight.dtype for m in dense):
-                self.x_dense = _merge_rows(dense, "weight")
+                self.x_dense = merge_rows(dense, "weight")
 
     def state(self) -> list[torch.Tensor]:
         """The preallocated per-slot state tensors of this layer (window ring, compressors)."""
@@ -364,17 +363,6 @@ class Attention(nn.Module):
             logits = logits.masked_fill(~mask, float("-inf"))
         probs = _sink_softmax(logits, self.attn_sink.float()[:, None, None])
         return torch.einsum("nts,sd->tnd", probs, k.float()).to(q.dtype)  # [T, n, d]
-
-
-def _merge_rows(linears: list[_Linear], name: str) -> torch.Tensor:
-    """Buffer ``name`` of ``linears`` concatenated on rows; each linear's buffer becomes a view of its rows."""
-    merged = torch.cat([m._buffers[name] for m in linears])
-    at = 0
-    for m in linears:
-        rows = m._buffers[name].shape[0]
-        m._buffers[name] = merged[at:at + rows]
-        at += rows
-    return merged
 
 
 def _sink_softmax(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,16 @@ Legend: T = tokens, D = hidden, E = experts, K = experts per token, I_r = local 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.runtime.layers.experts import ExpertBank, ExpertMath, swiglu
-from shardsmith.runtime.layers.parallel import Shards, all_reduce
+from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear
+from shardsmith.runtime.layers.parallel import (MERGE_ENV, ColumnParallelLinear, ReplicatedLinear, Shards, all_reduce,
+                                                merge_rows)
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 
 BATCHED_PAIRS = 16  # (token, expert) pairs up to which experts are expanded together
@@ -54,6 +58,22 @@ class MoE(nn.Module):
         self.shared_experts.w3 = shards.linear(prefix + ".shared_experts.w3")
         self.shared_experts.w2 = shards.linear(prefix + ".shared_experts.w2", reduce=False)
         self.limit = args.swiglu_limit
+        self.shared_w13 = None  # (weight, scale) of w1 | w3 merged (fuse_projections_)
+
+    def fuse_projections_(self) -> None:
+        """Merge the shared expert's ``w1 [I_r, D]`` and ``w3 [I_r, D]`` (same input, both FP8 kernel
+        linears split alike: replicated or column-parallel) into one FP8 weight and scale, so a decode
+        step reads both in one :func:`fp8_linear` launch; the linears keep views of their rows. Once the
+        weights are final (the model's ``setup_cache``); ``SHARDSMITH_MERGE_PROJECTIONS=0`` keeps them
+        apart. Equal within float32 summation order (another split-K), not bitwise."""
+        se = self.shared_experts
+        pair = [se.w1, se.w3]
+        if self.shared_w13 is not None or os.environ.get(MERGE_ENV, "1") == "0":
+            return
+        if all(type(m) is type(se.w1) and type(m) in (ReplicatedLinear, ColumnParallelLinear) and m.kernel
+               and m.bias is None and m.block == se.w1.block and m.weight.shape[0] % m.block[0] == 0
+               and m.weight_scale_inv.dtype == se.w1.weight_scale_inv.dtype for m in pair):
+            self.shared_w13 = (merge_rows(pair, "weight"), merge_rows(pair, "weight_scale_inv"))
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index [T, K], weight [T, K] float32)`` for ``x`` ``[T, D]`` and token ids ``[T]``."""
@@ -74,6 +94,10 @@ class MoE(nn.Module):
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's partial ``[T, D]`` over this rank's intermediate share (not reduced)."""
         se = self.shared_experts
+        if self.shared_w13 is not None:  # w1 | w3 in one launch
+            gate, up = fp8_linear(x, *self.shared_w13, se.w1.block, backend="triton").split(
+                se.w1.weight.shape[0], dim=-1)
+            return se.w2(swiglu(gate, up, self.limit))
         return se.w2(swiglu(se.w1(x), se.w3(x), self.limit))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
