@@ -25,7 +25,11 @@ if not torch.cuda.is_available():
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
 from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
 from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
-from shardsmith.runtime.layers.kernels.hc_pre import hc_pre, hc_pre_reference, splits_for
+from shardsmith.runtime.layers.kernels.hc_pre import (
+    hc_pre,
+    hc_pre_reference,
+    splits_for,
+)
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 ITERS, EPS, NORM_EPS = 20, 1e-6, 1e-6
@@ -106,9 +110,8 @@ def test_reference_is_the_mixers_former_maths_bitwise():
 def test_mixer_through_the_kernel():
     """A ``HyperMixer`` with ``kernel`` on runs ``hc_pre`` up to 16 tokens and its former path past them
     (on CPU the reference: the same bits as with ``kernel`` off)."""
-    from shardsmith.runtime.models.deepseek_v4.hyper import HyperMixer
-
     from shardsmith.runtime.layers.kernels.compile_keys import record_launches
+    from shardsmith.runtime.models.deepseek_v4.hyper import HyperMixer
 
     mixer = HyperMixer(64, 4, ITERS, EPS, NORM_EPS)
     streams, mixer.fn, mixer.base, mixer.scale = _case(17, 4, 64, torch.bfloat16, seed=5)

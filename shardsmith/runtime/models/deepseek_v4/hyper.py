@@ -33,7 +33,6 @@ from shardsmith.runtime.layers.kernels.hc_pre import hc_pre
 from shardsmith.runtime.layers.parallel import kernel_switch
 from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
 
-
 HC_PRE_TOKENS = 16  # mixers of up to this many tokens run hc_pre when ``kernel`` is on (decode batches)
 
 
