@@ -25,11 +25,7 @@ if not torch.cuda.is_available():
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
 from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
 from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
-from shardsmith.runtime.layers.kernels.hc_pre import (
-    hc_pre,
-    hc_pre_reference,
-    splits_for,
-)
+from shardsmith.runtime.layers.kernels.hc_pre import hc_pre, hc_pre_reference, splits_for
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 ITERS, EPS, NORM_EPS = 20, 1e-6, 1e-6
