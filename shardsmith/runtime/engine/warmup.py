@@ -19,6 +19,9 @@ V4 ``Attention``                       ``warm_kernel`` -> ``sink_attention``    
                                                                                    not specialised)
 V4 ``Compressor``                      ``warm_kernel`` -> ``compressor_step``        1 (on a scratch copy
                                                                                    of one slot's state)
+V4 ``HyperMixer``                      ``warm_kernel`` -> ``hc_pre``                 1 (in ``dtype``; token
+                                                                                   and split counts are
+                                                                                   not specialised)
 =====================================  ==========================================  ===================
 
 Modules with the same weight shapes, dtypes and block share variants and are warmed once. Nothing
@@ -85,9 +88,9 @@ def warm_kernels(model: torch.nn.Module, *, max_rows: int, top_k: int, dtype: to
             else:
                 fused_bank(x, ids, weight, m.arrays(), m.math, m.block)
             launches += 1
-    for m in model.modules():  # DeepSeek-V4's decode attention (sink_attention), compressors (compressor_step)
-        if getattr(m, "kernel", False) and hasattr(m, "warm_kernel"):
-            launches += m.warm_kernel(seen)
+    for m in model.modules():  # DeepSeek-V4's decode attention (sink_attention), compressors (compressor_step),
+        if getattr(m, "kernel", False) and hasattr(m, "warm_kernel"):  # mixers (hc_pre)
+            launches += m.warm_kernel(seen, dtype=dtype)
     if launches and device.type == "cuda":
         torch.cuda.synchronize(device)
     return launches

@@ -22,6 +22,10 @@ kernel                   replaces (the reference)            what it reads
                          V4's compressor decode step         window (and CSA carry) pooled, normed and
                          (gathers, softmax pool, RMSNorm,    roped into an entry only on the rows that
                          RoPE, index_puts: 22-30 kernels)    complete it (one program per row)
+:func:`hc_pre`           :func:`hc_pre_reference`: V4's      the streams ``[T, m, D]`` and ``fn``
+                         whole mixer (RMS, ``F.linear``      ``[(2+m)*m, m*D]`` float32 once, split-K;
+                         against ``fn``, ``hc_mix``, the     the last program of each token tile adds
+                         weighted sum: 4-5 launches)         the partials, mixes and collapses
 =======================  ==================================  ===========================================
 
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on
@@ -35,7 +39,7 @@ Compiles: each kernel compiles a bounded set of variants whatever the prompt len
 
 Wiring (``runtime/layers``): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and
 calls ``fp8_linear``; V4's ``Attention.decode_core`` calls ``sink_attention`` (and ``Indexer.step``
-``indexer_scores``, ``Compressor.step`` ``compressor_step``); an ``ExpertBank``
+``indexer_scores``, ``Compressor.step`` ``compressor_step``; ``HyperMixer`` ``hc_pre``); an ``ExpertBank``
 (resident) and the offload runtime's slot steps (the expert
 cache's pool, slot ids for expert ids) call ``fused_experts`` through ``experts.fused_bank`` for
 decode batches of up to 16 tokens; Mixtral-family bf16 banks pass ``gate_up`` and ``down`` alone

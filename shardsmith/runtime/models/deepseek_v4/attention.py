@@ -310,10 +310,10 @@ class Attention(nn.Module):
         return sink_attention(q, self.keys, rows.index, biases, self.attn_sink, self.head_dim ** -0.5,
                               backend="auto" if self.kernel else "reference")  # [B, n, d]
 
-    def warm_kernel(self, seen: set) -> int:
+    def warm_kernel(self, seen: set, *, dtype: torch.dtype | None = None) -> int:
         """Launch :func:`sink_attention` (and on CSA layers :func:`indexer_scores`) once on zero queries
         against slot 0's keys (read only), so their kernels compile before serving (``engine/warmup.py``), unless a layer of the same variant did
-        (``seen``: what decides the variants); returns the launches (0 or 1)."""
+        (``seen``: what decides the variants); returns the launches (0 or 1). ``dtype``: unused (the keys' decides)."""
         n, d, W = self.n_heads, self.head_dim, self.window
         C = min(self.keys.shape[1] - 1 - W, 16) if self.indexer is not None else 0
         key = ("sink_attention", n, d, self.keys.dtype, C > 0, self.index_kernel, self.keys.stride())

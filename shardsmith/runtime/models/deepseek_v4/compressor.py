@@ -156,10 +156,11 @@ class Compressor(nn.Module):
         reference, the same maths in about 22-30 launches)."""
         self.kernel = kernel_switch("SHARDSMITH_COMPRESSOR_STEP", "off", device)
 
-    def warm_kernel(self, seen: set) -> int:
+    def warm_kernel(self, seen: set, *, dtype: torch.dtype | None = None) -> int:
         """Launch :func:`compressor_step` once on a one-slot scratch copy of this compressor's state
         (no sequence slot touched), so its kernel compiles before serving (``engine/warmup.py``),
-        unless a compressor of the same variant did (``seen``); returns the launches (0 or 1)."""
+        unless a compressor of the same variant did (``seen``); returns the launches (0 or 1).
+        ``dtype``: unused (the state's decides)."""
         key = ("compressor_step", self.ratio, self.dim, self.overlap, self.buf.dtype, self.freqs.shape[0])
         if key in seen:
             return 0

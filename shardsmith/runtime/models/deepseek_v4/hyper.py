@@ -16,7 +16,10 @@ comb        ``[T,m,m]`` ``softmax(f_comb * scale[2] + base_comb) + eps``, then S
 head mixer (``hc_head_*``) collapses the streams once more before the final norm. All mixers are
 replicated. The pre/post/comb maths (40 Sinkhorn half-steps on ``[T, m, m]``) is
 :func:`~shardsmith.runtime.layers.kernels.hc_mix.hc_mix`: one Triton program per token on CUDA (eagerly
-it is ~80 tiny kernels; ``torch.compile`` made it 5-6), its PyTorch reference elsewhere. Legend: T = tokens, m = streams, D = hidden.
+it is ~80 tiny kernels; ``torch.compile`` made it 5-6), its PyTorch reference elsewhere. With the
+``SHARDSMITH_HC_PRE`` switch on (``auto``: CUDA), a mixer of up to 16 tokens runs whole (norm,
+``fn`` projection, pre/post/comb, collapse) as :func:`~shardsmith.runtime.layers.kernels.hc_pre.hc_pre`,
+one split-K launch instead of 4-5. Legend: T = tokens, m = streams, D = hidden.
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
+from shardsmith.runtime.layers.kernels.hc_pre import hc_pre
+from shardsmith.runtime.layers.parallel import kernel_switch
 from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
+
+HC_PRE_TOKENS = 16  # mixers of up to this many tokens run hc_pre when ``kernel`` is on (decode batches)
 
 
 def _meta(*shape: int) -> torch.Tensor:
@@ -47,15 +54,38 @@ class HyperMixer(nn.Module):
         self.register_buffer("fn", _meta(width, mult * dim))
         self.register_buffer("base", _meta(width))
         self.register_buffer("scale", _meta(3))
+        self.kernel = False  # up to HC_PRE_TOKENS tokens through hc_pre (use_kernel_)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, m, D]`` -> ``(collapsed [T, D], post [T, m], comb [T, m, m])``."""
+        if self.kernel and streams.shape[0] <= HC_PRE_TOKENS:  # one launch; within float32 rounding of below
+            collapsed, _, post, comb = hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps,
+                                              self.norm_eps)
+            return collapsed, post, comb
         f = F.linear(rms_unweighted(streams.flatten(1).float(), self.norm_eps), self.fn)  # [T, (2+m)*m]
         # the kernel on CUDA only: on CPU the reference (TRITON_INTERPRET=1 in a test must not slow every model)
         pre, post, comb = hc_mix(f, self.base, self.scale, self.m, self.iters, self.eps,
                                  backend="auto" if f.is_cuda else "reference")
         collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
         return collapsed, post, comb
+
+    def use_kernel_(self, device: torch.device) -> None:
+        """Run mixers of up to ``HC_PRE_TOKENS`` tokens through :func:`hc_pre` when ``SHARDSMITH_HC_PRE``
+        allows on ``device`` (``auto``: on CUDA; ``off``: the RMS, ``F.linear``, ``hc_mix`` and sum above)."""
+        self.kernel = kernel_switch("SHARDSMITH_HC_PRE", "off", device)
+
+    def warm_kernel(self, seen: set, *, dtype: torch.dtype) -> int:
+        """Launch :func:`hc_pre` once on zero streams of ``dtype`` (the activations'), so its kernel
+        compiles before serving (``engine/warmup.py``; token and split counts are not specialised),
+        unless a mixer of the same variant did (``seen``); returns the launches (0 or 1)."""
+        m, D = self.m, self.fn.shape[1] // self.m
+        key = ("hc_pre", m, D, self.iters, dtype)
+        if key in seen:
+            return 0
+        seen.add(key)
+        hc_pre(torch.zeros(1, m, D, dtype=dtype, device=self.fn.device), self.fn, self.base, self.scale, self.iters,
+               self.eps, self.norm_eps)
+        return 1
 
 
 def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

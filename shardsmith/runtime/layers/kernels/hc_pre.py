@@ -1,0 +1,149 @@
+"""The whole hyper-connection mixer of a DeepSeek-V4 block before its sublayer, in one launch.
+
+From the residual streams ``streams [T, m, D]`` (paper §2.2, Xie et al. 2026; transformers
+``DeepseekV4HyperConnection``; ``HyperMixer`` in ``models/deepseek_v4/hyper.py``):
+
+==============  ===============  ==============================================================
+output          shape            formula
+==============  ===============  ==============================================================
+``f`` (inside)  ``[T, W]``       ``rms_unweighted(flatten(streams).float(), norm_eps) @ fn.T``
+                                 float32, ``rms_unweighted(x) = x * rsqrt(mean(x^2) + norm_eps)``
+pre, post,      ``[T, m]``,      :func:`~.hc_mix.hc_mix_reference` of ``f``, ``base``, ``scale``
+comb            ``[T, m]``,
+                ``[T, m, m]``
+collapsed       ``[T, D]``       ``sum_j pre[:, j] * streams[:, j]`` in float32, cast to
+                                 ``streams.dtype``: the sublayer's input
+==============  ===============  ==============================================================
+
+:func:`hc_pre_reference` is the PyTorch path the model ran (an RMS, ``F.linear`` against ``fn``
+``[W, m*D]`` float32, :func:`~.hc_mix.hc_mix`, a weighted sum: 4-5 launches on CUDA).
+:func:`hc_pre` is one Triton launch split over K = m * D (``_hc_triton``'s module docstring): the
+1.5 MB of V4's ``fn`` is read by about two waves of programs and the last program of each token tile
+finishes the maths. Its float32 dots add in another order than cuBLAS's and multiply by the norm
+after the dot (``r * (x @ fn.T)`` for ``(r * x) @ fn.T``): equal within float32 rounding, not bitwise;
+``collapsed`` within one rounding of its dtype.
+
+Legend: T = tokens, m = streams (``hc_mult``), D = hidden, K = m * D, W = (2 + m) * m mixer logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardsmith.runtime.layers.kernels._common import KernelError, sm_count, use_triton
+from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
+from shardsmith.runtime.layers.kernels.hc_mix import hc_mix_reference
+
+Pre = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+BLOCK_K = 64  # K elements per inner step of a program
+TILE_T = 4  # tokens per program (the finishing of a tile's tokens runs in one program)
+BLOCK_S = 64  # splits added per step by the finishing program
+BLOCK_D = 1024  # hidden channels per step of ``collapsed``
+
+
+def hc_pre_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                     eps: float, norm_eps: float) -> Pre:
+    """The PyTorch path :func:`hc_pre` replaces (module table): ``(collapsed [T, D], pre [T, m], post [T, m],
+    comb [T, m, m])``. The same torch ops as ``HyperMixer.forward`` on CPU, so the same bits."""
+    x = streams.flatten(1).float()
+    f = F.linear(x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + norm_eps).to(x.dtype), fn)  # ops.rms_unweighted
+    pre, post, comb = hc_mix_reference(f, base, scale, streams.shape[1], iters, eps)
+    collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
+    return collapsed, pre, post, comb
+
+
+def splits_for(tokens: int, k: int, *, sms: int, block_k: int = BLOCK_K, split_k: int | None = None) -> tuple[int, int]:
+    """``(splits, K steps of block_k per split)`` of a launch over ``tokens`` tokens and ``k = m * D``:
+    ``split_k`` (default: about two waves of ``sms`` multiprocessors over the ``ceil(tokens / TILE_T)``
+    token tiles) rounded to whole ``block_k`` steps per split; the last split may be short."""
+    k_blocks = -(-k // block_k)
+    if split_k is None:
+        split_k = -(-2 * sms // -(-tokens // TILE_T))
+    k_iters = -(-k_blocks // max(1, min(k_blocks, split_k)))
+    return -(-k_blocks // k_iters), k_iters
+
+
+def _check(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+           block_k: int) -> None:
+    problems = []
+    if streams.dim() != 3 or streams.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        problems.append(f"streams {tuple(streams.shape)} {streams.dtype}: want [T, m, D] bfloat16, float16 or float32")
+    else:
+        _, m, D = streams.shape
+        W = (2 + m) * m
+        for name, t, want in (("fn", fn, (W, m * D)), ("base", base, (W,)), ("scale", scale, (3,))):
+            if tuple(t.shape) != want or t.dtype != torch.float32:
+                problems.append(f"{name} {tuple(t.shape)} {t.dtype}: want {list(want)} float32")
+    if iters < 1:
+        problems.append(f"iters={iters} must be >= 1")
+    if block_k < 16 or block_k & (block_k - 1):
+        problems.append(f"block_k={block_k}: a power of two >= 16")
+    if len({t.device for t in (streams, fn, base, scale)}) != 1:
+        problems.append(f"streams, fn, base, scale on {streams.device}, {fn.device}, {base.device}, {scale.device}: "
+                        "one device")
+    if problems:
+        raise KernelError("hc_pre: " + "; ".join(problems))
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+           norm_eps: float, *, split_k: int | None = None, block_k: int = BLOCK_K, backend: str = "auto") -> Pre:
+    """:func:`hc_pre_reference` as one Triton launch: norm, projection, pre/post/comb and the collapse.
+
+    Built for decode (T = 1..16 tokens); any T runs, correct but not tuned past that (each program
+    reads the ``fn`` rows of its K chunk, so the token tiles read ``fn`` once each, mostly from L2).
+    Split-K over about two waves of the device's multiprocessors; the partials are added in a fixed
+    order (deterministic) by the last program of each ``TILE_T``-token tile, counted on the per-device
+    counters of :func:`~.fp8_linear.split_counters` (set back to 0 by the launch): calls must not
+    overlap on two streams of one device, with each other or with ``fp8_linear``. No host sync and
+    shapes fixed by the inputs, so calls can be captured in a CUDA graph (the counters must exist
+    first: a capture that would have to grow them runs the reference instead).
+
+    Args:
+        streams: ``[T, m, D]`` bfloat16, float16 or float32; fn: ``[(2+m)*m, m*D]`` float32; base:
+            ``[(2+m)*m]`` float32; scale: ``[3]`` float32; iters: Sinkhorn rounds (>= 1); eps: floor of
+            pre / comb and the Sinkhorn sums; norm_eps: the RMS epsilon.
+        split_k: K splits (default: from the multiprocessor count); block_k: K elements per step
+            (a power of two >= 16).
+        backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
+            ``triton`` or ``reference``.
+
+    Returns:
+        ``(collapsed [T, D] in streams.dtype, pre [T, m], post [T, m], comb [T, m, m])`` float32 but
+        ``collapsed``, fresh tensors.
+
+    Raises:
+        KernelError: shapes, dtypes or devices do not fit (every problem listed), or the backend cannot run.
+
+    Example:
+        >>> x, pre, post, comb = hc_pre(streams, mixer.fn, mixer.base, mixer.scale, 20, 1e-6, 1e-6)  # doctest: +SKIP
+    """
+    _check(streams, fn, base, scale, iters, block_k)
+    if not use_triton(streams, backend):
+        return hc_pre_reference(streams, fn, base, scale, iters, eps, norm_eps)
+    import triton
+
+    from shardsmith.runtime.layers.kernels import _hc_triton
+
+    T, m, D = streams.shape
+    W, dev = (2 + m) * m, streams.device
+    if streams.stride(2) != 1 or streams.stride(1) != D:
+        streams = streams.contiguous()
+    splits, k_iters = splits_for(T, m * D, sms=sm_count(dev), block_k=block_k, split_k=split_k)
+    tiles = -(-T // TILE_T)
+    counters = split_counters(dev, tiles) if T else None
+    if counters is None:  # no tokens, or a capture that would have to grow the counters
+        return hc_pre_reference(streams, fn, base, scale, iters, eps, norm_eps)
+    w_pad = triton.next_power_of_2(W + 1)  # column W: the partial sums of squares
+    ws = torch.empty((splits, T, w_pad), dtype=torch.float32, device=dev)
+    f = torch.empty((T, w_pad), dtype=torch.float32, device=dev)
+    pre = torch.empty((T, m), dtype=torch.float32, device=dev)
+    post = torch.empty((T, m), dtype=torch.float32, device=dev)
+    comb = torch.empty((T, m, m), dtype=torch.float32, device=dev)
+    out = torch.empty((T, D), dtype=streams.dtype, device=dev)
+    _hc_triton._hc_pre_kernel[(splits, tiles)](
+        streams, fn.contiguous(), base.contiguous(), scale.contiguous(), ws, f, counters, pre, post, comb, out,
+        T, splits, k_iters, streams.stride(0), float(eps), float(norm_eps),
+        M=m, D=D, BLOCK_M=triton.next_power_of_2(m), ITERS=iters, W=W, W_PAD=w_pad, TILE_T=TILE_T,
+        BLOCK_K=block_k, BLOCK_S=BLOCK_S, BLOCK_D=min(BLOCK_D, triton.next_power_of_2(D)), num_warps=4)
+    return out, pre, post, comb
