@@ -77,8 +77,8 @@ def test_matches_reference(T, m, D, dtype, split_k, block_k):
 
 
 def test_splits_for():
-    assert splits_for(1, 16384, sms=132) == (256, 1)  # V4, one token: 256 programs of 64
-    assert splits_for(16, 16384, sms=132) == (64, 4)  # 4 token tiles x 64 splits
+    assert splits_for(1, 16384, sms=132) == (64, 4)  # V4, one token: 64 programs of 4 steps of 64
+    assert splits_for(16, 16384, sms=132) == (16, 16)  # 4 token tiles x 16 splits
     assert splits_for(5, 80, sms=132, block_k=16, split_k=2) == (2, 3)
     assert splits_for(5000, 256, sms=132) == (1, 4)  # long prompts: tiles alone fill the device
 

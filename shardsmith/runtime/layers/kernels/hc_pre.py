@@ -55,11 +55,13 @@ def hc_pre_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor
 
 def splits_for(tokens: int, k: int, *, sms: int, block_k: int = BLOCK_K, split_k: int | None = None) -> tuple[int, int]:
     """``(splits, K steps of block_k per split)`` of a launch over ``tokens`` tokens and ``k = m * D``:
-    ``split_k`` (default: about two waves of ``sms`` multiprocessors over the ``ceil(tokens / TILE_T)``
-    token tiles) rounded to whole ``block_k`` steps per split; the last split may be short."""
+    ``split_k`` (default: about ``sms / 2`` programs over the ``ceil(tokens / TILE_T)`` token tiles:
+    at two waves, 256 splits at one token, the finishing program's read of every partial made the
+    launch 14.6 us on an H200, h200x1aa) rounded to whole ``block_k`` steps per split; the last
+    split may be short."""
     k_blocks = -(-k // block_k)
     if split_k is None:
-        split_k = -(-2 * sms // -(-tokens // TILE_T))
+        split_k = -(-sms // (2 * -(-tokens // TILE_T)))
     k_iters = -(-k_blocks // max(1, min(k_blocks, split_k)))
     return -(-k_blocks // k_iters), k_iters
 
@@ -87,7 +89,8 @@ def _check(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-           norm_eps: float, *, split_k: int | None = None, block_k: int = BLOCK_K, backend: str = "auto") -> Pre:
+           norm_eps: float, *, split_k: int | None = None, block_k: int = BLOCK_K, num_warps: int = 4,
+           backend: str = "auto") -> Pre:
     """:func:`hc_pre_reference` as one Triton launch: norm, projection, pre/post/comb and the collapse.
 
     Built for decode (T = 1..16 tokens); any T runs, correct but not tuned past that (each program
@@ -104,7 +107,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
             ``[(2+m)*m]`` float32; scale: ``[3]`` float32; iters: Sinkhorn rounds (>= 1); eps: floor of
             pre / comb and the Sinkhorn sums; norm_eps: the RMS epsilon.
         split_k: K splits (default: from the multiprocessor count); block_k: K elements per step
-            (a power of two >= 16).
+            (a power of two >= 16); num_warps: Triton's (``benchmarks/hc_pre.py`` sweeps them).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
@@ -145,5 +148,5 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         streams, fn.contiguous(), base.contiguous(), scale.contiguous(), ws, f, counters, pre, post, comb, out,
         T, splits, k_iters, streams.stride(0), float(eps), float(norm_eps),
         M=m, D=D, BLOCK_M=triton.next_power_of_2(m), ITERS=iters, W=W, W_PAD=w_pad, TILE_T=TILE_T,
-        BLOCK_K=block_k, BLOCK_S=BLOCK_S, BLOCK_D=min(BLOCK_D, triton.next_power_of_2(D)), num_warps=4)
+        BLOCK_K=block_k, BLOCK_S=BLOCK_S, BLOCK_D=min(BLOCK_D, triton.next_power_of_2(D)), num_warps=num_warps)
     return out, pre, post, comb
