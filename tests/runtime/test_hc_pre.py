@@ -77,8 +77,8 @@ def test_matches_reference(T, m, D, dtype, split_k, block_k):
 
 
 def test_splits_for():
-    assert splits_for(1, 16384, sms=132) == (64, 4)  # V4, one token: 64 programs of 4 steps of 64
-    assert splits_for(16, 16384, sms=132) == (16, 16)  # 4 token tiles x 16 splits
+    assert splits_for(1, 16384, sms=132) == (128, 2)  # V4, one token: 128 programs of 2 steps of 64
+    assert splits_for(16, 16384, sms=132) == (32, 8)  # 4 token tiles x 32 splits
     assert splits_for(5, 80, sms=132, block_k=16, split_k=2) == (2, 3)
     assert splits_for(5000, 256, sms=132) == (1, 4)  # long prompts: tiles alone fill the device
 

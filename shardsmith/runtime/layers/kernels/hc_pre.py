@@ -55,13 +55,13 @@ def hc_pre_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor
 
 def splits_for(tokens: int, k: int, *, sms: int, block_k: int = BLOCK_K, split_k: int | None = None) -> tuple[int, int]:
     """``(splits, K steps of block_k per split)`` of a launch over ``tokens`` tokens and ``k = m * D``:
-    ``split_k`` (default: about ``sms / 2`` programs over the ``ceil(tokens / TILE_T)`` token tiles:
-    at two waves, 256 splits at one token, the finishing program's read of every partial made the
-    launch 14.6 us on an H200, h200x1aa) rounded to whole ``block_k`` steps per split; the last
-    split may be short."""
+    ``split_k`` (default: about one wave of ``sms`` programs over the ``ceil(tokens / TILE_T)`` token
+    tiles, the fastest of the H200 sweep in ``benchmarks/hc_pre.py`` at 1 and 4 tokens and within
+    1.1x of it at 16, h200x1ab) rounded to whole ``block_k`` steps per split; the last split may be
+    short."""
     k_blocks = -(-k // block_k)
     if split_k is None:
-        split_k = -(-sms // (2 * -(-tokens // TILE_T)))
+        split_k = max(1, sms // -(-tokens // TILE_T))
     k_iters = -(-k_blocks // max(1, min(k_blocks, split_k)))
     return -(-k_blocks // k_iters), k_iters
 
