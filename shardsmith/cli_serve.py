@@ -361,15 +361,19 @@ def _check_serving_environment() -> None:
         UsageError: ``SHARDSMITH_OVERLAP_STEPS`` is neither 0 nor 1, ``SHARDSMITH_STEP_TRACE``
             names a file that cannot be appended to, ``SHARDSMITH_HOST_PREFETCH`` is not a
             distance in bytes, ``SHARDSMITH_PIN_CORES`` is neither 0 nor 1, or a kernel switch holds
-            a word it does not take (:func:`~shardsmith.runtime.layers.parallel.check_kernel_switches`), or
-            the host kernel's switch or instruction set is not one this CPU takes (``host_kernel.check_settings``).
+            a word it does not take (:func:`~shardsmith.runtime.layers.parallel.check_kernel_switches`),
+            the host kernel's switch or instruction set is not one this CPU takes (``host_kernel.check_settings``),
+            or ``SHARDSMITH_SWITCH_INTERVAL_MS`` / ``SHARDSMITH_EMULATE_H2D_GBPS`` is not a positive number.
     """
     from shardsmith.runtime.engine.dist import pin_setting
     from shardsmith.runtime.engine.scheduler import overlap_setting
     from shardsmith.runtime.layers.parallel import check_kernel_switches
     from shardsmith.runtime.offload.host_kernel import check_settings, prefetch_bytes
-    from shardsmith.runtime.serve.worker import open_step_trace
+    from shardsmith.runtime.offload.link_cap import cap_gb_per_s
+    from shardsmith.runtime.serve.worker import open_step_trace, switch_interval_ms
 
+    switch_interval_ms()
+    cap_gb_per_s()
     overlap_setting()
     check_kernel_switches()
     check_settings()

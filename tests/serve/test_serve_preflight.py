@@ -107,6 +107,8 @@ def test_bad_options_fail_before_ranks_start(packs, args, match: str) -> None:
      "expected fused or separate; SHARDSMITH_MOE_PATH='x': expected auto or grouped or pairs"),
     ({"SHARDSMITH_HOST_ISA": "avx9000", "SHARDSMITH_HOST_KERNEL": "yes"},
      "SHARDSMITH_HOST_KERNEL='yes': expected 0 or 1; SHARDSMITH_HOST_ISA='avx9000': this CPU supports scalar"),
+    ({"SHARDSMITH_SWITCH_INTERVAL_MS": "0"}, "SHARDSMITH_SWITCH_INTERVAL_MS='0': expected a positive number"),
+    ({"SHARDSMITH_EMULATE_H2D_GBPS": "fast"}, "SHARDSMITH_EMULATE_H2D_GBPS must be a rate in GB/s > 0, got 'fast'"),
     ({"SHARDSMITH_STEP_TRACE": "/nonexistent/dir/steps.jsonl"},
      "SHARDSMITH_STEP_TRACE='/nonexistent/dir/steps.jsonl': cannot append to it (No such file or directory)"),
 ])

@@ -185,6 +185,25 @@ def emit_all(pairs: list[tuple[Job, TextEvent]]) -> None:
             pass
 
 
+def switch_interval_ms(env: str = "SHARDSMITH_SWITCH_INTERVAL_MS") -> float | None:
+    """``$SHARDSMITH_SWITCH_INTERVAL_MS`` in milliseconds, or None when unset or empty (checked
+    before ranks start, applied by :func:`set_switch_interval`).
+
+    Raises:
+        UsageError: the value is not a positive finite number.
+    """
+    text = os.environ.get(env, "").strip()
+    if not text:
+        return None
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not 0 < ms < float("inf"):
+        raise UsageError(f"{env}={text!r}: expected a positive number of milliseconds")
+    return ms
+
+
 def set_switch_interval(env: str = "SHARDSMITH_SWITCH_INTERVAL_MS") -> float:
     """Apply ``$SHARDSMITH_SWITCH_INTERVAL_MS`` (milliseconds, > 0) as the interpreter's thread
     switch interval (``sys.setswitchinterval``) and return the interval in force, in seconds.
@@ -197,14 +216,8 @@ def set_switch_interval(env: str = "SHARDSMITH_SWITCH_INTERVAL_MS") -> float:
     Raises:
         UsageError: the value is not a positive number.
     """
-    text = os.environ.get(env, "").strip()
-    if text:
-        try:
-            ms = float(text)
-        except ValueError:
-            ms = -1.0
-        if not ms > 0:
-            raise UsageError(f"{env}={text!r}: expected a positive number of milliseconds")
+    ms = switch_interval_ms(env)
+    if ms is not None:
         sys.setswitchinterval(ms / 1e3)
     return sys.getswitchinterval()
 
