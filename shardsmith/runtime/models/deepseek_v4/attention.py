@@ -124,11 +124,11 @@ class Attention(nn.Module):
             self.compressor.allocate(num_slots, max_seq_len, device, dtype, entries=self.keys[:, 1 + W:])
         if self.indexer is not None:
             self.indexer.compressor.allocate(num_slots, max_seq_len, device, dtype)
-        self.fuse_projections_()
 
     def fuse_projections_(self) -> None:
         """Merge the projections of the layer input ``x`` that share a format into one weight each, so a
-        decode step reads each group in one launch (on the kernel path, CUDA; once the weights are final):
+        decode step reads each group in one launch (on the kernel path, CUDA; once the weights are final:
+        the model's ``setup_cache``):
 
         ===========  =====================================================  ===========================
         group        weights, in order (rows concatenated)                  when

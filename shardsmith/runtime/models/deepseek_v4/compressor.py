@@ -33,11 +33,7 @@ from torch import nn
 from shardsmith.runtime.layers.kernels.compressor_step import compressor_step
 from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
 from shardsmith.runtime.layers.parallel import Shards, kernel_switch
-from shardsmith.runtime.models.deepseek_v4.ops import (
-    RMSNorm,
-    apply_rope,
-    rope_cos_sin,
-)
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rope_cos_sin
 from shardsmith.runtime.models.deepseek_v4.rows import NEG_INF, DecodeRows
 
 

@@ -119,7 +119,8 @@ class DeepseekV4(nn.Module):
         for layer in self.layers:
             layer.attn.allocate(max_num_seqs + 1, max_seq_len, torch.device(device), dtype)
             layer.attn.reset(self.scratch)
-            layer.ffn.fuse_projections_()  # the shared expert's w1 | w3 (weights final by now)
+            layer.attn.fuse_projections_()  # wq_a | wkv, the compressors' (weights final by now)
+            layer.ffn.fuse_projections_()  # the shared expert's w1 | w3
         self.positions = [0] * max_num_seqs
         for slot in range(max_num_seqs):
             self.release(slot)
