@@ -71,7 +71,7 @@ def _fp8_launches(x, w, scale, block, **kw) -> tuple[torch.Tensor, list[str]]:
     from shardsmith.runtime.layers.kernels.compile_keys import record_launches
 
     with record_launches(run=True) as keys:
-        out = fp8_linear(x, w, scale, block, backend="triton", **kw)
+        out = fp8_linear(x, w, scale, block, backend="triton", **{"gemv": False, **kw})
     return out, [key[0] for key in keys]
 
 
@@ -98,12 +98,69 @@ def test_fp8_linear_fused_split_sum_is_the_two_kernel_sum(dtype, m, n, k, block,
     fused, names = _fp8_launches(x, w, scale, block, split_k=split_k, fused_sum=True)
     assert names == [kernel]
     assert fused.dtype == dtype and torch.equal(_bits(fused), _bits(two))
-    again = fp8_linear(x, w, scale, block, split_k=split_k, fused_sum=True, backend="triton")
+    again = fp8_linear(x, w, scale, block, split_k=split_k, fused_sum=True, gemv=False, backend="triton")
     assert torch.equal(_bits(again), _bits(fused)), "a counter left non-zero by the first call"
     assert not split_counters(x.device, 0).any()
     truth = fp8_linear_reference(x.double(), w, scale, block)
     assert rel_error(fused, truth) < (1e-5 if dtype == torch.float32 else TOL)
     assert rel_error(fused, fp8_linear_reference(x, w, scale, block)) < (1e-5 if dtype == torch.float32 else TOL)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k", "block", "groups", "split_k", "ue8m0"), [
+    (200, 300, (128, 128), 1, None, True),   # ragged N and K (a ragged last column tile and K step)
+    (256, 1024, (128, 128), 1, 3, False),    # F32 scales, 3 splits: the last one short
+    (96, 160, (32, 32), 1, 2, True),         # 32x32 blocks: a scale column every 32 of K inside a step
+    (512, 640, (128, 128), 4, None, True),   # grouped (V4's wo_a): each input row feeds its own 128 rows
+    (64, 4096, (128, 128), 1, 64, True),     # more splits than K steps: clamped to the steps
+])
+def test_fp8_gemv_matches_reference_and_the_dot_kernel(dtype, n, k, block, groups, split_k, ue8m0):
+    """One token takes the GEMV kernel (one launch, the split sum folded in): float32 results within
+    float32 rounding of the float64 truth and of the dot kernel's, bf16 within bf16's; twice in a
+    row the same bits (its counters were set back to 0)."""
+    from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
+
+    gen = torch.Generator(device=DEV).manual_seed(n + k + groups)
+    w, scale = random_fp8_linear(n, k, block, ue8m0=ue8m0, gen=gen)
+    x = torch.randn(groups, k, generator=gen, device=DEV).to(dtype)
+    x = x[None] if groups > 1 else x
+    out, names = _fp8_launches(x, w, scale, block, groups=groups, split_k=split_k, gemv=True)
+    assert names == ["_fp8_gemv_kernel"] and out.shape == (1, n) and out.dtype == dtype
+    dot, dot_names = _fp8_launches(x, w, scale, block, groups=groups, split_k=split_k, gemv=False)
+    assert dot_names == ["_fp8_linear_kernel"]
+    again = fp8_linear(x, w, scale, block, groups=groups, split_k=split_k, gemv=True, backend="triton")
+    assert torch.equal(_bits(again), _bits(out)) and not split_counters(x.device, 0).any()
+    truth = fp8_linear_reference(x.double(), w, scale, block, groups)
+    tol = 1e-6 if dtype == torch.float32 else TOL
+    assert rel_error(out, truth) < tol and rel_error(dot, truth) < tol
+    assert rel_error(out, fp8_linear_reference(x, w, scale, block, groups)) < tol
+
+
+@needs_triton
+def test_fp8_gemv_default_switch_and_fallback(monkeypatch):
+    """``SHARDSMITH_FP8_GEMV`` (auto, off) picks the GEMV for one token and is refused by name when
+    wrong; a block that a GEMV tile cannot sit inside (16 rows) and more than one token keep the dot
+    kernel; a grouped call of 2 tokens runs the dot kernel over all rows and keeps the diagonal."""
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    w, scale = random_fp8_linear(64, 256, (128, 128), ue8m0=True, gen=gen)
+    x = torch.randn(1, 256, generator=gen, device=DEV).bfloat16()
+    assert _fp8_launches(x, w, scale, (128, 128), gemv=None)[1] == ["_fp8_gemv_kernel"]
+    assert _fp8_launches(x.expand(2, 256), w, scale, (128, 128), gemv=None)[1] == ["_fp8_linear_kernel"]
+    monkeypatch.setenv("SHARDSMITH_FP8_GEMV", "off")
+    assert _fp8_launches(x, w, scale, (128, 128), gemv=None)[1] == ["_fp8_linear_kernel"]
+    monkeypatch.setenv("SHARDSMITH_FP8_GEMV", "always")
+    with pytest.raises(KernelError, match="SHARDSMITH_FP8_GEMV='always'"):
+        fp8_linear(x, w, scale, backend="triton")
+    monkeypatch.delenv("SHARDSMITH_FP8_GEMV")
+    w16, s16 = random_fp8_linear(64, 256, (16, 128), ue8m0=True, gen=gen)
+    assert _fp8_launches(x, w16, s16, (16, 128), gemv=None)[1] == ["_fp8_linear_kernel"]
+    xg = torch.randn(2, 4, 256, generator=gen, device=DEV)
+    out, names = _fp8_launches(xg, w, scale, (128, 128), groups=4, gemv=None)
+    assert names == ["_fp8_linear_kernel"] and out.shape == (2, 64)
+    assert rel_error(out, fp8_linear_reference(xg.double(), w, scale, (128, 128), 4)) < 1e-6
+    with pytest.raises(KernelError, match="groups=3"):
+        fp8_linear(xg, w, scale, groups=3, backend="triton")
 
 
 def test_split_sum_switch_and_counters_growth(monkeypatch):

@@ -89,6 +89,55 @@ def _sum_rows(ws_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, N, K, stride_xg, stride_wn, stride_sn,
+                     group_n, k_iters, k_blocks, splits, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                     UE8M0: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token: ``out[n] = sum_k x[g(n), k] * w[n, k] * s[n // SCALE_N, k // SCALE_K]``, ``g(n) = n // GROUP_N``.
+
+    A program owns ``BLOCK_N`` weight rows inside one scale row and one group (the launcher checks
+    ``SCALE_N % BLOCK_N == 0 == group_n % BLOCK_N``) and ``k_iters`` steps of ``BLOCK_K`` columns, so
+    a row's block scale depends on the column alone: it multiplies the ``BLOCK_K`` activations (exact
+    for UE8M0, a power of two) and every product accumulates element-wise into a ``[BLOCK_N, BLOCK_K]``
+    float32 tile, summed over K once at the end. No padded 16-row dot: each weight byte costs one conversion and one FMA, and the
+    program keeps a whole ``BLOCK_N x BLOCK_K`` tile of loads in flight per step. Split-K partials
+    are summed as in :func:`_fp8_linear` (the last program of a column tile adds them in split order).
+    Shape-dependent counts (``group_n``, ``k_iters``, ``k_blocks``, ``splits``) are run-time ints, so the
+    weights of a model share a few variants (:mod:`.compile_keys`).
+    """
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    xg = x_ptr + (n0 // group_n) * stride_xg  # this tile's group row of x
+    s_row = s_ptr + (n0 // SCALE_N) * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for kk in range(k_iters):  # the last split may run past K: masked (its scale index clamped in bounds)
+        k0 = (pid_k * k_iters + kk) * BLOCK_K
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        s = tl.load(s_row + tl.minimum(ks // SCALE_K, k_blocks - 1))  # [BLOCK_K]: few distinct, cached
+        if UE8M0:
+            s = tl.exp2(s.to(tl.float32) - 127.0)
+        xs = tl.load(xg + ks, mask=k_mask, other=0.0).to(tl.float32) * s
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        acc += w.to(tl.float32) * xs[None, :]
+    part = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if not SPLIT:
+        tl.store(out_ptr + offs_n, part.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(ws_ptr + pid_k * N + offs_n, part, mask=n_mask)
+        tl.debug_barrier()  # every thread's partial stored before the one thread's release below
+        cnt = cnt_ptr + pid_n
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == splits - 1:  # _fp8_linear's fused sum
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for j in range(splits):
+                total += tl.load(ws_ptr + j * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(cnt, 0, sem="relaxed")
+
+
 # Decode (M <= DECODE_M): every int specialised (M == 1, M % 16), the split from the weight's shape.
 _fp8_linear_kernel = triton.jit(_fp8_linear)
 _sum_splits = triton.jit(_sum_rows)
@@ -116,3 +165,17 @@ def launch(x, w, scale, out, ws, counters, *, block: tuple[int, int], ue8m0: boo
                  num_warps=num_warps, num_stages=num_stages)
     if splits > 1 and not fused:
         sum_kernel[(triton.cdiv(M * N, 1024),)](ws, out, M * N, SPLITS=splits, BLOCK=1024, num_warps=4)
+
+
+def launch_gemv(x, w, scale, out, ws, counters, *, block: tuple[int, int], ue8m0: bool, splits: int,
+                k_per_split: int, group_n: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
+    """Run :func:`_fp8_gemv_kernel` into ``out [N]`` for one token: ``x [G, K]`` (row ``g`` feeds weight rows
+    ``[g * group_n, (g + 1) * group_n)``; ``G = 1``, ``group_n = N`` for a plain linear), workspace
+    ``ws [splits, N]`` float32 and ``counters`` (int32, one per column tile, zero, left zero) when
+    ``splits > 1``."""
+    N, K = w.shape
+    _fp8_gemv_kernel[(triton.cdiv(N, block_n), splits)](
+        x, w, scale, out, ws, counters if splits > 1 else ws, N, K, x.stride(0), w.stride(0), scale.stride(0),
+        group_n, k_per_split // block_k, scale.shape[1], splits, SCALE_N=block[0], SCALE_K=block[1],
+        UE8M0=ue8m0, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages)

@@ -33,6 +33,10 @@ BLOCK_K_MAX = 128
 DECODE_M = 16  # rows up to which the decode kernels run (``_fp8_triton.DECODE_M``; one 16-row tile)
 SPLIT_SUM_ENV = "SHARDSMITH_FP8_SPLIT_SUM"  # fused (default) or separate: fp8_linear's fused_sum default
 SUMS = ("fused", "separate")
+GEMV_ENV = "SHARDSMITH_FP8_GEMV"  # auto (default): one-token calls through the GEMV kernel; off: the dot kernel
+GEMVS = ("auto", "off")
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, GEMV_STAGES = 32, 256, 4, 3  # GEMV launch defaults
+GEMV_PROGRAMS_PER_SM = 4  # split-K of the GEMV aims at about this many programs per multiprocessor
 COUNTERS_MIN = 4096  # split-K tile counters first allocated (16 KiB): decode at N <= 131072, block_n 32
 
 # Split-K tile counters (``_fp8_triton``'s fused sum): one int32 buffer per device, zero between
@@ -119,8 +123,10 @@ def scale_as_float(scale: torch.Tensor) -> torch.Tensor:
     return torch.exp2(scale.view(torch.uint8).float() - 127.0)
 
 
-def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """The PyTorch path :func:`fp8_linear` replaces: dequantize ``w`` to ``x.dtype``, then ``F.linear``.
+def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                         groups: int = 1) -> torch.Tensor:
+    """The PyTorch path :func:`fp8_linear` replaces: dequantize ``w`` to ``x.dtype``, then ``F.linear``
+    (``groups > 1``: one einsum over the block-diagonal groups).
 
     Shapes and formats as :func:`fp8_linear`.
     """
@@ -128,15 +134,23 @@ def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, 
         from shardsmith.runtime.layers.quant import dequantize_blocks
     except ImportError:
         from shardsmith.runtime.layers.parallel import dequantize_blocks
-    return F.linear(x, dequantize_blocks(w, scale_as_float(scale), block, x.dtype))
+    dense = dequantize_blocks(w, scale_as_float(scale), block, x.dtype)
+    if groups == 1:
+        return F.linear(x, dense)
+    lead = x.shape[:-2]
+    y = torch.einsum("tgi,goi->tgo", x.reshape(-1, groups, x.shape[-1]), dense.view(groups, -1, w.shape[1]))
+    return y.reshape(*lead, w.shape[0])
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int = 1) -> None:
     problems = []
     if w.dim() != 2 or w.dtype != torch.float8_e4m3fn:
         problems.append(f"w must be [N, K] float8_e4m3fn, got {tuple(w.shape)} {w.dtype}")
     elif x.shape[-1] != w.shape[1]:
         problems.append(f"x's last dim ({x.shape[-1]}) != w's K ({w.shape[1]})")
+    elif groups != 1 and (groups < 1 or x.dim() < 2 or x.shape[-2] != groups or w.shape[0] % groups):
+        problems.append(f"groups={groups}: x must be [..., groups, K] and w's N ({w.shape[0]}) a multiple of "
+                        f"groups, got x {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         problems.append(f"x dtype {x.dtype}: expected bfloat16, float16 or float32")
     b0, b1 = block
@@ -161,13 +175,36 @@ def _fused_sum_default() -> bool:
     return mode == "fused"
 
 
+def _gemv_default() -> bool:
+    mode = os.environ.get(GEMV_ENV, "auto") or "auto"
+    if mode not in GEMVS:
+        raise KernelError(f"{GEMV_ENV}={mode!r}: expected one of {', '.join(GEMVS)}")
+    return mode == "auto"
+
+
+def gemv_splits(n: int, k: int, *, block_n: int, block_k: int, sms: int,
+                split_k: int | None = None) -> tuple[int, int]:
+    """``(splits, K elements per split)`` of a one-token GEMV over ``[n, k]``: ``split_k`` (default:
+    about :data:`GEMV_PROGRAMS_PER_SM` programs per multiprocessor over the ``ceil(n / block_n)`` column
+    tiles) rounded to whole ``block_k`` steps per split; the last split may be short."""
+    k_steps = -(-k // block_k)
+    if split_k is None:
+        split_k = -(-GEMV_PROGRAMS_PER_SM * sms // -(-n // block_n))
+    k_per_split = -(-k_steps // max(1, min(k_steps, split_k))) * block_k
+    return -(-k // k_per_split), k_per_split
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), *,
-               split_k: int | None = None, block_n: int = 32, num_warps: int = 4, num_stages: int = 4,
-               fused_sum: bool | None = None, backend: str = "auto") -> torch.Tensor:
+               groups: int = 1, split_k: int | None = None, block_n: int | None = None, block_k: int | None = None,
+               num_warps: int | None = None, num_stages: int | None = None, fused_sum: bool | None = None,
+               gemv: bool | None = None, backend: str = "auto") -> torch.Tensor:
     """``x @ (w * scale).T`` with the FP8 weight read once and never dequantized to memory.
 
-    Built for decode (M = 1..16 tokens, one 16-row tile); larger M runs in 16-row tiles, correct
-    but not tuned, through kernels that compile the same two variants per weight for every M > 16
+    Built for decode. One token (``M = 1``, or one token's ``groups`` rows) runs the GEMV kernel
+    (``_fp8_triton._fp8_gemv_kernel``: element-wise float32 multiply-adds, the block scale applied to
+    the activations, split-K over about :data:`GEMV_PROGRAMS_PER_SM` programs per multiprocessor);
+    ``M = 2..16`` runs the dot kernel in one 16-row tile; larger M runs in 16-row tiles, correct but
+    not tuned, through kernels that compile the same two variants per weight for every M > 16
     (:func:`auto_split`; :func:`warmup_rows` lists the M that compile them all). Split-K spreads K
     over programs until about two waves of the device's multiprocessors are busy; partials are
     summed in split order (deterministic), in the same launch by the last program of each output
@@ -176,14 +213,21 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     (:func:`split_counters`): calls must not overlap on two streams of one device.
 
     Args:
-        x: ``[..., K]`` activations; w: ``[N, K]`` float8_e4m3fn; scale: ``[ceil(N/b0), ceil(K/b1)]``
-            float32 or UE8M0; block: ``(b0, b1)`` elements.
+        x: ``[..., K]`` activations (``[..., G, K]`` with ``groups = G``); w: ``[N, K]`` float8_e4m3fn;
+            scale: ``[ceil(N/b0), ceil(K/b1)]`` float32 or UE8M0; block: ``(b0, b1)`` elements.
+        groups: ``G > 1`` multiplies block-diagonally, as DeepSeek-V4's grouped ``wo_a``: input group
+            ``g`` times weight rows ``[g * N/G, (g+1) * N/G)``, output ``[..., N]``. One token reads the
+            weight once in the GEMV; more tokens run all ``T * G`` rows against the whole weight in
+            the dot kernel (one read, ``T * G <= 16``) and keep the diagonal blocks.
         split_k: K splits (default: from the multiprocessor count); block_n: output features per
-            program; num_warps, num_stages: Triton launch options (defaults: the fastest of the
-            H200 sweep in ``benchmarks/kernels.py``).
+            program; block_k: K elements per step of the GEMV (the dot kernel takes ``min(128, b1)``);
+            num_warps, num_stages: Triton launch options (defaults: the fastest of the H200 sweeps in
+            ``benchmarks/kernels.py``, per kernel).
         fused_sum: add the split-K partials in the kernel's launch (True) or in a second kernel
-            (False; bitwise the same result); default ``$SHARDSMITH_FP8_SPLIT_SUM``, ``fused``
-            (or ``separate``).
+            (False; bitwise the same result; the GEMV always adds them in its launch); default
+            ``$SHARDSMITH_FP8_SPLIT_SUM``, ``fused`` (or ``separate``).
+        gemv: run one-token calls through the GEMV kernel (default ``$SHARDSMITH_FP8_GEMV``:
+            ``auto``, or ``off``); it needs ``block_n`` to divide ``b0`` (and ``N/G``), else the dot kernel.
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
@@ -191,34 +235,54 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         ``[..., N]`` in ``x.dtype``.
 
     Raises:
-        KernelError: shapes, dtypes, block or devices do not fit (every problem listed), the
-            backend cannot run, or ``$SHARDSMITH_FP8_SPLIT_SUM`` is neither ``fused`` nor ``separate``.
+        KernelError: shapes, dtypes, block, groups or devices do not fit (every problem listed), the
+            backend cannot run, or ``$SHARDSMITH_FP8_SPLIT_SUM`` / ``$SHARDSMITH_FP8_GEMV`` hold
+            another word.
 
     Example:
         >>> y = fp8_linear(x, layer.weight, layer.weight_scale_inv, (128, 128))  # doctest: +SKIP
     """
-    _check(x, w, scale, block)
+    _check(x, w, scale, block, groups)
     if not use_triton(x, backend):
-        return fp8_linear_reference(x, w, scale, block)
+        return fp8_linear_reference(x, w, scale, block, groups)
     from shardsmith.runtime.layers.kernels import _fp8_triton
 
-    lead, (N, K) = x.shape[:-1], w.shape
+    N, K = w.shape
+    lead = x.shape[:-2] if groups > 1 else x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    M = x2.shape[0]
     w = w if w.stride(-1) == 1 else w.contiguous()
     ue8m0 = scale.dtype != torch.float32
     scale = (scale.view(torch.uint8) if ue8m0 else scale).contiguous()
+    sms = sm_count(x.device)
+    group_n = N // groups
+    gemv_n = block_n or GEMV_BLOCK_N
+    if x2.shape[0] == groups and block[0] % gemv_n == 0 and (groups == 1 or group_n % gemv_n == 0) and \
+            (_gemv_default() if gemv is None else gemv):
+        block_k = block_k or GEMV_BLOCK_K
+        splits, k_per_split = gemv_splits(N, K, block_n=gemv_n, block_k=block_k, sms=sms, split_k=split_k)
+        out = torch.empty(N, dtype=x.dtype, device=x.device)
+        ws = torch.empty((splits, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+        counters = split_counters(x.device, -(-N // gemv_n)) if splits > 1 else None
+        if splits == 1 or counters is not None:
+            _fp8_triton.launch_gemv(x2, w, scale, out, ws, counters, block=block, ue8m0=ue8m0, splits=splits,
+                                    k_per_split=k_per_split, group_n=group_n, block_n=gemv_n, block_k=block_k,
+                                    num_warps=num_warps or GEMV_WARPS, num_stages=num_stages or GEMV_STAGES)
+            return out.view(*lead, N)
+    block_n = block_n or 32
     block_k = min(BLOCK_K_MAX, block[1])
-    splits, k_per_split = k_splits(M, N, K, block_k=block_k, block_n=block_n, split_k=split_k,
-                                   sms=sm_count(x.device))
+    M = x2.shape[0]
+    splits, k_per_split = k_splits(M, N, K, block_k=block_k, block_n=block_n, split_k=split_k, sms=sms)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     counters = None
     if splits > 1 and (_fused_sum_default() if fused_sum is None else fused_sum):
         counters = split_counters(x.device, -(-N // block_n) * -(-M // 16))
     _fp8_triton.launch(x2, w, scale, out, ws, counters, block=block, ue8m0=ue8m0, splits=splits,
-                       k_per_split=k_per_split, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                       num_stages=num_stages, dot_f32=x.dtype == torch.float32 or interpreting())
+                       k_per_split=k_per_split, block_n=block_n, block_k=block_k, num_warps=num_warps or 4,
+                       num_stages=num_stages or 4, dot_f32=x.dtype == torch.float32 or interpreting())
+    if groups > 1:  # every row against every group's weight rows: keep the diagonal blocks
+        T = M // groups
+        return out.view(T, groups, groups, group_n).diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(*lead, N)
     return out.view(*lead, N)
