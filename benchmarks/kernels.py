@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 HBM_GBPS = 4800.0  # H200 datasheet
 DENSE = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wo_b": (4096, 8192), "shared_w13": (4096, 4096),
-         "shared_w2": (4096, 2048)}
+         "shared_w2": (4096, 2048), "wo_a": (8192, 4096, 8)}  # (N, K[, groups]): wo_a is grouped, 8 x [1024, 4096]
 TOKENS = (1, 4, 16)
 EXPERTS, HIDDEN, TOP_K = 256, 4096, 6  # V4-Flash
 
@@ -105,35 +105,49 @@ def row(kernel: str, shape: str, tokens: int, config: str, seconds: float, nbyte
 def bench_fp8(a, ceiling: float, configs: list[dict], shapes: dict, with_refs: bool) -> list[dict]:
     from shardsmith.runtime.layers.kernels import fp8_linear, fp8_linear_reference
     from shardsmith.runtime.layers.kernels._common import sm_count
-    from shardsmith.runtime.layers.kernels.fp8_linear import k_splits, scale_as_float
+    from shardsmith.runtime.layers.kernels.fp8_linear import (GEMV_BLOCK_K, GEMV_BLOCK_N, gemv_splits, k_splits,
+                                                              scale_as_float)
     from shardsmith.runtime.layers.kernels.testing import random_fp8_linear
 
     gen, rows = torch.Generator(device="cuda").manual_seed(1), []
-    for name, (n, k) in shapes.items():
+    for name, (n, k, *grouped) in shapes.items():
+        groups = grouped[0] if grouped else 1
         sets = [random_fp8_linear(n, k, (128, 128), ue8m0=True, gen=gen) for _ in range(max(2, (256 << 20) // (n * k)))]
         sets = sets[:a.rotate * 4]
         f32 = [scale_as_float(s) for _, s in sets]
         for m in getattr(a, "tokens", TOKENS):
-            x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-            nbytes = n * k + sets[0][1].numel() + 2 * m * (n + k)
+            if m * groups > 16:
+                continue  # the grouped kernel path stops at 16 rows (the model's einsum runs past it)
+            shape = (m, groups, k) if groups > 1 else (m, k)
+            x = torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+            nbytes = n * k + sets[0][1].numel() + 2 * m * (n + k * groups)
             refs = {}
             if with_refs:
-                refs["dequant_linear"] = graph_seconds([lambda w=w, s=s: fp8_linear_reference(x, w, s, (128, 128))
+                refs["dequant_linear"] = graph_seconds([lambda w=w, s=s: fp8_linear_reference(x, w, s, (128, 128),
+                                                                                              groups)
                                                         for (w, _), s in zip(sets, f32)], a.replays)
                 bf16 = [w.to(torch.bfloat16) for w, _ in sets[:max(2, (256 << 20) // (2 * n * k))]]
                 refs["bf16_linear"] = graph_seconds([lambda wb=wb: torch.nn.functional.linear(x, wb) for wb in bf16],
                                                     a.replays)
                 del bf16
-            want = fp8_linear_reference(x, *sets[0], (128, 128))
+            want = fp8_linear_reference(x, *sets[0], (128, 128), groups)
             for named in configs:
-                cfg = _with_waves(named, m, n, k, sm_count(x.device))
+                cfg = {**_with_waves(named, m, n, k, sm_count(x.device)), "groups": groups}
+                gemv = m == 1 and cfg.get("gemv", 1) != 0
+                if "gemv" in cfg:
+                    cfg["gemv"] = bool(cfg["gemv"])
                 err = check(lambda: fp8_linear(x, *sets[0], (128, 128), **cfg), want, f"fp8_linear {name} {cfg}")
                 sec = try_seconds([lambda w=w, s=s: fp8_linear(x, w, s, (128, 128), **cfg) for w, s in sets],
                                   a.replays, f"fp8_linear {name} M={m} {cfg}")
-                splits, _ = k_splits(m, n, k, block_k=128, block_n=cfg.get("block_n", 32), split_k=cfg.get("split_k"),
-                                     sms=sm_count(x.device))
+                if gemv:
+                    splits, _ = gemv_splits(n, k, block_n=cfg.get("block_n") or GEMV_BLOCK_N,
+                                            block_k=cfg.get("block_k") or GEMV_BLOCK_K, sms=sm_count(x.device),
+                                            split_k=cfg.get("split_k"))
+                else:
+                    splits, _ = k_splits(m * groups, n, k, block_k=128, block_n=cfg.get("block_n") or 32,
+                                         split_k=cfg.get("split_k"), sms=sm_count(x.device))
                 sums = dict(refs)
-                if splits > 1 and "fused_sum" not in cfg:  # the same call with the second sum kernel
+                if splits > 1 and "fused_sum" not in cfg and not gemv:  # the same call with the second sum kernel
                     sep = {**cfg, "fused_sum": False}
                     calls = [lambda w=w, s=s, x=x, sep=sep: fp8_linear(x, w, s, (128, 128), **sep) for w, s in sets]
                     sums["separate_sum"] = try_seconds(calls, a.replays, f"fp8_linear {name} M={m} {sep}")
@@ -180,6 +194,12 @@ def bench_experts(a, ceiling: float, configs: list[dict], banks: list[tuple[bool
 def _with_waves(cfg: dict, m: int, n: int, k: int, sms: int) -> dict:
     """``cfg`` with ``waves=W`` (a sweep knob: aim the split-K at W waves of the multiprocessors, where
     :func:`auto_split` aims at 2) turned into this shape's ``split_k``."""
+    if "ppsm" in cfg:  # the GEMV's knob: aim its split-K at this many programs per multiprocessor
+        from shardsmith.runtime.layers.kernels.fp8_linear import GEMV_BLOCK_N
+
+        out = {key: v for key, v in cfg.items() if key != "ppsm"}
+        out["split_k"] = -(-cfg["ppsm"] * sms // -(-n // (cfg.get("block_n") or GEMV_BLOCK_N)))
+        return out
     if "waves" not in cfg:
         return cfg
     from shardsmith.runtime.layers.kernels.fp8_linear import auto_split
@@ -233,7 +253,8 @@ def main() -> None:
     p.add_argument("--rotate", type=int, default=8, help="routings (weight sets: up to 4x) per captured graph")
     p.add_argument("--sweep", action="store_true", help="time launch configurations first (M = 1 and 16)")
     p.add_argument("--fp8-config", help="e.g. block_n=64,num_stages=4 (default: fp8_linear's defaults); several "
-                   "separated by ';' run side by side; waves=W aims the split-K at W waves (auto: 2)")
+                   "separated by ';' run side by side; waves=W aims the split-K at W waves (auto: 2); gemv=0 keeps "
+                   "one token on the dot kernel; ppsm=P aims the GEMV's split-K at P programs per SM (auto: 4)")
     p.add_argument("--moe-config", help="e.g. block_i=32,block_n=64,num_warps=4 (default: fused_experts's); "
                    "several separated by ';' run side by side")
     p.add_argument("--moe-only", action="store_true",

@@ -490,6 +490,7 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
                                                        "SHARDSMITH_COMPRESSOR_STEP", "SHARDSMITH_HC_PRE")}
     kernels["SHARDSMITH_FP8_SPLIT_SUM"] = os.environ.get("SHARDSMITH_FP8_SPLIT_SUM", "fused")
     kernels["SHARDSMITH_MERGE_PROJECTIONS"] = os.environ.get("SHARDSMITH_MERGE_PROJECTIONS", "1")
+    kernels["SHARDSMITH_FP8_GEMV"] = os.environ.get("SHARDSMITH_FP8_GEMV", "auto")
     row = {"tp": tp, "device": a.device, "dtype": a.dtype, "fp8": a.fp8, "kernels": kernels, "layers": args.n_layers, "layer_kinds": list(args.kinds),
            "experts": args.n_experts, "hidden": args.dim, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
            "max_seq_len_tokens": max_seq_len, "split_seconds": split_s}

@@ -132,7 +132,7 @@ KERNEL_SWITCHES = {"SHARDSMITH_FP8_DENSE": "dequantize", "SHARDSMITH_FUSED_EXPER
 
 
 def check_kernel_switches() -> None:
-    """Every kernel switch's value (:data:`KERNEL_SWITCHES`, ``SHARDSMITH_FP8_SPLIT_SUM``,
+    """Every kernel switch's value (:data:`KERNEL_SWITCHES`, ``SHARDSMITH_FP8_SPLIT_SUM``, ``SHARDSMITH_FP8_GEMV``,
     ``SHARDSMITH_MOE_PATH``, ``SHARDSMITH_COMPILE_PIECES``, ``SHARDSMITH_MERGE_PROJECTIONS``), checked before ranks start, so a typo is
     refused at once and not at load, at the first kernel call, or never (a switch the model does not use).
 
@@ -140,12 +140,12 @@ def check_kernel_switches() -> None:
         UsageError: a variable holds a word its switch does not take (every such variable listed).
     """
     from shardsmith.runtime.engine.cuda_graphs import COMPILE_ENV
-    from shardsmith.runtime.layers.kernels.fp8_linear import SPLIT_SUM_ENV, SUMS
+    from shardsmith.runtime.layers.kernels.fp8_linear import GEMV_ENV, GEMVS, SPLIT_SUM_ENV, SUMS
     from shardsmith.runtime.layers.kernels.fused_moe import PATHS
 
     problems = [f"{var}={os.environ[var]!r}: expected auto, kernel or {off}" for var, off in KERNEL_SWITCHES.items()
                 if os.environ.get(var, "") not in ("", "auto", "kernel", off)]
-    for var, words in ((SPLIT_SUM_ENV, SUMS), ("SHARDSMITH_MOE_PATH", PATHS), (COMPILE_ENV, ("0", "1")),
+    for var, words in ((SPLIT_SUM_ENV, SUMS), (GEMV_ENV, GEMVS), ("SHARDSMITH_MOE_PATH", PATHS), (COMPILE_ENV, ("0", "1")),
                        (MERGE_ENV, ("0", "1"))):
         if os.environ.get(var, "") not in ("", *words):
             problems.append(f"{var}={os.environ[var]!r}: expected {' or '.join(words)}")
@@ -224,15 +224,15 @@ class _Linear(nn.Module):
         """Block-diagonal product: group g's input ``x[:, g]`` times weight rows ``[g*o, (g+1)*o)``
         (DeepSeek-V4's grouped ``wo_a``; o = out / G).
 
-        A kernel linear with ``T*G <= 16`` (decode) runs one :func:`fp8_linear` over all ``T*G``
-        rows, reading the FP8 weight once (one 16-row tile: the same time as one row), and keeps the
-        diagonal blocks; otherwise the weight in ``x.dtype`` and one einsum.
+        A kernel linear with ``T*G <= 16`` (decode) runs one grouped :func:`fp8_linear`, reading the
+        FP8 weight once (one token: each row against its own group's rows in the GEMV; more: all
+        ``T*G`` rows in one 16-row tile, the diagonal blocks kept); otherwise the weight in
+        ``x.dtype`` and one einsum.
         """
         T, G, _ = x.shape
         o = self.weight.shape[0] // G
         if self.kernel and T * G <= 16:
-            y = fp8_linear(x.reshape(T * G, -1), self.weight, self.weight_scale_inv, self.block, backend="triton")
-            return y.view(T, G, G, o).diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(T, G * o)
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, groups=G, backend="triton")
         return torch.einsum("tgi,goi->tgo", x, self.dense_weight(x.dtype).view(G, o, -1)).reshape(T, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
