@@ -77,8 +77,8 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, tbl_ptr, ids_ptr, ws_ptr, cnt_ptr, id
         s = tl.arange(0, BLOCK_S)  # happen-before this program's reads
         ee = tl.arange(0, E_PAD)
         ee_ok = ee < E
-        kk = tl.arange(0, K_PAD)
-        k_ok = kk < K
+        slot = tl.arange(0, K_PAD)
+        slot_ok = slot < K
         for i in tl.static_range(TILE_T):
             t = pid_t * TILE_T + i
             if t < T:
@@ -101,16 +101,16 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, tbl_ptr, ids_ptr, ws_ptr, cnt_ptr, id
                         j = tl.min(tl.where(avail & (cand == best), ee, E_PAD), axis=0)
                         j = tl.where(j < E_PAD, j, tl.min(tl.where(avail, ee, E_PAD), axis=0))  # NaN: in range
                         avail = avail & (ee != j)
-                        index = tl.where(kk == k, j, index)
+                        index = tl.where(slot == k, j, index)
                 else:
                     row = t.to(tl.int64)
                     if HASH == 2:
                         row = tl.load(ids_ptr + t).to(tl.int64)
-                    index = tl.load(tbl_ptr + row * tbl_stride + kk, mask=k_ok, other=0).to(tl.int32)
+                    index = tl.load(tbl_ptr + row * tbl_stride + slot, mask=slot_ok, other=0).to(tl.int32)
                 picked = tl.sum(tl.where(ee[None, :] == index[:, None], scores[None, :], 0.0), axis=1)  # [K_PAD]
-                picked = tl.where(k_ok, picked, 0.0)
+                picked = tl.where(slot_ok, picked, 0.0)
                 total = tl.zeros_like(picked) + (tl.sum(picked, axis=0) + 1e-20)
-                tl.store(idx_ptr + t * K + kk, index.to(tl.int64), mask=k_ok)
-                tl.store(wt_ptr + t * K + kk, tl.div_rn(picked, total) * routed_scale, mask=k_ok)
+                tl.store(idx_ptr + t * K + slot, index.to(tl.int64), mask=slot_ok)
+                tl.store(wt_ptr + t * K + slot, tl.div_rn(picked, total) * routed_scale, mask=slot_ok)
         # ready for the next launch (every program of this tile has counted); relaxed, as _fp8_triton's
         tl.atomic_xchg(cnt, 0, sem="relaxed")
