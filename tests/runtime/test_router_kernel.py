@@ -10,7 +10,8 @@ place), in descending order, its weights within float32 rounding of the referenc
 experts; three calls give the same bits and leave the split-K counters at zero. Exact ties go to
 the lower expert; NaN scores still give K distinct experts in range; scores of logits far below 0
 keep their relative precision (the weights are their ratios). Bad inputs raise one ``KernelError``
-naming every problem. The reference is, bit for bit, the maths ``MoE.route`` ran before the kernel.
+naming every problem. The reference is, bit for bit, the maths ``MoE.route`` ran before the kernel,
+and the tiny DeepSeek-V4's routers (hash-routed and top-K layers) run the kernel up to 16 tokens.
 GPU (``-m gpu``): V4-Flash's router (bf16 x, E = 256, D = 4096, K = 6) for T = 1, 4, 16 against the
 reference, the same bits under CUDA-graph capture and replay.
 """
@@ -191,6 +192,43 @@ def test_reference_is_the_routers_former_maths_bitwise():
             assert all(torch.equal(a, b) for a, b in zip(new, old))
             assert all(torch.equal(a, b) for a, b in zip(route_topk(x, weight, None if hashed else bias, 6, score_func,
                                                                     SCALE, backend="reference", **table), old))
+
+
+@needs_triton
+def test_tiny_v4_routers_through_the_kernel(tiny):
+    """The tiny DeepSeek-V4's routers (layer 0 hash-routed, the others top-K, sqrt-softplus) with
+    ``kernel`` on run ``route_topk``'s launch up to 16 tokens and the reference past them (the same
+    bits as with ``kernel`` off: the load leaves it off on CPU); ``warm_kernel`` launches once per variant."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.layers.kernels.compile_keys import record_launches
+
+    eng = Engine.load(tiny("deepseek-v4"), rank=0, world_size=1, device="cpu", dtype=torch.float32,
+                      from_checkpoint=True, max_seq_len=32)
+    layers = eng.model.layers
+    assert layers[0].ffn.hashed and not layers[1].ffn.hashed and not any(layer.ffn.kernel for layer in layers)
+    g = torch.Generator().manual_seed(4)
+    D = layers[0].ffn.gate.weight.shape[1]
+    x, ids = torch.randn(17, D, generator=g), torch.randint(0, 512, (17,), generator=g)
+    for moe in (layers[0].ffn, layers[1].ffn):
+        for T in (3, 17):
+            want = moe.route(x[:T], ids[:T])
+            moe.kernel = True
+            with record_launches(run=True) as keys:
+                got = moe.route(x[:T], ids[:T])
+            moe.kernel = False
+            assert [k[0] for k in keys] == (["_router_kernel"] if T <= 16 else [])
+            if T > 16:
+                assert all(torch.equal(a, b) for a, b in zip(got, want))
+            gate = moe.gate
+            table = {"tid2eid": gate.tid2eid, "ids": ids[:T]} if moe.hashed else {}
+            _check_route(got, x[:T], gate.weight, None if moe.hashed else gate.bias, moe.top_k, moe.score_func,
+                         scale=moe.scale, **table)
+    seen: set = set()
+    for layer in layers:
+        layer.ffn.kernel = True
+    with record_launches() as keys:
+        launches = sum(layer.ffn.warm_kernel(seen, dtype=torch.float32) for layer in layers)
+    assert launches == len(keys) == 2 and len(set(keys)) == 2  # the hash-routed variant and the top-K one
 
 
 @needs_triton
