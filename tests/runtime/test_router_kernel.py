@@ -159,11 +159,11 @@ def test_softplus_keeps_precision_far_from_zero():
 
 
 def test_splits_for():
-    assert splits_for(1, 4096, 8, sms=132) == (32, 2)  # V4-Flash, one token: 8 row blocks x 32 splits of 128
-    assert splits_for(16, 4096, 8, sms=132) == (8, 8)  # 4 token tiles x 8 row blocks x 8 splits
-    assert splits_for(1, 4096, 1, sms=132) == (64, 1)  # E = 24: one row block, a split per step
-    assert splits_for(5, 200, 4, sms=132, split_k=2) == (2, 2)  # 4 steps of 64 (the last short) over 2 splits
-    assert splits_for(5000, 4096, 8, sms=132) == (1, 64)  # long prompts: the tiles alone fill the device
+    assert splits_for(4096, 16, sms=132) == (16, 1)  # V4-Flash, 16-row blocks: 16 x 16 programs of one step of 256
+    assert splits_for(4096, 8, sms=132, block_k=64) == (32, 2)  # 32-row blocks: 8 x 32 programs of 2 steps of 64
+    assert splits_for(4096, 2, sms=132) == (16, 1)  # E = 24: 2 row blocks, a split per step
+    assert splits_for(200, 4, sms=132, block_k=64, split_k=2) == (2, 2)  # 4 steps of 64 (the last short)
+    assert splits_for(200, 4, sms=132, block_k=64, split_k=3) == (2, 2)  # 3 splits would leave one empty
 
 
 def test_reference_is_the_routers_former_maths_bitwise():

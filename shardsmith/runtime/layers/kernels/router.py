@@ -38,10 +38,10 @@ from shardsmith.runtime.layers.kernels._common import KernelError, sm_count, use
 from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")  # transformers' ACT2FN names (V4 config ``scoring_func``)
-BLOCK_E = 32  # gate rows per program
-BLOCK_K = 64  # D elements per inner step of a program
+BLOCK_E = 16  # gate rows per program  (these three: the fastest of the H200 sweep, benchmarks/router.py)
+BLOCK_K = 256  # D elements per inner step of a program
+NUM_WARPS = 4
 TILE_T = 4  # tokens per program (the finishing of a tile's tokens runs in one program)
-BLOCK_S = 16  # splits added per step by the finishing program
 E_MAX = 1024  # experts the finishing program holds in registers (one token's logits)
 
 
@@ -69,15 +69,15 @@ def route_topk_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return index, picked / (picked.sum(dim=-1, keepdim=True) + 1e-20) * routed_scale
 
 
-def splits_for(tokens: int, d: int, e_blocks: int, *, sms: int, block_k: int = BLOCK_K,
+def splits_for(d: int, e_blocks: int, *, sms: int, block_k: int = BLOCK_K,
                split_k: int | None = None) -> tuple[int, int]:
-    """``(splits, D steps of block_k per split)`` of a launch over ``tokens`` tokens, hidden size ``d``
-    and ``e_blocks`` blocks of gate rows: ``split_k`` (default: about two waves of ``sms`` programs
-    over the ``e_blocks x ceil(tokens / TILE_T)`` (row block, token tile) pairs; ``benchmarks/router.py``
-    sweeps it) rounded to whole ``block_k`` steps per split; the last split may be short."""
+    """``(splits, D steps of block_k per split)`` of a launch over hidden size ``d`` and ``e_blocks``
+    blocks of gate rows: ``split_k`` (default: about two waves of ``sms`` programs for one token tile;
+    ``benchmarks/router.py`` sweeps it) rounded to whole ``block_k`` steps per split; the last split may
+    be short. Not from the token count: both are constexprs of the kernel, one variant per gate shape."""
     k_blocks = -(-d // block_k)
     if split_k is None:
-        split_k = max(1, 2 * sms // (e_blocks * -(-tokens // TILE_T)))
+        split_k = max(1, 2 * sms // e_blocks)
     k_iters = -(-k_blocks // max(1, min(k_blocks, split_k)))
     return -(-k_blocks // k_iters), k_iters
 
@@ -125,7 +125,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top
 def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, score_func: str,
                routed_scale: float, *, index: torch.Tensor | None = None, tid2eid: torch.Tensor | None = None,
                ids: torch.Tensor | None = None, split_k: int | None = None, block_e: int = BLOCK_E,
-               block_k: int = BLOCK_K, num_warps: int = 4,
+               block_k: int = BLOCK_K, num_warps: int = NUM_WARPS,
                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`route_topk_reference` as one Triton launch: gate projection, scores, top-K and weights.
 
@@ -179,8 +179,8 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     counters = split_counters(dev, tiles) if T else None
     if counters is None:  # no tokens, or a capture that would have to grow the counters
         return route_topk_reference(x, weight, bias, top_k, score_func, routed_scale, **reference)
-    splits, k_iters = splits_for(T, D, e_blocks, sms=sm_count(dev), block_k=block_k, split_k=split_k)
-    ws = torch.empty((splits, T, E), dtype=torch.float32, device=dev)
+    splits, k_iters = splits_for(D, e_blocks, sms=sm_count(dev), block_k=block_k, split_k=split_k)
+    ws = torch.empty((T, splits, E), dtype=torch.float32, device=dev)
     out_index = torch.empty((T, top_k), dtype=torch.int64, device=dev)
     out_weight = torch.empty((T, top_k), dtype=torch.float32, device=dev)
     table = tid2eid if tid2eid is not None else index.contiguous() if index is not None else None
@@ -188,9 +188,9 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _router_triton._router_kernel[(e_blocks, splits, tiles)](
         x.contiguous(), w, w if bias is None else bias.contiguous(), w if table is None else table,
         w if ids is None else ids.contiguous(), ws, counters, out_index, out_weight,
-        T, k_iters, top_k if table is None else table.stride(0), float(routed_scale),
+        T, top_k if table is None else table.stride(0), float(routed_scale),
         D=D, E=E, E_PAD=triton.next_power_of_2(E), K=top_k, K_PAD=triton.next_power_of_2(top_k),
         SCORE=SCORE_FUNCS.index(score_func), HAS_BIAS=bias is not None,
-        HASH=0 if table is None else 2 if ids is not None else 1,
-        TILE_T=TILE_T, BLOCK_E=block_e, BLOCK_K=block_k, BLOCK_S=BLOCK_S, num_warps=num_warps)
+        HASH=0 if table is None else 2 if ids is not None else 1, SPLITS=splits, K_ITERS=k_iters,
+        TILE_T=TILE_T, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps)
     return out_index, out_weight
