@@ -38,11 +38,11 @@ from shardsmith.runtime.layers.kernels._common import KernelError, sm_count, use
 from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")  # transformers' ACT2FN names (V4 config ``scoring_func``)
-BLOCK_E = 16  # gate rows per program  (these three: the fastest of the H200 sweep, benchmarks/router.py)
-BLOCK_K = 256  # D elements per inner step of a program
+BLOCK_E = 16  # gate rows per program; with BLOCK_K and NUM_WARPS the fastest of an H200 sweep (benchmarks/router.py)
+BLOCK_K = 256  # D elements per (unrolled) step of a program
 NUM_WARPS = 4
-TILE_T = 4  # tokens per program (the finishing of a tile's tokens runs in one program)
-E_MAX = 1024  # experts the finishing program holds in registers (one token's logits)
+TILE_T = 4  # tokens per program (a tile's tokens are finished together, by one program)
+E_MAX = 1024  # experts the finishing program holds in registers ([TILE_T, E] logits)
 
 
 def route_topk_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
