@@ -22,6 +22,8 @@ V4 ``Compressor``                      ``warm_kernel`` -> ``compressor_step``   
 V4 ``HyperMixer``                      ``warm_kernel`` -> ``hc_pre``                 1 (in ``dtype``; token
                                                                                    and split counts are
                                                                                    not specialised)
+V4 ``MoE`` (its router)                ``warm_kernel`` -> ``route_topk``             1 (in ``dtype``; per
+                                                                                   routing: top-K, hash)
 =====================================  ==========================================  ===================
 
 Modules with the same weight shapes, dtypes and block share variants and are warmed once. Nothing
@@ -89,7 +91,7 @@ def warm_kernels(model: torch.nn.Module, *, max_rows: int, top_k: int, dtype: to
                 fused_bank(x, ids, weight, m.arrays(), m.math, m.block)
             launches += 1
     for m in model.modules():  # DeepSeek-V4's decode attention (sink_attention), compressors (compressor_step),
-        if getattr(m, "kernel", False) and hasattr(m, "warm_kernel"):  # mixers (hc_pre)
+        if getattr(m, "kernel", False) and hasattr(m, "warm_kernel"):  # mixers (hc_pre), routers (route_topk)
             launches += m.warm_kernel(seen, dtype=dtype)
     if launches and device.type == "cuda":
         torch.cuda.synchronize(device)

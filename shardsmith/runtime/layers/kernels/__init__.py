@@ -26,6 +26,10 @@ kernel                   replaces (the reference)            what it reads
                          whole mixer (RMS, ``F.linear``      ``[(2+m)*m, m*D]`` float32 once, split-K;
                          against ``fn``, ``hc_mix``, the     the last program of each token tile adds
                          weighted sum: 4-5 launches)         the partials, mixes and collapses
+:func:`route_topk`       :func:`route_topk_reference`: a     the gate ``[E, D]`` float32 once, split
+                         MoE router (GEMV, score, top-k or   over E and D; the last program of each
+                         hash table, gather, normalise:      token tile scores, picks the top-K and
+                         about 6 launches)                   normalises the weights
 =======================  ==================================  ===========================================
 
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on
@@ -39,7 +43,8 @@ Compiles: each kernel compiles a bounded set of variants whatever the prompt len
 
 Wiring (``runtime/layers``): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and
 calls ``fp8_linear``; V4's ``Attention.decode_core`` calls ``sink_attention`` (and ``Indexer.step``
-``indexer_scores``, ``Compressor.step`` ``compressor_step``; ``HyperMixer`` ``hc_pre``); an ``ExpertBank``
+``indexer_scores``, ``Compressor.step`` ``compressor_step``; ``HyperMixer`` ``hc_pre``; ``MoE.route``
+``route_topk``, up to 16 tokens); an ``ExpertBank``
 (resident) and the offload runtime's slot steps (the expert
 cache's pool, slot ids for expert ids) call ``fused_experts`` through ``experts.fused_bank`` for
 decode batches of up to 16 tokens; Mixtral-family bf16 banks pass ``gate_up`` and ``down`` alone

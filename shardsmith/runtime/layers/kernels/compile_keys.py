@@ -86,8 +86,8 @@ class _Recorder:
 @contextlib.contextmanager
 def record_launches(*, run: bool = False) -> Iterator[list[tuple]]:
     """Record the compile key of every launch of the kernels behind ``fp8_linear``, ``fused_experts``,
-    ``sink_attention``, ``indexer_scores``, ``compressor_step``, ``hc_mix`` and ``hc_pre`` while the block runs;
-    without ``run`` nothing is launched (the wrappers' outputs are then uninitialised).
+    ``sink_attention``, ``indexer_scores``, ``compressor_step``, ``hc_mix``, ``hc_pre`` and ``route_topk`` while the
+    block runs; without ``run`` nothing is launched (the wrappers' outputs are then uninitialised).
 
     Yields:
         The list the keys are appended to, in launch order, each named by the kernel's module
@@ -99,11 +99,12 @@ def record_launches(*, run: bool = False) -> Iterator[list[tuple]]:
         >>> len(set(keys))  # doctest: +SKIP
     """
     from shardsmith.runtime.layers.kernels import (_compressor_triton, _fp8_triton, _hc_triton, _indexer_triton,
-                                                   _moe_triton, _sink_attention_triton)
+                                                   _moe_triton, _router_triton, _sink_attention_triton)
 
     keys: list[tuple] = []
     saved = []
-    for mod in (_fp8_triton, _moe_triton, _sink_attention_triton, _indexer_triton, _compressor_triton, _hc_triton):
+    for mod in (_fp8_triton, _moe_triton, _sink_attention_triton, _indexer_triton, _compressor_triton, _hc_triton,
+                _router_triton):
         for name, obj in list(vars(mod).items()):
             if name.endswith("_kernel") or name.startswith("_sum_splits"):
                 if hasattr(obj, "fn") and not isinstance(obj, _Recorder):

@@ -3,7 +3,9 @@
 Routing is replicated, so every rank picks the same experts (transformers ``DeepseekV4TopKRouter``
 and ``DeepseekV4HashRouter``): ``s = sqrt(softplus(x @ gate.T))``; experts = top-k of
 ``s + gate.bias`` (or ``gate.tid2eid[token]`` in the first ``num_hash_layers`` layers); weights =
-``s`` of those, renormalised, times ``routed_scaling_factor``. Each expert is
+``s`` of those, renormalised, times ``routed_scaling_factor``. With the ``SHARDSMITH_ROUTER_KERNEL`` switch
+on (``auto``: CUDA), a router of up to 16 tokens is one launch
+(:func:`~shardsmith.runtime.layers.kernels.router.route_topk`) instead of about 6. Each expert is
 ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` with ``L = swiglu_limit``; the shared expert
 (FP8) is the same with no routing weight.
 
@@ -23,16 +25,17 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.runtime.layers.experts import ExpertBank, ExpertMath, swiglu
 from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear
+from shardsmith.runtime.layers.kernels.router import route_topk, route_topk_reference
 from shardsmith.runtime.layers.parallel import (MERGE_ENV, ColumnParallelLinear, ReplicatedLinear, Shards, all_reduce,
-                                                merge_rows)
+                                                kernel_switch, merge_rows)
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 
 BATCHED_PAIRS = 16  # (token, expert) pairs up to which experts are expanded together
+ROUTER_TOKENS = 16  # routers of up to this many tokens run route_topk when ``kernel`` is on (decode batches)
 
 
 class MoE(nn.Module):
@@ -59,6 +62,7 @@ class MoE(nn.Module):
         self.shared_experts.w2 = shards.linear(prefix + ".shared_experts.w2", reduce=False)
         self.limit = args.swiglu_limit
         self.shared_w13 = None  # (weight, scale) of w1 | w3 merged (fuse_projections_)
+        self.kernel = False  # up to ROUTER_TOKENS tokens through route_topk (use_kernel_)
 
     def fuse_projections_(self) -> None:
         """Merge the shared expert's ``w1 [I_r, D]`` and ``w3 [I_r, D]`` (same input, both FP8 kernel
@@ -76,20 +80,36 @@ class MoE(nn.Module):
             self.shared_w13 = (merge_rows(pair, "weight"), merge_rows(pair, "weight_scale_inv"))
 
     def route(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(index [T, K], weight [T, K] float32)`` for ``x`` ``[T, D]`` and token ids ``[T]``."""
-        logits = F.linear(x.float(), self.gate.weight)  # [T, E]
-        if self.score_func == "sqrtsoftplus":
-            scores = F.softplus(logits).sqrt()
-        elif self.score_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(dim=-1)
-        if self.hashed:
-            index = self.gate.tid2eid[ids].long()
-        else:
-            index = torch.topk(scores + self.gate.bias, self.top_k, dim=-1, sorted=False).indices
-        weight = scores.gather(1, index)
-        return index, weight / (weight.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
+        """``(index [T, K], weight [T, K] float32)`` for ``x`` ``[T, D]`` and token ids ``[T]``: up to
+        ``ROUTER_TOKENS`` tokens with ``kernel`` on, :func:`route_topk` (one launch; weights within float32
+        rounding of the reference, experts in descending order), else its reference (the same bits as
+        before the kernel)."""
+        gate = self.gate
+        table = {"tid2eid": gate.tid2eid, "ids": ids} if self.hashed else {}
+        bias = None if self.hashed else gate.bias
+        if self.kernel and x.shape[0] <= ROUTER_TOKENS:
+            return route_topk(x, gate.weight, bias, self.top_k, self.score_func, self.scale, **table)
+        return route_topk_reference(x, gate.weight, bias, self.top_k, self.score_func, self.scale, **table)
+
+    def use_kernel_(self, device: torch.device) -> None:
+        """Route up to ``ROUTER_TOKENS`` tokens through :func:`route_topk` when ``SHARDSMITH_ROUTER_KERNEL``
+        allows on ``device`` (``auto``: on CUDA; ``off``: :func:`route_topk_reference`, the PyTorch ops)."""
+        self.kernel = kernel_switch("SHARDSMITH_ROUTER_KERNEL", "off", device)
+
+    def warm_kernel(self, seen: set, *, dtype: torch.dtype) -> int:
+        """Route one zero token of ``dtype`` (the activations') through :func:`route_topk`, so its kernel
+        compiles before serving (``engine/warmup.py``; token and split counts are not specialised), unless
+        a router of the same variant did (``seen``); returns the launches (0 or 1)."""
+        gate = self.gate
+        key = ("route_topk", self.top_k, self.score_func, dtype,
+               tuple((n, tuple(b.shape), b.dtype) for n, b in gate.named_buffers()))
+        if key in seen:
+            return 0
+        seen.add(key)
+        dev = gate.weight.device
+        self.route(torch.zeros(1, gate.weight.shape[1], dtype=dtype, device=dev),
+                   torch.zeros(1, dtype=torch.int64, device=dev))
+        return 1
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert's partial ``[T, D]`` over this rank's intermediate share (not reduced)."""
