@@ -25,7 +25,8 @@ kernel                   replaces (the reference)            what it reads
 :func:`hc_pre`           :func:`hc_pre_reference`: V4's      the streams ``[T, m, D]`` and ``fn``
                          whole mixer (RMS, ``F.linear``      ``[(2+m)*m, m*D]`` float32 once, split-K;
                          against ``fn``, ``hc_mix``, the     the last program of each token tile adds
-                         weighted sum: 4-5 launches)         the partials, mixes and collapses
+                         weighted sum: 4-5 launches; and     the partials, mixes and collapses (and
+                         the block's RMSNorm after it)       norms the collapse: ``out_norm``)
 =======================  ==================================  ===========================================
 
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on
