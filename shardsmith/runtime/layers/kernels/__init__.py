@@ -27,6 +27,9 @@ kernel                   replaces (the reference)            what it reads
                          against ``fn``, ``hc_mix``, the     the last program of each token tile adds
                          weighted sum: 4-5 launches; and     the partials, mixes and collapses (and
                          the block's RMSNorm after it)       norms the collapse: ``out_norm``)
+:func:`hc_post`          :func:`hc_post_reference`: V4's     the streams and the sublayer's output once;
+                         expansion after a sublayer          one program per token and ``BLOCK_D``
+                         (matmul, multiply, add, cast)       channels writes all ``m`` output streams
 =======================  ==================================  ===========================================
 
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on
@@ -40,7 +43,7 @@ Compiles: each kernel compiles a bounded set of variants whatever the prompt len
 
 Wiring (``runtime/layers``): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and
 calls ``fp8_linear``; V4's ``Attention.decode_core`` calls ``sink_attention`` (and ``Indexer.step``
-``indexer_scores``, ``Compressor.step`` ``compressor_step``; ``HyperMixer`` ``hc_pre``); an ``ExpertBank``
+``indexer_scores``, ``Compressor.step`` ``compressor_step``; ``HyperMixer`` ``hc_pre`` and ``hc_post``); an ``ExpertBank``
 (resident) and the offload runtime's slot steps (the expert
 cache's pool, slot ids for expert ids) call ``fused_experts`` through ``experts.fused_bank`` for
 decode batches of up to 16 tokens; Mixtral-family bf16 banks pass ``gate_up`` and ``down`` alone

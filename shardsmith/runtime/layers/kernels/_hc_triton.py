@@ -21,6 +21,11 @@ streams once) and sets the counter back to 0 (no memset: a captured CUDA graph r
 sees it) and overwrites it with ``weight * (c * rsqrt(sum(c^2) / D + rms_eps))``: the RMSNorm after
 the mixer in the same program (its sum of squares is added while the row is written).
 
+``_hc_post_kernel`` (grid ``(T, ceil(D / BLOCK_D))``): the expansion after a sublayer,
+``y[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * x[t, j]`` for all ``m`` output streams of one
+``BLOCK_D`` slice of one token; it rounds where ``hyper.expand`` does (``post``, ``comb``, the
+product, the ``comb`` sum and the result each in the activation dtype; the sum over ``j`` a float32
+FMA chain in stream order).
 """
 
 from __future__ import annotations
@@ -131,3 +136,25 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, ws_ptr, f_ptr, cnt_ptr, p
         # ready for the next launch (every program of this tile has counted); relaxed, as _fp8_triton's
         tl.atomic_xchg(cnt, 0, sem="relaxed")
 
+
+@triton.jit
+def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, stride_xt, stride_ot,
+                    M: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    t, pid_d = tl.program_id(0), tl.program_id(1)
+    dt = y_ptr.dtype.element_ty  # the activation dtype: hyper.expand's rounding points
+    k = tl.arange(0, BLOCK_M)  # output stream
+    k_ok = k < M
+    dd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    t64 = t.to(tl.int64)
+    x_t = x_ptr + t64 * stride_xt
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for i in tl.static_range(M):  # matmul(comb.T, x): a float32 FMA chain in stream order (as MKL's; cuBLAS's too
+        # where it adds in order); bf16 / fp16 products are exact in float32, so only the order can matter
+        c = tl.load(comb_ptr + (t * M + i) * M + k, mask=k_ok, other=0.0).to(dt).to(tl.float32)  # comb[t, i, :]
+        s = tl.load(x_t + i * D + dd, mask=d_ok, other=0.0).to(tl.float32)
+        acc = tl.fma(c[:, None], s[None, :], acc)
+    p = tl.load(post_ptr + t * M + k, mask=k_ok, other=0.0).to(dt).to(tl.float32)
+    o = tl.load(o_ptr + t64 * stride_ot + dd, mask=d_ok, other=0.0).to(tl.float32)
+    y = (p[:, None] * o[None, :]).to(dt).to(tl.float32) + acc.to(dt).to(tl.float32)
+    tl.store(y_ptr + t64 * (M * D) + k[:, None] * D + dd[None, :], y.to(dt), mask=k_ok[:, None] & d_ok[None, :])

@@ -86,7 +86,7 @@ class _Recorder:
 @contextlib.contextmanager
 def record_launches(*, run: bool = False) -> Iterator[list[tuple]]:
     """Record the compile key of every launch of the kernels behind ``fp8_linear``, ``fused_experts``,
-    ``sink_attention``, ``indexer_scores``, ``compressor_step``, ``hc_mix`` and ``hc_pre`` while the block runs;
+    ``sink_attention``, ``indexer_scores``, ``compressor_step``, ``hc_mix``, ``hc_pre`` and ``hc_post`` while the block runs;
     without ``run`` nothing is launched (the wrappers' outputs are then uninitialised).
 
     Yields:
