@@ -487,7 +487,8 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
     args = V4Args.from_config(config)
     kernels = {v: os.environ.get(v, "auto") for v in ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS",
                                                        "SHARDSMITH_DECODE_ATTENTION", "SHARDSMITH_INDEXER_SCORES",
-                                                       "SHARDSMITH_COMPRESSOR_STEP", "SHARDSMITH_HC_PRE")}
+                                                       "SHARDSMITH_COMPRESSOR_STEP", "SHARDSMITH_HC_PRE",
+                                                       "SHARDSMITH_HC_POST")}
     kernels["SHARDSMITH_FP8_SPLIT_SUM"] = os.environ.get("SHARDSMITH_FP8_SPLIT_SUM", "fused")
     kernels["SHARDSMITH_MERGE_PROJECTIONS"] = os.environ.get("SHARDSMITH_MERGE_PROJECTIONS", "1")
     row = {"tp": tp, "device": a.device, "dtype": a.dtype, "fp8": a.fp8, "kernels": kernels, "layers": args.n_layers, "layer_kinds": list(args.kinds),

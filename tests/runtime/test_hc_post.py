@@ -6,8 +6,9 @@ itself truncates): m = 4, 3 and 2 streams, hidden sizes 64, 40 and 4096 (V4's), 
 tokens, bf16, float16 and float32, full and partial ``block_d`` slices, strided inputs. The kernel
 gives the reference's bits in bf16 and float16, and in float32 at m = 4 (the CPU matmul's FMA chain in
 stream order; at m = 2, 3 it takes another path: within float32 rounding). The reference is, bit for bit,
-``hyper.expand``; token counts compile one variant; bad inputs raise one ``KernelError`` naming every
-problem.
+``hyper.expand``; a mixer with ``post_kernel`` on launches ``hc_post`` up to 16 tokens and gives
+``expand``'s bits; token counts compile one variant; bad inputs raise one ``KernelError`` naming every
+problem; a tiny V4 with the kernels forced decodes through its pieces with its forward's bits.
 GPU (``-m gpu``): V4's shapes (m = 4, D = 4096, bf16) for T = 1, 4, 16 within one bf16 rounding of
 the reference (the count of differing elements printed), the same bits under CUDA-graph replay and
 through ``torch.compile``.
@@ -109,6 +110,25 @@ def test_reference_is_expand_bitwise():
 
 
 @needs_triton
+def test_mixer_expands_through_the_kernel(gpu_rounding):
+    """A ``HyperMixer`` with ``post_kernel`` on runs ``hc_post`` up to 16 tokens and ``expand`` past
+    them, with ``expand``'s bits either way (bf16); off, it launches nothing."""
+    from shardsmith.runtime.layers.kernels.compile_keys import record_launches
+    from shardsmith.runtime.models.deepseek_v4.hyper import HyperMixer, expand
+
+    mixer = HyperMixer(64, 4, 20, 1e-6, 1e-6)
+    streams, out, post, comb = _case(17, 4, 64, torch.bfloat16, seed=5)
+    for T in (3, 16, 17):
+        args = (streams[:T], out[:T], post[:T], comb[:T])
+        for on in (False, True):
+            mixer.post_kernel = on
+            with record_launches(run=True) as keys:
+                got = mixer.expand(*args)
+            assert [k[0] for k in keys] == (["_hc_post_kernel"] if on and T <= 16 else [])
+            assert torch.equal(got, expand(*args))
+
+
+@needs_triton
 def test_one_variant_for_every_token_count():
     """Token counts are not specialised: T = 1..20 compile one variant per dtype."""
     from shardsmith.runtime.layers.kernels.compile_keys import record_launches
@@ -138,6 +158,41 @@ def test_bad_inputs_raise_every_problem():
         hc_post(streams, out.to("meta"), post, comb)
     with pytest.raises(KernelError, match="backend 'gpu'"):
         hc_post(streams, out, post, comb, backend="gpu")
+
+
+@needs_triton
+def test_tiny_v4_pieces_with_the_mixer_kernels_give_the_forward_bits(tmp_path, monkeypatch):
+    """Tiny DeepSeek-V4 on CPU, float32, with ``SHARDSMITH_HC_PRE`` and ``SHARDSMITH_HC_POST`` forced (the
+    other kernels off): every one-token step through the decode pieces (``attn_in``, core, ``ffn_block``,
+    as graphed on CUDA) gives the logits of the plain forward bit for bit, and both ran the kernels
+    (``hc_pre`` with the norm folded: no separate norm between mixer and projections)."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.layers.kernels.compile_keys import record_launches
+    from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
+    from shardsmith.writer.split import split_checkpoint
+
+    monkeypatch.setenv("SHARDSMITH_HC_PRE", "kernel")
+    monkeypatch.setenv("SHARDSMITH_HC_POST", "kernel")
+    split_checkpoint(tiny_deepseek_v4(tmp_path / "src", layers=2), tmp_path / "tp1", world_size=1)
+    eng = Engine.load(tmp_path / "tp1", rank=0, world_size=1, dtype=torch.float32, max_seq_len=32, cuda_graphs=False)
+    layers = len(eng.model.layers)
+    assert all(m.kernel and m.post_kernel for layer in eng.model.layers for m in (layer.hc_attn, layer.hc_ffn))
+
+    def run() -> tuple[list[torch.Tensor], list[str]]:
+        with record_launches(run=True) as keys:
+            logits = [eng.forward(torch.tensor([3, 17, 42, 99]), 0)]
+            for i, token in enumerate((5, 8, 61)):
+                logits.append(eng.forward(torch.tensor([token]), 4 + i))
+        return logits, [k[0] for k in keys]
+
+    eager, eager_keys = run()
+    eng.use_decode_graphs()
+    pieces, piece_keys = run()
+    assert eng.graphs is not None and eng.graphs.pool is not None
+    for keys in (eager_keys, piece_keys):  # prefill and 3 steps, 2 mixers and 2 expansions per layer
+        assert keys.count("_hc_pre_kernel") == keys.count("_hc_post_kernel") == 4 * 2 * layers
+    for want, have in zip(eager, pieces):
+        assert torch.equal(have, want)
 
 
 # ------------------------------------------------------------------ GPU: V4 shapes

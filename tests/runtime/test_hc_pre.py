@@ -12,7 +12,8 @@ nearest even, as the GPU's, ``interpreter_rounds_bf16``), also at V4's D = 4096 
 output is ``ops.RMSNorm`` of the kernel's own collapse (bf16 / float16: the same bits but for rare ties,
 within one rounding always; float32: within 8 ulps, the sum of squares adding in another order),
 within the collapse's tolerance of the reference followed by ``ops.RMSNorm``, and
-pre/post/comb keep their bits. GPU (``-m gpu``): V4's shapes (m = 4, D = 4096, bf16) for
+pre/post/comb keep their bits; a mixer given its norm launches only ``hc_pre`` (and, kernel off, runs
+the norm after the same ops as before). GPU (``-m gpu``): V4's shapes (m = 4, D = 4096, bf16) for
 T = 1, 4, 16 against the reference, with and without the norm, the same bits under CUDA-graph capture
 and replay (and the norm's through ``torch.compile``).
 """
@@ -155,6 +156,28 @@ def test_rms_norm_reference_is_ops_rmsnorm_bitwise():
         assert torch.equal(rms_norm_reference(x, norm.weight, norm.eps), norm(x))
         normed = hc_pre_reference(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(norm.weight, norm.eps))
         assert torch.equal(normed[0], norm(x))
+
+
+@needs_triton
+def test_mixer_folds_the_norm(gpu_rounding):
+    """A ``HyperMixer`` given its block's norm: kernel off, the norm runs after the same ops as before (the
+    same bits as ``norm(mixer(streams)[0])``); kernel on, the one ``hc_pre`` launch returns the normed
+    collapse (no other kernel)."""
+    from shardsmith.runtime.layers.kernels.compile_keys import record_launches
+    from shardsmith.runtime.models.deepseek_v4.hyper import HyperMixer
+
+    mixer = HyperMixer(64, 4, ITERS, EPS, NORM_EPS)
+    streams, mixer.fn, mixer.base, mixer.scale = _case(3, 4, 64, torch.bfloat16, seed=6)
+    norm = _norm(64, 1e-6, seed=2)
+    x, post, comb = mixer(streams)
+    off = mixer(streams, norm)
+    assert torch.equal(off[0], norm(x)) and torch.equal(off[1], post) and torch.equal(off[2], comb)
+    mixer.kernel = True
+    with record_launches(run=True) as keys:
+        on = mixer(streams, norm)
+    assert [k[0] for k in keys] == ["_hc_pre_kernel"]
+    plain = hc_pre(streams, mixer.fn, mixer.base, mixer.scale, ITERS, EPS, NORM_EPS)
+    _check_normed(on[0], plain, x, norm)
 
 
 def test_splits_for():
