@@ -12,10 +12,13 @@ product ``post * out`` and the matmul ``comb.T @ streams`` (float32 accumulation
 to it, and so is their sum. :func:`hc_post_reference` is that PyTorch path (a batched matmul, a
 multiply and an add: on CUDA, compiled, a cuBLAS/CUTLASS matmul, a pointwise kernel and a cast).
 :func:`hc_post` is one Triton launch (``_hc_triton._hc_post_kernel``) that rounds at the same points
-and adds the ``m`` products in stream order: in float32 and float16 the same bits as the reference
-wherever the matmul adds in that order (the CPU one does); in bfloat16 the products are exact in
-float32, so only the matmul's order of adding them can differ: within one rounding of bfloat16, and
-rarely that (a tie moved by one float32 ulp).
+and adds the ``m`` products in stream order (an explicit float32 FMA chain). In bfloat16 and float16
+the products are exact in float32, so only the matmul's order of adding them can differ: the same bits
+as the reference where it adds in stream order (the CPU's does, in the tests), else within one
+rounding of the dtype, and rarely that (a tie moved by one float32 ulp). In float32 on the CPU
+(interpreter) the same bits at m = 4 (MKL's FMA chain; at m = 2, 3 MKL adds otherwise: within float32
+rounding); on CUDA Triton fuses the float32 product ``post * out`` into the final add (FP fusion, as
+inductor's kernel for the same expression does): one rounding fewer, within one float32 rounding.
 
 Legend: T = tokens, m = streams (``hc_mult``), D = hidden.
 """
