@@ -488,7 +488,7 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
     kernels = {v: os.environ.get(v, "auto") for v in ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS",
                                                        "SHARDSMITH_DECODE_ATTENTION", "SHARDSMITH_INDEXER_SCORES",
                                                        "SHARDSMITH_COMPRESSOR_STEP", "SHARDSMITH_HC_PRE",
-                                                       "SHARDSMITH_ROUTER_KERNEL")}
+                                                       "SHARDSMITH_ROUTER_KERNEL", "SHARDSMITH_HC_POST")}
     kernels["SHARDSMITH_FP8_SPLIT_SUM"] = os.environ.get("SHARDSMITH_FP8_SPLIT_SUM", "fused")
     kernels["SHARDSMITH_MERGE_PROJECTIONS"] = os.environ.get("SHARDSMITH_MERGE_PROJECTIONS", "1")
     kernels["SHARDSMITH_FP8_GEMV"] = os.environ.get("SHARDSMITH_FP8_GEMV", "auto")

@@ -65,6 +65,7 @@ def _tiny_v4(tiny, monkeypatch, **kw):
     monkeypatch.setenv("SHARDSMITH_COMPRESSOR_STEP", "kernel" if DEV == "cpu" else "auto")
     monkeypatch.setenv("SHARDSMITH_HC_PRE", "kernel" if DEV == "cpu" else "auto")
     monkeypatch.setenv("SHARDSMITH_ROUTER_KERNEL", "kernel" if DEV == "cpu" else "auto")
+    monkeypatch.setenv("SHARDSMITH_HC_POST", "kernel" if DEV == "cpu" else "auto")
     return Engine.load(tiny("deepseek-v4"), rank=0, world_size=1, device=DEV, dtype=torch.float32,
                        from_checkpoint=True, cuda_graphs=False, **kw)
 
@@ -102,7 +103,7 @@ def test_warmup_launches_every_variant_serving_uses(tiny, monkeypatch, flush_den
     names = {key[0] for key in served}
     assert {"_fp8_linear_kernel", "_fp8_linear_long_kernel", "_pair_gate_up_kernel",  # FP4: the pair path
             "_sink_split_kernel", "_sink_merge_kernel", "_indexer_scores_kernel",  # V4's decode attention
-            "_compressor_step_kernel", "_hc_pre_kernel", "_router_kernel"} <= names
+            "_compressor_step_kernel", "_hc_pre_kernel", "_hc_post_kernel", "_router_kernel"} <= names
     missing = set(served) - set(warm)
     assert not missing, f"{len(missing)} variants compiled while serving: {sorted(k[0] for k in missing)}"
 

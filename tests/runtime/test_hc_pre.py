@@ -7,8 +7,15 @@ and a last split past K. pre/post/comb land within float32 rounding of the refer
 within one rounding of its dtype; three calls in a row give the same bits and leave the split-K
 counters at zero; bad inputs raise one ``KernelError`` naming every problem. The reference is, bit for
 bit, the maths ``HyperMixer.forward`` ran before the kernel (``F.linear`` of ``rms_unweighted``, then
-``hc_mix``). GPU (``-m gpu``): V4's shapes (m = 4, D = 4096, bf16) for T = 1, 4, 16 against the
-reference, the same bits under CUDA-graph capture and replay.
+``hc_mix``). With the block's RMSNorm folded (``out_norm``; bf16 casts in the interpreter rounding to
+nearest even, as the GPU's, ``interpreter_rounds_bf16``), also at V4's D = 4096 and T = 16: the normed
+output is ``ops.RMSNorm`` of the kernel's own collapse (bf16 / float16: the same bits but for rare ties,
+within one rounding always; float32: within 8 ulps, the sum of squares adding in another order),
+within the collapse's tolerance of the reference followed by ``ops.RMSNorm``, and
+pre/post/comb keep their bits; a mixer given its norm launches only ``hc_pre`` (and, kernel off, runs
+the norm after the same ops as before). GPU (``-m gpu``): V4's shapes (m = 4, D = 4096, bf16) for
+T = 1, 4, 16 against the reference, with and without the norm, the same bits under CUDA-graph capture
+and replay (and the norm's through ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -25,10 +32,26 @@ if not torch.cuda.is_available():
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
 from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
 from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
-from shardsmith.runtime.layers.kernels.hc_pre import hc_pre, hc_pre_reference, splits_for
+from shardsmith.runtime.layers.kernels.hc_pre import hc_pre, hc_pre_reference, rms_norm_reference, splits_for
+from shardsmith.runtime.layers.kernels.testing import interpreter_rounds_bf16
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 ITERS, EPS, NORM_EPS = 20, 1e-6, 1e-6
+
+
+@pytest.fixture
+def gpu_rounding():
+    """bf16 casts in the interpreter round as on the GPU (nothing to do on CUDA)."""
+    with interpreter_rounds_bf16():
+        yield
+
+
+def _norm(D: int, eps: float, device: str = "cpu", seed: int = 0) -> RMSNorm:
+    """A V4 block norm (``ops.RMSNorm``) with trained-like float32 weights around 1."""
+    norm = RMSNorm(D, eps)
+    norm.weight = 1 + 0.5 * torch.randn(D, generator=torch.Generator(device=device).manual_seed(seed), device=device)
+    return norm
 
 
 def _case(T: int, m: int, D: int, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
@@ -74,6 +97,87 @@ def test_matches_reference(T, m, D, dtype, split_k, block_k):
                        backend="triton")
         assert all(torch.equal(a, b) for a, b in zip(again, first))
     assert not split_counters(streams.device, 1).any()
+
+
+def _check_normed(got: torch.Tensor, plain: tuple[torch.Tensor, ...], ref_collapsed: torch.Tensor,
+                  norm: RMSNorm) -> None:
+    """``got``: hc_pre's normed output; ``plain``: hc_pre's outputs without the norm. Against ``ops.RMSNorm``
+    of the kernel's own collapse: the sum of squares adds in another order, which moves the float32
+    ``rsqrt`` by an ulp or so: in float32 within 8 ulps; in bf16 / float16 within one rounding, and the
+    same bits but for at most 0.1% of elements (a value near a tie rounds the other way). Against the
+    reference's collapse through ``ops.RMSNorm``: within ``_close``'s collapse tolerance carried by the
+    norm (``|weight| * rsqrt(mean(c^2) + eps)`` per unit of collapse error)."""
+    sep = norm(plain[0])
+    assert got.shape == sep.shape and got.dtype == sep.dtype
+    fi, f32 = torch.finfo(got.dtype), torch.finfo(torch.float32)
+    err = (got.double() - sep.double()).abs()
+    assert (err <= (fi.eps if got.dtype != torch.float32 else 8 * f32.eps) * sep.double().abs() + fi.tiny).all(), \
+        err.max().item()
+    if got.dtype != torch.float32:
+        assert (got != sep).sum().item() <= 1e-3 * got.numel(), f"{(got != sep).sum().item()} of {got.numel()} differ"
+    want = norm(ref_collapsed).double()
+    c = ref_collapsed.double()
+    carry = norm.weight.double().abs() * torch.rsqrt(c.square().mean(-1, keepdim=True) + norm.eps)
+    bound = 2 * fi.eps * want.abs() + carry * (fi.eps * c.abs() + 1e-5)
+    assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() - bound).max().item()
+
+
+@needs_triton
+@pytest.mark.parametrize(("T", "m", "D", "dtype", "split_k", "rms_eps"), [
+    (1, 4, 64, torch.float32, None, 1e-6),
+    (3, 4, 64, torch.bfloat16, None, 1e-6),
+    (5, 2, 40, torch.bfloat16, 2, 0.25),     # D = 40 (BLOCK_D past D), two token tiles; an eps that shows
+    (16, 4, 64, torch.float16, 3, 1e-6),     # four token tiles, 3 splits
+    (1, 4, 4096, torch.bfloat16, None, 1e-6),  # V4's hidden size: 4 BLOCK_D steps per pass
+    (3, 4, 4096, torch.float32, None, 1e-6),
+    (16, 4, 4096, torch.bfloat16, None, 1e-6),
+])
+def test_norm_folded_matches_reference(gpu_rounding, T, m, D, dtype, split_k, rms_eps):
+    streams, fn, base, scale = _case(T, m, D, dtype, seed=T + m + D)
+    norm = _norm(D, rms_eps, seed=D)
+    got = hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(norm.weight, rms_eps), split_k=split_k,
+                 backend="triton")
+    plain = hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, split_k=split_k, backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], plain[1:]))  # pre/post/comb: the norm changes nothing
+    want = hc_pre_reference(streams, fn, base, scale, ITERS, EPS, NORM_EPS)
+    _check_normed(got[0], plain, want[0], norm)
+    again = hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(norm.weight, rms_eps), split_k=split_k,
+                   backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(again, got))
+    assert not split_counters(streams.device, 1).any()
+
+
+def test_rms_norm_reference_is_ops_rmsnorm_bitwise():
+    """``out_norm``'s reference is ``ops.RMSNorm`` (transformers ``DeepseekV4RMSNorm``) op for op."""
+    for dtype in (torch.float32, torch.bfloat16):
+        streams, fn, base, scale = _case(7, 4, 64, dtype, seed=2)
+        norm = _norm(64, 1e-6, seed=1)
+        x = hc_pre_reference(streams, fn, base, scale, ITERS, EPS, NORM_EPS)[0]
+        assert torch.equal(rms_norm_reference(x, norm.weight, norm.eps), norm(x))
+        normed = hc_pre_reference(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(norm.weight, norm.eps))
+        assert torch.equal(normed[0], norm(x))
+
+
+@needs_triton
+def test_mixer_folds_the_norm(gpu_rounding):
+    """A ``HyperMixer`` given its block's norm: kernel off, the norm runs after the same ops as before (the
+    same bits as ``norm(mixer(streams)[0])``); kernel on, the one ``hc_pre`` launch returns the normed
+    collapse (no other kernel)."""
+    from shardsmith.runtime.layers.kernels.compile_keys import record_launches
+    from shardsmith.runtime.models.deepseek_v4.hyper import HyperMixer
+
+    mixer = HyperMixer(64, 4, ITERS, EPS, NORM_EPS)
+    streams, mixer.fn, mixer.base, mixer.scale = _case(3, 4, 64, torch.bfloat16, seed=6)
+    norm = _norm(64, 1e-6, seed=2)
+    x, post, comb = mixer(streams)
+    off = mixer(streams, norm)
+    assert torch.equal(off[0], norm(x)) and torch.equal(off[1], post) and torch.equal(off[2], comb)
+    mixer.kernel = True
+    with record_launches(run=True) as keys:
+        on = mixer(streams, norm)
+    assert [k[0] for k in keys] == ["_hc_pre_kernel"]
+    plain = hc_pre(streams, mixer.fn, mixer.base, mixer.scale, ITERS, EPS, NORM_EPS)
+    _check_normed(on[0], plain, x, norm)
 
 
 def test_splits_for():
@@ -131,7 +235,10 @@ def test_one_variant_for_every_token_count():
         for T in range(1, 41):
             hc_pre(streams[:T], fn, base, scale, ITERS, EPS, NORM_EPS)
         hc_pre(streams[:3].bfloat16(), fn, base, scale, ITERS, EPS, NORM_EPS)
-    assert len(keys) == 41 and len(set(keys)) == 2
+        weight = torch.ones(64)
+        for T in range(1, 41):  # the norm folded: one more variant, whatever T and eps
+            hc_pre(streams[:T], fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(weight, 1e-6 * T))
+    assert len(keys) == 81 and len(set(keys)) == 3
 
 
 def test_bad_inputs_raise_every_problem():
@@ -144,6 +251,13 @@ def test_bad_inputs_raise_every_problem():
         hc_pre(streams.flatten(1), fn, base, scale, ITERS, EPS, NORM_EPS)
     with pytest.raises(KernelError, match="backend 'gpu'"):
         hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, backend="gpu")
+    with pytest.raises(KernelError, match=r"hc_pre: out_norm weight \(65,\) torch.float64: want \[64\] float32; "
+                                          r"out_norm eps=-1e-06 must be >= 0$"):
+        hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(torch.ones(65, dtype=torch.float64), -1e-6))
+    with pytest.raises(KernelError, match="out_norm eps=nan must be >= 0"):
+        hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(torch.ones(64), float("nan")))
+    with pytest.raises(KernelError, match=r"streams, fn, base, scale, out_norm weight on cpu, cpu, cpu, cpu, meta: one device"):
+        hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(torch.ones(64, device="meta"), 1e-6))
 
 
 # ------------------------------------------------------------------ GPU: V4 shapes
@@ -164,3 +278,31 @@ def test_v4_shapes_on_cuda_and_graphed(T):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(out, got))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_v4_shapes_with_the_norm_on_cuda_graphed_and_compiled(T):
+    """The folded norm at V4's shapes: as on CPU against the references (the count of elements that
+    differ from the separate norm's printed), the same bits replayed and through ``torch.compile``."""
+    streams, fn, base, scale = _case(T, 4, 4096, torch.bfloat16, device="cuda", seed=T)
+    norm = _norm(4096, 1e-6, device="cuda", seed=T)
+    call = lambda: hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(norm.weight, norm.eps))  # noqa: E731
+    got = call()
+    plain = hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS)
+    want = hc_pre_reference(streams, fn, base, scale, ITERS, EPS, NORM_EPS)
+    _close((plain[0], *got[1:]), want, rel=1e-4)
+    _check_normed(got[0], plain, want[0], norm)
+    print(f"\nhc_pre+norm T={T}: {(got[0] != norm(plain[0])).sum().item()} of {got[0].numel()} elements differ "
+          "from the separate norm of the kernel's collapse")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, got))
+    compiled = torch.compile(lambda x, w: hc_pre(x, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(w, 1e-6))[0] + 0,
+                             dynamic=False)
+    assert torch.equal(compiled(streams, norm.weight), got[0])

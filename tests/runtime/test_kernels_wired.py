@@ -1,17 +1,17 @@
 """The decode kernels wired into the runtime (issue 12): FP8 linears stay FP8 and call ``fp8_linear``,
 resident dense/FP4 expert banks call ``fused_experts`` for decode-sized steps, DeepSeek-V4's decode
 core attends through ``sink_attention`` (``indexer_scores`` on CSA layers), its compressors step
-through ``compressor_step``, its mixers run ``hc_pre`` and its routers ``route_topk``.
+through ``compressor_step``, its mixers run ``hc_pre`` (the block's norm folded) and its expansions ``hc_post``; its
+routers run ``route_topk``.
 
 CPU: the switch (``SHARDSMITH_FP8_DENSE``, ``SHARDSMITH_FUSED_EXPERTS``, ``SHARDSMITH_DECODE_ATTENTION``,
-``SHARDSMITH_INDEXER_SCORES``, ``SHARDSMITH_COMPRESSOR_STEP``, ``SHARDSMITH_HC_PRE``, ``SHARDSMITH_ROUTER_KERNEL``)
-is decided once at load, off on CPU unless forced; forced on under Triton's interpreter
-(``TRITON_INTERPRET=1``), the tiny DeepSeek-V4 (FP8 dense, FP4 experts) and tiny Mixtral-FP8 (FP8
-dense, FP8 experts dequantized at load to a bf16 bank) give the dequantize path's logits within
-float32 / bf16 rounding, prefill and one-token decode steps alike. GPU (``-m gpu``): the same models
-on CUDA, graphed, give the same greedy tokens in float32 with the kernels as without, bf16 logits
-within tolerance, and the FP8 linears hold the pack's weight bytes on the GPU (printed;
-benchmarks/RESULTS.md).
+``SHARDSMITH_INDEXER_SCORES``, ``SHARDSMITH_COMPRESSOR_STEP``, ``SHARDSMITH_HC_PRE``, ``SHARDSMITH_HC_POST``,
+``SHARDSMITH_ROUTER_KERNEL``) is decided once at load, off on CPU unless forced; forced on under Triton's interpreter (``TRITON_INTERPRET=1``), the tiny
+DeepSeek-V4 (FP8 dense, FP4 experts) and tiny Mixtral-FP8 (FP8 dense, FP8 experts dequantized at
+load to a bf16 bank) give the dequantize path's logits within float32 / bf16 rounding, prefill and
+one-token decode steps alike. GPU (``-m gpu``): the same models on CUDA, graphed, give the same
+greedy tokens in float32 with the kernels as without, bf16 logits within tolerance, and the FP8
+linears hold the pack's weight bytes on the GPU (printed; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from shardsmith.runtime.layers.parallel import _Linear, kernel_switch
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 7]
 STEPS = 3
 ENV = ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS", "SHARDSMITH_DECODE_ATTENTION", "SHARDSMITH_INDEXER_SCORES",
-       "SHARDSMITH_COMPRESSOR_STEP", "SHARDSMITH_HC_PRE", "SHARDSMITH_ROUTER_KERNEL")
+       "SHARDSMITH_COMPRESSOR_STEP", "SHARDSMITH_HC_PRE", "SHARDSMITH_HC_POST", "SHARDSMITH_ROUTER_KERNEL")
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
@@ -48,6 +48,7 @@ def _load(path, device: str, dtype: torch.dtype, kernels: bool, monkeypatch, *, 
     monkeypatch.setenv("SHARDSMITH_COMPRESSOR_STEP", forced if kernels else "off")
     monkeypatch.setenv("SHARDSMITH_HC_PRE", forced if kernels else "off")
     monkeypatch.setenv("SHARDSMITH_ROUTER_KERNEL", forced if kernels else "off")
+    monkeypatch.setenv("SHARDSMITH_HC_POST", forced if kernels else "off")
     return Engine.load(path, rank=0, world_size=1, device=device, dtype=dtype, from_checkpoint=True, max_seq_len=64,
                        cuda_graphs=graphs)
 
@@ -95,7 +96,7 @@ def test_switch_is_off_on_cpu_unless_forced(monkeypatch):
     for var, off in (("SHARDSMITH_FP8_DENSE", "dequantize"), ("SHARDSMITH_FUSED_EXPERTS", "off"),
                      ("SHARDSMITH_DECODE_ATTENTION", "off"), ("SHARDSMITH_INDEXER_SCORES", "off"),
                      ("SHARDSMITH_COMPRESSOR_STEP", "off"), ("SHARDSMITH_HC_PRE", "off"),
-                     ("SHARDSMITH_ROUTER_KERNEL", "off")):
+                     ("SHARDSMITH_HC_POST", "off"), ("SHARDSMITH_ROUTER_KERNEL", "off")):
         monkeypatch.delenv(var, raising=False)
         assert kernel_switch(var, off, cpu) is False  # auto: CUDA only, even under the interpreter
         monkeypatch.setenv(var, off)
@@ -140,23 +141,26 @@ def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, name, dtype):
     """Same logits (prefill, then decode steps teacher-forced on the dequantize path's greedy tokens);
     the FP8 linears stay FP8 and the decode steps' experts run ``fused_experts``; V4's compressors step
     through ``compressor_step``'s kernel (four steps: the last completes a ratio-4 window) with the
-    attention's projections of x and the shared expert's w1 | w3 merged, and every mixer and router (8-token
-    prefill, one-token steps) runs ``hc_pre`` and ``route_topk``."""
+    attention's projections of x and the shared expert's w1 | w3 merged, and every mixer (8-token prefill,
+    one-token steps) runs ``hc_pre`` with the block's norm and every expansion ``hc_post``, every router
+    ``route_topk``."""
     from shardsmith.runtime.models.deepseek_v4 import compressor as v4_compressor
     from shardsmith.runtime.models.deepseek_v4 import hyper as v4_hyper
     from shardsmith.runtime.models.deepseek_v4 import moe as v4_moe
 
-    calls, steps_by, mixes, routes = [], [], [], []
+    calls, steps_by, mixes, posts, routes = [], [], [], [], []
     real, real_step, real_mix = experts_mod.fused_experts, v4_compressor.compressor_step, v4_hyper.hc_pre
+    real_post = v4_hyper.hc_post
+    monkeypatch.setattr(v4_hyper, "hc_pre", lambda *a, **k: mixes.append(k["out_norm"]) or real_mix(*a, **k))
+    monkeypatch.setattr(v4_hyper, "hc_post", lambda *a, **k: posts.append(1) or real_post(*a, **k))
     real_route = v4_moe.route_topk
-    monkeypatch.setattr(v4_hyper, "hc_pre", lambda *a, **k: mixes.append(1) or real_mix(*a, **k))
     monkeypatch.setattr(v4_moe, "route_topk", lambda *a, **k: routes.append(1) or real_route(*a, **k))
     monkeypatch.setattr(experts_mod, "fused_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(v4_compressor, "compressor_step",
                         lambda *a, **k: steps_by.append((k["backend"], bool(a[7].any()))) or real_step(*a, **k))
     steps = 4 if name == "deepseek-v4" else STEPS
     ref, tokens = _decode(_load(tiny(name), "cpu", dtype, False, monkeypatch).model, steps=steps)
-    assert not calls and not mixes and not routes and all(backend == "reference" for backend, _ in steps_by)
+    assert not calls and not mixes and not posts and not routes and all(backend == "reference" for backend, _ in steps_by)
     steps_by.clear()
     eng = _load(tiny(name), "cpu", dtype, True, monkeypatch)
     linears, banks = _kernel_modules(eng.model)
@@ -165,7 +169,9 @@ def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, name, dtype):
     assert len(calls) == (steps + 1) * len(banks)  # the 8-token prefill (16 pairs) and every decode step
     if name == "deepseek-v4":  # every compressor step through the kernel, some completing a window
         assert steps_by and all(backend == "auto" for backend, _ in steps_by) and any(done for _, done in steps_by)
-        assert len(mixes) == (steps + 1) * 2 * len(eng.model.layers)
+        assert len(mixes) == len(posts) == (steps + 1) * 2 * len(eng.model.layers)
+        norms = [n for layer in eng.model.layers for n in (layer.attn_norm, layer.ffn_norm)]
+        assert [(w.data_ptr(), eps) for w, eps in mixes] == [(n.weight.data_ptr(), n.eps) for n in norms] * (steps + 1)
         assert len(routes) == (steps + 1) * len(eng.model.layers)
         for layer in eng.model.layers:  # x's projections merged (wq_a | wkv; the compressors'), the linears views
             attn = layer.attn

@@ -19,9 +19,9 @@ V4 ``Attention``                       ``warm_kernel`` -> ``sink_attention``    
                                                                                    not specialised)
 V4 ``Compressor``                      ``warm_kernel`` -> ``compressor_step``        1 (on a scratch copy
                                                                                    of one slot's state)
-V4 ``HyperMixer``                      ``warm_kernel`` -> ``hc_pre``                 1 (in ``dtype``; token
-                                                                                   and split counts are
-                                                                                   not specialised)
+V4 ``HyperMixer`` (``kernel`` or       ``warm_kernel`` -> ``hc_pre`` (with the       1 each (in ``dtype``;
+``post_kernel`` on)                    norm folded), ``hc_post``                    token and split counts
+                                                                                   are not specialised)
 V4 ``MoE`` (its router)                ``warm_kernel`` -> ``route_topk``             1 (in ``dtype``; per
                                                                                    routing: top-K, hash)
 =====================================  ==========================================  ===================
@@ -91,7 +91,8 @@ def warm_kernels(model: torch.nn.Module, *, max_rows: int, top_k: int, dtype: to
                 fused_bank(x, ids, weight, m.arrays(), m.math, m.block)
             launches += 1
     for m in model.modules():  # DeepSeek-V4's decode attention (sink_attention), compressors (compressor_step),
-        if getattr(m, "kernel", False) and hasattr(m, "warm_kernel"):  # mixers (hc_pre), routers (route_topk)
+        on = getattr(m, "kernel", False) or getattr(m, "post_kernel", False)  # mixers (hc_pre, hc_post), routers (route_topk)
+        if on and hasattr(m, "warm_kernel"):
             launches += m.warm_kernel(seen, dtype=dtype)
     if launches and device.type == "cuda":
         torch.cuda.synchronize(device)

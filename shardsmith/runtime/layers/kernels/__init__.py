@@ -25,7 +25,11 @@ kernel                   replaces (the reference)            what it reads
 :func:`hc_pre`           :func:`hc_pre_reference`: V4's      the streams ``[T, m, D]`` and ``fn``
                          whole mixer (RMS, ``F.linear``      ``[(2+m)*m, m*D]`` float32 once, split-K;
                          against ``fn``, ``hc_mix``, the     the last program of each token tile adds
-                         weighted sum: 4-5 launches)         the partials, mixes and collapses
+                         weighted sum: 4-5 launches; and     the partials, mixes and collapses (and
+                         the block's RMSNorm after it)       norms the collapse: ``out_norm``)
+:func:`hc_post`          :func:`hc_post_reference`: V4's     the streams and the sublayer's output once;
+                         expansion after a sublayer          one program per token and ``BLOCK_D``
+                         (matmul, multiply, add, cast)       channels writes all ``m`` output streams
 :func:`route_topk`       :func:`route_topk_reference`: a     the gate ``[E, D]`` float32 once, split
                          MoE router (GEMV, score, top-k or   over E and D; the last program of each
                          hash table, gather, normalise:      token tile scores, picks the top-K and
@@ -43,7 +47,7 @@ Compiles: each kernel compiles a bounded set of variants whatever the prompt len
 
 Wiring (``runtime/layers``): an FP8 ``_Linear`` keeps ``weight`` and its block scale as loaded and
 calls ``fp8_linear``; V4's ``Attention.decode_core`` calls ``sink_attention`` (and ``Indexer.step``
-``indexer_scores``, ``Compressor.step`` ``compressor_step``; ``HyperMixer`` ``hc_pre``; ``MoE.route``
+``indexer_scores``, ``Compressor.step`` ``compressor_step``; ``HyperMixer`` ``hc_pre`` and ``hc_post``; ``MoE.route``
 ``route_topk``, up to 16 tokens); an ``ExpertBank``
 (resident) and the offload runtime's slot steps (the expert
 cache's pool, slot ids for expert ids) call ``fused_experts`` through ``experts.fused_bank`` for

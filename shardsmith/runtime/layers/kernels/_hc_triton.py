@@ -16,7 +16,16 @@ on the token tile's int32 counter, and the program that sees ``splits - 1`` adds
 each of its tokens in a fixed order (chunks of ``BLOCK_S`` splits in split order, a fixed tree within a
 chunk: the same bits every launch and replay), scales the dots by ``rsqrt(sumsq / K + norm_eps)``,
 runs :func:`_hc_mix_row` on them, writes ``collapsed = sum_j pre[j] * x[t, j]`` (reading the token's
-streams once) and sets the counter back to 0 (no memset: a captured CUDA graph replays as is).
+streams once) and sets the counter back to 0 (no memset: a captured CUDA graph replays as is). With
+``HAS_NORM`` it then reads its ``collapsed`` row back (rounded to the output dtype, as ``ops.RMSNorm``
+sees it) and overwrites it with ``weight * (c * rsqrt(sum(c^2) / D + rms_eps))``: the RMSNorm after
+the mixer in the same program (its sum of squares is added while the row is written).
+
+``_hc_post_kernel`` (grid ``(T, ceil(D / BLOCK_D))``): the expansion after a sublayer,
+``y[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * x[t, j]`` for all ``m`` output streams of one
+``BLOCK_D`` slice of one token; it rounds where ``hyper.expand`` does (``post``, ``comb``, the
+product, the ``comb`` sum and the result each in the activation dtype; the sum over ``j`` a float32
+FMA chain in stream order).
 """
 
 from __future__ import annotations
@@ -63,10 +72,10 @@ def _hc_mix_kernel(f_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, f_st
 
 @triton.jit(do_not_specialize=["T", "splits", "k_iters"])  # variants: the module's shapes and dtype only
 def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, ws_ptr, f_ptr, cnt_ptr, pre_ptr, post_ptr, comb_ptr, out_ptr,
-                   T, splits, k_iters, stride_xt, eps, norm_eps,
+                   nw_ptr, T, splits, k_iters, stride_xt, eps, norm_eps, rms_eps,
                    M: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, ITERS: tl.constexpr,
                    W: tl.constexpr, W_PAD: tl.constexpr, TILE_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
     K: tl.constexpr = M * D
     pid_s, pid_t = tl.program_id(0), tl.program_id(1)
     tok = pid_t * TILE_T + tl.arange(0, TILE_T)
@@ -106,11 +115,46 @@ def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, ws_ptr, f_ptr, cnt_ptr, p
                 pre = _hc_mix_row(f_row, base_ptr, scale_ptr, pre_ptr + t * M, post_ptr + t * M,
                                   comb_ptr + t * M * M, eps, M, BLOCK_M, ITERS)
                 x_t = x_ptr + t.to(tl.int64) * stride_xt
+                out_t = out_ptr + t.to(tl.int64) * D
+                sq_d = tl.zeros((BLOCK_D,), dtype=tl.float32)
                 for d0 in range(0, D, BLOCK_D):
                     dd = d0 + d
                     v = tl.load(x_t + j[:, None] * D + dd[None, :], mask=(j[:, None] < M) & (dd[None, :] < D),
                                 other=0.0)
-                    out = tl.sum(pre[:, None] * v.to(tl.float32), axis=0)
-                    tl.store(out_ptr + t.to(tl.int64) * D + dd, out.to(out_ptr.dtype.element_ty), mask=dd < D)
+                    out = tl.sum(pre[:, None] * v.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty)
+                    tl.store(out_t + dd, out, mask=dd < D)
+                    if HAS_NORM:  # ops.RMSNorm: h = c.float(); mean of h^2 (0 past D)
+                        sq_d += out.to(tl.float32) * out.to(tl.float32)
+                if HAS_NORM:
+                    r = tl.rsqrt(tl.sum(sq_d, axis=0) / D + rms_eps)
+                    tl.debug_barrier()  # the row stored by every thread before any reads it back
+                    for d0 in range(0, D, BLOCK_D):
+                        dd = d0 + d
+                        c = tl.load(out_t + dd, mask=dd < D, other=0.0, cache_modifier=".cg").to(tl.float32)
+                        w = tl.load(nw_ptr + dd, mask=dd < D, other=0.0)
+                        tl.store(out_t + dd, (w * (c * r)).to(out_ptr.dtype.element_ty), mask=dd < D)
         # ready for the next launch (every program of this tile has counted); relaxed, as _fp8_triton's
         tl.atomic_xchg(cnt, 0, sem="relaxed")
+
+
+@triton.jit
+def _hc_post_kernel(x_ptr, o_ptr, post_ptr, comb_ptr, y_ptr, stride_xt, stride_ot,
+                    M: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    t, pid_d = tl.program_id(0), tl.program_id(1)
+    dt = y_ptr.dtype.element_ty  # the activation dtype: hyper.expand's rounding points
+    k = tl.arange(0, BLOCK_M)  # output stream
+    k_ok = k < M
+    dd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    t64 = t.to(tl.int64)
+    x_t = x_ptr + t64 * stride_xt
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for i in tl.static_range(M):  # matmul(comb.T, x): a float32 FMA chain in stream order (as MKL's; cuBLAS's too
+        # where it adds in order); bf16 / fp16 products are exact in float32, so only the order can matter
+        c = tl.load(comb_ptr + (t * M + i) * M + k, mask=k_ok, other=0.0).to(dt).to(tl.float32)  # comb[t, i, :]
+        s = tl.load(x_t + i * D + dd, mask=d_ok, other=0.0).to(tl.float32)
+        acc = tl.fma(c[:, None], s[None, :], acc)
+    p = tl.load(post_ptr + t * M + k, mask=k_ok, other=0.0).to(dt).to(tl.float32)
+    o = tl.load(o_ptr + t64 * stride_ot + dd, mask=d_ok, other=0.0).to(tl.float32)
+    y = (p[:, None] * o[None, :]).to(dt).to(tl.float32) + acc.to(dt).to(tl.float32)
+    tl.store(y_ptr + t64 * (M * D) + k[:, None] * D + dd[None, :], y.to(dt), mask=k_ok[:, None] & d_ok[None, :])

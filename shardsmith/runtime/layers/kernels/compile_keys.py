@@ -86,8 +86,9 @@ class _Recorder:
 @contextlib.contextmanager
 def record_launches(*, run: bool = False) -> Iterator[list[tuple]]:
     """Record the compile key of every launch of the kernels behind ``fp8_linear``, ``fused_experts``,
-    ``sink_attention``, ``indexer_scores``, ``compressor_step``, ``hc_mix``, ``hc_pre`` and ``route_topk`` while the
-    block runs; without ``run`` nothing is launched (the wrappers' outputs are then uninitialised).
+    ``sink_attention``, ``indexer_scores``, ``compressor_step``, ``hc_mix``, ``hc_pre``, ``hc_post`` and ``route_topk``
+    while the block runs;
+    without ``run`` nothing is launched (the wrappers' outputs are then uninitialised).
 
     Yields:
         The list the keys are appended to, in launch order, each named by the kernel's module

@@ -13,6 +13,10 @@ comb            ``[T, m]``,
                 ``[T, m, m]``
 collapsed       ``[T, D]``       ``sum_j pre[:, j] * streams[:, j]`` in float32, cast to
                                  ``streams.dtype``: the sublayer's input
+(``out_norm``)  ``[T, D]``       instead of ``collapsed``: ``RMSNorm(collapsed)`` as
+                                 ``models/deepseek_v4/ops.py``'s ``RMSNorm`` computes it
+                                 (:func:`rms_norm_reference`), the norm V4 runs on the mixer's
+                                 output before attention (``attn_norm``) and the MoE (``ffn_norm``)
 ==============  ===============  ==============================================================
 
 :func:`hc_pre_reference` is the PyTorch path the model ran (an RMS, ``F.linear`` against ``fn``
@@ -21,7 +25,13 @@ collapsed       ``[T, D]``       ``sum_j pre[:, j] * streams[:, j]`` in float32,
 1.5 MB of V4's ``fn`` is read by about two waves of programs and the last program of each token tile
 finishes the maths. Its float32 dots add in another order than cuBLAS's and multiply by the norm
 after the dot (``r * (x @ fn.T)`` for ``(r * x) @ fn.T``): equal within float32 rounding, not bitwise;
-``collapsed`` within one rounding of its dtype.
+``collapsed`` within one rounding of its dtype. With ``out_norm`` the norm reads ``collapsed`` rounded to
+its dtype, as the separate norm does, and follows its op order (``weight * (c * rsqrt(mean(c^2) + eps))``
+in float32, one cast); only its sum of squares adds in another order than torch's ``mean``, which can
+move the float32 ``rsqrt`` by an ulp or so. Against ``RMSNorm`` of the kernel's own ``collapsed``: in
+bf16 / float16 the same bits but where a value sits near a tie (none or one in 65536 elements in the
+tests), within one rounding always; in float32 within a few ulps. Against the reference path the
+collapse's own difference (above) is carried through the norm.
 
 Legend: T = tokens, m = streams (``hc_mult``), D = hidden, K = m * D, W = (2 + m) * m mixer logits.
 """
@@ -42,14 +52,25 @@ BLOCK_S = 64  # splits added per step by the finishing program
 BLOCK_D = 1024  # hidden channels per step of ``collapsed``
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``ops.RMSNorm``'s forward on ``x [T, D]`` with its ``weight [D]`` float32, op for op (transformers
+    ``DeepseekV4RMSNorm``: the norm in float32, times the float32 weight, cast once to ``x.dtype``)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
 def hc_pre_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                     eps: float, norm_eps: float) -> Pre:
+                     eps: float, norm_eps: float, *, out_norm: tuple[torch.Tensor, float] | None = None) -> Pre:
     """The PyTorch path :func:`hc_pre` replaces (module table): ``(collapsed [T, D], pre [T, m], post [T, m],
-    comb [T, m, m])``. The same torch ops as ``HyperMixer.forward`` on CPU, so the same bits."""
+    comb [T, m, m])``, with ``out_norm = (weight, eps)`` the first ``RMSNorm(collapsed)``
+    (:func:`rms_norm_reference`). The same torch ops as ``HyperMixer.forward`` on CPU, so the same bits."""
     x = streams.flatten(1).float()
     f = F.linear(x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + norm_eps).to(x.dtype), fn)  # ops.rms_unweighted
     pre, post, comb = hc_mix_reference(f, base, scale, streams.shape[1], iters, eps)
     collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
+    if out_norm is not None:
+        collapsed = rms_norm_reference(collapsed, *out_norm)
     return collapsed, pre, post, comb
 
 
@@ -67,31 +88,37 @@ def splits_for(tokens: int, k: int, *, sms: int, block_k: int = BLOCK_K, split_k
 
 
 def _check(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-           block_k: int) -> None:
+           block_k: int, out_norm: tuple[torch.Tensor, float] | None) -> None:
     problems = []
+    weight = out_norm[0] if out_norm is not None else None
     if streams.dim() != 3 or streams.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         problems.append(f"streams {tuple(streams.shape)} {streams.dtype}: want [T, m, D] bfloat16, float16 or float32")
     else:
         _, m, D = streams.shape
         W = (2 + m) * m
-        for name, t, want in (("fn", fn, (W, m * D)), ("base", base, (W,)), ("scale", scale, (3,))):
+        named = [("fn", fn, (W, m * D)), ("base", base, (W,)), ("scale", scale, (3,))]
+        for name, t, want in named + ([("out_norm weight", weight, (D,))] if weight is not None else []):
             if tuple(t.shape) != want or t.dtype != torch.float32:
                 problems.append(f"{name} {tuple(t.shape)} {t.dtype}: want {list(want)} float32")
+    if out_norm is not None and not out_norm[1] >= 0:
+        problems.append(f"out_norm eps={out_norm[1]} must be >= 0")
     if iters < 1:
         problems.append(f"iters={iters} must be >= 1")
     if block_k < 16 or block_k & (block_k - 1):
         problems.append(f"block_k={block_k}: a power of two >= 16")
-    if len({t.device for t in (streams, fn, base, scale)}) != 1:
-        problems.append(f"streams, fn, base, scale on {streams.device}, {fn.device}, {base.device}, {scale.device}: "
-                        "one device")
+    tensors = (streams, fn, base, scale) + ((weight,) if weight is not None else ())
+    if len({t.device for t in tensors}) != 1:
+        problems.append(f"streams, fn, base, scale{', out_norm weight' if weight is not None else ''} on "
+                        f"{', '.join(str(t.device) for t in tensors)}: one device")
     if problems:
         raise KernelError("hc_pre: " + "; ".join(problems))
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
-           norm_eps: float, *, split_k: int | None = None, block_k: int = BLOCK_K, num_warps: int = 4,
-           backend: str = "auto") -> Pre:
-    """:func:`hc_pre_reference` as one Triton launch: norm, projection, pre/post/comb and the collapse.
+           norm_eps: float, *, out_norm: tuple[torch.Tensor, float] | None = None, split_k: int | None = None,
+           block_k: int = BLOCK_K, num_warps: int = 4, backend: str = "auto") -> Pre:
+    """:func:`hc_pre_reference` as one Triton launch: norm, projection, pre/post/comb and the collapse
+    (and, with ``out_norm``, the RMSNorm of the collapse).
 
     Built for decode (T = 1..16 tokens); any T runs, correct but not tuned past that (each program
     reads the ``fn`` rows of its K chunk, so the token tiles read ``fn`` once each, mostly from L2).
@@ -106,6 +133,9 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         streams: ``[T, m, D]`` bfloat16, float16 or float32; fn: ``[(2+m)*m, m*D]`` float32; base:
             ``[(2+m)*m]`` float32; scale: ``[3]`` float32; iters: Sinkhorn rounds (>= 1); eps: floor of
             pre / comb and the Sinkhorn sums; norm_eps: the RMS epsilon.
+        out_norm: ``(weight [D] float32, eps >= 0)`` of the RMSNorm that follows the mixer
+            (``ops.RMSNorm``'s buffer and epsilon): the first output is then ``RMSNorm(collapsed)``,
+            computed by the finishing program from ``collapsed`` rounded to ``streams.dtype``.
         split_k: K splits (default: from the multiprocessor count); block_k: K elements per step
             (a power of two >= 16); num_warps: Triton's (``benchmarks/hc_pre.py`` sweeps them).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
@@ -113,7 +143,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
     Returns:
         ``(collapsed [T, D] in streams.dtype, pre [T, m], post [T, m], comb [T, m, m])`` float32 but
-        ``collapsed``, fresh tensors.
+        ``collapsed`` (normed with ``out_norm``), fresh tensors.
 
     Raises:
         KernelError: shapes, dtypes or devices do not fit (every problem listed), or the backend cannot run.
@@ -121,9 +151,9 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     Example:
         >>> x, pre, post, comb = hc_pre(streams, mixer.fn, mixer.base, mixer.scale, 20, 1e-6, 1e-6)  # doctest: +SKIP
     """
-    _check(streams, fn, base, scale, iters, block_k)
+    _check(streams, fn, base, scale, iters, block_k, out_norm)
     if not use_triton(streams, backend):
-        return hc_pre_reference(streams, fn, base, scale, iters, eps, norm_eps)
+        return hc_pre_reference(streams, fn, base, scale, iters, eps, norm_eps, out_norm=out_norm)
     import triton
 
     from shardsmith.runtime.layers.kernels import _hc_triton
@@ -136,7 +166,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     tiles = -(-T // TILE_T)
     counters = split_counters(dev, tiles) if T else None
     if counters is None:  # no tokens, or a capture that would have to grow the counters
-        return hc_pre_reference(streams, fn, base, scale, iters, eps, norm_eps)
+        return hc_pre_reference(streams, fn, base, scale, iters, eps, norm_eps, out_norm=out_norm)
     w_pad = triton.next_power_of_2(W + 1)  # column W: the partial sums of squares
     ws = torch.empty((splits, T, w_pad), dtype=torch.float32, device=dev)
     f = torch.empty((T, w_pad), dtype=torch.float32, device=dev)
@@ -144,9 +174,11 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     post = torch.empty((T, m), dtype=torch.float32, device=dev)
     comb = torch.empty((T, m, m), dtype=torch.float32, device=dev)
     out = torch.empty((T, D), dtype=streams.dtype, device=dev)
+    weight, rms_eps = out_norm if out_norm is not None else (base, 0.0)  # base: a float32 pointer never read
     _hc_triton._hc_pre_kernel[(splits, tiles)](
         streams, fn.contiguous(), base.contiguous(), scale.contiguous(), ws, f, counters, pre, post, comb, out,
-        T, splits, k_iters, streams.stride(0), float(eps), float(norm_eps),
+        weight.contiguous(), T, splits, k_iters, streams.stride(0), float(eps), float(norm_eps), float(rms_eps),
         M=m, D=D, BLOCK_M=triton.next_power_of_2(m), ITERS=iters, W=W, W_PAD=w_pad, TILE_T=TILE_T,
-        BLOCK_K=block_k, BLOCK_S=BLOCK_S, BLOCK_D=min(BLOCK_D, triton.next_power_of_2(D)), num_warps=num_warps)
+        BLOCK_K=block_k, BLOCK_S=BLOCK_S, BLOCK_D=min(BLOCK_D, triton.next_power_of_2(D)), HAS_NORM=out_norm is not None,
+        num_warps=num_warps)
     return out, pre, post, comb

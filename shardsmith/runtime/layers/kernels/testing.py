@@ -1,4 +1,5 @@
-"""Random inputs in the checkpoints' formats, and an error measure, for the kernel tests and benchmarks.
+"""Random inputs in the checkpoints' formats, an error measure and GPU-like bf16 rounding under the interpreter,
+for the kernel tests and benchmarks.
 
 Values are drawn fresh from a seeded generator on its own device (a CUDA generator makes a
 multi-gigabyte bank in milliseconds), never zeros (they hide unwritten outputs), and are scaled
@@ -8,7 +9,9 @@ wrong scale index shows as a large error.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -21,6 +24,42 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).norm() / ref.norm()).item()
+
+
+@contextlib.contextmanager
+def interpreter_rounds_bf16() -> Iterator[None]:
+    """Within the block, Triton's CPU interpreter casts float32 to bfloat16 rounding to nearest even,
+    as the GPU's ``cvt.rn.bf16.f32`` does (Triton 3.x's interpreter truncates: its ``_convert_float``
+    drops the low 16 bits), so a test can hold a kernel's bf16 outputs to PyTorch's bits. A no-op
+    when the interpreter is off (kernels on a GPU round by themselves).
+
+    Raises:
+        RuntimeError: this Triton's interpreter has no ``_convert_float`` to patch.
+    """
+    from shardsmith.runtime.layers.kernels._common import interpreting
+
+    if not interpreting():
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    real = getattr(interpreter, "_convert_float", None)
+    if real is None:
+        raise RuntimeError("triton.runtime.interpreter._convert_float is gone: update interpreter_rounds_bf16")
+
+    def convert(data, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.bfloat16:
+            f32 = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
+            return f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return real(data, src, dst, rounding_mode)
+
+    interpreter._convert_float = convert
+    try:
+        yield
+    finally:
+        interpreter._convert_float = real
 
 
 def _ue8m0(shape: tuple[int, ...], centre: float, gen: torch.Generator) -> torch.Tensor:

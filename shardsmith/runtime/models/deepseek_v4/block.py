@@ -23,7 +23,7 @@ from shardsmith.runtime.layers.experts import RoutedExperts
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
 from shardsmith.runtime.models.deepseek_v4.attention import Attention
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
-from shardsmith.runtime.models.deepseek_v4.hyper import HyperMixer, expand
+from shardsmith.runtime.models.deepseek_v4.hyper import HyperMixer
 from shardsmith.runtime.models.deepseek_v4.moe import MoE
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm
 from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows
@@ -44,10 +44,10 @@ class Block(nn.Module):
         self.hc_ffn = HyperMixer(args.dim, args.hc_mult, args.hc_iters, args.hc_eps, args.norm_eps)
 
     def forward(self, streams: torch.Tensor, ids: torch.Tensor, start: int, slot: int = 0) -> torch.Tensor:  # [T, m, D]
-        x, post, comb = self.hc_attn(streams)
-        streams = expand(streams, self.attn(self.attn_norm(x), start, slot), post, comb)
-        x, post, comb = self.hc_ffn(streams)
-        return expand(streams, self.ffn(self.ffn_norm(x), ids), post, comb)
+        x, post, comb = self.hc_attn(streams, self.attn_norm)  # x: attn_norm(collapsed)
+        streams = self.hc_attn.expand(streams, self.attn(x, start, slot), post, comb)
+        x, post, comb = self.hc_ffn(streams, self.ffn_norm)
+        return self.hc_ffn.expand(streams, self.ffn(x, ids), post, comb)
 
     # The same layer as pieces around its attention, for a decode step run piece by piece
     # (engine/cuda_graphs.py's table): the same kernels in the same order as forward, so the same bits.
@@ -67,8 +67,7 @@ class Block(nn.Module):
 
         ``cos``/``sin`` ``[T, r/2]``: this layer's RoPE at the new positions.
         """
-        x, post, comb = self.hc_attn(streams)
-        x = self.attn_norm(x)
+        x, post, comb = self.hc_attn(streams, self.attn_norm)
         return (x, *self.attn.project(x, cos, sin), post, comb)
 
     def attn_core(self, a: tuple[torch.Tensor, ...], step: "Step") -> tuple[torch.Tensor, ...]:
@@ -105,9 +104,8 @@ class Block(nn.Module):
             attn: the attention core's ``[T, n, d]``. Returns ``(streams [T, m, D], shared [T, D],
             post, comb, x [T, D], index [T, K], weight [T, K])``: the carry, then the experts' inputs.
         """
-        streams = expand(streams, self.attn.output(attn, cos, sin), post, comb)
-        x, post, comb = self.hc_ffn(streams)
-        x = self.ffn_norm(x)
+        streams = self.hc_attn.expand(streams, self.attn.output(attn, cos, sin), post, comb)
+        x, post, comb = self.hc_ffn(streams, self.ffn_norm)
         index, weight = self.ffn.route(x, ids)
         return streams, self.ffn.shared(x), post, comb, x, index, weight
 
@@ -115,7 +113,7 @@ class Block(nn.Module):
                 x: torch.Tensor, weight: torch.Tensor, routed: torch.Tensor) -> tuple[torch.Tensor]:
         """The layer's one all-reduce (routed + shared partials) spread onto the streams: ``([T, m, D],)``
         (``x`` and ``weight`` are part of the common signature and not needed here)."""
-        return (expand(streams, all_reduce(routed + shared), post, comb),)
+        return (self.hc_ffn.expand(streams, all_reduce(routed + shared), post, comb),)
 
     def ffn_block(self, streams: torch.Tensor, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   post: torch.Tensor, comb: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor]:

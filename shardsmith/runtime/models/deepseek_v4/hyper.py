@@ -19,7 +19,14 @@ replicated. The pre/post/comb maths (40 Sinkhorn half-steps on ``[T, m, m]``) is
 it is ~80 tiny kernels; ``torch.compile`` made it 5-6), its PyTorch reference elsewhere. With the
 ``SHARDSMITH_HC_PRE`` switch on (``auto``: CUDA), a mixer of up to 16 tokens runs whole (norm,
 ``fn`` projection, pre/post/comb, collapse) as :func:`~shardsmith.runtime.layers.kernels.hc_pre.hc_pre`,
-one split-K launch instead of 4-5. Legend: T = tokens, m = streams, D = hidden.
+one split-K launch instead of 4-5, and the RMSNorm the block runs on the collapse (``attn_norm``,
+``ffn_norm``, passed as ``norm``) in the same launch. With ``SHARDSMITH_HC_POST`` on (``auto``: CUDA),
+:meth:`HyperMixer.expand` spreads the sublayer's output onto the streams as
+:func:`~shardsmith.runtime.layers.kernels.hc_post.hc_post` (one launch for the matmul, multiply, add
+and cast) for up to 16 tokens. Past 16 tokens, or with the switches off (the default on CPU), the
+mixer runs the PyTorch ops below, and :func:`expand`.
+
+Legend: T = tokens, m = streams, D = hidden.
 """
 
 from __future__ import annotations
@@ -29,11 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
+from shardsmith.runtime.layers.kernels.hc_post import hc_post
 from shardsmith.runtime.layers.kernels.hc_pre import hc_pre
 from shardsmith.runtime.layers.parallel import kernel_switch
-from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
+from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, rms_unweighted
 
-HC_PRE_TOKENS = 16  # mixers of up to this many tokens run hc_pre when ``kernel`` is on (decode batches)
+HC_PRE_TOKENS = 16  # mixers of up to this many tokens run hc_pre (hc_post) when ``kernel`` (``post_kernel``) is on
 
 
 def _meta(*shape: int) -> torch.Tensor:
@@ -55,41 +63,61 @@ class HyperMixer(nn.Module):
         self.register_buffer("base", _meta(width))
         self.register_buffer("scale", _meta(3))
         self.kernel = False  # up to HC_PRE_TOKENS tokens through hc_pre (use_kernel_)
+        self.post_kernel = False  # up to HC_PRE_TOKENS tokens of expand through hc_post (use_kernel_)
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``streams [T, m, D]`` -> ``(collapsed [T, D], post [T, m], comb [T, m, m])``."""
+    def forward(self, streams: torch.Tensor, norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+        """``streams [T, m, D]`` -> ``(x [T, D], post [T, m], comb [T, m, m])``: ``x`` is the collapsed
+        streams, or ``norm(collapsed)`` when the block's RMSNorm is given (folded into ``hc_pre``)."""
         if self.kernel and streams.shape[0] <= HC_PRE_TOKENS:  # one launch; within float32 rounding of below
-            collapsed, _, post, comb = hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps,
-                                              self.norm_eps)
-            return collapsed, post, comb
+            x, _, post, comb = hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps,
+                                      out_norm=None if norm is None else (norm.weight, norm.eps))
+            return x, post, comb
         f = F.linear(rms_unweighted(streams.flatten(1).float(), self.norm_eps), self.fn)  # [T, (2+m)*m]
         # the kernel on CUDA only: on CPU the reference (TRITON_INTERPRET=1 in a test must not slow every model)
         pre, post, comb = hc_mix(f, self.base, self.scale, self.m, self.iters, self.eps,
                                  backend="auto" if f.is_cuda else "reference")
         collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
-        return collapsed, post, comb
+        return (collapsed if norm is None else norm(collapsed)), post, comb
+
+    def expand(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """The sublayer's ``out [T, D]`` spread onto ``streams [T, m, D]`` with this mixer's ``post`` and
+        ``comb``: :func:`expand`, or :func:`hc_post` (the same roundings, one launch) for up to
+        ``HC_PRE_TOKENS`` tokens when ``post_kernel`` is on."""
+        if self.post_kernel and streams.shape[0] <= HC_PRE_TOKENS:
+            return hc_post(streams, out, post, comb)
+        return expand(streams, out, post, comb)
 
     def use_kernel_(self, device: torch.device) -> None:
-        """Run mixers of up to ``HC_PRE_TOKENS`` tokens through :func:`hc_pre` when ``SHARDSMITH_HC_PRE``
-        allows on ``device`` (``auto``: on CUDA; ``off``: the RMS, ``F.linear``, ``hc_mix`` and sum above)."""
+        """Run mixers of up to ``HC_PRE_TOKENS`` tokens through :func:`hc_pre` (with the norm after
+        them) when ``SHARDSMITH_HC_PRE`` allows on ``device``, and their :meth:`expand` through
+        :func:`hc_post` when ``SHARDSMITH_HC_POST`` does (``auto``: on CUDA; ``off``: the torch ops)."""
         self.kernel = kernel_switch("SHARDSMITH_HC_PRE", "off", device)
+        self.post_kernel = kernel_switch("SHARDSMITH_HC_POST", "off", device)
 
     def warm_kernel(self, seen: set, *, dtype: torch.dtype) -> int:
-        """Launch :func:`hc_pre` once on zero streams of ``dtype`` (the activations'), so its kernel
-        compiles before serving (``engine/warmup.py``; token and split counts are not specialised),
-        unless a mixer of the same variant did (``seen``); returns the launches (0 or 1)."""
+        """Launch the kernels this mixer runs once on zero inputs of ``dtype`` (the activations'), so
+        they compile before serving (``engine/warmup.py``; token and split counts are not specialised),
+        unless a mixer of the same variant did (``seen``): :func:`hc_pre` with a norm folded (as the
+        blocks call it) and :func:`hc_post`; returns the launches (0 to 2)."""
         m, D = self.m, self.fn.shape[1] // self.m
-        key = ("hc_pre", m, D, self.iters, dtype)
-        if key in seen:
-            return 0
-        seen.add(key)
-        hc_pre(torch.zeros(1, m, D, dtype=dtype, device=self.fn.device), self.fn, self.base, self.scale, self.iters,
-               self.eps, self.norm_eps)
-        return 1
+        dev, launches = self.fn.device, 0
+        if self.kernel and ("hc_pre", m, D, self.iters, dtype) not in seen:
+            seen.add(("hc_pre", m, D, self.iters, dtype))
+            hc_pre(torch.zeros(1, m, D, dtype=dtype, device=dev), self.fn, self.base, self.scale, self.iters,
+                   self.eps, self.norm_eps, out_norm=(torch.ones(D, device=dev), self.norm_eps))
+            launches += 1
+        if self.post_kernel and ("hc_post", m, D, dtype) not in seen:
+            seen.add(("hc_post", m, D, dtype))
+            hc_post(torch.zeros(1, m, D, dtype=dtype, device=dev), torch.zeros(1, D, dtype=dtype, device=dev),
+                    torch.zeros(1, m, device=dev), torch.zeros(1, m, m, device=dev))
+            launches += 1
+        return launches
 
 
 def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """``post[k] * out + sum_j comb[j, k] * streams[j]``: ``[T, m, D]`` in ``streams.dtype``."""
+    """``post[k] * out + sum_j comb[j, k] * streams[j]``: ``[T, m, D]`` in ``streams.dtype`` (transformers
+    ``DeepseekV4DecoderLayer``; :func:`~shardsmith.runtime.layers.kernels.hc_post.hc_post_reference`)."""
     dt = streams.dtype
     return post.to(dt)[..., None] * out[:, None, :] + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
 
