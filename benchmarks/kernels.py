@@ -214,12 +214,13 @@ def _cfg(cfg: dict) -> str:
 
 
 def _parse(text: str | None) -> list[dict]:
-    """``k=v,k=v`` (one configuration) or several separated by ``;``; values are integers or words
-    (``path=pairs``)."""
+    """``k=v,k=v`` (one configuration) or several separated by ``;`` (``default``: the kernel's own); values
+    are integers or words (``path=pairs``)."""
     if not text:
         return [{}]
     value = lambda v: int(v) if v.lstrip("-").isdigit() else v  # noqa: E731
-    return [dict((kv.split("=")[0], value(kv.split("=")[1])) for kv in one.split(",") if kv) for one in text.split(";")]
+    return [dict((kv.split("=")[0], value(kv.split("=")[1])) for kv in one.split(",") if kv and kv != "default")
+            for one in text.split(";")]
 
 
 FP8_SWEEP = [dict(block_n=bn, num_stages=st) for bn, st in ((32, 3), (64, 3), (128, 3), (32, 4), (64, 4))]

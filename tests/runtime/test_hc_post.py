@@ -51,13 +51,17 @@ def _case(T: int, m: int, D: int, dtype: torch.dtype = torch.float32, device: st
 
 def _within_rounding(got: torch.Tensor, want: torch.Tensor, streams: torch.Tensor, out: torch.Tensor,
                      post: torch.Tensor, comb: torch.Tensor) -> None:
-    """Every element within one rounding of ``want``'s dtype (one ulp, ``eps * |want|``) plus what adding
-    the float32 terms in another order can move (a few float32 ulps of ``|post * out| + sum_j |comb[j, k]
-    * streams[j]|``, which cancellation can make larger than the result's own ulp)."""
-    terms = (post.double()[..., None] * out.double()[:, None, :]).abs() + torch.matmul(
-        comb.double().abs().transpose(-1, -2), streams.double().abs())
+    """Every element within one rounding of the dtype at the result (``eps * max(|got|, |want|)``: two
+    roundings of nearly the same value may land one ulp apart at a power of two), plus one rounding of the
+    dtype at the ``comb`` sum (the matmul's result is rounded before the add: adding its m float32 products
+    in another order, as cuBLAS may, can move that rounding by one ulp of ``|comb.T @ streams|``, which
+    cancellation can make larger than the result's own ulp), plus a few float32 ulps of the terms."""
+    mixed = torch.matmul(comb.double().abs().transpose(-1, -2), streams.double().abs())
+    terms = (post.double()[..., None] * out.double()[:, None, :]).abs() + mixed
     err = (got.double() - want.double()).abs()
-    bound = torch.finfo(want.dtype).eps * want.double().abs() + 4 * torch.finfo(torch.float32).eps * terms
+    eps = torch.finfo(want.dtype).eps
+    bound = (eps * torch.maximum(got.double().abs(), want.double().abs()) + (eps if want.dtype != torch.float32 else 0) * mixed
+             + 4 * torch.finfo(torch.float32).eps * terms)
     assert (err <= bound).all(), f"{(err > bound).sum().item()} elements past one rounding, max {err.max().item()}"
 
 
