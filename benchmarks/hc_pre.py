@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--splits", default="16,32,64,128,0", help="split_k values; 0: the default (two waves)")
     ap.add_argument("--warps", default="1,2,4")
+    ap.add_argument("--block-d", default="0", help="hc_pre's block_d values (the collapse's step); 0: its default")
+    ap.add_argument("--norm", action="store_true", help="fold the block's RMSNorm (out_norm), as V4's decode runs it")
     ap.add_argument("--mixers", type=int, default=8, help="mixers (distinct weights) per captured graph")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--no-save", action="store_true")
@@ -52,6 +54,7 @@ def main() -> None:
     W = (2 + M) * M
     mixers = [(torch.randn(W, M * D, generator=gen, device="cuda") * 0.01, torch.randn(W, generator=gen, device="cuda"),
                torch.rand(3, generator=gen, device="cuda")) for _ in range(a.mixers)]
+    norm_w = torch.rand(D, generator=gen, device="cuda") + 0.5
     rows = []
     for T in (int(t) for t in a.tokens.split(",")):
         xs = [torch.randn(T, M, D, generator=gen, device="cuda").to(torch.bfloat16) for _ in mixers]
@@ -60,15 +63,17 @@ def main() -> None:
         rows.append({"kernel": "rms + linear + hc_mix + collapse", "tokens": T, "config": "-",
                      "us_per_call": old * 1e6, "vs_old_path": 1.0})
         for split in (int(s) for s in a.splits.split(",")):
-            for warps in (int(w) for w in a.warps.split(",")):
-                kw = {"split_k": split or None, "num_warps": warps}
+            for warps, block_d in ((int(w), int(b)) for w in a.warps.split(",") for b in a.block_d.split(",")):
+                kw = {"split_k": split or None, "num_warps": warps, **({"block_d": block_d} if block_d else {}),
+                      **({"out_norm": (norm_w, 1e-6)} if a.norm else {})}
                 got = hc_pre(xs[0], *mixers[0], ITERS, EPS, EPS, **kw)
                 err = max(((g.double() - r.double()).abs().max() / r.double().abs().max().clamp(min=1e-30)).item()
-                          for g, r in zip(got, want))
+                          for g, r in zip(got[a.norm:], want[a.norm:]))  # with --norm: pre, post, comb
                 sec = try_seconds([lambda x=x, w=w: hc_pre(x, *w, ITERS, EPS, EPS, **kw) for x, w in zip(xs, mixers)],
                                   a.replays, f"hc_pre T={T} {kw}")
                 if sec is not None:
-                    rows.append({"kernel": "hc_pre", "tokens": T, "config": f"split_k={split or 'auto'} warps={warps}",
+                    rows.append({"kernel": "hc_pre", "tokens": T, "config": f"split_k={split or 'auto'} warps={warps}"
+                                 + (f" block_d={block_d}" if block_d else ""),
                                  "us_per_call": sec * 1e6, "vs_old_path": old / sec, "max_rel_error": err})
     print(f"{'kernel':<34} {'T':>3} {'config':<24} {'us/call':>9} {'old/this':>9} {'rel err':>9}")
     for r in rows:
@@ -77,7 +82,7 @@ def main() -> None:
     if not a.no_save:
         from _results import save_results
 
-        save_results("hc_pre", rows, extra={"shape": f"m={M} D={D} iters={ITERS} bf16"})
+        save_results("hc_pre", rows, extra={"shape": f"m={M} D={D} iters={ITERS} bf16", "norm_folded": a.norm})
 
 
 if __name__ == "__main__":

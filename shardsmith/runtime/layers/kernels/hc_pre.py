@@ -116,7 +116,7 @@ def _check(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
            norm_eps: float, *, out_norm: tuple[torch.Tensor, float] | None = None, split_k: int | None = None,
-           block_k: int = BLOCK_K, num_warps: int = 4, backend: str = "auto") -> Pre:
+           block_k: int = BLOCK_K, block_d: int = BLOCK_D, num_warps: int = 4, backend: str = "auto") -> Pre:
     """:func:`hc_pre_reference` as one Triton launch: norm, projection, pre/post/comb and the collapse
     (and, with ``out_norm``, the RMSNorm of the collapse).
 
@@ -137,7 +137,9 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
             (``ops.RMSNorm``'s buffer and epsilon): the first output is then ``RMSNorm(collapsed)``,
             computed by the finishing program from ``collapsed`` rounded to ``streams.dtype``.
         split_k: K splits (default: from the multiprocessor count); block_k: K elements per step
-            (a power of two >= 16); num_warps: Triton's (``benchmarks/hc_pre.py`` sweeps them).
+            (a power of two >= 16); block_d: hidden channels per step of the finishing program's
+            collapse (a power of two >= 16; at ``>= D`` the row and its norm stay in registers: one
+            load, one store); num_warps: Triton's (``benchmarks/hc_pre.py`` sweeps them).
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
@@ -152,6 +154,8 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         >>> x, pre, post, comb = hc_pre(streams, mixer.fn, mixer.base, mixer.scale, 20, 1e-6, 1e-6)  # doctest: +SKIP
     """
     _check(streams, fn, base, scale, iters, block_k, out_norm)
+    if block_d < 16 or block_d & (block_d - 1):
+        raise KernelError(f"hc_pre: block_d={block_d}: a power of two >= 16")
     if not use_triton(streams, backend):
         return hc_pre_reference(streams, fn, base, scale, iters, eps, norm_eps, out_norm=out_norm)
     import triton
@@ -179,6 +183,6 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         streams, fn.contiguous(), base.contiguous(), scale.contiguous(), ws, f, counters, pre, post, comb, out,
         weight.contiguous(), T, splits, k_iters, streams.stride(0), float(eps), float(norm_eps), float(rms_eps),
         M=m, D=D, BLOCK_M=triton.next_power_of_2(m), ITERS=iters, W=W, W_PAD=w_pad, TILE_T=TILE_T,
-        BLOCK_K=block_k, BLOCK_S=BLOCK_S, BLOCK_D=min(BLOCK_D, triton.next_power_of_2(D)), HAS_NORM=out_norm is not None,
+        BLOCK_K=block_k, BLOCK_S=BLOCK_S, BLOCK_D=min(block_d, triton.next_power_of_2(D)), HAS_NORM=out_norm is not None,
         num_warps=num_warps)
     return out, pre, post, comb
