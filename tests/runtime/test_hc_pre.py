@@ -32,7 +32,7 @@ if not torch.cuda.is_available():
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
 from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
 from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
-from shardsmith.runtime.layers.kernels.hc_pre import hc_pre, hc_pre_reference, rms_norm_reference, splits_for
+from shardsmith.runtime.layers.kernels.hc_pre import BLOCK_D, hc_pre, hc_pre_reference, rms_norm_reference, splits_for
 from shardsmith.runtime.layers.kernels.testing import interpreter_rounds_bf16
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm
 
@@ -123,26 +123,31 @@ def _check_normed(got: torch.Tensor, plain: tuple[torch.Tensor, ...], ref_collap
 
 
 @needs_triton
-@pytest.mark.parametrize(("T", "m", "D", "dtype", "split_k", "rms_eps"), [
-    (1, 4, 64, torch.float32, None, 1e-6),
-    (3, 4, 64, torch.bfloat16, None, 1e-6),
-    (5, 2, 40, torch.bfloat16, 2, 0.25),     # D = 40 (BLOCK_D past D), two token tiles; an eps that shows
-    (16, 4, 64, torch.float16, 3, 1e-6),     # four token tiles, 3 splits
-    (1, 4, 4096, torch.bfloat16, None, 1e-6),  # V4's hidden size: 4 BLOCK_D steps per pass
-    (3, 4, 4096, torch.float32, None, 1e-6),
-    (16, 4, 4096, torch.bfloat16, None, 1e-6),
+@pytest.mark.parametrize(("T", "m", "D", "dtype", "split_k", "rms_eps", "block_d"), [
+    (1, 4, 64, torch.float32, None, 1e-6, BLOCK_D),
+    (3, 4, 64, torch.bfloat16, None, 1e-6, BLOCK_D),
+    (5, 2, 40, torch.bfloat16, 2, 0.25, BLOCK_D),  # D = 40 (BLOCK_D past D), two token tiles; an eps that shows
+    (16, 4, 64, torch.float16, 3, 1e-6, 16),  # four token tiles, 3 splits; 4 collapse steps, the norm read back
+    (5, 2, 40, torch.float32, 2, 1e-6, 16),   # m = 2 (the tensor Sinkhorn), 3 steps, the last one masked
+    (1, 4, 4096, torch.bfloat16, None, 1e-6, BLOCK_D),  # V4's hidden size: the whole row in one step
+    (1, 4, 4096, torch.bfloat16, None, 1e-6, 1024),  # 4 steps per pass
+    (3, 4, 4096, torch.float32, None, 1e-6, BLOCK_D),
+    (16, 4, 4096, torch.bfloat16, None, 1e-6, BLOCK_D),
 ])
-def test_norm_folded_matches_reference(gpu_rounding, T, m, D, dtype, split_k, rms_eps):
+def test_norm_folded_matches_reference(gpu_rounding, T, m, D, dtype, split_k, rms_eps, block_d):
     streams, fn, base, scale = _case(T, m, D, dtype, seed=T + m + D)
     norm = _norm(D, rms_eps, seed=D)
     got = hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(norm.weight, rms_eps), split_k=split_k,
-                 backend="triton")
-    plain = hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, split_k=split_k, backend="triton")
+                 block_d=block_d, backend="triton")
+    plain = hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, split_k=split_k, block_d=block_d, backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(got[1:], plain[1:]))  # pre/post/comb: the norm changes nothing
     want = hc_pre_reference(streams, fn, base, scale, ITERS, EPS, NORM_EPS)
     _check_normed(got[0], plain, want[0], norm)
+    if block_d != BLOCK_D:  # the collapse is per channel: the same bits in steps or whole
+        assert torch.equal(plain[0], hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, split_k=split_k,
+                                                  backend="triton")[0])
     again = hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(norm.weight, rms_eps), split_k=split_k,
-                   backend="triton")
+                   block_d=block_d, backend="triton")
     assert all(torch.equal(a, b) for a, b in zip(again, got))
     assert not split_counters(streams.device, 1).any()
 
