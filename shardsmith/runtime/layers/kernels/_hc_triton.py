@@ -19,7 +19,9 @@ runs :func:`_hc_mix_row` on them, writes ``collapsed = sum_j pre[j] * x[t, j]`` 
 streams once) and sets the counter back to 0 (no memset: a captured CUDA graph replays as is). With
 ``HAS_NORM`` it then reads its ``collapsed`` row back (rounded to the output dtype, as ``ops.RMSNorm``
 sees it) and overwrites it with ``weight * (c * rsqrt(sum(c^2) / D + rms_eps))``: the RMSNorm after
-the mixer in the same program (its sum of squares is added while the row is written).
+the mixer in the same program (its sum of squares is added while the row is written). When one
+``BLOCK_D`` step covers D, the row and its norm stay in registers instead: one load, one store, the
+same operations (``hc_pre(block_d=...)``).
 
 ``_hc_post_kernel`` (grid ``(T, ceil(D / BLOCK_D))``): the expansion after a sublayer,
 ``y[t, k] = post[t, k] * out[t] + sum_j comb[t, j, k] * x[t, j]`` for all ``m`` output streams of one
@@ -47,84 +49,19 @@ def _hc_mix_row(row, base_ptr, scale_ptr, pre_out, post_out, comb_out, eps,
                           + tl.load(base_ptr + M + i, mask=ok, other=0.0))
     tl.store(pre_out + i, pre, mask=ok)
     tl.store(post_out + i, post, mask=ok)
-    if M == 4:  # DeepSeek-V4's hc_mult: 16 scalars in every thread's registers, no cross-thread reductions
-        _sinkhorn4(row + 2 * M, base_ptr + 2 * M, s_comb, comb_out, eps, ITERS)
-    else:
-        r, c = i[:, None], i[None, :]  # comb[r, c]: row r (stream j), column c (stream k)
-        ok2 = (r < M) & (c < M)
-        at = r * M + c
-        logits = (tl.load(row + 2 * M + at, mask=ok2, other=0.0) * s_comb
-                  + tl.load(base_ptr + 2 * M + at, mask=ok2, other=0.0))
-        logits = tl.where(ok2, logits, float("-inf"))
-        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        comb = tl.where(ok2, e / tl.sum(e, axis=1)[:, None] + eps, 0.0)
+    r, c = i[:, None], i[None, :]  # comb[r, c]: row r (stream j), column c (stream k)
+    ok2 = (r < M) & (c < M)
+    at = r * M + c
+    logits = tl.load(row + 2 * M + at, mask=ok2, other=0.0) * s_comb + tl.load(base_ptr + 2 * M + at, mask=ok2, other=0.0)
+    logits = tl.where(ok2, logits, float("-inf"))
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = tl.where(ok2, e / tl.sum(e, axis=1)[:, None] + eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    for _ in tl.static_range(ITERS - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
         comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
-        for _ in tl.static_range(ITERS - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
-        tl.store(comb_out + at, comb, mask=ok2)
+    tl.store(comb_out + at, comb, mask=ok2)
     return tl.where(ok, pre, 0.0)
-
-
-@triton.jit
-def _div4(a, b, c, d, eps):
-    """``(a, b, c, d) / (sum + eps)``: one Sinkhorn normalisation of a row or column of four."""
-    s = (a + b) + (c + d) + eps
-    return a / s, b / s, c / s, d / s
-
-
-@triton.jit
-def _softmax4(row, base_ptr, s_comb, eps):
-    """Row ``row[0:4] * s_comb + base_ptr[0:4]`` through a softmax, plus ``eps``."""
-    a = tl.load(row) * s_comb + tl.load(base_ptr)
-    b = tl.load(row + 1) * s_comb + tl.load(base_ptr + 1)
-    c = tl.load(row + 2) * s_comb + tl.load(base_ptr + 2)
-    d = tl.load(row + 3) * s_comb + tl.load(base_ptr + 3)
-    mx = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-    a, b, c, d = tl.exp(a - mx), tl.exp(b - mx), tl.exp(c - mx), tl.exp(d - mx)
-    s = (a + b) + (c + d)
-    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
-
-
-@triton.jit
-def _sinkhorn4(logits, base_ptr, s_comb, comb_out, eps, ITERS: tl.constexpr):
-    """The tensor path's ``comb`` for m = 4 on scalars: a row softmax (+ eps), columns normalised, then
-    ``ITERS - 1`` rounds of rows then columns (the same operations; sums of four as two pairs). On a
-    [4, 4] tensor each ``tl.sum`` of a program's warps is shuffles and a shared-memory barrier, ~40 of
-    them in a row; here every thread holds all 16 values (h200x1ad: hc_mix alone 5.8 us per call)."""
-    c00, c01, c02, c03 = _softmax4(logits, base_ptr, s_comb, eps)
-    c10, c11, c12, c13 = _softmax4(logits + 4, base_ptr + 4, s_comb, eps)
-    c20, c21, c22, c23 = _softmax4(logits + 8, base_ptr + 8, s_comb, eps)
-    c30, c31, c32, c33 = _softmax4(logits + 12, base_ptr + 12, s_comb, eps)
-    c00, c10, c20, c30 = _div4(c00, c10, c20, c30, eps)
-    c01, c11, c21, c31 = _div4(c01, c11, c21, c31, eps)
-    c02, c12, c22, c32 = _div4(c02, c12, c22, c32, eps)
-    c03, c13, c23, c33 = _div4(c03, c13, c23, c33, eps)
-    for _ in range(ITERS - 1):  # a loop, not unrolled: 16 loop-carried scalars (unrolled, ptxas took ~50 s)
-        c00, c01, c02, c03 = _div4(c00, c01, c02, c03, eps)
-        c10, c11, c12, c13 = _div4(c10, c11, c12, c13, eps)
-        c20, c21, c22, c23 = _div4(c20, c21, c22, c23, eps)
-        c30, c31, c32, c33 = _div4(c30, c31, c32, c33, eps)
-        c00, c10, c20, c30 = _div4(c00, c10, c20, c30, eps)
-        c01, c11, c21, c31 = _div4(c01, c11, c21, c31, eps)
-        c02, c12, c22, c32 = _div4(c02, c12, c22, c32, eps)
-        c03, c13, c23, c33 = _div4(c03, c13, c23, c33, eps)
-    tl.store(comb_out, c00)
-    tl.store(comb_out + 1, c01)
-    tl.store(comb_out + 2, c02)
-    tl.store(comb_out + 3, c03)
-    tl.store(comb_out + 4, c10)
-    tl.store(comb_out + 5, c11)
-    tl.store(comb_out + 6, c12)
-    tl.store(comb_out + 7, c13)
-    tl.store(comb_out + 8, c20)
-    tl.store(comb_out + 9, c21)
-    tl.store(comb_out + 10, c22)
-    tl.store(comb_out + 11, c23)
-    tl.store(comb_out + 12, c30)
-    tl.store(comb_out + 13, c31)
-    tl.store(comb_out + 14, c32)
-    tl.store(comb_out + 15, c33)
 
 
 @triton.jit

@@ -49,7 +49,8 @@ Pre = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 BLOCK_K = 64  # K elements per inner step of a program
 TILE_T = 4  # tokens per program (the finishing of a tile's tokens runs in one program)
 BLOCK_S = 64  # splits added per step by the finishing program
-BLOCK_D = 4096  # hidden channels per step of ``collapsed`` (V4: the whole row, its norm in registers; no spills at 96 registers, ptxas sm_90a)
+BLOCK_D = 1024  # hidden channels per step of ``collapsed`` (4096, V4's whole row: eager 11.9 vs 12.9 us at one token,
+#                 h200x1ag; not the default: see benchmarks/RESULTS.md, session 14)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
