@@ -38,27 +38,35 @@ EXPERTS, HIDDEN, TOP_K = 256, 4096, 6  # V4-Flash
 
 
 def graph_seconds(calls: list, replays: int) -> float:
-    """Median seconds per call of ``calls`` (zero-argument callables) captured in one CUDA graph."""
+    """Median seconds per call of ``calls`` (zero-argument callables) captured in one CUDA graph, or of
+    a list of such lists, each captured in its own graph and the graphs replayed in turn (inputs that
+    rotate out of L2 between replays: ``router.py``). Warmed first on the capture stream (Triton and
+    inductor compile there, outside the capture)."""
+    groups = calls if calls and isinstance(calls[0], (list, tuple)) else [calls]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for c in calls:
-            c()  # compile and warm outside the capture
+        for group in groups:
+            for c in group:
+                c()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
+    graphs = []
+    for group in groups:
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1]):
+            for c in group:
+                c()
     times = []
     for i in range(replays + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    del graph
+        for graph, group in zip(graphs, groups):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if i >= 3:
+                times.append(start.elapsed_time(end) / 1e3 / len(group))
+    del graphs
     return statistics.median(times)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,50 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kernels import try_seconds  # noqa: E402  (graphs of distinct gates replayed in turn)
 from shardsmith.runtime.layers.kernels import triton_available  # noqa: E402
 from shardsmith.runtime.layers.kernels.router import route_topk, route_topk_reference  # noqa: E402
 
 D, TOP_K, SCALE, VOCAB = 4096, 6, 1.5, 4096
 SCORE = "sqrtsoftplus"
-
-
-def replay_seconds(graph_calls: list[list[Callable]], replays: int) -> float:
-    """Median seconds per call: each list of calls captured in one CUDA graph (after a warm-up run on
-    the capture stream: Triton and inductor compile there), the graphs replayed in turn."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for calls in graph_calls:
-            for c in calls:
-                c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graphs = []
-    for calls in graph_calls:
-        graphs.append(torch.cuda.CUDAGraph())
-        with torch.cuda.graph(graphs[-1]):
-            for c in calls:
-                c()
-    times = []
-    for i in range(replays + 3):
-        for graph, calls in zip(graphs, graph_calls):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            if i >= 3:
-                times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    return statistics.median(times)
-
-
-def try_seconds(graph_calls: list[list[Callable]], replays: int, what: str) -> float | None:
-    """:func:`replay_seconds`, or None (the error printed) when a configuration fails to build or run."""
-    try:
-        return replay_seconds(graph_calls, replays)
-    except Exception as err:  # noqa: BLE001 (a failed configuration must not stop the others)
-        print(f"FAILED {what}: {type(err).__name__}: {str(err)[:300]}", file=sys.stderr)
-        torch.cuda.synchronize()
-        return None
 
 
 def device_ops(call: Callable) -> int:
