@@ -16,7 +16,8 @@
 # names other test files for it (the gpu marker); GEN=0 reuses step 1's checkpoint from an earlier run;
 # RUNS="43-24" runs step 3 alone (layers-experts pairs, space separated); MAX_SEQ_LEN=8192 gives every
 # compressed layer entries (v4_decode.py --max-seq-len); EXTRA adds arguments (e.g. --hf: transformers at the
-# same shapes, after the ranks; the host's transformers 5.17 has DeepSeek-V4). Each run's limit: BENCH_S, else
+# same shapes, after the ranks; the host's transformers 5.17 has DeepSeek-V4); CACHE lists the offload rows'
+# GPU cache shares (default 0.25; "0.25 0.0625" for issue 12's two). Each run's limit: BENCH_S, else
 # 125 s for a few layers and 330 s at full depth (whose profiled replay ran past 125 s at h200x1l).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -39,8 +40,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E |^FAILED|through the kernel" "$OUT/gpu_tests.log" | tail -20
 fi
 if [ -n "$gen" ]; then wait $gen; tail -1 "$OUT/gen.log"; echo "gen $((SECONDS - t0)) s"; fi
+fractions=(); for f in ${CACHE:-0.25}; do fractions+=(--cache-fraction "$f"); done  # offload rows: GPU cache shares
 common=(/tmp/v4t5 --work /tmp/v4p --device cuda --tp 1 --prompt 16 --tokens 16 --kinds-config "$inv/config.json"
-        --cache-fraction 0.25 ${MAX_SEQ_LEN:+--max-seq-len $MAX_SEQ_LEN} ${EXTRA:-})
+        "${fractions[@]}" ${MAX_SEQ_LEN:+--max-seq-len $MAX_SEQ_LEN} ${EXTRA:-})
 for run in ${RUNS:-4-256 43-24}; do
     set -- ${run/-/ }
     name=$host-${1}l${2}e
