@@ -108,6 +108,7 @@ def test_bad_options_fail_before_ranks_start(packs, args, match: str) -> None:
      "kernel or off; SHARDSMITH_FP8_SPLIT_SUM='both': expected fused or separate; SHARDSMITH_MOE_PATH='x': expected "
      "auto or grouped or pairs"),
     ({"SHARDSMITH_HC_POST": "on"}, "SHARDSMITH_HC_POST='on': expected auto, kernel or off"),
+    ({"SHARDSMITH_FP8_GEMV": "always"}, "SHARDSMITH_FP8_GEMV='always': expected auto or off"),
     ({"SHARDSMITH_HOST_ISA": "avx9000", "SHARDSMITH_HOST_KERNEL": "yes"},
      "SHARDSMITH_HOST_KERNEL='yes': expected 0 or 1; SHARDSMITH_HOST_ISA='avx9000': this CPU supports scalar"),
     ({"SHARDSMITH_SWITCH_INTERVAL_MS": "0"}, "SHARDSMITH_SWITCH_INTERVAL_MS='0': expected a positive number"),
