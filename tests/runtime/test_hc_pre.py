@@ -32,7 +32,8 @@ if not torch.cuda.is_available():
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
 from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
 from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
-from shardsmith.runtime.layers.kernels.hc_pre import BLOCK_D, hc_pre, hc_pre_reference, rms_norm_reference, splits_for
+from shardsmith.runtime.layers.kernels.hc_pre import (BLOCK_D, hc_pre, hc_pre_op, hc_pre_reference, rms_norm_reference,
+                                                   splits_for)
 from shardsmith.runtime.layers.kernels.testing import interpreter_rounds_bf16
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm
 
@@ -318,3 +319,26 @@ def test_v4_shapes_with_the_norm_on_cuda_graphed_and_compiled(T):
     traced = compiled(streams, norm.weight)
     print(f"hc_pre+norm T={T} compiled: {(traced != got[0]).sum().item()} elements differ from eager")
     _check_normed(traced, plain, want[0], norm, max_share=1.0)
+
+
+@needs_triton
+@pytest.mark.parametrize(("T", "D"), [(1, 64), (1, 40), (3, 64)])
+def test_custom_op_is_the_kernel_at_its_block(gpu_rounding, T, D):
+    """``hc_pre_op`` (the ``shardsmith::hc_pre`` custom op the mixers call) returns :func:`hc_pre`'s bits
+    at the block it picks (the whole row at one token, ``BLOCK_D`` steps past it), eagerly and inside
+    ``torch.compile`` (an opaque extern there: inductor does not re-trace the kernel)."""
+    streams, fn, base, scale = _case(T, 4, D, torch.bfloat16)
+    norm = _norm(D, 1e-6)
+    whole = max(16, 1 << (D - 1).bit_length())
+    want = hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(norm.weight, norm.eps),
+                  block_d=whole if T == 1 else BLOCK_D, backend="triton")
+    got = hc_pre_op(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(norm.weight, norm.eps))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    compiled = torch.compile(lambda s: hc_pre_op(s, fn, base, scale, ITERS, EPS, NORM_EPS,
+                                                 out_norm=(norm.weight, norm.eps)), dynamic=False)
+    assert torch.equal(compiled(streams)[0], want[0])
+    plain = hc_pre_op(streams, fn, base, scale, ITERS, EPS, NORM_EPS)  # no norm: the collapse alone
+    assert torch.equal(plain[1], want[1])
+    with pytest.raises(KernelError, match="iters=0"):
+        hc_pre_op(streams, fn, base, scale, 0, EPS, NORM_EPS)

@@ -49,8 +49,8 @@ Pre = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 BLOCK_K = 64  # K elements per inner step of a program
 TILE_T = 4  # tokens per program (the finishing of a tile's tokens runs in one program)
 BLOCK_S = 64  # splits added per step by the finishing program
-BLOCK_D = 1024  # hidden channels per step of ``collapsed`` (4096, V4's whole row: eager 11.9 vs 12.9 us at one token,
-#                 h200x1ag; not the default: see benchmarks/RESULTS.md, session 14)
+BLOCK_D = 1024  # hidden channels per step of ``collapsed`` at T > 1 (:func:`hc_pre_op` takes the whole row at T = 1)
+WHOLE_ROW_MAX = 4096  # :func:`hc_pre_op` at one token keeps rows up to this many channels in registers
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -187,3 +187,38 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         BLOCK_K=block_k, BLOCK_S=BLOCK_S, BLOCK_D=min(block_d, triton.next_power_of_2(D)), HAS_NORM=out_norm is not None,
         num_warps=num_warps)
     return out, pre, post, comb
+
+
+@torch.library.custom_op("shardsmith::hc_pre", mutates_args=())
+def _hc_pre_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               weight: torch.Tensor | None, iters: int, eps: float, norm_eps: float, rms_eps: float,
+               block_d: int) -> list[torch.Tensor]:
+    out_norm = (weight, rms_eps) if weight is not None else None
+    return list(hc_pre(streams, fn, base, scale, iters, eps, norm_eps, out_norm=out_norm, block_d=block_d))
+
+
+@_hc_pre_op.register_fake
+def _(streams, fn, base, scale, weight, iters, eps, norm_eps, rms_eps, block_d):
+    T, m, D = streams.shape
+    f32 = dict(dtype=torch.float32, device=streams.device)
+    return [streams.new_empty(T, D), torch.empty(T, m, **f32), torch.empty(T, m, **f32), torch.empty(T, m, m, **f32)]
+
+
+def hc_pre_op(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+              eps: float, norm_eps: float, *, out_norm: tuple[torch.Tensor, float] | None = None) -> Pre:
+    """:func:`hc_pre` as the models call it: through the ``shardsmith::hc_pre`` custom op
+    (``torch.library``), so that inside a ``torch.compile``'d piece inductor calls it as an opaque
+    extern and Triton compiles and launches the kernel itself, and with the whole row in registers at
+    one token (``block_d`` = D up to ``WHOLE_ROW_MAX``; ``BLOCK_D`` steps otherwise).
+
+    Why: traced as a user kernel, inductor recompiles the kernel under its own options and it ran
+    1.22-1.27x slower (V4's m = 4, D = 4096, one token, CUDA-graph replays on an H200: 14.7 us
+    against 12.05 eager and 11.9 through the op at ``block_d`` 1024; 14.0 / 11.0 / 11.2 at 4096;
+    ``benchmarks/results/hc_pre_compiled-20261203-h200x1ah.json``). Same arguments, returns and
+    errors as :func:`hc_pre`; the same bits as :func:`hc_pre` at the same ``block_d``."""
+    _check(streams, fn, base, scale, iters, BLOCK_K, out_norm)
+    D = streams.shape[2]
+    block_d = max(16, 1 << (D - 1).bit_length()) if streams.shape[0] == 1 and D <= WHOLE_ROW_MAX else BLOCK_D
+    weight, rms_eps = out_norm if out_norm is not None else (None, 0.0)
+    return tuple(_hc_pre_op(streams, fn, base, scale, weight, iters, float(eps), float(norm_eps), float(rms_eps),
+                            block_d))

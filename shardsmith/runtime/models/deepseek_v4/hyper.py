@@ -37,7 +37,7 @@ from torch import nn
 
 from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
 from shardsmith.runtime.layers.kernels.hc_post import hc_post
-from shardsmith.runtime.layers.kernels.hc_pre import hc_pre
+from shardsmith.runtime.layers.kernels.hc_pre import hc_pre_op as hc_pre
 from shardsmith.runtime.layers.parallel import kernel_switch
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, rms_unweighted
 
