@@ -231,6 +231,45 @@ def test_fused_experts_long_run_and_slot_pool_view():
         assert rel_error(out, truth) < TOL, path
 
 
+@needs_triton
+@pytest.mark.parametrize("fp4", [True, False])
+def test_fused_experts_reads_host_experts_in_place_and_writes_through(fp4):
+    """Offloaded experts with no copy (issue 12): a negative id ``-1 - e`` reads expert ``e`` of the
+    host bank in place, ``write_slots`` stores the bytes read into a cache slot in the same launch.
+    The result is the all-resident call's, bit for bit (the same bytes through the same arithmetic);
+    the written slots hold the host experts' bytes exactly; the reference backend agrees."""
+    host, ids, weights, x = _bank_case(fp4, tokens=3, top_k=3, experts=8, dim=64, inter=32, seed=7)
+    ids = torch.tensor([[3, 6, 1], [5, 6, 3], [1, 0, 5]], device=DEV)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    fresh = lambda t: (torch.randint(0, 255, (4,) + t.shape[1:], generator=gen, device=DEV, dtype=torch.uint8)  # noqa: E731
+                       .view(t.dtype) if t.element_size() == 1 else torch.randn((4,) + t.shape[1:], generator=gen,
+                                                                                device=DEV).to(t.dtype))
+    pool = {name: fresh(t) for name, t in host.items()}  # 4 slots of noise, then experts 3 and 5 cached
+    for name in pool:
+        pool[name][0].copy_(host[name][3])
+        pool[name][1].copy_(host[name][5])
+    slot_of = {3: 0, 5: 1}
+    src = torch.tensor([[slot_of.get(e, -1 - e) for e in row] for row in ids.tolist()], device=DEV)
+    dst = torch.tensor([-1, 2, 3, -1, -1, -1, -1, -1, -1], device=DEV)  # 6 -> slot 2, 1 -> slot 3 (first pairs)
+    want = fused_experts(x, ids, weights, **host, backend="triton", path="pairs")
+    truth = fused_experts_reference(x.double(), ids, weights, **host)
+    before = {name: t.clone() for name, t in pool.items()}
+    out = fused_experts(x, src, weights, **pool, host=host, write_slots=dst, backend="triton")
+    assert torch.equal(out, want) and rel_error(out, truth) < TOL
+    for name, t in pool.items():
+        assert torch.equal(t[2], host[name][6]) and torch.equal(t[3], host[name][1]), name
+        assert torch.equal(t[:2], before[name][:2]), name
+    ref_pool = {name: t.clone() for name, t in before.items()}
+    ref = fused_experts(x, src, weights, **ref_pool, host=host, write_slots=dst, backend="reference")
+    assert rel_error(ref, truth) < TOL
+    assert all(torch.equal(ref_pool[n], pool[n]) for n in pool)
+    with pytest.raises(KernelError, match=r"path='grouped'.*write_slots \[P=9\]"):
+        fused_experts(x, src, weights, **pool, host=host, path="grouped", backend="reference")
+    with pytest.raises(KernelError, match="host down .* one layout"):
+        fused_experts(x, src, weights, **pool, host={**host, "down": host["down"][:, :16]}, write_slots=dst,
+                      backend="reference")
+
+
 def test_kernels_refuse_bad_inputs_listing_every_problem():
     w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
     with pytest.raises(KernelError, match=r"x's last dim \(128\).*scale shape \(1, 1\) != \(1, 2\)"):

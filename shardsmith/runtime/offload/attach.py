@@ -32,6 +32,16 @@ class OffloadedExperts(RoutedExperts):
     def slot_path(self) -> bool:
         return self.runtime.slot_path()
 
+    top_k = 0  # (the decode graphs' batched check reads it; the answer does not depend on it)
+
+    def decode_sync_free(self) -> bool:
+        """In-place mode (``runtime`` module docstring): device work only, so the whole step is captured."""
+        return self.runtime.decode_sync_free()
+
+    def sync_free(self, rows: int, top_k: int) -> bool:
+        """As :meth:`decode_sync_free` for a batch of ``rows`` rows (chunked past ``FUSED_TOKENS_MAX``)."""
+        return self.runtime.decode_sync_free()
+
     def use_kernel_(self, device: torch.device) -> None:
         """The kernel switch of :func:`~shardsmith.runtime.layers.parallel.use_kernels_`, for the
         runtime's slot steps (one runtime for every layer: the same answer each call)."""

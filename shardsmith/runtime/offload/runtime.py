@@ -21,6 +21,17 @@ resident bank's own :func:`~shardsmith.runtime.layers.experts.fused_bank` call w
 expert ids, for any pool format (FP4, FP8, bf16) and up to ``FUSED_TOKENS_MAX`` tokens; without
 it, FP4 pools of at most ``ExpertMath.batched_pairs`` pairs take the expanded pair maths.
 
+**In place** (``SHARDSMITH_OFFLOAD_INPLACE``, issue 12; backend ``gpu`` with the kernel, pinned host
+banks, FP4 or plain pools): no host sync at all. A :class:`~.device_slots.DeviceSlots` table on the
+device decides each pair's hit, miss and victim (LRU, the same decisions on every rank: a function
+of the ids alone), and :func:`~shardsmith.runtime.layers.kernels.fused_experts` reads a hit from its
+slot and a miss in place from the pinned host bank (mapped into the device's address space), writing
+the bytes it reads through to the miss's new slot in the same launch. Every layer of a step is device
+work, so the whole step is one captured graph; the link carries each missed expert once (a kernel
+read of pinned memory ran at 91-93% of the copy rate on an H200, ``zero_copy-20261203-h200x1ah.json``).
+Steps of more than ``FUSED_TOKENS_MAX`` tokens run in chunks of that many. The cache's host-side
+table and copy stream are not used; counters live on the device (:meth:`stats` reads them).
+
 A decode-sized ``hybrid`` step with some experts on the host and the rest in slots is a *split
 step* (issue 15): the layer's one sync reads the ids and brings ``x`` and the routing weights
 along (:meth:`~.cpu_backend.CpuExperts.stage`); the host share goes to the worker thread first;
@@ -44,16 +55,20 @@ import torch.distributed as dist
 from ...errors import UsageError
 from shardsmith.runtime.layers.experts import (FUSED_TOKENS_MAX, ExpertMath, expand_pairs, expert_output, fused_bank,
                                                routed_pairs)
+from shardsmith.runtime.layers.kernels import fused_experts
 from shardsmith.runtime.layers.parallel import kernel_switch
 from shardsmith.runtime.layers.quant import bank_format
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
 from .config import GiB, OffloadConfig
 from .cpu_backend import CpuExperts, HostPartial
+from .device_slots import DeviceSlots
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
 from .host_bank import HostBanks
+from . import link_cap
 from .probe import ProbeResult, run_probe
 
 log = logging.getLogger("shardsmith.runtime.offload")
+INPLACE_ENV = "SHARDSMITH_OFFLOAD_INPLACE"  # auto | kernel | off: misses read in place (module docstring)
 
 
 class OffloadRuntime:
@@ -75,6 +90,9 @@ class OffloadRuntime:
         self.backend, self.hybrid_fraction = config.backend, config.hybrid_fraction or 0.0
         self.tokens, self.cpu_experts, self.step_s = 0, 0, 0.0
         self.kernel = False  # slot steps run fused_experts over the pool (use_kernel_)
+        self.inplace = False  # misses read in place, decisions on the device (use_kernel_, start)
+        self.slots: DeviceSlots | None = None  # the device-side table of the in-place mode (start)
+        self._tokens_dev: torch.Tensor | None = None  # tokens through layer 0, counted on the device
         self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = 0  # _count
         self.split_steps = 0  # layer steps that ran split (GPU slots + host share)
         self._step_open, self._step_hit = False, True
@@ -108,6 +126,12 @@ class OffloadRuntime:
             n = self._slots(slot_bytes)
             self.cache = ExpertCache(self.host, self.layers, n, self.device, policy=c.policy,
                                      hot_fraction=c.hot_fraction, log=c.log_decisions)
+        self.inplace = self.inplace and self.backend == "gpu" and self.cache is not None and \
+            (self.host.pinned or self.device.type != "cuda") and link_cap.cap_gb_per_s() is None
+        if self.inplace:
+            experts = max(a["gate_up"].shape[0] for a in self.host.layers.values())
+            self.slots = DeviceSlots(self.cache.n_slots, experts, self.device)
+            self._tokens_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
         log.info("%s", self.ready_line())
 
     def use_kernel_(self, device: torch.device) -> None:
@@ -118,6 +142,12 @@ class OffloadRuntime:
         fp8 = [a for a in self.host.layers.values() if bank_format(a["gate_up"]) == "fp8"]
         self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device) and self.math.plain and \
             all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
+        # in place (module docstring): the pair path's formats; confirmed at start() (backend, pinning)
+        self.inplace = self.kernel and not fp8 and kernel_switch(INPLACE_ENV, "off", device)
+
+    def decode_sync_free(self) -> bool:
+        """Whether a decode step's experts run with no host sync: the in-place mode, once started."""
+        return self.slots is not None
 
     def slot_path(self) -> bool:
         """Whether some steps are slot steps (module docstring): a cache, and the kernel or FP4 pairs."""
@@ -167,6 +197,8 @@ class OffloadRuntime:
 
     def run_layer(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The layer's routed partial ``[T, D]``, summed in ascending expert order as the resident path."""
+        if self.slots is not None:
+            return self.run_inplace(layer, x, index, weight)
         t0, m0 = time.perf_counter(), self._misses()
         index_h, experts, to_host, staged = self._prepare(layer, x, index, weight)
         if self._split(index_h, experts, to_host, staged):
@@ -181,6 +213,27 @@ class OffloadRuntime:
         self._count(layer, x.shape[0], not to_host and self._misses() == m0)
         self.step_s += time.perf_counter() - t0
         return out
+
+    @torch.compiler.disable  # inside a compiled piece: run as is (host addresses, a per-layer table), captured all the same
+    def run_inplace(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The in-place mode's layer (module docstring): device work only, so a graph captures it.
+
+        Each chunk of up to ``FUSED_TOKENS_MAX`` tokens: the device table assigns every pair a slot
+        (hit), or the host bank and a slot to write through (miss), then one ``fused_experts`` call
+        reads and computes. The same arithmetic per expert as the resident kernel bank: the same bits.
+        """
+        if layer == 0:
+            self._tokens_dev.add_(x.shape[0])
+        host = self.host.layers[self.layers[layer]]
+        pool = self.cache.pool
+        outs = []
+        for t0 in range(0, x.shape[0], FUSED_TOKENS_MAX):
+            rows = slice(t0, t0 + FUSED_TOKENS_MAX)
+            src, dst = self.slots.assign(layer, index[rows])
+            outs.append(fused_experts(x[rows], src.view(index[rows].shape), weight[rows], pool["gate_up"], pool["down"],
+                                      pool.get("gate_up_scale"), pool.get("down_scale"), limit=self.math.limit,
+                                      backend="triton", host=host, write_slots=dst))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _misses(self) -> int:
         return self.cache.table.misses if self.cache is not None else 0
@@ -397,6 +450,13 @@ class OffloadRuntime:
         if self.cache is not None:
             out |= self.cache.stats()
             out["bytes_per_token"] = self.cache.bytes_copied / self.tokens if self.tokens else 0.0
+        if self.slots is not None:  # device counters; bytes over the link = missed pairs' experts (read in place)
+            tokens = int(self._tokens_dev.item())
+            st = self.slots.stats()
+            missed = int(st["misses"]) * self.cache.slot_bytes
+            out |= {"mode": "inplace", "tokens": tokens, "hits": int(st["hits"]), "misses": int(st["misses"]),
+                    "hit_rate": st["hit_rate"], "bytes_copied": missed,
+                    "bytes_per_token": missed / tokens if tokens else 0.0, "h2d_gb_per_s": None}
         if self.probe is not None:
             out["probe_h2d_gb_per_s"] = self.probe.h2d_gb_per_s
             out["probe_cpu_s_per_expert"] = self.probe.cpu_s_per_expert
@@ -413,6 +473,9 @@ class OffloadRuntime:
             t.hits = t.misses = t.evictions = 0
             self.cache._resolve()
             self.cache.bytes_copied, self.cache.copy_s, self.cache.copies = 0, 0.0, 0
+        if self.slots is not None:
+            self.slots.reset_counts()
+            self._tokens_dev.zero_()
 
     def close(self) -> None:
         self.cpu.close()

@@ -194,12 +194,14 @@ def _e2m1_x16k(code):
 
 @triton.jit
 def _pair_rows(a_ptr, w_e, s_e, rows, ok, stride_w, stride_s, KDIM: tl.constexpr, FP4: tl.constexpr,
-               BLOCK_R: tl.constexpr, G: tl.constexpr):
+               BLOCK_R: tl.constexpr, G: tl.constexpr, dw_e, ds_e, wr, WRITE: tl.constexpr):
     """``W[rows, :KDIM] @ a[:KDIM]`` in float32 ``[BLOCK_R]`` for one expert ``W`` at ``w_e``.
 
     FP4: each step reads ``G`` scale groups (``16*G`` bytes) of every row, decodes both nibbles
     (element ``2i`` in the low one), sums each group in float32 and scales it by its UE8M0 byte.
-    Plain weights: ``G`` elements per step."""
+    Plain weights: ``G`` elements per step. ``WRITE``: the bytes read (weights, FP4 scales) are also
+    stored at ``dw_e`` / ``ds_e`` (same layout) where ``wr`` holds: an expert read from host memory
+    written through to its new cache slot."""
     acc = tl.zeros((BLOCK_R, G), dtype=tl.float32)
     if FP4:
         b = tl.arange(0, 16)
@@ -209,34 +211,61 @@ def _pair_rows(a_ptr, w_e, s_e, rows, ok, stride_w, stride_s, KDIM: tl.constexpr
             a = tl.load(a_ptr + g[:, None] * 32 + tl.arange(0, 32)[None, :], mask=g_ok[:, None], other=0.0)
             a_lo, a_hi = tl.split(tl.reshape(a.to(tl.float32), (G, 16, 2)))  # each byte's even, odd element
             m = ok[:, None] & g_ok[None, :]
-            byte = tl.load(w_e + rows[:, None, None] * stride_w + (g[:, None] * 16 + b[None, :])[None, :, :],
-                           mask=m[:, :, None], other=0).to(tl.int32)  # [BLOCK_R, G, 16]
+            w_off = rows[:, None, None] * stride_w + (g[:, None] * 16 + b[None, :])[None, :, :]
+            raw = tl.load(w_e + w_off, mask=m[:, :, None], other=0)  # [BLOCK_R, G, 16]
+            s_off = rows[:, None] * stride_s + g[None, :]
+            sc = tl.load(s_e + s_off, mask=m, other=0)
+            if WRITE:
+                wm = tl.where(wr, m, False)  # (not ``m & wr``: Triton's interpreter refuses a scalar in the mask)
+                tl.store(dw_e + w_off, raw, mask=wm[:, :, None])
+                tl.store(ds_e + s_off, sc, mask=wm)
+            byte = raw.to(tl.int32)
             part = tl.sum(_e2m1_x16k(byte & 15) * a_lo[None, :, :] + _e2m1_x16k(byte >> 4) * a_hi[None, :, :], axis=2)
-            acc += part * _ue8m0(tl.load(s_e + rows[:, None] * stride_s + g[None, :], mask=m, other=0))
+            acc += part * _ue8m0(sc)
         return tl.sum(acc, axis=1) * 16384.0  # undo the decode's 2^-14 (exact: a power of two)
     else:
         for k0 in range(0, KDIM, G):
             k = k0 + tl.arange(0, G)
             k_ok = k < KDIM
             a = tl.load(a_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_e + rows[:, None] * stride_w + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            w_off = rows[:, None] * stride_w + k[None, :]
+            w = tl.load(w_e + w_off, mask=ok[:, None] & k_ok[None, :], other=0.0)
+            if WRITE:
+                tl.store(dw_e + w_off, w, mask=tl.where(wr, ok[:, None] & k_ok[None, :], False))
             acc += w.to(tl.float32) * a[None, :]
         return tl.sum(acc, axis=1)
 
 
 @triton.jit
+def _pair_expert(ids_ptr, dst_ptr, p, w_ptr, s_ptr, stride_we, stride_se, host_w, host_s, HOST: tl.constexpr):
+    """Where pair ``p``'s expert is read: ``(weights, scales, write-through weights, scales, write?)``.
+    ``ids[p] >= 0``: row ``ids[p]`` of the bank; with ``HOST`` a negative id ``-1 - e`` is expert ``e``
+    of the host bank, ``host_w`` / ``host_s`` elements past the bank's base (mapped pinned memory),
+    and ``dst[p] >= 0`` the bank row its bytes are written to."""
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if HOST:
+        d = tl.load(dst_ptr + p).to(tl.int64)
+        ew = tl.where(e >= 0, e * stride_we, host_w + (-1 - e) * stride_we)
+        es = tl.where(e >= 0, e * stride_se, host_s + (-1 - e) * stride_se)
+        dd = tl.maximum(d, 0)
+        return w_ptr + ew, s_ptr + es, w_ptr + dd * stride_we, s_ptr + dd * stride_se, d >= 0
+    return w_ptr + e * stride_we, s_ptr + e * stride_se, w_ptr, s_ptr, e < 0
+
+
+@triton.jit
 def _pair_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, stride_x, stride_we, stride_wr, stride_se, stride_sr,
-                         limit, TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr,
-                         HAS_LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr):
+                         limit, dst_ptr, host_w, host_s, TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                         FP4: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
+                         HOST: tl.constexpr):
     """Grid ``(P, cdiv(I, BLOCK_R))``: ``h[p, rows] = swiglu(gate, up)`` of pair ``p``'s token."""
     p = tl.program_id(0)
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    w_e, s_e, dw_e, ds_e, wr = _pair_expert(ids_ptr, dst_ptr, p, w_ptr, s_ptr, stride_we, stride_se, host_w, host_s,
+                                            HOST)
     a_ptr = x_ptr + (p // TOP_K).to(tl.int64) * stride_x
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < I
-    w_e, s_e = w_ptr + e * stride_we, s_ptr + e * stride_se
-    gate = _pair_rows(a_ptr, w_e, s_e, rows, ok, stride_wr, stride_sr, D, FP4, BLOCK_R, G)
-    up = _pair_rows(a_ptr, w_e, s_e, rows + I, ok, stride_wr, stride_sr, D, FP4, BLOCK_R, G)
+    gate = _pair_rows(a_ptr, w_e, s_e, rows, ok, stride_wr, stride_sr, D, FP4, BLOCK_R, G, dw_e, ds_e, wr, HOST)
+    up = _pair_rows(a_ptr, w_e, s_e, rows + I, ok, stride_wr, stride_sr, D, FP4, BLOCK_R, G, dw_e, ds_e, wr, HOST)
     if HAS_LIMIT:  # DeepSeek-V4: silu(min(gate, L)) * clamp(up, -L, L)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -246,12 +275,13 @@ def _pair_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, stride_x, stride_w
 
 @triton.jit
 def _pair_down_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, route_ptr, y_ptr, stride_we, stride_wr, stride_se, stride_sr,
-                      D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr):
+                      dst_ptr, host_w, host_s, D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr,
+                      BLOCK_R: tl.constexpr, G: tl.constexpr, HOST: tl.constexpr):
     """Grid ``(P, cdiv(D, BLOCK_R))``: ``y[p, rows] = route[p] * down(h[p])`` in float32."""
     p = tl.program_id(0)
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    w_e, s_e, dw_e, ds_e, wr = _pair_expert(ids_ptr, dst_ptr, p, w_ptr, s_ptr, stride_we, stride_se, host_w, host_s,
+                                            HOST)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < D
-    acc = _pair_rows(h_ptr + p * I, w_ptr + e * stride_we, s_ptr + e * stride_se, rows, ok, stride_wr, stride_sr,
-                     I, FP4, BLOCK_R, G)
+    acc = _pair_rows(h_ptr + p * I, w_e, s_e, rows, ok, stride_wr, stride_sr, I, FP4, BLOCK_R, G, dw_e, ds_e, wr, HOST)
     tl.store(y_ptr + p * D + rows, acc * tl.load(route_ptr + p), mask=ok)

@@ -143,7 +143,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                   block_n: int | None = None, block_k: int = 128, num_warps: int | None = None, num_stages: int = 3,
                   scaled_dot: bool | None = None, backend: str = "auto", path: str = "auto",
                   block_r: int = 16, block_g: int | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, host: dict[str, torch.Tensor] | None = None,
+                  write_slots: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
 
     Experts are read straight from the (packed) bank: nothing is gathered or expanded to memory (the
@@ -180,6 +181,14 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             elements) per loop step (default 8 groups, 256 elements).
         out_dtype: the result's dtype (default ``x.dtype``): float32 returns the float32 sum uncast
             (a split hybrid step adds the host's partial to it before the one cast).
+        host: the layer's host bank (``gate_up``, ``down`` and FP4 scales ``[E_host, ...]``, the
+            bank's format and row layout, in page-locked host memory: mapped into the device's
+            address space under unified addressing, CUDA runtime API ``cudaHostRegister``): a
+            negative id ``-1 - e`` reads expert ``e`` of it in place over the link (no copy); the
+            pair path only, FP4 and plain banks (issue 12's offloaded step with no host sync).
+        write_slots: ``[P]`` int64 with ``host``: pair ``p``'s bytes (read from the host) are also
+            written to bank row ``write_slots[p]`` when it is >= 0 (the cache admitting the expert
+            while the step uses it; one writer per row per call, so callers give each row to one pair).
 
     Returns:
         ``[T, D]`` in ``out_dtype``.
@@ -194,7 +203,12 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     """
     fmt = _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale, block)
     fp4 = fmt == "fp4"
+    bank = {"gate_up": gate_up, "down": down, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
+    if host is not None:
+        _check_host(fmt, bank, host, ids, write_slots, path)
     if not use_triton(x, backend):
+        if host is not None:
+            return _host_reference(x, ids, weights, bank, host, write_slots, limit, out_dtype)
         return fused_experts_reference(x, ids, weights, gate_up, down, gate_up_scale, down_scale, limit=limit,
                                        block=block, out_dtype=out_dtype)
     import triton
@@ -202,9 +216,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     if scaled_dot and (interpreting() or x.dtype != torch.bfloat16):
         raise KernelError("fused_experts: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled) and bf16 "
                           f"activations, got {x.dtype}")
-    if _pick(path, fmt, x.shape[0]) == "pairs":
+    if host is not None or _pick(path, fmt, x.shape[0]) == "pairs":
         return _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4, float(limit), block_r,
-                      block_g or (8 if fp4 else 256), num_warps or (4 if fp4 else 8), out_dtype)
+                      block_g or (8 if fp4 else 256), num_warps or (4 if fp4 else 8), out_dtype, host, write_slots)
     scaled_dot = not interpreting() and x.dtype == torch.bfloat16 if scaled_dot is None else scaled_dot
     block_i, num_warps = block_i or (64 if fp4 else 32), num_warps or 4
     block_n = block_n or (128 if fp4 else 64)
@@ -285,7 +299,7 @@ def _operands(fmt: str, x, gate_up, down, gate_up_scale, down_scale, P: int, out
 
 
 def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool, limit: float, block_r: int,
-           block_g: int, num_warps: int, out_dtype) -> torch.Tensor:
+           block_g: int, num_warps: int, out_dtype, host=None, write_slots=None) -> torch.Tensor:
     """The pair path of :func:`fused_experts` (inputs checked there)."""
     import triton
 
@@ -298,11 +312,78 @@ def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool,
                                                     down_scale, P, out_dtype)
     g_max = triton.next_power_of_2(max(1, min(D, I) // 32 if fp4 else min(D, I)))
     G = min(block_g, g_max)
+    deltas, dst = (0, 0, 0, 0), ids
+    if host is not None:
+        deltas, dst = _host_deltas(fp4, (gate_up, gs, down, ds), host), write_slots.contiguous()
     k._pair_gate_up_kernel[(P, triton.cdiv(I, block_r))](
         x, ids, gate_up, gs, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0), gs.stride(1), limit,
-        TOP_K=TOP_K, D=D, I=I, FP4=fp4, HAS_LIMIT=bool(limit), BLOCK_R=block_r, G=G, num_warps=num_warps)
+        dst, deltas[0], deltas[1], TOP_K=TOP_K, D=D, I=I, FP4=fp4, HAS_LIMIT=bool(limit), BLOCK_R=block_r, G=G,
+        HOST=host is not None, num_warps=num_warps)
     k._pair_down_kernel[(P, triton.cdiv(D, block_r))](
-        h, ids, down, ds, route, y, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1), D=D, I=I, FP4=fp4,
-        BLOCK_R=block_r, G=G, num_warps=num_warps)
+        h, ids, down, ds, route, y, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1), dst, deltas[2],
+        deltas[3], D=D, I=I, FP4=fp4, BLOCK_R=block_r, G=G, HOST=host is not None, num_warps=num_warps)
     k._combine_kernel[(T, triton.cdiv(D, 1024))](y, out, D=D, TOP_K=TOP_K, BLOCK=1024, num_warps=4)
+    return out
+
+
+HOST_ARRAYS = ("gate_up", "gate_up_scale", "down", "down_scale")
+
+
+def _check_host(fmt: str, bank: dict, host: dict, ids: torch.Tensor, write_slots: torch.Tensor | None,
+                path: str) -> None:
+    """A host bank must match the device bank array for array (dtype, row layout, expert stride)."""
+    problems = []
+    if fmt == "fp8":
+        problems.append("host experts read in place: FP4 and plain banks only (the pair path), got FP8")
+    if path == "grouped":
+        problems.append("host experts read in place need the pair path, got path='grouped'")
+    for name in HOST_ARRAYS:
+        b, h = bank.get(name), host.get(name)
+        if (b is None) != (h is None):
+            problems.append(f"host {name}: {'missing' if h is None else 'given'}, the bank's is "
+                            f"{'missing' if b is None else 'given'}")
+        elif b is not None and (h.dtype != b.dtype or tuple(h.shape[1:]) != tuple(b.shape[1:])
+                                or h.stride() != (h.shape[1:].numel(),) + b.stride()[1:] or b.stride(0) != h.stride(0)):
+            problems.append(f"host {name} {tuple(h.shape)} {h.dtype} strides {h.stride()} against the bank's "
+                            f"{tuple(b.shape)} {b.dtype} strides {b.stride()}: one layout")
+    if write_slots is None or write_slots.dtype != torch.int64 or write_slots.numel() != ids.numel():
+        problems.append(f"host experts need write_slots [P={ids.numel()}] int64 (-1: no write), got "
+                        f"{None if write_slots is None else (tuple(write_slots.shape), write_slots.dtype)}")
+    elif write_slots.device != ids.device:
+        problems.append(f"write_slots on {write_slots.device}, ids on {ids.device}: one device")
+    if problems:
+        raise KernelError("fused_experts: " + "; ".join(problems))
+
+
+def _host_deltas(fp4: bool, arrays: tuple, host: dict) -> tuple[int, int, int, int]:
+    """Element offsets from each bank array the kernels read (``gate_up``, its scales, ``down``, its
+    scales) to the host bank's (a plain bank's scale pointers are stand-ins: offset 0)."""
+    names = HOST_ARRAYS if fp4 else ("gate_up", None, "down", None)
+    out = []
+    for name, a in zip(names, arrays):
+        if name is None:
+            out.append(0)
+            continue
+        h = host[name].view(a.dtype)
+        diff = h.data_ptr() - a.data_ptr()
+        if diff % a.element_size():
+            raise KernelError(f"fused_experts: host {name} at {h.data_ptr():#x} is not {a.element_size()}-byte "
+                              f"aligned against the bank's {a.data_ptr():#x}")
+        out.append(diff // a.element_size())
+    return tuple(out)
+
+
+def _host_reference(x, ids, weights, bank: dict, host: dict, write_slots, limit: float, out_dtype) -> torch.Tensor:
+    """:func:`fused_experts` with a host bank in PyTorch: each pair's expert from the bank (id >= 0)
+    or the host bank (``-1 - id``), the reference maths, then the write-through copies."""
+    sel = ids.flatten().tolist()
+    arrays = {name: torch.stack([bank[name][e] if e >= 0 else host[name][-1 - e].to(bank[name].device)
+                                 for e in sel]) for name in HOST_ARRAYS if bank.get(name) is not None}
+    idx = torch.arange(len(sel), device=x.device).view(ids.shape)
+    out = fused_experts_reference(x, idx, weights, arrays["gate_up"], arrays["down"], arrays.get("gate_up_scale"),
+                                  arrays.get("down_scale"), limit=limit, out_dtype=out_dtype)
+    for p, (e, d) in enumerate(zip(sel, write_slots.tolist())):
+        if e < 0 and d >= 0:
+            for name, a in arrays.items():
+                bank[name][d].copy_(a[p])
     return out

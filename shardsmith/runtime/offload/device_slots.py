@@ -1,0 +1,240 @@
+"""An LRU slot table for the expert cache kept on the GPU: hits, misses and evictions without a host sync.
+
+:class:`~.slots.SlotTable` decides on the host, so a decode step that routes on the GPU must read the
+selected experts back first. :class:`DeviceSlots` keeps the table in four device tensors and decides
+in one Triton launch (``_assign_kernel``, grid ``(1,)``) that a CUDA graph can capture: the decode
+step's routed ids go in, the slot to read each pair from and the slot to fill come out.
+
+=============  ==========  =====  ==================================================================
+state          shape       dtype  meaning
+=============  ==========  =====  ==================================================================
+``slot_key``   ``[S]``     int64  ``layer * n_experts + expert`` held by the slot, -1: empty
+``slot_used``  ``[S]``     int64  the tick of the last call that used the slot, -1: never
+``tick``       ``[1]``     int64  calls so far
+``counts``     ``[2]``     int64  (hit pairs, miss pairs) since start or :meth:`~DeviceSlots.reset_counts`
+=============  ==========  =====  ==================================================================
+
+One :meth:`~DeviceSlots.assign` call on ``ids [T, K]`` of one layer:
+
+1. ``tick += 1`` (``t`` = the new tick); no slot is marked "filled in this call".
+2. For each pair ``p = 0 .. P-1`` in token-major order, ``key = layer * n_experts + ids.flatten()[p]``:
+
+   - the key sits in slot ``s``, filled earlier in this call: ``src = -1 - expert``, ``dst = -1``,
+     a miss. The expert kernel writes the slot's bytes while it reads the host copy of the pair that
+     filled it, so no pair of the same call can read the slot yet: this one reads the host copy too;
+   - the key sits in slot ``s``, not filled in this call: ``src = s``, ``dst = -1``,
+     ``slot_used[s] = t``, a hit;
+   - the key is in no slot: a miss, ``src = -1 - expert``. The victim ``v`` is the slot with the
+     smallest ``slot_used``, the lowest index among equals (empty slots first, then least recently
+     used). If ``slot_used[v] == t`` every slot is already used by this call (hit or filled) and the
+     expert is not admitted: ``dst = -1``. Else ``slot_key[v] = key``, ``slot_used[v] = t``, ``v``
+     is marked filled and ``dst = v`` (the caller copies the expert's bytes into slot ``v``).
+
+3. The state is written back in place (never reallocated: a captured graph reads and writes these
+   tensors); ``src`` and ``dst`` are fresh tensors.
+
+So a slot hit or filled in a call is never evicted by a later pair of the same call.
+
+Determinism: every rank of tensor parallelism runs the same calls on the same routed ids (the router
+is replicated), and the decisions are a pure function of that call sequence: no timing, hash seed,
+rank or thread order enters (the kernel is one program; ties break on the lowest slot index). The
+Triton kernel and :func:`assign_reference` give the same bits.
+
+Legend: S = slots, T = tokens, K = experts per token, P = T * K pairs.
+
+Example:
+    >>> slots = DeviceSlots(2, 16, torch.device("cpu"))
+    >>> src, dst = slots.assign(0, torch.tensor([[3, 5]]), backend="reference")
+    >>> src.tolist(), dst.tolist()  # two misses, read from host, copied into slots 0 and 1
+    ([-4, -6], [0, 1])
+    >>> slots.assign(0, torch.tensor([[5, 7]]), backend="reference")[0].tolist()  # 5 hits; 7 evicts 3
+    [1, -8]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shardsmith.errors import UsageError
+from shardsmith.runtime.layers.kernels._common import KernelError, use_triton
+
+NUM_WARPS = 4
+_FREE = 2**62  # ``slot_used`` of the padding lanes ``S..BLOCK_S``: above every tick, never a victim
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, built on first use (Triton is optional: the ``kernels`` extra)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _assign_kernel(ids_ptr, key_ptr, used_ptr, tick_ptr, counts_ptr, src_ptr, dst_ptr, P, base, S,
+                       BLOCK_S: tl.constexpr, FREE: tl.constexpr):
+        # One program: the S-slot state lives in registers ([BLOCK_S] tensors) for the whole call, so
+        # a pair sees the updates of the pairs before it with no global-memory round trip.
+        offs = tl.arange(0, BLOCK_S)
+        live = offs < S
+        keys = tl.load(key_ptr + offs, mask=live, other=-1)
+        used = tl.load(used_ptr + offs, mask=live, other=FREE)
+        t = tl.load(tick_ptr) + 1
+        filled = offs < 0  # filled in this call: none yet
+        hits = t * 0
+        misses = t * 0
+        for p in range(P):
+            e = tl.load(ids_ptr + p).to(tl.int64)
+            key = base + e
+            match = (keys == key) & live
+            found = tl.max(match.to(tl.int32), axis=0) > 0
+            s = tl.min(tl.where(match, offs, BLOCK_S), axis=0)
+            fresh = tl.max((match & filled).to(tl.int32), axis=0) > 0
+            hit = found & (fresh == 0)
+            # victim: the smallest slot_used, then the lowest index with it (explicit: no argmin ties)
+            low = tl.min(tl.where(live, used, FREE), axis=0)
+            v = tl.min(tl.where(live & (used == low), offs, BLOCK_S), axis=0)
+            admit = (found == 0) & (low != t)
+            tl.store(src_ptr + p, tl.where(hit, s.to(tl.int64), -1 - e))
+            tl.store(dst_ptr + p, tl.where(admit, v.to(tl.int64), -1))
+            put = admit & (offs == v)
+            used = tl.where((hit & (offs == s)) | put, t, used)
+            keys = tl.where(put, key, keys)
+            filled = filled | put
+            hits += hit.to(tl.int64)
+            misses += 1 - hit.to(tl.int64)
+        tl.store(key_ptr + offs, keys, mask=live)
+        tl.store(used_ptr + offs, used, mask=live)
+        tl.store(tick_ptr, t)
+        tl.store(counts_ptr, tl.load(counts_ptr) + hits)
+        tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + misses)
+
+    return _assign_kernel
+
+
+def assign_reference(slot_key: torch.Tensor, slot_used: torch.Tensor, tick: torch.Tensor, counts: torch.Tensor,
+                     base: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch path the kernel replaces: one :meth:`DeviceSlots.assign` (module docstring) as a
+    Python loop over ``.tolist()`` copies (syncs on CUDA), the state written back into the same
+    tensors. ``base = layer * n_experts``; ``ids [T, K]`` integer; returns ``(src [P], dst [P])``
+    int64 on the state's device."""
+    keys, used = slot_key.tolist(), slot_used.tolist()
+    t = int(tick.item()) + 1
+    filled = [False] * len(keys)
+    where = {k: s for s, k in enumerate(keys) if k >= 0}
+    src, dst, hits, misses = [], [], 0, 0
+    for e in ids.flatten().tolist():
+        key = base + e
+        s = where.get(key)
+        if s is not None and not filled[s]:
+            src.append(s), dst.append(-1)
+            used[s] = t
+            hits += 1
+            continue
+        misses += 1
+        src.append(-1 - e)
+        if s is not None:  # filled earlier in this call: its bytes are not written yet
+            dst.append(-1)
+            continue
+        low = min(used)
+        v = used.index(low)  # the lowest index with the smallest slot_used
+        if low == t:  # every slot used by this call: not admitted
+            dst.append(-1)
+            continue
+        if keys[v] >= 0:
+            del where[keys[v]]
+        keys[v], used[v], filled[v], where[key] = key, t, True, v
+        dst.append(v)
+    slot_key.copy_(torch.tensor(keys, dtype=torch.int64))
+    slot_used.copy_(torch.tensor(used, dtype=torch.int64))
+    tick.fill_(t)
+    counts.add_(torch.tensor([hits, misses], dtype=torch.int64).to(counts.device))
+    dev = slot_key.device
+    return torch.tensor(src, dtype=torch.int64, device=dev), torch.tensor(dst, dtype=torch.int64, device=dev)
+
+
+class DeviceSlots:
+    """An LRU table of ``n_slots`` expert-cache slots on a device, keyed ``layer * n_experts + expert``
+    (module docstring: the state and one call's semantics).
+
+    Attributes:
+        n_slots: S, the slots of the cache's pool (all layers share them).
+        n_experts: routed experts per layer (ids are ``0 .. n_experts-1``).
+        slot_key: ``[S]`` int64, the key held by each slot, -1 empty.
+        slot_used: ``[S]`` int64, the tick of the last call that used each slot, -1 never.
+        tick: ``[1]`` int64, :meth:`assign` calls so far.
+        counts: ``[2]`` int64, (hit pairs, miss pairs) since start or :meth:`reset_counts`.
+
+    The four tensors are allocated once and only ever written in place (a captured CUDA graph holds
+    their addresses).
+
+    Raises:
+        UsageError: ``n_slots < 1`` or ``n_experts < 1``.
+    """
+
+    def __init__(self, n_slots: int, n_experts: int, device: torch.device) -> None:
+        problems = [f"{name}={value!r} must be an int >= 1" for name, value in
+                    (("n_slots", n_slots), ("n_experts", n_experts)) if not isinstance(value, int) or value < 1]
+        if problems:
+            raise UsageError("DeviceSlots: " + "; ".join(problems))
+        self.n_slots, self.n_experts = n_slots, n_experts
+        i64 = {"dtype": torch.int64, "device": device}
+        self.slot_key = torch.full((n_slots,), -1, **i64)
+        self.slot_used = torch.full((n_slots,), -1, **i64)
+        self.tick = torch.zeros(1, **i64)
+        self.counts = torch.zeros(2, **i64)
+        self.device = self.slot_key.device  # normalised (``cuda`` -> ``cuda:0``)
+
+    def assign(self, layer: int, ids: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """Look up, admit and evict the routed experts ``ids`` of ``layer`` for one decode step.
+
+        Args:
+            layer: the layer index (>= 0).
+            ids: ``[T, K]`` int32 or int64 on this table's device, the experts each token routes to,
+                each in ``[0, n_experts)`` (not checked: a check would sync; an id out of range
+                aliases another layer's key).
+            backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
+                ``triton`` or ``reference``.
+
+        Returns:
+            ``(src [P], dst [P])`` int64, fresh tensors, P = T * K token-major: ``src`` the slot to
+            read pair p from, or ``-1 - expert`` to read the host copy; ``dst`` the slot to copy the
+            expert into (a miss admitted), else -1. The state tensors are updated in place. The
+            Triton path does not sync and its launch is fixed by (T, K, S): capturable in a CUDA graph.
+
+        Raises:
+            KernelError: ``ids`` is not 2-D int32 / int64, ``ids`` is on another device than the
+                table, ``layer < 0``, or the backend cannot run (every problem listed).
+        """
+        problems = []
+        if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+            problems.append(f"ids {tuple(ids.shape)} {ids.dtype}: want [T, K] int32 or int64")
+        if ids.device != self.device:
+            problems.append(f"ids on {ids.device}, table on {self.device}: one device")
+        if not isinstance(layer, int) or layer < 0:
+            problems.append(f"layer={layer!r} must be an int >= 0")
+        if problems:
+            raise KernelError("DeviceSlots.assign: " + "; ".join(problems))
+        base = layer * self.n_experts
+        if not use_triton(ids, backend):
+            return assign_reference(self.slot_key, self.slot_used, self.tick, self.counts, base, ids)
+        import triton
+
+        flat = ids.reshape(-1).contiguous()
+        P = flat.numel()
+        src = torch.empty(P, dtype=torch.int64, device=self.device)
+        dst = torch.empty(P, dtype=torch.int64, device=self.device)
+        _kernel()[(1,)](flat, self.slot_key, self.slot_used, self.tick, self.counts, src, dst, P, base,
+                        self.n_slots, BLOCK_S=triton.next_power_of_2(self.n_slots), FREE=_FREE,
+                        num_warps=NUM_WARPS)
+        return src, dst
+
+    def reset_counts(self) -> None:
+        """Set the hit and miss counts to 0 (in place; the slots are kept)."""
+        self.counts.zero_()
+
+    def stats(self) -> dict:
+        """``{"hits": int, "misses": int, "hit_rate": float}`` in pairs since start or
+        :meth:`reset_counts` (``hit_rate`` 0.0 before any pair). Reads the counts on the host: syncs."""
+        hits, misses = self.counts.tolist()
+        return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0}

@@ -1,0 +1,86 @@
+"""Offloaded experts read in place, decided on the device (issue 12): no host sync in a decode step.
+
+CPU: the Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton
+loads); the "device" is the CPU, so the host bank is read through the same pointer arithmetic as
+mapped pinned memory on a GPU. Checked: the offload runtime in the in-place mode
+(``SHARDSMITH_OFFLOAD_INPLACE=kernel``) gives the resident kernel bank's bits for every call of a
+sequence of decode batches over two layers (misses read from the host bank, hits from slots, LRU
+evictions, a 20-token batch run in chunks), the slots it filled hold exactly the host experts its
+device table says they hold, and the device counters add up (pairs, bytes over the link); the switch
+and the modes it refuses. GPU checks: ``test_fused_slots.py -m gpu`` (the tiny DeepSeek-V4 offloaded
+and graphed, in place and copied, against the resident bank).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from shardsmith.runtime.layers.experts import ExpertMath, fused_bank
+from shardsmith.runtime.layers.kernels import triton_available
+from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install "
+                                  "'shardsmith[kernels]')")
+V4 = ExpertMath(limit=3.0, accumulate_f32=True, batched_pairs=16)
+
+
+def _runtime(fmt: str, monkeypatch, *, slots: int, inplace: str = "kernel", backend: str = "gpu", experts: int = 12):
+    """An offload runtime over two layers of random host banks (D 64, I_r 32), and those banks."""
+    from shardsmith.runtime.offload import OffloadConfig, OffloadRuntime
+    from shardsmith.runtime.offload.host_bank import HostBanks
+
+    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel")
+    monkeypatch.setenv("SHARDSMITH_OFFLOAD_INPLACE", inplace)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    banks = {f"layers.{i}": random_bank(experts, 64, 32, fp4=fmt == "fp4", gen=gen) for i in range(2)}
+    host = HostBanks({k: {n: t.cpu() for n, t in b.items()} for k, b in banks.items()})
+    rt = OffloadRuntime(OffloadConfig(backend=backend, cache_slots=slots, probe=False, pin="off"), host, list(banks),
+                        device=torch.device(DEV), dtype=torch.bfloat16, dim=64, block=None, math=V4)
+    rt.use_kernel_(torch.device(DEV))
+    rt.start()
+    return rt, banks
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", ["fp4", "bf16"])
+def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, monkeypatch):
+    """Six calls (1, 1, 1, 3, 20, 1 tokens; K = 4 of 12 experts; 7 slots for 24 keys, so LRU evicts):
+    each the resident kernel's bits on the pair path (the in-place mode's; bf16 past 4 tokens would
+    take the grouped path resident), each filled slot the host expert its device key names."""
+    monkeypatch.setenv("SHARDSMITH_MOE_PATH", "pairs")
+    rt, banks = _runtime(fmt, monkeypatch, slots=7)
+    assert rt.slots is not None and rt.decode_sync_free()
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    pairs = 0
+    for layer, tokens in ((0, 1), (1, 1), (0, 1), (0, 3), (1, 20), (1, 1)):
+        ids, weights = random_routing(tokens, 4, 12, gen=gen)
+        x = torch.randn(tokens, 64, generator=gen, device=DEV).bfloat16()
+        want = fused_bank(x, ids, weights, banks[f"layers.{layer}"], V4, None)
+        assert torch.equal(rt.run_layer(layer, x, ids, weights), want), (fmt, layer, tokens)
+        pairs += ids.numel()
+        for s, key in enumerate(rt.slots.slot_key.tolist()):  # what the device table says each slot holds
+            if key >= 0:
+                held = banks[f"layers.{key // 12}"]
+                for name, pool in rt.cache.pool.items():
+                    assert torch.equal(pool[s], held[name][key % 12]), (s, key, name)
+    st = rt.stats()
+    assert st["mode"] == "inplace" and st["hits"] + st["misses"] == pairs and st["hits"] > 0 and st["misses"] > 0
+    assert st["bytes_copied"] == st["misses"] * st["slot_bytes"] and st["tokens"] == 1 + 1 + 3
+    rt.reset_stats()
+    assert rt.stats()["hits"] == rt.stats()["misses"] == rt.stats()["tokens"] == 0
+
+
+def test_inplace_switch_and_the_modes_it_leaves_alone(monkeypatch):
+    """``off`` keeps the copying cache; ``hybrid`` (host compute) and FP8 pools are not in-place modes."""
+    rt, _ = _runtime("fp4", monkeypatch, slots=7, inplace="off")
+    assert rt.slots is None and not rt.decode_sync_free()
+    if triton_available():
+        rt, _ = _runtime("fp4", monkeypatch, slots=7, backend="hybrid")
+        assert rt.slots is None
