@@ -129,7 +129,8 @@ def kernel_switch(var: str, off: str, device: torch.device, *, default: str = "a
 KERNEL_SWITCHES = {"SHARDSMITH_FP8_DENSE": "dequantize", "SHARDSMITH_FUSED_EXPERTS": "off",
                    "SHARDSMITH_DECODE_ATTENTION": "off", "SHARDSMITH_INDEXER_SCORES": "off",
                    "SHARDSMITH_COMPRESSOR_STEP": "off", "SHARDSMITH_HC_PRE": "off",
-                   "SHARDSMITH_ROUTER_KERNEL": "off", "SHARDSMITH_HC_POST": "off"}  # variable: its off word
+                   "SHARDSMITH_ROUTER_KERNEL": "off", "SHARDSMITH_HC_POST": "off",
+                   "SHARDSMITH_OFFLOAD_INPLACE": "off"}  # variable: its off word
 
 
 def check_kernel_switches() -> None:
