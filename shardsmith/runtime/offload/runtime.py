@@ -21,15 +21,18 @@ resident bank's own :func:`~shardsmith.runtime.layers.experts.fused_bank` call w
 expert ids, for any pool format (FP4, FP8, bf16) and up to ``FUSED_TOKENS_MAX`` tokens; without
 it, FP4 pools of at most ``ExpertMath.batched_pairs`` pairs take the expanded pair maths.
 
-**In place** (``SHARDSMITH_OFFLOAD_INPLACE``, issue 12; backend ``gpu`` with the kernel, pinned host
-banks, FP4 or plain pools): no host sync at all. A :class:`~.device_slots.DeviceSlots` table on the
+**In place** (``SHARDSMITH_OFFLOAD_INPLACE``, issue 12: ``auto``, the default, for FP4 banks on CUDA;
+``kernel`` also for plain banks, and on CPU under Triton's interpreter; ``off``; backend ``gpu`` with
+the kernel and pinned host banks): no host sync at all. A :class:`~.device_slots.DeviceSlots` table on the
 device decides each pair's hit, miss and victim (LRU, the same decisions on every rank: a function
 of the ids alone), and :func:`~shardsmith.runtime.layers.kernels.fused_experts` reads a hit from its
 slot and a miss in place from the pinned host bank (mapped into the device's address space), writing
 the bytes it reads through to the miss's new slot in the same launch. Every layer of a step is device
 work, so the whole step is one captured graph; the link carries each missed expert once (a kernel
 read of pinned memory ran at 91-93% of the copy rate on an H200, ``zero_copy-20261203-h200x1ah.json``).
-Steps of more than ``FUSED_TOKENS_MAX`` tokens run in chunks of that many. The cache's host-side
+Steps of more than ``FUSED_TOKENS_MAX`` tokens run in chunks of that many. A missed expert that
+several pairs of one chunk select is read over the link by each of them (its slot is written during
+that launch): batches pay for duplicates, one-token steps never do. The cache's host-side
 table and copy stream are not used; counters live on the device (:meth:`stats` reads them).
 
 A decode-sized ``hybrid`` step with some experts on the host and the rest in slots is a *split
@@ -47,6 +50,7 @@ the resident step's value within float32 rounding, not its bits.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -142,8 +146,12 @@ class OffloadRuntime:
         fp8 = [a for a in self.host.layers.values() if bank_format(a["gate_up"]) == "fp8"]
         self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device) and self.math.plain and \
             all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
-        # in place (module docstring): the pair path's formats; confirmed at start() (backend, pinning)
-        self.inplace = self.kernel and not fp8 and kernel_switch(INPLACE_ENV, "off", device)
+        # in place (module docstring): the pair path's formats; confirmed at start() (backend, pinning).
+        # ``auto`` takes FP4 banks only: a bf16 family (Mixtral: top-2 of 8) batches many tokens onto one
+        # expert, and every pair of a missed expert after the first reads it over the link again
+        fp4 = all(bank_format(a["gate_up"]) == "fp4" for a in self.host.layers.values())
+        self.inplace = self.kernel and not fp8 and kernel_switch(INPLACE_ENV, "off", device) and \
+            (fp4 or os.environ.get(INPLACE_ENV) == "kernel")
 
     def decode_sync_free(self) -> bool:
         """Whether a decode step's experts run with no host sync: the in-place mode, once started."""
