@@ -370,8 +370,8 @@ def offload_rows(ranks: list[dict], resident: dict, graphed: dict, tp: int, toke
                          "floor_tokens_per_s": 1 / floor_s, "time_per_token_over_floor": (decode_s / tokens) / floor_s,
                          # bytes over the link per second of time above the resident step: what the misses cost
                          # (in place there is no copy to time: ``h2d_gb_per_s`` is None)
-                         "marginal_link_gb_per_s": per_token / max(1e-9, decode_s / tokens - base["ms_per_token"] / 1e3)
-                         / 1e9,
+                         "marginal_link_gb_per_s": per_token / extra / 1e9
+                         if (extra := decode_s / tokens - base["ms_per_token"] / 1e3) > 0 else None,
                          "tokens_match_resident": o["tokens"] == ranks[0]["tokens"]})
     return rows
 
@@ -583,7 +583,7 @@ def print_table(rows: list[dict]) -> None:
                   f"{r['hit_rate']:.1%}" if off else "-",
                   f"{r['bytes_copied_per_token_per_rank'] / 1e6:.0f}" if off else "-",
                   (f"{r['h2d_gb_per_s']:.1f}" if r.get("h2d_gb_per_s") is not None else
-                   f"in place, {r['marginal_link_gb_per_s']:.1f} marginal")
+                   f"in place, {r['marginal_link_gb_per_s'] or 0:.1f} marginal")
                   + f" ({r['probe_h2d_gb_per_s'] or 0:.1f})" if off else "-",
                   f"{r['tokens_per_s']:.1f}", f"{r['floor_tokens_per_s']:.1f}" if off else "-",
                   f"{r['tokens_per_s'] / first[key]:.2f}x" if key in first else "-")
