@@ -50,9 +50,13 @@ def _calls(seed: int, n: int = 30) -> list[tuple[int, torch.Tensor]]:
 
 
 @needs_triton
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("S", [1, 5, 37])
-def test_kernel_matches_reference(S: int) -> None:
-    kern, ref = DeviceSlots(S, E, DEV), DeviceSlots(S, E, DEV)
+def test_kernel_matches_reference(S: int, policy: str) -> None:
+    """30 calls (``lfu``: counts halved every 7 calls, so the decay runs 4 times): the same src, dst and
+    state after every call."""
+    kw = {"policy": policy, "n_layers": 3, "decay": 7}
+    kern, ref = DeviceSlots(S, E, DEV, **kw), DeviceSlots(S, E, DEV, **kw)
     seen = {"hit": 0, "fill": 0, "host": 0}
     for i, (layer, ids) in enumerate(_calls(seed=S)):
         ids = ids.to(DEV)
@@ -62,13 +66,14 @@ def test_kernel_matches_reference(S: int) -> None:
         assert src_k.tolist() == src_r.tolist(), f"call {i}: src"
         assert dst_k.tolist() == dst_r.tolist(), f"call {i}: dst"
         assert _state(kern) == _state(ref), f"call {i}: state"
+        assert kern.freq.tolist() == ref.freq.tolist() and kern.slot_freq.tolist() == ref.slot_freq.tolist(), i
         seen["hit"] += int((src_r >= 0).sum())
         seen["fill"] += int((dst_r >= 0).sum())
         seen["host"] += int(((src_r < 0) & (dst_r < 0)).sum())  # not admitted, or a duplicate of a fill
     total = sum(ids.numel() for _, ids in _calls(seed=S))
     assert kern.stats()["hits"] + kern.stats()["misses"] == total
     assert kern.tick.item() == 30
-    assert all(seen.values()), seen  # every branch ran
+    assert all(seen.values()) or (S == 1 and policy == "lfu" and seen["fill"] and seen["host"]), seen  # every branch ran
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -81,6 +86,21 @@ def test_lru_eviction_order(backend: str) -> None:
     assert [t.tolist() for t in s.assign(0, torch.tensor([[9]]).to(DEV), backend=backend)] == [[-10], [0]]  # evicts 3
     assert s.slot_key.tolist() == [9, 7] and s.slot_used.tolist() == [5, 4] and s.tick.tolist() == [5]
     assert s.counts.tolist() == [1, 4]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lfu_keeps_frequent_experts_from_one_off_misses(backend: str) -> None:
+    """``lfu``: an expert is admitted over a slot only with a higher count than the slot's (or into an
+    empty one), so a stream of one-off experts reads from the host and leaves the frequent ones cached,
+    where LRU would evict them; an expert seen often enough displaces the least counted."""
+    s = DeviceSlots(2, E, DEV, policy="lfu", n_layers=1)
+    ask = lambda e: [t.tolist() for t in s.assign(0, torch.tensor([[e]]).to(DEV), backend=backend)]  # noqa: E731
+    assert ask(3) == [[-4], [0]] and ask(5) == [[-6], [1]]  # empty slots: admitted
+    assert ask(3) == [[0], [-1]] and ask(3) == [[0], [-1]]  # 3 counted 3 times, 5 once
+    assert ask(7) == [[-8], [-1]]  # 7 (count 1) does not beat 5 (count 1): read from the host, not admitted
+    assert ask(7) == [[-8], [1]]  # count 2 > 1: evicts 5 (the lower count), not 3
+    assert ask(9) == [[-10], [-1]] and s.slot_key.tolist() == [3, 7]
+    assert s.freq[[3, 5, 7, 9]].tolist() == [3, 1, 2, 1] and s.slot_freq.tolist() == [3, 2]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -311,14 +311,14 @@ def test_v4_shapes_with_the_norm_on_cuda_graphed_and_compiled(T):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(out, got))
-    compiled = torch.compile(lambda x, w: hc_pre(x, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(w, 1e-6))[0] + 0,
-                             dynamic=False)
-    # inductor launches the user kernel itself: on an H200 some bits differ from the eager launch (h200x1ad: 2
-    # of 16384 at T = 4; at T = 16 past 0.1%: an ulp of a row's float32 rsqrt flips the bf16 ties of the row),
-    # so through torch.compile within one rounding and without the share of equal bits
-    traced = compiled(streams, norm.weight)
-    print(f"hc_pre+norm T={T} compiled: {(traced != got[0]).sum().item()} elements differ from eager")
-    _check_normed(traced, plain, want[0], norm, max_share=1.0)
+    # what the model runs: hc_pre_op, an opaque custom op inside torch.compile (Triton launches the kernel
+    # itself), so the eager launch's bits at the block it picks (traced as a user kernel, inductor's own
+    # compile differed by more than a rounding at T = 16 on an H200, h200x1ai)
+    compiled = torch.compile(lambda x, w: hc_pre_op(x, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(w, 1e-6))[0]
+                             + 0, dynamic=False)
+    eager = hc_pre(streams, fn, base, scale, ITERS, EPS, NORM_EPS, out_norm=(norm.weight, 1e-6),
+                   block_d=4096 if T == 1 else BLOCK_D)[0]
+    assert torch.equal(compiled(streams, norm.weight), eager + 0)
 
 
 @needs_triton

@@ -30,6 +30,13 @@ One :meth:`~DeviceSlots.assign` call on ``ids [T, K]`` of one layer:
      expert is not admitted: ``dst = -1``. Else ``slot_key[v] = key``, ``slot_used[v] = t``, ``v``
      is marked filled and ``dst = v`` (the caller copies the expert's bytes into slot ``v``).
 
+   With ``policy="lfu"`` (what the runtime's default ``hot`` cache policy runs) every pair first adds 1
+   to its key's count (``freq [n_layers * n_experts]``, all halved every ``decay`` calls) and a slot
+   remembers its key's count (``slot_freq``); the victim is the slot not used by this call with the
+   lowest count, then the least recently used, then the lowest index, and a miss is admitted only into
+   an empty slot or over a lower count (so one-off experts read from the host and leave the frequent
+   ones cached, as the host table's pinned hot set does).
+
 3. The state is written back in place (never reallocated: a captured graph reads and writes these
    tensors); ``src`` and ``dst`` are fresh tensors.
 
@@ -62,6 +69,8 @@ from shardsmith.runtime.layers.kernels._common import KernelError, use_triton
 
 NUM_WARPS = 4
 _FREE = 2**62  # ``slot_used`` of the padding lanes ``S..BLOCK_S``: above every tick, never a victim
+POLICIES = ("lru", "lfu")
+DECAY_CALLS = 1024  # ``lfu``: every count halves after this many calls (the hot set follows drift)
 
 
 @functools.cache
@@ -71,8 +80,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _assign_kernel(ids_ptr, key_ptr, used_ptr, tick_ptr, counts_ptr, src_ptr, dst_ptr, P, base, S,
-                       BLOCK_S: tl.constexpr, FREE: tl.constexpr):
+    def _assign_kernel(ids_ptr, key_ptr, used_ptr, freq_ptr, sfreq_ptr, tick_ptr, counts_ptr, src_ptr, dst_ptr, P,
+                       base, S, n_keys, decay, BLOCK_S: tl.constexpr, FREE: tl.constexpr, LFU: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
         # One program: the S-slot state lives in registers ([BLOCK_S] tensors) for the whole call, so
         # a pair sees the updates of the pairs before it with no global-memory round trip.
         offs = tl.arange(0, BLOCK_S)
@@ -80,6 +90,14 @@ def _kernel():
         keys = tl.load(key_ptr + offs, mask=live, other=-1)
         used = tl.load(used_ptr + offs, mask=live, other=FREE)
         t = tl.load(tick_ptr) + 1
+        if LFU:
+            sfreq = tl.load(sfreq_ptr + offs, mask=live, other=0)
+            if t % decay == 0:  # halve every count (the hot set adapts to drift)
+                for k0 in range(0, n_keys, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    tl.store(freq_ptr + k, tl.load(freq_ptr + k, mask=k < n_keys, other=0) // 2, mask=k < n_keys)
+                sfreq = sfreq // 2
+                tl.debug_barrier()  # the halved counts before this program's atomics read them
         filled = offs < 0  # filled in this call: none yet
         hits = t * 0
         misses = t * 0
@@ -91,10 +109,23 @@ def _kernel():
             s = tl.min(tl.where(match, offs, BLOCK_S), axis=0)
             fresh = tl.max((match & filled).to(tl.int32), axis=0) > 0
             hit = found & (fresh == 0)
-            # victim: the smallest slot_used, then the lowest index with it (explicit: no argmin ties)
-            low = tl.min(tl.where(live, used, FREE), axis=0)
-            v = tl.min(tl.where(live & (used == low), offs, BLOCK_S), axis=0)
-            admit = (found == 0) & (low != t)
+            if LFU:
+                # victim among the slots not used by this call: the lowest count, then the least recently
+                # used, then the lowest index; admitted into an empty slot or over a lower count
+                f = tl.atomic_add(freq_ptr + key, 1) + 1
+                cand = live & (used != t)
+                lowf = tl.min(tl.where(cand, sfreq, FREE), axis=0)
+                tie = cand & (sfreq == lowf)
+                lowu = tl.min(tl.where(tie, used, FREE), axis=0)
+                v = tl.min(tl.where(tie & (used == lowu), offs, BLOCK_S), axis=0)
+                vkey = tl.max(tl.where(offs == v, keys, -1), axis=0)
+                admit = (found == 0) & (lowf != FREE) & ((vkey < 0) | (f > lowf))
+                sfreq = tl.where(((hit & (offs == s)) | (admit & (offs == v))), f, sfreq)
+            else:
+                # victim: the smallest slot_used, then the lowest index with it (explicit: no argmin ties)
+                low = tl.min(tl.where(live, used, FREE), axis=0)
+                v = tl.min(tl.where(live & (used == low), offs, BLOCK_S), axis=0)
+                admit = (found == 0) & (low != t)
             tl.store(src_ptr + p, tl.where(hit, s.to(tl.int64), -1 - e))
             tl.store(dst_ptr + p, tl.where(admit, v.to(tl.int64), -1))
             put = admit & (offs == v)
@@ -105,6 +136,8 @@ def _kernel():
             misses += 1 - hit.to(tl.int64)
         tl.store(key_ptr + offs, keys, mask=live)
         tl.store(used_ptr + offs, used, mask=live)
+        if LFU:
+            tl.store(sfreq_ptr + offs, sfreq, mask=live)
         tl.store(tick_ptr, t)
         tl.store(counts_ptr, tl.load(counts_ptr) + hits)
         tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + misses)
@@ -113,22 +146,36 @@ def _kernel():
 
 
 def assign_reference(slot_key: torch.Tensor, slot_used: torch.Tensor, tick: torch.Tensor, counts: torch.Tensor,
-                     base: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     base: int, ids: torch.Tensor, *, freq: torch.Tensor | None = None,
+                     slot_freq: torch.Tensor | None = None, decay: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The PyTorch path the kernel replaces: one :meth:`DeviceSlots.assign` (module docstring) as a
     Python loop over ``.tolist()`` copies (syncs on CUDA), the state written back into the same
-    tensors. ``base = layer * n_experts``; ``ids [T, K]`` integer; returns ``(src [P], dst [P])``
-    int64 on the state's device."""
+    tensors. ``base = layer * n_experts``; ``ids [T, K]`` integer; ``freq`` (per key) and
+    ``slot_freq`` (per slot) given: the ``lfu`` policy, counts halved every ``decay`` calls;
+    returns ``(src [P], dst [P])`` int64 on the state's device."""
     keys, used = slot_key.tolist(), slot_used.tolist()
+    lfu = freq is not None
     t = int(tick.item()) + 1
+    if lfu:
+        sfreq = slot_freq.tolist()
+        if t % decay == 0:
+            freq.copy_(freq // 2)
+            sfreq = [c // 2 for c in sfreq]
+        counts_of = freq.tolist()
     filled = [False] * len(keys)
     where = {k: s for s, k in enumerate(keys) if k >= 0}
     src, dst, hits, misses = [], [], 0, 0
     for e in ids.flatten().tolist():
         key = base + e
         s = where.get(key)
+        if lfu:
+            counts_of[key] += 1
+            f = counts_of[key]
         if s is not None and not filled[s]:
             src.append(s), dst.append(-1)
             used[s] = t
+            if lfu:
+                sfreq[s] = f
             hits += 1
             continue
         misses += 1
@@ -136,17 +183,31 @@ def assign_reference(slot_key: torch.Tensor, slot_used: torch.Tensor, tick: torc
         if s is not None:  # filled earlier in this call: its bytes are not written yet
             dst.append(-1)
             continue
-        low = min(used)
-        v = used.index(low)  # the lowest index with the smallest slot_used
-        if low == t:  # every slot used by this call: not admitted
-            dst.append(-1)
-            continue
+        if lfu:
+            cand = [i for i in range(len(keys)) if used[i] != t]
+            if not cand:
+                dst.append(-1)
+                continue
+            v = min(cand, key=lambda i: (sfreq[i], used[i], i))
+            if keys[v] >= 0 and not f > sfreq[v]:  # a count no higher than the victim's: not admitted
+                dst.append(-1)
+                continue
+            sfreq[v] = f
+        else:
+            low = min(used)
+            v = used.index(low)  # the lowest index with the smallest slot_used
+            if low == t:  # every slot used by this call: not admitted
+                dst.append(-1)
+                continue
         if keys[v] >= 0:
             del where[keys[v]]
         keys[v], used[v], filled[v], where[key] = key, t, True, v
         dst.append(v)
     slot_key.copy_(torch.tensor(keys, dtype=torch.int64))
     slot_used.copy_(torch.tensor(used, dtype=torch.int64))
+    if lfu:
+        slot_freq.copy_(torch.tensor(sfreq, dtype=torch.int64))
+        freq.copy_(torch.tensor(counts_of, dtype=torch.int64))
     tick.fill_(t)
     counts.add_(torch.tensor([hits, misses], dtype=torch.int64).to(counts.device))
     dev = slot_key.device
@@ -172,17 +233,23 @@ class DeviceSlots:
         UsageError: ``n_slots < 1`` or ``n_experts < 1``.
     """
 
-    def __init__(self, n_slots: int, n_experts: int, device: torch.device) -> None:
+    def __init__(self, n_slots: int, n_experts: int, device: torch.device, *, policy: str = "lru",
+                 n_layers: int = 1, decay: int = DECAY_CALLS) -> None:
         problems = [f"{name}={value!r} must be an int >= 1" for name, value in
-                    (("n_slots", n_slots), ("n_experts", n_experts)) if not isinstance(value, int) or value < 1]
+                    (("n_slots", n_slots), ("n_experts", n_experts), ("n_layers", n_layers), ("decay", decay))
+                    if not isinstance(value, int) or value < 1]
+        if policy not in POLICIES:
+            problems.append(f"policy={policy!r}: one of {', '.join(POLICIES)}")
         if problems:
             raise UsageError("DeviceSlots: " + "; ".join(problems))
-        self.n_slots, self.n_experts = n_slots, n_experts
+        self.n_slots, self.n_experts, self.n_layers, self.policy, self.decay = n_slots, n_experts, n_layers, policy, decay
         i64 = {"dtype": torch.int64, "device": device}
         self.slot_key = torch.full((n_slots,), -1, **i64)
         self.slot_used = torch.full((n_slots,), -1, **i64)
         self.tick = torch.zeros(1, **i64)
         self.counts = torch.zeros(2, **i64)
+        self.freq = torch.zeros(n_layers * n_experts if policy == "lfu" else 1, **i64)  # per key (lfu)
+        self.slot_freq = torch.zeros(n_slots, **i64)  # the count of each slot's key when last seen (lfu)
         self.device = self.slot_key.device  # normalised (``cuda`` -> ``cuda:0``)
 
     def assign(self, layer: int, ids: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,21 +278,25 @@ class DeviceSlots:
             problems.append(f"ids {tuple(ids.shape)} {ids.dtype}: want [T, K] int32 or int64")
         if ids.device != self.device:
             problems.append(f"ids on {ids.device}, table on {self.device}: one device")
-        if not isinstance(layer, int) or layer < 0:
-            problems.append(f"layer={layer!r} must be an int >= 0")
+        if not isinstance(layer, int) or layer < 0 or (self.policy == "lfu" and layer >= self.n_layers):
+            problems.append(f"layer={layer!r} must be an int >= 0" + (f" and < n_layers={self.n_layers}"
+                                                                      if self.policy == "lfu" else ""))
         if problems:
             raise KernelError("DeviceSlots.assign: " + "; ".join(problems))
         base = layer * self.n_experts
+        lfu = self.policy == "lfu"
         if not use_triton(ids, backend):
-            return assign_reference(self.slot_key, self.slot_used, self.tick, self.counts, base, ids)
+            return assign_reference(self.slot_key, self.slot_used, self.tick, self.counts, base, ids,
+                                    freq=self.freq if lfu else None, slot_freq=self.slot_freq, decay=self.decay)
         import triton
 
         flat = ids.reshape(-1).contiguous()
         P = flat.numel()
         src = torch.empty(P, dtype=torch.int64, device=self.device)
         dst = torch.empty(P, dtype=torch.int64, device=self.device)
-        _kernel()[(1,)](flat, self.slot_key, self.slot_used, self.tick, self.counts, src, dst, P, base,
-                        self.n_slots, BLOCK_S=triton.next_power_of_2(self.n_slots), FREE=_FREE,
+        _kernel()[(1,)](flat, self.slot_key, self.slot_used, self.freq, self.slot_freq, self.tick, self.counts, src, dst,
+                        P, base, self.n_slots, self.freq.numel(), self.decay,
+                        BLOCK_S=triton.next_power_of_2(self.n_slots), FREE=_FREE, LFU=lfu, BLOCK_K=1024,
                         num_warps=NUM_WARPS)
         return src, dst
 

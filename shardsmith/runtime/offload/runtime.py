@@ -24,8 +24,9 @@ it, FP4 pools of at most ``ExpertMath.batched_pairs`` pairs take the expanded pa
 **In place** (``SHARDSMITH_OFFLOAD_INPLACE``, issue 12: ``auto``, the default, for FP4 banks on CUDA;
 ``kernel`` also for plain banks, and on CPU under Triton's interpreter; ``off``; backend ``gpu`` with
 the kernel and pinned host banks): no host sync at all. A :class:`~.device_slots.DeviceSlots` table on the
-device decides each pair's hit, miss and victim (LRU, the same decisions on every rank: a function
-of the ids alone), and :func:`~shardsmith.runtime.layers.kernels.fused_experts` reads a hit from its
+device decides each pair's hit, miss and victim (``--expert-policy lru``: LRU; ``hot``, the default:
+counted, a miss admitted only over a slot whose expert was used less; the same decisions on every
+rank: a function of the ids alone), and :func:`~shardsmith.runtime.layers.kernels.fused_experts` reads a hit from its
 slot and a miss in place from the pinned host bank (mapped into the device's address space), writing
 the bytes it reads through to the miss's new slot in the same launch. Every layer of a step is device
 work, so the whole step is one captured graph; the link carries each missed expert once (a kernel
@@ -134,7 +135,8 @@ class OffloadRuntime:
             (self.host.pinned or self.device.type != "cuda") and link_cap.cap_gb_per_s() is None
         if self.inplace:
             experts = max(a["gate_up"].shape[0] for a in self.host.layers.values())
-            self.slots = DeviceSlots(self.cache.n_slots, experts, self.device)
+            self.slots = DeviceSlots(self.cache.n_slots, experts, self.device, n_layers=len(self.layers),
+                                     policy="lru" if c.policy == "lru" else "lfu")  # ``hot``: counts decide
             self._tokens_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
         log.info("%s", self.ready_line())
 
@@ -462,7 +464,7 @@ class OffloadRuntime:
             tokens = int(self._tokens_dev.item())
             st = self.slots.stats()
             missed = int(st["misses"]) * self.cache.slot_bytes
-            out |= {"mode": "inplace", "tokens": tokens, "hits": int(st["hits"]), "misses": int(st["misses"]),
+            out |= {"mode": "inplace", "device_policy": self.slots.policy, "tokens": tokens, "hits": int(st["hits"]), "misses": int(st["misses"]),
                     "hit_rate": st["hit_rate"], "bytes_copied": missed,
                     "bytes_per_token": missed / tokens if tokens else 0.0, "h2d_gb_per_s": None}
         if self.probe is not None:
