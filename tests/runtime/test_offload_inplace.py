@@ -84,3 +84,18 @@ def test_inplace_switch_and_the_modes_it_leaves_alone(monkeypatch):
     if triton_available():
         rt, _ = _runtime("fp4", monkeypatch, slots=7, backend="hybrid")
         assert rt.slots is None
+
+
+def test_inplace_blocks_knob(monkeypatch):
+    """``SHARDSMITH_INPLACE_BLOCKS`` (benchmarks): two positive ints, else a UsageError naming it."""
+    from shardsmith.errors import UsageError
+    from shardsmith.runtime.offload.runtime import inplace_blocks
+
+    monkeypatch.delenv("SHARDSMITH_INPLACE_BLOCKS", raising=False)
+    assert inplace_blocks() == (16, 8)
+    monkeypatch.setenv("SHARDSMITH_INPLACE_BLOCKS", "4,64")
+    assert inplace_blocks() == (4, 64)
+    for bad in ("4", "4,0", "a,b"):
+        monkeypatch.setenv("SHARDSMITH_INPLACE_BLOCKS", bad)
+        with pytest.raises(UsageError, match="SHARDSMITH_INPLACE_BLOCKS"):
+            inplace_blocks()

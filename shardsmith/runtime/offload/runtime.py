@@ -74,6 +74,26 @@ from .probe import ProbeResult, run_probe
 
 log = logging.getLogger("shardsmith.runtime.offload")
 INPLACE_ENV = "SHARDSMITH_OFFLOAD_INPLACE"  # auto | kernel | off: misses read in place (module docstring)
+INPLACE_BLOCKS_ENV = "SHARDSMITH_INPLACE_BLOCKS"  # "block_r,block_g" of the in-place pair launches (benchmarks)
+
+
+def inplace_blocks() -> tuple[int, int]:
+    """``(block_r, block_g)`` of the in-place mode's expert launches: ``$SHARDSMITH_INPLACE_BLOCKS``
+    (``"4,64"``: 4 rows per program, 64 scale groups of a row per step) or the pair path's default
+    ``(16, 8)``. A miss is read over the link, where fewer rows per program and longer steps along
+    a row read longer contiguous runs of host memory.
+
+    Raises:
+        UsageError: not two positive ints.
+    """
+    raw = os.environ.get(INPLACE_BLOCKS_ENV, "") or "16,8"
+    try:
+        r, g = (int(v) for v in raw.split(","))
+        if r < 1 or g < 1:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"{INPLACE_BLOCKS_ENV}={raw!r}: expected two positive ints 'block_r,block_g'") from None
+    return r, g
 
 
 class OffloadRuntime:
@@ -134,6 +154,7 @@ class OffloadRuntime:
         self.inplace = self.inplace and self.backend == "gpu" and self.cache is not None and \
             (self.host.pinned or self.device.type != "cuda") and link_cap.cap_gb_per_s() is None
         if self.inplace:
+            self.blocks = inplace_blocks()
             experts = max(a["gate_up"].shape[0] for a in self.host.layers.values())
             self.slots = DeviceSlots(self.cache.n_slots, experts, self.device, n_layers=len(self.layers),
                                      policy="lru" if c.policy == "lru" else "lfu")  # ``hot``: counts decide
@@ -242,7 +263,8 @@ class OffloadRuntime:
             src, dst = self.slots.assign(layer, index[rows])
             outs.append(fused_experts(x[rows], src.view(index[rows].shape), weight[rows], pool["gate_up"], pool["down"],
                                       pool.get("gate_up_scale"), pool.get("down_scale"), limit=self.math.limit,
-                                      backend="triton", host=host, write_slots=dst))
+                                      backend="triton", host=host, write_slots=dst, block_r=self.blocks[0],
+                                      block_g=self.blocks[1]))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _misses(self) -> int:
