@@ -78,9 +78,11 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, monkeypatch
 
 
 def test_inplace_switch_and_the_modes_it_leaves_alone(monkeypatch):
-    """``off`` keeps the copying cache; ``hybrid`` (host compute) and FP8 pools are not in-place modes."""
+    """``off`` (and unset: the default) keeps the copying cache; ``hybrid`` (host compute) is not an in-place mode."""
     rt, _ = _runtime("fp4", monkeypatch, slots=7, inplace="off")
     assert rt.slots is None and not rt.decode_sync_free()
+    rt, _ = _runtime("fp4", monkeypatch, slots=7, inplace="")  # unset: off (until measured faster than copying)
+    assert rt.slots is None
     if triton_available():
         rt, _ = _runtime("fp4", monkeypatch, slots=7, backend="hybrid")
         assert rt.slots is None
