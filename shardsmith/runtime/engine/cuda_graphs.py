@@ -235,8 +235,8 @@ def _sync_free(experts: Any, rows: int) -> bool:
         return True
     if rows == 1:
         return experts.decode_sync_free()
-    check = getattr(experts, "sync_free", None)  # the resident ExpertBank knows per row count
-    return bool(check and check(rows, experts.top_k))
+    check = getattr(experts, "sync_free", None)  # the resident ExpertBank (and in-place offload) know per row count
+    return bool(check and check(rows, getattr(experts, "top_k", None)))
 
 
 class BucketPieces:

@@ -47,6 +47,7 @@ Legend: T = tokens, K = experts per token, P = T*K (token, expert) pairs, n = an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -201,7 +202,8 @@ def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, wei
 
 
 def fused_bank(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor],
-               math: ExpertMath, block: tuple[int, int] | None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               math: ExpertMath, block: tuple[int, int] | None, out_dtype: torch.dtype | None = None,
+               **kernel: Any) -> torch.Tensor:
     """:func:`~shardsmith.runtime.layers.kernels.fused_experts` over a bank's arrays: the one kernel
     call of resident banks (``ids`` = expert ids) and of the slot pool (``ids`` = slot ids).
 
@@ -210,12 +212,15 @@ def fused_bank(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, arrays:
         arrays: ``gate_up``, ``down`` (+ scales) ``[E or S, ...]`` in stored format (FP4, FP8, dense);
         math: the family's :class:`ExpertMath` (its clamp); block: an FP8 bank's scale block;
         out_dtype: of the result (default ``x.dtype``; float32 keeps the float32 sum uncast).
+        kernel: more ``fused_experts`` arguments (the in-place offload's ``host``, ``write_slots``,
+            ``block_r``, ``block_g``).
 
     Raises:
         KernelError: arrays that do not fit (see ``fused_experts``).
     """
     return fused_experts(x, ids, weight, arrays["gate_up"], arrays["down"], arrays.get("gate_up_scale"),
-                         arrays.get("down_scale"), limit=math.limit, block=block, backend="triton", out_dtype=out_dtype)
+                         arrays.get("down_scale"), limit=math.limit, block=block, backend="triton", out_dtype=out_dtype,
+                         **kernel)
 
 
 class RoutedExperts(nn.Module):

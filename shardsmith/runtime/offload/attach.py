@@ -32,13 +32,11 @@ class OffloadedExperts(RoutedExperts):
     def slot_path(self) -> bool:
         return self.runtime.slot_path()
 
-    top_k = 0  # (the decode graphs' batched check reads it; the answer does not depend on it)
-
     def decode_sync_free(self) -> bool:
         """In-place mode (``runtime`` module docstring): device work only, so the whole step is captured."""
         return self.runtime.decode_sync_free()
 
-    def sync_free(self, rows: int, top_k: int) -> bool:
+    def sync_free(self, rows: int, top_k: int | None) -> bool:
         """As :meth:`decode_sync_free` for a batch of ``rows`` rows (chunked past ``FUSED_TOKENS_MAX``)."""
         return self.runtime.decode_sync_free()
 

@@ -62,16 +62,15 @@ import torch.distributed as dist
 from ...errors import UsageError
 from shardsmith.runtime.layers.experts import (FUSED_TOKENS_MAX, ExpertMath, expand_pairs, expert_output, fused_bank,
                                                routed_pairs)
-from shardsmith.runtime.layers.kernels import fused_experts
 from shardsmith.runtime.layers.parallel import kernel_switch
 from shardsmith.runtime.layers.quant import bank_format
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
+from . import link_cap
 from .config import GiB, OffloadConfig
 from .cpu_backend import CpuExperts, HostPartial
 from .device_slots import DeviceSlots
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
 from .host_bank import HostBanks
-from . import link_cap
 from .probe import ProbeResult, run_probe
 
 log = logging.getLogger("shardsmith.runtime.offload")
@@ -119,6 +118,7 @@ class OffloadRuntime:
         self.kernel = False  # slot steps run fused_experts over the pool (use_kernel_)
         self.inplace = False  # misses read in place, decisions on the device (use_kernel_, start)
         self.slots: DeviceSlots | None = None  # the device-side table of the in-place mode (start)
+        self.blocks = (16, 8)  # (block_r, block_g) of the in-place launches (start: inplace_blocks())
         self._tokens_dev: torch.Tensor | None = None  # tokens through layer 0, counted on the device
         self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = 0  # _count
         self.split_steps = 0  # layer steps that ran split (GPU slots + host share)
@@ -172,8 +172,8 @@ class OffloadRuntime:
         self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device) and self.math.plain and \
             all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
         # in place (module docstring; off unless asked for): the pair path's formats; confirmed at start()
-        # (backend, pinning). ``auto`` takes FP4 banks only: a bf16 family (Mixtral: top-2 of 8) batches many tokens onto one
-        # expert, and every pair of a missed expert after the first reads it over the link again
+        # (backend, pinning). ``auto`` takes FP4 banks only: a bf16 family (Mixtral: top-2 of 8) batches many
+        # tokens onto one expert, and every pair of a missed expert after the first reads it over the link again
         fp4 = all(bank_format(a["gate_up"]) == "fp4" for a in self.host.layers.values())
         self.inplace = self.kernel and not fp8 and kernel_switch(INPLACE_ENV, "off", device, default="off") and \
             (fp4 or os.environ.get(INPLACE_ENV) == "kernel")
@@ -258,15 +258,13 @@ class OffloadRuntime:
         if layer == 0:
             self._tokens_dev.add_(x.shape[0])
         host = self.host.layers[self.layers[layer]]
-        pool = self.cache.pool
         outs = []
         for t0 in range(0, x.shape[0], FUSED_TOKENS_MAX):
             rows = slice(t0, t0 + FUSED_TOKENS_MAX)
             src, dst = self.slots.assign(layer, index[rows])
-            outs.append(fused_experts(x[rows], src.view(index[rows].shape), weight[rows], pool["gate_up"], pool["down"],
-                                      pool.get("gate_up_scale"), pool.get("down_scale"), limit=self.math.limit,
-                                      backend="triton", host=host, write_slots=dst, block_r=self.blocks[0],
-                                      block_g=self.blocks[1]))
+            outs.append(fused_bank(x[rows], src.view(index[rows].shape), weight[rows], self.cache.pool, self.math,
+                                   self.block, host=host, write_slots=dst, block_r=self.blocks[0],
+                                   block_g=self.blocks[1]))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _misses(self) -> int:
@@ -488,8 +486,8 @@ class OffloadRuntime:
             tokens = int(self._tokens_dev.item())
             st = self.slots.stats()
             missed = int(st["misses"]) * self.cache.slot_bytes
-            out |= {"mode": "inplace", "device_policy": self.slots.policy, "tokens": tokens, "hits": int(st["hits"]), "misses": int(st["misses"]),
-                    "hit_rate": st["hit_rate"], "bytes_copied": missed,
+            out |= {"mode": "inplace", "device_policy": self.slots.policy, "tokens": tokens, "hits": int(st["hits"]),
+                    "misses": int(st["misses"]), "hit_rate": st["hit_rate"], "bytes_copied": missed,
                     "bytes_per_token": missed / tokens if tokens else 0.0, "h2d_gb_per_s": None}
         if self.probe is not None:
             out["probe_h2d_gb_per_s"] = self.probe.h2d_gb_per_s
