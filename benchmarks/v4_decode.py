@@ -324,7 +324,8 @@ def offloaded_decode(weights, dev: torch.device, a: dict, prompt: torch.Tensor, 
         return {"decode_s": seconds, "tokens": tokens, "decode_tokens_counted": st["tokens"],
                 **{k: st.get(k) for k in ("backend", "slots", "hit_rate", "misses", "slot_bytes", "bytes_copied",
                                           "h2d_gb_per_s", "probe_h2d_gb_per_s", "host_bytes", "host_pinned",
-                                          "decode_steps", "steps_all_hit", "layer_steps", "layer_steps_all_hit")},
+                                          "decode_steps", "steps_all_hit", "layer_steps", "layer_steps_all_hit",
+                                          "mode", "miss", "table_slots", "staging_rows", "device_policy")},
                 # decode steps a device-side slot table would run with no host sync (every layer hit)
                 "steps_all_hit_share": st["steps_all_hit"] / max(1, st["decode_steps"]),
                 "slot_kernel": rt.kernel}

@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# On one H200 (issue 12, session 15): offloaded experts read in place and decided on the device
-# (SHARDSMITH_OFFLOAD_INPLACE=auto, each decode step one CUDA graph) against the copying cache
-# (=off, one host sync per layer), the 4-layer x 256-expert V4-Flash-shaped model at 25% and 6.25%
-# cache, in one call; the GPU tests of the in-place path first (tiny V4 offloaded, graphed, both modes,
-# against the resident bank; hc_pre) while the template checkpoint is written. Carry .inv. ~8 minutes.
-# Logs and results JSONs go to $OUT; COPYING=0 skips the copying cache's run (a short call).
+# On one H200 (issue 12): the offloaded 4-layer x 256-expert V4-Flash-shaped model at 25% and 6.25%
+# cache, three ways of serving a miss in one call:
+#   1. in place, copy (SHARDSMITH_OFFLOAD_INPLACE=auto, SHARDSMITH_OFFLOAD_MISS=copy): decided on the
+#      device, missed experts copied by a kernel into their rows, every step one CUDA graph;
+#   2. in place, read (MISS=read): the expert kernel reads a miss from pinned host memory itself;
+#   3. copying (INPLACE=off): the host table, misses copied after one host sync per layer.
+# The GPU tests of these paths run first while the template checkpoint is written. Carry .inv.
+# About 8-9 minutes. Logs and results JSONs go to $OUT; MODES lists the runs (default "copy read off").
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-host=${SHARDSMITH_HOST:-h200x1ai}
+host=${SHARDSMITH_HOST:-h200x1aj}
 t0=$SECONDS
-TESTS="${TESTS:-tests/runtime/test_fused_slots.py tests/runtime/test_hc_pre.py tests/runtime/test_device_slots.py}" TEST_S=${TEST_S:-150} RUNS=4-256 \
-    CACHE="0.25 0.0625" BENCH_S=${BENCH_S:-160} SHARDSMITH_HOST=$host bash benchmarks/gpu/v4_full_depth.sh
-echo "in place done $((SECONDS - t0)) s"
-[ "${COPYING:-1}" = 1 ] || exit 0
-SHARDSMITH_OFFLOAD_INPLACE=off GEN=0 SKIP_TESTS=1 RUNS=4-256 CACHE="0.25 0.0625" BENCH_S=${BENCH_S:-160} \
-    SHARDSMITH_HOST=$host-off bash benchmarks/gpu/v4_full_depth.sh
-echo "copying done $((SECONDS - t0)) s"
+gen=1 skip=0
+for mode in ${MODES:-copy read off}; do
+    left=$(( ${TOTAL_S:-585} - (SECONDS - t0) ))
+    [ "$left" -gt 60 ] || { echo "no time left for $mode"; break; }
+    inplace=auto miss=$mode name=$host-$mode
+    [ "$mode" = off ] && inplace=off miss=copy
+    [ "$mode" = copy ] && name=$host
+    SHARDSMITH_OFFLOAD_INPLACE=$inplace SHARDSMITH_OFFLOAD_MISS=$miss GEN=$gen SKIP_TESTS=$skip RUNS=4-256 \
+        TESTS="${TESTS:-tests/runtime/test_miss_copy.py tests/runtime/test_device_slots.py tests/runtime/test_fused_slots.py tests/runtime/test_hc_pre.py}" \
+        TEST_S=${TEST_S:-130} CACHE="0.25 0.0625" BENCH_S=$(( left < ${BENCH_S:-150} ? left - 5 : ${BENCH_S:-150} )) \
+        SHARDSMITH_HOST=$name bash benchmarks/gpu/v4_full_depth.sh
+    echo "$mode done $((SECONDS - t0)) s"
+    gen=0 skip=1
+done

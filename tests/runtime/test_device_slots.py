@@ -2,12 +2,13 @@
 
 CPU: the kernel under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton loads) and the
 Python reference, fed the same random sequence of 30 calls (3 layers of 16 experts, T in {1, 3, 16},
-K = 6 or 2, int32 and int64 ids with duplicates, S = 1, 5, 37 slots): the same ``src``, ``dst`` and
-state (``slot_key``, ``slot_used``, ``tick``, ``counts``) after every call. Hand-checked cases on both
-backends: LRU eviction order, a duplicate expert within one call (read from host, not admitted twice),
-more distinct experts than slots (later misses not admitted), a repeated call all hits, keys per
-layer, an empty call, counts and stats, the state never reallocated. Bad inputs raise naming the
-problem. With CUDA the same tests run on the GPU (the compiled kernel); ``-m gpu`` adds a captured
+K = 6 or 2, int32 and int64 ids with duplicates, S = 1, 5, 37 slots, with and without staging rows):
+the same ``src``, ``dst``, ``read`` and state (``slot_key``, ``slot_used``, ``tick``, ``counts``)
+after every call. Hand-checked cases on both backends: LRU eviction order, a duplicate expert within
+one call (read from host, not admitted twice), more distinct experts than slots (later misses not
+admitted), staging rows for misses not admitted, a repeated call all hits, keys per layer, an empty
+call, counts and stats, the state never reallocated. Bad inputs raise naming the problem. With CUDA
+the same tests run on the GPU (the compiled kernel); ``-m gpu`` adds a captured
 call replayed on new ids: the same results and state as the reference.
 """
 
@@ -49,22 +50,42 @@ def _calls(seed: int, n: int = 30) -> list[tuple[int, torch.Tensor]]:
     return calls
 
 
+def _check_read(slots: DeviceSlots, src: torch.Tensor, dst: torch.Tensor, read: torch.Tensor) -> None:
+    """``read`` against ``src``/``dst`` (module docstring): a hit reads its slot; a copied pair reads
+    its ``dst``; a row is copied once per call and every pair reading it has its expert; a pair left
+    on the host reads the host copy and only when the staging rows ran out."""
+    S, rows = slots.n_slots, {}
+    for s, d, r in zip(src.tolist(), dst.tolist(), read.tolist()):
+        if s >= 0:
+            assert r == s and d == -1
+        elif d >= 0:
+            assert r == d and d not in rows
+            rows[d] = s
+        elif r < 0:
+            assert r == s and sum(d >= S for d in dst.tolist()) == slots.n_stage
+    for s, r in zip(src.tolist(), read.tolist()):
+        if s < 0 and r >= 0:
+            assert rows.get(r, s) == s  # a row filled in this call holds this pair's expert
+
+
 @needs_triton
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("S", [1, 5, 37])
-def test_kernel_matches_reference(S: int, policy: str) -> None:
-    """30 calls (``lfu``: counts halved every 7 calls, so the decay runs 4 times): the same src, dst and
-    state after every call."""
-    kw = {"policy": policy, "n_layers": 3, "decay": 7}
+@pytest.mark.parametrize(("S", "n_stage"), [(1, 2), (5, 0), (5, 3), (37, 0)])
+def test_kernel_matches_reference(S: int, policy: str, n_stage: int) -> None:
+    """30 calls (``lfu``: counts halved every 7 calls, so the decay runs 4 times): the same src, dst,
+    read and state after every call, with and without staging rows."""
+    kw = {"policy": policy, "n_layers": 3, "decay": 7, "n_stage": n_stage}
     kern, ref = DeviceSlots(S, E, DEV, **kw), DeviceSlots(S, E, DEV, **kw)
     seen = {"hit": 0, "fill": 0, "host": 0}
     for i, (layer, ids) in enumerate(_calls(seed=S)):
         ids = ids.to(DEV)
-        src_k, dst_k = kern.assign(layer, ids, backend="triton")
-        src_r, dst_r = ref.assign(layer, ids, backend="reference")
-        assert src_k.dtype == dst_k.dtype == torch.int64 and src_k.shape == (ids.numel(),), i
+        src_k, dst_k, read_k = kern.assign_rows(layer, ids, backend="triton")
+        src_r, dst_r, read_r = ref.assign_rows(layer, ids, backend="reference")
+        assert src_k.dtype == dst_k.dtype == read_k.dtype == torch.int64 and src_k.shape == (ids.numel(),), i
         assert src_k.tolist() == src_r.tolist(), f"call {i}: src"
         assert dst_k.tolist() == dst_r.tolist(), f"call {i}: dst"
+        assert read_k.tolist() == read_r.tolist(), f"call {i}: read"
+        _check_read(ref, src_r, dst_r, read_r)
         assert _state(kern) == _state(ref), f"call {i}: state"
         assert kern.freq.tolist() == ref.freq.tolist() and kern.slot_freq.tolist() == ref.slot_freq.tolist(), i
         seen["hit"] += int((src_r >= 0).sum())
@@ -74,6 +95,25 @@ def test_kernel_matches_reference(S: int, policy: str) -> None:
     assert kern.stats()["hits"] + kern.stats()["misses"] == total
     assert kern.tick.item() == 30
     assert all(seen.values()) or (S == 1 and policy == "lfu" and seen["fill"] and seen["host"]), seen  # every branch ran
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_staging_rows_copy_misses_not_admitted(backend: str) -> None:
+    """``n_stage``: a miss that no slot takes is copied to a staging row after the slots (the first
+    ``n_stage`` such experts of a call, a repeat reads the same row), the rest read the host; a pair of
+    an expert filled earlier in the call reads that slot; staging is forgotten at the next call."""
+    s = DeviceSlots(2, E, DEV, n_stage=2)
+    src, dst, read = s.assign_rows(0, torch.tensor([[1, 2, 3], [1, 4, 3], [5, 3, 2]]).to(DEV), backend=backend)
+    # 1 and 2 fill slots 0 and 1; 3 and 4 find every slot used: staged in rows 2 and 3; 5 is left on the host
+    assert src.tolist() == [-2, -3, -4, -2, -5, -4, -6, -4, -3]
+    assert dst.tolist() == [0, 1, 2, -1, 3, -1, -1, -1, -1]
+    assert read.tolist() == [0, 1, 2, 0, 3, 2, -6, 2, 1]
+    assert s.slot_key.tolist() == [1, 2] and s.counts.tolist() == [0, 9]
+    src, dst, read = s.assign_rows(0, torch.tensor([[3, 1, 4]]).to(DEV), backend=backend)
+    # next call: 3 evicts 1 (both slots last used at tick 1: the lower index), 1 evicts 2, 4 is staged again
+    assert src.tolist() == [-4, -2, -5] and dst.tolist() == [0, 1, 2] and read.tolist() == [0, 1, 2]
+    with pytest.raises(UsageError, match=r"n_stage=-1 must be an int >= 0"):
+        DeviceSlots(2, E, DEV, n_stage=-1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

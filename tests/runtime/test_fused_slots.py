@@ -264,16 +264,19 @@ def _decode_v4(path, offload, prompt: list[int]) -> tuple[list[torch.Tensor], li
     return logits, tokens, stats
 
 
-@pytest.mark.parametrize("inplace", ["auto", "off"])
+@pytest.mark.parametrize("inplace", ["auto", "auto:read", "off"])
 def test_gpu_tiny_v4_offloaded_through_the_kernel_equals_resident(tiny_v4_packs, monkeypatch, inplace):
     """The tiny DeepSeek-V4 with the kernel on (the CUDA default), graphed: offloaded to a 12-slot
     cache (misses, then hits), its decode steps' experts run fused_experts over the pool, and give
-    the resident kernel bank's logits bit for bit and its greedy tokens; ``auto``: misses read in
-    place from the pinned host banks, decided on the device, each step one graph; ``off``: copied."""
+    the resident kernel bank's logits bit for bit and its greedy tokens; ``auto``: misses decided on
+    the device and copied from the pinned host banks by a kernel (``auto:read``: read in place by
+    the expert kernel), each step one graph; ``off``: the host table, copied after a sync."""
     from shardsmith.runtime.offload import OffloadConfig
 
+    inplace, _, miss = inplace.partition(":")
     monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "auto")
     monkeypatch.setenv("SHARDSMITH_OFFLOAD_INPLACE", inplace)
+    monkeypatch.setenv("SHARDSMITH_OFFLOAD_MISS", miss or "copy")
     prompt = [3, 17, 42, 99, 5, 8, 61, 7, 200, 13]
     want, want_tokens, _ = _decode_v4(tiny_v4_packs[1], None, prompt)
     got, tokens, stats = _decode_v4(tiny_v4_packs[1], OffloadConfig(backend="gpu", cache_slots=12, probe=False,
@@ -281,6 +284,7 @@ def test_gpu_tiny_v4_offloaded_through_the_kernel_equals_resident(tiny_v4_packs,
     print(f"\ntiny V4 offloaded through the kernel: {stats}")
     assert stats["kernel"] and stats["misses"] > 0 and stats["hits"] > 0
     assert (stats.get("mode") == "inplace") is (inplace == "auto")
+    assert stats.get("miss", "copy") == (miss or "copy")
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
     assert tokens == want_tokens

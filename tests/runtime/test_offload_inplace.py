@@ -6,8 +6,9 @@ mapped pinned memory on a GPU. Checked: the offload runtime in the in-place mode
 (``SHARDSMITH_OFFLOAD_INPLACE=kernel``) gives the resident kernel bank's bits for every call of a
 sequence of decode batches over two layers (misses read from the host bank, hits from slots, LRU
 evictions, a 20-token batch run in chunks), the slots it filled hold exactly the host experts its
-device table says they hold, and the device counters add up (pairs, bytes over the link); the switch
-and the modes it refuses. GPU checks: ``test_fused_slots.py -m gpu`` (the tiny DeepSeek-V4 offloaded
+device table says they hold, and the device counters add up (pairs, bytes over the link), both for
+misses copied into pool rows first (``SHARDSMITH_OFFLOAD_MISS=copy``, the default) and read in place
+by the expert kernel (``read``); the switches and the modes they refuse. GPU checks: ``test_fused_slots.py -m gpu`` (the tiny DeepSeek-V4 offloaded
 and graphed, in place and copied, against the resident bank).
 """
 
@@ -31,32 +32,39 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not 
 V4 = ExpertMath(limit=3.0, accumulate_f32=True, batched_pairs=16)
 
 
-def _runtime(fmt: str, monkeypatch, *, slots: int, inplace: str = "kernel", backend: str = "gpu", experts: int = 12):
+def _runtime(fmt: str, monkeypatch, *, slots: int, inplace: str = "kernel", backend: str = "gpu", experts: int = 12,
+             miss: str = "copy", top_k: int | None = None):
     """An offload runtime over two layers of random host banks (D 64, I_r 32), and those banks."""
     from shardsmith.runtime.offload import OffloadConfig, OffloadRuntime
     from shardsmith.runtime.offload.host_bank import HostBanks
 
     monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel")
     monkeypatch.setenv("SHARDSMITH_OFFLOAD_INPLACE", inplace)
+    monkeypatch.setenv("SHARDSMITH_OFFLOAD_MISS", miss)
     gen = torch.Generator(device=DEV).manual_seed(11)
     banks = {f"layers.{i}": random_bank(experts, 64, 32, fp4=fmt == "fp4", gen=gen) for i in range(2)}
     host = HostBanks({k: {n: t.cpu() for n, t in b.items()} for k, b in banks.items()})
     rt = OffloadRuntime(OffloadConfig(backend=backend, cache_slots=slots, probe=False, pin="off"), host, list(banks),
-                        device=torch.device(DEV), dtype=torch.bfloat16, dim=64, block=None, math=V4)
+                        device=torch.device(DEV), dtype=torch.bfloat16, dim=64, block=None, math=V4,
+                        top_k=top_k)
     rt.use_kernel_(torch.device(DEV))
     rt.start()
     return rt, banks
 
 
 @needs_triton
+@pytest.mark.parametrize("miss", ["copy", "read"])
 @pytest.mark.parametrize("fmt", ["fp4", "bf16"])
-def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, monkeypatch):
+def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monkeypatch):
     """Six calls (1, 1, 1, 3, 20, 1 tokens; bf16: four; K = 4 of 12 experts; 7 slots for 24 keys, so they evict):
     each the resident kernel's bits on the pair path (the in-place mode's; bf16 past 4 tokens would
-    take the grouped path resident), each filled slot the host expert its device key names."""
+    take the grouped path resident), each filled slot the host expert its device key names. ``copy``:
+    8 pool rows, 4 of them staging (top-k 4): a one-token call reads every pair from the pool, larger
+    ones read the misses past the staging rows from the host."""
     monkeypatch.setenv("SHARDSMITH_MOE_PATH", "pairs")
-    rt, banks = _runtime(fmt, monkeypatch, slots=7)
+    rt, banks = _runtime(fmt, monkeypatch, slots=7 if miss == "read" else 8, miss=miss, top_k=4)
     assert rt.slots is not None and rt.decode_sync_free()
+    assert (rt.slots.n_slots, rt.slots.n_stage) == ((7, 0) if miss == "read" else (4, 4))
     gen = torch.Generator(device=DEV).manual_seed(3)
     pairs = 0
     calls = ((0, 1), (1, 1), (0, 1), (0, 3), (1, 20), (1, 1)) if fmt == "fp4" else ((0, 1), (1, 3), (1, 17), (0, 1))
@@ -72,7 +80,7 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, monkeypatch
                 for name, pool in rt.cache.pool.items():
                     assert torch.equal(pool[s], held[name][key % 12]), (s, key, name)
     st = rt.stats()
-    assert st["mode"] == "inplace" and st["hits"] + st["misses"] == pairs and st["hits"] > 0 and st["misses"] > 0
+    assert st["mode"] == "inplace" and st["miss"] == miss and st["hits"] + st["misses"] == pairs and st["hits"] > 0 and st["misses"] > 0
     assert st["bytes_copied"] == st["misses"] * st["slot_bytes"] and st["tokens"] == sum(t for layer, t in calls if layer == 0)
     rt.reset_stats()
     assert rt.stats()["hits"] == rt.stats()["misses"] == rt.stats()["tokens"] == 0
@@ -101,3 +109,17 @@ def test_inplace_blocks_knob(monkeypatch):
         monkeypatch.setenv("SHARDSMITH_INPLACE_BLOCKS", bad)
         with pytest.raises(UsageError, match="SHARDSMITH_INPLACE_BLOCKS"):
             inplace_blocks()
+
+
+def test_miss_mode_knob(monkeypatch):
+    """``SHARDSMITH_OFFLOAD_MISS``: ``copy`` (unset) or ``read``, else a UsageError naming it and the choices."""
+    from shardsmith.errors import UsageError
+    from shardsmith.runtime.offload.runtime import miss_mode
+
+    monkeypatch.delenv("SHARDSMITH_OFFLOAD_MISS", raising=False)
+    assert miss_mode() == "copy"
+    monkeypatch.setenv("SHARDSMITH_OFFLOAD_MISS", "read")
+    assert miss_mode() == "read"
+    monkeypatch.setenv("SHARDSMITH_OFFLOAD_MISS", "dma")
+    with pytest.raises(UsageError, match=r"SHARDSMITH_OFFLOAD_MISS='dma': expected one of copy, read"):
+        miss_mode()

@@ -96,7 +96,8 @@ def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: 
         host.close()
         raise UsageError(f"expert offload: model MoE layers and host banks differ: {missing}")
     rt = OffloadRuntime(config, host, layers, device=torch.device(device), dtype=dtype,
-                        dim=next(iter(host.layers.values()))["down"].shape[1], block=first.block, math=first.math)
+                        dim=next(iter(host.layers.values()))["down"].shape[1], block=first.block, math=first.math,
+                        top_k=getattr(first, "top_k", None))
     for i, layer in enumerate(layers):
         name = keys[layer]
         owner, _, leaf = name.rpartition(".")

@@ -30,6 +30,14 @@ One :meth:`~DeviceSlots.assign` call on ``ids [T, K]`` of one layer:
      expert is not admitted: ``dst = -1``. Else ``slot_key[v] = key``, ``slot_used[v] = t``, ``v``
      is marked filled and ``dst = v`` (the caller copies the expert's bytes into slot ``v``).
 
+   ``read`` is where pair p's expert sits once the call's copies are done: the hit's or the filled
+   slot (also for the later pairs of an expert filled in this call). The copy mode of the runtime
+   (``n_stage`` > 0: that many staging rows ``S .. S + n_stage - 1`` after the slots, outside the
+   table) also copies a miss that is not admitted: the first ``n_stage`` such experts of a call get
+   ``dst = read = S + j`` in turn (later pairs of a staged expert read its row), the rest ``read =
+   -1 - expert`` (host). A staged expert is not admitted later in the same call (one copy per call)
+   and is forgotten at the next call.
+
    With ``policy="lfu"`` (what the runtime's default ``hot`` cache policy runs) every pair first adds 1
    to its key's count (``freq [n_layers * n_experts]``, all halved every ``decay`` calls) and a slot
    remembers its key's count (``slot_freq``); the victim is the slot not used by this call with the
@@ -80,9 +88,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _assign_kernel(ids_ptr, key_ptr, used_ptr, freq_ptr, sfreq_ptr, tick_ptr, counts_ptr, src_ptr, dst_ptr, P,
-                       base, S, n_keys, decay, BLOCK_S: tl.constexpr, FREE: tl.constexpr, LFU: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+    def _assign_kernel(ids_ptr, key_ptr, used_ptr, freq_ptr, sfreq_ptr, tick_ptr, counts_ptr, src_ptr, dst_ptr,
+                       read_ptr, P, base, S, n_keys, decay, n_stage, BLOCK_S: tl.constexpr, FREE: tl.constexpr,
+                       LFU: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
         # One program: the S-slot state lives in registers ([BLOCK_S] tensors) for the whole call, so
         # a pair sees the updates of the pairs before it with no global-memory round trip.
         offs = tl.arange(0, BLOCK_S)
@@ -99,6 +107,9 @@ def _kernel():
                 sfreq = sfreq // 2
                 tl.debug_barrier()  # the halved counts before this program's atomics read them
         filled = offs < 0  # filled in this call: none yet
+        stage = tl.arange(0, BLOCK_G)
+        stage_keys = tl.full((BLOCK_G,), -1, tl.int64)  # the keys staged in this call, in staging-row order
+        staged = t * 0
         hits = t * 0
         misses = t * 0
         for p in range(P):
@@ -109,6 +120,8 @@ def _kernel():
             s = tl.min(tl.where(match, offs, BLOCK_S), axis=0)
             fresh = tl.max((match & filled).to(tl.int32), axis=0) > 0
             hit = found & (fresh == 0)
+            sm = (stage_keys == key) & (stage < staged)  # staged earlier in this call (never also admitted)
+            in_stage = tl.max(sm.to(tl.int32), axis=0) > 0
             if LFU:
                 # victim among the slots not used by this call: the lowest count, then the least recently
                 # used, then the lowest index; admitted into an empty slot or over a lower count
@@ -119,15 +132,24 @@ def _kernel():
                 lowu = tl.min(tl.where(tie, used, FREE), axis=0)
                 v = tl.min(tl.where(tie & (used == lowu), offs, BLOCK_S), axis=0)
                 vkey = tl.max(tl.where(offs == v, keys, -1), axis=0)
-                admit = (found == 0) & (lowf != FREE) & ((vkey < 0) | (f > lowf))
+                admit = (found == 0) & (in_stage == 0) & (lowf != FREE) & ((vkey < 0) | (f > lowf))
                 sfreq = tl.where(((hit & (offs == s)) | (admit & (offs == v))), f, sfreq)
             else:
                 # victim: the smallest slot_used, then the lowest index with it (explicit: no argmin ties)
                 low = tl.min(tl.where(live, used, FREE), axis=0)
                 v = tl.min(tl.where(live & (used == low), offs, BLOCK_S), axis=0)
-                admit = (found == 0) & (low != t)
+                admit = (found == 0) & (in_stage == 0) & (low != t)
+            # a miss neither admitted nor filled earlier in this call: a staging row (the first use of the
+            # key in this call, while rows last), the row of that first use, else the host
+            srow = S + tl.min(tl.where(sm, stage, BLOCK_G), axis=0).to(tl.int64)
+            new_stage = (found == 0) & (admit == 0) & (in_stage == 0) & (staged < n_stage)
+            stage_keys = tl.where(new_stage & (stage == staged), key, stage_keys)
+            read = tl.where(found, s.to(tl.int64), tl.where(admit, v.to(tl.int64), -1 - e))
+            read = tl.where(in_stage & (found == 0), srow, tl.where(new_stage, S + staged, read))
             tl.store(src_ptr + p, tl.where(hit, s.to(tl.int64), -1 - e))
-            tl.store(dst_ptr + p, tl.where(admit, v.to(tl.int64), -1))
+            tl.store(dst_ptr + p, tl.where(admit, v.to(tl.int64), tl.where(new_stage, S + staged, -1)))
+            tl.store(read_ptr + p, read)
+            staged += new_stage.to(tl.int64)
             put = admit & (offs == v)
             used = tl.where((hit & (offs == s)) | put, t, used)
             keys = tl.where(put, key, keys)
@@ -147,12 +169,14 @@ def _kernel():
 
 def assign_reference(slot_key: torch.Tensor, slot_used: torch.Tensor, tick: torch.Tensor, counts: torch.Tensor,
                      base: int, ids: torch.Tensor, *, freq: torch.Tensor | None = None,
-                     slot_freq: torch.Tensor | None = None, decay: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The PyTorch path the kernel replaces: one :meth:`DeviceSlots.assign` (module docstring) as a
-    Python loop over ``.tolist()`` copies (syncs on CUDA), the state written back into the same
+                     slot_freq: torch.Tensor | None = None, decay: int = 0,
+                     n_stage: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The PyTorch path the kernel replaces: one :meth:`DeviceSlots.assign_rows` (module docstring) as
+    a Python loop over ``.tolist()`` copies (syncs on CUDA), the state written back into the same
     tensors. ``base = layer * n_experts``; ``ids [T, K]`` integer; ``freq`` (per key) and
     ``slot_freq`` (per slot) given: the ``lfu`` policy, counts halved every ``decay`` calls;
-    returns ``(src [P], dst [P])`` int64 on the state's device."""
+    ``n_stage`` staging rows after the ``S`` slots; returns ``(src [P], dst [P], read [P])`` int64 on
+    the state's device."""
     keys, used = slot_key.tolist(), slot_used.tolist()
     lfu = freq is not None
     t = int(tick.item()) + 1
@@ -162,9 +186,21 @@ def assign_reference(slot_key: torch.Tensor, slot_used: torch.Tensor, tick: torc
             freq.copy_(freq // 2)
             sfreq = [c // 2 for c in sfreq]
         counts_of = freq.tolist()
-    filled = [False] * len(keys)
+    S = len(keys)
+    filled = [False] * S
     where = {k: s for s, k in enumerate(keys) if k >= 0}
-    src, dst, hits, misses = [], [], 0, 0
+    staged: dict[int, int] = {}  # key -> staging row, this call
+    src, dst, read, hits, misses = [], [], [], 0, 0
+
+    def not_admitted(e: int, key: int) -> None:
+        if key in staged:
+            dst.append(-1), read.append(staged[key])
+        elif len(staged) < n_stage:
+            staged[key] = S + len(staged)
+            dst.append(staged[key]), read.append(staged[key])
+        else:
+            dst.append(-1), read.append(-1 - e)
+
     for e in ids.flatten().tolist():
         key = base + e
         s = where.get(key)
@@ -172,7 +208,7 @@ def assign_reference(slot_key: torch.Tensor, slot_used: torch.Tensor, tick: torc
             counts_of[key] += 1
             f = counts_of[key]
         if s is not None and not filled[s]:
-            src.append(s), dst.append(-1)
+            src.append(s), dst.append(-1), read.append(s)
             used[s] = t
             if lfu:
                 sfreq[s] = f
@@ -181,28 +217,28 @@ def assign_reference(slot_key: torch.Tensor, slot_used: torch.Tensor, tick: torc
         misses += 1
         src.append(-1 - e)
         if s is not None:  # filled earlier in this call: its bytes are not written yet
-            dst.append(-1)
+            dst.append(-1), read.append(s)
+            continue
+        if key in staged:  # staged earlier in this call: read there, never also admitted
+            not_admitted(e, key)
             continue
         if lfu:
-            cand = [i for i in range(len(keys)) if used[i] != t]
-            if not cand:
-                dst.append(-1)
-                continue
-            v = min(cand, key=lambda i: (sfreq[i], used[i], i))
-            if keys[v] >= 0 and not f > sfreq[v]:  # a count no higher than the victim's: not admitted
-                dst.append(-1)
+            cand = [i for i in range(S) if used[i] != t]
+            v = min(cand, key=lambda i: (sfreq[i], used[i], i)) if cand else None
+            if v is None or (keys[v] >= 0 and not f > sfreq[v]):  # no victim, or a count no higher: not admitted
+                not_admitted(e, key)
                 continue
             sfreq[v] = f
         else:
             low = min(used)
             v = used.index(low)  # the lowest index with the smallest slot_used
             if low == t:  # every slot used by this call: not admitted
-                dst.append(-1)
+                not_admitted(e, key)
                 continue
         if keys[v] >= 0:
             del where[keys[v]]
         keys[v], used[v], filled[v], where[key] = key, t, True, v
-        dst.append(v)
+        dst.append(v), read.append(v)
     slot_key.copy_(torch.tensor(keys, dtype=torch.int64))
     slot_used.copy_(torch.tensor(used, dtype=torch.int64))
     if lfu:
@@ -211,7 +247,7 @@ def assign_reference(slot_key: torch.Tensor, slot_used: torch.Tensor, tick: torc
     tick.fill_(t)
     counts.add_(torch.tensor([hits, misses], dtype=torch.int64).to(counts.device))
     dev = slot_key.device
-    return torch.tensor(src, dtype=torch.int64, device=dev), torch.tensor(dst, dtype=torch.int64, device=dev)
+    return tuple(torch.tensor(v, dtype=torch.int64, device=dev) for v in (src, dst, read))
 
 
 class DeviceSlots:
@@ -221,6 +257,7 @@ class DeviceSlots:
     Attributes:
         n_slots: S, the slots of the cache's pool (all layers share them).
         n_experts: routed experts per layer (ids are ``0 .. n_experts-1``).
+        n_stage: staging rows after the slots (pool rows ``S .. S + n_stage - 1``; module docstring).
         slot_key: ``[S]`` int64, the key held by each slot, -1 empty.
         slot_used: ``[S]`` int64, the tick of the last call that used each slot, -1 never.
         tick: ``[1]`` int64, :meth:`assign` calls so far.
@@ -230,19 +267,22 @@ class DeviceSlots:
     their addresses).
 
     Raises:
-        UsageError: ``n_slots < 1`` or ``n_experts < 1``.
+        UsageError: ``n_slots < 1``, ``n_experts < 1``, ``n_stage < 0`` or an unknown policy.
     """
 
     def __init__(self, n_slots: int, n_experts: int, device: torch.device, *, policy: str = "lru",
-                 n_layers: int = 1, decay: int = DECAY_CALLS) -> None:
+                 n_layers: int = 1, decay: int = DECAY_CALLS, n_stage: int = 0) -> None:
         problems = [f"{name}={value!r} must be an int >= 1" for name, value in
                     (("n_slots", n_slots), ("n_experts", n_experts), ("n_layers", n_layers), ("decay", decay))
                     if not isinstance(value, int) or value < 1]
+        if not isinstance(n_stage, int) or n_stage < 0:
+            problems.append(f"n_stage={n_stage!r} must be an int >= 0")
         if policy not in POLICIES:
             problems.append(f"policy={policy!r}: one of {', '.join(POLICIES)}")
         if problems:
             raise UsageError("DeviceSlots: " + "; ".join(problems))
         self.n_slots, self.n_experts, self.n_layers, self.policy, self.decay = n_slots, n_experts, n_layers, policy, decay
+        self.n_stage = n_stage
         i64 = {"dtype": torch.int64, "device": device}
         self.slot_key = torch.full((n_slots,), -1, **i64)
         self.slot_used = torch.full((n_slots,), -1, **i64)
@@ -253,6 +293,12 @@ class DeviceSlots:
         self.device = self.slot_key.device  # normalised (``cuda`` -> ``cuda:0``)
 
     def assign(self, layer: int, ids: torch.Tensor, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(src, dst)`` of :meth:`assign_rows`: the in-place read mode's call (a miss's pair reads
+        the host copy; ``dst`` is where it writes through)."""
+        return self.assign_rows(layer, ids, backend=backend)[:2]
+
+    def assign_rows(self, layer: int, ids: torch.Tensor, *,
+                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Look up, admit and evict the routed experts ``ids`` of ``layer`` for one decode step.
 
         Args:
@@ -264,10 +310,12 @@ class DeviceSlots:
                 ``triton`` or ``reference``.
 
         Returns:
-            ``(src [P], dst [P])`` int64, fresh tensors, P = T * K token-major: ``src`` the slot to
-            read pair p from, or ``-1 - expert`` to read the host copy; ``dst`` the slot to copy the
-            expert into (a miss admitted), else -1. The state tensors are updated in place. The
-            Triton path does not sync and its launch is fixed by (T, K, S): capturable in a CUDA graph.
+            ``(src [P], dst [P], read [P])`` int64, fresh tensors, P = T * K token-major: ``src`` the
+            slot to read pair p from, or ``-1 - expert`` to read the host copy; ``dst`` the row to copy
+            the expert into (a miss admitted to a slot, or staged: module docstring), else -1;
+            ``read`` the row holding pair p's expert once every ``dst`` copy of the call is done, or
+            ``-1 - expert`` (host). The state tensors are updated in place. The Triton path does not
+            sync and its launch is fixed by (T, K, S): capturable in a CUDA graph.
 
         Raises:
             KernelError: ``ids`` is not 2-D int32 / int64, ``ids`` is on another device than the
@@ -287,18 +335,18 @@ class DeviceSlots:
         lfu = self.policy == "lfu"
         if not use_triton(ids, backend):
             return assign_reference(self.slot_key, self.slot_used, self.tick, self.counts, base, ids,
-                                    freq=self.freq if lfu else None, slot_freq=self.slot_freq, decay=self.decay)
+                                    freq=self.freq if lfu else None, slot_freq=self.slot_freq, decay=self.decay,
+                                    n_stage=self.n_stage)
         import triton
 
         flat = ids.reshape(-1).contiguous()
         P = flat.numel()
-        src = torch.empty(P, dtype=torch.int64, device=self.device)
-        dst = torch.empty(P, dtype=torch.int64, device=self.device)
+        src, dst, read = (torch.empty(P, dtype=torch.int64, device=self.device) for _ in range(3))
         _kernel()[(1,)](flat, self.slot_key, self.slot_used, self.freq, self.slot_freq, self.tick, self.counts, src, dst,
-                        P, base, self.n_slots, self.freq.numel(), self.decay,
+                        read, P, base, self.n_slots, self.freq.numel(), self.decay, self.n_stage,
                         BLOCK_S=triton.next_power_of_2(self.n_slots), FREE=_FREE, LFU=lfu, BLOCK_K=1024,
-                        num_warps=NUM_WARPS)
-        return src, dst
+                        BLOCK_G=triton.next_power_of_2(max(self.n_stage, 1)), num_warps=NUM_WARPS)
+        return src, dst, read
 
     def reset_counts(self) -> None:
         """Set the hit and miss counts to 0 (in place; the slots are kept)."""

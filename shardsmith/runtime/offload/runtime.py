@@ -28,14 +28,22 @@ table's ``hot`` kept 0.71, and the counted policy below is not yet measured ther
 with the kernel and pinned host banks): no host sync at all. A :class:`~.device_slots.DeviceSlots` table on the
 device decides each pair's hit, miss and victim (``--expert-policy lru``: LRU; ``hot``, the default:
 counted, a miss admitted only over a slot whose expert was used less; the same decisions on every
-rank: a function of the ids alone), and :func:`~shardsmith.runtime.layers.kernels.fused_experts` reads a hit from its
-slot and a miss in place from the pinned host bank (mapped into the device's address space), writing
-the bytes it reads through to the miss's new slot in the same launch. Every layer of a step is device
-work, so the whole step is one captured graph; the link carries each missed expert once (a kernel
-read of pinned memory ran at 91-93% of the copy rate on an H200, ``zero_copy-20261203-h200x1ah.json``).
-Steps of more than ``FUSED_TOKENS_MAX`` tokens run in chunks of that many. A missed expert that
-several pairs of one chunk select is read over the link by each of them (its slot is written during
-that launch): batches pay for duplicates, one-token steps never do. The cache's host-side
+rank: a function of the ids alone), and a miss is served from the pinned host bank (mapped into the device's address
+space) in one of two ways (``SHARDSMITH_OFFLOAD_MISS``):
+
+- ``copy`` (the default): :func:`~.miss_copy.copy_misses`, one launch, copies each missed expert into
+  its new slot, or into one of ``top_k`` staging rows at the pool's end when the policy does not admit
+  it, in 16 KiB runs; then :func:`~shardsmith.runtime.layers.kernels.fused_experts` reads every pair
+  from the pool, the resident bank's call. A miss repeated within a step is copied once.
+- ``read``: ``fused_experts`` reads a miss in place from the host bank and writes the bytes it reads
+  through to the miss's new slot in the same launch (no separate copy, but its reads are 128 B runs
+  that ran at 34-35 GB/s where the copy kernel's reach 48-50). A missed expert that several pairs of
+  one chunk select is read over the link by each of them: batches pay for duplicates.
+
+Every layer of a step is device work, so the whole step is one captured graph; the link carries each
+missed expert once per step (a kernel read of pinned memory ran at 91-93% of the copy rate on an
+H200, ``zero_copy-20261203-h200x1ah.json``). Steps of more than ``FUSED_TOKENS_MAX`` tokens run in
+chunks of that many; a chunk's misses past the staging rows are read in place as in ``read``. The cache's host-side
 table and copy stream are not used; counters live on the device (:meth:`stats` reads them).
 
 A decode-sized ``hybrid`` step with some experts on the host and the rest in slots is a *split
@@ -71,11 +79,27 @@ from .cpu_backend import CpuExperts, HostPartial
 from .device_slots import DeviceSlots
 from .expert_cache import ExpertCache, slot_nbytes, slot_signature
 from .host_bank import HostBanks
+from .miss_copy import copy_misses
 from .probe import ProbeResult, run_probe
 
 log = logging.getLogger("shardsmith.runtime.offload")
 INPLACE_ENV = "SHARDSMITH_OFFLOAD_INPLACE"  # auto | kernel | off: misses read in place (module docstring)
 INPLACE_BLOCKS_ENV = "SHARDSMITH_INPLACE_BLOCKS"  # "block_r,block_g" of the in-place pair launches (benchmarks)
+MISS_ENV = "SHARDSMITH_OFFLOAD_MISS"  # copy | read: how the in-place mode serves a miss (module docstring)
+MISS_MODES = ("copy", "read")
+STAGE_ROWS_DEFAULT = 8  # staging rows when the banks do not say their top-k (the largest of the families: Qwen3-MoE)
+
+
+def miss_mode() -> str:
+    """``$SHARDSMITH_OFFLOAD_MISS``: ``copy`` (the default) or ``read`` (module docstring).
+
+    Raises:
+        UsageError: another value.
+    """
+    raw = os.environ.get(MISS_ENV, "") or "copy"
+    if raw not in MISS_MODES:
+        raise UsageError(f"{MISS_ENV}={raw!r}: expected one of {', '.join(MISS_MODES)}")
+    return raw
 
 
 def inplace_blocks() -> tuple[int, int]:
@@ -107,9 +131,10 @@ class OffloadRuntime:
     """
 
     def __init__(self, config: OffloadConfig, host: HostBanks, layers: list[str], *, device: torch.device,
-                 dtype: torch.dtype, dim: int, block: tuple[int, int] | None, math: ExpertMath = ExpertMath()) -> None:
+                 dtype: torch.dtype, dim: int, block: tuple[int, int] | None, math: ExpertMath = ExpertMath(),
+                 top_k: int | None = None) -> None:
         self.config, self.host, self.layers, self.device, self.dtype, self.dim = config, host, layers, device, dtype, dim
-        self.block, self.math = block, math
+        self.block, self.math, self.top_k = block, math, top_k
         self.cpu = CpuExperts(host, layers, block, math, reserve_core=torch.device(device).type == "cuda")
         self.cache: ExpertCache | None = None
         self.probe: ProbeResult | None = None
@@ -119,6 +144,7 @@ class OffloadRuntime:
         self.inplace = False  # misses read in place, decisions on the device (use_kernel_, start)
         self.slots: DeviceSlots | None = None  # the device-side table of the in-place mode (start)
         self.blocks = (16, 8)  # (block_r, block_g) of the in-place launches (start: inplace_blocks())
+        self.miss = "copy"  # how the in-place mode serves a miss (start: miss_mode())
         self._tokens_dev: torch.Tensor | None = None  # tokens through layer 0, counted on the device
         self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = 0  # _count
         self.split_steps = 0  # layer steps that ran split (GPU slots + host share)
@@ -156,10 +182,12 @@ class OffloadRuntime:
         self.inplace = self.inplace and self.backend == "gpu" and self.cache is not None and \
             (self.host.pinned or self.device.type != "cuda") and link_cap.cap_gb_per_s() is None
         if self.inplace:
-            self.blocks = inplace_blocks()
+            self.blocks, self.miss = inplace_blocks(), miss_mode()
             experts = max(a["gate_up"].shape[0] for a in self.host.layers.values())
-            self.slots = DeviceSlots(self.cache.n_slots, experts, self.device, n_layers=len(self.layers),
-                                     policy="lru" if c.policy == "lru" else "lfu")  # ``hot``: counts decide
+            # copy: the pool's last rows stage the misses no slot takes (one token's worth), out of the budget
+            n_stage = min(self.top_k or STAGE_ROWS_DEFAULT, self.cache.n_slots // 2) if self.miss == "copy" else 0
+            self.slots = DeviceSlots(self.cache.n_slots - n_stage, experts, self.device, n_layers=len(self.layers),
+                                     policy="lru" if c.policy == "lru" else "lfu", n_stage=n_stage)  # ``hot``: counts
             self._tokens_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
         log.info("%s", self.ready_line())
 
@@ -252,8 +280,11 @@ class OffloadRuntime:
         """The in-place mode's layer (module docstring): device work only, so a graph captures it.
 
         Each chunk of up to ``FUSED_TOKENS_MAX`` tokens: the device table assigns every pair a slot
-        (hit), or the host bank and a slot to write through (miss), then one ``fused_experts`` call
-        reads and computes. The same arithmetic per expert as the resident kernel bank: the same bits.
+        (hit), or the host bank and a pool row (miss). ``copy``: :func:`~.miss_copy.copy_misses` copies
+        the misses into their rows and one ``fused_experts`` call reads every pair from the pool (a
+        miss past the staging rows from the host); ``read``: one call reads a miss from the host
+        bank and writes it through to its slot. The same arithmetic per expert as the resident
+        kernel bank: the same bits.
         """
         if layer == 0:
             self._tokens_dev.add_(x.shape[0])
@@ -261,8 +292,17 @@ class OffloadRuntime:
         outs = []
         for t0 in range(0, x.shape[0], FUSED_TOKENS_MAX):
             rows = slice(t0, t0 + FUSED_TOKENS_MAX)
-            src, dst = self.slots.assign(layer, index[rows])
-            outs.append(fused_bank(x[rows], src.view(index[rows].shape), weight[rows], self.cache.pool, self.math,
+            ids = index[rows]
+            if self.miss == "copy":
+                src, dst, read = self.slots.assign_rows(layer, ids)
+                copy_misses(self.cache.pool, host, src, dst)
+                # every pair's expert in the pool once the staging rows cover the chunk: the resident call
+                far = {} if ids.numel() <= self.slots.n_stage else {"host": host, "write_slots": torch.full_like(read, -1)}
+                outs.append(fused_bank(x[rows], read.view(ids.shape), weight[rows], self.cache.pool, self.math,
+                                       self.block, **far))
+                continue
+            src, dst = self.slots.assign(layer, ids)
+            outs.append(fused_bank(x[rows], src.view(ids.shape), weight[rows], self.cache.pool, self.math,
                                    self.block, host=host, write_slots=dst, block_r=self.blocks[0],
                                    block_g=self.blocks[1]))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -482,11 +522,14 @@ class OffloadRuntime:
         if self.cache is not None:
             out |= self.cache.stats()
             out["bytes_per_token"] = self.cache.bytes_copied / self.tokens if self.tokens else 0.0
-        if self.slots is not None:  # device counters; bytes over the link = missed pairs' experts (read in place)
+        if self.slots is not None:  # device counters; bytes over the link = missed pairs' experts (at one token
+            # a step's experts are distinct; in a batch ``copy`` reads a repeated miss once, so this is an upper bound)
             tokens = int(self._tokens_dev.item())
             st = self.slots.stats()
             missed = int(st["misses"]) * self.cache.slot_bytes
-            out |= {"mode": "inplace", "device_policy": self.slots.policy, "tokens": tokens, "hits": int(st["hits"]),
+            out |= {"mode": "inplace", "miss": self.miss, "table_slots": self.slots.n_slots,
+                    "staging_rows": self.slots.n_stage, "device_policy": self.slots.policy, "tokens": tokens,
+                    "hits": int(st["hits"]),
                     "misses": int(st["misses"]), "hit_rate": st["hit_rate"], "bytes_copied": missed,
                     "bytes_per_token": missed / tokens if tokens else 0.0, "h2d_gb_per_s": None}
         if self.probe is not None:
