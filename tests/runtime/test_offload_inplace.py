@@ -87,10 +87,11 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monke
 
 
 def test_inplace_switch_and_the_modes_it_leaves_alone(monkeypatch):
-    """``off`` (and unset: the default) keeps the copying cache; ``cpu`` (host compute) has no cache to fill."""
+    """``off`` keeps the copying cache, and so does unset (``auto``) on a CPU device; ``cpu`` (host compute)
+    has no cache to fill."""
     rt, _ = _runtime("fp4", monkeypatch, slots=7, inplace="off")
     assert rt.slots is None and not rt.decode_sync_free()
-    rt, _ = _runtime("fp4", monkeypatch, slots=7, inplace="")  # unset: off (until measured faster than copying)
+    rt, _ = _runtime("fp4", monkeypatch, slots=7, inplace="")  # unset: auto, on CUDA only
     assert rt.slots is None
     rt, _ = _runtime("fp4", monkeypatch, slots=7, backend="cpu")  # host compute: no cache, nothing in place
     assert rt.slots is None and rt.cache is None

@@ -21,11 +21,12 @@ resident bank's own :func:`~shardsmith.runtime.layers.experts.fused_bank` call w
 expert ids, for any pool format (FP4, FP8, bf16) and up to ``FUSED_TOKENS_MAX`` tokens; without
 it, FP4 pools of at most ``ExpertMath.batched_pairs`` pairs take the expanded pair maths.
 
-**In place** (``SHARDSMITH_OFFLOAD_INPLACE``, issue 12: ``auto`` for FP4 banks on CUDA; ``kernel`` also
-for plain banks, and on CPU under Triton's interpreter; ``off``, the default until it is measured
-faster than copying: at 4 x 256 experts on an H200 its LRU table kept 0.47 of the hits where the host
-table's ``hot`` kept 0.71, and the counted policy below is not yet measured there; backend ``gpu``
-with the kernel and pinned host banks): no host sync at all. A :class:`~.device_slots.DeviceSlots` table on the
+**In place** (``SHARDSMITH_OFFLOAD_INPLACE``, issue 12: ``auto``, the default, for FP4 banks on CUDA;
+``kernel`` also for plain banks, and on CPU under Triton's interpreter; ``off``: the host table above;
+backend ``gpu`` with the kernel and pinned host banks): no host sync at all. At 4 x 256 V4-Flash
+experts on an H200 (``v4_decode-20261203-h200x1aj*.json``) its copy mode decoded 261.7 and 158.2
+tokens/s at 25% and 6.25% cache, 1.09x and 1.15x the link-plus-compute floor, against 257.4 and
+154.2 for the host table and 217.4 and 120.3 for ``read``. A :class:`~.device_slots.DeviceSlots` table on the
 device decides each pair's hit, miss and victim (``--expert-policy lru``: LRU; ``hot``, the default:
 counted, a miss admitted only over a slot whose expert was used less; the same decisions on every
 rank: a function of the ids alone), and a miss is served from the pinned host bank (mapped into the device's address
@@ -199,11 +200,11 @@ class OffloadRuntime:
         fp8 = [a for a in self.host.layers.values() if bank_format(a["gate_up"]) == "fp8"]
         self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device) and self.math.plain and \
             all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
-        # in place (module docstring; off unless asked for): the pair path's formats; confirmed at start()
+        # in place (module docstring; on by default on CUDA): the pair path's formats; confirmed at start()
         # (backend, pinning). ``auto`` takes FP4 banks only: a bf16 family (Mixtral: top-2 of 8) batches many
         # tokens onto one expert, and every pair of a missed expert after the first reads it over the link again
         fp4 = all(bank_format(a["gate_up"]) == "fp4" for a in self.host.layers.values())
-        self.inplace = self.kernel and not fp8 and kernel_switch(INPLACE_ENV, "off", device, default="off") and \
+        self.inplace = self.kernel and not fp8 and kernel_switch(INPLACE_ENV, "off", device) and \
             (fp4 or os.environ.get(INPLACE_ENV) == "kernel")
 
     def decode_sync_free(self) -> bool:
