@@ -25,9 +25,9 @@ import functools
 import torch
 
 from shardsmith.runtime.layers.kernels._common import KernelError, use_triton
+from shardsmith.runtime.layers.kernels.fused_moe import HOST_ARRAYS as ARRAYS  # a bank's arrays, one name list
 
 BLOCK = 16384  # bytes per program: 128 threads x 128 B
-ARRAYS = ("gate_up", "gate_up_scale", "down", "down_scale")
 
 
 @functools.cache

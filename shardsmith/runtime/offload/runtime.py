@@ -201,8 +201,8 @@ class OffloadRuntime:
         self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device) and self.math.plain and \
             all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
         # in place (module docstring; on by default on CUDA): the pair path's formats; confirmed at start()
-        # (backend, pinning). ``auto`` takes FP4 banks only: a bf16 family (Mixtral: top-2 of 8) batches many
-        # tokens onto one expert, and every pair of a missed expert after the first reads it over the link again
+        # (backend, pinning). ``auto`` takes FP4 banks only, the format measured on a GPU (V4); a bf16 family
+        # (Mixtral: top-2 of 8) batches many tokens onto one expert, where ``read`` re-reads a repeated miss
         fp4 = all(bank_format(a["gate_up"]) == "fp4" for a in self.host.layers.values())
         self.inplace = self.kernel and not fp8 and kernel_switch(INPLACE_ENV, "off", device) and \
             (fp4 or os.environ.get(INPLACE_ENV) == "kernel")
