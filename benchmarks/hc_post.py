@@ -6,7 +6,7 @@ pieces run it: inductor's ``..._add_mean_mul_pow_rsqrt`` reduction), with the no
 
 Shapes: V4-Flash's (m = 4 streams, D = 4096, ``fn [24, 16384]`` float32, 20 Sinkhorn rounds), bf16, T =
 1, 4 and 16 tokens. Each path is captured in one CUDA graph over ``--layers`` distinct inputs and
-weights and timed over replays (``kernels.py``'s ``graph_seconds``): microseconds per call, the ratio
+weights and timed over replays (``decode_kernels.py``'s ``graph_seconds``): microseconds per call, the ratio
 to the path replaced (``old/this``), and against the eager reference the largest error relative to its
 largest value and the share of elements whose bits differ. ``hc_post`` is swept over ``block_d`` x
 ``num_warps``. Rows go to ``benchmarks/results/hc_post-<YYYYMMDD>-<host>.json``.
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import try_seconds  # noqa: E402
+from decode_kernels import try_seconds  # noqa: E402
 
 from shardsmith.runtime.layers.kernels.hc_post import BLOCK_D, hc_post, hc_post_reference  # noqa: E402
 from shardsmith.runtime.layers.kernels.hc_pre import hc_pre, rms_norm_reference  # noqa: E402

@@ -3,7 +3,7 @@ replaced (RMS, ``F.linear`` against ``fn``, ``hc_mix``, the collapse: 4-5 launch
 
 Shapes: V4-Flash's mixer (m = 4 streams, D = 4096, ``fn [24, 16384]`` float32, 20 Sinkhorn rounds), bf16
 streams, T = 1, 4 and 16 tokens. Each configuration (``split_k`` x ``num_warps``) is captured in one
-CUDA graph over several mixers' weights and timed over replays (``kernels.py``'s ``graph_seconds``);
+CUDA graph over several mixers' weights and timed over replays (``decode_kernels.py``'s ``graph_seconds``);
 rows give microseconds per call and the ratio to the old path, and the error against the reference.
 Rows go to ``benchmarks/results/hc_pre-<YYYYMMDD>-<host>.json``.
 
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import try_seconds  # noqa: E402
+from decode_kernels import try_seconds  # noqa: E402
 
 from shardsmith.runtime.layers.kernels.hc_mix import hc_mix  # noqa: E402
 from shardsmith.runtime.layers.kernels.hc_pre import hc_pre, hc_pre_reference  # noqa: E402

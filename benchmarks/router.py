@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import try_seconds  # noqa: E402  (graphs of distinct gates replayed in turn)
+from decode_kernels import try_seconds  # noqa: E402  (graphs of distinct gates replayed in turn)
 from shardsmith.runtime.layers.kernels import triton_available  # noqa: E402
 from shardsmith.runtime.layers.kernels.router import route_topk, route_topk_reference  # noqa: E402
 

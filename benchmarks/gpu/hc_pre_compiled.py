@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _results import save_results  # noqa: E402
-from kernels import graph_seconds  # noqa: E402
+from decode_kernels import graph_seconds  # noqa: E402
 
 from shardsmith.runtime.layers.kernels.hc_pre import hc_pre  # noqa: E402
 

@@ -14,7 +14,7 @@ timeout ${TEST_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -k "${TES
     tests/runtime/test_kernels_gpu.py tests/runtime/test_router_kernel.py tests/runtime/test_hc_post.py \
     tests/runtime/test_hc_pre.py > $r/gpu_tests.log 2>&1
 echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E |^FAILED" $r/gpu_tests.log | tail -15
-SHARDSMITH_HOST=$host timeout 170 python3 benchmarks/kernels.py --fp8-only --fp8-tokens 1,4 --fp8-config \
+SHARDSMITH_HOST=$host timeout 170 python3 benchmarks/decode_kernels.py --fp8-only --fp8-tokens 1,4 --fp8-config \
     "${FP8_CONFIGS:-gemv=0;default;block_n=16;block_n=16,block_k=512;block_n=64,block_k=128;block_k=512,num_warps=8;num_stages=2;num_stages=4;ppsm=2;ppsm=8}" \
     > $r/fp8.log 2>&1; echo "fp8 rc=$? $((SECONDS - t0)) s"; tail -60 $r/fp8.log
 SHARDSMITH_HOST=$host timeout 60 python3 benchmarks/router.py > $r/router.log 2>&1; echo "router rc=$? $((SECONDS - t0)) s"; tail -30 $r/router.log

@@ -16,9 +16,11 @@ import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import _hf_baseline as hfb  # noqa: E402
-import decode_offload  # noqa: E402
+try:  # benchmarks/ on sys.path only while these two import (tests/test_module_names.py checks its names)
+    import _hf_baseline as hfb  # noqa: E402
+    import decode_offload  # noqa: E402
+finally:
+    sys.path.pop(0)
 
 SHAPE = dict(layers=2, experts=8, hidden=128, intermediate=256, top_k=2, heads=4, kv_heads=2, vocab=256)
 

@@ -16,7 +16,7 @@ H200's 4.8 TB/s (datasheet) and against a measured device copy, and the time rat
 Times are CUDA-graph replays (the decode step is captured, so launch gaps are not counted), median
 of ``--replays``, each graph calling the op on ``--rotate`` different weight sets or routings so
 the bytes come from HBM, not the 60 MB L2. ``--sweep`` first times launch configurations and
-prints the best. Example: ``python benchmarks/kernels.py [--sweep] [--no-save]``.
+prints the best. Example: ``python benchmarks/decode_kernels.py [--sweep] [--no-save]``.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ def main() -> None:
     a = p.parse_args()
     a.tokens = tuple(int(t) for t in a.fp8_tokens.split(","))
     if not torch.cuda.is_available():
-        sys.exit("kernels.py times CUDA graphs: it needs a CUDA GPU")
+        sys.exit("decode_kernels.py times CUDA graphs: it needs a CUDA GPU")
     ceiling = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: device copy {ceiling:.0f} GB/s (read + write)")
     fp8_cfgs, moe_cfgs = _parse(a.fp8_config), _parse(a.moe_config)
@@ -305,7 +305,7 @@ def main() -> None:
     if not a.no_save:
         from _results import save_results
 
-        save_results("kernels", rows, extra={"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        save_results("decode_kernels", rows, extra={"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                              "triton": __import__("triton").__version__})
 
 
