@@ -34,6 +34,7 @@ import yaml
 
 from shardsmith.dtypes import DTYPES
 from shardsmith.errors import IntegrityError, ManifestError, UsageError
+from shardsmith.strict_parse import DuplicateKeyError, loads_json, loads_yaml
 
 if TYPE_CHECKING:  # torch is imported lazily: verify and --help need none
     import torch
@@ -123,7 +124,7 @@ def load_yaml(path: Path) -> dict:
     """Parse the YAML mapping at ``path``.
 
     Raises:
-        ManifestError: missing, unreadable or not a mapping.
+        ManifestError: missing, unreadable, not a mapping, or a key written twice in one mapping.
     """
     try:
         text = path.read_text()
@@ -142,11 +143,13 @@ def parse_yaml(text: str, where: str) -> dict:
     (``format: 2024-01-01``) is damage, named with its field.
 
     Raises:
-        ManifestError: unparsable, not a mapping, or a value of another type.
+        ManifestError: unparsable, not a mapping, a key written twice in one mapping (named, with its
+            line), or a value of another type.
     """
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
-        doc = yaml.load(text, Loader=loader)
+        doc = loads_yaml(text)
+    except DuplicateKeyError as e:
+        raise ManifestError(f"{where}: {e}") from None
     except (yaml.YAMLError, ValueError, TypeError, RecursionError) as e:
         raise ManifestError(f"{where}: cannot parse: {type(e).__name__}: {e}") from None
     if not isinstance(doc, dict):
@@ -315,7 +318,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
             raise IntegrityError(f"{path}: header length {n} is implausible")
         raw = fh.read(n)
     try:
-        header = json.loads(raw)
+        header = loads_json(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise IntegrityError(f"{path}: header is not valid JSON: {e}") from None
     if len(raw) != n or not isinstance(header, dict):

@@ -29,6 +29,7 @@ from shardsmith.errors import IntegrityError, ManifestError, RuntimeLoadError, f
 from shardsmith.pack.check import check_rank, copied_file_jobs, lstat_inside
 from shardsmith.pack.coverage import json_problems, plan_problems
 from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity, hash_file, load_yaml, rank_dir, root_digest, typed_view
+from shardsmith.strict_parse import loads_json
 from shardsmith.pack.records import FileRecord, PackManifest, RankManifest, TensorRecord, parse_pack_manifest
 from shardsmith.plans.resolve import ResolvedPlan
 
@@ -94,7 +95,7 @@ def load_plan(root: Path, doc: PackManifest, problems: list[str]) -> ResolvedPla
         problems.append(f"{PLAN_FILE}: (bytes, xxh3_128) expected {(rec.bytes, rec.xxh3_128)}, found {found}")
         return None
     try:
-        raw = json.loads(data)
+        raw = loads_json(data)
         if bad := json_problems(raw):
             problems += bad
             return None
@@ -251,7 +252,7 @@ def open_rank(out_dir: str | os.PathLike, rank: int, world_size: int, *, verify:
     config: dict = {}
     if "config.json" in expected:
         try:
-            config = json.loads((pack.root / "config.json").read_text())
+            config = loads_json((pack.root / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise ManifestError(f"{pack.root / 'config.json'}: cannot parse: {e}") from None
     rp = RankPack(rank, world_size, pack.root, config, pack.plan, chk.manifest, d, verify)

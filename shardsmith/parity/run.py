@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from shardsmith.errors import UsageError
+from shardsmith.pack.format import load_yaml
 from shardsmith.parity.compare import Divergence, LayerError, Trace, compare, first_departing, layer_errors
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -82,11 +83,10 @@ def pack_world_size(path: Path) -> int:
     """``world_size`` from ``path/pack.yaml``.
 
     Raises:
-        UsageError: it is missing or not a positive integer.
+        ManifestError: ``pack.yaml`` is unreadable, not a mapping, or holds a key twice.
+        UsageError: ``world_size`` is missing or not a positive integer.
     """
-    import yaml
-
-    ws = (yaml.safe_load((path / "pack.yaml").read_text(encoding="utf-8")) or {}).get("world_size")
+    ws = load_yaml(path / "pack.yaml").get("world_size")
     if not isinstance(ws, int) or ws < 1:
         raise UsageError(f"{path / 'pack.yaml'}: world_size must be a positive integer, got {ws!r}")
     return ws

@@ -22,6 +22,7 @@ from pathlib import PurePosixPath, Path
 import xxhash
 
 from ..errors import IntegrityError, ManifestError, UsageError
+from shardsmith.strict_parse import DuplicateKeyError, loads_yaml
 from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity, rank_dir
 
 _BUF = 1 << 20  # tar stream buffer and copy size: tarfile's stream re-slices its buffer per record otherwise
@@ -244,7 +245,7 @@ def import_rank(archive: str | os.PathLike, dest: str | os.PathLike) -> Transpor
                     if (n, h) != want:
                         raise IntegrityError(f"{name}: (bytes, xxh3_128) expected {want}, found {(n, h)}")
                 if name == PACK_MANIFEST:
-                    pack = yaml.safe_load(data)
+                    pack = loads_yaml(data)
                     problems = check_identity(pack, PACK_MANIFEST) if isinstance(pack, dict) else ["not a mapping"]
                     if problems:
                         raise IntegrityError(f"{PACK_MANIFEST}: {'; '.join(problems)}")
@@ -258,7 +259,7 @@ def import_rank(archive: str | os.PathLike, dest: str | os.PathLike) -> Transpor
                 elif name in manifests:
                     if manifest is not None:
                         raise IntegrityError(f"{name}: a second rank in an archive of one rank")
-                    manifest = yaml.safe_load(data)
+                    manifest = loads_yaml(data)
                     problems = check_identity(manifest, name) if isinstance(manifest, dict) else ["not a mapping"]
                     if not problems and manifest["manifest_xxh3_128"] != manifests[name]:
                         problems = [f"hash expected {manifests[name]} (pack.yaml), found {manifest['manifest_xxh3_128']}"]
@@ -271,7 +272,8 @@ def import_rank(archive: str | os.PathLike, dest: str | os.PathLike) -> Transpor
         if dest.exists():
             dest.rmdir()
         os.replace(tmp, dest)
-    except (zstandard.ZstdError, tarfile.TarError, EOFError, KeyError, TypeError, yaml.YAMLError, ManifestError) as e:
+    except (zstandard.ZstdError, tarfile.TarError, EOFError, KeyError, TypeError, yaml.YAMLError, DuplicateKeyError,
+            ManifestError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise IntegrityError(f"{archive}: damaged or truncated archive: {type(e).__name__}: {e}") from None
     except BaseException:

@@ -116,6 +116,17 @@ def test_duplicate_tensor_names(tmp_path: Path) -> None:
     expect(root, "duplicate tensor name 'a'")
 
 
+def test_duplicate_keys_in_config_and_index(tmp_path: Path) -> None:
+    """JSON keeps the last of two equal keys silently; the source's JSON files refuse them, named."""
+    root = make_ckpt(tmp_path / "c", {"a": entry("F32", [1], 0, 4)}, bytes(4))
+    (root / "config.json").write_text('{"architectures": ["MixtralForCausalLM"], "num_local_experts": 8, '
+                                      '"num_local_experts": 4}')
+    idx = '{"weight_map": {"a": "model-00001-of-00001.safetensors", "a": "model-00001-of-00001.safetensors"}}'
+    (root / "model.safetensors.index.json").write_text(idx)
+    expect(root, "config.json: duplicate key 'num_local_experts' in config.json",
+           "model.safetensors.index.json: duplicate key 'a' in model.safetensors.index.json")
+
+
 def test_duplicate_across_shards(tmp_path: Path) -> None:
     root = make_ckpt(tmp_path / "c", {"a": entry("F32", [1], 0, 4)}, bytes(4))
     write_raw(root / "model-2.safetensors", {"a": entry("F32", [1], 0, 4)}, bytes(4))

@@ -7,6 +7,7 @@ built once; each test damages a copy.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -162,3 +163,34 @@ def test_against_catches_a_changed_source(pack: Path, tiny, tmp_path: Path) -> N
 def test_unfinished_split_is_not_a_pack(tmp_path: Path) -> None:
     (tmp_path / "out.partial").mkdir()
     assert "out.partial holds an unfinished split" in _verify(tmp_path / "out")
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_duplicate_keys_in_pack_manifest(pack: Path, deep: bool) -> None:
+    """``source`` and ``created_by`` written twice, junk first: the loader would keep the second copies,
+    whose self-hash still matches, so only the parser can refuse it."""
+    p = pack / "pack.yaml"
+    p.write_text("source: junk\ncreated_by: junk\n" + p.read_text())
+    out = _verify(pack, *(["--deep"] if deep else []))
+    assert re.search(r"^pack\.yaml: duplicate keys 'created_by' \(line \d+\), 'source' \(line \d+\)", out, re.M), out
+
+
+def test_duplicate_key_in_rank_manifest(pack: Path) -> None:
+    p = pack / R1 / "manifest.yaml"
+    text = p.read_text()
+    p.write_text("rank: 0\n" + text)
+    out = _verify(pack)
+    assert f"{R1}/manifest.yaml: duplicate key 'rank' (line" in out, out
+
+
+def test_duplicate_key_in_plan(pack: Path) -> None:
+    """A second ``world_size`` in ``plan.json`` with every hash recomputed (a forger's edit)."""
+    from shardsmith.testing.forge import forge
+
+    pj = pack / "plan.json"
+    text = pj.read_text()
+    assert text.startswith("{")
+    pj.write_text('{"world_size":2,' + text[1:])
+    forge(pack)
+    out = _verify(pack)
+    assert "plan.json: cannot rebuild the plan: duplicate key 'world_size'" in out, out

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from shardsmith.errors import IntegrityError, ManifestError, ShardsmithError, UsageError
+from shardsmith.strict_parse import loads_yaml
 
 
 def check_local_ranks(path: Path, ranks: list[int], world_size: int) -> None:
@@ -111,8 +112,8 @@ def pack_world_size(path: Path, *, tp: int | None, from_checkpoint: bool) -> int
     import yaml
 
     try:
-        doc = yaml.safe_load(manifest.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        doc = loads_yaml(manifest.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, ValueError) as e:  # ValueError: a duplicate key
         raise ManifestError(f"{manifest}: not valid YAML ({e})") from e
     ws = doc.get("world_size") if isinstance(doc, dict) else None
     if not isinstance(ws, int) or ws < 1:  # a damaged pack, as `verify` reports it (exit 2)
