@@ -221,6 +221,15 @@ def serve(
         help="Prompts of at most this many tokens are fed one token per step through the batched decode step "
              "instead of a prefill forward of their own (default on CUDA: measured at warm-up, the largest power "
              "of two of decode steps that cost no more than one eager prefill, at most 256; 0 on CPU)."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout",
+                                         help="Seconds a client has to send a request's headers; then HTTP 408 and close."),
+    body_timeout: float = typer.Option(30.0, "--body-timeout",
+                                       help="Longest pause in seconds inside a request body; then HTTP 408 and close "
+                                            "(a body cut short by the client closing its side gets HTTP 400)."),
+    keep_alive_timeout: float = typer.Option(5.0, "--keep-alive-timeout",
+                                             help="Seconds an idle kept-alive connection stays open."),
+    max_connections: int = typer.Option(512, "--max-connections",
+                                        help="Open client connections; one more is answered HTTP 503 and closed."),
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
     from shardsmith.runtime.serve.launch import launch
@@ -234,6 +243,12 @@ def serve(
         raise UsageError(f"--max-queue must be at least 0, got {max_queue}")
     if prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be at least 1 token, got {prefill_chunk}")
+    from shardsmith.runtime.serve.http_limits import HTTPLimits
+
+    limits = HTTPLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                        keep_alive_s=keep_alive_timeout, max_connections=max_connections)
+    if bad := limits.problems():
+        raise UsageError("; ".join(bad))
     _check_serving_environment()
     if decode_prompt_tokens is not None and not 0 <= decode_prompt_tokens <= max_seq_len:
         raise UsageError(f"--decode-prompt-tokens must be between 0 and --max-model-len ({max_seq_len}), "
@@ -246,7 +261,8 @@ def serve(
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
                                            trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes,
                                            max_queue=max_queue, prefill_chunk=prefill_chunk,
-                                           decode_prompt_tokens=decode_prompt_tokens, max_model_len=max_seq_len)))
+                                           decode_prompt_tokens=decode_prompt_tokens, max_model_len=max_seq_len,
+                                           limits=limits)))
 
 
 def generate(

@@ -77,9 +77,13 @@ class Server:
         return self.proc.returncode
 
 
+HEADER_TIMEOUT_S = 3.0  # short, so the stalled-connection test below is quick
+
+
 @pytest.fixture(scope="module")
 def server(pack: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(pack, tmp_path_factory.mktemp("log") / "serve.log")
+    srv = Server(pack, tmp_path_factory.mktemp("log") / "serve.log", "--header-timeout", str(HEADER_TIMEOUT_S),
+                 "--body-timeout", str(HEADER_TIMEOUT_S))
     try:
         srv.wait_ready()
         yield srv
@@ -193,6 +197,52 @@ def test_bad_requests_get_4xx_while_good_one_succeeds(server: Server) -> None:
     assert results[2].json()["error"]["code"] == "context_length_exceeded"
     assert "Paris" in good.result().json()["choices"][0]["message"]["content"]
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_stalled_and_truncated_connections_are_closed(server: Server) -> None:
+    """50 connections that send half a request and idle, and one that declares ``Content-Length: 100``,
+    sends 46 bytes and half-closes: each is answered and closed within its limit, while a chat request
+    meanwhile answers about as fast as alone."""
+    import socket
+
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 4}
+
+    def timed() -> float:
+        t0 = time.monotonic()
+        assert post(server, "/v1/chat/completions", body).status_code == 200
+        return time.monotonic() - t0
+
+    alone = min(timed() for _ in range(2))
+    addr = ("127.0.0.1", server.port)
+    stalled = [socket.create_connection(addr) for _ in range(50)]
+    try:
+        for s in stalled:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: app")
+        t0 = time.monotonic()
+        with socket.create_connection(addr) as cut:
+            cut.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n" + b"{" * 46)
+            cut.shutdown(socket.SHUT_WR)
+            cut.settimeout(10)
+            answer = b""
+            while chunk := cut.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400") and b"Content-Length declared" in answer, answer
+        busy = timed()
+        assert busy < 2 * alone + 0.5, (busy, alone)
+        for s in stalled:
+            s.settimeout(HEADER_TIMEOUT_S + 10)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 3
+    finally:
+        for s in stalled:
+            s.close()
+    help_text = subprocess.run([sys.executable, "-m", "shardsmith.cli", "serve", "--help"], capture_output=True,
+                               text=True, env=os.environ | {"COLUMNS": "200"}).stdout
+    for flag in ("--header-timeout", "--body-timeout", "--keep-alive-timeout", "--max-connections"):
+        assert flag in help_text
 
 
 def test_metrics_reflect_requests(server: Server) -> None:

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardsmith.errors import UsageError
 from shardsmith.runtime.serve.chat import ChatTemplate, ChatTemplateError, load_chat_format
 from shardsmith.runtime.serve.encoding import MessageEncoding, RemoteCodeError
+from shardsmith.runtime.serve.http_limits import HTTPLimits
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid, validation_error
 from shardsmith.runtime.serve.worker import DEFAULT_MAX_QUEUE, EngineWorker, Job, QueueFull, ServerStopping, State, TextEvent
@@ -406,6 +407,8 @@ class ServeJob:
             step (None: measured at warm-up on CUDA, 0 on CPU: :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
         max_model_len: the context each sequence gets (``--max-model-len``), shown by ``/v1/models``
             while the engine loads (then the engine's own figure).
+        limits: header and body read timeouts, keep-alive and the open-connection bound
+            (:class:`~shardsmith.runtime.serve.http_limits.HTTPLimits`).
     """
 
     host: str
@@ -417,6 +420,7 @@ class ServeJob:
     prefill_chunk: int = 512
     decode_prompt_tokens: int | None = None
     max_model_len: int | None = None
+    limits: HTTPLimits = HTTPLimits()
 
     def __call__(self, load) -> int:
         """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
@@ -446,7 +450,7 @@ class ServeJob:
                               prefill_chunk=self.prefill_chunk, decode_prompt_tokens=self.decode_prompt_tokens)
         app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
                          max_request_bytes=self.max_request_bytes, max_model_len=self.max_model_len)
-        server = _server(app, host=self.host, port=self.port, worker=worker)
+        server = _server(app, host=self.host, port=self.port, worker=worker, limits=self.limits)
         holder["server"] = server
         # Before uvicorn captures the signals, and after it re-raises them on its way out: the same stop.
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -472,12 +476,14 @@ class ServeJob:
         return 1 if failed.is_set() else 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
 
 
-def _server(app: FastAPI, *, host: str, port: int, worker: EngineWorker):
+def _server(app: FastAPI, *, host: str, port: int, worker: EngineWorker, limits: HTTPLimits):
     """A ``uvicorn.Server`` whose signal handling first ends every request (:meth:`EngineWorker.interrupt`),
-    so its graceful shutdown finds no open stream to wait for and cancel."""
+    so its graceful shutdown finds no open stream to wait for and cancel; its connections keep ``limits``."""
     import signal
 
     import uvicorn
+
+    from shardsmith.runtime.serve.http_limits import limited_protocol
 
     class Server(uvicorn.Server):
         stopped_by: int | None = None
@@ -491,4 +497,5 @@ def _server(app: FastAPI, *, host: str, port: int, worker: EngineWorker):
             super().handle_exit(sig, frame)
 
     return Server(uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                                 timeout_graceful_shutdown=5, lifespan="off"))
+                                 timeout_graceful_shutdown=5, lifespan="off", http=limited_protocol(limits),
+                                 timeout_keep_alive=limits.keep_alive_s))
