@@ -21,7 +21,12 @@ reference precision, orders of magnitude below ``n_A + n_B``. Hence the verdict 
   ``n_B`` counts at most :data:`NOISE_RATIO` (4) times ``n_A``: the configurations run the same
   algorithm in the same dtype and differ only in the split, so their rounding noise is of one
   size; a ``B`` whose dtype run departs from its own reference far more than that has a defect
-  on its dtype path only (a kernel, a cast), which must not pass as noise;
+  on its dtype path only (a kernel, a cast), which must not pass as noise. An *independent*
+  configuration (transformers' model: another implementation of the same function) counts its
+  noise in full: it rounds in other places (DeepSeek-V3's router scores in bfloat16, for one), and
+  where such a rounding flips a discrete choice (an expert, a top-k group) its dtype run departs
+  from its own reference by nats at once. That is still rounding, proven by (2): the two
+  reference-precision runs agree at every step, which no defect of ours survives;
 - **defect** otherwise: the configurations compute different functions, not differently
   rounded ones. A prompt without a divergence is checked by (2) over all steps (``agree`` or
   ``defect``).
@@ -127,11 +132,14 @@ def _lp_of(t: Trace, step: int, token: int) -> float | None:
     return None
 
 
-def compare(prompt: int, names: list[str], traces: list[Trace]) -> list[Divergence]:
+def compare(prompt: int, names: list[str], traces: list[Trace], *,
+            independent: frozenset[str] = frozenset()) -> list[Divergence]:
     """Compare each configuration's trace of one prompt with the first one's (``traces[0]``).
 
     Args:
         prompt: the prompt's index (for the report); names: configuration names, ``traces`` order.
+        independent: names of configurations that are another implementation (transformers): their
+            own noise counts in full, not capped at :data:`NOISE_RATIO` times the first's.
 
     Returns:
         one :class:`Divergence` per configuration after the first.
@@ -140,7 +148,8 @@ def compare(prompt: int, names: list[str], traces: list[Trace]) -> list[Divergen
     firsts = [first_divergence(first.tokens, t.tokens) for t in traces]
     out = []
     for name, t, p in zip(names[1:], traces[1:], firsts[1:]):
-        noise = n0 + torch.minimum(step_noise(t), NOISE_RATIO * n0)  # [N]
+        own = step_noise(t)
+        noise = n0 + (own if name in independent else torch.minimum(own, NOISE_RATIO * n0))  # [N]
         last = p if p is not None else min(len(first.tokens), len(t.tokens)) - 1
         ref = (first.ref_lp - t.ref_lp).abs().amax(dim=-1)[: last + 1]  # [<= N]
         worst = int(torch.argmax(ref / noise[: last + 1].clamp_min(1e-30)))
@@ -200,8 +209,9 @@ def _rel(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 
-def layer_errors(first: list[Trace], other: list[Trace]) -> list[LayerError]:
-    """Per-layer relative errors of ``other`` against ``first`` (one trace per prompt, same order).
+def layer_errors(first: list[Trace], other: list[Trace], *, independent: bool = False) -> list[LayerError]:
+    """Per-layer relative errors of ``other`` against ``first`` (one trace per prompt, same order);
+    ``independent``: ``other`` is another implementation, its own noise counted in full (:func:`compare`).
 
     Raises:
         ValueError: a trace without hidden states, or the two with different layer counts.
@@ -215,7 +225,8 @@ def layer_errors(first: list[Trace], other: list[Trace]) -> list[LayerError]:
     for i in range(layers):
         rel = _rel([(o.hidden[i], f.hidden[i]) for f, o in zip(first, other)])
         n0 = _rel([(f.hidden[i], f.hidden_ref[i]) for f in first])
-        noise = n0 + min(_rel([(o.hidden[i], o.hidden_ref[i]) for o in other]), NOISE_RATIO * n0)
+        own = _rel([(o.hidden[i], o.hidden_ref[i]) for o in other])
+        noise = n0 + (own if independent else min(own, NOISE_RATIO * n0))
         ref = _rel([(o.hidden_ref[i], f.hidden_ref[i]) for f, o in zip(first, other)])
         rows.append(LayerError(i, rel, noise, ref, ref > noise or rel > noise + ref))
     return rows

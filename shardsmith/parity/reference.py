@@ -109,6 +109,21 @@ def loadable_checkpoint(ckpt: Path, work: Path, progress: Callable[[str], None] 
     return work
 
 
+def plain_pytorch_kwargs(ckpt: Path) -> dict:
+    """``from_pretrained`` options that keep transformers on its PyTorch code: an MXFP4 checkpoint
+    (gpt-oss) dequantized at load, not run by Hub kernels that transformers would download when the
+    ``kernels`` package is installed (and that a reference must not depend on).
+    """
+    import json
+
+    quant = json.loads((ckpt / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
+    if quant.get("quant_method") == "mxfp4":
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    return {}
+
+
 def load_transformers(ckpt: Path, dtype: torch.dtype, device: str):
     """``AutoModelForCausalLM`` from ``ckpt`` in ``dtype`` on ``device``, in eval mode.
 
@@ -125,6 +140,7 @@ def load_transformers(ckpt: Path, dtype: torch.dtype, device: str):
     kwargs: dict = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
     if dtype == torch.float64 and major >= 5:
         kwargs["experts_implementation"] = "eager"  # its grouped_mm has no float64
+    kwargs |= plain_pytorch_kwargs(ckpt)
     try:
         model = AutoModelForCausalLM.from_pretrained(ckpt, **kwargs)
     except Exception as e:  # noqa: BLE001 - any loader failure is a usage problem of this option

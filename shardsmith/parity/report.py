@@ -34,6 +34,7 @@ def to_json(r: ParityReport) -> dict:
         "layers": {n: {"first_departing": first_departing(rows),
                        "rows": [{"layer": x.layer, "rel_err": x.rel_err, "noise": x.noise, "reference_rel_err": x.ref_err,
                                  "departs": x.departs} for x in rows]} for n, rows in r.layers.items()} or None,
+        "refused": [{"name": c.name, "world_size": c.world_size, "reason": why} for c, why in r.refused],
         "defects": r.defects,
         "verdict": "defect" if r.defects else "near-ties only",
         "exit_code": r.exit_code,
@@ -62,6 +63,8 @@ def print_tables(r: ParityReport, *, decode: Callable[[int], str] | None = None)
         table.add_row(str(d.prompt), d.config, "-" if d.step is None else str(d.step), toks, *gaps,
                       f"{d.max_diff:.3g}", f"{d.noise:.3g}", f"{d.ref_diff:.3g}", f"[{style}]{d.verdict}[/]")
     con.print(table)
+    for c, why in r.refused:
+        con.print(f"[yellow]not run:[/] {c.name}: {escape(why)}")
     for name, rows in r.layers.items():
         lt = Table(title=f"decoder layer outputs, {name} against {names[0]} (relative error)")
         for col in ("layer", f"rel err ({r.dtype})", "noise", f"rel err ({r.ref_dtype})", "departs"):
@@ -70,7 +73,9 @@ def print_tables(r: ParityReport, *, decode: Callable[[int], str] | None = None)
             lt.add_row(str(x.layer), f"{x.rel_err:.3g}", f"{x.noise:.3g}", f"{x.ref_err:.3g}",
                        "[bold red]yes[/]" if x.departs else "no")
         con.print(lt)
-    if not r.defects:
+    if len(r.configs) == 1:
+        con.print(f"[yellow]only {names[0]} ran:[/] nothing to compare it with")
+    elif not r.defects:
         n = sum(d.verdict == "near-tie" for d in r.divergences)
         if n:
             con.print(f"[green]ok:[/] {n} divergence{'s' if n != 1 else ''}, all near-ties within the measured noise")

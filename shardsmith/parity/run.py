@@ -50,6 +50,8 @@ class ParityReport:
         and reference precision; prompts: token ids; traces: per configuration name, one
         :class:`Trace` per prompt; divergences: one per (prompt, configuration after the first);
         layers: per configuration after the first, its :class:`LayerError` rows (``--layers``).
+        refused: configurations the plan refuses at their world size, each with the plan's reason
+            (its first problem); they are not run and the next one becomes the baseline.
     """
 
     configs: list[Config]
@@ -59,6 +61,7 @@ class ParityReport:
     traces: dict[str, list[Trace]]
     divergences: list[Divergence]
     layers: dict[str, list[LayerError]] = field(default_factory=dict)
+    refused: list[tuple[Config, str]] = field(default_factory=list)
 
     @property
     def defects(self) -> list[str]:
@@ -163,8 +166,12 @@ def run_parity(source: Path, *, tps: list[int], prompts: list[list[int]], checkp
         top_k: tokens probed per step (K >= 2); layers: compare decoder-layer outputs too.
         workdir: where packs and traces go (default: a temporary directory, removed afterwards).
 
+    A world size the model's plan refuses (a head count or an FP8 block that cannot be shared by
+    that many ranks) is listed in the report's ``refused`` with the plan's reason; the rest run.
+
     Raises:
-        UsageError: bad options (see :func:`plan_configs`), empty prompts, top_k < 2.
+        UsageError: bad options (see :func:`plan_configs`), empty prompts, top_k < 2; or the plan
+            refuses every configuration (each named with its reason).
         ShardsmithError: a rank's load or run error, as its class (IntegrityError: exit 2).
     """
     if dtype not in DTYPES:
@@ -175,6 +182,7 @@ def run_parity(source: Path, *, tps: list[int], prompts: list[list[int]], checkp
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="shardsmith-parity-") as tmp:
             return _run(plan, Path(tmp), prompts, dtype, max_tokens, top_k, layers, device, verify_hashes, progress)
+    Path(workdir).mkdir(parents=True, exist_ok=True)
     return _run(plan, Path(workdir), prompts, dtype, max_tokens, top_k, layers, device, verify_hashes, progress)
 
 
@@ -183,14 +191,22 @@ def _run(plan, work: Path, prompts, dtype, max_tokens, top_k, layers, device, ve
     from shardsmith.parity.ranks import RankTask, run_task
     from shardsmith.writer.split import split_checkpoint
 
+    from shardsmith.errors import PlanError
+
     dt, ref = DTYPES[dtype], REFERENCE[DTYPES[dtype]]
-    configs, traces, probes = [], {}, None
+    configs, traces, probes, refused = [], {}, None, []
     seq = max(len(p) for p in prompts) + max_tokens + 1
     for config, ckpt in plan:
         if ckpt is not None:
             progress(f"splitting {ckpt} at world_size={config.world_size}")
             out = work / config.name
-            split_checkpoint(ckpt, out, world_size=config.world_size)
+            try:
+                split_checkpoint(ckpt, out, world_size=config.world_size)
+            except PlanError as e:  # raised before a byte is written
+                lines = [ln.strip().removeprefix("- ") for ln in str(e).splitlines() if ln.strip()]
+                refused.append((config, ": ".join([lines[0].rstrip(":"), *lines[1:2]])))
+                progress(f"skipping {config.name}: the plan refuses world_size={config.world_size}")
+                continue
             config = Config(config.name, config.world_size, out, config.kind)
         progress(f"running {config.name} ({dtype}, then {str(ref).removeprefix('torch.')} for the noise)")
         if config.kind == TRANSFORMERS:
@@ -206,7 +222,14 @@ def _run(plan, work: Path, prompts, dtype, max_tokens, top_k, layers, device, ve
         traces[config.name] = got
         if probes is None:
             probes = [Probe(t.tokens, t.top_ids) for t in got]
+    if not configs:
+        raise UsageError("parity has nothing to run; the plan refuses every configuration:\n" +
+                         "\n".join(f"  - {c.name}: {why}" for c, why in refused))
     names = [c.name for c in configs]
-    divergences = [d for i in range(len(prompts)) for d in compare(i, names, [traces[n][i] for n in names])]
-    layer_rows = {n: layer_errors(traces[names[0]], traces[n]) for n in names[1:]} if layers else {}
-    return ParityReport(configs, dtype, str(ref).removeprefix("torch."), prompts, traces, divergences, layer_rows)
+    independent = frozenset(c.name for c in configs if c.kind == TRANSFORMERS)
+    divergences = [d for i in range(len(prompts))
+                   for d in compare(i, names, [traces[n][i] for n in names], independent=independent)]
+    layer_rows = {n: layer_errors(traces[names[0]], traces[n], independent=n in independent)
+                  for n in names[1:]} if layers else {}
+    return ParityReport(configs, dtype, str(ref).removeprefix("torch."), prompts, traces, divergences, layer_rows,
+                        refused)

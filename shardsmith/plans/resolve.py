@@ -230,9 +230,11 @@ def _match(plan: Plan, name: str, memo: dict[str, int]) -> tuple[int, Rule, re.M
 
 def _ranges(rule: Rule, info: TensorInfo, q: Quant, dim: int, world_size: int, align: int) -> tuple[int, list[tuple[Range, ...]]]:
     pack = q.pack if dim == len(info.shape) - 1 else 1
-    what = f"{info.name} dim {dim}"
     # logical units become whole stored elements (two e2m1 values per byte)
     block = q.block[dim] if dim < len(q.block) else 1
+    what = f"{info.name} dim {dim}"
+    if block > 1:  # the unit is a whole scale block: say so, a cut inside one would split its scale
+        what += f" ({info.dtype} {q.format}, {block}-element scale blocks: a cut may not fall inside one)"
     if rule.merge_block:
         unit = lcm(lcm(rule.unit, pack) // pack, lcm(align, pack) // pack, block)
     else:  # the model fixes the unit (heads, groups): no --align, and block cuts are errors
@@ -251,7 +253,7 @@ def _ranges(rule: Rule, info: TensorInfo, q: Quant, dim: int, world_size: int, a
         ranges = segmented(segs, per)
     else:
         ranges = [(r,) for r in partition_units(size, unit, world_size, exact=rule.split is Split.EXACT, what=what)]
-    check_block_cuts(ranges, block, size, what=f"{what} ({info.dtype} {q.format})", world_size=world_size)
+    check_block_cuts(ranges, block, size, what=f"{info.name} dim {dim} ({info.dtype} {q.format})", world_size=world_size)
     return unit, ranges
 
 
@@ -288,9 +290,11 @@ def resolve(plan: Plan, tensors: dict[str, TensorInfo], config: dict, world_size
     shares: dict[tuple, tuple[int, list]] = {}
     fp8_block = fp8_block_size(config)
     is_scale = {n for n in tensors if n.endswith(SCALE_SUFFIXES)}
+    refused_scales: set[str] = set()  # scales of weights refused above: their weight's problem names them
     for name, info in tensors.items():
         if name in is_scale:
             continue
+        q = None
         try:
             idx, rule, m = _match(plan, name, memo)
             q = detect_quant(info, tensors, fp8_block)
@@ -315,7 +319,9 @@ def resolve(plan: Plan, tensors: dict[str, TensorInfo], config: dict, world_size
                 scales[q.scale] = (tp, q)
         except PlanError as e:
             problems.append(str(e))
-    for name in sorted(is_scale - scales.keys()):
+            if q is not None and q.scale:
+                refused_scales.add(q.scale)
+    for name in sorted(is_scale - scales.keys() - refused_scales):
         problems.append(f"scale tensor {name!r} has no weight tensor it follows")
     if problems:
         raise PlanError(format_problems(f"cannot plan {plan.family} at world_size={world_size}", problems))

@@ -43,7 +43,9 @@ def reference_run(ckpt: Path, ids: torch.Tensor) -> dict:
     """transformers: prefill logits ``[T, V]``, greedy tokens ``[STEPS]``, their step logits, expert weights."""
     from transformers import DynamicCache, GptOssForCausalLM
 
-    model = GptOssForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    from shardsmith.parity.reference import plain_pytorch_kwargs
+
+    model = GptOssForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, **plain_pytorch_kwargs(ckpt)).eval()
     tokens, steps = [], []
     with torch.no_grad():
         cache = DynamicCache(config=model.config)

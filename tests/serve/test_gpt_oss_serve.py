@@ -30,9 +30,10 @@ def greedy(ckpt: Path, prompts: list[list[int]], eos: tuple[int, ...]) -> list[l
     """transformers' greedy continuation of each prompt: ``MAX_TOKENS`` tokens, or up to an EOS included."""
     from transformers import GptOssForCausalLM
 
+    from shardsmith.parity.reference import plain_pytorch_kwargs
     from shardsmith.testing.reference import hf_greedy
 
-    model = GptOssForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    model = GptOssForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, **plain_pytorch_kwargs(ckpt)).eval()
     return hf_greedy(model, prompts, max_tokens=MAX_TOKENS, eos=eos)
 
 
