@@ -490,13 +490,9 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
         t = opts["template"]
         config = target_config(config, layers=t["layers"], experts=t["experts"], kinds=t["kinds"])
     args = V4Args.from_config(config)
-    kernels = {v: os.environ.get(v, "auto") for v in ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS",
-                                                       "SHARDSMITH_DECODE_ATTENTION", "SHARDSMITH_INDEXER_SCORES",
-                                                       "SHARDSMITH_COMPRESSOR_STEP", "SHARDSMITH_HC_PRE",
-                                                       "SHARDSMITH_ROUTER_KERNEL", "SHARDSMITH_HC_POST")}
-    kernels["SHARDSMITH_FP8_SPLIT_SUM"] = os.environ.get("SHARDSMITH_FP8_SPLIT_SUM", "fused")
-    kernels["SHARDSMITH_MERGE_PROJECTIONS"] = os.environ.get("SHARDSMITH_MERGE_PROJECTIONS", "1")
-    kernels["SHARDSMITH_FP8_GEMV"] = os.environ.get("SHARDSMITH_FP8_GEMV", "auto")
+    from shardsmith import settings
+
+    kernels = settings.words(settings.current(), kind="kernel")  # the kernel switches this run had
     row = {"tp": tp, "device": a.device, "dtype": a.dtype, "fp8": a.fp8, "kernels": kernels, "layers": args.n_layers, "layer_kinds": list(args.kinds),
            "experts": args.n_experts, "hidden": args.dim, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
            "max_seq_len_tokens": max_seq_len, "split_seconds": split_s}

@@ -9,11 +9,11 @@ usage/plan/source error, 2 integrity failure); set ``SHARDSMITH_DEBUG=1`` for tr
 
 from __future__ import annotations
 
-import os
 import sys
 
 import typer
 
+from . import settings
 from .errors import ShardsmithError, exit_code_for
 
 app = typer.Typer(
@@ -60,7 +60,7 @@ def main() -> None:
     try:
         app()
     except ShardsmithError as e:
-        if os.environ.get("SHARDSMITH_DEBUG"):
+        if settings.debug():
             raise
         from rich.markup import escape
 

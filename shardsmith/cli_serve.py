@@ -371,30 +371,19 @@ def register(app: typer.Typer) -> None:
 
 
 def _check_serving_environment() -> None:
-    """The serving loop's and the ranks' environment knobs, checked before any rank starts (serve, generate, demo).
+    """The environment's settings, checked before any rank starts (serve, generate, demo).
 
     Raises:
-        UsageError: ``SHARDSMITH_OVERLAP_STEPS`` is neither 0 nor 1, ``SHARDSMITH_STEP_TRACE``
-            names a file that cannot be appended to, ``SHARDSMITH_HOST_PREFETCH`` is not a
-            distance in bytes, ``SHARDSMITH_PIN_CORES`` is neither 0 nor 1, or a kernel switch holds
-            a word it does not take (:func:`~shardsmith.runtime.layers.parallel.check_kernel_switches`),
-            the host kernel's switch or instruction set is not one this CPU takes (``host_kernel.check_settings``),
-            or ``SHARDSMITH_SWITCH_INTERVAL_MS`` / ``SHARDSMITH_EMULATE_H2D_GBPS`` is not a positive number.
+        UsageError: any ``SHARDSMITH_*`` variable holding a value it does not take (every one listed,
+            :mod:`shardsmith.settings`), ``SHARDSMITH_HOST_ISA`` naming a set this CPU lacks, or
+            ``SHARDSMITH_STEP_TRACE`` naming a file that cannot be appended to.
     """
-    from shardsmith.runtime.engine.dist import pin_setting
-    from shardsmith.runtime.engine.scheduler import overlap_setting
-    from shardsmith.runtime.layers.parallel import check_kernel_switches
-    from shardsmith.runtime.offload.host_kernel import check_settings, prefetch_bytes
-    from shardsmith.runtime.offload.link_cap import cap_gb_per_s
-    from shardsmith.runtime.serve.worker import open_step_trace, switch_interval_ms
+    from shardsmith import settings
+    from shardsmith.runtime.offload.host_kernel import check_settings
+    from shardsmith.runtime.serve.worker import open_step_trace
 
-    switch_interval_ms()
-    cap_gb_per_s()
-    overlap_setting()
-    check_kernel_switches()
+    settings.check()
     check_settings()
-    prefetch_bytes()
-    pin_setting()
     trace = open_step_trace()
     if trace is not None:
         trace.close()

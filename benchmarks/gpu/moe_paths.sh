@@ -5,7 +5,7 @@
 #   2. the kernel GPU tests (both paths against the float32 reference at V4 shapes, the pair path's
 #      batch invariance), then `decode_kernels.py --moe-only` on the FP4 TP=1 and bf16 TP=2 banks at
 #      T = 1, 4, 8, 16: the grouped path and the pair path in $PAIR_CONFIGS launch shapes;
-#   3. `batch_step.py` on the 2-layer pack at 1-8 rows, SHARDSMITH_MOE_PATH=grouped then =pairs.
+#   3. `batch_step.py` on the 2-layer pack at 1-8 rows (the engine's own path choice, `pick_path`).
 # Logs and the results JSONs go to $OUT.
 set -uo pipefail
 source benchmarks/gpu/env.sh
@@ -24,10 +24,8 @@ timeout "${BENCH_S:-240}" python3 benchmarks/decode_kernels.py --moe-only --moe-
 echo "bench rc=${PIPESTATUS[0]} $((SECONDS - t0)) s"
 cp benchmarks/results/decode_kernels-*-"$SHARDSMITH_HOST".json "$OUT/" 2>/dev/null
 wait $gen; tail -2 "$OUT/gen.log"; echo "gen + split $((SECONDS - t0)) s"
-for path in grouped pairs; do
-    SHARDSMITH_MOE_PATH=$path timeout "${STEP_S:-150}" python3 benchmarks/batch_step.py /tmp/v4sc-tp1 --device cuda \
-        --dtype bfloat16 --label "resident, $path" --out "$OUT/batch_step-$(date +%Y%m%d)-${SHARDSMITH_HOST}.json" --append \
-        --profile "$OUT/prof-$path" 2>&1 | grep -v INFO | tail -7
-    echo "batch step $path $((SECONDS - t0)) s"
-done
+timeout "${STEP_S:-150}" python3 benchmarks/batch_step.py /tmp/v4sc-tp1 --device cuda \
+    --dtype bfloat16 --label "resident, auto path" --out "$OUT/batch_step-$(date +%Y%m%d)-${SHARDSMITH_HOST}.json" --append \
+    --profile "$OUT/prof-auto" 2>&1 | grep -v INFO | tail -7
+echo "batch step $((SECONDS - t0)) s"
 true

@@ -27,8 +27,9 @@ PIP_TIMEOUT_S = 900
 
 def cache_root() -> Path:
     """``$SHARDSMITH_CACHE`` if set, else ``~/.cache/shardsmith``."""
-    env = os.environ.get("SHARDSMITH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "shardsmith"
+    from shardsmith import settings
+
+    return settings.current().cache_dir
 
 
 def _sha256(path: Path) -> str:

@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardsmith import settings
 from shardsmith.errors import EXIT_CODES, RankLostError, ShardsmithError
 
 
@@ -53,7 +54,7 @@ class RankTask:
 
 # The Triton kernels (FP8 linears, fused experts) take bf16/f16/f32 only: a float64 reference run
 # (of a float32 run) loads with the PyTorch paths they replace (env read once, at load).
-REFERENCE_PATHS = {"SHARDSMITH_FP8_DENSE": "dequantize", "SHARDSMITH_FUSED_EXPERTS": "off"}
+REFERENCE_PATHS = settings.child_env(fp8_dense="dequantize", fused_experts="off")
 
 
 def _load(task: RankTask, rank: int, dtype):

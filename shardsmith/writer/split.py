@@ -39,6 +39,7 @@ from typing import Callable
 import numpy as np
 import xxhash
 
+from .. import settings
 from ..checkpoint import open_checkpoint, slice_bytes
 from ..errors import SourceError, UsageError
 from ..pack.format import PACK_MANIFEST, load_yaml
@@ -270,7 +271,7 @@ def _stream(ckpt, plan, layout: PackLayout, root: Path, journal: Journal, worker
     largest = max((i.nbytes for i in ckpt.tensors.values()), default=0)
     window = _Window(max(largest, MIN_WINDOW))
     writers = {p: FileWriter(root / p, layout.files[p].layout, sync=False) for p in sorted(todo_files)}
-    slow = float(os.environ.get("SHARDSMITH_TEST_SLOW_WRITE", "0") or 0)
+    slow = settings.current().test_slow_write
     lock, failed, errors = threading.Lock(), threading.Event(), []
     done = [0, 0]  # source bytes processed, weight files written
 

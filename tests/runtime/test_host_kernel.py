@@ -194,12 +194,12 @@ def test_row_blocking_changes_no_bit(isa: str) -> None:
 
 
 def test_prefetch_variable_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(host_kernel.PREFETCH_ENV, "2048")
+    monkeypatch.setenv("SHARDSMITH_HOST_PREFETCH", "2048")
     assert host_kernel.prefetch_bytes() == 2048
-    monkeypatch.setenv(host_kernel.PREFETCH_ENV, "lots")
+    monkeypatch.setenv("SHARDSMITH_HOST_PREFETCH", "lots")
     with pytest.raises(UsageError, match="SHARDSMITH_HOST_PREFETCH='lots'"):
         host_kernel.prefetch_bytes()
-    monkeypatch.delenv(host_kernel.PREFETCH_ENV)
+    monkeypatch.delenv("SHARDSMITH_HOST_PREFETCH")
     assert host_kernel.prefetch_bytes() == host_kernel.PREFETCH_BYTES
 
 

@@ -67,11 +67,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_launches(x, w, scale, block, **kw) -> tuple[torch.Tensor, list[str]]:
-    """``fp8_linear``'s output and the names of the kernels it launched."""
+    """``fp8_linear``'s output and the names of the kernels it launched (``gemv`` off unless given;
+    ``gemv=None``: the function's own default)."""
     from shardsmith.runtime.layers.kernels.compile_keys import record_launches
 
+    kw = {"gemv": False, **kw}
+    if kw["gemv"] is None:
+        del kw["gemv"]
     with record_launches(run=True) as keys:
-        out = fp8_linear(x, w, scale, block, backend="triton", **{"gemv": False, **kw})
+        out = fp8_linear(x, w, scale, block, backend="triton", **kw)
     return out, [key[0] for key in keys]
 
 
@@ -138,44 +142,33 @@ def test_fp8_gemv_matches_reference_and_the_dot_kernel(dtype, n, k, block, group
 
 
 @needs_triton
-def test_fp8_gemv_default_switch_and_fallback(monkeypatch):
-    """``SHARDSMITH_FP8_GEMV`` (auto, off) picks the GEMV for one token and is refused by name when
-    wrong; a block that a GEMV tile cannot sit inside (16 rows) and more than one token keep the dot
-    kernel; a grouped call of 2 tokens runs the dot kernel over all rows and keeps the diagonal."""
+def test_fp8_gemv_default_and_fallback():
+    """One token takes the GEMV by default and the dot kernel with ``gemv=False``; a block that a GEMV
+    tile cannot sit inside (16 rows) and more than one token keep the dot kernel; a grouped call of 2
+    tokens runs the dot kernel over all rows and keeps the diagonal."""
     gen = torch.Generator(device=DEV).manual_seed(3)
     w, scale = random_fp8_linear(64, 256, (128, 128), ue8m0=True, gen=gen)
     x = torch.randn(1, 256, generator=gen, device=DEV).bfloat16()
-    assert _fp8_launches(x, w, scale, (128, 128), gemv=None)[1] == ["_fp8_gemv_kernel"]
-    assert _fp8_launches(x.expand(2, 256), w, scale, (128, 128), gemv=None)[1] == ["_fp8_linear_kernel"]
-    monkeypatch.setenv("SHARDSMITH_FP8_GEMV", "off")
-    assert _fp8_launches(x, w, scale, (128, 128), gemv=None)[1] == ["_fp8_linear_kernel"]
-    monkeypatch.setenv("SHARDSMITH_FP8_GEMV", "always")
-    with pytest.raises(KernelError, match="SHARDSMITH_FP8_GEMV='always'"):
-        fp8_linear(x, w, scale, backend="triton")
-    monkeypatch.delenv("SHARDSMITH_FP8_GEMV")
+    assert _fp8_launches(x, w, scale, (128, 128), gemv=True)[1] == ["_fp8_gemv_kernel"]
+    assert _fp8_launches(x.expand(2, 256), w, scale, (128, 128), gemv=True)[1] == ["_fp8_linear_kernel"]
+    assert _fp8_launches(x, w, scale, (128, 128), gemv=False)[1] == ["_fp8_linear_kernel"]
+    assert _fp8_launches(x, w, scale, (128, 128), gemv=None)[1] == ["_fp8_gemv_kernel"]  # the default
     w16, s16 = random_fp8_linear(64, 256, (16, 128), ue8m0=True, gen=gen)
-    assert _fp8_launches(x, w16, s16, (16, 128), gemv=None)[1] == ["_fp8_linear_kernel"]
+    assert _fp8_launches(x, w16, s16, (16, 128), gemv=True)[1] == ["_fp8_linear_kernel"]
     xg = torch.randn(2, 4, 256, generator=gen, device=DEV)
-    out, names = _fp8_launches(xg, w, scale, (128, 128), groups=4, gemv=None)
+    out, names = _fp8_launches(xg, w, scale, (128, 128), groups=4, gemv=True)
     assert names == ["_fp8_linear_kernel"] and out.shape == (2, 64)
     assert rel_error(out, fp8_linear_reference(xg.double(), w, scale, (128, 128), 4)) < 1e-6
     with pytest.raises(KernelError, match="groups=3"):
         fp8_linear(xg, w, scale, groups=3, backend="triton")
 
 
-def test_split_sum_switch_and_counters_growth(monkeypatch):
-    """``SHARDSMITH_FP8_SPLIT_SUM`` sets ``fused_sum``'s default and is refused by name when wrong;
-    the counters grow (at least doubling) when a launch needs more tiles, keeping the old buffer."""
+def test_split_counters_growth(monkeypatch):
+    """The split-K counters grow (at least doubling) when a launch needs more tiles, keeping the old buffer."""
     import sys
 
     mod = sys.modules["shardsmith.runtime.layers.kernels.fp8_linear"]
-    _fused_sum_default, split_counters = mod._fused_sum_default, mod.split_counters
-    assert _fused_sum_default()
-    monkeypatch.setenv("SHARDSMITH_FP8_SPLIT_SUM", "separate")
-    assert not _fused_sum_default()
-    monkeypatch.setenv("SHARDSMITH_FP8_SPLIT_SUM", "both")
-    with pytest.raises(KernelError, match="SHARDSMITH_FP8_SPLIT_SUM='both'"):
-        _fused_sum_default()
+    split_counters = mod.split_counters
     monkeypatch.setattr(mod, "_COUNTERS", {})
     monkeypatch.setattr(mod, "_RETIRED", [])
     monkeypatch.setattr(mod, "COUNTERS_MIN", 4)
@@ -282,21 +275,18 @@ def test_kernels_refuse_bad_inputs_listing_every_problem():
         fused_experts(torch.ones(2, 64), ids, weights, **bank, backend="fast")
 
 
-def test_auto_path_by_format_and_batch(monkeypatch):
+def test_auto_path_by_format_and_batch():
     """``auto``: the pair path for FP4 decode batches (<= 16 tokens) and bf16 up to 4, grouped
-    otherwise (FP8 always); ``SHARDSMITH_MOE_PATH`` overrides it, and a bad value is refused by name."""
+    otherwise (FP8 always); an explicit path is taken, FP8 staying grouped; a bad one is refused."""
     from shardsmith.runtime.layers.kernels.fused_moe import _pick, pick_path
 
     assert [pick_path("fp4", t) for t in (1, 8, 16, 17)] == ["pairs", "pairs", "pairs", "grouped"]
     assert [pick_path("dense", t) for t in (1, 4, 5)] == ["pairs", "pairs", "grouped"]
     assert pick_path("fp8", 1) == "grouped"
-    monkeypatch.setenv("SHARDSMITH_MOE_PATH", "grouped")
-    assert _pick("auto", "fp4", 1) == "grouped" and _pick("pairs", "fp4", 1) == "pairs"
-    monkeypatch.setenv("SHARDSMITH_MOE_PATH", "pairs")
-    assert _pick("auto", "dense", 16) == "pairs" and _pick("auto", "fp8", 1) == "grouped"  # FP8 has no pair path
-    monkeypatch.setenv("SHARDSMITH_MOE_PATH", "fastest")
-    with pytest.raises(KernelError, match="SHARDSMITH_MOE_PATH='fastest'"):
-        _pick("auto", "fp4", 1)
+    assert _pick("auto", "fp4", 1) == "pairs" and _pick("grouped", "fp4", 1) == "grouped"
+    assert _pick("pairs", "dense", 16) == "pairs" and _pick("pairs", "fp8", 1) == "grouped"  # FP8 has no pair path
+    with pytest.raises(KernelError, match="path 'fastest'"):
+        _pick("fastest", "fp4", 1)
     with pytest.raises(KernelError, match="path 'fast'"):
         _pick("fast", "fp4", 1)
 

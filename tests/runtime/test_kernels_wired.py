@@ -28,7 +28,7 @@ from shardsmith.errors import UsageError
 from shardsmith.runtime.layers import experts as experts_mod
 from shardsmith.runtime.layers.experts import ExpertBank
 from shardsmith.runtime.layers.kernels import triton_available
-from shardsmith.runtime.layers.parallel import _Linear, kernel_switch
+from shardsmith.runtime.layers.parallel import _Linear, kernel_on
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 7]
 STEPS = 3
@@ -92,26 +92,33 @@ def _linear_bytes(model, plan) -> dict:
 
 
 def test_switch_is_off_on_cpu_unless_forced(monkeypatch):
+    """Each kernel switch as the environment sets it (:mod:`shardsmith.settings`) and as a load reads it."""
+    from shardsmith import settings
+
     cpu = torch.device("cpu")
     for var, off in (("SHARDSMITH_FP8_DENSE", "dequantize"), ("SHARDSMITH_FUSED_EXPERTS", "off"),
                      ("SHARDSMITH_DECODE_ATTENTION", "off"), ("SHARDSMITH_INDEXER_SCORES", "off"),
                      ("SHARDSMITH_COMPRESSOR_STEP", "off"), ("SHARDSMITH_HC_PRE", "off"),
                      ("SHARDSMITH_HC_POST", "off"), ("SHARDSMITH_ROUTER_KERNEL", "off")):
+        field = next(v.field for v in settings.VARIABLES if v.name == var)
+
+        def on() -> bool:
+            return kernel_on(getattr(settings.current(), field), cpu, var)
+
         monkeypatch.delenv(var, raising=False)
-        assert kernel_switch(var, off, cpu) is False  # auto: CUDA only, even under the interpreter
+        assert on() is False  # auto: CUDA only, even under the interpreter
         monkeypatch.setenv(var, off)
-        assert kernel_switch(var, off, cpu) is False
+        assert on() is False
         monkeypatch.setenv(var, "sometimes")
         with pytest.raises(UsageError, match=f"{var}='sometimes': expected auto, kernel or {off}"):
-            kernel_switch(var, off, cpu)
+            on()
         monkeypatch.setenv(var, "kernel")
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(UsageError, match="cannot run on cpu"):
-            kernel_switch(var, off, cpu)
+            on()
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert kernel_switch(var, off, cpu) is triton_available()
-    monkeypatch.delenv("SHARDSMITH_DECODE_ATTENTION", raising=False)  # a kernel not yet run on a GPU: default off
-    assert kernel_switch("SHARDSMITH_DECODE_ATTENTION", "off", torch.device("cuda"), default="off") is False
+        assert on() is triton_available()
+        monkeypatch.delenv(var)
 
 
 def test_cpu_load_keeps_the_dequantize_path(tiny, monkeypatch):

@@ -60,7 +60,9 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monke
     take the grouped path resident), each filled slot the host expert its device key names. ``copy``:
     8 pool rows, 4 of them staging (top-k 4): a one-token call reads every pair from the pool, larger
     ones read the misses past the staging rows from the host."""
-    monkeypatch.setenv("SHARDSMITH_MOE_PATH", "pairs")
+    from shardsmith.runtime.layers.kernels import fused_moe
+
+    monkeypatch.setattr(fused_moe, "pick_path", lambda fmt, tokens: "pairs")  # resident calls too
     rt, banks = _runtime(fmt, monkeypatch, slots=7 if miss == "read" else 8, miss=miss, top_k=4)
     assert rt.slots is not None and rt.decode_sync_free()
     assert (rt.slots.n_slots, rt.slots.n_stage) == ((7, 0) if miss == "read" else (4, 4))

@@ -62,12 +62,12 @@ def test_this_hosts_topology_covers_its_cpus() -> None:
 
 
 def test_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(dist.PIN_ENV, "0")
+    monkeypatch.setenv("SHARDSMITH_PIN_CORES", "0")
     assert dist.pin_cores(0, 2) is None
-    monkeypatch.setenv(dist.PIN_ENV, "on")
+    monkeypatch.setenv("SHARDSMITH_PIN_CORES", "on")
     with pytest.raises(UsageError, match="SHARDSMITH_PIN_CORES='on': expected 0 or 1"):
         dist.pin_cores(0, 2)
-    monkeypatch.delenv(dist.PIN_ENV)
+    monkeypatch.delenv("SHARDSMITH_PIN_CORES")
     assert dist.pin_cores(0, 1) is None  # a single rank keeps every CPU
 
 

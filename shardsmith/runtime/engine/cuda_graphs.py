@@ -71,11 +71,12 @@ Source: PyTorch CUDA graphs notes (https://pytorch.org/docs/stable/notes/cuda.ht
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from shardsmith import settings
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -186,7 +187,7 @@ def compiled(fn: Callable[..., Tensors]) -> Callable[..., Tensors]:
     The pieces' compile happens in their warm-up run, before capture (the server's warm-up: ~65 s
     more on a cold inductor cache for a V4-Flash-shaped model on an H200; the step ran 1.4x faster
     at one row and 1.5x at eight, ``benchmarks/RESULTS.md``)."""
-    if os.environ.get(COMPILE_ENV, "1") != "1" or not torch.cuda.is_available():
+    if not settings.current().compile_pieces or not torch.cuda.is_available():
         return fn
     from torch import _dynamo as dynamo  # (``import torch._dynamo`` here would make ``torch`` a local name)
 

@@ -88,7 +88,6 @@ def _ranges(cpus: list[int]) -> str:
     return ",".join(out)
 
 
-PIN_ENV = "SHARDSMITH_PIN_CORES"
 _SYS_CPU, _SYS_NODE = "/sys/devices/system/cpu", "/sys/devices/system/node"
 
 
@@ -154,12 +153,9 @@ def pin_setting() -> bool:
     Raises:
         UsageError: the variable is neither 0 nor 1.
     """
-    from shardsmith.errors import UsageError
+    from shardsmith import settings
 
-    setting = os.environ.get(PIN_ENV, "").strip() or "1"  # unset or empty: the default
-    if setting not in ("0", "1"):
-        raise UsageError(f"{PIN_ENV}={setting!r}: expected 0 or 1")
-    return setting == "1"
+    return settings.current().pin_cores
 
 
 def pin_cores(local_rank: int, local_world_size: int) -> list[int] | None:

@@ -44,13 +44,13 @@ turns its :class:`~shardsmith.runtime.engine.sampling.StepOutput` items into tex
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from shardsmith import settings
 from shardsmith.errors import UsageError
 from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_on_device, choose_rows, draw,
                                                 make_generator, unpack_choices)
@@ -142,12 +142,9 @@ def overlap_setting() -> bool | None:
     """``$SHARDSMITH_OVERLAP_STEPS``: ``0`` off, ``1`` on (a CPU too), unset None.
 
     Raises:
-        UsageError: the variable is set to something other than 0 or 1.
+        UsageError: the variable is set to something other than 0 or 1 (:mod:`shardsmith.settings`).
     """
-    value = os.environ.get(OVERLAP_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise UsageError(f"{OVERLAP_ENV}={value!r}: expected 0 or 1")
-    return None if not value else value == "1"
+    return settings.current().overlap_steps
 
 
 def default_overlap(engine: Any) -> bool:

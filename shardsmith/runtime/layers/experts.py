@@ -56,7 +56,8 @@ from torch import nn
 from shardsmith.dtypes import DTYPES
 from shardsmith.errors import RuntimeLoadError
 from shardsmith.runtime.layers.kernels import fused_experts
-from shardsmith.runtime.layers.parallel import Shards, kernel_switch
+from shardsmith import settings
+from shardsmith.runtime.layers.parallel import Shards, kernel_on
 from shardsmith.runtime.layers.quant import bank_format, dequantize_fp4, expert_weights
 from shardsmith.runtime.layers.staging import rows_by_expert
 
@@ -315,7 +316,7 @@ class ExpertBank(RoutedExperts):
     def use_kernel_(self, device: torch.device) -> None:
         """Run decode-sized steps through :func:`fused_experts` when ``SHARDSMITH_FUSED_EXPERTS``
         allows on ``device``; an FP8 bank then stays FP8 (:meth:`dequantize_` keeps it)."""
-        self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device)
+        self.kernel = kernel_on(settings.current().fused_experts, device, "SHARDSMITH_FUSED_EXPERTS")
 
     def fused(self, tokens: int, k: int) -> bool:
         """Whether ``tokens`` tokens over ``k`` experts each run :func:`fused_experts`."""

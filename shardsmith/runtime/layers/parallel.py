@@ -29,7 +29,6 @@ replaces them with the rank's tensors. Legend: T = tokens, D = hidden, V = vocab
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardsmith import settings
 from shardsmith.errors import RuntimeLoadError, UsageError, format_problems
+from shardsmith.settings import Kernel
 from shardsmith.plans.resolve import ResolvedPlan, TensorPlan
 from shardsmith.runtime.layers.kernels import fp8_linear, triton_available
 from shardsmith.runtime.layers.kernels._common import interpreting
@@ -59,7 +60,7 @@ def rank() -> int:
 
 # gloo: up to this many elements, one all-gather + a local sum beats its ring; 0 turns it off
 # (``SHARDSMITH_GLOO_GATHER_MAX``, read at import: benchmarks/decode.py compares both)
-GATHER_REDUCE_MAX_ELEMENTS = int(os.environ.get("SHARDSMITH_GLOO_GATHER_MAX", 1 << 16))
+GATHER_REDUCE_MAX_ELEMENTS = settings.current().gloo_gather_max
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -105,57 +106,22 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 # ------------------------------------------------------------------ layers
 
 
-def kernel_switch(var: str, off: str, device: torch.device, *, default: str = "auto") -> bool:
-    """Whether a Triton kernel path is on for modules on ``device``: environment variable ``var`` is
-    ``auto`` (on for CUDA with Triton installed), ``kernel`` (on; on CPU only under
-    ``TRITON_INTERPRET=1``, for tests) or ``off`` (the PyTorch path); unset or empty: ``default``
-    (``auto``, or ``off`` for a kernel not yet measured on a GPU). Read once, at load.
+def kernel_on(mode: Kernel, device: torch.device, name: str) -> bool:
+    """Whether a Triton kernel path is on for modules on ``device`` under its switch ``mode``
+    (:class:`~shardsmith.settings.Kernel`, the environment variable ``name``): ``auto`` on for CUDA
+    with Triton installed, ``kernel`` on (on CPU only under ``TRITON_INTERPRET=1``, for tests),
+    ``off`` the PyTorch path. Decided once, at load.
 
     Raises:
-        UsageError: another value, or ``kernel`` where the kernel cannot run.
+        UsageError: ``kernel`` where the kernel cannot run.
     """
-    mode = os.environ.get(var, "") or default
-    if mode not in ("auto", "kernel", off):
-        raise UsageError(f"{var}={mode!r}: expected auto, kernel or {off}")
-    if mode == off:
+    if mode is Kernel.OFF:
         return False
-    runnable = triton_available() and (torch.device(device).type == "cuda" or mode == "kernel" and interpreting())
-    if mode == "kernel" and not runnable:
-        raise UsageError(f"{var}=kernel cannot run on {device}: it needs triton (pip install 'shardsmith[kernels]') "
+    runnable = triton_available() and (torch.device(device).type == "cuda" or mode is Kernel.KERNEL and interpreting())
+    if mode is Kernel.KERNEL and not runnable:
+        raise UsageError(f"{name}=kernel cannot run on {device}: it needs triton (pip install 'shardsmith[kernels]') "
                          "and a CUDA device, or TRITON_INTERPRET=1 on CPU")
     return runnable
-
-
-KERNEL_SWITCHES = {"SHARDSMITH_FP8_DENSE": "dequantize", "SHARDSMITH_FUSED_EXPERTS": "off",
-                   "SHARDSMITH_DECODE_ATTENTION": "off", "SHARDSMITH_INDEXER_SCORES": "off",
-                   "SHARDSMITH_COMPRESSOR_STEP": "off", "SHARDSMITH_HC_PRE": "off",
-                   "SHARDSMITH_ROUTER_KERNEL": "off", "SHARDSMITH_HC_POST": "off",
-                   "SHARDSMITH_OFFLOAD_INPLACE": "off"}  # variable: its off word
-
-
-def check_kernel_switches() -> None:
-    """Every kernel switch's value (:data:`KERNEL_SWITCHES`, ``SHARDSMITH_FP8_SPLIT_SUM``, ``SHARDSMITH_FP8_GEMV``,
-    ``SHARDSMITH_MOE_PATH``, ``SHARDSMITH_COMPILE_PIECES``, ``SHARDSMITH_MERGE_PROJECTIONS``), checked before ranks start, so a typo is
-    refused at once and not at load, at the first kernel call, or never (a switch the model does not use).
-
-    Raises:
-        UsageError: a variable holds a word its switch does not take (every such variable listed).
-    """
-    from shardsmith.runtime.engine.cuda_graphs import COMPILE_ENV
-    from shardsmith.runtime.layers.kernels.fp8_linear import GEMV_ENV, GEMVS, SPLIT_SUM_ENV, SUMS
-    from shardsmith.runtime.layers.kernels.fused_moe import PATHS
-
-    problems = [f"{var}={os.environ[var]!r}: expected auto, kernel or {off}" for var, off in KERNEL_SWITCHES.items()
-                if os.environ.get(var, "") not in ("", "auto", "kernel", off)]
-    for var, words in ((SPLIT_SUM_ENV, SUMS), (GEMV_ENV, GEMVS), ("SHARDSMITH_MOE_PATH", PATHS), (COMPILE_ENV, ("0", "1")),
-                       (MERGE_ENV, ("0", "1"))):
-        if os.environ.get(var, "") not in ("", *words):
-            problems.append(f"{var}={os.environ[var]!r}: expected {' or '.join(words)}")
-    if problems:
-        raise UsageError("; ".join(problems))
-
-
-MERGE_ENV = "SHARDSMITH_MERGE_PROJECTIONS"  # 1 (default) or 0: models merge same-input projections on the kernel path
 
 
 def merge_rows(linears: list["_Linear"], name: str) -> torch.Tensor:
@@ -201,7 +167,7 @@ class _Linear(nn.Module):
 
     def use_kernel_(self, device: torch.device) -> None:
         """Keep an FP8 weight FP8 and run :func:`fp8_linear` when ``SHARDSMITH_FP8_DENSE`` allows on ``device``."""
-        self.kernel = self.block is not None and kernel_switch("SHARDSMITH_FP8_DENSE", "dequantize", device)
+        self.kernel = self.block is not None and kernel_on(settings.current().fp8_dense, device, "SHARDSMITH_FP8_DENSE")
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` (FP8 dequantized now)."""

@@ -43,12 +43,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import sys
 from pathlib import Path
 
 import torch
 
+from shardsmith import settings
 from shardsmith.runtime.layers.quant import bank_format
 from ...errors import UsageError
 
@@ -58,8 +58,7 @@ SOURCES = tuple(_HERE / f for f in ("host_kernel.cpp", "host_kernel_scalar.cpp",
                                      "host_kernel_avx512.cpp"))
 HEADER = _HERE / "host_kernel.h"
 ISA_ENV = "SHARDSMITH_HOST_ISA"
-PREFETCH_ENV = "SHARDSMITH_HOST_PREFETCH"
-MAX_PREFETCH_BYTES = 1 << 20  # the kernel's own bound (set_prefetch_bytes in host_kernel.cpp)
+MAX_PREFETCH_BYTES = settings.MAX_PREFETCH_BYTES  # the kernel's own bound (set_prefetch_bytes in host_kernel.cpp)
 PREFETCH_BYTES = 2048  # software prefetch distance of the row functions (set_prefetch_bytes; 0: none;
 # benchmarks/RESULTS.md: of 0-8192 bytes, 2048 gave the best FP4 median on the H200 host, FP8 within noise of 4096)
 
@@ -77,7 +76,7 @@ def _cpu_flags() -> str:
 @functools.cache
 def available() -> bool:
     """Compile (once per machine, cached) and load the kernel; False, with one warning, if that fails."""
-    if os.environ.get("SHARDSMITH_HOST_KERNEL", "1") == "0":
+    if not settings.current().host_kernel:
         return False
     # the build records this environment's include and library paths (torch's cpp_extension writes them
     # into build.ninja), so two environments with the same torch get their own folders, not a rebuild each
@@ -86,7 +85,7 @@ def available() -> bool:
     for f in (*SOURCES, HEADER):
         h.update(f.read_bytes())
     key = h.hexdigest()[:16]
-    root = Path(os.environ.get("SHARDSMITH_CACHE", Path.home() / ".cache" / "shardsmith")) / "host_kernel" / key
+    root = settings.current().cache_dir / "host_kernel" / key
     try:
         from torch.utils.cpp_extension import load
 
@@ -112,16 +111,10 @@ def prefetch_bytes() -> int:
     """The rows' software prefetch distance in bytes: ``$SHARDSMITH_HOST_PREFETCH`` or :data:`PREFETCH_BYTES`.
 
     Raises:
-        UsageError: the variable is not a whole number of bytes in 0 .. 1 MiB.
+        UsageError: the variable is not a whole number of bytes in 0 .. 1 MiB (:mod:`shardsmith.settings`).
     """
-    raw = os.environ.get(PREFETCH_ENV, "")
-    try:
-        value = int(raw) if raw else PREFETCH_BYTES
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_PREFETCH_BYTES:
-        raise UsageError(f"{PREFETCH_ENV}={raw!r}: want a whole number of bytes in 0 .. {MAX_PREFETCH_BYTES}")
-    return value
+    value = settings.current().host_prefetch
+    return PREFETCH_BYTES if value is None else value
 
 
 def current_prefetch_bytes() -> int:
@@ -164,23 +157,18 @@ def isas() -> tuple[str, ...]:
 
 
 def check_settings() -> None:
-    """``SHARDSMITH_HOST_KERNEL`` (0 or 1) and ``SHARDSMITH_HOST_ISA`` (an instruction set this CPU's
-    flags allow), checked without building the kernel: for the CLI, before ranks start.
+    """``SHARDSMITH_HOST_ISA``, when set, names an instruction set this CPU's flags allow; checked
+    without building the kernel: for the CLI, before ranks start.
 
     Raises:
-        UsageError: either names something else (every problem listed).
+        UsageError: a malformed host setting (:mod:`shardsmith.settings`), or an ISA this CPU lacks.
     """
-    problems = []
-    if os.environ.get("SHARDSMITH_HOST_KERNEL", "") not in ("", "0", "1"):
-        problems.append(f"SHARDSMITH_HOST_KERNEL={os.environ['SHARDSMITH_HOST_KERNEL']!r}: expected 0 or 1")
     flags = set(_cpu_flags().split())
     allowed = ["scalar"] + [isa for isa, need in (("avx2", {"avx2", "fma", "f16c"}), ("avx512", {"avx512f", "avx512bw"}))
                             if need <= flags]
-    want = os.environ.get(ISA_ENV, "")
+    want = settings.current().host_isa
     if want and want not in allowed:
-        problems.append(f"{ISA_ENV}={want!r}: this CPU supports {', '.join(allowed)}")
-    if problems:
-        raise UsageError("; ".join(problems))
+        raise UsageError(f"{ISA_ENV}={want!r}: this CPU supports {', '.join(allowed)}")
 
 
 def default_isa() -> str:
@@ -189,7 +177,7 @@ def default_isa() -> str:
     Raises:
         UsageError: the variable names a set this CPU or build lacks.
     """
-    want = os.environ.get(ISA_ENV, "")
+    want = settings.current().host_isa
     if want and want not in isas():
         raise UsageError(f"{ISA_ENV}={want!r}: this CPU and build support {', '.join(isas()) or 'no host kernel'}")
     return want or (isas()[-1] if isas() else "")

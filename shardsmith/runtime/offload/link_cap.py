@@ -16,12 +16,10 @@ slower link's own latency per copy. Unset (the default), nothing changes and not
 from __future__ import annotations
 
 import functools
-import math
-import os
 
 import torch
 
-from ...errors import UsageError
+from shardsmith import settings
 
 ENV = "SHARDSMITH_EMULATE_H2D_GBPS"
 
@@ -30,18 +28,9 @@ def cap_gb_per_s() -> float | None:
     """The emulated link rate in GB/s (1e9 bytes), or None when ``$SHARDSMITH_EMULATE_H2D_GBPS`` is unset or empty.
 
     Raises:
-        UsageError: a value that is not a positive finite number.
+        UsageError: a value that is not a positive finite number (:mod:`shardsmith.settings`).
     """
-    raw = os.environ.get(ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        v = float(raw)
-    except ValueError:
-        v = float("nan")
-    if not (math.isfinite(v) and v > 0):
-        raise UsageError(f"{ENV} must be a rate in GB/s > 0, got {raw!r}")
-    return v
+    return settings.current().emulate_h2d_gbps
 
 
 @functools.cache

@@ -62,16 +62,17 @@ the resident step's value within float32 rounding, not its bits.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from ...errors import UsageError
+from shardsmith import settings
+from shardsmith.errors import UsageError
+from shardsmith.settings import Kernel
 from shardsmith.runtime.layers.experts import (FUSED_TOKENS_MAX, ExpertMath, expand_pairs, expert_output, fused_bank,
                                                routed_pairs)
-from shardsmith.runtime.layers.parallel import kernel_switch
+from shardsmith.runtime.layers.parallel import kernel_on
 from shardsmith.runtime.layers.quant import bank_format
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
 from . import link_cap
@@ -84,10 +85,6 @@ from .miss_copy import copy_misses
 from .probe import ProbeResult, run_probe
 
 log = logging.getLogger("shardsmith.runtime.offload")
-INPLACE_ENV = "SHARDSMITH_OFFLOAD_INPLACE"  # auto | kernel | off: misses read in place (module docstring)
-INPLACE_BLOCKS_ENV = "SHARDSMITH_INPLACE_BLOCKS"  # "block_r,block_g" of the in-place pair launches (benchmarks)
-MISS_ENV = "SHARDSMITH_OFFLOAD_MISS"  # copy | read: how the in-place mode serves a miss (module docstring)
-MISS_MODES = ("copy", "read")
 STAGE_ROWS_DEFAULT = 8  # staging rows when the banks do not say their top-k (the largest of the families: Qwen3-MoE)
 
 
@@ -95,12 +92,9 @@ def miss_mode() -> str:
     """``$SHARDSMITH_OFFLOAD_MISS``: ``copy`` (the default) or ``read`` (module docstring).
 
     Raises:
-        UsageError: another value.
+        UsageError: another value (:mod:`shardsmith.settings`).
     """
-    raw = os.environ.get(MISS_ENV, "") or "copy"
-    if raw not in MISS_MODES:
-        raise UsageError(f"{MISS_ENV}={raw!r}: expected one of {', '.join(MISS_MODES)}")
-    return raw
+    return settings.current().offload_miss.value
 
 
 def inplace_blocks() -> tuple[int, int]:
@@ -110,16 +104,9 @@ def inplace_blocks() -> tuple[int, int]:
     a row read longer contiguous runs of host memory.
 
     Raises:
-        UsageError: not two positive ints.
+        UsageError: not two positive ints (:mod:`shardsmith.settings`).
     """
-    raw = os.environ.get(INPLACE_BLOCKS_ENV, "") or "16,8"
-    try:
-        r, g = (int(v) for v in raw.split(","))
-        if r < 1 or g < 1:
-            raise ValueError
-    except ValueError:
-        raise UsageError(f"{INPLACE_BLOCKS_ENV}={raw!r}: expected two positive ints 'block_r,block_g'") from None
-    return r, g
+    return settings.current().inplace_blocks
 
 
 class OffloadRuntime:
@@ -198,14 +185,15 @@ class OffloadRuntime:
         other than float32 (the kernel's FP8 format) or the family's maths is not the kernel's
         (gpt-oss: :attr:`~shardsmith.runtime.layers.experts.ExpertMath.plain`)."""
         fp8 = [a for a in self.host.layers.values() if bank_format(a["gate_up"]) == "fp8"]
-        self.kernel = kernel_switch("SHARDSMITH_FUSED_EXPERTS", "off", device) and self.math.plain and \
+        env = settings.current()
+        self.kernel = kernel_on(env.fused_experts, device, "SHARDSMITH_FUSED_EXPERTS") and self.math.plain and \
             all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
         # in place (module docstring; on by default on CUDA): the pair path's formats; confirmed at start()
         # (backend, pinning). ``auto`` takes FP4 banks only, the format measured on a GPU (V4); a bf16 family
         # (Mixtral: top-2 of 8) batches many tokens onto one expert, where ``read`` re-reads a repeated miss
         fp4 = all(bank_format(a["gate_up"]) == "fp4" for a in self.host.layers.values())
-        self.inplace = self.kernel and not fp8 and kernel_switch(INPLACE_ENV, "off", device) and \
-            (fp4 or os.environ.get(INPLACE_ENV) == "kernel")
+        self.inplace = self.kernel and not fp8 and kernel_on(env.offload_inplace, device, "SHARDSMITH_OFFLOAD_INPLACE") \
+            and (fp4 or env.offload_inplace is Kernel.KERNEL)
 
     def decode_sync_free(self) -> bool:
         """Whether a decode step's experts run with no host sync: the in-place mode, once started."""

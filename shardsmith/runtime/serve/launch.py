@@ -48,6 +48,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+from shardsmith import settings
 from shardsmith.errors import EXIT_CODES, RankLostError, ShardsmithError, UsageError, error_class, error_class_named, exit_code_for
 from shardsmith.runtime.serve.placement import agree_on_local_ranks, pack_world_size  # noqa: F401 (re-exported)
 
@@ -130,7 +131,7 @@ def free_port() -> int:
 
 
 def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) and "SHARDSMITH_SPAWNED" not in os.environ
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) and not settings.current().spawned
 
 
 def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_rank: int, init_method: str | None) -> int:
@@ -240,12 +241,12 @@ def _name_process(title: str) -> None:
 def _child(rank: int, spec: LaunchSpec, job: Job, env: dict[str, str], log_level: int, reports) -> None:
     _close_resource_tracker()
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "SHARDSMITH_SPAWNED": "1"})
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), **settings.child_env(spawned="1")})
     _name_process(f"shardsmith: rank {rank} of {spec.world_size} {spec.path}")
     setup_logging(rank, log_level)
     if rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 stops us
-    threading.Thread(target=_watch_parent, args=(int(env["SHARDSMITH_PARENT_PID"]),), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(settings.current().parent_pid,), daemon=True).start()
     code = 1
     try:
         code = run_rank(spec, job, rank=rank, world_size=spec.world_size, local_rank=rank, init_method=None)
@@ -281,7 +282,7 @@ def _report(reports, rank: int, e: BaseException) -> None:
     text = str(e) if isinstance(e, ShardsmithError) else f"{type(e).__name__}: {e}"
     if len(text) > REPORT_CHARS:
         text = text[:REPORT_CHARS] + " ... (truncated)"
-    if os.environ.get("SHARDSMITH_DEBUG"):
+    if settings.debug():
         log.error("rank %d failed", rank, exc_info=e)
     try:
         reports.send(RankReport(rank, error_class(e).__name__, text, isinstance(e, RankLostError)))
@@ -335,7 +336,7 @@ def _spawn_and_supervise(spec: LaunchSpec, job: Job, log_level: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = str(max(1, cores // spec.world_size))
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(spec.world_size),
-           "LOCAL_WORLD_SIZE": str(spec.world_size), "SHARDSMITH_PARENT_PID": str(os.getpid()),
+           "LOCAL_WORLD_SIZE": str(spec.world_size), **settings.child_env(parent_pid=str(os.getpid())),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
            "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", threads)}
     if not spec.device.startswith("cuda") and "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():

@@ -29,7 +29,6 @@ import collections
 import enum
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardsmith import settings
 from shardsmith.errors import RankLostError, UsageError
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.tokenizer import Codec, IncrementalDetokenizer, StopStrings
@@ -185,26 +185,7 @@ def emit_all(pairs: list[tuple[Job, TextEvent]]) -> None:
             pass
 
 
-def switch_interval_ms(env: str = "SHARDSMITH_SWITCH_INTERVAL_MS") -> float | None:
-    """``$SHARDSMITH_SWITCH_INTERVAL_MS`` in milliseconds, or None when unset or empty (checked
-    before ranks start, applied by :func:`set_switch_interval`).
-
-    Raises:
-        UsageError: the value is not a positive finite number.
-    """
-    text = os.environ.get(env, "").strip()
-    if not text:
-        return None
-    try:
-        ms = float(text)
-    except ValueError:
-        ms = -1.0
-    if not 0 < ms < float("inf"):
-        raise UsageError(f"{env}={text!r}: expected a positive number of milliseconds")
-    return ms
-
-
-def set_switch_interval(env: str = "SHARDSMITH_SWITCH_INTERVAL_MS") -> float:
+def set_switch_interval() -> float:
     """Apply ``$SHARDSMITH_SWITCH_INTERVAL_MS`` (milliseconds, > 0) as the interpreter's thread
     switch interval (``sys.setswitchinterval``) and return the interval in force, in seconds.
 
@@ -214,9 +195,9 @@ def set_switch_interval(env: str = "SHARDSMITH_SWITCH_INTERVAL_MS") -> float:
     5 ms, two decode steps at 8 streams on an H200). Unset: the default stays.
 
     Raises:
-        UsageError: the value is not a positive number.
+        UsageError: the value is not a positive number (:mod:`shardsmith.settings`).
     """
-    ms = switch_interval_ms(env)
+    ms = settings.current().switch_interval_ms
     if ms is not None:
         sys.setswitchinterval(ms / 1e3)
     return sys.getswitchinterval()
@@ -266,11 +247,11 @@ def open_step_trace() -> StepTrace | None:
     Raises:
         UsageError: the file cannot be opened for appending (named, with the reason).
     """
-    path = os.environ.get("SHARDSMITH_STEP_TRACE", "").strip()
+    path = settings.current().step_trace
     try:
         return StepTrace(path) if path else None
     except OSError as e:
-        raise UsageError(f"SHARDSMITH_STEP_TRACE={path!r}: cannot append to it ({e.strerror})") from e
+        raise UsageError(f"SHARDSMITH_STEP_TRACE={str(path)!r}: cannot append to it ({e.strerror})") from e
 
 
 class EngineWorker:

@@ -22,7 +22,6 @@ features, (b0, b1) = block shape in elements.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +30,6 @@ from shardsmith.runtime.layers.kernels._common import KernelError, interpreting,
 
 BLOCK_K_MAX = 128
 DECODE_M = 16  # rows up to which the decode kernels run (``_fp8_triton.DECODE_M``; one 16-row tile)
-SPLIT_SUM_ENV = "SHARDSMITH_FP8_SPLIT_SUM"  # fused (default) or separate: fp8_linear's fused_sum default
-SUMS = ("fused", "separate")
-GEMV_ENV = "SHARDSMITH_FP8_GEMV"  # auto (default): one-token calls through the GEMV kernel; off: the dot kernel
-GEMVS = ("auto", "off")
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, GEMV_STAGES = 32, 256, 4, 3  # GEMV launch defaults
 GEMV_PROGRAMS_PER_SM = 4  # split-K of the GEMV aims at about this many programs per multiprocessor
 COUNTERS_MIN = 4096  # split-K tile counters first allocated (16 KiB): decode at N <= 131072, block_n 32
@@ -168,20 +163,6 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[i
         raise KernelError("fp8_linear: " + "; ".join(problems))
 
 
-def _fused_sum_default() -> bool:
-    mode = os.environ.get(SPLIT_SUM_ENV, "fused") or "fused"
-    if mode not in SUMS:
-        raise KernelError(f"{SPLIT_SUM_ENV}={mode!r}: expected one of {', '.join(SUMS)}")
-    return mode == "fused"
-
-
-def _gemv_default() -> bool:
-    mode = os.environ.get(GEMV_ENV, "auto") or "auto"
-    if mode not in GEMVS:
-        raise KernelError(f"{GEMV_ENV}={mode!r}: expected one of {', '.join(GEMVS)}")
-    return mode == "auto"
-
-
 def gemv_splits(n: int, k: int, *, block_n: int, block_k: int, sms: int,
                 split_k: int | None = None) -> tuple[int, int]:
     """``(splits, K elements per split)`` of a one-token GEMV over ``[n, k]``: ``split_k`` (default:
@@ -196,8 +177,8 @@ def gemv_splits(n: int, k: int, *, block_n: int, block_k: int, sms: int,
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), *,
                groups: int = 1, split_k: int | None = None, block_n: int | None = None, block_k: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None, fused_sum: bool | None = None,
-               gemv: bool | None = None, backend: str = "auto") -> torch.Tensor:
+               num_warps: int | None = None, num_stages: int | None = None, fused_sum: bool = True,
+               gemv: bool = True, backend: str = "auto") -> torch.Tensor:
     """``x @ (w * scale).T`` with the FP8 weight read once and never dequantized to memory.
 
     Built for decode. One token (``M = 1``, or one token's ``groups`` rows) runs the GEMV kernel
@@ -222,12 +203,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         split_k: K splits (default: from the multiprocessor count); block_n: output features per
             program; block_k: K elements per step of the GEMV (the dot kernel takes ``min(128, b1)``);
             num_warps, num_stages: Triton launch options (defaults: the fastest of the H200 sweeps in
-            ``benchmarks/kernels.py``, per kernel).
+            ``benchmarks/decode_kernels.py``, per kernel).
         fused_sum: add the split-K partials in the kernel's launch (True) or in a second kernel
-            (False; bitwise the same result; the GEMV always adds them in its launch); default
-            ``$SHARDSMITH_FP8_SPLIT_SUM``, ``fused`` (or ``separate``).
-        gemv: run one-token calls through the GEMV kernel (default ``$SHARDSMITH_FP8_GEMV``:
-            ``auto``, or ``off``); it needs ``block_n`` to divide ``b0`` (and ``N/G``), else the dot kernel.
+            (False; bitwise the same result; the GEMV always adds them in its launch).
+        gemv: run one-token calls through the GEMV kernel (False: the dot kernel); it needs
+            ``block_n`` to divide ``b0`` (and ``N/G``), else the dot kernel.
         backend: ``auto`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else the reference),
             ``triton`` or ``reference``.
 
@@ -259,7 +239,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     group_n = N // groups
     gemv_n = block_n or GEMV_BLOCK_N
     if x2.shape[0] == groups and block[0] % gemv_n == 0 and (groups == 1 or group_n % gemv_n == 0) and \
-            (_gemv_default() if gemv is None else gemv):
+            gemv:
         block_k = block_k or GEMV_BLOCK_K
         splits, k_per_split = gemv_splits(N, K, block_n=gemv_n, block_k=block_k, sms=sms, split_k=split_k)
         out = torch.empty(N, dtype=x.dtype, device=x.device)
@@ -277,7 +257,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     ws = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     counters = None
-    if splits > 1 and (_fused_sum_default() if fused_sum is None else fused_sum):
+    if splits > 1 and fused_sum:
         counters = split_counters(x.device, -(-N // block_n) * -(-M // 16))
     _fp8_triton.launch(x2, w, scale, out, ws, counters, block=block, ue8m0=ue8m0, splits=splits,
                        k_per_split=k_per_split, block_n=block_n, block_k=block_k, num_warps=num_warps or 4,

@@ -38,7 +38,6 @@ slots), D = hidden, I_r = this rank's intermediate share (TP-within-expert).
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -175,8 +174,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             ``triton`` or ``reference``.
         path: the Triton kernels: ``grouped`` (pairs sorted by expert, each expert's run of up to
             16 tokens through ``tl.dot``), ``pairs`` (one program row per (token, expert) pair,
-            float32 multiply-adds on CUDA cores; FP4 and plain banks) or ``auto``
-            (``SHARDSMITH_MOE_PATH`` when set, else :func:`pick_path`).
+            float32 multiply-adds on CUDA cores; FP4 and plain banks) or ``auto`` (:func:`pick_path`).
         block_r, block_g: the pair path's output rows per program and scale groups (FP4; plain:
             elements) per loop step (default 8 groups, 256 elements).
         out_dtype: the result's dtype (default ``x.dtype``): float32 returns the float32 sum uncast
@@ -268,10 +266,7 @@ def pick_path(fmt: str, tokens: int) -> str:
 
 def _pick(path: str, fmt: str, tokens: int) -> str:
     if path == "auto":
-        path = os.environ.get("SHARDSMITH_MOE_PATH", "auto") or "auto"
-        if path not in PATHS:
-            raise KernelError(f"SHARDSMITH_MOE_PATH={path!r}: expected one of {', '.join(PATHS)}")
-        path = pick_path(fmt, tokens) if path == "auto" else path
+        path = pick_path(fmt, tokens)
     if path not in PATHS:
         raise KernelError(f"fused_experts: path {path!r}: expected one of {', '.join(PATHS)}")
     if path == "pairs" and fmt == "fp8":

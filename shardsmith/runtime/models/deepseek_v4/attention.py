@@ -41,7 +41,6 @@ S = window keys, C = compressed entries, G = local output groups, o = o_lora_ran
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +49,8 @@ from torch import nn
 from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear
 from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
 from shardsmith.runtime.layers.kernels.sink_attention import sink_attention
-from shardsmith.runtime.layers.parallel import MERGE_ENV, ReplicatedLinear, Shards, kernel_switch, merge_rows
+from shardsmith import settings
+from shardsmith.runtime.layers.parallel import ReplicatedLinear, Shards, kernel_on, merge_rows
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
@@ -145,7 +145,7 @@ class Attention(nn.Module):
         same sums as the separate ones (each output row's dot over ``D``) in a different launch, so
         equal within float32 summation order, not bitwise. ``SHARDSMITH_MERGE_PROJECTIONS=0`` keeps them apart
         (to compare)."""
-        if self.x_fp8 is not None or self.x_dense is not None or os.environ.get(MERGE_ENV, "1") == "0":
+        if self.x_fp8 is not None or self.x_dense is not None or not settings.current().merge_projections:
             return
         fp8 = [self.wq_a, self.wkv]
         if all(type(m) is ReplicatedLinear and m.kernel and m.bias is None and m.block == fp8[0].block
@@ -335,8 +335,9 @@ class Attention(nn.Module):
         ``SHARDSMITH_DECODE_ATTENTION`` allows on ``device`` (``auto``: on CUDA; ``off``: the PyTorch
         path), and with it a CSA layer's index scores through :func:`indexer_scores` when
         ``SHARDSMITH_INDEXER_SCORES`` allows (``auto``, the default, or ``kernel``; ``off``: its reference)."""
-        self.kernel = kernel_switch("SHARDSMITH_DECODE_ATTENTION", "off", device)
-        self.index_kernel = self.kernel and kernel_switch("SHARDSMITH_INDEXER_SCORES", "off", device)
+        env = settings.current()
+        self.kernel = kernel_on(env.decode_attention, device, "SHARDSMITH_DECODE_ATTENTION")
+        self.index_kernel = self.kernel and kernel_on(env.indexer_scores, device, "SHARDSMITH_INDEXER_SCORES")
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""

@@ -22,7 +22,6 @@ Legend: T = tokens, D = hidden, E = experts, K = experts per token, I_r = local 
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
@@ -30,8 +29,9 @@ from torch import nn
 from shardsmith.runtime.layers.experts import ExpertBank, ExpertMath, swiglu
 from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear
 from shardsmith.runtime.layers.kernels.router import route_topk, route_topk_reference
-from shardsmith.runtime.layers.parallel import (MERGE_ENV, ColumnParallelLinear, ReplicatedLinear, Shards, all_reduce,
-                                                kernel_switch, merge_rows)
+from shardsmith import settings
+from shardsmith.runtime.layers.parallel import (ColumnParallelLinear, ReplicatedLinear, Shards, all_reduce, kernel_on,
+                                                merge_rows)
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 
 BATCHED_PAIRS = 16  # (token, expert) pairs up to which experts are expanded together
@@ -72,7 +72,7 @@ class MoE(nn.Module):
         apart. Equal within float32 summation order (another split-K), not bitwise."""
         se = self.shared_experts
         pair = [se.w1, se.w3]
-        if self.shared_w13 is not None or os.environ.get(MERGE_ENV, "1") == "0":
+        if self.shared_w13 is not None or not settings.current().merge_projections:
             return
         if all(type(m) is type(se.w1) and type(m) in (ReplicatedLinear, ColumnParallelLinear) and m.kernel
                and m.bias is None and m.block == se.w1.block and m.weight.shape[0] % m.block[0] == 0
@@ -94,7 +94,7 @@ class MoE(nn.Module):
     def use_kernel_(self, device: torch.device) -> None:
         """Route up to ``ROUTER_TOKENS`` tokens through :func:`route_topk` when ``SHARDSMITH_ROUTER_KERNEL``
         allows on ``device`` (``auto``: on CUDA; ``off``: :func:`route_topk_reference`, the PyTorch ops)."""
-        self.kernel = kernel_switch("SHARDSMITH_ROUTER_KERNEL", "off", device)
+        self.kernel = kernel_on(settings.current().router_kernel, device, "SHARDSMITH_ROUTER_KERNEL")
 
     def warm_kernel(self, seen: set, *, dtype: torch.dtype) -> int:
         """Route one zero token of ``dtype`` (the activations') through :func:`route_topk`, so its kernel
