@@ -54,7 +54,11 @@ from shardsmith.runtime.models.registry import ModelFamily, family_for
 from shardsmith.runtime.layers.parallel import clamp_threads, install_rank_zero_logging, use_kernels_
 from shardsmith.runtime.layers.quant import dequantize_fp8_
 from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
-from shardsmith.runtime.engine.sampling import SamplingParams, StepOutput, choose, make_generator  # noqa: F401 (re-exported)
+from shardsmith.runtime.engine import penalties
+from shardsmith.runtime.engine.penalties import TokenCounts
+from shardsmith.runtime.engine.sampling import (SamplingParams, StepOutput, choose, choose_rows,  # noqa: F401 (re-exported)
+                                                make_generator, param_problems)
+from shardsmith.runtime.layers.staging import to_device
 from shardsmith.runtime.engine.loader import load_rank_weights
 
 if TYPE_CHECKING:
@@ -240,9 +244,14 @@ class Engine:
         gen = make_generator(params.seed)
         logits = self._step(prompt_ids, 0)[-1]  # [V]
         pos = len(prompt_ids)
+        counts = TokenCounts(1, logits.shape[-1], logits.device) if penalties.counts_tokens(params) else None
+        if counts is not None:
+            counts.reset(0, prompt_ids)
         for i in range(params.max_tokens):
-            c = choose(logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                       generator=gen, logprobs=params.logprobs)
+            scores = penalties.apply(logits[None], [params], [0], [i], counts) if penalties.adjusts(params) else None
+            c = choose_rows(logits[None], [params], [gen], scores=scores)[0]
+            if counts is not None:
+                counts.add(*to_device([torch.tensor([0]), torch.tensor([c.token_id])], logits.device))
             reason = ("stop" if c.token_id in params.stop_token_ids
                       else "length" if i + 1 == params.max_tokens or pos >= self.max_seq_len else None)
             yield StepOutput(c.token_id, c.logprob, c.top_logprobs, reason is not None, reason)
@@ -458,11 +467,7 @@ class Engine:
         if self._closed:
             raise UsageError("the engine was shut down")
         bad = [
-            "max_tokens must be >= 1" if p.max_tokens < 1 else "",
-            "temperature must be >= 0" if not p.temperature >= 0 else "",
-            "top_k must be >= 0" if p.top_k < 0 else "",
-            "top_p must be in (0, 1]" if not 0 < p.top_p <= 1 else "",
-            "logprobs must be >= 0" if p.logprobs < 0 else "",
+            *param_problems(p, self.vocab_size),
             "the prompt is empty" if not ids else "",
             f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}" if len(ids) > self.max_seq_len else "",
             "token ids must be in [0, %d)" % self.vocab_size if any(not 0 <= t < self.vocab_size for t in ids) else "",

@@ -39,7 +39,11 @@ class SamplingParams:
         max_tokens: tokens to generate (>= 1); temperature: 0 greedy, else softmax temperature;
         top_k: 0 for all; top_p: nucleus mass in (0, 1]; seed: per-request seed (None: random);
         stop_token_ids: ids that end the generation (the stop token is yielded, finish "stop");
-        logprobs: how many top logprobs per step (0: none).
+        logprobs: how many top logprobs per step (0: none);
+        min_p: drop tokens whose probability is below ``min_p`` times the best's (0: none);
+        min_tokens: the stop tokens are masked until this many tokens were generated;
+        repetition_penalty, frequency_penalty, presence_penalty, logit_bias (``(token_id, bias)``
+        pairs): :mod:`~shardsmith.runtime.engine.penalties` (1, 0, 0, (): off).
     """
 
     max_tokens: int = 16
@@ -49,6 +53,12 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +92,26 @@ class Choice:
     top_logprobs: tuple[tuple[int, float], ...]
 
 
+def param_problems(p: SamplingParams, vocab: int) -> list[str]:
+    """Every range problem of ``p`` for a vocabulary of ``vocab`` tokens (the ranges vLLM takes),
+    one line each; empty when ``p`` is good."""
+    bad = [
+        "max_tokens must be >= 1" if p.max_tokens < 1 else "",
+        "temperature must be >= 0" if not p.temperature >= 0 else "",
+        "top_k must be >= 0" if p.top_k < 0 else "",
+        "top_p must be in (0, 1]" if not 0 < p.top_p <= 1 else "",
+        "min_p must be in [0, 1]" if not 0 <= p.min_p <= 1 else "",
+        "logprobs must be >= 0" if p.logprobs < 0 else "",
+        f"min_tokens must be in [0, max_tokens={p.max_tokens}]" if not 0 <= p.min_tokens <= p.max_tokens else "",
+        "repetition_penalty must be > 0" if not p.repetition_penalty > 0 else "",
+        "frequency_penalty must be in [-2, 2]" if not -2 <= p.frequency_penalty <= 2 else "",
+        "presence_penalty must be in [-2, 2]" if not -2 <= p.presence_penalty <= 2 else "",
+        f"logit_bias token ids must be in [0, {vocab})" if any(not 0 <= t < vocab for t, _ in p.logit_bias) else "",
+        "logit_bias values must be in [-100, 100]" if any(not -100 <= v <= 100 for _, v in p.logit_bias) else "",
+    ]
+    return [b for b in bad if b]
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     """A CPU generator seeded with ``seed`` (a fresh random seed when ``None``)."""
     g = torch.Generator()
@@ -103,14 +133,17 @@ def filter_logits(logits: torch.Tensor, *, temperature: float, top_k: int, top_p
 
 
 def sorted_filtered(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of ``x`` ``[G, V]`` (float32) scaled by its temperature (:func:`tempered`), sorted best first (stable:
-    equal values in ascending id) and masked by its top-k and then its top-p (``-inf``); with the
-    sort's order. Per-row settings are ``[G]`` tensors on any device (top_k 0: all; top_p 1.0: all).
+    equal values in ascending id) and masked by its top-k, then its top-p, then its min-p (``-inf``);
+    with the sort's order. Per-row settings are ``[G]`` tensors on any device (top_k 0: all; top_p
+    1.0: all; min_p 0 or None: none).
 
     The kept entries are a prefix of each sorted row: top-k keeps every value at least the k-th's
     (ties included), top-p the smallest prefix whose probability reaches ``top_p`` (the best token
-    always stays), computed on the top-k-masked row, as transformers and vLLM order them.
+    always stays), computed on the top-k-masked row, as transformers and vLLM order them; min-p
+    keeps the tokens whose probability is at least ``min_p`` times the best's (transformers'
+    ``MinPLogitsWarper``; the ratio does not change with the tokens the other filters removed).
 
     Returns:
         ``(sorted_masked [G, V] float32, order [G, V] int64)``: ``sorted_masked[g, i]`` is the
@@ -126,6 +159,8 @@ def sorted_filtered(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     probs = torch.softmax(sx, dim=-1)
     before = torch.cumsum(probs, dim=-1) - probs  # mass of the better tokens
     drop = (before >= p[:, None].to(probs.dtype)) & (p < 1.0)[:, None]
+    if min_p is not None:  # p_i / p_best = exp(sx_i) (the best is 0 after tempered)
+        drop |= sx < torch.log(min_p.to(dev, non_blocking=True).to(sx.dtype))[:, None]
     drop[:, 0] = False
     return sx.masked_fill(drop, float("-inf")), order
 
@@ -207,10 +242,12 @@ def choose(logits: torch.Tensor, *, temperature: float = 0.0, top_k: int = 0, to
     return choose_rows(logits[None], [params], [generator])[0]
 
 
-def choose_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
-                     draws: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, int]:
+def choose_on_device(logits: torch.Tensor, params: Sequence[SamplingParams], draws: Sequence[float], *,
+                     scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Every row's choice, computed where ``logits`` ``[B, V]`` are; nothing waits for the device
-    (unless a tie in the top logprobs reaches past :func:`top_logprobs`' window).
+    (unless a tie in the top logprobs reaches past :func:`top_logprobs`' window). ``scores``: the
+    logits the tokens are chosen from when they differ from the model's (penalties, bias:
+    :func:`~shardsmith.runtime.engine.penalties.apply`); log-probabilities stay the model's.
 
     Greedy rows (``temperature <= 0``): argmax, lowest id on ties. Sampled rows: ``draws[b]`` (a
     uniform from the request's generator, :func:`draw`; ignored for greedy rows) through
@@ -223,24 +260,25 @@ def choose_on_device(logits: torch.Tensor, params: Sequence[SamplingParams],
         then its log-probability, then the ids and log-probabilities of the top ``n`` (the most any
         row asks for), as :func:`unpack_choices` reads them.
     """
-    x = logits.float()
-    lp = torch.log_softmax(x, dim=-1)  # [B, V]
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    x = logits.float() if scores is None else scores.float()
     ids = torch.argmax(x, dim=-1)  # [B]
     V = x.shape[-1]
-    plain = [b for b, p in enumerate(params) if p.temperature > 0.0 and not 0 < p.top_k < V and p.top_p >= 1.0]
+    plain = [b for b, p in enumerate(params)
+             if p.temperature > 0.0 and not 0 < p.top_k < V and p.top_p >= 1.0 and p.min_p <= 0.0]
     filtered = [b for b, p in enumerate(params) if p.temperature > 0.0 and b not in plain]
     for group in (plain, filtered):  # unfiltered rows skip the sort: [B, V] sorts cost ms on a CPU
         if not group:
             continue
-        host = torch.tensor([[draws[b], params[b].temperature, params[b].top_k, params[b].top_p] for b in group],
-                            dtype=torch.float64)
-        meta = to_device([host.flatten()], x.device)[0].view(-1, 4)  # [S, 4]: draw, temperature, top_k, top_p
+        host = torch.tensor([[draws[b], params[b].temperature, params[b].top_k, params[b].top_p, params[b].min_p]
+                             for b in group], dtype=torch.float64)
+        meta = to_device([host.flatten()], x.device)[0].view(-1, 5)  # [S, 5]: draw, temperature, top_k, top_p, min_p
         where = None if len(group) == len(params) else to_device([torch.tensor(group)], x.device)[0]
         rows = x if where is None else x[where]
         if group is plain:
             tok = draw_index(torch.softmax(tempered(rows, meta[:, 1]), dim=-1), meta[:, 0])[:, 0]
         else:
-            tok = draw_sorted(*sorted_filtered(rows, meta[:, 1], meta[:, 2].long(), meta[:, 3]), meta[:, 0])
+            tok = draw_sorted(*sorted_filtered(rows, meta[:, 1], meta[:, 2].long(), meta[:, 3], meta[:, 4]), meta[:, 0])
         ids = tok if where is None else ids.index_copy(0, where, tok)
     ids = ids[:, None]
     cols = [ids.double(), lp.gather(1, ids).double()]
@@ -262,7 +300,7 @@ def unpack_choices(rows: list[list[float]], params: Sequence[SamplingParams], n:
 
 
 def choose_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None]) -> list[Choice]:
+                generators: Sequence[torch.Generator | None], *, scores: torch.Tensor | None = None) -> list[Choice]:
     """Pick each row's next token from a batched step's logits ``[B, V]`` on any device: each sampled
     row spends one uniform from ``generators[b]`` (:func:`draw`), every row is chosen where the logits
     are (:func:`choose_on_device`) and one ``[B, 2 + 2n]`` float64 tensor comes back (n = the most
@@ -270,7 +308,8 @@ def choose_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
 
     Args:
         logits: ``[B, V]`` (any float dtype; reduced in float32). params: per row, its
-        :class:`SamplingParams`; generators: per row, its random stream (used by sampled rows).
+        :class:`SamplingParams`; generators: per row, its random stream (used by sampled rows);
+        scores: the adjusted logits to choose from (:func:`choose_on_device`).
 
     Returns:
         B :class:`Choice`, row order.
@@ -282,5 +321,5 @@ def choose_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
     if len(params) != B or len(generators) != B:
         raise ValueError(f"choose_rows: {B} rows of logits but {len(params)} params and {len(generators)} generators")
     draws = [draw(g) if p.temperature > 0.0 else 0.0 for p, g in zip(params, generators)]
-    _, packed, n = choose_on_device(logits, params, draws)
+    _, packed, n = choose_on_device(logits, params, draws, scores=scores)
     return unpack_choices(packed.cpu().tolist(), params, n)  # the step's one device-to-host copy

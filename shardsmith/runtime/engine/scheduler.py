@@ -52,6 +52,8 @@ import torch
 
 from shardsmith import settings
 from shardsmith.errors import UsageError
+from shardsmith.runtime.engine.penalties import TokenCounts, adjusts, counts_tokens
+from shardsmith.runtime.engine.penalties import apply as apply_penalties
 from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_on_device, choose_rows, draw,
                                                 make_generator, unpack_choices)
 from shardsmith.runtime.layers.staging import to_device
@@ -119,6 +121,7 @@ class Sequence:
     generator: torch.Generator | None = field(default=None, repr=False)
     admitted: float = 0.0
     inflight: int = -1  # its row in the step still in flight (its token on the device only), else -1
+    counted: bool = False  # its slot's token counts were reset for it (penalties)
 
 
 @dataclass(eq=False)
@@ -190,6 +193,7 @@ class Scheduler:
         self.engine, self.prefill_chunk, self.decode_prompt_tokens = engine, prefill_chunk, decode_prompt_tokens
         self.running: list[Sequence] = []
         self._free = list(range(engine.max_num_seqs))[::-1]  # pop() gives the lowest slot
+        self.counts: TokenCounts | None = None  # per-slot token counts, made when a penalty first needs them
         self.last_batch = 0  # rows of the last decode step
         self.last_feeding = 0  # of them, rows that fed a prompt token (decode_prompt_tokens)
         self.last_prefill_tokens = 0  # prompt tokens the last step prefilled (eager prefill chunks)
@@ -321,7 +325,9 @@ class Scheduler:
             rows = logits if len(ready) == len(batch) else logits[to_device([torch.tensor(ready)], device)[0]]
             seqs = [batch[b] for b in ready]
             draws = [draw(s.generator) if s.params.temperature > 0.0 else 0.0 for s in seqs]
-            chosen, packed, n = choose_on_device(rows, [s.params for s in seqs], draws)
+            scores = self._scores(rows, seqs, prev)
+            chosen, packed, n = choose_on_device(rows, [s.params for s in seqs], draws, scores=scores)
+            self._count(seqs, chosen)
             fl = _InFlight(seqs, [s.pos for s in seqs], chosen, packed, n)
             if device.type == "cuda":
                 fl.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -358,8 +364,37 @@ class Scheduler:
         """Choose each sequence's next token from its row of ``logits`` ``[B, V]`` (on the engine's
         device: :func:`choose_rows`); a sequence is finished when its token is a stop token, the last
         of ``max_tokens``, or has no position left to be fed at (``max_seq_len``)."""
-        choices = choose_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        scores = self._scores(logits, seqs, None)
+        choices = choose_rows(logits, [s.params for s in seqs], [s.generator for s in seqs], scores=scores)
+        if self.counts is not None and any(counts_tokens(s.params) for s in seqs):
+            self._count(seqs, to_device([torch.tensor([c.token_id for c in choices])], logits.device)[0])
         return [self._step_output(seq, c, seq.pos) for seq, c in zip(seqs, choices)]
+
+    def _scores(self, logits: torch.Tensor, seqs: list[Sequence], prev: _InFlight | None) -> torch.Tensor | None:
+        """The logits ``[R, V]`` the rows choose from, adjusted by their penalties and biases
+        (:func:`~shardsmith.runtime.engine.penalties.apply`), or None when no row adjusts them.
+        ``prev``: the step in flight whose tokens are not counted in ``generated`` yet."""
+        params = [s.params for s in seqs]
+        if not any(adjusts(p) for p in params):
+            return None
+        if any(counts_tokens(p) for p in params):
+            if self.counts is None:
+                self.counts = TokenCounts(self.engine.max_num_seqs, logits.shape[-1], logits.device)
+            for s in seqs:
+                if counts_tokens(s.params) and not s.counted:
+                    self.counts.reset(s.slot, s.prompt_ids)
+                    s.counted = True
+        unread = set(map(id, prev.seqs)) if prev is not None else set()
+        produced = [s.generated + (id(s) in unread) for s in seqs]
+        return apply_penalties(logits, params, [s.slot for s in seqs], produced, self.counts)
+
+    def _count(self, seqs: list[Sequence], chosen: torch.Tensor) -> None:
+        """Add each penalised row's chosen token ``chosen[r]`` (on the device) to its slot's counts."""
+        rows = [r for r, s in enumerate(seqs) if counts_tokens(s.params)]
+        if not rows:
+            return
+        slots, idx = to_device([torch.tensor([seqs[r].slot for r in rows]), torch.tensor(rows)], chosen.device)
+        self.counts.add(slots, chosen[idx])
 
     def _step_output(self, seq: Sequence, c: Choice, pos: int) -> StepOutput:
         """``seq``'s output for token ``c``, to be fed at ``pos``: finished on a stop token, its

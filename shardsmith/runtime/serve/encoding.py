@@ -93,12 +93,17 @@ class MessageEncoding:
 
         DeepSeek's encoder always ends a conversation whose last message is the user's with the
         assistant prefix, so ``add_generation_prompt`` has no effect; ``kwargs`` go to
-        ``encode_messages`` (default ``thinking_mode="chat"``).
+        ``encode_messages`` (default ``thinking_mode="chat"``), except ``thinking`` (the
+        ``chat_template_kwargs`` switch vLLM takes for DeepSeek): true asks for
+        ``thinking_mode="thinking"``, false for ``"chat"``.
 
         Raises:
             ChatTemplateError: the encoder raised, or returned something other than a string.
         """
         try:
+            if "thinking" in kwargs:
+                kwargs = {k: v for k, v in kwargs.items() if k != "thinking"} | \
+                    {"thinking_mode": "thinking" if kwargs["thinking"] else "chat"}
             text = self._encode([dict(m) for m in messages], **({"thinking_mode": "chat"} | kwargs))
         except Exception as e:  # noqa: BLE001
             raise ChatTemplateError(f"{self.source}: encode_messages rejected the messages: "

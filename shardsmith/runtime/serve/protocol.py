@@ -30,6 +30,9 @@ from pydantic_core import PydanticCustomError
 MAX_LOGPROBS = 20
 MAX_N = 128  # choices per request (OpenAI's bound)
 MAX_STOP = 4
+ACCEPTED_FIELDS_DOC = "GET /openapi.json, or README.md's 'Request fields' table"
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
 
 
 class APIError(Exception):
@@ -95,6 +98,7 @@ def _ONLY(*values: Any) -> dict[str, Any]:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: cumulative usage on every chunk
 
 
 class _Sampling(_Strict):
@@ -104,16 +108,24 @@ class _Sampling(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM: -1 (or 0) for all
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stop: str | list[str] | None = None
     n: int | None = Field(1, ge=1, le=MAX_N)  # choices: n sequences from the one prompt, each its own slot
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(0.0, json_schema_extra=_ONLY(0))
-    frequency_penalty: float | None = Field(0.0, json_schema_extra=_ONLY(0))
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None
+    # vLLM's extensions, which load tools (guidellm, aiperf) and chat front ends send
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -134,13 +146,29 @@ class _Sampling(_Strict):
             raise invalid("'stop' strings must not be empty", "stop")
         return stops
 
+    def bias_pairs(self, vocab: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token_id, bias)`` pairs, ids ascending.
+
+        Raises:
+            APIError: a key that is not a token id in ``[0, vocab)``, or a bias outside [-100, 100].
+        """
+        out = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise invalid(f"'logit_bias' keys are token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= tid < vocab:
+                raise invalid(f"'logit_bias' token id {tid} is outside the vocabulary [0, {vocab})", "logit_bias")
+            if not -100 <= value <= 100:
+                raise invalid(f"'logit_bias' values must be in [-100, 100], got {value} for token {tid}", "logit_bias")
+            out.append((tid, float(value)))
+        if len(out) > MAX_LOGIT_BIAS:
+            raise invalid(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(out)}", "logit_bias")
+        return tuple(sorted(out))
+
     def check_supported(self) -> None:
-        """Refuse defined-but-unimplemented options at a non-neutral value."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise invalid(f"'{name}' is not supported (must be 0), got {getattr(self, name)}", name)
-        if self.logit_bias:
-            raise invalid("'logit_bias' is not supported", "logit_bias")
+        """Refuse options at values this server does not take (field combinations)."""
         if self.stream_options is not None and not self.stream:
             raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
 
@@ -234,6 +262,10 @@ class ChatCompletionRequest(_Sampling):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    # vLLM's chat extensions: the template's own options, and where the prompt ends
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -248,6 +280,16 @@ class ChatCompletionRequest(_Sampling):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise invalid("give 'max_completion_tokens' or 'max_tokens', not both", "max_completion_tokens")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise invalid("'continue_final_message' continues the last message: set 'add_generation_prompt' "
+                          "to false", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise invalid(f"'continue_final_message' needs an assistant message last, got "
+                          f"'{self.messages[-1].role}'", "continue_final_message")
+        reserved = {"messages", "add_generation_prompt"} & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise invalid(f"'chat_template_kwargs' may not set {sorted(reserved)}: they are request fields",
+                          "chat_template_kwargs")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -294,6 +336,8 @@ def validation_error(errors: list[dict[str, Any]], *, content_type: str | None =
         kinds = [_UNION_MEMBERS[m] for m in dict.fromkeys(members)]
         parts.append(f"'{where}' must be {', '.join(kinds[:-1])} or {kinds[-1]}" if len(kinds) > 1 else
                      f"'{where}' must be {kinds[0]}")
+    if any(e.get("type") == "extra_forbidden" for e in errors):
+        parts.append(f"the accepted fields: {ACCEPTED_FIELDS_DOC}")
     return invalid("; ".join(parts) or "invalid request", param)
 
 

@@ -66,6 +66,8 @@ class Prepared:
     stop: list[str]
     want_logprobs: bool
     n: int = 1
+    include_stop: bool = False
+    skip_special_tokens: bool = True
 
 
 class Service:
@@ -128,10 +130,7 @@ class Service:
         engine = self._ready_engine()
         codec = self.worker.codec
         if isinstance(req, ChatCompletionRequest):
-            try:
-                text = self.template(engine.root).render([m.for_template() for m in req.messages])
-            except ChatTemplateError as e:
-                raise invalid(str(e), "messages") from e
+            text = render_chat(self.template(engine.root), req)
             prompt_ids, param, max_tokens = codec.encode(text), "messages", req.requested_max_tokens()
             want, top_n = req.logprobs, req.top_logprobs or 0
         else:
@@ -155,17 +154,30 @@ class Service:
                           f"{n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} for the completion)",
                           param if n_prompt >= ctx else "max_tokens", "context_length_exceeded")
         d = self._generation_defaults(engine.root)
+        vocab = min(codec.vocab_size, getattr(engine, "vocab_size", codec.vocab_size))
+        bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"'stop_token_ids' must be token ids in [0, {vocab}), got {bad[:5]}", "stop_token_ids")
+        stops = tuple(dict.fromkeys([*([] if req.ignore_eos else codec.eos_token_ids), *(req.stop_token_ids or ())]))
+        min_tokens = req.min_tokens or 0
+        if min_tokens > max_tokens:
+            raise invalid(f"'min_tokens' ({min_tokens}) is more than the completion may hold ({max_tokens} tokens)",
+                          "min_tokens")
+        top_k = d["top_k"] if req.top_k is None else max(req.top_k, 0)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=d["temperature"] if req.temperature is None else req.temperature,
-            top_k=d["top_k"] if req.top_k is None else req.top_k,
-            top_p=d["top_p"] if req.top_p is None else req.top_p,
-            seed=req.seed, stop_token_ids=tuple(codec.eos_token_ids), logprobs=top_n if want else 0)
+            top_k=top_k, top_p=d["top_p"] if req.top_p is None else req.top_p,
+            seed=req.seed, stop_token_ids=stops, logprobs=top_n if want else 0,
+            min_p=req.min_p or 0.0, min_tokens=min_tokens,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+            logit_bias=req.bias_pairs(vocab))
         n = req.n or 1
         if n > (cap := self.worker.capacity()):
             raise invalid(f"n={n} choices cannot run at once on this server: it holds {cap} sequences "
                           f"(--max-num-seqs slots plus --max-queue)", "n")
-        return Prepared(prompt_ids, params, stop, want, n)
+        return Prepared(prompt_ids, params, stop, want, n, req.include_stop_str_in_output, req.skip_special_tokens)
 
     def submit(self, p: Prepared) -> list[Job]:
         """Queue the request's ``n`` choices on the engine thread, all or none (before any response
@@ -177,7 +189,8 @@ class Service:
         """
         loop, seed = asyncio.get_running_loop(), p.params.seed
         jobs = [Job(p.prompt_ids, p.params if seed is None or i == 0 else dataclasses.replace(p.params, seed=_nth_seed(seed, i)),
-                    tuple(p.stop), loop) for i in range(p.n)]
+                    tuple(p.stop), loop, include_stop=p.include_stop, skip_special_tokens=p.skip_special_tokens)
+                for i in range(p.n)]
         try:
             self.worker.submit(*jobs)
         except QueueFull as e:
@@ -238,6 +251,40 @@ class Service:
             job.cancelled.set()  # no-op when done; stops generation when the client went away
 
 
+def _usage_options(req: CompletionRequest | ChatCompletionRequest) -> dict[str, bool]:
+    """A stream's usage: the last chunk's (``include_usage``), and every chunk's running count too
+    (``continuous_usage_stats``, which vLLM honours with ``include_usage``)."""
+    opts = req.stream_options
+    include = bool(opts and opts.include_usage)
+    return {"include_usage": include, "continuous_usage": include and bool(opts and opts.continuous_usage_stats)}
+
+
+def render_chat(template: ChatTemplate | MessageEncoding, req: ChatCompletionRequest) -> str:
+    """The prompt text of a chat request: its messages through ``template`` with the request's
+    ``chat_template_kwargs`` and ``add_generation_prompt``; with ``continue_final_message`` the text
+    ends where the last (assistant) message's content ends, so the model continues it (vLLM's and
+    transformers' ``continue_final_message``).
+
+    Raises:
+        APIError: 400 when the template refuses the messages or the final message's content cannot be
+            found in the rendered text.
+    """
+    messages = [m.for_template() for m in req.messages]
+    try:
+        text = template.render(messages, add_generation_prompt=req.add_generation_prompt,
+                               **(req.chat_template_kwargs or {}))
+    except ChatTemplateError as e:
+        raise invalid(str(e), "messages") from e
+    if req.continue_final_message:
+        final = messages[-1]["content"].strip()
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise invalid("'continue_final_message': the chat template does not show the final message's content "
+                          "verbatim, so the prompt cannot end inside it", "continue_final_message")
+        text = text[:at + len(final)]
+    return text
+
+
 def _nth_seed(seed: int, i: int) -> int:
     """Choice i's seed: ``seed + i``, wrapped into the range requests take (``[-2**63, 2**64)``)."""
     return seed + i - 2**64 if seed + i >= 2**64 else seed + i
@@ -273,6 +320,27 @@ def _openapi(app: FastAPI, model_name: str) -> dict[str, Any]:
                 param["schema"]["enum"] = [model_name]
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+class HeadAsGet:
+    """ASGI middleware: ``HEAD`` is answered wherever ``GET`` is, with ``GET``'s status and headers
+    and no body (RFC 9110 9.3.2; FastAPI's routes take only the methods they name)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app(dict(scope, method="GET"), receive, headers_only)
 
 
 class BodyLimit:
@@ -332,6 +400,7 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
     app.state.service = svc
     app.openapi = lambda: _openapi(app, model_name)
     app.add_middleware(BodyLimit, limit=max_request_bytes, metrics=metrics)
+    app.add_middleware(HeadAsGet)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -351,14 +420,12 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         return await completion_response(svc, await run_in_threadpool(svc.prepare, req), stream=req.stream,
-                                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                                         request=request)
+                                         **_usage_options(req), request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await chat_response(svc, await run_in_threadpool(svc.prepare, req), stream=req.stream,
-                                   include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                                   request=request)
+                                   **_usage_options(req), request=request)
 
     def card() -> dict[str, Any]:
         engine = worker.engine if worker.state is State.READY else None

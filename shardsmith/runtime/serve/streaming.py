@@ -1,8 +1,9 @@
 """Response bodies for the two generation endpoints: one JSON object, or SSE chunks.
 
 Shapes follow the OpenAI API reference. Streaming sends ``data: {json}\\n\\n`` events and a final
-``data: [DONE]``; with ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a
-last chunk with empty ``choices`` carries the counts. An engine failure after the stream started
+``data: [DONE]``; with ``stream_options.include_usage`` every chunk carries ``"usage": null`` (with
+``continuous_usage_stats`` too: the counts so far) and a last chunk with empty ``choices`` carries
+the counts. An engine failure after the stream started
 is sent as an ``{"error": ...}`` event before ``[DONE]`` (the status line is already out).
 """
 
@@ -98,10 +99,11 @@ def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, A
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def completion_response(svc, p, *, stream: bool, include_usage: bool, request=None):
+async def completion_response(svc, p, *, stream: bool, include_usage: bool, continuous_usage: bool = False,
+                              request=None):
     """``/v1/completions`` body for the prepared request ``p`` (a dict, or a streaming response) with
     its ``p.n`` choices (``index`` 0..n-1); ``request``: the HTTP request, watched for a disconnect
-    (:func:`until_disconnected`)."""
+    (:func:`until_disconnected`); ``continuous_usage``: every chunk carries the usage so far."""
     path, codec, n_prompt = "/v1/completions", svc.worker.codec, len(p.prompt_ids)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": svc.model_name}
@@ -115,7 +117,8 @@ async def completion_response(svc, p, *, stream: bool, include_usage: bool, requ
                     else None, "finish_reason": finish} for i, (text, steps, offsets, finish) in enumerate(got)]
         return head | {"choices": choices, "usage": usage(n_prompt, sum(len(c[1]) for c in got))}
 
-    extra = {"usage": None} if include_usage else {}
+    def extra(n: int) -> dict[str, Any]:
+        return {"usage": usage(n_prompt, n) if continuous_usage else None} if include_usage else {}
 
     async def chunks():
         n, offset = 0, [0] * p.n
@@ -128,14 +131,14 @@ async def completion_response(svc, p, *, stream: bool, include_usage: bool, requ
             lp = completion_logprobs([ev.step], codec, [offset[i]]) if p.want_logprobs else None
             offset[i] += len(ev.text)
             yield head | {"choices": [{"index": i, "text": ev.text, "logprobs": lp,
-                                       "finish_reason": ev.finish_reason}]} | extra
+                                       "finish_reason": ev.finish_reason}]} | extra(n)
         if include_usage:
             yield head | {"choices": [], "usage": usage(n_prompt, n)}
 
     return _sse_response(svc, path, chunks, jobs)
 
 
-async def chat_response(svc, p, *, stream: bool, include_usage: bool, request=None):
+async def chat_response(svc, p, *, stream: bool, include_usage: bool, continuous_usage: bool = False, request=None):
     """``/v1/chat/completions`` body for the prepared request ``p`` (``p.n`` choices); ``request`` as in
     :func:`completion_response`."""
     path, codec, n_prompt = "/v1/chat/completions", svc.worker.codec, len(p.prompt_ids)
@@ -153,23 +156,23 @@ async def chat_response(svc, p, *, stream: bool, include_usage: bool, request=No
                        "usage": usage(n_prompt, sum(len(c[1]) for c in got))}
 
     head = head | {"object": "chat.completion.chunk"}
-    extra = {"usage": None} if include_usage else {}
 
-    def chunk(i: int, delta: dict, *, logprobs=None, finish=None) -> dict[str, Any]:
+    def chunk(i: int, delta: dict, n: int, *, logprobs=None, finish=None) -> dict[str, Any]:
+        extra = {"usage": usage(n_prompt, n) if continuous_usage else None} if include_usage else {}
         return head | {"choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]} | extra
 
     async def chunks():
         for i in range(p.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, {"role": "assistant", "content": ""}, 0)
         n, finish = 0, [None] * p.n
         async for i, ev in svc.choices(jobs):
             if ev is None:  # choice i ended
-                yield chunk(i, {}, finish=finish[i] or "length")
+                yield chunk(i, {}, n, finish=finish[i] or "length")
                 continue
             n += 1
             finish[i] = ev.finish_reason
             if ev.text or p.want_logprobs:
-                yield chunk(i, {"content": ev.text},
+                yield chunk(i, {"content": ev.text}, n,
                             logprobs=chat_logprobs([ev.step], codec) if p.want_logprobs else None)
         if include_usage:
             yield head | {"choices": [], "usage": usage(n_prompt, n)}

@@ -163,8 +163,10 @@ class IncrementalDetokenizer:
             generated token decodes with its leading space.
     """
 
-    def __init__(self, codec: Codec, prompt_ids: list[int], *, context: int = 5) -> None:
+    def __init__(self, codec: Codec, prompt_ids: list[int], *, context: int = 5,
+                 skip_special_tokens: bool = True) -> None:
         self._codec = codec
+        self._skip = skip_special_tokens
         self._ids = list(prompt_ids[-context:]) if context else []
         self._prefix = 0
         self._read = len(self._ids)
@@ -172,8 +174,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text it completes ("" while a character is partial)."""
         self._ids.append(token_id)
-        before = self._codec.decode(self._ids[self._prefix:self._read])
-        after = self._codec.decode(self._ids[self._prefix:])
+        before = self._codec.decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        after = self._codec.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self._prefix, self._read = self._read, len(self._ids)
             return after[len(before):]
@@ -183,8 +185,8 @@ class IncrementalDetokenizer:
         """Text of tokens still held (an incomplete character at the very end shows as U+FFFD)."""
         if self._read >= len(self._ids):
             return ""
-        before = self._codec.decode(self._ids[self._prefix:self._read])
-        after = self._codec.decode(self._ids[self._prefix:])
+        before = self._codec.decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        after = self._codec.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
         self._prefix = self._read = len(self._ids)
         return after[len(before):]
 
@@ -198,17 +200,19 @@ class StopStrings:
         (('Paris.', False), ('', False), ('', True))
     """
 
-    def __init__(self, stops: list[str] | tuple[str, ...]) -> None:
+    def __init__(self, stops: list[str] | tuple[str, ...], *, include: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.include = include  # the stop string itself is emitted (vLLM's include_stop_str_in_output)
         self._pending = ""
 
     def push(self, text: str) -> tuple[str, bool]:
         """Return ``(text safe to emit, stopped)``; once stopped, the rest of the stream is dropped."""
         buf = self._pending + text
-        hits = [i for s in self.stops if (i := buf.find(s)) >= 0]
+        hits = [(i, -len(s)) for s in self.stops if (i := buf.find(s)) >= 0]
         if hits:
             self._pending = ""
-            return buf[:min(hits)], True
+            at, neg_len = min(hits)  # the first stop string; of two starting there, the longer
+            return buf[:at - neg_len if self.include else at], True
         keep = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), keep, -1):

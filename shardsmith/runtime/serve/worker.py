@@ -70,14 +70,17 @@ class TextStream:
 
     Args:
         codec: the tokenizer; prompt_ids: the prompt (seeds the detokenizer window);
-        stop: stop strings; eos_token_ids: ids whose text is not output.
+        stop: stop strings; eos_token_ids: ids whose text is not output when they end the text;
+        include_stop: the stop string or stop token's text is output too;
+        skip_special_tokens: special tokens decode to no text.
     """
 
     def __init__(self, codec: Codec, prompt_ids: list[int], *, stop: Iterable[str] = (),
-                 eos_token_ids: Iterable[int] = ()) -> None:
-        self._detok = IncrementalDetokenizer(codec, prompt_ids)
-        self._stops = StopStrings(list(stop))
-        self._eos = frozenset(eos_token_ids)
+                 eos_token_ids: Iterable[int] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
+        self._detok = IncrementalDetokenizer(codec, prompt_ids, skip_special_tokens=skip_special_tokens)
+        self._stops = StopStrings(list(stop), include=include_stop)
+        self._eos = frozenset() if include_stop else frozenset(eos_token_ids)
 
     def push(self, step: Any) -> TextEvent:
         """The text event of ``step`` (``token_id``, ``finished``, ``finish_reason``)."""
@@ -146,6 +149,7 @@ class Job:
         cancelled: set by the handler when the client went away; the sequence leaves at the next
             step boundary and its slot is freed.
         arrival: perf_counter at submit; tokens: tokens sent so far; last: when the last one was.
+        include_stop, skip_special_tokens: the text side's options (:class:`TextStream`).
     """
 
     prompt_ids: list[int]
@@ -159,6 +163,8 @@ class Job:
     last: float = 0.0
     text: TextStream | None = None
     seq: Any = None
+    include_stop: bool = False
+    skip_special_tokens: bool = True
 
     def emit(self, item: TextEvent | Exception | None) -> None:
         try:
@@ -453,7 +459,8 @@ class EngineWorker:
                 self.metrics.queued(-1)
                 job.emit(e)
                 continue
-            job.text = TextStream(self.codec, job.prompt_ids, stop=job.stop, eos_token_ids=job.params.stop_token_ids)
+            job.text = TextStream(self.codec, job.prompt_ids, stop=job.stop, eos_token_ids=job.params.stop_token_ids,
+                                  include_stop=job.include_stop, skip_special_tokens=job.skip_special_tokens)
             job.last = job.arrival
             self._running.append(job)
             self.metrics.started(len(job.prompt_ids), queue_seconds=time.perf_counter() - job.arrival)
