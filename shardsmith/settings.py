@@ -151,6 +151,16 @@ def _pid(name: str, raw: str) -> int:
 
 MAX_PREFETCH_BYTES = 1 << 20
 
+# switches whose default was settled and that were deleted: set, they are refused with what became of them
+REMOVED = {
+    "SHARDSMITH_MOE_PATH": "the expert kernel's path is chosen by batch and format (fused_moe.pick_path); "
+                           "benchmarks/decode_kernels.py --moe-config path=... compares the paths",
+    "SHARDSMITH_FP8_SPLIT_SUM": "fp8_linear always adds its split-K partials in its own launch; "
+                                "benchmarks/decode_kernels.py times the separate sum",
+    "SHARDSMITH_FP8_GEMV": "one-token FP8 linears always take the GEMV kernel; benchmarks/decode_kernels.py "
+                           "times the dot kernel beside it",
+}
+
 
 def _var(name: str, kind: str, values: str, default: str, doc: str, parse: Callable | None, value: object) -> object:
     """A :class:`Settings` field read from ``SHARDSMITH_<name>``: ``parse(name, raw)`` (None: the raw
@@ -242,6 +252,7 @@ class Settings:
                 values[f.name] = parse(var.name, raw)
             except ValueError as e:
                 problems.append(f"{var.name}={raw!r}: {e}")
+        problems += [f"{name} was removed: {why}" for name, why in REMOVED.items() if (env.get(name) or "").strip()]
         if problems:
             raise UsageError("; ".join(problems))
         return cls(**values)
@@ -250,7 +261,7 @@ class Settings:
 VARIABLES: tuple[Variable, ...] = tuple(
     Variable(**{**{k: getattr(f.metadata["var"], k) for k in ("name", "kind", "values", "default", "doc")},
                 "field": f.name}) for f in fields(Settings))
-_NAMES = tuple(v.name for v in VARIABLES)
+_NAMES = tuple(v.name for v in VARIABLES) + tuple(REMOVED)  # what current() reads
 
 
 @functools.lru_cache(maxsize=16)

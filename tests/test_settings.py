@@ -111,3 +111,11 @@ def test_readme_table_lists_every_variable() -> None:
     rows = dict(re.findall(r"^\| `(SHARDSMITH_[A-Z0-9_]+)` \| ([^|]+) \|", text, re.M))
     want = {v.name: v.kind for v in settings.VARIABLES if v.kind != "internal"}
     assert {k: v.strip() for k, v in rows.items()} == want
+
+
+def test_removed_switches_are_refused_with_what_became_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDSMITH_FP8_GEMV", "off")
+    with pytest.raises(UsageError, match="SHARDSMITH_FP8_GEMV was removed: one-token FP8 linears always take the GEMV"):
+        settings.check()
+    monkeypatch.setenv("SHARDSMITH_FP8_GEMV", "")
+    assert settings.check().fp8_dense is Kernel.AUTO  # empty: unset

@@ -100,19 +100,18 @@ def test_bad_options_fail_before_ranks_start(packs, args, match: str) -> None:
 
 @pytest.mark.parametrize("env,match", [
     ({"SHARDSMITH_OVERLAP_STEPS": "2"}, "SHARDSMITH_OVERLAP_STEPS='2': expected 0 or 1"),
-    ({"SHARDSMITH_HOST_PREFETCH": "-5"}, "SHARDSMITH_HOST_PREFETCH='-5': want a whole number of bytes"),
+    ({"SHARDSMITH_HOST_PREFETCH": "-5"}, "SHARDSMITH_HOST_PREFETCH='-5': expected a whole number in 0 .. 1048576"),
     ({"SHARDSMITH_PIN_CORES": "yes"}, "SHARDSMITH_PIN_CORES='yes': expected 0 or 1"),
     ({"SHARDSMITH_DECODE_ATTENTION": "maybe", "SHARDSMITH_ROUTER_KERNEL": "on", "SHARDSMITH_FP8_SPLIT_SUM": "both",
       "SHARDSMITH_MOE_PATH": "x"},
      "SHARDSMITH_DECODE_ATTENTION='maybe': expected auto, kernel or off; SHARDSMITH_ROUTER_KERNEL='on': expected auto, "
-     "kernel or off; SHARDSMITH_FP8_SPLIT_SUM='both': expected fused or separate; SHARDSMITH_MOE_PATH='x': expected "
-     "auto or grouped or pairs"),
+     "kernel or off; SHARDSMITH_MOE_PATH was removed: the expert kernel's path is chosen by batch and format"),
     ({"SHARDSMITH_HC_POST": "on"}, "SHARDSMITH_HC_POST='on': expected auto, kernel or off"),
-    ({"SHARDSMITH_FP8_GEMV": "always"}, "SHARDSMITH_FP8_GEMV='always': expected auto or off"),
+    ({"SHARDSMITH_FP8_GEMV": "always"}, "SHARDSMITH_FP8_GEMV was removed: one-token FP8 linears always take the GEMV"),
     ({"SHARDSMITH_HOST_ISA": "avx9000", "SHARDSMITH_HOST_KERNEL": "yes"},
-     "SHARDSMITH_HOST_KERNEL='yes': expected 0 or 1; SHARDSMITH_HOST_ISA='avx9000': this CPU supports scalar"),
+     "SHARDSMITH_HOST_KERNEL='yes': expected 0 or 1; SHARDSMITH_HOST_ISA='avx9000': expected scalar, avx2 or avx512"),
     ({"SHARDSMITH_SWITCH_INTERVAL_MS": "0"}, "SHARDSMITH_SWITCH_INTERVAL_MS='0': expected a positive number"),
-    ({"SHARDSMITH_EMULATE_H2D_GBPS": "fast"}, "SHARDSMITH_EMULATE_H2D_GBPS must be a rate in GB/s > 0, got 'fast'"),
+    ({"SHARDSMITH_EMULATE_H2D_GBPS": "fast"}, "SHARDSMITH_EMULATE_H2D_GBPS='fast': expected a positive number"),
     ({"SHARDSMITH_STEP_TRACE": "/nonexistent/dir/steps.jsonl"},
      "SHARDSMITH_STEP_TRACE='/nonexistent/dir/steps.jsonl': cannot append to it (No such file or directory)"),
 ])
