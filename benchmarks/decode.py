@@ -46,7 +46,7 @@ def rank_main(rank: int, world: int, port: int, job: dict, queue) -> None:
         import torch  # noqa: F401
 
         from shardsmith.runtime.engine.engine import Engine, SamplingParams
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         if job["mode"] == "read-floor":  # plain sequential read of this rank's bytes
             t0 = time.perf_counter()

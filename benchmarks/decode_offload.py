@@ -109,7 +109,7 @@ def _rank(rank: int, ws: int, port: int, job: dict, queue) -> None:
         os.environ["LOCAL_RANK"] = str(rank)
         from shardsmith.runtime.engine.engine import Engine, SamplingParams
         from shardsmith.runtime.offload import OffloadConfig
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, ws, master_port=port, device=job["device"])
         rows = []

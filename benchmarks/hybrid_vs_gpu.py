@@ -171,7 +171,7 @@ def main() -> None:
                     help="share of misses the hybrid backend sends to the host (default: the probe's split)")
     ap.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
     a = ap.parse_args()
-    from shardsmith.runtime.layers.parallel import init_distributed
+    from shardsmith.runtime.engine.dist import init_distributed
     from shardsmith.runtime.engine.loader import load_rank_weights
     from shardsmith.writer.split import split_checkpoint
 

@@ -180,7 +180,7 @@ def rank_main(rank: int, world: int, port: int, a: dict, queue) -> None:
     """One rank: every run of ``a["runs"]`` in turn (load, warm-up, timed decode); rank 0 reports rows."""
     try:
         from shardsmith.runtime.engine.engine import Engine
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
         from shardsmith.runtime.offload import OffloadConfig
 
         init_distributed(rank, world, master_port=port, device=a["device"])

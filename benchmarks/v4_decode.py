@@ -218,7 +218,8 @@ def rank_main(rank: int, world: int, port: int, a: dict, out_dir: str) -> None:
     try:
         from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
         from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
-        from shardsmith.runtime.layers.parallel import init_distributed, use_kernels_
+        from shardsmith.runtime.engine.dist import init_distributed
+        from shardsmith.runtime.layers.parallel import use_kernels_
         from shardsmith.runtime.layers.quant import dequantize_fp8_
         from shardsmith.runtime.engine.loader import load_rank_weights
 

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import SourceError
+from .errors import ManifestError, SourceError
 
 if TYPE_CHECKING:  # torch is imported lazily so that planning and --help stay fast
     import torch
@@ -91,3 +91,27 @@ def dtype_name(t: "torch.dtype") -> str:
         if d.torch_name and d.torch_dtype == t:
             return d.name
     raise SourceError(f"torch dtype {t} has no safetensors equivalent")
+
+
+def typed_view(buf: "torch.Tensor", dtype_name: str, shape: tuple[int, ...] | list[int]) -> "torch.Tensor":
+    """The one "bytes + dtype + shape -> tensor": ``uint8`` bytes ``buf`` viewed as ``dtype_name`` (no copy).
+
+    Args:
+        buf: 1-D contiguous ``uint8`` tensor of exactly the tensor's bytes (an mmap, a read buffer).
+        dtype_name: safetensors dtype (:data:`shardsmith.dtypes.DTYPES`).
+        shape: the header shape. ``F4`` (e2m1, two elements per byte) and dtypes this torch lacks
+            stay ``uint8`` with the last dim counted in bytes: ``[..., K] -> [..., K * bits / 8]``.
+
+    Raises:
+        ManifestError: unknown dtype, or ``buf`` is not the byte size of ``shape``.
+    """
+    d = DTYPES.get(dtype_name)
+    if d is None:
+        raise ManifestError(f"dtype {dtype_name!r}: not a safetensors dtype (known: {', '.join(sorted(DTYPES))})")
+    shape = tuple(shape)
+    if buf.numel() != d.nbytes(shape):
+        raise ManifestError(f"{dtype_name}{list(shape)} needs {d.nbytes(shape)} bytes, the buffer holds {buf.numel()}")
+    tdt = d.torch_dtype
+    if tdt is None:
+        return buf.view(*shape[:-1], shape[-1] * d.bits // 8) if shape else buf.view(())
+    return buf.view(tdt).view(shape)

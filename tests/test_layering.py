@@ -10,9 +10,17 @@ modules                     must not import
                             ``torch.distributed`` (models call the parallel layers)
 ``runtime/serve/encoding``  ``runtime/serve/chat`` (chat imports encoding: no cycle)
 ``families.py``             ``torch``, ``runtime/`` (read by ``plan``/``split`` without torch)
+``runtime/layers/``         ``runtime/engine/``, ``runtime/models/``, ``runtime/offload/``,
+                            ``runtime/serve/``
+``runtime/layers/kernels/`` the layers above them (``experts``, ``parallel``); they take the
+                            plain maths from ``quant``, ``pairs`` and ``staging``
+``runtime/engine/``         ``runtime/serve/``
+``runtime/models/<family>`` every other family (shared pieces: ``runtime/models/common``)
+``checkpoint/``, ``plans/`` ``pack/``, ``writer/``, ``runtime/`` (the source side sits below)
 ==========================  ================================================================
 
-Imports inside functions count as well as module-level ones; relative imports are resolved.
+Imports inside functions count as well as module-level ones; relative imports are resolved. And no
+import circle anywhere in ``shardsmith/`` (:func:`circles`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from pathlib import Path
 import shardsmith
 
 PACKAGE = Path(shardsmith.__file__).parent
+
+FAMILIES = ("mixtral", "deepseek_v3", "deepseek_v4", "gpt_oss")
 
 # (importer prefix, forbidden prefix, why)
 RULES = (
@@ -38,6 +48,17 @@ RULES = (
     ("shardsmith.runtime.serve.encoding", "shardsmith.runtime.serve.chat", "chat imports encoding, never back (no cycle)"),
     ("shardsmith.families", "torch", "the registry is read by plan/split without torch"),
     ("shardsmith.families", "shardsmith.runtime", "the registry names runtime builders as dotted paths"),
+    *(("shardsmith.runtime.layers", f"shardsmith.runtime.{up}", "layers sit below the engine, models, offload and serving")
+      for up in ("engine", "models", "offload", "serve")),
+    *(("shardsmith.runtime.layers.kernels", f"shardsmith.runtime.layers.{up}",
+       "kernels sit below the layers that call them (plain maths: quant, pairs, staging)")
+      for up in ("experts", "parallel")),
+    ("shardsmith.runtime.engine", "shardsmith.runtime.serve", "the engine knows nothing of serving"),
+    *((f"shardsmith.runtime.models.{a}", f"shardsmith.runtime.models.{b}",
+       "no family imports another: shared pieces live in runtime/models/common")
+      for a in FAMILIES for b in FAMILIES if a != b),
+    *((f"shardsmith.{low}", f"shardsmith.{up}", "the source side (checkpoint, plans) sits below packs and the runtime")
+      for low in ("checkpoint", "plans") for up in ("pack", "writer", "runtime")),
 )
 
 
@@ -143,3 +164,61 @@ def test_a_clean_tree_and_a_known_exception_pass(tmp_path: Path) -> None:
         "shardsmith.runtime.layers.parallel:2 imports shardsmith.writer.slicing: "
         "the runtime reads packs through shardsmith.pack, never the writer"]
     assert violations(root, known={("shardsmith.runtime.layers.parallel", "shardsmith.writer.slicing")}) == []
+
+
+def circles(root: Path) -> list[list[str]]:
+    """Every import circle among the modules under ``root`` (strongly connected components of two or
+    more modules, or a module importing itself), each sorted, the list sorted. A package's
+    ``__init__`` counts as its module; ``from pkg import name`` counts as importing ``pkg.name``
+    where that is a module, else ``pkg``."""
+    modules = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for names, _ in imports(path, module):
+            base, *members = names
+            targets = [n for n in members if n in modules] or ([base] if base in modules else [])
+            graph[module].update(t for t in targets if t != module or len(names) == 1)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_import_circle() -> None:
+    found = circles(PACKAGE)
+    assert not found, "import circles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_circle_check_finds_a_planted_circle(tmp_path: Path) -> None:
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from shardsmith import b\n",
+        "b.py": "def f():\n    from shardsmith.c import g\n",  # inside a function counts too
+        "c.py": "from . import a\n",
+        "d.py": "import shardsmith.a\n",  # into the circle, not part of it
+    })
+    assert circles(root) == [["shardsmith.a", "shardsmith.b", "shardsmith.c"]]

@@ -236,7 +236,7 @@ def bytes_to_tensor(data: bytearray | memoryview, dtype_name: str, shape: tuple[
     """
     import torch
 
-    from shardsmith.pack.format import typed_view
+    from shardsmith.dtypes import typed_view
 
     t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     return typed_view(t, dtype_name, shape)

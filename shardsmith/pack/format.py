@@ -15,7 +15,7 @@ little-endian header length ``N``, ``N`` bytes of header JSON, the byte buffer) 
 additions of ``manifests/README.md``: the header JSON is space-padded so the buffer starts at a
 multiple of 4096, and each entry starts at a multiple of its file's alignment, the gaps covered by
 ``__padding__.<k>`` ``U8`` entries. :func:`layout_file` fixes every offset from the entries alone;
-:func:`read_header` reads one back; :func:`typed_view` is the one "bytes + dtype + shape -> tensor".
+:func:`read_header` reads one back (:func:`shardsmith.dtypes.typed_view` views its bytes as a tensor).
 """
 
 from __future__ import annotations
@@ -27,17 +27,12 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import xxhash
 import yaml
 
-from shardsmith.dtypes import DTYPES
 from shardsmith.errors import IntegrityError, ManifestError, UsageError
 from shardsmith.strict_parse import DuplicateKeyError, loads_json, loads_yaml
-
-if TYPE_CHECKING:  # torch is imported lazily: verify and --help need none
-    import torch
 
 FORMAT = "shardsmith-pack"
 FORMAT_VERSION = 1
@@ -324,27 +319,3 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
     if len(raw) != n or not isinstance(header, dict):
         raise IntegrityError(f"{path}: header truncated or not a JSON object")
     return header, 8 + n
-
-
-def typed_view(buf: "torch.Tensor", dtype_name: str, shape: tuple[int, ...] | list[int]) -> "torch.Tensor":
-    """The one "bytes + dtype + shape -> tensor": ``uint8`` bytes ``buf`` viewed as ``dtype_name`` (no copy).
-
-    Args:
-        buf: 1-D contiguous ``uint8`` tensor of exactly the tensor's bytes (an mmap, a read buffer).
-        dtype_name: safetensors dtype (:data:`shardsmith.dtypes.DTYPES`).
-        shape: the header shape. ``F4`` (e2m1, two elements per byte) and dtypes this torch lacks
-            stay ``uint8`` with the last dim counted in bytes: ``[..., K] -> [..., K * bits / 8]``.
-
-    Raises:
-        ManifestError: unknown dtype, or ``buf`` is not the byte size of ``shape``.
-    """
-    d = DTYPES.get(dtype_name)
-    if d is None:
-        raise ManifestError(f"dtype {dtype_name!r}: not a safetensors dtype (known: {', '.join(sorted(DTYPES))})")
-    shape = tuple(shape)
-    if buf.numel() != d.nbytes(shape):
-        raise ManifestError(f"{dtype_name}{list(shape)} needs {d.nbytes(shape)} bytes, the buffer holds {buf.numel()}")
-    tdt = d.torch_dtype
-    if tdt is None:
-        return buf.view(*shape[:-1], shape[-1] * d.bits // 8) if shape else buf.view(())
-    return buf.view(tdt).view(shape)

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,8 @@ import xxhash
 from shardsmith.errors import IntegrityError, ManifestError, RuntimeLoadError, format_problems
 from shardsmith.pack.check import check_rank, copied_file_jobs, lstat_inside
 from shardsmith.pack.coverage import json_problems, plan_problems
-from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity, hash_file, load_yaml, rank_dir, root_digest, typed_view
+from shardsmith.dtypes import typed_view
+from shardsmith.pack.format import PACK_MANIFEST, PLAN_FILE, RANK_MANIFEST, check_identity, hash_file, load_yaml, rank_dir, root_digest
 from shardsmith.strict_parse import loads_json
 from shardsmith.pack.records import FileRecord, PackManifest, RankManifest, TensorRecord, parse_pack_manifest
 from shardsmith.plans.resolve import ResolvedPlan

@@ -79,7 +79,7 @@ def rank_main(rank: int, task: RankTask, port: int, reports) -> None:
         import torch
 
         from shardsmith.parity.collect import dtype_phase, reference_phase
-        from shardsmith.runtime.layers.parallel import clamp_threads, init_distributed
+        from shardsmith.runtime.engine.dist import clamp_threads, init_distributed
 
         init_distributed(rank, task.world_size, master_port=port, device=task.device)
         clamp_threads(task.world_size)

@@ -48,7 +48,7 @@ def run_ranks(target: Callable[..., None], world_size: int, *args: Any, timeout:
 
 def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> Any:
     """:func:`run_ranks` of ``fn(*args, rank, world_size)`` on ranks that first join the process group
-    (:func:`~shardsmith.runtime.layers.parallel.init_distributed`: gloo on CPU); rank 0's return value.
+    (:func:`~shardsmith.runtime.engine.dist.init_distributed`: gloo on CPU); rank 0's return value.
 
     ``fn`` must be importable by name (a module-level function), as ``spawn`` pickles it.
 
@@ -61,7 +61,7 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
 
 def _gloo_entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue) -> None:
     try:
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         out = fn(*args, rank, world_size)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plans.resolve import ResolvedPlan
-from shardsmith.pack.banks import BANK_ORDER, bank_specs, expected_entries  # noqa: F401  (re-exported)
+from shardsmith.pack.banks import bank_specs, expected_entries
 from shardsmith.pack.format import BANK_ALIGN, DENSE_ALIGN, FORMAT, FORMAT_VERSION, Entry, FileLayout, layout_file, rank_dir
 
 DEFAULT_MAX_FILE_BYTES = 4 << 30

@@ -2,14 +2,14 @@
 
 The byte arithmetic (:func:`~shardsmith.pack.banks.cut`, the expert-bank layout
 :func:`~shardsmith.pack.banks.bank_specs`) lives in :mod:`shardsmith.pack.banks` so the runtime and
-the pack reader need no writer; it is re-exported here for ``split`` and ``verify --against``.
+the pack reader need no writer.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardsmith.pack.banks import BankArraySpec, bank_specs, cut  # noqa: F401  (re-exported: cuts and banks live in pack/)
+from shardsmith.pack.banks import cut
 
 from ..checkpoint import Checkpoint, bytes_to_tensor
 from ..plans.resolve import TensorPlan

@@ -3,7 +3,7 @@
 Data flow. The main thread reads the source shards sequentially, one tensor at a time in
 (file, offset) order, hashing every byte of every shard (header included) for ``pack.yaml``. Each
 tensor goes to a small thread pool that cuts the shard of every selected rank (a view when the
-shard is contiguous in the source, else one copy, as :func:`~shardsmith.writer.slicing.cut`) and
+shard is contiguous in the source, else one copy, as :func:`~shardsmith.pack.banks.cut`) and
 ``pwrite``s it to its destination: a dense file, or its slot in a layer's expert bank, whose file
 was laid out with its final size before any data (:mod:`.layout`). :class:`~.stwriter.FileWriter`
 hashes each file and tensor in file order as bytes land; files are fsynced together at the end
@@ -49,7 +49,7 @@ from .journal import Journal
 from .layout import DEFAULT_MAX_FILE_BYTES, PackLayout, layout_pack
 from .outdir import check_out, finished_pack, partial_dir, split_lock
 from .packdocs import finalize_pack, plan_json
-from .slicing import cut
+from ..pack.banks import cut
 from .stwriter import FileWriter
 
 MIN_WINDOW = 256 << 20
@@ -87,7 +87,7 @@ def shard_pieces(raw: np.ndarray, tp: TensorPlan, rank: int) -> list[np.ndarray]
     """Rank ``rank``'s shard of source bytes ``raw`` as contiguous pieces written back to back.
 
     Views of ``raw`` when the shard is contiguous in the source (replicated tensors, dim-0 cuts),
-    else one fresh copy from :func:`~shardsmith.writer.slicing.cut`.
+    else one fresh copy from :func:`~shardsmith.pack.banks.cut`.
     """
     if tp.shard_dim is None:
         return [raw]

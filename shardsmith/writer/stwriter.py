@@ -5,8 +5,8 @@ written here instead: entries are declared up front (name, dtype, shape, bytes),
 offset and the file size; then data is written with ``pwrite`` at any offset, in any order, while
 the whole file and each entry are hashed (XXH3-128) in file order.
 
-File layout (:func:`shardsmith.pack.format.layout_file`, which this module re-exports with the
-rest of the header arithmetic; the safetensors format: 8-byte little-endian header length ``N``,
+File layout (:func:`shardsmith.pack.format.layout_file`, which holds the rest of the header
+arithmetic; the safetensors format: 8-byte little-endian header length ``N``,
 ``N`` bytes of header JSON, then the byte buffer), with the two legal additions of ``manifests/README.md``:
 
 - the header JSON is padded with spaces so the byte buffer starts at a multiple of 4096;
@@ -30,8 +30,7 @@ from pathlib import Path
 import xxhash
 
 from shardsmith.errors import IntegrityError
-from shardsmith.pack.format import (DATA_START_ALIGN, PADDING_PREFIX, Entry, FileLayout, Placed, layout_file,  # noqa: F401
-                                    read_header)
+from shardsmith.pack.format import FileLayout
 
 _CHUNK = 8 << 20
 _ZEROS = bytes(1 << 20)

@@ -12,7 +12,8 @@ import yaml
 from shardsmith.checkpoint import open_checkpoint
 from shardsmith.errors import IntegrityError, ManifestError, RuntimeLoadError
 from shardsmith.pack.reader import open_pack, open_rank
-from shardsmith.writer.slicing import bank_specs, rank_tensor
+from shardsmith.pack.banks import bank_specs
+from shardsmith.writer.slicing import rank_tensor
 from shardsmith.writer.split import split_checkpoint
 
 

@@ -17,7 +17,7 @@ from shardsmith.plans import Layout, Plan, Rule, Split, partition_units, plan_ch
 from shardsmith.plans.core import kv_copies
 from shardsmith.plans.resolve import resolve
 from shardsmith.plans.serialize import plan_from_dict, plan_to_dict
-from shardsmith.writer.slicing import bank_specs, cut
+from shardsmith.pack.banks import bank_specs, cut
 
 # world sizes each tiny family must plan at (V3: 8 192-row heads cut 128-row blocks at TP=3;
 # V4: 8 heads and 4 output groups do not divide by 3)

@@ -87,7 +87,7 @@ def _run(pack: str, rank: int, world_size: int) -> dict:
 
 def _rank_main(rank: int, world_size: int, port: int, pack: str, queue) -> None:
     try:
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         out = _run(pack, rank, world_size)

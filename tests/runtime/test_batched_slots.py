@@ -206,7 +206,7 @@ def bad_inputs(model) -> list[str]:
 
 def _rank_main(rank: int, world_size: int, port: int, path: str, family: str, queue) -> None:
     try:
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         res = scenario(load(Path(path), rank, world_size), family)

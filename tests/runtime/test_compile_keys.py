@@ -140,7 +140,7 @@ def _rank_warm(rank: int, world_size: int, port: int, pack: str, out_dir: str, q
     try:
         from shardsmith.runtime.engine.engine import Engine
         from shardsmith.runtime.layers.kernels.compile_keys import record_launches
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         eng = Engine.load(pack, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=64,

@@ -119,7 +119,7 @@ def _rank_main(rank: int, world_size: int, port: int, which: str, arg, queue) ->
     """One gloo rank of ``_eager_vs_graphed`` (``which="v4"``, arg: the pack) or
     ``_family_eager_vs_graphed`` (``"family"``, arg: the packs)."""
     try:
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         run = _eager_vs_graphed if which == "v4" else _family_eager_vs_graphed

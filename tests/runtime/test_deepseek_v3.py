@@ -195,7 +195,7 @@ def _run(rank: int, world_size: int, paths: dict[str, str], ids: list[int], back
 def _rank_main(rank: int, world_size: int, port: int, paths: dict[str, str], ids: list[int], backends: tuple[str, ...],
                queue) -> None:
     try:
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         out = _run(rank, world_size, paths, ids, backends)

@@ -128,7 +128,7 @@ def check(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
 
 def _rank_main(rank: int, world_size: int, port: int, pack: str, queue) -> None:
     try:
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         torch.set_num_threads(1)
         init_distributed(rank, world_size, master_port=port)

@@ -167,7 +167,7 @@ def _rank_main(rank: int, world_size: int, port: int, pack: str, queue) -> None:
 
         from shardsmith.runtime.engine.engine import Engine, SamplingParams
         from shardsmith.runtime.offload import OffloadConfig
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         logs = {}

@@ -400,7 +400,7 @@ def _offload_rank_main(rank: int, world_size: int, port: int, path: str, backend
     import traceback
 
     try:
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         out = _offload_run(rank, world_size, path, backends, ids, tokens)

@@ -7,11 +7,11 @@ and a last split past K. pre/post/comb land within float32 rounding of the refer
 within one rounding of its dtype; three calls in a row give the same bits and leave the split-K
 counters at zero; bad inputs raise one ``KernelError`` naming every problem. The reference is, bit for
 bit, the maths ``HyperMixer.forward`` ran before the kernel (``F.linear`` of ``rms_unweighted``, then
-``hc_mix``). With the block's RMSNorm folded (``out_norm``; bf16 casts in the interpreter rounding to
+``hc_mix``). With the block's RMSNormF32 folded (``out_norm``; bf16 casts in the interpreter rounding to
 nearest even, as the GPU's, ``interpreter_rounds_bf16``), also at V4's D = 4096 and T = 16: the normed
-output is ``ops.RMSNorm`` of the kernel's own collapse (bf16 / float16: the same bits but for rare ties,
+output is ``ops.RMSNormF32`` of the kernel's own collapse (bf16 / float16: the same bits but for rare ties,
 within one rounding always; float32: within 8 ulps, the sum of squares adding in another order),
-within the collapse's tolerance of the reference followed by ``ops.RMSNorm``, and
+within the collapse's tolerance of the reference followed by ``ops.RMSNormF32``, and
 pre/post/comb keep their bits; a mixer given its norm launches only ``hc_pre`` (and, kernel off, runs
 the norm after the same ops as before). GPU (``-m gpu``): V4's shapes (m = 4, D = 4096, bf16) for
 T = 1, 4, 16 against the reference, with and without the norm, the same bits under CUDA-graph capture
@@ -35,7 +35,7 @@ from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
 from shardsmith.runtime.layers.kernels.hc_pre import (BLOCK_D, hc_pre, hc_pre_op, hc_pre_reference, rms_norm_reference,
                                                    splits_for)
 from shardsmith.runtime.layers.kernels.testing import interpreter_rounds_bf16
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm
+from shardsmith.runtime.models.common import RMSNormF32
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 ITERS, EPS, NORM_EPS = 20, 1e-6, 1e-6
@@ -48,9 +48,9 @@ def gpu_rounding():
         yield
 
 
-def _norm(D: int, eps: float, device: str = "cpu", seed: int = 0) -> RMSNorm:
-    """A V4 block norm (``ops.RMSNorm``) with trained-like float32 weights around 1."""
-    norm = RMSNorm(D, eps)
+def _norm(D: int, eps: float, device: str = "cpu", seed: int = 0) -> RMSNormF32:
+    """A V4 block norm (``ops.RMSNormF32``) with trained-like float32 weights around 1."""
+    norm = RMSNormF32(D, eps)
     norm.weight = 1 + 0.5 * torch.randn(D, generator=torch.Generator(device=device).manual_seed(seed), device=device)
     return norm
 
@@ -101,12 +101,12 @@ def test_matches_reference(T, m, D, dtype, split_k, block_k):
 
 
 def _check_normed(got: torch.Tensor, plain: tuple[torch.Tensor, ...], ref_collapsed: torch.Tensor,
-                  norm: RMSNorm, *, max_share: float = 1e-3) -> None:
-    """``got``: hc_pre's normed output; ``plain``: hc_pre's outputs without the norm. Against ``ops.RMSNorm``
+                  norm: RMSNormF32, *, max_share: float = 1e-3) -> None:
+    """``got``: hc_pre's normed output; ``plain``: hc_pre's outputs without the norm. Against ``ops.RMSNormF32``
     of the kernel's own collapse: the sum of squares adds in another order, which moves the float32
     ``rsqrt`` by an ulp or so: in float32 within 8 ulps; in bf16 / float16 within one rounding, and the
     same bits but for at most 0.1% of elements (a value near a tie rounds the other way). Against the
-    reference's collapse through ``ops.RMSNorm``: within ``_close``'s collapse tolerance carried by the
+    reference's collapse through ``ops.RMSNormF32``: within ``_close``'s collapse tolerance carried by the
     norm (``|weight| * rsqrt(mean(c^2) + eps)`` per unit of collapse error)."""
     sep = norm(plain[0])
     assert got.shape == sep.shape and got.dtype == sep.dtype
@@ -155,7 +155,7 @@ def test_norm_folded_matches_reference(gpu_rounding, T, m, D, dtype, split_k, rm
 
 
 def test_rms_norm_reference_is_ops_rmsnorm_bitwise():
-    """``out_norm``'s reference is ``ops.RMSNorm`` (transformers ``DeepseekV4RMSNorm``) op for op."""
+    """``out_norm``'s reference is ``ops.RMSNormF32`` (transformers ``DeepseekV4RMSNorm``) op for op."""
     for dtype in (torch.float32, torch.bfloat16):
         streams, fn, base, scale = _case(7, 4, 64, dtype, seed=2)
         norm = _norm(64, 1e-6, seed=1)

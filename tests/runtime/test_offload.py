@@ -95,7 +95,7 @@ def test_backends_match_resident_world_size_1(packs):
 
 def _rank_main(rank: int, world_size: int, port: int, cases, queue) -> None:
     try:
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         out = _run_cases(rank, world_size, cases, ("float32",))

@@ -15,9 +15,10 @@ def _rank(rank: int, world_size: int, port: int, _unused, queue) -> None:
     try:
         import torch.distributed as dist
 
+        from shardsmith.runtime.engine.dist import init_distributed
         from shardsmith.runtime.layers import parallel
 
-        parallel.init_distributed(rank, world_size, master_port=port)
+        init_distributed(rank, world_size, master_port=port)
         g = torch.Generator().manual_seed(100 + rank)
         out = {}
         for dtype in (torch.float32, torch.bfloat16):

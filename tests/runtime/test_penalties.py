@@ -9,7 +9,6 @@ for it alone, and ``min_tokens`` holds a stop token off.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

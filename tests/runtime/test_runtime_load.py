@@ -225,7 +225,7 @@ def _die_or_drive(rank: int, port: int, path: str, who_dies: int, queue) -> None
     import os
 
     from shardsmith.runtime.engine.engine import RankLostError
-    from shardsmith.runtime.layers.parallel import init_distributed
+    from shardsmith.runtime.engine.dist import init_distributed
 
     init_distributed(rank, 2, master_port=port)
     eng = Engine.load(path, rank=rank, world_size=2, from_checkpoint=True, max_seq_len=32)

@@ -31,7 +31,7 @@ def _rank_main(rank: int, world_size: int, port: int, cases: list[tuple], jobs: 
     """One rank: load each case; rank 0 runs ``jobs`` on it and reports, the others follow."""
     try:
         from shardsmith.runtime.engine.engine import Engine, SamplingParams
-        from shardsmith.runtime.layers.parallel import init_distributed
+        from shardsmith.runtime.engine.dist import init_distributed
 
         init_distributed(rank, world_size, master_port=port)
         out = {}

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from shardsmith.cli import app
 from shardsmith.errors import UsageError
-from shardsmith.runtime.serve.launch import RankFilter, pack_world_size
+from shardsmith.runtime.serve.launch import RankFilter
+from shardsmith.runtime.serve.placement import pack_world_size
 
 runner = CliRunner()
 

@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from shardsmith.cli import app
 from shardsmith.errors import SourceError, UsageError
 from shardsmith.writer.split import split_checkpoint
-from shardsmith.writer.stwriter import Entry, FileWriter, layout_file
+from shardsmith.pack.format import Entry, layout_file
+from shardsmith.writer.stwriter import FileWriter
 from shardsmith.writer.verify import verify_pack
 
 runner = CliRunner()

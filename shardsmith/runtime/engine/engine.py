@@ -28,7 +28,7 @@ the others' next collective raise; the engine turns that into :class:`RankLostEr
 group's timeout is long (idle followers wait in it); the load ends with a ``monitored_barrier``
 (``load_timeout_s``) that names ranks that never finished loading, then every rank's load error is
 gathered and raised on all ranks. On NCCL, a peer dying mid-step is noticed only at the default
-group's timeout (see :func:`~shardsmith.runtime.layers.parallel.init_distributed`).
+group's timeout (see :func:`~shardsmith.runtime.engine.dist.init_distributed`).
 
 Example:
     >>> eng = Engine.load("out/", rank=0, world_size=1)  # doctest: +SKIP
@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 from shardsmith.errors import EXIT_CODES, RankLostError, RuntimeLoadError, UsageError, error_class, error_class_named, format_problems
 from shardsmith.runtime.models.registry import ModelFamily, family_for
-from shardsmith.runtime.layers.parallel import clamp_threads, install_rank_zero_logging, use_kernels_
+from shardsmith.runtime.engine.dist import clamp_threads, install_rank_zero_logging
+from shardsmith.runtime.layers.parallel import use_kernels_
 from shardsmith.runtime.layers.quant import dequantize_fp8_
 from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
 from shardsmith.runtime.engine import penalties
@@ -119,7 +120,7 @@ class Engine:
         the Mixtral family or DeepSeek-V4).
 
         ``torch.distributed`` must already be initialised when ``world_size > 1``
-        (:func:`~shardsmith.runtime.layers.parallel.init_distributed`).
+        (:func:`~shardsmith.runtime.engine.dist.init_distributed`).
 
         Args:
             path: a pack directory, or a checkpoint with ``from_checkpoint``.
@@ -552,7 +553,7 @@ def _command_group(rank: int, world_size: int) -> object | None:
         return None
     if not dist.is_initialized():
         raise RuntimeLoadError(f"world_size={world_size} but torch.distributed is not initialised "
-                               "(call shardsmith.runtime.layers.parallel.init_distributed first)")
+                               "(call shardsmith.runtime.engine.dist.init_distributed first)")
     if dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeLoadError(f"launched as rank {rank} of {world_size} but the process group is rank "
                                f"{dist.get_rank()} of {dist.get_world_size()}")

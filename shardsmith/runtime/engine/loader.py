@@ -34,7 +34,7 @@ from shardsmith.errors import RuntimeLoadError
 from shardsmith.plans import plan_checkpoint
 from shardsmith.plans.resolve import ResolvedPlan
 from shardsmith.pack.banks import bank_specs, cut
-from shardsmith.pack.format import typed_view
+from shardsmith.dtypes import typed_view
 
 
 @runtime_checkable

@@ -43,7 +43,6 @@ from shardsmith.plans.resolve import ResolvedPlan, TensorPlan
 from shardsmith.runtime.layers.kernels import fp8_linear, triton_available
 from shardsmith.runtime.layers.kernels._common import interpreting
 from shardsmith.runtime.layers.quant import dequantize_blocks
-from shardsmith.runtime.engine.dist import clamp_threads, init_distributed, install_rank_zero_logging  # noqa: F401  (re-exported)
 
 # ------------------------------------------------------------------ group helpers
 

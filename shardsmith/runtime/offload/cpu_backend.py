@@ -6,7 +6,7 @@ accumulation, equal to the GPU path within float32 rounding); formats it does no
 does not compute (gpt-oss's GLU with alpha, interleaved gate/up and biases), or a machine where it
 cannot be compiled, dequantize to the compute dtype and run the same SwiGLU as
 the GPU path (:func:`~shardsmith.runtime.layers.experts.expert_output`). Threads: every rank's process gets
-``cores // ranks_on_this_host`` intra-op threads (:func:`~shardsmith.runtime.layers.parallel.clamp_threads`),
+``cores // ranks_on_this_host`` intra-op threads (:func:`~shardsmith.runtime.engine.dist.clamp_threads`),
 pinned to that many CPUs of its own (``engine/dist.py`` ``pin_cores``: whole cores, one NUMA node where
 the split allows), so the ranks' CPU work is partitioned and never oversubscribes the host. The ready log says how
 the host computes (:meth:`CpuExperts.path`): the kernel's instruction set (``kernel avx512``), or,

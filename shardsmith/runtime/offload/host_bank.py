@@ -50,7 +50,7 @@ import xxhash
 
 from shardsmith.errors import IntegrityError, RuntimeLoadError, UsageError
 from shardsmith.pack.banks import stacked_bank_specs
-from shardsmith.pack.format import typed_view
+from shardsmith.dtypes import typed_view
 
 log = logging.getLogger("shardsmith.runtime.offload")
 CHUNK_BYTES = 1 << 30  # per cudaHostRegister call

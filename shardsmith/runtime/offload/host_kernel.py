@@ -7,7 +7,7 @@ of packed FP4 expanded to 50 MB of bf16, written and read again, about 100x the 
 experts) in one kernel call that decodes the stored bytes in registers instead (``host_kernel*.cpp``: FP4 e2m1 + UE8M0 per 32, FP8
 e4m3 + float32 block scales, bf16), shares every decoded vector among up to 8 of the step's tokens,
 and accumulates in float32, with rows split over torch's intra-op threads (the rank's share of the
-cores, :func:`~shardsmith.runtime.layers.parallel.clamp_threads`).
+cores, :func:`~shardsmith.runtime.engine.dist.clamp_threads`).
 
 Instruction sets (:func:`isas`, chosen per call; :func:`default_isa` is the best one, or
 ``$SHARDSMITH_HOST_ISA``): ``scalar`` (plain C++), ``avx2`` (AVX2 + FMA + F16C: FP4 through a pshufb

@@ -70,8 +70,8 @@ import torch.distributed as dist
 from shardsmith import settings
 from shardsmith.errors import UsageError
 from shardsmith.settings import Kernel
-from shardsmith.runtime.layers.experts import (FUSED_TOKENS_MAX, ExpertMath, expand_pairs, expert_output, fused_bank,
-                                               routed_pairs)
+from shardsmith.runtime.layers.experts import FUSED_TOKENS_MAX, ExpertMath, expert_output, fused_bank
+from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs
 from shardsmith.runtime.layers.parallel import kernel_on
 from shardsmith.runtime.layers.quant import bank_format
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
@@ -460,7 +460,7 @@ class OffloadRuntime:
 
         The hits' slots are expanded while the misses copy, then the misses', each into its pairs'
         rows; one pair of batched matmuls over all pairs in pair order follows, so the step is the
-        resident one's maths on the same inputs (:func:`~shardsmith.runtime.layers.experts.routed_pairs`).
+        resident one's maths on the same inputs (:func:`~shardsmith.runtime.layers.pairs.routed_pairs`).
         """
         T, K = index_h.shape
         pairs = index_h.flatten().tolist()  # [P]

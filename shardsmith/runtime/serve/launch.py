@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 from shardsmith import settings
 from shardsmith.errors import EXIT_CODES, RankLostError, ShardsmithError, UsageError, error_class, error_class_named, exit_code_for
-from shardsmith.runtime.serve.placement import agree_on_local_ranks, pack_world_size  # noqa: F401 (re-exported)
+from shardsmith.runtime.serve.placement import agree_on_local_ranks
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
     """Body of one rank: join the group, load, then ``job`` (rank 0) or ``Engine.follow()``."""
     import torch.distributed as dist
 
-    from shardsmith.runtime.layers.parallel import clamp_threads, init_distributed
+    from shardsmith.runtime.engine.dist import clamp_threads, init_distributed
 
     clamp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), local_rank=local_rank)  # and pin (dist.pin_cores)
     device = f"cuda:{local_rank}" if spec.device.startswith("cuda") else "cpu"

@@ -17,6 +17,8 @@ from shardsmith.errors import ShardsmithError
 
 BACKENDS = ("auto", "triton", "reference")
 
+DECODE_M = 16  # rows up to which fp8_linear runs its decode kernels (one 16-row tile)
+
 
 class KernelError(ShardsmithError):
     """A kernel was called with inputs it does not take (shape, dtype, block size, backend)."""

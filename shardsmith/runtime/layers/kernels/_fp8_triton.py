@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from shardsmith.runtime.layers.kernels.fp8_linear import DECODE_M
+from shardsmith.runtime.layers.kernels._common import DECODE_M
 
 
 def _fp8_linear(x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn,

@@ -26,10 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardsmith.runtime.layers.kernels._common import KernelError, interpreting, sm_count, use_triton
+from shardsmith.runtime.layers.kernels._common import DECODE_M, KernelError, interpreting, sm_count, use_triton
 
 BLOCK_K_MAX = 128
-DECODE_M = 16  # rows up to which the decode kernels run (``_fp8_triton.DECODE_M``; one 16-row tile)
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, GEMV_STAGES = 32, 256, 4, 3  # GEMV launch defaults
 GEMV_PROGRAMS_PER_SM = 4  # split-K of the GEMV aims at about this many programs per multiprocessor
 COUNTERS_MIN = 4096  # split-K tile counters first allocated (16 KiB): decode at N <= 131072, block_n 32
@@ -125,10 +124,7 @@ def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, 
 
     Shapes and formats as :func:`fp8_linear`.
     """
-    try:  # the runtime's dequantizer, wherever the layers keep it
-        from shardsmith.runtime.layers.quant import dequantize_blocks
-    except ImportError:
-        from shardsmith.runtime.layers.parallel import dequantize_blocks
+    from shardsmith.runtime.layers.quant import dequantize_blocks
     dense = dequantize_blocks(w, scale_as_float(scale), block, x.dtype)
     if groups == 1:
         return F.linear(x, dense)

@@ -56,7 +56,7 @@ def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
 
     Shapes and formats as :func:`fused_experts`.
     """
-    from shardsmith.runtime.layers.experts import expand_pairs, routed_pairs
+    from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs
     from shardsmith.runtime.layers.quant import expert_weights
 
     sel = ids.flatten()  # [P]

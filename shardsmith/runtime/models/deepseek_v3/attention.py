@@ -38,9 +38,9 @@ from torch import nn
 
 from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v3.config import V3Args
-from shardsmith.runtime.models.mixtral.model import RMSNorm
+from shardsmith.runtime.models.common import RMSNorm
 from shardsmith.runtime.models.seq_slots import Rows
-from shardsmith.runtime.models.mixtral.model import apply_rope as rotate_half_rope
+from shardsmith.runtime.models.common import apply_rope as rotate_half_rope
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the default eps in both sources
 ABSORB_MODES = ("decode", "always", "never")

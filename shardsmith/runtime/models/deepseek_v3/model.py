@@ -29,8 +29,7 @@ from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v3.attention import ABSORB_MODES, MLAttention
 from shardsmith.runtime.models.deepseek_v3.config import V3Args, rope_tables
 from shardsmith.runtime.models.deepseek_v3.moe import MoE
-from shardsmith.runtime.models.mixtral.model import RMSNorm, install_buffers
-from shardsmith.runtime.models.mixtral.moe import MLP
+from shardsmith.runtime.models.common import MLP, RMSNorm, install_buffers
 from shardsmith.runtime.models.seq_slots import Rows, SeqSlots, cache_bytes
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

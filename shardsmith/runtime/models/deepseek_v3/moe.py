@@ -28,7 +28,7 @@ from torch import nn
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
 from shardsmith.runtime.models.deepseek_v3.config import V3Args
 from shardsmith.runtime.layers.experts import ExpertBank, ExpertMath
-from shardsmith.runtime.models.mixtral.moe import MLP
+from shardsmith.runtime.models.common import MLP
 
 
 class Router(nn.Module):

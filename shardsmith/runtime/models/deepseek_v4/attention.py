@@ -53,7 +53,8 @@ from shardsmith import settings
 from shardsmith.runtime.layers.parallel import ReplicatedLinear, Shards, kernel_on, merge_rows
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rms_unweighted, rope_cos_sin
+from shardsmith.runtime.models.common import RMSNormF32
+from shardsmith.runtime.models.deepseek_v4.ops import apply_rope, rms_unweighted, rope_cos_sin
 from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec
 
 QUERY_CHUNK = 1024
@@ -73,10 +74,10 @@ class Attention(nn.Module):
         self.kind, self.window, self.head_dim, self.eps = args.kinds[layer], args.window, args.head_dim, args.norm_eps
         self.o_rank = args.o_lora_rank
         self.wq_a = shards.linear(prefix + ".wq_a")
-        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.q_norm = RMSNormF32(args.q_lora_rank, args.norm_eps)
         self.wq_b = shards.linear(prefix + ".wq_b")
         self.wkv = shards.linear(prefix + ".wkv")
-        self.kv_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.kv_norm = RMSNormF32(args.head_dim, args.norm_eps)
         self.wo_a = shards.linear(prefix + ".wo_a")
         self.wo_b = shards.linear(prefix + ".wo_b")
         (self.n_heads,) = shards.tensor(prefix + ".attn_sink").local_shape(shards.rank)

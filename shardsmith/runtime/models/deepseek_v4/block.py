@@ -25,7 +25,7 @@ from shardsmith.runtime.models.deepseek_v4.attention import Attention
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.hyper import HyperMixer
 from shardsmith.runtime.models.deepseek_v4.moe import MoE
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm
+from shardsmith.runtime.models.common import RMSNormF32
 from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows
 
 
@@ -35,10 +35,10 @@ class Block(nn.Module):
     def __init__(self, args: V4Args, shards: Shards, i: int, freqs: dict[str, torch.Tensor]) -> None:
         super().__init__()
         prefix = f"layers.{i}"
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn_norm = RMSNormF32(args.dim, args.norm_eps)
         self.attn = Attention(args, shards, prefix + ".attn", i, freqs_main=freqs["main"],
                               freqs_compress=freqs["compress"])
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNormF32(args.dim, args.norm_eps)
         self.ffn = MoE(args, shards, prefix, i)
         self.hc_attn = HyperMixer(args.dim, args.hc_mult, args.hc_iters, args.hc_eps, args.norm_eps)
         self.hc_ffn = HyperMixer(args.dim, args.hc_mult, args.hc_iters, args.hc_eps, args.norm_eps)

@@ -34,7 +34,8 @@ from shardsmith.runtime.layers.kernels.compressor_step import compressor_step
 from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
 from shardsmith import settings
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, apply_rope, rope_cos_sin
+from shardsmith.runtime.models.common import RMSNormF32
+from shardsmith.runtime.models.deepseek_v4.ops import apply_rope, rope_cos_sin
 from shardsmith.runtime.models.deepseek_v4.rows import NEG_INF, DecodeRows
 
 
@@ -70,7 +71,7 @@ class Compressor(nn.Module):
         self.wkv = shards.linear(prefix + ".wkv")
         self.wgate = shards.linear(prefix + ".wgate")
         self.register_buffer("ape", torch.empty(ratio, self.width, dtype=torch.float32, device="meta"))
-        self.norm = RMSNorm(dim, eps)
+        self.norm = RMSNormF32(dim, eps)
         self.buf = self.buf_kv = self.buf_gate = self.prev_kv = self.prev_gate = self.entries = None
         self.kernel = False  # step through the Triton kernel (use_kernel_)
 

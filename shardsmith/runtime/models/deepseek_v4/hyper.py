@@ -19,7 +19,7 @@ replicated. The pre/post/comb maths (40 Sinkhorn half-steps on ``[T, m, m]``) is
 it is ~80 tiny kernels; ``torch.compile`` made it 5-6), its PyTorch reference elsewhere. With the
 ``SHARDSMITH_HC_PRE`` switch on (``auto``: CUDA), a mixer of up to 16 tokens runs whole (norm,
 ``fn`` projection, pre/post/comb, collapse) as :func:`~shardsmith.runtime.layers.kernels.hc_pre.hc_pre`,
-one split-K launch instead of 4-5, and the RMSNorm the block runs on the collapse (``attn_norm``,
+one split-K launch instead of 4-5, and the RMSNormF32 the block runs on the collapse (``attn_norm``,
 ``ffn_norm``, passed as ``norm``) in the same launch. With ``SHARDSMITH_HC_POST`` on (``auto``: CUDA),
 :meth:`HyperMixer.expand` spreads the sublayer's output onto the streams as
 :func:`~shardsmith.runtime.layers.kernels.hc_post.hc_post` (one launch for the matmul, multiply, add
@@ -40,7 +40,8 @@ from shardsmith.runtime.layers.kernels.hc_post import hc_post
 from shardsmith.runtime.layers.kernels.hc_pre import hc_pre_op as hc_pre
 from shardsmith import settings
 from shardsmith.runtime.layers.parallel import kernel_on
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, rms_unweighted
+from shardsmith.runtime.models.common import RMSNormF32
+from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
 
 HC_PRE_TOKENS = 16  # mixers of up to this many tokens run hc_pre (hc_post) when ``kernel`` (``post_kernel``) is on
 
@@ -66,10 +67,10 @@ class HyperMixer(nn.Module):
         self.kernel = False  # up to HC_PRE_TOKENS tokens through hc_pre (use_kernel_)
         self.post_kernel = False  # up to HC_PRE_TOKENS tokens of expand through hc_post (use_kernel_)
 
-    def forward(self, streams: torch.Tensor, norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor,
+    def forward(self, streams: torch.Tensor, norm: RMSNormF32 | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                    torch.Tensor]:
         """``streams [T, m, D]`` -> ``(x [T, D], post [T, m], comb [T, m, m])``: ``x`` is the collapsed
-        streams, or ``norm(collapsed)`` when the block's RMSNorm is given (folded into ``hc_pre``)."""
+        streams, or ``norm(collapsed)`` when the block's RMSNormF32 is given (folded into ``hc_pre``)."""
         if self.kernel and streams.shape[0] <= HC_PRE_TOKENS:  # one launch; within float32 rounding of below
             x, _, post, comb = hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps,
                                       out_norm=None if norm is None else (norm.weight, norm.eps))

@@ -38,9 +38,9 @@ from shardsmith.runtime.layers.quant import ue8m0_to_float
 from shardsmith.runtime.models.deepseek_v4.block import Block, Step
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.hyper import HyperHead
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm, inv_freq
+from shardsmith.runtime.models.common import RMSNormF32, install_buffers
+from shardsmith.runtime.models.deepseek_v4.ops import inv_freq
 from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec, host_to_device, length_bucket
-from shardsmith.runtime.models.mixtral.model import install_buffers
 
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
 
@@ -74,7 +74,7 @@ class DeepseekV4(nn.Module):
         self.embed = shards.embedding("embed.weight")
         self.layers = nn.ModuleList(Block(args, shards, i, freqs) for i in range(args.n_layers))
         self.hc_head = HyperHead(args.dim, args.hc_mult, args.hc_eps, args.norm_eps)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNormF32(args.dim, args.norm_eps)
         self.head = shards.lm_head("head.weight")
         self.freqs = freqs
         self.max_seq_len = self.max_num_seqs = self.scratch = 0

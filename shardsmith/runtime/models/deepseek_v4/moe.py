@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardsmith.runtime.layers.experts import ExpertBank, ExpertMath, swiglu
+from shardsmith.runtime.layers.experts import ExpertBank, ExpertMath
+from shardsmith.runtime.layers.pairs import swiglu
 from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear
 from shardsmith.runtime.layers.kernels.router import route_topk, route_topk_reference
 from shardsmith import settings

@@ -13,21 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
-
-class RMSNorm(nn.Module):
-    """``(w * x / rms(x))`` in float32, cast back to the input dtype; ``weight`` kept in float32."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.register_buffer("weight", torch.empty(dim, dtype=torch.float32, device="meta"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
 
 
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:

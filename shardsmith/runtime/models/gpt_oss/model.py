@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
-from shardsmith.runtime.models.deepseek_v4.ops import RMSNorm  # transformers' GptOssRMSNorm: the same maths
+from shardsmith.runtime.models.common import RMSNormF32  # transformers' GptOssRMSNorm: the same maths
 from shardsmith.runtime.models.gpt_oss.attention import Attention
 from shardsmith.runtime.models.gpt_oss.config import GptOssArgs, rope_tables
 from shardsmith.runtime.models.gpt_oss.moe import Experts, MoE, expand_mxfp4
-from shardsmith.runtime.models.mixtral.model import install_buffers
+from shardsmith.runtime.models.common import install_buffers
 from shardsmith.runtime.models.seq_slots import Rows, SeqSlots, cache_bytes
 
 
@@ -42,9 +42,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: GptOssArgs, shards: Shards, i: int) -> None:
         super().__init__()
         prefix = f"model.layers.{i}"
-        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.input_layernorm = RMSNormF32(args.dim, args.norm_eps)
         self.self_attn = Attention(args, shards, prefix + ".self_attn", args.windows[i])
-        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNormF32(args.dim, args.norm_eps)
         self.mlp = MoE(args, shards, prefix + ".mlp")
 
     def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, slot: int = 0) -> torch.Tensor:
@@ -111,7 +111,7 @@ class GptOss(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = shards.embedding("model.embed_tokens.weight", vocab)
         self.model.layers = nn.ModuleList(DecoderLayer(args, shards, i) for i in range(args.n_layers))
-        self.model.norm = RMSNorm(args.dim, args.norm_eps)
+        self.model.norm = RMSNormF32(args.dim, args.norm_eps)
         self.lm_head = shards.lm_head("model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight", vocab)
         self.cos = self.sin = None
         self.max_seq_len, self.max_num_seqs = 0, 0

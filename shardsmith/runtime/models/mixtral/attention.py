@@ -15,27 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.runtime.layers.parallel import HeadShard, Shards
+from shardsmith.runtime.models.common import RMSNorm, apply_rope
 from shardsmith.runtime.models.mixtral.config import ModelArgs
-
-
-class RMSNorm(nn.Module):
-    """``w * x / rms(x)`` computed in float32, cast back before the weight (as transformers)."""
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.register_buffer("weight", torch.empty(dim, dtype=dtype, device="meta"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin``; x ``[T, n, d]``, cos/sin ``[T, d]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
 
 class Attention(nn.Module):

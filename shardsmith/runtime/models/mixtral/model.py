@@ -17,18 +17,18 @@ heads, d = head dim, V = vocabulary, N = slots (max_num_seqs), B = rows of a bat
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from shardsmith.errors import RuntimeLoadError, UsageError, format_problems
+from shardsmith.errors import UsageError
 from shardsmith.runtime.layers.experts import RoutedExperts
 from shardsmith.runtime.layers.parallel import Shards
-from shardsmith.runtime.models.mixtral.attention import Attention, RMSNorm, apply_rope  # noqa: F401 (re-exported)
+from shardsmith.runtime.models.common import MLP, RMSNorm, install_buffers
+from shardsmith.runtime.models.mixtral.attention import Attention
 from shardsmith.runtime.models.mixtral.config import ModelArgs, rope_tables
-from shardsmith.runtime.models.mixtral.moe import MLP, SparseMoe
+from shardsmith.runtime.models.mixtral.moe import SparseMoe
 
 
 class DecoderLayer(nn.Module):
@@ -241,37 +241,6 @@ class Transformer(nn.Module):
     def logits(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         """Hidden ``[T, D]`` -> ``([T, V] float32,)``: final norm and the vocab-parallel head."""
         return (self.lm_head(self.model.norm(x)),)
-
-
-def install_buffers(model: nn.Module, expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor],
-                    convert: Callable[[str, torch.Tensor, torch.Tensor], "torch.Tensor | str"], *, what: str) -> None:
-    """Strictly replace ``model``'s ``meta`` buffers (``expected``, by name) with ``given`` tensors.
-
-    Every problem is collected first and raised once: a given tensor with no buffer, a buffer with
-    no tensor, a shape mismatch, or a ``convert(name, tensor, meta)`` that returns a message
-    instead of the tensor to install (dtype rules are the caller's).
-
-    Raises:
-        RuntimeLoadError: listing every problem, naming ``what`` was loaded.
-    """
-    problems = [f"unexpected tensor {n!r} {list(given[n].shape)}: the model has no place for it"
-                for n in sorted(set(given) - set(expected))]
-    out = {}
-    for name, meta in expected.items():
-        t = given.get(name)
-        if t is None:
-            problems.append(f"missing tensor {name!r}: the model needs {list(meta.shape)}")
-        elif tuple(t.shape) != tuple(meta.shape):
-            problems.append(f"tensor {name!r}: shape {list(t.shape)}, the model needs {list(meta.shape)}")
-        elif isinstance(got := convert(name, t, meta), str):
-            problems.append(f"tensor {name!r}: {got}")
-        else:
-            out[name] = got
-    if problems:
-        raise RuntimeLoadError(format_problems(f"cannot load {what}", problems))
-    for name, t in out.items():
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._buffers[leaf] = t
 
 
 def assign_weights(model: Transformer, dense: dict[str, torch.Tensor], banks: dict[str, dict[str, torch.Tensor]],

@@ -24,28 +24,10 @@ from torch import nn
 
 from shardsmith.runtime.layers.experts import ExpertBank, ExpertMath
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
+from shardsmith.runtime.models.common import MLP
 
 if TYPE_CHECKING:
     from shardsmith.runtime.models.mixtral.config import ModelArgs
-
-
-class MLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with column-parallel gate/up and row-parallel down.
-
-    Args:
-        shards: the rank's plan; prefix: ``model.layers.N.mlp`` or ``....mlp.shared_expert``.
-        dim, inter: D and the global intermediate size (checked against the source).
-        reduce: all-reduce the output (False: return this rank's partial sum).
-    """
-
-    def __init__(self, shards: Shards, prefix: str, *, dim: int, inter: int, reduce: bool = True) -> None:
-        super().__init__()
-        self.gate_proj = shards.linear(prefix + ".gate_proj", shape=(inter, dim))
-        self.up_proj = shards.linear(prefix + ".up_proj", shape=(inter, dim))
-        self.down_proj = shards.linear(prefix + ".down_proj", reduce=reduce, shape=(dim, inter))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoe(nn.Module):
