@@ -7,6 +7,7 @@
 # Carry .inv (the real V4-Flash inventory). Logs and result JSONs go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1  # pass SHARDSMITH_COMMIT=<sha>: the copy of .git there may be stale
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
 export SHARDSMITH_HOST=${SHARDSMITH_HOST:-${card:-gpu}x1ak}
 t0=$SECONDS
