@@ -30,7 +30,7 @@ from pydantic_core import PydanticCustomError
 MAX_LOGPROBS = 20
 MAX_N = 128  # choices per request (OpenAI's bound)
 MAX_STOP = 4
-ACCEPTED_FIELDS_DOC = "GET /openapi.json, or README.md's 'Request fields' table"
+ACCEPTED_FIELDS_DOC = "GET /openapi.json, or docs/serving.md's 'Request fields' table"
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
 
