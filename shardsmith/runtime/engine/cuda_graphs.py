@@ -317,7 +317,7 @@ class DecodeGraphs:
     experts sit in cache slots (:meth:`RoutedExperts.slot_path`), an ``ffn_slots`` piece applies them
     in the graph (``ffn_out`` over :meth:`RoutedExperts.apply_slots`).
 
-    Batches (issue 14): a model with ``SUPPORTS_BATCHING`` decodes B sequences at once
+    Batches: a model with ``SUPPORTS_BATCHING`` decodes B sequences at once
     (:meth:`decode`); B is padded to the next bucket of :func:`buckets_for` (``model.max_num_seqs``)
     with copies of row 0, and each bucket has its own :class:`BucketPieces` (captured on its first
     use, all sharing one pool). Other models decode one sequence (B = 1, ``decode_step(ids, start)``).

@@ -4,7 +4,7 @@ Rank 0 owns the requests and decides every step; it broadcasts a small command o
 (``int64 [5]``), then the step's payload, then runs the step. Ranks != 0 sit in
 :meth:`Engine.follow`, blocked in that broadcast, and run the same step. There is no queue: the
 first command after start-up meets followers already waiting in the collective, so it cannot be
-lost, and the sampled tokens reach them as the next step's payload. Commands (issue 14):
+lost, and the sampled tokens reach them as the next step's payload. Commands:
 
 ==========  ============================================  =====================================
 op          command ``[op, a, b, c, d]``                  payload (int64)

@@ -1,6 +1,6 @@
 """Continuous batching on rank 0: which sequences run in each engine step, in which slots.
 
-One :meth:`Scheduler.step` advances the batch (issue 14; the policy of vLLM's and Orca's
+One :meth:`Scheduler.step` advances the batch (the policy of vLLM's and Orca's
 iteration-level scheduling, in its simplest form):
 
 1. **prefill**: sequences whose prompt is not fully in their slot yet get up to ``prefill_chunk``

@@ -1,4 +1,4 @@
-"""Compile every Triton kernel variant a rank's steps can use before the server says ready (issue 14).
+"""Compile every Triton kernel variant a rank's steps can use before the server says ready.
 
 Triton compiles a kernel the first time a launch brings a new combination of constexpr values and
 integer classes (:mod:`~shardsmith.runtime.layers.kernels.compile_keys`); on an H200 that took

@@ -7,7 +7,7 @@ shares: how many positions each slot holds, the checks of a prefill or step agai
 validated rows of a batched decode step (:class:`Rows`), whose device tensors the model's layers
 read. The cache arrays themselves stay in the model (their layout is the family's).
 
-Batched decode step contract (issue 14; ``engine/cuda_graphs.py``'s piece table): row ``b`` of a
+Batched decode step contract (``engine/cuda_graphs.py``'s piece table): row ``b`` of a
 step of ``B`` rows is slot ``slots[b]``'s token at position ``starts[b]``; rows ``>= real`` are
 padding the engine adds to reach a captured batch bucket, copies of row 0's start and slot, that
 change no state and whose outputs are ignored. Source of the design: vLLM's and SGLang's

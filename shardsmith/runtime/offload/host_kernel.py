@@ -32,7 +32,7 @@ says whether the compiled kernel is loaded and callers fall back to the referenc
 Every argument is checked here, in Python, before an operator is called (:func:`check_expert`,
 :func:`fp4_linear`, :func:`dense_linear` raise :class:`~shardsmith.errors.UsageError`), so no
 runtime path relies on a C++ exception crossing into Python: on the GPU host one raised by a
-``TORCH_CHECK`` in this extension killed the process instead (issue 15; ``benchmarks/gpu/
+``TORCH_CHECK`` in this extension killed the process instead (``benchmarks/gpu/
 host_kernel_diag.sh`` isolates it). The ``TORCH_CHECK`` calls stay in the C++ as a second line.
 
 Legend: T = tokens, D = hidden, I_r = this rank's intermediate share.

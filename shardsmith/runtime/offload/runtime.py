@@ -21,7 +21,7 @@ resident bank's own :func:`~shardsmith.runtime.layers.experts.fused_bank` call w
 expert ids, for any pool format (FP4, FP8, bf16) and up to ``FUSED_TOKENS_MAX`` tokens; without
 it, FP4 pools of at most ``ExpertMath.batched_pairs`` pairs take the expanded pair maths.
 
-**In place** (``SHARDSMITH_OFFLOAD_INPLACE``, issue 12: ``auto``, the default, for FP4 banks on CUDA;
+**In place** (``SHARDSMITH_OFFLOAD_INPLACE``: ``auto``, the default, for FP4 banks on CUDA;
 ``kernel`` also for plain banks, and on CPU under Triton's interpreter; ``off``: the host table above;
 backend ``gpu`` with the kernel and pinned host banks): no host sync at all. At 4 x 256 V4-Flash
 experts on an H200 (``v4_decode-20261203-h200x1aj*.json``) its copy mode decoded 261.7 and 158.2
@@ -48,7 +48,7 @@ chunks of that many; a chunk's misses past the staging rows are read in place as
 table and copy stream are not used; counters live on the device (:meth:`stats` reads them).
 
 A decode-sized ``hybrid`` step with some experts on the host and the rest in slots is a *split
-step* (issue 15): the layer's one sync reads the ids and brings ``x`` and the routing weights
+step*: the layer's one sync reads the ids and brings ``x`` and the routing weights
 along (:meth:`~.cpu_backend.CpuExperts.stage`); the host share goes to the worker thread first;
 then the GPU experts are placed (misses copied) and applied by the slot path over every pair, the
 host's pairs masked (a negative slot ``-1 - s``: weight 0 on slot ``s`` of a GPU expert of the

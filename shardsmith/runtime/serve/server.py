@@ -135,7 +135,7 @@ class Service:
             want, top_n = req.logprobs, req.top_logprobs or 0
         else:
             if isinstance(prompt, str):
-                prompt_ids = codec.encode_prompt(prompt)  # BOS as the tokenizer adds it (issue 13)
+                prompt_ids = codec.encode_prompt(prompt)  # BOS as the tokenizer adds it
             else:
                 prompt_ids = list(prompt)
                 vocab = min(codec.vocab_size, getattr(engine, "vocab_size", codec.vocab_size))

@@ -1,4 +1,4 @@
-"""Fused decode kernels (Triton) beside the plain PyTorch functions they replace (issue 12).
+"""Fused decode kernels (Triton) beside the plain PyTorch functions they replace.
 
 =======================  ==================================  ===========================================
 kernel                   replaces (the reference)            what it reads

@@ -7,7 +7,7 @@ to the float32 partial of each K block, as vLLM's ``w8a8_block_fp8_matmul`` does
 With ``SPLITS > 1`` each program stores its float32 partial to a workspace ``[S, M, N]``; the S
 partials of a tile are then added in split order 0, 1, ..., S-1 from 0.0 and cast, so results do
 not depend on scheduling. The sum either folds into the same launch (``FUSED_SUM``, the default:
-one launch per call) or runs as a second kernel, :func:`_sum_splits` (the path before issue 12's
+one launch per call) or runs as a second kernel, :func:`_sum_splits` (the path before the
 fold, kept to compare). The fold is the classic split-K semaphore ("last program reduces", as in
 CUTLASS's serial split-K and stream-K fix-up): after storing its partial, a program bumps its
 tile's int32 counter with ``tl.atomic_add`` (acq_rel, gpu scope); the one that sees ``S - 1``
@@ -17,7 +17,7 @@ the next launch (no memset: a captured CUDA graph replays as is). A register GEM
 and a row sum instead of the padded dot for M <= 4) ran 2.7-30x slower on the H200 and was dropped
 (``benchmarks/RESULTS.md``).
 
-Compiles (issue 14): Triton compiles a kernel once per distinct set of constexpr values and plain-int
+Compiles: Triton compiles a kernel once per distinct set of constexpr values and plain-int
 classes (1, multiple of 16, other; :mod:`.compile_keys`). Each kernel is jitted twice: the decode
 variants (M <= ``DECODE_M``: every int specialised, the split fixed by the weight's shape) and the
 long ones (``M`` and the sum's size unspecialised, the split one of two per weight), so a weight

@@ -152,7 +152,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     a CUDA graph. Ids are not range-checked (that would sync): an id outside ``[0, E)`` reads out of
     bounds. On the pair path a token's result does not depend on the other tokens of the call.
 
-    Compiles (issue 14; the grouped path): a variant per ``BLOCK_P = next_pow2(T*K)`` and class of ``P`` (1, a
+    Compiles (the grouped path): a variant per ``BLOCK_P = next_pow2(T*K)`` and class of ``P`` (1, a
     multiple of 16, other), at most 7 per bank over T = 1..16, the tokens callers pass
     (``experts.FUSED_TOKENS_MAX``); the engine's warm-up launches T = 1..16 at start.
 
@@ -183,7 +183,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             bank's format and row layout, in page-locked host memory: mapped into the device's
             address space under unified addressing, CUDA runtime API ``cudaHostRegister``): a
             negative id ``-1 - e`` reads expert ``e`` of it in place over the link (no copy); the
-            pair path only, FP4 and plain banks (issue 12's offloaded step with no host sync).
+            pair path only, FP4 and plain banks (the offloaded step with no host sync).
         write_slots: ``[P]`` int64 with ``host``: pair ``p``'s bytes (read from the host) are also
             written to bank row ``write_slots[p]`` when it is >= 0 (the cache admitting the expert
             while the step uses it; one writer per row per call, so callers give each row to one pair).

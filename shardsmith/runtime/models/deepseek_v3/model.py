@@ -99,7 +99,7 @@ class DeepseekV3(nn.Module):
         RuntimeLoadError: listing every tensor the config needs that the plan lacks or shapes differently.
     """
 
-    SUPPORTS_BATCHING = True  # per-sequence slots and batched decode steps (issue 14's contract)
+    SUPPORTS_BATCHING = True  # per-sequence slots and batched decode steps (models/seq_slots.py)
 
     def __init__(self, args: V3Args, shards: Shards) -> None:
         super().__init__()

@@ -18,7 +18,7 @@ sequences preallocated by :meth:`DeepseekV4.setup_cache`; it continues from the 
 position, so a step of a slot must start at 0 (a new sequence there) or where its previous one
 ended. :meth:`DeepseekV4.forward` runs one sequence (a prefill, a chunk of one, or one token);
 :meth:`DeepseekV4.decode_step` and the blocks' pieces run one token for each of ``B`` slots
-(continuous batching, issue 14).
+(continuous batching).
 Source of the maths: transformers ``modeling_deepseek_v4.py`` (``DeepseekV4Model``).
 
 Legend: T = new tokens, B = rows of a batched decode step, m = hyper-connection streams, D = hidden,

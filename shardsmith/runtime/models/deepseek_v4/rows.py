@@ -6,7 +6,7 @@ the window column and mask, per compression ratio the pending-window column, the
 the rows that complete a window and their entry's index and RoPE, and the RoPE tables. They depend
 on the step, not on the layer, so :class:`DecodeRows` builds each once (on first use, or all at
 once by :meth:`DecodeRows.as_tuple`) and every layer reuses it (the eager attention core's host
-cost is per torch op: issue 12).
+cost is per torch op).
 
 Every derived tensor is computed by torch ops from the two inputs ``positions [B]`` and
 ``index [B]`` alone: no host values, no host-device copies, no shape that depends on data. Shapes

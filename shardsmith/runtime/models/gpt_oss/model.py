@@ -102,7 +102,7 @@ class GptOss(nn.Module):
             differently.
     """
 
-    SUPPORTS_BATCHING = True  # per-sequence slots and batched decode steps (issue 14's contract)
+    SUPPORTS_BATCHING = True  # per-sequence slots and batched decode steps (models/seq_slots.py)
 
     def __init__(self, args: GptOssArgs, shards: Shards) -> None:
         super().__init__()

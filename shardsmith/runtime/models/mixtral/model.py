@@ -5,7 +5,7 @@ a buffer's name is its source tensor's name and loading is a strict name-for-nam
 (:func:`assign_weights`). Every layer comes from :class:`~shardsmith.runtime.layers.parallel.Shards`, so
 this file knows nothing about ranks beyond its local head counts.
 
-Per-sequence state lives in preallocated **slots** (issue 14's model-side contract): a static KV
+Per-sequence state lives in preallocated **slots** (model-side contract): a static KV
 cache of ``max_num_seqs`` slots x ``max_seq_len`` positions per layer and rank (local KV heads
 only). ``forward`` runs one sequence (a prefill, a prefill chunk or one step) in one slot; the
 decode pieces run B sequences, one new token each, every row in its own slot. Sources: transformers ``modeling_mixtral.py`` / ``modeling_qwen3_moe.py``
