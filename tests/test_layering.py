@@ -17,6 +17,7 @@ modules                     must not import
 ``runtime/engine/``         ``runtime/serve/``
 ``runtime/models/<family>`` every other family (shared pieces: ``runtime/models/common``)
 ``checkpoint/``, ``plans/`` ``pack/``, ``writer/``, ``runtime/`` (the source side sits below)
+``runtime/serve/streaming`` ``runtime/serve/server`` (it takes a typed ``Reply``, never calls back)
 ==========================  ================================================================
 
 Imports inside functions count as well as module-level ones; relative imports are resolved. And no
@@ -54,6 +55,8 @@ RULES = (
        "kernels sit below the layers that call them (plain maths: quant, pairs, staging)")
       for up in ("experts", "parallel")),
     ("shardsmith.runtime.engine", "shardsmith.runtime.serve", "the engine knows nothing of serving"),
+    ("shardsmith.runtime.serve.streaming", "shardsmith.runtime.serve.server",
+     "routes -> service -> streaming: streaming takes a typed Reply and never calls back"),
     *((f"shardsmith.runtime.models.{a}", f"shardsmith.runtime.models.{b}",
        "no family imports another: shared pieces live in runtime/models/common")
       for a in FAMILIES for b in FAMILIES if a != b),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -33,6 +34,24 @@ MAX_STOP = 4
 ACCEPTED_FIELDS_DOC = "GET /openapi.json, or docs/serving.md's 'Request fields' table"
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
 MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A validated request.
+
+    Attributes:
+        prompt_ids: prompt tokens; params: the engine's ``SamplingParams``; stop: stop strings;
+        want_logprobs: the response carries ``logprobs``; n: choices (sequences from this prompt).
+    """
+
+    prompt_ids: list[int]
+    params: Any
+    stop: list[str]
+    want_logprobs: bool
+    n: int = 1
+    include_stop: bool = False
+    skip_special_tokens: bool = True
 
 
 class APIError(Exception):

@@ -43,31 +43,15 @@ from shardsmith.runtime.serve.chat import ChatTemplate, ChatTemplateError, load_
 from shardsmith.runtime.serve.encoding import MessageEncoding, RemoteCodeError
 from shardsmith.runtime.serve.http_limits import HTTPLimits
 from shardsmith.runtime.serve.metrics import Metrics
-from shardsmith.runtime.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, invalid, validation_error
+from shardsmith.runtime.serve.streaming import Reply, chat_response, completion_response
+from shardsmith.runtime.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Prepared, invalid,
+                                               validation_error)
 from shardsmith.runtime.serve.worker import DEFAULT_MAX_QUEUE, EngineWorker, Job, QueueFull, ServerStopping, State, TextEvent
 
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as text or token ids is ~1 MB of JSON
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A validated request.
-
-    Attributes:
-        prompt_ids: prompt tokens; params: the engine's ``SamplingParams``; stop: stop strings;
-        want_logprobs: the response carries ``logprobs``; n: choices (sequences from this prompt).
-    """
-
-    prompt_ids: list[int]
-    params: Any
-    stop: list[str]
-    want_logprobs: bool
-    n: int = 1
-    include_stop: bool = False
-    skip_special_tokens: bool = True
 
 
 class Service:
@@ -197,6 +181,17 @@ class Service:
             raise APIError(429, str(e), type="requests", code="rate_limit_exceeded",
                            headers={"Retry-After": str(e.retry_after)}) from e
         return jobs
+
+    def reply(self, p: Prepared) -> Reply:
+        """Submit ``p`` (:meth:`submit`: a 429 here, before any response byte) and return what the
+        response body needs of it: a :class:`~shardsmith.runtime.serve.streaming.Reply`, whose
+        ``events`` are :meth:`choices` of its jobs.
+
+        Raises:
+            APIError: 429 when the waiting queue is full.
+        """
+        jobs = self.submit(p)
+        return Reply(self.model_name, self.worker.codec, self.metrics, p, jobs, self.choices(jobs))
 
     async def choices(self, jobs: list[Job]) -> AsyncIterator[tuple[int, TextEvent | None]]:
         """``(i, event)`` of the submitted ``jobs`` (choice i) as they arrive, then ``(i, None)`` when
@@ -392,7 +387,6 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
     """The FastAPI app over ``worker``; ``model_name`` is the id clients must send as ``model``;
     ``trust_remote_code``: see :class:`Service`; ``max_request_bytes``: see :class:`BodyLimit`;
     ``max_model_len``: the configured context per sequence, which ``/v1/models`` shows while loading."""
-    from shardsmith.runtime.serve.streaming import chat_response, completion_response
 
     app = FastAPI(title="shardsmith", summary="OpenAI-compatible completions and chat completions over a TP pack",
                   docs_url=None, redoc_url=None, openapi_url="/openapi.json")
@@ -419,12 +413,12 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        return await completion_response(svc, await run_in_threadpool(svc.prepare, req), stream=req.stream,
+        return await completion_response(svc.reply(await run_in_threadpool(svc.prepare, req)), stream=req.stream,
                                          **_usage_options(req), request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await chat_response(svc, await run_in_threadpool(svc.prepare, req), stream=req.stream,
+        return await chat_response(svc.reply(await run_in_threadpool(svc.prepare, req)), stream=req.stream,
                                    **_usage_options(req), request=request)
 
     def card() -> dict[str, Any]:

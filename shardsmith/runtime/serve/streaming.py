@@ -13,19 +13,43 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from shardsmith.runtime.serve.protocol import SSE_DONE, APIError, chat_logprobs, completion_logprobs, sse, usage
+from shardsmith.runtime.serve.metrics import Metrics
+from shardsmith.runtime.serve.protocol import (SSE_DONE, APIError, Prepared, chat_logprobs, completion_logprobs, sse,
+                                               usage)
+from shardsmith.runtime.serve.tokenizer import Codec
+from shardsmith.runtime.serve.worker import Job, TextEvent
 
 CLIENT_CLOSED = 499  # nginx's code for a client that went away mid-response; used in metrics only
 
 
-def _gone(svc, path: str) -> Response:
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A submitted request, all a response body needs of it (built by ``Service.reply``).
+
+    Attributes:
+        model_name: the id responses carry; codec: the tokenizer (logprobs' token strings);
+        metrics: where the request's status is counted; prepared: the validated request;
+        jobs: its ``prepared.n`` engine jobs (cancelled when the response ends);
+        events: ``(choice, event)`` as they arrive, ``(choice, None)`` when a choice ends.
+    """
+
+    model_name: str
+    codec: Codec
+    metrics: Metrics
+    prepared: Prepared
+    jobs: list[Job]
+    events: AsyncIterator[tuple[int, TextEvent | None]]
+
+
+def _gone(r: Reply, path: str) -> Response:
     """The client went away: count it; the response goes nowhere."""
-    svc.metrics.request_done(path, CLIENT_CLOSED)
+    r.metrics.request_done(path, CLIENT_CLOSED)
     return Response(status_code=CLIENT_CLOSED)
 
 
@@ -79,7 +103,7 @@ def _cancel(jobs) -> Callable[[], None]:
     return cancel
 
 
-def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, Any]]], jobs) -> StreamingResponse:
+def _sse_response(r: Reply, path: str, chunks: Callable[[], AsyncIterator[dict[str, Any]]]) -> StreamingResponse:
     async def body():
         status = CLIENT_CLOSED
         try:
@@ -92,27 +116,27 @@ def _sse_response(svc, path: str, chunks: Callable[[], AsyncIterator[dict[str, A
                 yield sse(e.body())
             yield SSE_DONE
         finally:
-            svc.metrics.request_done(path, status)
+            r.metrics.request_done(path, status)
 
     # the jobs end with the response, even one whose client left before its first byte (body never ran)
-    return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(_cancel(jobs)),
+    return StreamingResponse(body(), media_type="text/event-stream", background=BackgroundTask(_cancel(r.jobs)),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def completion_response(svc, p, *, stream: bool, include_usage: bool, continuous_usage: bool = False,
+async def completion_response(r: Reply, *, stream: bool, include_usage: bool, continuous_usage: bool = False,
                               request=None):
-    """``/v1/completions`` body for the prepared request ``p`` (a dict, or a streaming response) with
-    its ``p.n`` choices (``index`` 0..n-1); ``request``: the HTTP request, watched for a disconnect
+    """``/v1/completions`` body for the submitted request ``r`` (a dict, or a streaming response) with
+    its ``n`` choices (``index`` 0..n-1); ``request``: the HTTP request, watched for a disconnect
     (:func:`until_disconnected`); ``continuous_usage``: every chunk carries the usage so far."""
-    path, codec, n_prompt = "/v1/completions", svc.worker.codec, len(p.prompt_ids)
+    p, codec = r.prepared, r.codec
+    path, n_prompt = "/v1/completions", len(p.prompt_ids)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": svc.model_name}
-    jobs = svc.submit(p)  # a 429 here, before any byte is sent
+            "model": r.model_name}
     if not stream:
-        if (got := await until_disconnected(request, _collect(svc.choices(jobs), p.n))) is None:
-            _cancel(jobs)()
-            return _gone(svc, path)
-        svc.metrics.request_done(path, 200)
+        if (got := await until_disconnected(request, _collect(r.events, p.n))) is None:
+            _cancel(r.jobs)()
+            return _gone(r, path)
+        r.metrics.request_done(path, 200)
         choices = [{"index": i, "text": text, "logprobs": completion_logprobs(steps, codec, offsets) if p.want_logprobs
                     else None, "finish_reason": finish} for i, (text, steps, offsets, finish) in enumerate(got)]
         return head | {"choices": choices, "usage": usage(n_prompt, sum(len(c[1]) for c in got))}
@@ -122,7 +146,7 @@ async def completion_response(svc, p, *, stream: bool, include_usage: bool, cont
 
     async def chunks():
         n, offset = 0, [0] * p.n
-        async for i, ev in svc.choices(jobs):
+        async for i, ev in r.events:
             if ev is None:
                 continue
             n += 1
@@ -135,20 +159,20 @@ async def completion_response(svc, p, *, stream: bool, include_usage: bool, cont
         if include_usage:
             yield head | {"choices": [], "usage": usage(n_prompt, n)}
 
-    return _sse_response(svc, path, chunks, jobs)
+    return _sse_response(r, path, chunks)
 
 
-async def chat_response(svc, p, *, stream: bool, include_usage: bool, continuous_usage: bool = False, request=None):
-    """``/v1/chat/completions`` body for the prepared request ``p`` (``p.n`` choices); ``request`` as in
-    :func:`completion_response`."""
-    path, codec, n_prompt = "/v1/chat/completions", svc.worker.codec, len(p.prompt_ids)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
-    jobs = svc.submit(p)  # a 429 here, before any byte is sent
+async def chat_response(r: Reply, *, stream: bool, include_usage: bool, continuous_usage: bool = False, request=None):
+    """``/v1/chat/completions`` body for the submitted request ``r`` (its ``n`` choices); ``request`` as
+    in :func:`completion_response`."""
+    p, codec = r.prepared, r.codec
+    path, n_prompt = "/v1/chat/completions", len(p.prompt_ids)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": r.model_name}
     if not stream:
-        if (got := await until_disconnected(request, _collect(svc.choices(jobs), p.n))) is None:
-            _cancel(jobs)()
-            return _gone(svc, path)
-        svc.metrics.request_done(path, 200)
+        if (got := await until_disconnected(request, _collect(r.events, p.n))) is None:
+            _cancel(r.jobs)()
+            return _gone(r, path)
+        r.metrics.request_done(path, 200)
         choices = [{"index": i, "message": {"role": "assistant", "content": text},
                     "logprobs": chat_logprobs(steps, codec) if p.want_logprobs else None, "finish_reason": finish}
                    for i, (text, steps, _, finish) in enumerate(got)]
@@ -165,7 +189,7 @@ async def chat_response(svc, p, *, stream: bool, include_usage: bool, continuous
         for i in range(p.n):
             yield chunk(i, {"role": "assistant", "content": ""}, 0)
         n, finish = 0, [None] * p.n
-        async for i, ev in svc.choices(jobs):
+        async for i, ev in r.events:
             if ev is None:  # choice i ended
                 yield chunk(i, {}, n, finish=finish[i] or "length")
                 continue
@@ -177,4 +201,4 @@ async def chat_response(svc, p, *, stream: bool, include_usage: bool, continuous
         if include_usage:
             yield head | {"choices": [], "usage": usage(n_prompt, n)}
 
-    return _sse_response(svc, path, chunks, jobs)
+    return _sse_response(r, path, chunks)
