@@ -38,6 +38,8 @@ from typing import Any
 
 from shardsmith import settings
 from shardsmith.errors import RankLostError, UsageError
+from shardsmith.runtime.engine.engine import Engine
+from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.tokenizer import Codec, IncrementalDetokenizer, StopStrings
 
@@ -297,14 +299,12 @@ class EngineWorker:
         self.state = State.LOADING
         self.error: str | None = None
         self.load_error: Exception | None = None  # what the load raised (its class sets the exit code)
-        self.engine: Any = None
+        self.engine: Engine | None = None
         self.codec: Codec | None = None
         self.stopping: str | None = None  # why, once interrupt() was called
         self._running: list[Job] = []
-        self._sched: Any = None
-        from shardsmith.runtime.engine.scheduler import overlap_setting
-
-        overlap_setting()  # a bad SHARDSMITH_OVERLAP_STEPS fails now, not after the load
+        self._sched: Scheduler | None = None
+        settings.current()  # a bad setting (SHARDSMITH_OVERLAP_STEPS, ...) fails now, not after the load
         self._trace = open_step_trace()
 
     def start(self) -> None:
@@ -334,7 +334,7 @@ class EngineWorker:
         return self._slots() + self.max_queue
 
     def _slots(self) -> int:
-        return int(getattr(self.engine, "max_num_seqs", 1) or 1)
+        return self.engine.max_num_seqs if self.engine is not None else 1
 
     def _retry_after(self) -> int:
         """Seconds a refused client should wait: about one request's duration so far (at least 1)."""
@@ -376,12 +376,10 @@ class EngineWorker:
             self.engine = self._load()
             self.codec = Codec(self.engine.root)
             self.engine.warmup()
-            offload = getattr(self.engine, "offload", None)
+            offload = self.engine.offload
             if offload is not None:
                 self.metrics.offload = offload
                 log.info("%s", offload.ready_line())
-            from shardsmith.runtime.engine.scheduler import Scheduler
-
             self._sched = Scheduler(self.engine, prefill_chunk=self.prefill_chunk,
                                     decode_prompt_tokens=self.decode_prompt_tokens)
         except Exception as e:  # noqa: BLE001 - any load failure ends the server with its reason
@@ -450,8 +448,6 @@ class EngineWorker:
             if job.cancelled.is_set():
                 self._reject(job, "the client went away")
                 continue
-            from shardsmith.runtime.engine.scheduler import Sequence
-
             job.seq = Sequence(job.prompt_ids, job.params, tag=job)
             try:
                 self._sched.admit(job.seq)
