@@ -24,6 +24,7 @@ against it).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import math
@@ -97,24 +98,21 @@ def _choice(kind: type[enum.Enum]) -> Callable[[str, str], enum.Enum]:
     return parse
 
 
-def _positive(name: str, raw: str) -> float:
-    try:
-        v = float(raw)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError("expected a positive number")
-    return v
+def _number(*, zero: bool, rule: str) -> Callable[[str, str], float]:
+    """A finite number above 0 (or at least 0 with ``zero``); ``rule`` is the message's wording."""
+    def parse(name: str, raw: str) -> float:
+        try:
+            v = float(raw)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and (v >= 0 if zero else v > 0)):
+            raise ValueError(f"expected {rule}")
+        return v
+    return parse
 
 
-def _seconds(name: str, raw: str) -> float:
-    try:
-        v = float(raw)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v >= 0):
-        raise ValueError("expected seconds >= 0")
-    return v
+_positive = _number(zero=False, rule="a positive number")
+_seconds = _number(zero=True, rule="seconds >= 0")
 
 
 def _count(low: int, high: int) -> Callable[[str, str], int]:
@@ -258,15 +256,23 @@ class Settings:
         return cls(**values)
 
 
-VARIABLES: tuple[Variable, ...] = tuple(
-    Variable(**{**{k: getattr(f.metadata["var"], k) for k in ("name", "kind", "values", "default", "doc")},
-                "field": f.name}) for f in fields(Settings))
+VARIABLES: tuple[Variable, ...] = tuple(dataclasses.replace(f.metadata["var"], field=f.name) for f in fields(Settings))
+_BY_FIELD = {v.field: v for v in VARIABLES}
 _NAMES = tuple(v.name for v in VARIABLES) + tuple(REMOVED)  # what current() reads
 
 
 @functools.lru_cache(maxsize=16)
 def _parsed(values: tuple[str | None, ...]) -> Settings:
     return Settings.from_env(dict(zip(_NAMES, (v or "" for v in values))))
+
+
+def variable(field: str) -> Variable:
+    """The :data:`VARIABLES` entry of :class:`Settings` field ``field``.
+
+    Raises:
+        KeyError: not a field.
+    """
+    return _BY_FIELD[field]
 
 
 def current() -> Settings:
@@ -310,5 +316,4 @@ def child_env(**values: str) -> dict[str, str]:
     Raises:
         KeyError: a name that is not a field.
     """
-    by_field = {v.field: v.name for v in VARIABLES}
-    return {by_field[k]: v for k, v in values.items()}
+    return {_BY_FIELD[k].name: v for k, v in values.items()}

@@ -6,12 +6,14 @@ Every JSON or YAML file the product reads (``pack.yaml``, rank manifests, ``plan
 ``config.json``, the safetensors index and headers) goes through here; a duplicate is named with
 the key (and, in YAML, its line).
 
-==================  ===========================================================
-function            raises on a duplicate key
-==================  ===========================================================
-:func:`loads_json`  :class:`DuplicateKeyError` (a ``ValueError``)
-:func:`loads_yaml`   :class:`DuplicateKeyError`; ``yaml.YAMLError`` as PyYAML does
-==================  ===========================================================
+==========================  ===================================================================
+function                    on a duplicate key
+==========================  ===================================================================
+:func:`parse_json`          returns the repeated keys beside the document (to collect problems)
+:func:`loads_json`          raises :class:`DuplicateKeyError` (a ``ValueError``)
+:func:`parse_header`        :func:`parse_json` for a safetensors header, fast when it has none
+:func:`loads_yaml`          raises :class:`DuplicateKeyError`; ``yaml.YAMLError`` as PyYAML does
+==========================  ===================================================================
 """
 
 from __future__ import annotations
@@ -38,6 +40,26 @@ class DuplicateKeyError(ValueError):
                          f"a key may appear once in a mapping")
 
 
+def parse_json(data: str | bytes | bytearray) -> tuple[object, list[str]]:
+    """``json.loads`` that also returns every key repeated in an object (the last copy is kept in
+    the document, as ``json.loads`` keeps it), in document order.
+
+    Raises:
+        json.JSONDecodeError: not JSON (as ``json.loads``).
+    """
+    repeats: list[str] = []
+
+    def note_repeats(pairs: list[tuple[str, object]]) -> dict:
+        out: dict = {}
+        for k, v in pairs:
+            if k in out:
+                repeats.append(k)
+            out[k] = v
+        return out
+
+    return json.loads(data, object_pairs_hook=note_repeats), repeats
+
+
 def loads_json(data: str | bytes | bytearray) -> object:
     """``json.loads`` that refuses a duplicate key in any object.
 
@@ -45,20 +67,24 @@ def loads_json(data: str | bytes | bytearray) -> object:
         DuplicateKeyError: listing every repeated key.
         json.JSONDecodeError: not JSON (as ``json.loads``).
     """
-    repeats: list[tuple[object, int | None]] = []
-
-    def no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-        out: dict = {}
-        for k, v in pairs:
-            if k in out:
-                repeats.append((k, None))
-            out[k] = v
-        return out
-
-    doc = json.loads(data, object_pairs_hook=no_duplicates)
+    doc, repeats = parse_json(data)
     if repeats:
-        raise DuplicateKeyError(repeats)
+        raise DuplicateKeyError([(k, None) for k in repeats])
     return doc
+
+
+def parse_header(text: str) -> tuple[object, list[str]]:
+    """:func:`parse_json` for a safetensors header: parsed once by the C parser, and again with the
+    repeat check only when its entries and its ``"data_offsets"`` disagree in number (a repeated
+    tensor name leaves fewer entries than offsets).
+
+    Raises:
+        json.JSONDecodeError: not JSON.
+    """
+    doc = json.loads(text)
+    if isinstance(doc, dict) and len(doc) - ("__metadata__" in doc) != text.count('"data_offsets"'):
+        return parse_json(text)
+    return doc, []
 
 
 _BASE = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

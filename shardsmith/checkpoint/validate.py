@@ -19,26 +19,14 @@ from pathlib import Path
 
 from ..dtypes import DTYPES, dtype
 from ..errors import SourceError, format_problems
+from ..strict_parse import parse_header, parse_json
 from .config import config_problems
 from .reader import HEADER_SUFFIX, INDEX_NAME, MAX_HEADER_BYTES, SINGLE_NAME, Checkpoint, ShardFile, TensorInfo
 
-def _parse_json(text: str, problems: list[str], duplicate: str) -> object:
-    """``json.loads`` that reports every duplicate key as ``duplicate.format(key=...)``."""
-
-    def no_dupes(pairs: list[tuple[str, object]]) -> dict:
-        out: dict = {}
-        for k, v in pairs:
-            if k in out:
-                problems.append(duplicate.format(key=repr(k)))
-            out[k] = v
-        return out
-
-    return json.loads(text, object_pairs_hook=no_dupes)
-
-
 def _load_json(path: Path, problems: list[str], what: str) -> dict | None:
     try:
-        data = _parse_json(path.read_text(), problems, f"{path.name}: duplicate key {{key}} in {what}")
+        data, repeats = parse_json(path.read_text())
+        problems += [f"{path.name}: duplicate key {k!r} in {what}" for k in repeats]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         problems.append(f"{path.name}: cannot parse {what}: {e}")
         return None
@@ -48,8 +36,12 @@ def _load_json(path: Path, problems: list[str], what: str) -> dict | None:
     return data
 
 
-def _load_json_text(text: str, name: str, problems: list[str]) -> dict:
-    return _parse_json(text, problems, f"{name}: duplicate tensor name {{key}} in header")
+def _load_json_text(text: str, name: str, problems: list[str]) -> object:
+    """A safetensors header's JSON (:func:`~shardsmith.strict_parse.parse_header`), each repeated
+    tensor name added to ``problems``."""
+    header, repeats = parse_header(text)
+    problems += [f"{name}: duplicate tensor name {k!r} in header" for k in repeats]
+    return header
 
 
 def _read_header(path: Path, name: str, problems: list[str]) -> tuple[dict | None, int, int, bool]:
@@ -82,11 +74,7 @@ def _read_header(path: Path, name: str, problems: list[str]) -> tuple[dict | Non
             return None, size, 0, False
         raw = fh.read(n)
     try:
-        text = raw.decode("utf-8")
-        header = json.loads(text)
-        # json keeps the last of duplicate keys silently; re-parse slowly only if counts disagree
-        if isinstance(header, dict) and len(header) - ("__metadata__" in header) != text.count('"data_offsets"'):
-            header = _load_json_text(text, name, problems)
+        header = _load_json_text(raw.decode("utf-8"), name, problems)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         problems.append(f"{name}: header is not valid JSON: {e}")
         return None, size, 0, False

@@ -32,7 +32,7 @@ import xxhash
 import yaml
 
 from shardsmith.errors import IntegrityError, ManifestError, UsageError
-from shardsmith.strict_parse import DuplicateKeyError, loads_json, loads_yaml
+from shardsmith.strict_parse import DuplicateKeyError, loads_yaml, parse_header
 
 FORMAT = "shardsmith-pack"
 FORMAT_VERSION = 1
@@ -313,9 +313,11 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
             raise IntegrityError(f"{path}: header length {n} is implausible")
         raw = fh.read(n)
     try:
-        header = loads_json(raw)
+        header, repeats = parse_header(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise IntegrityError(f"{path}: header is not valid JSON: {e}") from None
+    if repeats:
+        raise IntegrityError(f"{path}: {DuplicateKeyError([(k, None) for k in repeats])}")
     if len(raw) != n or not isinstance(header, dict):
         raise IntegrityError(f"{path}: header truncated or not a JSON object")
     return header, 8 + n

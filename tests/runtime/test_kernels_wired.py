@@ -103,7 +103,7 @@ def test_switch_is_off_on_cpu_unless_forced(monkeypatch):
         field = next(v.field for v in settings.VARIABLES if v.name == var)
 
         def on() -> bool:
-            return kernel_on(getattr(settings.current(), field), cpu, var)
+            return kernel_on(field, cpu)
 
         monkeypatch.delenv(var, raising=False)
         assert on() is False  # auto: CUDA only, even under the interpreter

@@ -19,13 +19,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(smollm2_pack, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(smollm2_pack(1), tmp_path_factory.mktemp("log") / "serve.log", "--dtype", "float32",
-                 model=MODEL)
-    try:
-        srv.wait_ready()
+    with Server(smollm2_pack(1), tmp_path_factory.mktemp("log") / "serve.log", "--dtype", "float32",
+                model=MODEL) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def post(server: Server, path: str, body: dict, **kw) -> httpx.Response:

@@ -65,6 +65,18 @@ class Server:
         m = re.search(r"rank pids: (.*)", self.log())
         return {int(r): int(p) for r, p in re.findall(r"rank (\d+)=(\d+)", m.group(1))} if m else {}
 
+    def __enter__(self) -> "Server":
+        """Ready to serve (``with Server(...) as srv``); stopped on the way out, whatever happened."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -82,13 +94,9 @@ HEADER_TIMEOUT_S = 3.0  # short, so the stalled-connection test below is quick
 
 @pytest.fixture(scope="module")
 def server(pack: Path, tmp_path_factory: pytest.TempPathFactory):
-    srv = Server(pack, tmp_path_factory.mktemp("log") / "serve.log", "--header-timeout", str(HEADER_TIMEOUT_S),
-                 "--body-timeout", str(HEADER_TIMEOUT_S))
-    try:
-        srv.wait_ready()
+    with Server(pack, tmp_path_factory.mktemp("log") / "serve.log", "--header-timeout", str(HEADER_TIMEOUT_S),
+                "--body-timeout", str(HEADER_TIMEOUT_S)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def post(server: Server, path: str, body: dict, **kw) -> httpx.Response:

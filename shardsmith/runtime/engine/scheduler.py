@@ -366,7 +366,7 @@ class Scheduler:
         of ``max_tokens``, or has no position left to be fed at (``max_seq_len``)."""
         scores = self._scores(logits, seqs, None)
         choices = choose_rows(logits, [s.params for s in seqs], [s.generator for s in seqs], scores=scores)
-        if self.counts is not None and any(counts_tokens(s.params) for s in seqs):
+        if any(counts_tokens(s.params) for s in seqs):
             self._count(seqs, to_device([torch.tensor([c.token_id for c in choices])], logits.device)[0])
         return [self._step_output(seq, c, seq.pos) for seq, c in zip(seqs, choices)]
 

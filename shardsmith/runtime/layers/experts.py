@@ -55,7 +55,6 @@ from torch import nn
 
 from shardsmith.dtypes import DTYPES
 from shardsmith.errors import RuntimeLoadError
-from shardsmith import settings
 from shardsmith.runtime.layers.kernels import fused_experts
 from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs, swiglu
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
@@ -273,7 +272,7 @@ class ExpertBank(RoutedExperts):
     def use_kernel_(self, device: torch.device) -> None:
         """Run decode-sized steps through :func:`fused_experts` when ``SHARDSMITH_FUSED_EXPERTS``
         allows on ``device``; an FP8 bank then stays FP8 (:meth:`dequantize_` keeps it)."""
-        self.kernel = kernel_on(settings.current().fused_experts, device, "SHARDSMITH_FUSED_EXPERTS")
+        self.kernel = kernel_on("fused_experts", device)
 
     def fused(self, tokens: int, k: int) -> bool:
         """Whether ``tokens`` tokens over ``k`` experts each run :func:`fused_experts`."""

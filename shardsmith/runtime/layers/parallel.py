@@ -105,15 +105,16 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 # ------------------------------------------------------------------ layers
 
 
-def kernel_on(mode: Kernel, device: torch.device, name: str) -> bool:
-    """Whether a Triton kernel path is on for modules on ``device`` under its switch ``mode``
-    (:class:`~shardsmith.settings.Kernel`, the environment variable ``name``): ``auto`` on for CUDA
-    with Triton installed, ``kernel`` on (on CPU only under ``TRITON_INTERPRET=1``, for tests),
-    ``off`` the PyTorch path. Decided once, at load.
+def kernel_on(switch: str, device: torch.device) -> bool:
+    """Whether a Triton kernel path is on for modules on ``device`` under its switch, the
+    :class:`~shardsmith.settings.Settings` field ``switch`` (a :class:`~shardsmith.settings.Kernel`):
+    ``auto`` on for CUDA with Triton installed, ``kernel`` on (on CPU only under
+    ``TRITON_INTERPRET=1``, for tests), ``off`` the PyTorch path. Decided once, at load.
 
     Raises:
-        UsageError: ``kernel`` where the kernel cannot run.
+        UsageError: a malformed setting, or ``kernel`` where the kernel cannot run.
     """
+    mode, name = getattr(settings.current(), switch), settings.variable(switch).name
     if mode is Kernel.OFF:
         return False
     runnable = triton_available() and (torch.device(device).type == "cuda" or mode is Kernel.KERNEL and interpreting())
@@ -166,7 +167,7 @@ class _Linear(nn.Module):
 
     def use_kernel_(self, device: torch.device) -> None:
         """Keep an FP8 weight FP8 and run :func:`fp8_linear` when ``SHARDSMITH_FP8_DENSE`` allows on ``device``."""
-        self.kernel = self.block is not None and kernel_on(settings.current().fp8_dense, device, "SHARDSMITH_FP8_DENSE")
+        self.kernel = self.block is not None and kernel_on("fp8_dense", device)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in ``dtype`` (FP8 dequantized now)."""

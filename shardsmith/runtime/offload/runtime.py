@@ -185,15 +185,14 @@ class OffloadRuntime:
         other than float32 (the kernel's FP8 format) or the family's maths is not the kernel's
         (gpt-oss: :attr:`~shardsmith.runtime.layers.experts.ExpertMath.plain`)."""
         fp8 = [a for a in self.host.layers.values() if bank_format(a["gate_up"]) == "fp8"]
-        env = settings.current()
-        self.kernel = kernel_on(env.fused_experts, device, "SHARDSMITH_FUSED_EXPERTS") and self.math.plain and \
+        self.kernel = kernel_on("fused_experts", device) and self.math.plain and \
             all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
         # in place (module docstring; on by default on CUDA): the pair path's formats; confirmed at start()
         # (backend, pinning). ``auto`` takes FP4 banks only, the format measured on a GPU (V4); a bf16 family
         # (Mixtral: top-2 of 8) batches many tokens onto one expert, where ``read`` re-reads a repeated miss
         fp4 = all(bank_format(a["gate_up"]) == "fp4" for a in self.host.layers.values())
-        self.inplace = self.kernel and not fp8 and kernel_on(env.offload_inplace, device, "SHARDSMITH_OFFLOAD_INPLACE") \
-            and (fp4 or env.offload_inplace is Kernel.KERNEL)
+        self.inplace = self.kernel and not fp8 and kernel_on("offload_inplace", device) \
+            and (fp4 or settings.current().offload_inplace is Kernel.KERNEL)
 
     def decode_sync_free(self) -> bool:
         """Whether a decode step's experts run with no host sync: the in-place mode, once started."""

@@ -336,9 +336,8 @@ class Attention(nn.Module):
         ``SHARDSMITH_DECODE_ATTENTION`` allows on ``device`` (``auto``: on CUDA; ``off``: the PyTorch
         path), and with it a CSA layer's index scores through :func:`indexer_scores` when
         ``SHARDSMITH_INDEXER_SCORES`` allows (``auto``, the default, or ``kernel``; ``off``: its reference)."""
-        env = settings.current()
-        self.kernel = kernel_on(env.decode_attention, device, "SHARDSMITH_DECODE_ATTENTION")
-        self.index_kernel = self.kernel and kernel_on(env.indexer_scores, device, "SHARDSMITH_INDEXER_SCORES")
+        self.kernel = kernel_on("decode_attention", device)
+        self.index_kernel = self.kernel and kernel_on("indexer_scores", device)
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""

@@ -32,7 +32,6 @@ from torch import nn
 
 from shardsmith.runtime.layers.kernels.compressor_step import compressor_step
 from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
-from shardsmith import settings
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
 from shardsmith.runtime.models.common import RMSNormF32
 from shardsmith.runtime.models.deepseek_v4.ops import apply_rope, rope_cos_sin
@@ -152,7 +151,7 @@ class Compressor(nn.Module):
         """Run :meth:`step` through :func:`compressor_step`'s Triton kernel when
         ``SHARDSMITH_COMPRESSOR_STEP`` allows on ``device`` (``auto``: on CUDA; ``off``: its PyTorch
         reference, the same maths in about 22-30 launches)."""
-        self.kernel = kernel_on(settings.current().compressor_step, device, "SHARDSMITH_COMPRESSOR_STEP")
+        self.kernel = kernel_on("compressor_step", device)
 
     def warm_kernel(self, seen: set, *, dtype: torch.dtype | None = None) -> int:
         """Launch :func:`compressor_step` once on a one-slot scratch copy of this compressor's state

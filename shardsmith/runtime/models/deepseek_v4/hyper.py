@@ -38,7 +38,6 @@ from torch import nn
 from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
 from shardsmith.runtime.layers.kernels.hc_post import hc_post
 from shardsmith.runtime.layers.kernels.hc_pre import hc_pre_op as hc_pre
-from shardsmith import settings
 from shardsmith.runtime.layers.parallel import kernel_on
 from shardsmith.runtime.models.common import RMSNormF32
 from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
@@ -94,9 +93,8 @@ class HyperMixer(nn.Module):
         """Run mixers of up to ``HC_PRE_TOKENS`` tokens through :func:`hc_pre` (with the norm after
         them) when ``SHARDSMITH_HC_PRE`` allows on ``device``, and their :meth:`expand` through
         :func:`hc_post` when ``SHARDSMITH_HC_POST`` does (``auto``: on CUDA; ``off``: the torch ops)."""
-        env = settings.current()
-        self.kernel = kernel_on(env.hc_pre, device, "SHARDSMITH_HC_PRE")
-        self.post_kernel = kernel_on(env.hc_post, device, "SHARDSMITH_HC_POST")
+        self.kernel = kernel_on("hc_pre", device)
+        self.post_kernel = kernel_on("hc_post", device)
 
     def warm_kernel(self, seen: set, *, dtype: torch.dtype) -> int:
         """Launch the kernels this mixer runs once on zero inputs of ``dtype`` (the activations'), so

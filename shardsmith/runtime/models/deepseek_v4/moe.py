@@ -95,7 +95,7 @@ class MoE(nn.Module):
     def use_kernel_(self, device: torch.device) -> None:
         """Route up to ``ROUTER_TOKENS`` tokens through :func:`route_topk` when ``SHARDSMITH_ROUTER_KERNEL``
         allows on ``device`` (``auto``: on CUDA; ``off``: :func:`route_topk_reference`, the PyTorch ops)."""
-        self.kernel = kernel_on(settings.current().router_kernel, device, "SHARDSMITH_ROUTER_KERNEL")
+        self.kernel = kernel_on("router_kernel", device)
 
     def warm_kernel(self, seen: set, *, dtype: torch.dtype) -> int:
         """Route one zero token of ``dtype`` (the activations') through :func:`route_topk`, so its kernel
