@@ -6,8 +6,10 @@ in the name (``seconds``, ``tokens_per_s``, ``bytes_per_rank``, ...).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
+import os
 import platform
 import socket
 import subprocess
@@ -56,3 +58,19 @@ def save_results(benchmark: str, rows: list[dict], *, extra: dict | None = None,
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"saved {path}")
     return path
+
+
+@contextlib.contextmanager
+def environment(entries: dict[str, str]):
+    """``os.environ`` with ``entries`` set for the ``with`` block (child processes started in it
+    inherit them), restored after."""
+    saved = {k: os.environ.get(k) for k in entries}
+    os.environ.update(entries)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -153,10 +153,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--gloo-gather-max", type=int, nargs="+", default=None,
-                    help="run each TP > 1 once per value of SHARDSMITH_GLOO_GATHER_MAX (0: gloo's ring "
+                    help="run each TP > 1 once per value of the gloo_gather_max setting (0: gloo's ring "
                          "all-reduce for every size) to compare the CPU all-reduce paths side by side")
     a = ap.parse_args()
-    from _results import save_results
+    from _results import environment, save_results
+
+    from shardsmith import settings
 
     ckpt = a.checkpoint or default_checkpoint(a.fp8)
     root = a.pack_root / ckpt.name
@@ -165,11 +167,11 @@ def main() -> None:
     variants = [(tp, g) for tp in a.tp for g in (a.gloo_gather_max if a.gloo_gather_max and tp > 1 else [None])]
     for tp, gather_max in variants:
         pack = ensure_pack(ckpt, root, tp)
-        if gather_max is not None:  # inherited by the spawned ranks, read when they import the runtime
-            os.environ["SHARDSMITH_GLOO_GATHER_MAX"] = str(gather_max)
-        rep = spawn(tp, {"mode": "decode", "path": str(pack), "device": a.device, "ids": ids,
-                         "tokens": a.tokens, "repeat": a.repeat})
-        os.environ.pop("SHARDSMITH_GLOO_GATHER_MAX", None)
+        # inherited by the spawned ranks, read when they import the runtime
+        extra = settings.overrides(gloo_gather_max=str(gather_max)) if gather_max is not None else {}
+        with environment(extra):
+            rep = spawn(tp, {"mode": "decode", "path": str(pack), "device": a.device, "ids": ids,
+                             "tokens": a.tokens, "repeat": a.repeat})
         row = {"tp": tp, "device": a.device, "source": "pack", "checkpoint": ckpt.name,
                **({"gloo_gather_max_elements": gather_max} if gather_max is not None else {}),
                "prompt_tokens": len(ids), "new_tokens": a.tokens,

@@ -56,16 +56,14 @@ BACKENDS = ("gpu", "hybrid", "auto")
 def offloaded_runs(weights, dev: torch.device, a: argparse.Namespace, prompt: torch.Tensor, fraction: float,
                    backend: str, link: float | None) -> list[dict]:
     """Eager and graphed rows for one backend at one cache fraction and link cap (None: the real link), TP=1."""
+    from shardsmith import settings
     from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
     from shardsmith.runtime.layers.parallel import use_kernels_
     from shardsmith.runtime.layers.quant import dequantize_fp8_
     from shardsmith.runtime.models.registry import build_v4
-    from shardsmith.runtime.offload import OffloadConfig, attach_offload, link_cap
+    from shardsmith.runtime.offload import OffloadConfig, attach_offload
 
-    if link:
-        os.environ[link_cap.ENV] = str(link)
-    else:
-        os.environ.pop(link_cap.ENV, None)
+    os.environ.update(settings.overrides(emulate_h2d_gbps=str(link) if link else ""))  # "": the real link
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     bank_bytes = sum(t.numel() * t.element_size() for layer, arrays in weights.banks().items()

@@ -493,7 +493,7 @@ def run_tp(a: argparse.Namespace, ckpt: Path, tp: int) -> dict:
     args = V4Args.from_config(config)
     from shardsmith import settings
 
-    kernels = settings.words(settings.current(), kind="kernel")  # the kernel switches this run had
+    kernels = settings.items(settings.current(), "SHARDSMITH_KERNELS")  # the kernel settings this run had
     row = {"tp": tp, "device": a.device, "dtype": a.dtype, "fp8": a.fp8, "kernels": kernels, "layers": args.n_layers, "layer_kinds": list(args.kinds),
            "experts": args.n_experts, "hidden": args.dim, "prompt_tokens": a.prompt, "decode_tokens": a.tokens,
            "max_seq_len_tokens": max_seq_len, "split_seconds": split_s}

@@ -375,7 +375,7 @@ def _check_serving_environment() -> None:
 
     Raises:
         UsageError: any ``SHARDSMITH_*`` variable holding a value it does not take (every one listed,
-            :mod:`shardsmith.settings`), ``SHARDSMITH_HOST_ISA`` naming a set this CPU lacks, or
+            :mod:`shardsmith.settings`), ``SHARDSMITH_TUNING=host_isa`` naming a set this CPU lacks, or
             ``SHARDSMITH_STEP_TRACE`` naming a file that cannot be appended to.
     """
     from shardsmith import settings

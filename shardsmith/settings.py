@@ -2,24 +2,28 @@
 
 No other module reads ``os.environ`` for a ``SHARDSMITH_*`` name (``tests/test_settings.py``
 enforces it): modules ask :func:`current` for the :class:`Settings`, and the CLI checks them before
-any rank starts (:func:`check`), so a typo is refused at once with every bad variable named, not
-at load, at a kernel's first call, or never. Rank processes inherit the environment, so every rank
+any rank starts (:func:`check`), so a typo is refused at once with every bad entry named, not at
+load, at a kernel's first call, or never. Rank processes inherit the environment, so every rank
 sees the settings the launcher checked.
 
-==============  =============================================================================
-kind            what they are
-==============  =============================================================================
-``user``        settings a user sets (cache folder, tracebacks, core pinning)
-``kernel``      each fused kernel's switch (``auto``, ``kernel``, ``off``), the in-place offload's
-                modes, compiled pieces, merged projections: the PyTorch references stay reachable
-                for tests, parity and measurements
-``diagnostic``  step trace, thread switch interval, step overlap, the host kernel's switch, ISA and
-                prefetch, link emulation, launch blocks, the gloo all-gather sum's bound
-``internal``    the launcher's own markers and the split's test hook
-==============  =============================================================================
+Seven variables (:data:`VARIABLES`):
 
-The table of names, values and defaults is :data:`VARIABLES` (README's settings table is checked
-against it).
+=================  ==========================================================================
+kind               variables
+=================  ==========================================================================
+``user``           ``CACHE`` (the cache folder), ``DEBUG`` (tracebacks), ``PIN_CORES``
+``diagnostic``     ``STEP_TRACE`` (one JSON line per engine step)
+``debug``          ``KERNELS``: which fused kernels run and which take their PyTorch reference
+                   (``all=reference``; ``fused_experts=kernel,hc_pre=reference``; ...)
+``measurement``    ``TUNING``: the knobs benchmarks turn (link emulation, launch blocks, the host
+                   kernel's instruction set and prefetch, step overlap, ...)
+``internal``       ``SPAWNED_BY``: the launcher's pid, set in the rank processes it starts
+=================  ==========================================================================
+
+``KERNELS`` and ``TUNING`` hold comma-separated ``key=word`` items (:data:`ITEMS`); later items
+override earlier ones, and ``KERNELS``'s key ``all`` sets every kernel at once. Each item is a
+typed :class:`Settings` field like the plain variables. The variables that the items replaced are
+refused with their new spelling (:data:`REMOVED`).
 """
 
 from __future__ import annotations
@@ -35,16 +39,20 @@ from pathlib import Path
 
 from shardsmith.errors import UsageError
 
-__all__ = ["Kernel", "OffloadMiss", "Settings", "VARIABLES", "Variable", "check", "current"]
+__all__ = ["ITEMS", "Item", "Kernel", "OffloadMiss", "REMOVED", "Settings", "VARIABLES", "Variable", "check",
+           "current", "env", "items", "overrides", "spelling", "with_words"]
+
+KERNELS = "SHARDSMITH_KERNELS"
+TUNING = "SHARDSMITH_TUNING"
 
 
 class Kernel(enum.Enum):
-    """A fused kernel's switch: ``auto`` (on for CUDA with Triton), ``kernel`` (on; on CPU only
-    under ``TRITON_INTERPRET=1``), ``off`` (the PyTorch reference path)."""
+    """A fused kernel's mode: ``auto`` (on for CUDA with Triton), ``kernel`` (on; on CPU only
+    under ``TRITON_INTERPRET=1``), ``reference`` (its PyTorch reference path)."""
 
     AUTO = "auto"
     KERNEL = "kernel"
-    OFF = "off"
+    OFF = "reference"
 
 
 class OffloadMiss(enum.Enum):
@@ -57,9 +65,10 @@ class OffloadMiss(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Variable:
-    """One environment setting. Attributes: name (``SHARDSMITH_...``); field: the :class:`Settings`
-    attribute; kind: ``user``, ``kernel``, ``diagnostic`` or ``internal``; values: what it takes
-    (for messages and the README); default: what unset or empty means; doc: one line."""
+    """One environment variable. Attributes: name (``SHARDSMITH_...``); field: the :class:`Settings`
+    attribute ("" for a list variable, whose fields are its :data:`ITEMS`); kind: ``user``,
+    ``diagnostic``, ``debug``, ``measurement`` or ``internal``; values: what it takes (for messages
+    and the README); default: what unset or empty means; doc: one line."""
 
     name: str
     field: str
@@ -69,28 +78,50 @@ class Variable:
     doc: str
 
 
-def _bit(name: str, raw: str) -> bool:
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One ``key=word`` item of a list variable (``SHARDSMITH_KERNELS`` or ``SHARDSMITH_TUNING``).
+    Attributes: variable: the list variable's name; key; field: the :class:`Settings` attribute;
+    values, default, doc: as :class:`Variable`'s; old: the variable it replaced."""
+
+    variable: str
+    key: str
+    field: str
+    values: str
+    default: str
+    doc: str
+    old: str
+
+
+# ------------------------------------------------------------------ word parsers: (raw) -> value, ValueError
+
+
+def _bit(raw: str) -> bool:
     if raw not in ("0", "1"):
         raise ValueError("expected 0 or 1")
     return raw == "1"
 
 
-def _flag(name: str, raw: str) -> bool:
+def _flag(raw: str) -> bool:
     return raw != "0"
 
 
-def _kernel(off_words: tuple[str, ...] = ("off",)) -> Callable[[str, str], Kernel]:
-    def parse(name: str, raw: str) -> Kernel:
-        if raw in off_words:
-            return Kernel.OFF
-        if raw not in ("auto", "kernel"):
-            raise ValueError(f"expected auto, kernel or {off_words[0]}")
+def _kernel(raw: str) -> Kernel:
+    try:
         return Kernel(raw)
-    return parse
+    except ValueError:
+        raise ValueError("expected auto, kernel or reference") from None
 
 
-def _choice(kind: type[enum.Enum]) -> Callable[[str, str], enum.Enum]:
-    def parse(name: str, raw: str) -> enum.Enum:
+def _on(raw: str) -> bool:
+    """A switch with no kernel of its own: ``on`` (``auto`` and ``kernel`` mean the same) or ``reference``."""
+    if raw not in ("on", "auto", "kernel", "reference"):
+        raise ValueError("expected on or reference")
+    return raw != "reference"
+
+
+def _choice(kind: type[enum.Enum]) -> Callable[[str], enum.Enum]:
+    def parse(raw: str) -> enum.Enum:
         try:
             return kind(raw)
         except ValueError:
@@ -98,25 +129,18 @@ def _choice(kind: type[enum.Enum]) -> Callable[[str, str], enum.Enum]:
     return parse
 
 
-def _number(*, zero: bool, rule: str) -> Callable[[str, str], float]:
-    """A finite number above 0 (or at least 0 with ``zero``); ``rule`` is the message's wording."""
-    def parse(name: str, raw: str) -> float:
-        try:
-            v = float(raw)
-        except ValueError:
-            v = math.nan
-        if not (math.isfinite(v) and (v >= 0 if zero else v > 0)):
-            raise ValueError(f"expected {rule}")
-        return v
-    return parse
+def _positive(raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError("expected a positive number")
+    return v
 
 
-_positive = _number(zero=False, rule="a positive number")
-_seconds = _number(zero=True, rule="seconds >= 0")
-
-
-def _count(low: int, high: int) -> Callable[[str, str], int]:
-    def parse(name: str, raw: str) -> int:
+def _count(low: int, high: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
         try:
             v = int(raw)
         except ValueError:
@@ -127,29 +151,179 @@ def _count(low: int, high: int) -> Callable[[str, str], int]:
     return parse
 
 
-def _pair(name: str, raw: str) -> tuple[int, int]:
+def _blocks(raw: str) -> tuple[int, int]:
     try:
-        r, g = (int(v) for v in raw.split(","))
+        r, g = (int(v) for v in raw.split("x"))
         if r < 1 or g < 1:
             raise ValueError
     except ValueError:
-        raise ValueError("expected two positive ints 'block_r,block_g'") from None
+        raise ValueError("expected two positive ints 'ROWSxGROUPS'") from None
     return r, g
 
 
-def _isa(name: str, raw: str) -> str:
+def _isa(raw: str) -> str:
     if raw not in ("scalar", "avx2", "avx512"):
         raise ValueError("expected scalar, avx2 or avx512")
     return raw
 
 
-def _pid(name: str, raw: str) -> int:
-    return _count(1, 2**31)(name, raw)
-
-
 MAX_PREFETCH_BYTES = 1 << 20
 
-# switches whose default was settled and that were deleted: set, they are refused with what became of them
+
+def _var(name: str, kind: str, values: str, default: str, doc: str, parse: Callable[[str], object] | None,
+         value: object) -> object:
+    """A :class:`Settings` field read from ``SHARDSMITH_<name>``: ``parse(raw)`` (None: the raw
+    string), ``value`` when unset or empty."""
+    return field(default=value, metadata={"var": Variable(f"SHARDSMITH_{name}", "", kind, values, default, doc),
+                                          "parse": parse})
+
+
+def _item(variable: str, key: str, values: str, default: str, doc: str, parse: Callable[[str], object],
+          value: object, old: str) -> object:
+    """A :class:`Settings` field read from item ``key`` of list variable ``variable``."""
+    return field(default=value, metadata={"item": Item(variable, key, "", values, default, doc, f"SHARDSMITH_{old}"),
+                                          "parse": parse})
+
+
+def _kernel_item(key: str, doc: str, old: str) -> object:
+    return _item(KERNELS, key, "auto, kernel, reference", "auto", doc, _kernel, Kernel.AUTO, old)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The environment's settings, typed. Attributes: one per :data:`VARIABLES` field and
+    :data:`ITEMS` entry (its doc)."""
+
+    cache_dir: Path = _var("CACHE", "user", "a folder", "~/.cache/shardsmith",
+                           "demo wheels and checkpoints, the compiled host expert kernel", lambda r: Path(r).expanduser(),
+                           Path.home() / ".cache" / "shardsmith")
+    debug: bool = _var("DEBUG", "user", "1 (any value but 0)", "off", "show tracebacks", _flag, False)
+    pin_cores: bool = _var("PIN_CORES", "user", "0 or 1", "1",
+                           "pin each rank to its share of the CPUs (0: a launcher pins)", _bit, True)
+    step_trace: Path | None = _var("STEP_TRACE", "diagnostic", "a file", "none",
+                                   "append one JSON line per engine step", Path, None)
+    spawned_by: int | None = _var("SPAWNED_BY", "internal", "a pid", "unset",
+                                  "the launcher's pid, set in the rank processes it starts (a rank watches it)",
+                                  _count(1, 2**31), None)
+    # SHARDSMITH_KERNELS: each fused kernel, or its PyTorch reference
+    fp8_dense: Kernel = _kernel_item("fp8_dense", "FP8 block linears: the Triton kernel, or dequantized at load",
+                                     "FP8_DENSE")
+    fused_experts: Kernel = _kernel_item("fused_experts", "routed experts in one fused launch", "FUSED_EXPERTS")
+    decode_attention: Kernel = _kernel_item("decode_attention", "DeepSeek-V4's decode attention core",
+                                            "DECODE_ATTENTION")
+    indexer_scores: Kernel = _kernel_item("indexer_scores", "DeepSeek-V4's sparse indexer scores (with the decode "
+                                          "attention kernel)", "INDEXER_SCORES")
+    compressor_step: Kernel = _kernel_item("compressor_step", "DeepSeek-V4's KV compressor decode step",
+                                           "COMPRESSOR_STEP")
+    hc_pre: Kernel = _kernel_item("hc_pre", "DeepSeek-V4's hyper-connection mixer before a block", "HC_PRE")
+    hc_post: Kernel = _kernel_item("hc_post", "DeepSeek-V4's hyper-connection mixer after a block", "HC_POST")
+    router_kernel: Kernel = _kernel_item("router", "DeepSeek-V4's router top-k", "ROUTER_KERNEL")
+    offload_inplace: Kernel = _kernel_item("offload_inplace", "offloaded experts cached in place on the GPU "
+                                           "(auto: FP4 banks; kernel: bf16 too)", "OFFLOAD_INPLACE")
+    host_kernel: bool = _item(KERNELS, "host_experts", "on, reference", "on",
+                              "the compiled host expert kernel (reference: the PyTorch path)", _on, True, "HOST_KERNEL")
+    compile_pieces: bool = _item(KERNELS, "compile_pieces", "on, reference", "on",
+                                 "torch.compile the row-wise pieces of a decode step on CUDA", _on, True,
+                                 "COMPILE_PIECES")
+    merge_projections: bool = _item(KERNELS, "merge_projections", "on, reference", "on",
+                                    "merge same-input projections into one launch on the kernel path", _on, True,
+                                    "MERGE_PROJECTIONS")
+    # SHARDSMITH_TUNING: what benchmarks turn
+    overlap_steps: bool | None = _item(TUNING, "overlap_steps", "0 or 1", "on for CUDA at world_size 1",
+                                       "overlap a step's host work with the previous step", _bit, None, "OVERLAP_STEPS")
+    offload_miss: OffloadMiss = _item(TUNING, "offload_miss", "copy, read", "copy",
+                                      "in place: copy a missed expert into its slot, or read it over the link",
+                                      _choice(OffloadMiss), OffloadMiss.COPY, "OFFLOAD_MISS")
+    emulate_h2d_gbps: float | None = _item(TUNING, "emulate_h2d_gbps", "GB/s > 0", "none",
+                                           "emulate a slower host-to-device link", _positive, None, "EMULATE_H2D_GBPS")
+    inplace_blocks: tuple[int, int] = _item(TUNING, "inplace_blocks", "ROWSxGROUPS", "16x8",
+                                            "the in-place expert launches' rows per program and scale groups per step",
+                                            _blocks, (16, 8), "INPLACE_BLOCKS")
+    gloo_gather_max: int = _item(TUNING, "gloo_gather_max", "elements >= 0", "65536",
+                                 "gloo all-reduces up to this size as one all-gather and a local sum (0: off)",
+                                 _count(0, 2**62), 1 << 16, "GLOO_GATHER_MAX")
+    host_isa: str | None = _item(TUNING, "host_isa", "scalar, avx2, avx512", "the best this CPU has",
+                                 "the host expert kernel's instruction set", _isa, None, "HOST_ISA")
+    host_prefetch: int | None = _item(TUNING, "host_prefetch", f"bytes, 0 .. {MAX_PREFETCH_BYTES}", "the kernel's (2048)",
+                                      "the host expert kernel's software prefetch distance",
+                                      _count(0, MAX_PREFETCH_BYTES), None, "HOST_PREFETCH")
+    switch_interval_ms: float | None = _item(TUNING, "switch_interval_ms", "milliseconds > 0", "python's",
+                                             "the interpreter's thread switch interval", _positive, None,
+                                             "SWITCH_INTERVAL_MS")
+
+    @classmethod
+    def from_env(cls, env: "os._Environ[str] | dict[str, str]") -> "Settings":
+        """Parse every variable of ``env`` (unset or empty: the default).
+
+        Raises:
+            UsageError: listing every variable or item that holds a value it does not take, every
+                unknown item key, and every removed variable that is set.
+        """
+        values, problems = {}, []
+        for f in fields(cls):
+            if "var" in f.metadata:
+                var = f.metadata["var"]
+                raw = (env.get(var.name) or "").strip()
+                if raw:
+                    try:
+                        values[f.name] = f.metadata["parse"](raw)
+                    except ValueError as e:
+                        problems.append(f"{var.name}={raw!r}: {e}")
+        for name in (KERNELS, TUNING):
+            raw = (env.get(name) or "").strip()
+            if raw:
+                items = _parse_items(name, raw, problems)
+                values.update(items)
+        problems += [f"{name} was removed: {why}" for name, why in REMOVED.items() if (env.get(name) or "").strip()]
+        if problems:
+            raise UsageError("; ".join(problems))
+        return cls(**values)
+
+    @property
+    def spawned(self) -> bool:
+        """Whether this process is a rank the launcher started (not one torchrun started)."""
+        return self.spawned_by is not None
+
+
+def _parse_items(name: str, raw: str, problems: list[str]) -> dict[str, object]:
+    """``{field: value}`` of list variable ``name``'s ``key=word`` items; bad ones appended to ``problems``."""
+    by_key = {i.key: i for i in ITEMS if i.variable == name}
+    out: dict[str, object] = {}
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        key, eq, word = (s.strip() for s in part.partition("="))
+        if not eq or not word:
+            problems.append(f"{name}: {part!r} is not key=word")
+            continue
+        keys = [k for k in by_key if by_key[k].variable == KERNELS] if (key == "all" and name == KERNELS) else [key]
+        if keys[0] not in by_key:
+            problems.append(f"{name}: unknown key {key!r} (known: {', '.join(sorted(by_key))}"
+                            f"{', all' if name == KERNELS else ''})")
+            continue
+        for k in keys:
+            item = by_key[k]
+            try:
+                out[item.field] = _PARSE[item.field](word)
+            except ValueError as e:
+                problems.append(f"{name}: {k}={word!r}: {e}")
+                break
+    return out
+
+
+VARIABLES: tuple[Variable, ...] = tuple(
+    [dataclasses.replace(f.metadata["var"], field=f.name) for f in fields(Settings) if "var" in f.metadata]
+    + [Variable(KERNELS, "", "debug", "key=word, ...", "auto for each",
+                "which fused kernels run, or their PyTorch references: all=reference, fused_experts=kernel, ..."),
+       Variable(TUNING, "", "measurement", "key=word, ...", "none",
+                "benchmark knobs: link emulation, launch blocks, host kernel ISA and prefetch, step overlap, ...")])
+ITEMS: tuple[Item, ...] = tuple(dataclasses.replace(f.metadata["item"], field=f.name)
+                                for f in fields(Settings) if "item" in f.metadata)
+_PARSE = {f.name: f.metadata["parse"] for f in fields(Settings)}
+_DEFAULT = {f.name: f.default for f in fields(Settings)}
+_BY_FIELD: dict[str, Variable | Item] = {v.field: v for v in VARIABLES if v.field} | {i.field: i for i in ITEMS}
+
+# variables that were deleted or folded into a list variable: set, they are refused with what became of them
 REMOVED = {
     "SHARDSMITH_MOE_PATH": "the expert kernel's path is chosen by batch and format (fused_moe.pick_path); "
                            "benchmarks/decode_kernels.py --moe-config path=... compares the paths",
@@ -157,107 +331,11 @@ REMOVED = {
                                 "benchmarks/decode_kernels.py times the separate sum",
     "SHARDSMITH_FP8_GEMV": "one-token FP8 linears always take the GEMV kernel; benchmarks/decode_kernels.py "
                            "times the dot kernel beside it",
+    "SHARDSMITH_TEST_SLOW_WRITE": "the interrupt tests slow the split from their own side",
+    "SHARDSMITH_SPAWNED": "the launcher sets SHARDSMITH_SPAWNED_BY",
+    "SHARDSMITH_PARENT_PID": "the launcher sets SHARDSMITH_SPAWNED_BY",
+    **{i.old: f"write {i.variable}={i.key}=<{i.values.replace(', ', '|')}>" for i in ITEMS},
 }
-
-
-def _var(name: str, kind: str, values: str, default: str, doc: str, parse: Callable | None, value: object) -> object:
-    """A :class:`Settings` field read from ``SHARDSMITH_<name>``: ``parse(name, raw)`` (None: the raw
-    string), ``value`` when unset or empty."""
-    return field(default=value, metadata={"var": Variable(f"SHARDSMITH_{name}", "", kind, values, default, doc),
-                                          "parse": parse})
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """The environment's settings, typed. Attributes: one per :data:`VARIABLES` entry (its doc)."""
-
-    cache_dir: Path = _var("CACHE", "user", "a folder", "~/.cache/shardsmith",
-                           "demo wheels and checkpoints, the compiled host expert kernel", lambda n, r: Path(r).expanduser(),
-                           Path.home() / ".cache" / "shardsmith")
-    debug: bool = _var("DEBUG", "user", "1 (any value but 0)", "off", "show tracebacks", _flag, False)
-    pin_cores: bool = _var("PIN_CORES", "user", "0 or 1", "1",
-                           "pin each rank to its share of the CPUs (0: a launcher pins)", _bit, True)
-    fp8_dense: Kernel = _var("FP8_DENSE", "kernel", "auto, kernel, dequantize", "auto",
-                             "FP8 block linears: the Triton kernel, or dequantized at load",
-                             _kernel(("dequantize", "off")), Kernel.AUTO)
-    fused_experts: Kernel = _var("FUSED_EXPERTS", "kernel", "auto, kernel, off", "auto",
-                                 "routed experts in one fused launch", _kernel(), Kernel.AUTO)
-    decode_attention: Kernel = _var("DECODE_ATTENTION", "kernel", "auto, kernel, off", "auto",
-                                    "DeepSeek-V4's decode attention core", _kernel(), Kernel.AUTO)
-    indexer_scores: Kernel = _var("INDEXER_SCORES", "kernel", "auto, kernel, off", "auto",
-                                  "DeepSeek-V4's sparse indexer scores (with the decode attention kernel)",
-                                  _kernel(), Kernel.AUTO)
-    compressor_step: Kernel = _var("COMPRESSOR_STEP", "kernel", "auto, kernel, off", "auto",
-                                   "DeepSeek-V4's KV compressor decode step", _kernel(), Kernel.AUTO)
-    hc_pre: Kernel = _var("HC_PRE", "kernel", "auto, kernel, off", "auto",
-                          "DeepSeek-V4's hyper-connection mixer before a block", _kernel(), Kernel.AUTO)
-    hc_post: Kernel = _var("HC_POST", "kernel", "auto, kernel, off", "auto",
-                           "DeepSeek-V4's hyper-connection mixer after a block", _kernel(), Kernel.AUTO)
-    router_kernel: Kernel = _var("ROUTER_KERNEL", "kernel", "auto, kernel, off", "auto",
-                                 "DeepSeek-V4's router top-k", _kernel(), Kernel.AUTO)
-    offload_inplace: Kernel = _var("OFFLOAD_INPLACE", "kernel", "auto, kernel, off", "auto",
-                                   "offloaded experts cached in place on the GPU (auto: FP4 banks; kernel: bf16 too)",
-                                   _kernel(), Kernel.AUTO)
-    offload_miss: OffloadMiss = _var("OFFLOAD_MISS", "kernel", "copy, read", "copy",
-                                     "in place: copy a missed expert into its slot, or read it over the link",
-                                     _choice(OffloadMiss), OffloadMiss.COPY)
-    compile_pieces: bool = _var("COMPILE_PIECES", "kernel", "0 or 1", "1",
-                                "torch.compile the row-wise pieces of a decode step on CUDA", _bit, True)
-    merge_projections: bool = _var("MERGE_PROJECTIONS", "kernel", "0 or 1", "1",
-                                   "merge same-input projections into one launch on the kernel path", _bit, True)
-    step_trace: Path | None = _var("STEP_TRACE", "diagnostic", "a file", "none",
-                                   "append one JSON line per engine step", lambda n, r: Path(r), None)
-    switch_interval_ms: float | None = _var("SWITCH_INTERVAL_MS", "diagnostic", "milliseconds > 0", "python's",
-                                            "the interpreter's thread switch interval", _positive, None)
-    overlap_steps: bool | None = _var("OVERLAP_STEPS", "diagnostic", "0 or 1", "on for CUDA at world_size 1",
-                                      "overlap a step's host work with the previous step", _bit, None)
-    host_kernel: bool = _var("HOST_KERNEL", "diagnostic", "0 or 1", "1",
-                             "the compiled host expert kernel (0: the PyTorch path)", _bit, True)
-    host_isa: str | None = _var("HOST_ISA", "diagnostic", "scalar, avx2, avx512", "the best this CPU has",
-                                "the host expert kernel's instruction set", _isa, None)
-    host_prefetch: int | None = _var("HOST_PREFETCH", "diagnostic", f"bytes, 0 .. {MAX_PREFETCH_BYTES}",
-                                     "the kernel's (2048)", "the host expert kernel's software prefetch distance",
-                                     _count(0, MAX_PREFETCH_BYTES), None)
-    emulate_h2d_gbps: float | None = _var("EMULATE_H2D_GBPS", "diagnostic", "GB/s > 0", "none",
-                                          "emulate a slower host-to-device link (offload measurements)", _positive, None)
-    inplace_blocks: tuple[int, int] = _var("INPLACE_BLOCKS", "diagnostic", "block_r,block_g", "16,8",
-                                           "the in-place expert launches' rows per program and scale groups per step",
-                                           _pair, (16, 8))
-    gloo_gather_max: int = _var("GLOO_GATHER_MAX", "diagnostic", "elements >= 0", "65536",
-                                "gloo all-reduces up to this size as one all-gather and a local sum (0: off)",
-                                _count(0, 2**62), 1 << 16)
-    spawned: bool = _var("SPAWNED", "internal", "1", "unset", "set by the launcher in the rank processes it starts",
-                         _flag, False)
-    parent_pid: int | None = _var("PARENT_PID", "internal", "a pid", "unset",
-                                  "the launcher's pid, which a rank watches", _pid, None)
-    test_slow_write: float = _var("TEST_SLOW_WRITE", "internal", "seconds >= 0", "0",
-                                  "split sleeps this long per tensor written (the interrupt tests)", _seconds, 0.0)
-
-    @classmethod
-    def from_env(cls, env: "os._Environ[str] | dict[str, str]") -> "Settings":
-        """Parse every variable of ``env`` (unset or empty: the default).
-
-        Raises:
-            UsageError: listing every variable that holds a value it does not take.
-        """
-        values, problems = {}, []
-        for f in fields(cls):
-            var, parse = f.metadata["var"], f.metadata["parse"]
-            raw = (env.get(var.name) or "").strip()
-            if not raw:
-                continue
-            try:
-                values[f.name] = parse(var.name, raw)
-            except ValueError as e:
-                problems.append(f"{var.name}={raw!r}: {e}")
-        problems += [f"{name} was removed: {why}" for name, why in REMOVED.items() if (env.get(name) or "").strip()]
-        if problems:
-            raise UsageError("; ".join(problems))
-        return cls(**values)
-
-
-VARIABLES: tuple[Variable, ...] = tuple(dataclasses.replace(f.metadata["var"], field=f.name) for f in fields(Settings))
-_BY_FIELD = {v.field: v for v in VARIABLES}
 _NAMES = tuple(v.name for v in VARIABLES) + tuple(REMOVED)  # what current() reads
 
 
@@ -266,13 +344,16 @@ def _parsed(values: tuple[str | None, ...]) -> Settings:
     return Settings.from_env(dict(zip(_NAMES, (v or "" for v in values))))
 
 
-def variable(field: str) -> Variable:
-    """The :data:`VARIABLES` entry of :class:`Settings` field ``field``.
+def spelling(field: str, word: str | None = None) -> str:
+    """How :class:`Settings` field ``field`` is written in the environment: ``SHARDSMITH_PIN_CORES``,
+    or ``SHARDSMITH_KERNELS=fused_experts`` for an item; ``=word`` appended when given (for messages).
 
     Raises:
         KeyError: not a field.
     """
-    return _BY_FIELD[field]
+    v = _BY_FIELD[field]
+    base = f"{v.variable}={v.key}" if isinstance(v, Item) else v.name
+    return base if word is None else f"{base}={word}"
 
 
 def current() -> Settings:
@@ -286,7 +367,7 @@ def current() -> Settings:
 
 def debug() -> bool:
     """``$SHARDSMITH_DEBUG`` alone (error handlers ask it even when another setting is malformed)."""
-    return _flag("SHARDSMITH_DEBUG", (os.environ.get("SHARDSMITH_DEBUG") or "0").strip() or "0")
+    return _flag((os.environ.get("SHARDSMITH_DEBUG") or "0").strip() or "0")
 
 
 def check() -> Settings:
@@ -294,26 +375,68 @@ def check() -> Settings:
     return current()
 
 
-def words(s: Settings, *, kind: str | None = None) -> dict[str, str]:
-    """``{variable name: its value as the word the environment takes}`` for every variable (of
-    ``kind``), defaults included: what a benchmark records of the run's settings."""
-    def word(v: object) -> str:
-        if isinstance(v, enum.Enum):
-            return str(v.value)
-        if isinstance(v, bool):
-            return "1" if v else "0"
-        if isinstance(v, tuple):
-            return ",".join(map(str, v))
-        return "" if v is None else str(v)
-
-    return {v.name: word(getattr(s, v.field)) for v in VARIABLES if kind is None or v.kind == kind}
+def word(value: object) -> str:
+    """``value`` (a :class:`Settings` field's) as the word the environment takes."""
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, tuple):
+        return "x".join(map(str, value))
+    return "" if value is None else str(value)
 
 
-def child_env(**values: str) -> dict[str, str]:
-    """``SHARDSMITH_*`` entries for a child process's environment, by :class:`Settings` field name
-    (``child_env(spawned="1")`` -> ``{"SHARDSMITH_SPAWNED": "1"}``).
+def _item_word(item: Item, value: object) -> str:
+    if isinstance(value, bool) and item.values == "on, reference":
+        return "on" if value else "reference"
+    return word(value)
+
+
+def items(s: Settings, variable: str) -> dict[str, str]:
+    """``{key: word}`` of every item of list variable ``variable`` (defaults included; unset ones
+    left out): what a benchmark records of the run's kernels or knobs."""
+    return {i.key: _item_word(i, v) for i in ITEMS if i.variable == variable and (v := getattr(s, i.field)) is not None}
+
+
+def env(s: Settings) -> dict[str, str]:
+    """``{variable name: value}`` that :meth:`Settings.from_env` reads back as ``s`` (every variable
+    named; an empty value where ``s`` holds the default or None): for a child process's environment."""
+    out = {v.name: word(getattr(s, v.field)) for v in VARIABLES if v.field}
+    for name in (KERNELS, TUNING):
+        out[name] = ",".join(f"{k}={w}" for k, w in items(s, name).items())
+    return out
+
+
+def with_words(s: Settings | None = None, **words: str) -> Settings:
+    """``s`` (default :func:`current`) with fields set from environment words
+    (``with_words(fused_experts="kernel", inplace_blocks="4x64")``; an empty word: the default).
 
     Raises:
         KeyError: a name that is not a field.
+        UsageError: a word the field does not take (named with its spelling).
     """
-    return {_BY_FIELD[k].name: v for k, v in values.items()}
+    base = current() if s is None else s
+    values = {}
+    for name, raw in words.items():
+        if not raw:
+            values[name] = _DEFAULT[name]
+            continue
+        try:
+            values[name] = _PARSE[name](raw)
+        except ValueError as e:
+            raise UsageError(f"{spelling(name, repr(raw))}: {e}") from None
+    return dataclasses.replace(base, **values)
+
+
+def overrides(**words: str) -> dict[str, str]:
+    """Environment entries that set the given fields (as :func:`with_words`) and keep every other
+    setting of :func:`current`: only the variables holding those fields, e.g.
+    ``overrides(fused_experts="reference")`` -> ``{"SHARDSMITH_KERNELS": "...,fused_experts=reference,..."}``
+    (for ``monkeypatch.setenv``, ``os.environ.update`` or a child process's environment).
+
+    Raises:
+        KeyError, UsageError: as :func:`with_words`.
+    """
+    new = env(with_words(**words))
+    names = {v.variable if isinstance(v, Item) else v.name for v in (_BY_FIELD[k] for k in words)}
+    return {n: new[n] for n in sorted(names)}

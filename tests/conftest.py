@@ -124,3 +124,18 @@ def tiny_v4_packs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
         out[ws] = root / f"tp{ws}"
         split_checkpoint(src, out[ws], world_size=ws)
     return out
+
+
+@pytest.fixture
+def use_settings(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """``use_settings(fused_experts="kernel", inplace_blocks="4x64")``: set :class:`shardsmith.settings.Settings`
+    fields by their environment words for this test (in ``SHARDSMITH_KERNELS`` / ``SHARDSMITH_TUNING``
+    or their own variable), keeping every other setting; later calls add to earlier ones, and rank
+    processes the test starts inherit them."""
+    from shardsmith import settings
+
+    def use(**words: str) -> None:
+        for name, value in settings.overrides(**words).items():
+            monkeypatch.setenv(name, value)
+
+    return use

@@ -1,5 +1,6 @@
 """One settings module: every ``SHARDSMITH_*`` variable is parsed, typed and checked in
-:mod:`shardsmith.settings`, no other module reads one, and README's table lists each."""
+:mod:`shardsmith.settings`, no other module reads one, there are at most eight, and README's table
+lists each."""
 
 from __future__ import annotations
 
@@ -65,52 +66,96 @@ def test_the_scan_catches_a_planted_read() -> None:
     assert environ_reads("import os\nos.getenv('X')\n", "y.py") == ["y.py:2: os.getenv"]
 
 
+def test_at_most_eight_variables() -> None:
+    names = [v.name for v in settings.VARIABLES]
+    assert len(names) <= 8 and len(set(names)) == len(names), names
+    assert {i.variable for i in settings.ITEMS} == {"SHARDSMITH_KERNELS", "SHARDSMITH_TUNING"}
+    assert len({(i.variable, i.key) for i in settings.ITEMS}) == len(settings.ITEMS)
+
+
 def test_defaults_and_typed_values() -> None:
     s = Settings.from_env({})
-    assert s == Settings() and s.fp8_dense is Kernel.AUTO and s.offload_miss is OffloadMiss.COPY
-    s = Settings.from_env({"SHARDSMITH_FP8_DENSE": "dequantize", "SHARDSMITH_HC_PRE": "kernel",
-                           "SHARDSMITH_INPLACE_BLOCKS": "4,64", "SHARDSMITH_PIN_CORES": "0",
-                           "SHARDSMITH_EMULATE_H2D_GBPS": " 25 ", "SHARDSMITH_OVERLAP_STEPS": ""})
-    assert (s.fp8_dense, s.hc_pre, s.inplace_blocks, s.pin_cores, s.emulate_h2d_gbps, s.overlap_steps) == \
-        (Kernel.OFF, Kernel.KERNEL, (4, 64), False, 25.0, None)
+    assert s == Settings() and s.fp8_dense is Kernel.AUTO and s.offload_miss is OffloadMiss.COPY and not s.spawned
+    s = Settings.from_env({"SHARDSMITH_KERNELS": " fp8_dense=reference , hc_pre=kernel,host_experts=reference",
+                           "SHARDSMITH_TUNING": "inplace_blocks=4x64,emulate_h2d_gbps= 25 ,offload_miss=read",
+                           "SHARDSMITH_PIN_CORES": "0", "SHARDSMITH_SPAWNED_BY": "4242"})
+    assert (s.fp8_dense, s.hc_pre, s.host_kernel, s.inplace_blocks, s.pin_cores, s.emulate_h2d_gbps, s.overlap_steps,
+            s.offload_miss, s.spawned, s.spawned_by) == \
+        (Kernel.OFF, Kernel.KERNEL, False, (4, 64), False, 25.0, None, OffloadMiss.READ, True, 4242)
 
 
-def test_every_bad_variable_is_named_at_once() -> None:
-    env = {"SHARDSMITH_FUSED_EXPERTS": "sometimes", "SHARDSMITH_PIN_CORES": "yes", "SHARDSMITH_HOST_PREFETCH": "-1",
-           "SHARDSMITH_OFFLOAD_MISS": "dma", "SHARDSMITH_EMULATE_H2D_GBPS": "inf", "SHARDSMITH_HC_POST": "auto"}
+def test_all_sets_every_kernel_and_later_items_win() -> None:
+    s = Settings.from_env({"SHARDSMITH_KERNELS": "all=reference,fused_experts=kernel"})
+    kernels = {i.field: getattr(s, i.field) for i in settings.ITEMS if i.variable == "SHARDSMITH_KERNELS"}
+    assert kernels.pop("fused_experts") is Kernel.KERNEL
+    assert set(kernels.values()) <= {Kernel.OFF, False}, kernels
+    s = Settings.from_env({"SHARDSMITH_KERNELS": "hc_post=reference,all=auto"})
+    assert s.hc_post is Kernel.AUTO and s.compile_pieces is True
+
+
+def test_every_bad_entry_is_named_at_once() -> None:
+    env = {"SHARDSMITH_KERNELS": "fused_experts=sometimes,warp_drive=on,hc_post", "SHARDSMITH_PIN_CORES": "yes",
+           "SHARDSMITH_TUNING": "host_prefetch=-1,offload_miss=dma,emulate_h2d_gbps=inf",
+           "SHARDSMITH_FUSED_EXPERTS": "off"}
     with pytest.raises(UsageError) as e:
         Settings.from_env(env)
-    assert str(e.value) == ("SHARDSMITH_PIN_CORES='yes': expected 0 or 1; "
-                            "SHARDSMITH_FUSED_EXPERTS='sometimes': expected auto, kernel or off; "
-                            "SHARDSMITH_OFFLOAD_MISS='dma': expected one of copy, read; "
-                            "SHARDSMITH_HOST_PREFETCH='-1': expected a whole number in 0 .. 1048576; "
-                            "SHARDSMITH_EMULATE_H2D_GBPS='inf': expected a positive number")
+    assert str(e.value) == (
+        "SHARDSMITH_PIN_CORES='yes': expected 0 or 1; "
+        "SHARDSMITH_KERNELS: fused_experts='sometimes': expected auto, kernel or reference; "
+        "SHARDSMITH_KERNELS: unknown key 'warp_drive' (known: compile_pieces, compressor_step, decode_attention, "
+        "fp8_dense, fused_experts, hc_post, hc_pre, host_experts, indexer_scores, merge_projections, offload_inplace, "
+        "router, all); "
+        "SHARDSMITH_KERNELS: 'hc_post' is not key=word; "
+        "SHARDSMITH_TUNING: host_prefetch='-1': expected a whole number in 0 .. 1048576; "
+        "SHARDSMITH_TUNING: offload_miss='dma': expected one of copy, read; "
+        "SHARDSMITH_TUNING: emulate_h2d_gbps='inf': expected a positive number; "
+        "SHARDSMITH_FUSED_EXPERTS was removed: write SHARDSMITH_KERNELS=fused_experts=<auto|kernel|reference>")
 
 
-def test_words_round_trip() -> None:
-    s = Settings.from_env({"SHARDSMITH_FP8_DENSE": "off", "SHARDSMITH_DEBUG": "1", "SHARDSMITH_INPLACE_BLOCKS": "2,3",
-                           "SHARDSMITH_STEP_TRACE": "/tmp/t.jsonl", "SHARDSMITH_OVERLAP_STEPS": "0"})
+def test_env_round_trip() -> None:
+    s = Settings.from_env({"SHARDSMITH_KERNELS": "fp8_dense=reference,compile_pieces=reference",
+                           "SHARDSMITH_DEBUG": "1", "SHARDSMITH_TUNING": "inplace_blocks=2x3,overlap_steps=0",
+                           "SHARDSMITH_STEP_TRACE": "/tmp/t.jsonl"})
     for one in (s, Settings()):
-        assert Settings.from_env(settings.words(one)) == one
-    assert settings.words(s, kind="kernel")["SHARDSMITH_FP8_DENSE"] == "off"
+        assert Settings.from_env(settings.env(one)) == one
+    assert settings.items(s, "SHARDSMITH_KERNELS")["fp8_dense"] == "reference"
+    assert settings.items(s, "SHARDSMITH_KERNELS")["compile_pieces"] == "reference"
+    assert settings.items(Settings(), "SHARDSMITH_TUNING") == {"offload_miss": "copy", "inplace_blocks": "16x8",
+                                                               "gloo_gather_max": "65536"}
+
+
+def test_overrides_keep_the_other_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDSMITH_KERNELS", "hc_pre=reference")
+    monkeypatch.setenv("SHARDSMITH_PIN_CORES", "0")
+    got = settings.overrides(fused_experts="kernel", offload_miss="read")
+    assert set(got) == {"SHARDSMITH_KERNELS", "SHARDSMITH_TUNING"}
+    s = Settings.from_env({**got, "SHARDSMITH_PIN_CORES": "0"})
+    assert (s.hc_pre, s.fused_experts, s.offload_miss, s.pin_cores) == (Kernel.OFF, Kernel.KERNEL, OffloadMiss.READ, False)
+    assert settings.spelling("router_kernel", "auto") == "SHARDSMITH_KERNELS=router=auto"
+    assert settings.spelling("pin_cores") == "SHARDSMITH_PIN_CORES"
+    with pytest.raises(UsageError, match="SHARDSMITH_TUNING=inplace_blocks='4,64': expected two positive ints"):
+        settings.with_words(inplace_blocks="4,64")
 
 
 def test_current_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHARDSMITH_HC_PRE", "off")
+    monkeypatch.setenv("SHARDSMITH_KERNELS", "hc_pre=reference")
     assert settings.current().hc_pre is Kernel.OFF
-    monkeypatch.setenv("SHARDSMITH_HC_PRE", "junk")
-    with pytest.raises(UsageError, match="SHARDSMITH_HC_PRE='junk'"):
+    monkeypatch.setenv("SHARDSMITH_KERNELS", "hc_pre=junk")
+    with pytest.raises(UsageError, match="SHARDSMITH_KERNELS: hc_pre='junk'"):
         settings.check()
     assert settings.debug() is False  # asked by error handlers even then
     monkeypatch.setenv("SHARDSMITH_DEBUG", "1")
     assert settings.debug() is True
 
 
-def test_readme_table_lists_every_variable() -> None:
+def test_readme_table_lists_every_variable_and_item() -> None:
     text = README.read_text()
     rows = dict(re.findall(r"^\| `(SHARDSMITH_[A-Z0-9_]+)` \| ([^|]+) \|", text, re.M))
     want = {v.name: v.kind for v in settings.VARIABLES if v.kind != "internal"}
     assert {k: v.strip() for k, v in rows.items()} == want
+    docs = (PACKAGE.parent / "docs" / "settings.md").read_text()
+    listed = set(re.findall(r"^\| `(SHARDSMITH_[A-Z]+)` \| `([a-z0-9_]+)` \|", docs, re.M))
+    assert listed == {(i.variable, i.key) for i in settings.ITEMS}
 
 
 def test_removed_switches_are_refused_with_what_became_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,3 +164,6 @@ def test_removed_switches_are_refused_with_what_became_of_them(monkeypatch: pyte
         settings.check()
     monkeypatch.setenv("SHARDSMITH_FP8_GEMV", "")
     assert settings.check().fp8_dense is Kernel.AUTO  # empty: unset
+    monkeypatch.setenv("SHARDSMITH_OVERLAP_STEPS", "1")
+    with pytest.raises(UsageError, match=r"SHARDSMITH_OVERLAP_STEPS was removed: write SHARDSMITH_TUNING=overlap_steps=<0 or 1>"):
+        settings.check()

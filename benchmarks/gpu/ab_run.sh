@@ -11,10 +11,10 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 res=/tmp/res; mkdir -p $res
 export TEST_S=${TEST_S:-170} BENCH_S=${BENCH_S:-150}
-AB=${AB:-"h200x1z-nomerge SHARDSMITH_MERGE_PROJECTIONS=0
+AB=${AB:-"h200x1z-nomerge SHARDSMITH_KERNELS=merge_projections=reference
 h200x1z
 h200x1z-8k MAX_SEQ_LEN=8192
-h200x1z-8k-off MAX_SEQ_LEN=8192 SHARDSMITH_COMPRESSOR_STEP=off SHARDSMITH_INDEXER_SCORES=off SHARDSMITH_MERGE_PROJECTIONS=0"}
+h200x1z-8k-off MAX_SEQ_LEN=8192 SHARDSMITH_KERNELS=compressor_step=reference,indexer_scores=reference,merge_projections=reference"}
 first=1
 while read -r name settings; do
     [ -z "$name" ] && continue

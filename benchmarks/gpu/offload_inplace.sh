@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On one H200 (issue 12): the offloaded 4-layer x 256-expert V4-Flash-shaped model at 25% and 6.25%
 # cache, three ways of serving a miss in one call:
-#   1. in place, copy (the defaults: SHARDSMITH_OFFLOAD_INPLACE and SHARDSMITH_OFFLOAD_MISS unset):
+#   1. in place, copy (the defaults: offload_inplace=auto, offload_miss=copy):
 #      decided on the device, missed experts copied by a kernel into their rows, each step one CUDA graph;
 #   2. in place, read (MISS=read): the expert kernel reads a miss from pinned host memory itself;
 #   3. copying (INPLACE=off): the host table, misses copied after one host sync per layer.
@@ -21,7 +21,7 @@ for mode in ${MODES:-copy read off}; do
     inplace=auto miss=$mode name=$host-$mode
     [ "$mode" = off ] && inplace=off miss=copy
     [ "$mode" = copy ] && inplace= miss= name=$host  # the defaults
-    SHARDSMITH_OFFLOAD_INPLACE=$inplace SHARDSMITH_OFFLOAD_MISS=$miss GEN=$gen SKIP_TESTS=$skip RUNS=4-256 \
+    SHARDSMITH_KERNELS=offload_inplace=$inplace SHARDSMITH_TUNING=offload_miss=$miss GEN=$gen SKIP_TESTS=$skip RUNS=4-256 \
         TESTS="${TESTS:-tests/runtime/test_miss_copy.py tests/runtime/test_device_slots.py tests/runtime/test_fused_slots.py tests/runtime/test_hc_pre.py}" \
         TEST_S=${TEST_S:-130} CACHE="0.25 0.0625" BENCH_S=$(( left < ${BENCH_S:-150} ? left - 5 : ${BENCH_S:-150} )) \
         SHARDSMITH_HOST=$name bash benchmarks/gpu/v4_full_depth.sh

@@ -9,9 +9,9 @@
 # compiles Triton kernel specializations (seconds, once per length per host cache).
 # Target (issue 14): 8 streams >= 4x the single-stream aggregate tokens/s, per-stream >= 0.5x.
 # OFFLOAD=0 serves with experts resident only; PREFILL_EACH=1 adds resident rows with --decode-prompt-tokens 0;
-# SWITCH_MS="0.2 1" adds resident rows per thread switch interval (SHARDSMITH_SWITCH_INTERVAL_MS);
-# UNCOMPILED=1 adds resident rows with SHARDSMITH_COMPILE_PIECES=0 (the pieces not torch.compile'd);
-# PLAIN=1 adds resident rows with SHARDSMITH_OVERLAP_STEPS=0 (each step's tokens read before the next is launched);
+# SWITCH_MS="0.2 1" adds resident rows per thread switch interval (SHARDSMITH_TUNING=switch_interval_ms=MS);
+# UNCOMPILED=1 adds resident rows with SHARDSMITH_KERNELS=compile_pieces=reference (the pieces not torch.compile'd);
+# PLAIN=1 adds resident rows with SHARDSMITH_TUNING=overlap_steps=0 (each step's tokens read before the next is launched);
 # FEED_TOKENS="32 64" adds resident rows per --decode-prompt-tokens value (prompts up to N tokens fed through decode rows);
 # every serving row also writes the server's step trace to $OUT/steps-<label>.jsonl (prefill / feeding / decode steps).
 # BATCH_STEP=1 times the engine step alone at 1-8 rows (benchmarks/batch_step.py, device time by kernel).
@@ -56,7 +56,7 @@ if [ "${PREFILL_EACH:-0}" = 1 ]; then  # side by side: every prompt through its 
     echo "resident, prefill each $((SECONDS - t0)) s"
 fi
 if [ "${PLAIN:-0}" = 1 ]; then  # side by side: steps not overlapped (the tokens read before the next step launches)
-    SHARDSMITH_OVERLAP_STEPS=0 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda \
+    SHARDSMITH_TUNING=overlap_steps=0 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda \
         --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" --label "resident, plain steps" --out "$json" --append \
         --step-trace "$OUT/steps-plain.jsonl" 2>&1 | tee "$OUT/resident_plain.log" | tail -12
     echo "resident, plain steps $((SECONDS - t0)) s"
@@ -67,14 +67,14 @@ for n in ${FEED_TOKENS:-}; do  # side by side: longer prompts fed through decode
         -- --decode-prompt-tokens "$n" 2>&1 | tee "$OUT/resident_feed$n.log" | tail -12
     echo "resident, prompts of <= $n fed $((SECONDS - t0)) s"
 done
-for ms in ${SWITCH_MS:-}; do  # side by side: the interpreter's switch interval (SHARDSMITH_SWITCH_INTERVAL_MS)
-    SHARDSMITH_SWITCH_INTERVAL_MS=$ms timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 \
+for ms in ${SWITCH_MS:-}; do  # side by side: the interpreter's switch interval (SHARDSMITH_TUNING=switch_interval_ms=MS)
+    SHARDSMITH_TUNING=switch_interval_ms=$ms timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 \
         --device cuda --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" --label "resident, switch interval $ms ms" \
         --out "$json" --append 2>&1 | tee "$OUT/resident_switch_$ms.log" | tail -8
     echo "resident, switch interval $ms ms $((SECONDS - t0)) s"
 done
-if [ "${UNCOMPILED:-0}" = 1 ]; then  # side by side: the row-wise pieces not torch.compile'd (SHARDSMITH_COMPILE_PIECES=0)
-    SHARDSMITH_COMPILE_PIECES=0 timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda \
+if [ "${UNCOMPILED:-0}" = 1 ]; then  # side by side: the row-wise pieces not torch.compile'd (SHARDSMITH_KERNELS=compile_pieces=reference)
+    SHARDSMITH_KERNELS=compile_pieces=reference timeout "${SERVE_S:-200}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda \
         --dtype bfloat16 --tokens "$TOKENS" --repeat "${REPEAT:-3}" --label "resident, pieces not compiled" --out "$json" \
         --append 2>&1 | tee "$OUT/resident_uncompiled.log" | tail -8
     echo "resident, pieces not compiled $((SECONDS - t0)) s"

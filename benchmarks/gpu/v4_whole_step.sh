@@ -11,7 +11,7 @@
 #        43l24e    the full-depth model (43 layers, the release's kinds, 24 experts/layer), resident
 #                  and 25%, with transformers (--hf)
 #        43l24e-r  the full-depth model resident only
-#        43l24e-e  the same with SHARDSMITH_COMPILE_PIECES=0 (the attn_in / ffn pieces not torch.compile'd;
+#        43l24e-e  the same with SHARDSMITH_KERNELS=compile_pieces=reference (the attn_in / ffn pieces not torch.compile'd;
 #                  compiling them is the default on CUDA since session 8)
 # Logs, result JSONs and profiles go to $OUT. SKIP_TESTS=1 skips step 1's tests.
 # Measured: benchmarks/RESULTS.md, "the whole decode step in one CUDA graph".
@@ -58,7 +58,7 @@ for run in $RUNS; do
         4l256e) bench "$host-4l256e" "${BENCH_S:-165}" --layers 4 --experts-per-layer 256 --cache-fraction 0.25 --hf ;;
         43l24e) bench "$host-43l24e" "${BENCH_S:-165}" --layers 43 --experts-per-layer 24 --cache-fraction 0.25 --hf ;;
         43l24e-r) bench "$host-43l24e" "${BENCH_S:-165}" --layers 43 --experts-per-layer 24 ;;
-        43l24e-e) SHARDSMITH_COMPILE_PIECES=0 bench "$host-43l24e-eager-pieces" "${BENCH_S:-165}" --layers 43 --experts-per-layer 24 ;;
+        43l24e-e) SHARDSMITH_KERNELS=compile_pieces=reference bench "$host-43l24e-eager-pieces" "${BENCH_S:-165}" --layers 43 --experts-per-layer 24 ;;
         *) echo "unknown run $run" ;;
     esac
 done

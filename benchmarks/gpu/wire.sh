@@ -4,7 +4,7 @@
 # shapes; tests/runtime/test_decode_graphs.py -m gpu: captured pieces give the eager bits, kernels on) run
 # while a V4-Flash-shaped checkpoint (4 layers x 256 FP4 experts, real per-layer shapes) is written;
 # then v4_decode.py at TP=1, resident, eager and graphed, with the kernels on (default on CUDA) and
-# off (SHARDSMITH_FP8_DENSE=dequantize SHARDSMITH_FUSED_EXPERTS=off). Carry .inv (the real V4
+# off (SHARDSMITH_KERNELS=fp8_dense=reference,fused_experts=reference). Carry .inv (the real V4
 # inventory); no wheels needed. Logs and both results JSONs go to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,7 +22,7 @@ timeout "${TEST_S:-200}" python3 -m pytest tests/runtime/test_kernels_wired.py t
 echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E |^FAILED|linear bytes" "$OUT/gpu_tests.log" | tail -30
 wait $gen; tail -1 "$OUT/gen.log"; echo "gen $((SECONDS - t0)) s"
 for mode in on off; do
-    if [ $mode = off ]; then export SHARDSMITH_FP8_DENSE=dequantize SHARDSMITH_FUSED_EXPERTS=off; fi
+    if [ $mode = off ]; then export SHARDSMITH_KERNELS=fp8_dense=reference,fused_experts=reference; fi
     SHARDSMITH_HOST=$host-$mode timeout "${BENCH_S:-120}" python3 benchmarks/v4_decode.py /tmp/v4ck --work /tmp/v4p \
         --device cuda --tp 1 --prompt 32 --tokens 32 --hang-s 110 --profile /tmp/prof-$mode > "$OUT/v4_$mode.log" 2>&1
     echo "v4 kernels $mode rc=$? $((SECONDS - t0)) s"

@@ -54,7 +54,6 @@ class RankTask:
 
 # The Triton kernels (FP8 linears, fused experts) take bf16/f16/f32 only: a float64 reference run
 # (of a float32 run) loads with the PyTorch paths they replace (env read once, at load).
-REFERENCE_PATHS = settings.child_env(fp8_dense="dequantize", fused_experts="off")
 
 
 def _load(task: RankTask, rank: int, dtype):
@@ -63,7 +62,7 @@ def _load(task: RankTask, rank: int, dtype):
     from shardsmith.runtime.engine.engine import Engine
 
     if dtype == torch.float64:
-        os.environ.update(REFERENCE_PATHS)  # this rank process only
+        os.environ.update(settings.overrides(fp8_dense="reference", fused_experts="reference"))  # this rank process only
 
     # cuda_graphs off: a graphed decode step runs the layers' pieces, not the model's forward, so the
     # output hook of collect.greedy would see only the prefill (the pieces run the same kernels)

@@ -39,7 +39,6 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from .. import settings
 from ..checkpoint import open_checkpoint, slice_bytes
 from ..errors import SourceError, UsageError
 from ..pack.format import PACK_MANIFEST, load_yaml
@@ -271,15 +270,11 @@ def _stream(ckpt, plan, layout: PackLayout, root: Path, journal: Journal, worker
     largest = max((i.nbytes for i in ckpt.tensors.values()), default=0)
     window = _Window(max(largest, MIN_WINDOW))
     writers = {p: FileWriter(root / p, layout.files[p].layout, sync=False) for p in sorted(todo_files)}
-    slow = settings.current().test_slow_write
     lock, failed, errors = threading.Lock(), threading.Event(), []
     done = [0, 0]  # source bytes processed, weight files written
 
     def finish(path: str) -> None:
-        digest = writers[path].finish()
-        if slow:
-            time.sleep(slow)
-        journal.file_done(path, digest)
+        journal.file_done(path, writers[path].finish())
 
     def work(name: str, raw: np.ndarray) -> None:
         try:

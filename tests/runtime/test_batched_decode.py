@@ -287,25 +287,25 @@ def test_overlapped_steps_give_the_same_tokens(packs, tiny_v4_packs, family):
     assert tokens[:2] == plain[:2] and tokens[2:] == alone
 
 
-def test_overlap_needs_one_rank(packs, monkeypatch, caplog):
+def test_overlap_needs_one_rank(packs, monkeypatch, caplog, use_settings):
     from shardsmith.runtime.engine.engine import Engine
     from shardsmith.runtime.engine.scheduler import Scheduler
 
     eng = Engine.load(packs["mixtral", 1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=32, max_num_seqs=2)
     assert Scheduler(eng).overlap is False  # CPU: plain steps by default
-    monkeypatch.setenv("SHARDSMITH_OVERLAP_STEPS", "1")
+    use_settings(overlap_steps="1")
     assert Scheduler(eng).overlap is True
-    monkeypatch.setenv("SHARDSMITH_OVERLAP_STEPS", "yes")
-    with pytest.raises(UsageError, match="SHARDSMITH_OVERLAP_STEPS='yes': expected 0 or 1"):
+    monkeypatch.setenv("SHARDSMITH_TUNING", "overlap_steps=yes")
+    with pytest.raises(UsageError, match="SHARDSMITH_TUNING: overlap_steps='yes': expected 0 or 1"):
         Scheduler(eng)
-    monkeypatch.delenv("SHARDSMITH_OVERLAP_STEPS")
+    monkeypatch.delenv("SHARDSMITH_TUNING")
     eng.world_size = 2  # what the check reads; no step runs
     with pytest.raises(UsageError, match="overlapped steps run one rank only"):
         Scheduler(eng, overlap=True)
-    monkeypatch.setenv("SHARDSMITH_OVERLAP_STEPS", "1")
+    use_settings(overlap_steps="1")
     with caplog.at_level("WARNING", logger="shardsmith.runtime.engine.scheduler"):
         assert Scheduler(eng).overlap is False  # asked for, but two ranks: plain, and said so
-    assert "SHARDSMITH_OVERLAP_STEPS=1 is ignored: overlapped steps run one rank only (world size 2)" in caplog.text
+    assert "SHARDSMITH_TUNING=overlap_steps=1 is ignored: overlapped steps run one rank only (world size 2)" in caplog.text
     with pytest.raises(UsageError, match="decode_on_device runs one rank only"):
         eng.decode_on_device(torch.zeros(1, dtype=torch.int64), [0], [0])
 

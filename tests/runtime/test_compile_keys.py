@@ -38,34 +38,27 @@ def _fp8_keys(n: int, k: int, rows) -> set[tuple]:
 
 
 @needs_triton
-@pytest.mark.parametrize("split_sum", ["fused", "separate"])
 @pytest.mark.parametrize("n, k", [(512, 4096), (1024, 4096), (4096, 1024), (200, 300)])
-def test_fp8_linear_compiles_a_bounded_set_over_prompt_lengths(n, k, split_sum, monkeypatch):
+def test_fp8_linear_compiles_a_bounded_set_over_prompt_lengths(n, k):
     """Over M = 1..2048 rows: at most 3 decode variants (M == 1, M % 16 == 0, other), 2 long
     variants (split or not) and, with the separate split sum, 2 decode split-sums (``M*N % 16``
     when N is ragged) and 1 long split-sum; ``warmup_rows`` hits every one."""
-    monkeypatch.setenv("SHARDSMITH_FP8_SPLIT_SUM", split_sum)
     every = _fp8_keys(n, k, LENGTHS)
     per_kernel = {name: sum(key[0] == name for key in every) for name in {key[0] for key in every}}
-    assert len(every) <= (5 if split_sum == "fused" else 8), per_kernel
+    assert len(every) <= 5, per_kernel
     assert per_kernel.get("_fp8_linear_long_kernel", 0) <= 2, per_kernel
-    assert split_sum == "separate" or not any(name.startswith("_sum_splits") for name in per_kernel), per_kernel
+    assert not any(name.startswith("_sum_splits") for name in per_kernel), per_kernel
     from shardsmith.runtime.layers.kernels.fp8_linear import warmup_rows
 
     assert _fp8_keys(n, k, warmup_rows(max(LENGTHS))) == every
 
 
-def _tiny_v4(tiny, monkeypatch, **kw):
+def _tiny_v4(tiny, use_settings, **kw):
     from shardsmith.runtime.engine.engine import Engine
 
-    monkeypatch.setenv("SHARDSMITH_FP8_DENSE", "kernel" if DEV == "cpu" else "auto")
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel" if DEV == "cpu" else "auto")
-    monkeypatch.setenv("SHARDSMITH_DECODE_ATTENTION", "kernel" if DEV == "cpu" else "auto")
-    monkeypatch.setenv("SHARDSMITH_INDEXER_SCORES", "kernel" if DEV == "cpu" else "auto")
-    monkeypatch.setenv("SHARDSMITH_COMPRESSOR_STEP", "kernel" if DEV == "cpu" else "auto")
-    monkeypatch.setenv("SHARDSMITH_HC_PRE", "kernel" if DEV == "cpu" else "auto")
-    monkeypatch.setenv("SHARDSMITH_ROUTER_KERNEL", "kernel" if DEV == "cpu" else "auto")
-    monkeypatch.setenv("SHARDSMITH_HC_POST", "kernel" if DEV == "cpu" else "auto")
+    mode = "kernel" if DEV == "cpu" else "auto"
+    use_settings(**{k: mode for k in ("fp8_dense", "fused_experts", "decode_attention", "indexer_scores",
+                                      "compressor_step", "hc_pre", "router_kernel", "hc_post")})
     return Engine.load(tiny("deepseek-v4"), rank=0, world_size=1, device=DEV, dtype=torch.float32,
                        from_checkpoint=True, cuda_graphs=False, **kw)
 
@@ -79,7 +72,7 @@ def flush_denormals():
 
 
 @needs_triton
-def test_warmup_launches_every_variant_serving_uses(tiny, monkeypatch, flush_denormals):
+def test_warmup_launches_every_variant_serving_uses(tiny, use_settings, flush_denormals):
     """Tiny DeepSeek-V4 (FP8 linears, FP4 experts, decode attention) with the kernels on: the keys of
     prefills of 1..40 tokens (the fused experts' T classes and both long splits), a second chunk and
     batched decode steps of 2 and 4 rows are all among the keys the kernel warm-up launched (values
@@ -87,7 +80,7 @@ def test_warmup_launches_every_variant_serving_uses(tiny, monkeypatch, flush_den
     from shardsmith.runtime.engine.warmup import kernel_modules
     from shardsmith.runtime.layers.kernels.compile_keys import record_launches
 
-    eng = _tiny_v4(tiny, monkeypatch, max_seq_len=64, max_num_seqs=4)
+    eng = _tiny_v4(tiny, use_settings, max_seq_len=64, max_num_seqs=4)
     assert kernel_modules(eng.model)
     with record_launches() as warm:
         launches = eng._warm_kernels(eng.max_seq_len)
@@ -168,15 +161,14 @@ def _rank_warm(rank: int, world_size: int, port: int, pack: str, out_dir: str, q
 
 
 @needs_triton
-def test_every_rank_warms_up_at_tp2(tiny_v4_packs, monkeypatch, tmp_path):
+def test_every_rank_warms_up_at_tp2(tiny_v4_packs, monkeypatch, tmp_path, use_settings):
     """gloo, 2 ranks, kernels forced: rank 0's ``warmup`` sends ``WARMUP``, rank 1 launches the same
     variants in the same order, and neither rank meets a new variant while serving."""
     import json
 
     from shardsmith.testing.ranks import run_ranks
 
-    monkeypatch.setenv("SHARDSMITH_FP8_DENSE", "kernel")
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel")
+    use_settings(fp8_dense="kernel", fused_experts="kernel")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     run_ranks(_rank_warm, 2, str(tiny_v4_packs[2]), str(tmp_path), timeout=240)
     r0, r1 = (json.loads((tmp_path / f"keys-{r}.json").read_text()) for r in (0, 1))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardsmith.runtime.engine.cuda_graphs import COMPILE_ENV, GraphedPiece, GraphPool
+from shardsmith.runtime.engine.cuda_graphs import GraphedPiece, GraphPool
 from shardsmith.runtime.offload import OffloadConfig
 from shardsmith.testing.ranks import run_ranks
 
@@ -190,9 +190,9 @@ def test_a_piece_overwrites_its_outputs_and_rejects_other_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_captured_decode_graphs_match_eager_on_cuda(packs, monkeypatch):
+def test_captured_decode_graphs_match_eager_on_cuda(packs, monkeypatch, use_settings):
     """Real CUDA graphs (bf16): the captured pieces, not compiled, give the eager kernels' bits."""
-    monkeypatch.setenv(COMPILE_ENV, "0")
+    use_settings(compile_pieces="reference")
     _check(_eager_vs_graphed(str(packs[1]), 0, 1, "cuda", torch.bfloat16), captured=True)
 
 
@@ -229,13 +229,13 @@ def _bf16_spread(load) -> tuple[float, float]:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("config", ["resident", "offloaded"])
-def test_compiled_pieces_stay_within_bf16_spread_on_cuda(packs, config, monkeypatch):
+def test_compiled_pieces_stay_within_bf16_spread_on_cuda(packs, config, monkeypatch, use_settings):
     """``torch.compile``'d pieces (the CUDA default) round differently from the eager kernels, so their
     logits are not the eager bits: they must stand no further from float32's than twice eager bf16's
     own distance (issue 12: within the spread of a bf16 run)."""
     from shardsmith.runtime.engine.engine import Engine
 
-    monkeypatch.setenv(COMPILE_ENV, "1")
+    use_settings(compile_pieces="on")
     load = lambda dtype: Engine.load(str(packs[1]), rank=0, world_size=1, device="cuda", dtype=dtype,  # noqa: E731
                                      max_seq_len=64, offload=CONFIGS[config], cuda_graphs=False)
     eager, compiled = _bf16_spread(load)
@@ -310,18 +310,18 @@ def test_mixtral_family_graphed_pieces_match_the_forward_across_ranks(family_pac
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_mixtral_family_captured_graphs_match_eager_on_cuda(family_packs, monkeypatch):
-    monkeypatch.setenv(COMPILE_ENV, "0")
+def test_mixtral_family_captured_graphs_match_eager_on_cuda(family_packs, monkeypatch, use_settings):
+    use_settings(compile_pieces="reference")
     _family_check(_family_eager_vs_graphed(family_packs, 0, 1, "cuda", torch.bfloat16), captured=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", list(FAMILY))
-def test_mixtral_family_compiled_pieces_stay_within_bf16_spread_on_cuda(family_packs, name, monkeypatch):
+def test_mixtral_family_compiled_pieces_stay_within_bf16_spread_on_cuda(family_packs, name, monkeypatch, use_settings):
     from shardsmith.runtime.engine.engine import Engine
 
-    monkeypatch.setenv(COMPILE_ENV, "1")
+    use_settings(compile_pieces="on")
     build, kwargs, _ = FAMILY[name]
     pack = family_packs["mixtral-fp8" if build.get("fp8") else build["family"], 1]
     load = lambda dtype: Engine.load(pack, rank=0, world_size=1, device="cuda", dtype=dtype, max_seq_len=64,  # noqa: E731

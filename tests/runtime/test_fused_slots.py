@@ -102,12 +102,12 @@ def test_slot_pool_equals_resident_bank(fmt, tokens):
 # ------------------------------------------------------------------ the offload runtime's slot steps
 
 
-def _runtime(fmt: str, monkeypatch, *, slots: int, kernel: bool, layers: int = 2, experts: int = 24):
+def _runtime(fmt: str, use_settings, *, slots: int, kernel: bool, layers: int = 2, experts: int = 24):
     """An offload runtime over random host banks (CPU pool), and those banks."""
     from shardsmith.runtime.offload import OffloadConfig, OffloadRuntime
     from shardsmith.runtime.offload.host_bank import HostBanks
 
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel" if kernel else "off")
+    use_settings(fused_experts="kernel" if kernel else "reference")
     gen = torch.Generator(device=DEV).manual_seed(7)
     banks = {f"layers.{i}": _bank(fmt, experts, 64, 32, gen) for i in range(layers)}
     host = HostBanks({k: {n: t.cpu() for n, t in b.items()} for k, b in banks.items()})
@@ -121,11 +121,11 @@ def _runtime(fmt: str, monkeypatch, *, slots: int, kernel: bool, layers: int = 2
 
 @needs_triton
 @pytest.mark.parametrize("fmt", ["fp4", "fp8", "bf16"])
-def test_offloaded_slot_steps_equal_resident_kernel(fmt, monkeypatch):
+def test_offloaded_slot_steps_equal_resident_kernel(fmt, use_settings):
     """Decode batches of 1 and 4 tokens over two layers: first eager (``run_layer``: misses copied,
     then the kernel over the pool), then split as a graph runs it (``decode_slots``: all hits, then
     ``apply_slots``); each the resident kernel call's bits. Slots hold the stored format."""
-    rt, banks = _runtime(fmt, monkeypatch, slots=24, kernel=True)
+    rt, banks = _runtime(fmt, use_settings, slots=24, kernel=True)
     assert rt.kernel and rt.slot_path()
     block = (32, 32) if fmt == "fp8" else None
     gen = torch.Generator(device=DEV).manual_seed(3)
@@ -149,10 +149,10 @@ def test_offloaded_slot_steps_equal_resident_kernel(fmt, monkeypatch):
 
 
 @needs_triton
-def test_too_many_experts_for_the_slots_take_the_general_path(monkeypatch):
+def test_too_many_experts_for_the_slots_take_the_general_path(use_settings):
     """16 tokens over more distinct experts than slots: no slot step (the host's waves), same result
     within rounding (expert by expert, expanded)."""
-    rt, banks = _runtime("fp4", monkeypatch, slots=8, kernel=True, layers=1)
+    rt, banks = _runtime("fp4", use_settings, slots=8, kernel=True, layers=1)
     gen = torch.Generator(device=DEV).manual_seed(5)
     ids, weights = random_routing(16, 6, 24, gen=gen)
     x = torch.randn(16, 64, generator=gen, device=DEV).bfloat16()
@@ -162,24 +162,24 @@ def test_too_many_experts_for_the_slots_take_the_general_path(monkeypatch):
     assert rel_error(routed, want) < TOL
 
 
-def test_switch_off_keeps_the_fp4_pair_path_only(monkeypatch):
-    """``SHARDSMITH_FUSED_EXPERTS=off``: FP4 pools keep the expanded pair path for slot steps; bf16
+def test_switch_off_keeps_the_fp4_pair_path_only(use_settings):
+    """``SHARDSMITH_KERNELS=fused_experts=reference``: FP4 pools keep the expanded pair path for slot steps; bf16
     and FP8 pools have none (the general path), as before the kernel."""
     for fmt, slot_path in (("fp4", True), ("bf16", False), ("fp8", False)):
-        rt, _ = _runtime(fmt, monkeypatch, slots=24, kernel=False, layers=1)
+        rt, _ = _runtime(fmt, use_settings, slots=24, kernel=False, layers=1)
         assert not rt.kernel and rt.slot_path() is slot_path, fmt
 
 
 @needs_triton
 @pytest.mark.slow  # ~2-3 min under the interpreter on 2 cores
-def test_tiny_v4_offloaded_through_the_kernel_equals_resident_on_cpu(tiny_v4_packs, monkeypatch):
+def test_tiny_v4_offloaded_through_the_kernel_equals_resident_on_cpu(tiny_v4_packs, use_settings):
     """The engine-level CPU twin of the GPU check below, in float32: the tiny DeepSeek-V4 with the
     kernel forced on, offloaded to a 12-slot cache, gives the resident kernel bank's logits bit for
     bit (8-token prefill: 16 pairs through the pool) and its first decode step's."""
     from shardsmith.runtime.engine.engine import Engine
     from shardsmith.runtime.offload import OffloadConfig
 
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel")
+    use_settings(fused_experts="kernel")
     prompt = [3, 17, 42, 99, 5, 8, 61, 7]
     got = {}
     for name, cfg in (("resident", None), ("offload", OffloadConfig(backend="gpu", cache_slots=12, probe=False))):
@@ -265,7 +265,7 @@ def _decode_v4(path, offload, prompt: list[int]) -> tuple[list[torch.Tensor], li
 
 
 @pytest.mark.parametrize("inplace", ["auto", "auto:read", "off"])
-def test_gpu_tiny_v4_offloaded_through_the_kernel_equals_resident(tiny_v4_packs, monkeypatch, inplace):
+def test_gpu_tiny_v4_offloaded_through_the_kernel_equals_resident(tiny_v4_packs, use_settings, inplace):
     """The tiny DeepSeek-V4 with the kernel on (the CUDA default), graphed: offloaded to a 12-slot
     cache (misses, then hits), its decode steps' experts run fused_experts over the pool, and give
     the resident kernel bank's logits bit for bit and its greedy tokens; ``auto``: misses decided on
@@ -274,9 +274,9 @@ def test_gpu_tiny_v4_offloaded_through_the_kernel_equals_resident(tiny_v4_packs,
     from shardsmith.runtime.offload import OffloadConfig
 
     inplace, _, miss = inplace.partition(":")
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "auto")
-    monkeypatch.setenv("SHARDSMITH_OFFLOAD_INPLACE", inplace)
-    monkeypatch.setenv("SHARDSMITH_OFFLOAD_MISS", miss or "copy")
+    use_settings(fused_experts="auto")
+    use_settings(offload_inplace=inplace)
+    use_settings(offload_miss=miss or "copy")
     prompt = [3, 17, 42, 99, 5, 8, 61, 7, 200, 13]
     want, want_tokens, _ = _decode_v4(tiny_v4_packs[1], None, prompt)
     got, tokens, stats = _decode_v4(tiny_v4_packs[1], OffloadConfig(backend="gpu", cache_slots=12, probe=False,

@@ -476,7 +476,7 @@ def test_offload_from_checkpoint_reads_the_stacked_shards(oss: dict) -> None:
     assert stats["arrays"]["gate_up"] == ("torch.int8", [8, 512, 64])
 
 
-def test_offloaded_experts_stay_off_the_kernels_that_lack_their_maths(oss: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offloaded_experts_stay_off_the_kernels_that_lack_their_maths(oss: dict, monkeypatch: pytest.MonkeyPatch, use_settings) -> None:
     """The fused Triton kernel and the host kernel compute ``silu(gate) * up`` over stacked gate/up
     rows, without biases: with the fused kernel forced on (Triton's CPU interpreter, as on CUDA) the
     gpt-oss slots still run the PyTorch maths, and the host experts the plain matmuls; the logits
@@ -486,7 +486,7 @@ def test_offloaded_experts_stay_off_the_kernels_that_lack_their_maths(oss: dict,
     from shardsmith.runtime.models.gpt_oss.moe import expert_math
     from shardsmith.runtime.offload import OffloadConfig
 
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel")
+    use_settings(fused_experts="kernel")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     eng = Engine.load(oss["packs"][1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=PROMPT_LEN + STEPS,
                       offload=OffloadConfig(**OFFLOAD["hybrid"]))

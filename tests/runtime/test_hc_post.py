@@ -165,8 +165,8 @@ def test_bad_inputs_raise_every_problem():
 
 
 @needs_triton
-def test_tiny_v4_pieces_with_the_mixer_kernels_give_the_forward_bits(tmp_path, monkeypatch):
-    """Tiny DeepSeek-V4 on CPU, float32, with ``SHARDSMITH_HC_PRE`` and ``SHARDSMITH_HC_POST`` forced (the
+def test_tiny_v4_pieces_with_the_mixer_kernels_give_the_forward_bits(tmp_path, use_settings):
+    """Tiny DeepSeek-V4 on CPU, float32, with the ``hc_pre`` and ``hc_post`` kernels forced (the
     other kernels off): every one-token step through the decode pieces (``attn_in``, core, ``ffn_block``,
     as graphed on CUDA) gives the logits of the plain forward bit for bit, and both ran the kernels
     (``hc_pre`` with the norm folded: no separate norm between mixer and projections)."""
@@ -175,8 +175,8 @@ def test_tiny_v4_pieces_with_the_mixer_kernels_give_the_forward_bits(tmp_path, m
     from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
     from shardsmith.writer.split import split_checkpoint
 
-    monkeypatch.setenv("SHARDSMITH_HC_PRE", "kernel")
-    monkeypatch.setenv("SHARDSMITH_HC_POST", "kernel")
+    use_settings(hc_pre="kernel")
+    use_settings(hc_post="kernel")
     split_checkpoint(tiny_deepseek_v4(tmp_path / "src", layers=2), tmp_path / "tp1", world_size=1)
     eng = Engine.load(tmp_path / "tp1", rank=0, world_size=1, dtype=torch.float32, max_seq_len=32, cuda_graphs=False)
     layers = len(eng.model.layers)

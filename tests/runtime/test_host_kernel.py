@@ -53,11 +53,11 @@ def test_isas_follow_the_cpu_flags() -> None:
     assert host_kernel.default_isa() == host_kernel.isas()[-1]
 
 
-def test_isa_variable_chooses_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(host_kernel.ISA_ENV, "scalar")
+def test_isa_variable_chooses_and_is_checked(monkeypatch: pytest.MonkeyPatch, use_settings) -> None:
+    use_settings(host_isa="scalar")
     assert host_kernel.default_isa() == "scalar"
-    monkeypatch.setenv(host_kernel.ISA_ENV, "avx1024")
-    with pytest.raises(UsageError, match="avx1024"):
+    monkeypatch.setenv("SHARDSMITH_TUNING", "host_isa=avx1024")
+    with pytest.raises(UsageError, match="SHARDSMITH_TUNING: host_isa='avx1024': expected scalar, avx2 or avx512"):
         host_kernel.default_isa()
     with pytest.raises(UsageError, match="'avx1024' is not available"):
         host_kernel.fp4_linear(torch.randn(1, 32), torch.zeros(1, 16, dtype=torch.uint8),
@@ -193,13 +193,13 @@ def test_row_blocking_changes_no_bit(isa: str) -> None:
         torch.set_num_threads(threads)
 
 
-def test_prefetch_variable_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SHARDSMITH_HOST_PREFETCH", "2048")
+def test_prefetch_variable_is_checked(monkeypatch: pytest.MonkeyPatch, use_settings) -> None:
+    use_settings(host_prefetch="2048")
     assert host_kernel.prefetch_bytes() == 2048
-    monkeypatch.setenv("SHARDSMITH_HOST_PREFETCH", "lots")
-    with pytest.raises(UsageError, match="SHARDSMITH_HOST_PREFETCH='lots'"):
+    monkeypatch.setenv("SHARDSMITH_TUNING", "host_prefetch=lots")
+    with pytest.raises(UsageError, match="SHARDSMITH_TUNING: host_prefetch='lots'"):
         host_kernel.prefetch_bytes()
-    monkeypatch.delenv("SHARDSMITH_HOST_PREFETCH")
+    monkeypatch.delenv("SHARDSMITH_TUNING")
     assert host_kernel.prefetch_bytes() == host_kernel.PREFETCH_BYTES
 
 

@@ -35,12 +35,12 @@ MIXTRAL = ExpertMath()
 TOP_K, EXPERTS = 4, 24
 
 
-def _runtime(fmt: str, math: ExpertMath, monkeypatch, *, kernel: bool):
+def _runtime(fmt: str, math: ExpertMath, use_settings, *, kernel: bool):
     """A ``hybrid`` runtime (half the misses on the host, 16 slots) over two layers of random banks."""
     from shardsmith.runtime.offload import OffloadRuntime
     from shardsmith.runtime.offload.host_bank import HostBanks
 
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel" if kernel else "off")
+    use_settings(fused_experts="kernel" if kernel else "reference")
     gen = torch.Generator().manual_seed(7)
     banks = {f"layers.{i}": random_bank(EXPERTS, 64, 32, fp4=fmt == "fp4", gen=gen) for i in range(2)}
     rt = OffloadRuntime(OffloadConfig(backend="hybrid", cache_slots=16, hybrid_fraction=0.5, probe=False, pin="off"),
@@ -57,8 +57,8 @@ CASES = [("fp4", V4, False), pytest.param("fp4", V4, True, marks=pytest.mark.ski
 
 
 @pytest.mark.parametrize(("fmt", "math", "kernel"), CASES)
-def test_split_steps_equal_the_reference(fmt, math, kernel, monkeypatch):
-    rt, banks = _runtime(fmt, math, monkeypatch, kernel=kernel)
+def test_split_steps_equal_the_reference(fmt, math, kernel, use_settings):
+    rt, banks = _runtime(fmt, math, use_settings, kernel=kernel)
     assert rt.slot_path() and rt.kernel is kernel
     gen = torch.Generator().manual_seed(3)
     try:
@@ -110,9 +110,9 @@ def test_kernel_returns_the_float32_sum_uncast_when_asked():
     assert torch.equal(ref.bfloat16(), fused_experts(x, ids, weights, **bank, limit=3.0, backend="reference"))
 
 
-def test_host_buffers_are_kept_between_steps(monkeypatch):
+def test_host_buffers_are_kept_between_steps(use_settings):
     """The round trip allocates its host buffers once per shape: the second step reuses them."""
-    rt, _ = _runtime("fp4", V4, monkeypatch, kernel=False)
+    rt, _ = _runtime("fp4", V4, use_settings, kernel=False)
     gen = torch.Generator().manual_seed(5)
     try:
         seen = []
@@ -186,14 +186,14 @@ def test_v4_split_steps_match_resident_across_ranks(tiny_v4_packs: dict[int, Pat
 
 @pytest.mark.slow  # ~30 s: the resident and the offloaded banks both run the kernel under Triton's interpreter
 @pytest.mark.skipif(not triton_available(), reason="needs triton")
-def test_mixtral_split_steps_match_resident(tmp_path, monkeypatch):
+def test_mixtral_split_steps_match_resident(tmp_path, use_settings):
     """Tiny Mixtral (bf16 banks: no slot path without the kernel, so it is forced, as on CUDA):
     prefill, a step through the decode pieces and a one-row forward, hybrid vs resident, float32."""
     from shardsmith.runtime.engine.engine import Engine
     from shardsmith.testing import tiny_mixtral
     from shardsmith.writer.split import split_checkpoint
 
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel")
+    use_settings(fused_experts="kernel")
     split_checkpoint(tiny_mixtral(tmp_path / "src", experts=8), tmp_path / "tp1", world_size=1)
     out = {}
     for name, offload in (("resident", None), ("hybrid", OffloadConfig(backend="hybrid", cache_slots=3,

@@ -4,9 +4,8 @@ core attends through ``sink_attention`` (``indexer_scores`` on CSA layers), its 
 through ``compressor_step``, its mixers run ``hc_pre`` (the block's norm folded) and its expansions ``hc_post``; its
 routers run ``route_topk``.
 
-CPU: the switch (``SHARDSMITH_FP8_DENSE``, ``SHARDSMITH_FUSED_EXPERTS``, ``SHARDSMITH_DECODE_ATTENTION``,
-``SHARDSMITH_INDEXER_SCORES``, ``SHARDSMITH_COMPRESSOR_STEP``, ``SHARDSMITH_HC_PRE``, ``SHARDSMITH_HC_POST``,
-``SHARDSMITH_ROUTER_KERNEL``) is decided once at load, off on CPU unless forced; forced on under Triton's interpreter (``TRITON_INTERPRET=1``), the tiny
+CPU: each kernel's item of ``SHARDSMITH_KERNELS`` (``fp8_dense``, ``fused_experts``, ``decode_attention``,
+``indexer_scores``, ``compressor_step``, ``hc_pre``, ``hc_post``, ``router``) is decided once at load, off on CPU unless forced; forced on under Triton's interpreter (``TRITON_INTERPRET=1``), the tiny
 DeepSeek-V4 (FP8 dense, FP4 experts) and tiny Mixtral-FP8 (FP8 dense, FP8 experts dequantized at
 load to a bf16 bank) give the dequantize path's logits within float32 / bf16 rounding, prefill and
 one-token decode steps alike. GPU (``-m gpu``): the same models on CUDA, graphed, give the same
@@ -32,23 +31,16 @@ from shardsmith.runtime.layers.parallel import _Linear, kernel_on
 
 PROMPT = [3, 17, 42, 99, 5, 8, 61, 7]
 STEPS = 3
-ENV = ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS", "SHARDSMITH_DECODE_ATTENTION", "SHARDSMITH_INDEXER_SCORES",
-       "SHARDSMITH_COMPRESSOR_STEP", "SHARDSMITH_HC_PRE", "SHARDSMITH_HC_POST", "SHARDSMITH_ROUTER_KERNEL")
+ENV = ("fp8_dense", "fused_experts", "decode_attention", "indexer_scores", "compressor_step", "hc_pre", "hc_post",
+       "router_kernel")  # the kernel settings a load decides
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
-def _load(path, device: str, dtype: torch.dtype, kernels: bool, monkeypatch, *, graphs: bool = False):
+def _load(path, device: str, dtype: torch.dtype, kernels: bool, use_settings, *, graphs: bool = False):
     from shardsmith.runtime.engine.engine import Engine
 
     forced = "kernel" if device == "cpu" else "auto"
-    monkeypatch.setenv("SHARDSMITH_FP8_DENSE", forced if kernels else "dequantize")
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", forced if kernels else "off")
-    monkeypatch.setenv("SHARDSMITH_DECODE_ATTENTION", forced if kernels else "off")
-    monkeypatch.setenv("SHARDSMITH_INDEXER_SCORES", forced if kernels else "off")
-    monkeypatch.setenv("SHARDSMITH_COMPRESSOR_STEP", forced if kernels else "off")
-    monkeypatch.setenv("SHARDSMITH_HC_PRE", forced if kernels else "off")
-    monkeypatch.setenv("SHARDSMITH_ROUTER_KERNEL", forced if kernels else "off")
-    monkeypatch.setenv("SHARDSMITH_HC_POST", forced if kernels else "off")
+    use_settings(**dict.fromkeys(ENV, forced if kernels else "reference"))
     return Engine.load(path, rank=0, world_size=1, device=device, dtype=dtype, from_checkpoint=True, max_seq_len=64,
                        cuda_graphs=graphs)
 
@@ -96,37 +88,33 @@ def test_switch_is_off_on_cpu_unless_forced(monkeypatch):
     from shardsmith import settings
 
     cpu = torch.device("cpu")
-    for var, off in (("SHARDSMITH_FP8_DENSE", "dequantize"), ("SHARDSMITH_FUSED_EXPERTS", "off"),
-                     ("SHARDSMITH_DECODE_ATTENTION", "off"), ("SHARDSMITH_INDEXER_SCORES", "off"),
-                     ("SHARDSMITH_COMPRESSOR_STEP", "off"), ("SHARDSMITH_HC_PRE", "off"),
-                     ("SHARDSMITH_HC_POST", "off"), ("SHARDSMITH_ROUTER_KERNEL", "off")):
-        field = next(v.field for v in settings.VARIABLES if v.name == var)
+    for field in ENV:
+        key = next(i.key for i in settings.ITEMS if i.field == field)
 
         def on() -> bool:
             return kernel_on(field, cpu)
 
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv("SHARDSMITH_KERNELS", raising=False)
         assert on() is False  # auto: CUDA only, even under the interpreter
-        monkeypatch.setenv(var, off)
+        monkeypatch.setenv("SHARDSMITH_KERNELS", f"{key}=reference")
         assert on() is False
-        monkeypatch.setenv(var, "sometimes")
-        with pytest.raises(UsageError, match=f"{var}='sometimes': expected auto, kernel or {off}"):
+        monkeypatch.setenv("SHARDSMITH_KERNELS", f"all=kernel,{key}=sometimes")
+        with pytest.raises(UsageError, match=f"SHARDSMITH_KERNELS: {key}='sometimes': expected auto, kernel or reference"):
             on()
-        monkeypatch.setenv(var, "kernel")
+        monkeypatch.setenv("SHARDSMITH_KERNELS", f"all=reference,{key}=kernel")
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-        with pytest.raises(UsageError, match="cannot run on cpu"):
+        with pytest.raises(UsageError, match=f"SHARDSMITH_KERNELS={key}=kernel cannot run on cpu"):
             on()
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert on() is triton_available()
-        monkeypatch.delenv(var)
+        monkeypatch.delenv("SHARDSMITH_KERNELS")
 
 
 def test_cpu_load_keeps_the_dequantize_path(tiny, monkeypatch):
     """Auto on CPU: no kernel module, every FP8 linear dequantized at load, as before."""
     from shardsmith.runtime.engine.engine import Engine
 
-    for var in ENV:
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("SHARDSMITH_KERNELS", raising=False)
     eng = Engine.load(tiny("mixtral-fp8"), rank=0, world_size=1, device="cpu", dtype=torch.float32,
                       from_checkpoint=True, max_seq_len=32)
     assert _kernel_modules(eng.model) == ([], [])
@@ -144,7 +132,7 @@ def test_cpu_load_keeps_the_dequantize_path(tiny, monkeypatch):
     pytest.param("mixtral-fp8", torch.float32, id="f32-mixtral-fp8"),
     pytest.param("mixtral-fp8", torch.bfloat16, id="bf16-mixtral-fp8"),
 ])
-def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, name, dtype):
+def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, use_settings, name, dtype):
     """Same logits (prefill, then decode steps teacher-forced on the dequantize path's greedy tokens);
     the FP8 linears stay FP8 and the decode steps' experts run ``fused_experts``; V4's compressors step
     through ``compressor_step``'s kernel (four steps: the last completes a ratio-4 window) with the
@@ -166,10 +154,10 @@ def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, name, dtype):
     monkeypatch.setattr(v4_compressor, "compressor_step",
                         lambda *a, **k: steps_by.append((k["backend"], bool(a[7].any()))) or real_step(*a, **k))
     steps = 4 if name == "deepseek-v4" else STEPS
-    ref, tokens = _decode(_load(tiny(name), "cpu", dtype, False, monkeypatch).model, steps=steps)
+    ref, tokens = _decode(_load(tiny(name), "cpu", dtype, False, use_settings).model, steps=steps)
     assert not calls and not mixes and not posts and not routes and all(backend == "reference" for backend, _ in steps_by)
     steps_by.clear()
-    eng = _load(tiny(name), "cpu", dtype, True, monkeypatch)
+    eng = _load(tiny(name), "cpu", dtype, True, use_settings)
     linears, banks = _kernel_modules(eng.model)
     assert linears and banks and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
     got, _ = _decode(eng.model, tokens, steps=steps)
@@ -200,18 +188,18 @@ gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason
 
 @pytest.mark.parametrize("name", ["deepseek-v4", "mixtral-fp8"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_gpu_kernels_keep_greedy_tokens_and_pack_bytes(tiny, monkeypatch, name, graphs):
+def test_gpu_kernels_keep_greedy_tokens_and_pack_bytes(tiny, use_settings, name, graphs):
     """float32: the kernel path decodes the dequantize path's greedy tokens; bf16: logits within
     tolerance; the FP8 linears' weight bytes on the GPU are the pack's (printed with the rest)."""
     from shardsmith.runtime.engine.loader import load_rank_weights
 
     plan = load_rank_weights(tiny(name), rank=0, world_size=1, from_checkpoint=True).plan
     for dtype in (torch.float32, torch.bfloat16):
-        ref_eng = _load(tiny(name), "cuda", dtype, False, monkeypatch, graphs=graphs)
+        ref_eng = _load(tiny(name), "cuda", dtype, False, use_settings, graphs=graphs)
         ref, ref_tokens = _decode(ref_eng.model, steps=8)
         ref_bytes = _linear_bytes(ref_eng.model, plan)
         del ref_eng
-        eng = _load(tiny(name), "cuda", dtype, True, monkeypatch, graphs=graphs)
+        eng = _load(tiny(name), "cuda", dtype, True, use_settings, graphs=graphs)
         linears, banks = _kernel_modules(eng.model)
         assert linears and banks
         got, tokens = _decode(eng.model, steps=8)

@@ -14,23 +14,23 @@ from shardsmith.runtime.offload.probe import measure_h2d
 
 
 def test_cap_is_off_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(link_cap.ENV, raising=False)
+    monkeypatch.delenv("SHARDSMITH_TUNING", raising=False)
     assert link_cap.cap_gb_per_s() is None
-    monkeypatch.setenv(link_cap.ENV, " ")
+    monkeypatch.setenv("SHARDSMITH_TUNING", " ")
     assert link_cap.cap_gb_per_s() is None
-    monkeypatch.setenv(link_cap.ENV, "25")
+    monkeypatch.setenv("SHARDSMITH_TUNING", "emulate_h2d_gbps=25")
     assert link_cap.cap_gb_per_s() == 25.0
 
 
 @pytest.mark.parametrize("bad", ["0", "-3", "fast", "inf", "nan"])
 def test_bad_cap_is_refused(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
-    monkeypatch.setenv(link_cap.ENV, bad)
-    with pytest.raises(UsageError, match=link_cap.ENV):
+    monkeypatch.setenv("SHARDSMITH_TUNING", f"emulate_h2d_gbps={bad}")
+    with pytest.raises(UsageError, match=f"SHARDSMITH_TUNING: emulate_h2d_gbps='{bad}': expected a positive number"):
         link_cap.cap_gb_per_s()
 
 
 def test_no_pad_on_a_cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(link_cap.ENV, "1")
+    monkeypatch.setenv("SHARDSMITH_TUNING", "emulate_h2d_gbps=1")
     assert link_cap.pad(1 << 30, torch.device("cpu")) == 0.0
 
 
@@ -40,9 +40,9 @@ def test_probe_measures_the_capped_rate(monkeypatch: pytest.MonkeyPatch) -> None
     dev = torch.device("cuda", torch.cuda.current_device())
     experts = torch.empty(16, 16 << 20, dtype=torch.uint8).pin_memory()  # 16 experts of 16 MiB
     host = SimpleNamespace(layers={"layers.0": {"gate_up": experts}})
-    monkeypatch.delenv(link_cap.ENV, raising=False)
+    monkeypatch.delenv("SHARDSMITH_TUNING", raising=False)
     real = measure_h2d(host, dev)
     cap = real / 3
-    monkeypatch.setenv(link_cap.ENV, str(cap))
+    monkeypatch.setenv("SHARDSMITH_TUNING", f"emulate_h2d_gbps={cap}")
     capped = measure_h2d(host, dev)
     assert 0.85 * cap <= capped <= 1.1 * cap, (real, cap, capped)

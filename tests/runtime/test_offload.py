@@ -213,12 +213,12 @@ def test_fp4_expert_maths_matches_the_reference_quantizer():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cache_with_copy_stream_matches_resident(packs, monkeypatch):
+def test_gpu_cache_with_copy_stream_matches_resident(packs, use_settings):
     from shardsmith.runtime.engine.engine import Engine
 
     # offloaded slots run the PyTorch pair path: compare with the resident bank on that path (the fused
     # kernel that resident banks take on CUDA is checked against it in test_kernels_wired.py)
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "off")
+    use_settings(fused_experts="reference")
 
     for fmt in ("bf16", "fp8"):
         ref = Engine.load(packs[(fmt, 1)], rank=0, world_size=1, device="cuda", dtype=torch.bfloat16, max_seq_len=64)

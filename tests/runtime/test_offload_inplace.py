@@ -3,11 +3,11 @@
 CPU: the Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton
 loads); the "device" is the CPU, so the host bank is read through the same pointer arithmetic as
 mapped pinned memory on a GPU. Checked: the offload runtime in the in-place mode
-(``SHARDSMITH_OFFLOAD_INPLACE=kernel``) gives the resident kernel bank's bits for every call of a
+(``SHARDSMITH_KERNELS=offload_inplace=kernel``) gives the resident kernel bank's bits for every call of a
 sequence of decode batches over two layers (misses read from the host bank, hits from slots, LRU
 evictions, a 20-token batch run in chunks), the slots it filled hold exactly the host experts its
 device table says they hold, and the device counters add up (pairs, bytes over the link), both for
-misses copied into pool rows first (``SHARDSMITH_OFFLOAD_MISS=copy``, the default) and read in place
+misses copied into pool rows first (``SHARDSMITH_TUNING=offload_miss=copy``, the default) and read in place
 by the expert kernel (``read``); the switches and the modes they refuse. GPU checks: ``test_fused_slots.py -m gpu`` (the tiny DeepSeek-V4 offloaded
 and graphed, in place and copied, against the resident bank).
 """
@@ -32,15 +32,15 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not 
 V4 = ExpertMath(limit=3.0, accumulate_f32=True, batched_pairs=16)
 
 
-def _runtime(fmt: str, monkeypatch, *, slots: int, inplace: str = "kernel", backend: str = "gpu", experts: int = 12,
+def _runtime(fmt: str, use_settings, *, slots: int, inplace: str = "kernel", backend: str = "gpu", experts: int = 12,
              miss: str = "copy", top_k: int | None = None):
     """An offload runtime over two layers of random host banks (D 64, I_r 32), and those banks."""
     from shardsmith.runtime.offload import OffloadConfig, OffloadRuntime
     from shardsmith.runtime.offload.host_bank import HostBanks
 
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "kernel")
-    monkeypatch.setenv("SHARDSMITH_OFFLOAD_INPLACE", inplace)
-    monkeypatch.setenv("SHARDSMITH_OFFLOAD_MISS", miss)
+    use_settings(fused_experts="kernel")
+    use_settings(offload_inplace=inplace)
+    use_settings(offload_miss=miss)
     gen = torch.Generator(device=DEV).manual_seed(11)
     banks = {f"layers.{i}": random_bank(experts, 64, 32, fp4=fmt == "fp4", gen=gen) for i in range(2)}
     host = HostBanks({k: {n: t.cpu() for n, t in b.items()} for k, b in banks.items()})
@@ -54,7 +54,7 @@ def _runtime(fmt: str, monkeypatch, *, slots: int, inplace: str = "kernel", back
 
 @needs_triton
 @pytest.mark.parametrize(("fmt", "miss"), [("fp4", "copy"), ("fp4", "read"), ("bf16", "copy")])  # bf16 read: kernel-only
-def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monkeypatch):
+def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monkeypatch, use_settings):
     """Six calls (1, 1, 1, 3, 20, 1 tokens; bf16: four; K = 4 of 12 experts; 7 slots for 24 keys, so they evict):
     each the resident kernel's bits on the pair path (the in-place mode's; bf16 past 4 tokens would
     take the grouped path resident), each filled slot the host expert its device key names. ``copy``:
@@ -63,7 +63,7 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monke
     from shardsmith.runtime.layers.kernels import fused_moe
 
     monkeypatch.setattr(fused_moe, "pick_path", lambda fmt, tokens: "pairs")  # resident calls too
-    rt, banks = _runtime(fmt, monkeypatch, slots=7 if miss == "read" else 8, miss=miss, top_k=4)
+    rt, banks = _runtime(fmt, use_settings, slots=7 if miss == "read" else 8, miss=miss, top_k=4)
     assert rt.slots is not None and rt.decode_sync_free()
     assert (rt.slots.n_slots, rt.slots.n_stage) == ((7, 0) if miss == "read" else (4, 4))
     gen = torch.Generator(device=DEV).manual_seed(3)
@@ -87,41 +87,41 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monke
     assert rt.stats()["hits"] == rt.stats()["misses"] == rt.stats()["tokens"] == 0
 
 
-def test_inplace_switch_and_the_modes_it_leaves_alone(monkeypatch):
-    """``off`` keeps the copying cache, and so does unset (``auto``) on a CPU device; ``cpu`` (host compute)
-    has no cache to fill."""
-    rt, _ = _runtime("fp4", monkeypatch, slots=7, inplace="off")
+def test_inplace_switch_and_the_modes_it_leaves_alone(use_settings):
+    """``reference`` keeps the copying cache, and so does ``auto`` (the default) on a CPU device; ``cpu``
+    (host compute) has no cache to fill."""
+    rt, _ = _runtime("fp4", use_settings, slots=7, inplace="reference")
     assert rt.slots is None and not rt.decode_sync_free()
-    rt, _ = _runtime("fp4", monkeypatch, slots=7, inplace="")  # unset: auto, on CUDA only
+    rt, _ = _runtime("fp4", use_settings, slots=7, inplace="auto")  # on CUDA only
     assert rt.slots is None
-    rt, _ = _runtime("fp4", monkeypatch, slots=7, backend="cpu")  # host compute: no cache, nothing in place
+    rt, _ = _runtime("fp4", use_settings, slots=7, backend="cpu")  # host compute: no cache, nothing in place
     assert rt.slots is None and rt.cache is None
 
 
-def test_inplace_blocks_knob(monkeypatch):
-    """``SHARDSMITH_INPLACE_BLOCKS`` (benchmarks): two positive ints, else a UsageError naming it."""
+def test_inplace_blocks_knob(monkeypatch, use_settings):
+    """``SHARDSMITH_TUNING=inplace_blocks=RxG`` (benchmarks): two positive ints, else a UsageError naming it."""
     from shardsmith.errors import UsageError
     from shardsmith.runtime.offload.runtime import inplace_blocks
 
-    monkeypatch.delenv("SHARDSMITH_INPLACE_BLOCKS", raising=False)
+    monkeypatch.delenv("SHARDSMITH_TUNING", raising=False)
     assert inplace_blocks() == (16, 8)
-    monkeypatch.setenv("SHARDSMITH_INPLACE_BLOCKS", "4,64")
+    use_settings(inplace_blocks="4x64")
     assert inplace_blocks() == (4, 64)
-    for bad in ("4", "4,0", "a,b"):
-        monkeypatch.setenv("SHARDSMITH_INPLACE_BLOCKS", bad)
-        with pytest.raises(UsageError, match="SHARDSMITH_INPLACE_BLOCKS"):
+    for bad in ("4", "4x0", "axb"):
+        monkeypatch.setenv("SHARDSMITH_TUNING", f"inplace_blocks={bad}")
+        with pytest.raises(UsageError, match=f"SHARDSMITH_TUNING: inplace_blocks='{bad}': expected two positive ints"):
             inplace_blocks()
 
 
-def test_miss_mode_knob(monkeypatch):
-    """``SHARDSMITH_OFFLOAD_MISS``: ``copy`` (unset) or ``read``, else a UsageError naming it and the choices."""
+def test_miss_mode_knob(monkeypatch, use_settings):
+    """``SHARDSMITH_TUNING=offload_miss``: ``copy`` (unset) or ``read``, else a UsageError naming it and the choices."""
     from shardsmith.errors import UsageError
     from shardsmith.runtime.offload.runtime import miss_mode
 
-    monkeypatch.delenv("SHARDSMITH_OFFLOAD_MISS", raising=False)
+    monkeypatch.delenv("SHARDSMITH_TUNING", raising=False)
     assert miss_mode() == "copy"
-    monkeypatch.setenv("SHARDSMITH_OFFLOAD_MISS", "read")
+    use_settings(offload_miss="read")
     assert miss_mode() == "read"
-    monkeypatch.setenv("SHARDSMITH_OFFLOAD_MISS", "dma")
-    with pytest.raises(UsageError, match=r"SHARDSMITH_OFFLOAD_MISS='dma': expected one of copy, read"):
+    monkeypatch.setenv("SHARDSMITH_TUNING", "offload_miss=dma")
+    with pytest.raises(UsageError, match=r"SHARDSMITH_TUNING: offload_miss='dma': expected one of copy, read"):
         miss_mode()

@@ -139,8 +139,8 @@ def test_v4_offloaded_steps_are_the_resident_bits_in_bf16(packs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_v4_offloaded_decode_step_is_the_resident_bits_on_cuda(packs, monkeypatch):
+def test_v4_offloaded_decode_step_is_the_resident_bits_on_cuda(packs, use_settings):
     """On the GPU: slots gathered by pair, one [P] expansion and one bmm pair, as the resident bank
     on its PyTorch path (the fused kernel resident banks take on CUDA: test_kernels_wired.py)."""
-    monkeypatch.setenv("SHARDSMITH_FUSED_EXPERTS", "off")
+    use_settings(fused_experts="reference")
     _slots_vs_resident_bf16(packs[1], "cuda")

@@ -155,7 +155,7 @@ def test_dequantized_copy_is_every_fp8_weight_times_its_blocks(ckpts: dict, tmp_
 
 
 def test_float64_reference_rank_loads_the_pytorch_paths(ckpts: dict, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                                        monkeypatch: pytest.MonkeyPatch, use_settings) -> None:
     """The Triton kernels take bf16/f16/f32 only: a float64 reference rank (of a float32 run) loads
     with the PyTorch paths even where the kernels are on (forced here under Triton's CPU
     interpreter, as on CUDA), and runs; the float32 rank keeps them."""
@@ -163,8 +163,7 @@ def test_float64_reference_rank_loads_the_pytorch_paths(ckpts: dict, tmp_path: P
     from shardsmith.parity.ranks import RankTask, _load
     from shardsmith.writer.split import split_checkpoint
 
-    for var in ("SHARDSMITH_FP8_DENSE", "SHARDSMITH_FUSED_EXPERTS"):
-        monkeypatch.setenv(var, "kernel")
+    use_settings(fp8_dense="kernel", fused_experts="kernel")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     split_checkpoint(ckpts["v3"], tmp_path / "tp1", world_size=1)
     task = RankTask(tmp_path / "tp1", 1, "cpu", torch.float32, torch.float64, [[3, 5, 7]], 2, 2, None, False, True,

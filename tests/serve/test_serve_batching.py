@@ -228,8 +228,8 @@ def test_step_trace_accounts_for_every_token(server: Server) -> None:
     assert [x["t_s"] for x in new] == sorted(x["t_s"] for x in new)
 
 
-def test_switch_interval_from_the_environment(monkeypatch):
-    """``SHARDSMITH_SWITCH_INTERVAL_MS`` sets the interpreter's switch interval; junk is refused by name."""
+def test_switch_interval_from_the_environment(monkeypatch, use_settings):
+    """``SHARDSMITH_TUNING=switch_interval_ms=MS`` sets the interpreter's switch interval; junk is refused by name."""
     import sys
 
     from shardsmith.errors import UsageError
@@ -237,13 +237,13 @@ def test_switch_interval_from_the_environment(monkeypatch):
 
     before = sys.getswitchinterval()
     try:
-        monkeypatch.setenv("SHARDSMITH_SWITCH_INTERVAL_MS", "0.25")
+        use_settings(switch_interval_ms="0.25")
         assert set_switch_interval() == pytest.approx(0.00025)
         for bad in ("0", "-1", "fast"):
-            monkeypatch.setenv("SHARDSMITH_SWITCH_INTERVAL_MS", bad)
-            with pytest.raises(UsageError, match=f"SHARDSMITH_SWITCH_INTERVAL_MS={bad!r}"):
+            monkeypatch.setenv("SHARDSMITH_TUNING", f"switch_interval_ms={bad}")
+            with pytest.raises(UsageError, match=f"SHARDSMITH_TUNING: switch_interval_ms={bad!r}"):
                 set_switch_interval()
-        monkeypatch.delenv("SHARDSMITH_SWITCH_INTERVAL_MS")
+        monkeypatch.delenv("SHARDSMITH_TUNING")
         assert set_switch_interval() == pytest.approx(0.00025)  # unset: what is in force stays
     finally:
         sys.setswitchinterval(before)

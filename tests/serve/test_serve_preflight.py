@@ -99,19 +99,25 @@ def test_bad_options_fail_before_ranks_start(packs, args, match: str) -> None:
 
 
 @pytest.mark.parametrize("env,match", [
-    ({"SHARDSMITH_OVERLAP_STEPS": "2"}, "SHARDSMITH_OVERLAP_STEPS='2': expected 0 or 1"),
-    ({"SHARDSMITH_HOST_PREFETCH": "-5"}, "SHARDSMITH_HOST_PREFETCH='-5': expected a whole number in 0 .. 1048576"),
+    ({"SHARDSMITH_TUNING": "overlap_steps=2"}, "SHARDSMITH_TUNING: overlap_steps='2': expected 0 or 1"),
+    ({"SHARDSMITH_TUNING": "host_prefetch=-5"},
+     "SHARDSMITH_TUNING: host_prefetch='-5': expected a whole number in 0 .. 1048576"),
     ({"SHARDSMITH_PIN_CORES": "yes"}, "SHARDSMITH_PIN_CORES='yes': expected 0 or 1"),
-    ({"SHARDSMITH_DECODE_ATTENTION": "maybe", "SHARDSMITH_ROUTER_KERNEL": "on", "SHARDSMITH_FP8_SPLIT_SUM": "both",
-      "SHARDSMITH_MOE_PATH": "x"},
-     "SHARDSMITH_DECODE_ATTENTION='maybe': expected auto, kernel or off; SHARDSMITH_ROUTER_KERNEL='on': expected auto, "
-     "kernel or off; SHARDSMITH_MOE_PATH was removed: the expert kernel's path is chosen by batch and format"),
-    ({"SHARDSMITH_HC_POST": "on"}, "SHARDSMITH_HC_POST='on': expected auto, kernel or off"),
+    ({"SHARDSMITH_KERNELS": "decode_attention=maybe,router=on", "SHARDSMITH_MOE_PATH": "x"},
+     "SHARDSMITH_KERNELS: decode_attention='maybe': expected auto, kernel or reference; SHARDSMITH_KERNELS: "
+     "router='on': expected auto, kernel or reference; SHARDSMITH_MOE_PATH was removed: the expert kernel's path "
+     "is chosen by batch and format"),
+    ({"SHARDSMITH_KERNELS": "moe_path=x"}, "SHARDSMITH_KERNELS: unknown key 'moe_path' (known: compile_pieces, "
+     "compressor_step, decode_attention, fp8_dense, fused_experts, hc_post, hc_pre, host_experts, indexer_scores, "
+     "merge_projections, offload_inplace, router, all)"),
+    ({"SHARDSMITH_HC_POST": "off"}, "SHARDSMITH_HC_POST was removed: write SHARDSMITH_KERNELS=hc_post=<auto|kernel|reference>"),
     ({"SHARDSMITH_FP8_GEMV": "always"}, "SHARDSMITH_FP8_GEMV was removed: one-token FP8 linears always take the GEMV"),
-    ({"SHARDSMITH_HOST_ISA": "avx9000", "SHARDSMITH_HOST_KERNEL": "yes"},
-     "SHARDSMITH_HOST_KERNEL='yes': expected 0 or 1; SHARDSMITH_HOST_ISA='avx9000': expected scalar, avx2 or avx512"),
-    ({"SHARDSMITH_SWITCH_INTERVAL_MS": "0"}, "SHARDSMITH_SWITCH_INTERVAL_MS='0': expected a positive number"),
-    ({"SHARDSMITH_EMULATE_H2D_GBPS": "fast"}, "SHARDSMITH_EMULATE_H2D_GBPS='fast': expected a positive number"),
+    ({"SHARDSMITH_TUNING": "host_isa=avx9000", "SHARDSMITH_KERNELS": "host_experts=yes"},
+     "SHARDSMITH_KERNELS: host_experts='yes': expected on or reference; SHARDSMITH_TUNING: host_isa='avx9000': "
+     "expected scalar, avx2 or avx512"),
+    ({"SHARDSMITH_TUNING": "switch_interval_ms=0, emulate_h2d_gbps=fast"},
+     "SHARDSMITH_TUNING: switch_interval_ms='0': expected a positive number; SHARDSMITH_TUNING: "
+     "emulate_h2d_gbps='fast': expected a positive number"),
     ({"SHARDSMITH_STEP_TRACE": "/nonexistent/dir/steps.jsonl"},
      "SHARDSMITH_STEP_TRACE='/nonexistent/dir/steps.jsonl': cannot append to it (No such file or directory)"),
 ])

@@ -90,10 +90,11 @@ def test_ctrl_c_in_process_exits_130_saying_resume_continues(tiny, tmp_path: Pat
 
 def test_sigint_to_a_real_split(tiny, tmp_path: Path) -> None:
     src, out = tiny("deepseek-v3"), tmp_path / "out"
-    args = [sys.executable, "-m", "shardsmith.cli", "split", str(src), str(out), "--tp", "4", "--max-file-bytes", "200000"]
+    args = [sys.executable, str(Path(__file__).with_name("slow_split.py")), "0.5", "split", str(src), str(out), "--tp", "4",
+            "--max-file-bytes", "200000"]
     # SIGINT back to its default in the child, so Python installs its Ctrl-C handler there even when this
     # test runs as a shell's background job (which starts with SIGINT ignored, inherited by children)
-    child = subprocess.Popen(args, env={**os.environ, "SHARDSMITH_TEST_SLOW_WRITE": "0.5"}, stdout=subprocess.PIPE,
+    child = subprocess.Popen(args, env=dict(os.environ), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     journal = tmp_path / "out.partial" / "journal.jsonl"

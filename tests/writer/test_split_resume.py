@@ -1,7 +1,7 @@
 """A real ``shardsmith split`` process killed with SIGKILL partway leaves no pack; ``--resume``
 finishes it, reusing the files the journal lists, and the result verifies against the source.
 
-Deterministic: ``SHARDSMITH_TEST_SLOW_WRITE`` makes the child sleep after each finished file, and
+Deterministic: the child (``slow_split.py``) sleeps before it journals each finished file, and
 the test kills it once the journal lists two finished files (of many, from a small --max-file-bytes).
 """
 
@@ -18,9 +18,14 @@ from pathlib import Path
 from shardsmith.writer.verify import verify_pack
 
 
-def _cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "shardsmith.cli", *args], env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+SLOW_SPLIT = Path(__file__).with_name("slow_split.py")
+
+
+def _cli(*args: str, slow: float | None = None, **kw) -> subprocess.Popen:
+    """``shardsmith ARGS`` in a child process; with ``slow``, one that waits that many seconds per finished file."""
+    head = [sys.executable, str(SLOW_SPLIT), str(slow)] if slow else [sys.executable, "-m", "shardsmith.cli"]
+    return subprocess.Popen([*head, *args], env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
 
 
 def _finished_files(journal: Path) -> int:
@@ -33,7 +38,7 @@ def _finished_files(journal: Path) -> int:
 def test_kill_then_resume(tiny, tmp_path: Path) -> None:
     src, out = tiny("deepseek-v3"), tmp_path / "out"
     args = ("split", str(src), str(out), "--tp", "4", "--max-file-bytes", "200000")
-    child = _cli(*args, env={"SHARDSMITH_TEST_SLOW_WRITE": "0.5"})
+    child = _cli(*args, slow=0.5)
     journal = tmp_path / "out.partial" / "journal.jsonl"
     deadline = time.monotonic() + 60
     while _finished_files(journal) < 2:

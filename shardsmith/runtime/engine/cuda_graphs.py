@@ -176,12 +176,11 @@ class GraphedPiece:
         return outputs, graph, warm
 
 
-COMPILE_ENV = "SHARDSMITH_COMPILE_PIECES"
 
 
 def compiled(fn: Callable[..., Tensors]) -> Callable[..., Tensors]:
     """``fn`` (a layer's row-wise piece: norms, projections, mixers, router) fused by ``torch.compile``
-    on CUDA (``SHARDSMITH_COMPILE_PIECES=0`` turns it off), else ``fn``: one compiled function per
+    on CUDA (``SHARDSMITH_KERNELS=compile_pieces=reference`` turns it off), else ``fn``: one compiled function per
     method, shared by every layer (dynamo lifts a module's tensors to inputs, so layers of one kind
     and batch bucket share a compiled graph; the Triton kernels inside are traced as user kernels).
     The pieces' compile happens in their warm-up run, before capture (the server's warm-up: ~65 s

@@ -136,8 +136,7 @@ class Engine:
                 On CUDA, FP8 linears stay FP8 either way and run the ``fp8_linear`` kernel, and
                 resident expert banks run ``fused_experts`` for decode steps, V4's decode attention
                 ``sink_attention`` (:func:`~shardsmith.runtime.layers.parallel.use_kernels_`;
-                ``SHARDSMITH_FP8_DENSE=dequantize``, ``SHARDSMITH_FUSED_EXPERTS=off`` and
-                ``SHARDSMITH_DECODE_ATTENTION=off`` force the PyTorch paths).
+                ``SHARDSMITH_KERNELS=all=reference`` forces the PyTorch paths).
             offload: place routed experts in host memory with a device expert cache
                 (:mod:`shardsmith.runtime.offload`); None keeps every expert resident.
             cuda_graphs: on CUDA, run one-token decode steps as piecewise CUDA graphs (both

@@ -138,11 +138,10 @@ class _InFlight:
     done: Any = None  # the CUDA event after the copy (None on CPU)
 
 
-OVERLAP_ENV = "SHARDSMITH_OVERLAP_STEPS"
 
 
 def overlap_setting() -> bool | None:
-    """``$SHARDSMITH_OVERLAP_STEPS``: ``0`` off, ``1`` on (a CPU too), unset None.
+    """``SHARDSMITH_TUNING=overlap_steps=...``: ``0`` off, ``1`` on (a CPU too), unset None.
 
     Raises:
         UsageError: the variable is set to something other than 0 or 1 (:mod:`shardsmith.settings`).
@@ -155,12 +154,12 @@ def default_overlap(engine: Any) -> bool:
     otherwise (``1`` asks for them on a CPU too; never at world size > 1).
 
     Raises:
-        UsageError: a bad ``$SHARDSMITH_OVERLAP_STEPS``.
+        UsageError: a bad ``overlap_steps`` item of ``$SHARDSMITH_TUNING``.
     """
     setting = overlap_setting()
     if setting and engine.world_size != 1:
-        log.warning("%s=1 is ignored: overlapped steps run one rank only (world size %d); steps are plain",
-                    OVERLAP_ENV, engine.world_size)
+        log.warning("%s is ignored: overlapped steps run one rank only (world size %d); steps are plain",
+                    settings.spelling("overlap_steps", "1"), engine.world_size)
     if engine.world_size != 1 or setting is False:
         return False
     return bool(setting) or str(getattr(engine, "device", "cpu")).startswith("cuda")

@@ -34,7 +34,7 @@ On CUDA a resident bank of any format runs steps of at most ``FUSED_TOKENS_MAX``
 batch) through the Triton kernel :func:`~shardsmith.runtime.layers.kernels.fused_experts` instead
 (no host sync, each selected expert read once from the bank, nothing expanded to memory; an FP8
 bank then stays FP8 at load); decided once at load by :meth:`ExpertBank.use_kernel_`
-(``SHARDSMITH_FUSED_EXPERTS=auto|kernel|off``). Offloaded experts run the same call over the
+(``SHARDSMITH_KERNELS=fused_experts=auto|kernel|reference``). Offloaded experts run the same call over the
 expert cache's slot pool, with slot ids for expert ids (:func:`fused_bank`).
 
 The family's arithmetic around the matmuls (SwiGLU clamp, accumulation dtype, pair batching,
@@ -270,7 +270,7 @@ class ExpertBank(RoutedExperts):
     kernel = False  # decode-sized steps run fused_experts (set once by use_kernel_)
 
     def use_kernel_(self, device: torch.device) -> None:
-        """Run decode-sized steps through :func:`fused_experts` when ``SHARDSMITH_FUSED_EXPERTS``
+        """Run decode-sized steps through :func:`fused_experts` when ``SHARDSMITH_KERNELS``'s ``fused_experts``
         allows on ``device``; an FP8 bank then stays FP8 (:meth:`dequantize_` keeps it)."""
         self.kernel = kernel_on("fused_experts", device)
 

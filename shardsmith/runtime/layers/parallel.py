@@ -18,7 +18,7 @@ FP8 block weights (``float8_e4m3fn`` with an F32 ``weight_scale_inv`` per 128x12
 at load to the compute dtype on CPU (``Engine.load(fp8="load")``: memory of the compute dtype). On
 CUDA they stay FP8 and every call runs the Triton kernel
 :func:`~shardsmith.runtime.layers.kernels.fp8_linear` (the pack's bytes on the GPU, no host sync,
-so decode graphs capture it): :func:`use_kernels_` decides once at load, ``SHARDSMITH_FP8_DENSE``
+so decode graphs capture it): :func:`use_kernels_` decides once at load, ``SHARDSMITH_KERNELS=fp8_dense``
 forces a path (``auto``, ``kernel``: also on CPU under ``TRITON_INTERPRET=1``, ``dequantize``: the
 old one). With ``fp8="on-the-fly"`` linears without the kernel stay FP8 and are dequantized per
 matmul (:func:`~shardsmith.runtime.layers.quant.dequantize_blocks`).
@@ -58,7 +58,7 @@ def rank() -> int:
 
 
 # gloo: up to this many elements, one all-gather + a local sum beats its ring; 0 turns it off
-# (``SHARDSMITH_GLOO_GATHER_MAX``, read at import: benchmarks/decode.py compares both)
+# (``SHARDSMITH_TUNING=gloo_gather_max=...``, read at import: benchmarks/decode.py compares both)
 GATHER_REDUCE_MAX_ELEMENTS = settings.current().gloo_gather_max
 
 
@@ -109,12 +109,12 @@ def kernel_on(switch: str, device: torch.device) -> bool:
     """Whether a Triton kernel path is on for modules on ``device`` under its switch, the
     :class:`~shardsmith.settings.Settings` field ``switch`` (a :class:`~shardsmith.settings.Kernel`):
     ``auto`` on for CUDA with Triton installed, ``kernel`` on (on CPU only under
-    ``TRITON_INTERPRET=1``, for tests), ``off`` the PyTorch path. Decided once, at load.
+    ``TRITON_INTERPRET=1``, for tests), ``reference`` the PyTorch path. Decided once, at load.
 
     Raises:
         UsageError: a malformed setting, or ``kernel`` where the kernel cannot run.
     """
-    mode, name = getattr(settings.current(), switch), settings.variable(switch).name
+    mode, name = getattr(settings.current(), switch), settings.spelling(switch)
     if mode is Kernel.OFF:
         return False
     runnable = triton_available() and (torch.device(device).type == "cuda" or mode is Kernel.KERNEL and interpreting())
@@ -140,8 +140,8 @@ def merge_rows(linears: list["_Linear"], name: str) -> torch.Tensor:
 
 def use_kernels_(model: nn.Module, device: torch.device) -> None:
     """Switch every module of ``model`` with a ``use_kernel_(device)`` method to its Triton kernel where
-    its switch allows (FP8 linears: ``SHARDSMITH_FP8_DENSE``; expert banks: ``SHARDSMITH_FUSED_EXPERTS``;
-    DeepSeek-V4's decode attention: ``SHARDSMITH_DECODE_ATTENTION``).
+    its switch allows (``SHARDSMITH_KERNELS`` items: FP8 linears ``fp8_dense``; expert banks ``fused_experts``;
+    DeepSeek-V4's decode attention ``decode_attention``).
     Once, at load, before :func:`~shardsmith.runtime.layers.quant.dequantize_fp8_` (which then keeps
     the kernel linears FP8)."""
     for m in model.modules():
@@ -166,7 +166,7 @@ class _Linear(nn.Module):
         self.register_buffer("bias", _meta(shape[:1], dtype) if bias else None)
 
     def use_kernel_(self, device: torch.device) -> None:
-        """Keep an FP8 weight FP8 and run :func:`fp8_linear` when ``SHARDSMITH_FP8_DENSE`` allows on ``device``."""
+        """Keep an FP8 weight FP8 and run :func:`fp8_linear` when ``SHARDSMITH_KERNELS=fp8_dense`` allows on ``device``."""
         self.kernel = self.block is not None and kernel_on("fp8_dense", device)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:

@@ -133,7 +133,7 @@ class ExpertCache:
                 for (_, e), slot in misses:
                     for name, p in self.pool.items():
                         p[slot].copy_(bank[name][e], non_blocking=True)
-                link_cap.pad(n, self.device)  # emulated slower link, off unless $SHARDSMITH_EMULATE_H2D_GBPS
+                link_cap.pad(n, self.device)  # emulated slower link, off unless SHARDSMITH_TUNING has emulate_h2d_gbps
                 end.record(self.stream)
             self._done = end
             self._timings.append((start, end))

@@ -10,7 +10,7 @@ and accumulates in float32, with rows split over torch's intra-op threads (the r
 cores, :func:`~shardsmith.runtime.engine.dist.clamp_threads`).
 
 Instruction sets (:func:`isas`, chosen per call; :func:`default_isa` is the best one, or
-``$SHARDSMITH_HOST_ISA``): ``scalar`` (plain C++), ``avx2`` (AVX2 + FMA + F16C: FP4 through a pshufb
+``SHARDSMITH_TUNING=host_isa``): ``scalar`` (plain C++), ``avx2`` (AVX2 + FMA + F16C: FP4 through a pshufb
 table, FP8 -> f16 by bit moves), ``avx512`` (AVX-512F and BW: FP4 through a 16-entry float table per
 vpermps, 16 lanes; FP8 decoded 32 bytes at a time on 16-bit lanes, its block scales folded into a
 per-thread copy of the activations once per row block, so the inner loop is decode + FMA). One build holds all three (each file targets its set by pragma) and the CPU's
@@ -19,7 +19,7 @@ features decide at run time, so the paths can be compared on one host (``benchma
 bf16 dot products (AVX512-BF16) are faster per byte but round the activations, so the result would
 no longer equal the resident bank's within float32 rounding.
 
-The FP4 and FP8 rows prefetch their weight stream :func:`prefetch_bytes` ahead (``$SHARDSMITH_HOST_PREFETCH``,
+The FP4 and FP8 rows prefetch their weight stream :func:`prefetch_bytes` ahead (``SHARDSMITH_TUNING=host_prefetch``,
 default 2048): a stored row is 1-4 KiB, so the L2 streamer, which stops at every 4 KiB page, re-trains
 every row or two; on the H200 host's 16 cores this took an FP4 expert at one token from 0.36 to 0.26
 ms and FP8 from 0.49 to 0.38 ms (``benchmarks/RESULTS.md``, 12 experts cycled).
@@ -57,7 +57,6 @@ _HERE = Path(__file__).parent
 SOURCES = tuple(_HERE / f for f in ("host_kernel.cpp", "host_kernel_scalar.cpp", "host_kernel_avx2.cpp",
                                      "host_kernel_avx512.cpp"))
 HEADER = _HERE / "host_kernel.h"
-ISA_ENV = "SHARDSMITH_HOST_ISA"
 MAX_PREFETCH_BYTES = settings.MAX_PREFETCH_BYTES  # the kernel's own bound (set_prefetch_bytes in host_kernel.cpp)
 PREFETCH_BYTES = 2048  # software prefetch distance of the row functions (set_prefetch_bytes; 0: none;
 # benchmarks/RESULTS.md: of 0-8192 bytes, 2048 gave the best FP4 median on the H200 host, FP8 within noise of 4096)
@@ -108,7 +107,7 @@ def available() -> bool:
 
 
 def prefetch_bytes() -> int:
-    """The rows' software prefetch distance in bytes: ``$SHARDSMITH_HOST_PREFETCH`` or :data:`PREFETCH_BYTES`.
+    """The rows' software prefetch distance in bytes: ``SHARDSMITH_TUNING=host_prefetch`` or :data:`PREFETCH_BYTES`.
 
     Raises:
         UsageError: the variable is not a whole number of bytes in 0 .. 1 MiB (:mod:`shardsmith.settings`).
@@ -157,7 +156,7 @@ def isas() -> tuple[str, ...]:
 
 
 def check_settings() -> None:
-    """``SHARDSMITH_HOST_ISA``, when set, names an instruction set this CPU's flags allow; checked
+    """``SHARDSMITH_TUNING=host_isa``, when set, names an instruction set this CPU's flags allow; checked
     without building the kernel: for the CLI, before ranks start.
 
     Raises:
@@ -168,18 +167,18 @@ def check_settings() -> None:
                             if need <= flags]
     want = settings.current().host_isa
     if want and want not in allowed:
-        raise UsageError(f"{ISA_ENV}={want!r}: this CPU supports {', '.join(allowed)}")
+        raise UsageError(f"{settings.spelling('host_isa', repr(want))}: this CPU supports {', '.join(allowed)}")
 
 
 def default_isa() -> str:
-    """``$SHARDSMITH_HOST_ISA`` if set, else the best of :func:`isas`.
+    """``SHARDSMITH_TUNING=host_isa`` if set, else the best of :func:`isas`.
 
     Raises:
         UsageError: the variable names a set this CPU or build lacks.
     """
     want = settings.current().host_isa
     if want and want not in isas():
-        raise UsageError(f"{ISA_ENV}={want!r}: this CPU and build support {', '.join(isas()) or 'no host kernel'}")
+        raise UsageError(f"{settings.spelling('host_isa', repr(want))}: this CPU and build support {', '.join(isas()) or 'no host kernel'}")
     return want or (isas()[-1] if isas() else "")
 
 

@@ -1,4 +1,4 @@
-"""Emulation of a slower host-to-GPU link, for benchmarks only: ``SHARDSMITH_EMULATE_H2D_GBPS``.
+"""Emulation of a slower host-to-GPU link, for benchmarks only: ``SHARDSMITH_TUNING=emulate_h2d_gbps=GBPS``.
 
 The people ``hybrid`` is for copy experts over PCIe Gen4 (~25 GB/s) to 16-48 GB cards; the GPU
 host has a Gen5 link (~55 GB/s pinned). With the variable set to a rate below the real one, every
@@ -21,11 +21,10 @@ import torch
 
 from shardsmith import settings
 
-ENV = "SHARDSMITH_EMULATE_H2D_GBPS"
 
 
 def cap_gb_per_s() -> float | None:
-    """The emulated link rate in GB/s (1e9 bytes), or None when ``$SHARDSMITH_EMULATE_H2D_GBPS`` is unset or empty.
+    """The emulated link rate in GB/s (1e9 bytes), or None when ``SHARDSMITH_TUNING`` has no ``emulate_h2d_gbps`` item.
 
     Raises:
         UsageError: a value that is not a positive finite number (:mod:`shardsmith.settings`).

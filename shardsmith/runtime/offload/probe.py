@@ -75,7 +75,7 @@ class ProbeResult:
 
 def measure_h2d(host: HostBanks, device: torch.device, *, min_bytes: int = 256 << 20, repeats: int = 3) -> float:
     """Best-of-``repeats`` GB/s copying ``min_bytes`` of the banks' own memory, expert by expert, to ``device``
-    (at most the emulated rate when ``$SHARDSMITH_EMULATE_H2D_GBPS`` caps it: :mod:`.link_cap`)."""
+    (at most the emulated rate when ``SHARDSMITH_TUNING=emulate_h2d_gbps`` caps it: :mod:`.link_cap`)."""
     if torch.device(device).type != "cuda":
         return 0.0
     srcs, total = [], 0

@@ -16,12 +16,12 @@ One MoE layer, GPU backend (one host sync: the ``[T, K]`` expert ids)::
 A decode-sized step whose experts all fit in slots (and none on the host) is a *slot step*: the
 slot of every (token, expert) pair goes to the device and the experts are applied from the pool
 by pair (:meth:`OffloadRuntime.apply_slots`, device work only, so a graph captures it). With the
-kernel (``SHARDSMITH_FUSED_EXPERTS``, set by :meth:`use_kernel_` as for resident banks) that is the
+kernel (``SHARDSMITH_KERNELS=fused_experts``, set by :meth:`use_kernel_` as for resident banks) that is the
 resident bank's own :func:`~shardsmith.runtime.layers.experts.fused_bank` call with slot ids for
 expert ids, for any pool format (FP4, FP8, bf16) and up to ``FUSED_TOKENS_MAX`` tokens; without
 it, FP4 pools of at most ``ExpertMath.batched_pairs`` pairs take the expanded pair maths.
 
-**In place** (``SHARDSMITH_OFFLOAD_INPLACE``: ``auto``, the default, for FP4 banks on CUDA;
+**In place** (``SHARDSMITH_KERNELS=offload_inplace``: ``auto``, the default, for FP4 banks on CUDA;
 ``kernel`` also for plain banks, and on CPU under Triton's interpreter; ``off``: the host table above;
 backend ``gpu`` with the kernel and pinned host banks): no host sync at all. At 4 x 256 V4-Flash
 experts on an H200 (``v4_decode-20261203-h200x1aj*.json``) its copy mode decoded 261.7 and 158.2
@@ -30,7 +30,7 @@ tokens/s at 25% and 6.25% cache, 1.09x and 1.15x the link-plus-compute floor, ag
 device decides each pair's hit, miss and victim (``--expert-policy lru``: LRU; ``hot``, the default:
 counted, a miss admitted only over a slot whose expert was used less; the same decisions on every
 rank: a function of the ids alone), and a miss is served from the pinned host bank (mapped into the device's address
-space) in one of two ways (``SHARDSMITH_OFFLOAD_MISS``):
+space) in one of two ways (``SHARDSMITH_TUNING=offload_miss``):
 
 - ``copy`` (the default): :func:`~.miss_copy.copy_misses`, one launch, copies each missed expert into
   its new slot, or into one of ``top_k`` staging rows at the pool's end when the policy does not admit
@@ -89,7 +89,7 @@ STAGE_ROWS_DEFAULT = 8  # staging rows when the banks do not say their top-k (th
 
 
 def miss_mode() -> str:
-    """``$SHARDSMITH_OFFLOAD_MISS``: ``copy`` (the default) or ``read`` (module docstring).
+    """``SHARDSMITH_TUNING=offload_miss=...``: ``copy`` (the default) or ``read`` (module docstring).
 
     Raises:
         UsageError: another value (:mod:`shardsmith.settings`).
@@ -98,8 +98,8 @@ def miss_mode() -> str:
 
 
 def inplace_blocks() -> tuple[int, int]:
-    """``(block_r, block_g)`` of the in-place mode's expert launches: ``$SHARDSMITH_INPLACE_BLOCKS``
-    (``"4,64"``: 4 rows per program, 64 scale groups of a row per step) or the pair path's default
+    """``(block_r, block_g)`` of the in-place mode's expert launches: ``SHARDSMITH_TUNING=inplace_blocks=...``
+    (``4x64``: 4 rows per program, 64 scale groups of a row per step) or the pair path's default
     ``(16, 8)``. A miss is read over the link, where fewer rows per program and longer steps along
     a row read longer contiguous runs of host memory.
 
@@ -180,7 +180,7 @@ class OffloadRuntime:
         log.info("%s", self.ready_line())
 
     def use_kernel_(self, device: torch.device) -> None:
-        """Slot steps through the fused kernel when ``SHARDSMITH_FUSED_EXPERTS`` allows on ``device``
+        """Slot steps through the fused kernel when ``SHARDSMITH_KERNELS``'s ``fused_experts`` allows on ``device``
         (the resident banks' switch, read once at load), unless the banks are FP8 with scales
         other than float32 (the kernel's FP8 format) or the family's maths is not the kernel's
         (gpt-oss: :attr:`~shardsmith.runtime.layers.experts.ExpertMath.plain`)."""

@@ -241,12 +241,12 @@ def _name_process(title: str) -> None:
 def _child(rank: int, spec: LaunchSpec, job: Job, env: dict[str, str], log_level: int, reports) -> None:
     _close_resource_tracker()
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), **settings.child_env(spawned="1")})
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
     _name_process(f"shardsmith: rank {rank} of {spec.world_size} {spec.path}")
     setup_logging(rank, log_level)
     if rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; rank 0 stops us
-    threading.Thread(target=_watch_parent, args=(settings.current().parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(settings.current().spawned_by,), daemon=True).start()
     code = 1
     try:
         code = run_rank(spec, job, rank=rank, world_size=spec.world_size, local_rank=rank, init_method=None)
@@ -336,7 +336,7 @@ def _spawn_and_supervise(spec: LaunchSpec, job: Job, log_level: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = str(max(1, cores // spec.world_size))
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(spec.world_size),
-           "LOCAL_WORLD_SIZE": str(spec.world_size), **settings.child_env(parent_pid=str(os.getpid())),
+           "LOCAL_WORLD_SIZE": str(spec.world_size), settings.spelling("spawned_by"): str(os.getpid()),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
            "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS", threads)}
     if not spec.device.startswith("cuda") and "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():

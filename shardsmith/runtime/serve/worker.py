@@ -194,7 +194,7 @@ def emit_all(pairs: list[tuple[Job, TextEvent]]) -> None:
 
 
 def set_switch_interval() -> float:
-    """Apply ``$SHARDSMITH_SWITCH_INTERVAL_MS`` (milliseconds, > 0) as the interpreter's thread
+    """Apply ``SHARDSMITH_TUNING=switch_interval_ms`` (milliseconds, > 0) as the interpreter's thread
     switch interval (``sys.setswitchinterval``) and return the interval in force, in seconds.
 
     The engine thread holds the GIL only between device waits; when a step's result is ready while
@@ -280,7 +280,7 @@ class EngineWorker:
             device's default, :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
 
     Raises:
-        UsageError: ``$SHARDSMITH_STEP_TRACE`` cannot be opened, or ``$SHARDSMITH_OVERLAP_STEPS`` is
+        UsageError: ``$SHARDSMITH_STEP_TRACE`` cannot be opened, or ``SHARDSMITH_TUNING``'s ``overlap_steps`` is
             neither 0 nor 1 (before anything loads).
     """
 
@@ -304,7 +304,7 @@ class EngineWorker:
         self.stopping: str | None = None  # why, once interrupt() was called
         self._running: list[Job] = []
         self._sched: Scheduler | None = None
-        settings.current()  # a bad setting (SHARDSMITH_OVERLAP_STEPS, ...) fails now, not after the load
+        settings.current()  # a bad setting (SHARDSMITH_TUNING, ...) fails now, not after the load
         self._trace = open_step_trace()
 
     def start(self) -> None:

@@ -212,7 +212,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
 
     Raises:
         KernelError: shapes, dtypes, block, groups or devices do not fit (every problem listed), the
-            backend cannot run, or ``$SHARDSMITH_FP8_SPLIT_SUM`` / ``$SHARDSMITH_FP8_GEMV`` hold
+            backend cannot run, or a setting holds
             another word.
 
     Example:

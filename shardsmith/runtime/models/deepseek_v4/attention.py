@@ -144,7 +144,7 @@ class Attention(nn.Module):
         Only replicated weights without bias are merged. Each linear keeps a view of its rows of the
         merged weight (no extra memory; prefill still calls it alone). The merged product is the
         same sums as the separate ones (each output row's dot over ``D``) in a different launch, so
-        equal within float32 summation order, not bitwise. ``SHARDSMITH_MERGE_PROJECTIONS=0`` keeps them apart
+        equal within float32 summation order, not bitwise. ``SHARDSMITH_KERNELS=merge_projections=reference`` keeps them apart
         (to compare)."""
         if self.x_fp8 is not None or self.x_dense is not None or not settings.current().merge_projections:
             return
@@ -333,9 +333,9 @@ class Attention(nn.Module):
 
     def use_kernel_(self, device: torch.device) -> None:
         """Run the decode core's attention through :func:`sink_attention`'s Triton kernels when
-        ``SHARDSMITH_DECODE_ATTENTION`` allows on ``device`` (``auto``: on CUDA; ``off``: the PyTorch
+        ``SHARDSMITH_KERNELS=decode_attention`` allows on ``device`` (``auto``: on CUDA; ``reference``: the PyTorch
         path), and with it a CSA layer's index scores through :func:`indexer_scores` when
-        ``SHARDSMITH_INDEXER_SCORES`` allows (``auto``, the default, or ``kernel``; ``off``: its reference)."""
+        ``SHARDSMITH_KERNELS=indexer_scores`` allows (``auto``, the default, or ``kernel``; ``reference``: its reference)."""
         self.kernel = kernel_on("decode_attention", device)
         self.index_kernel = self.kernel and kernel_on("indexer_scores", device)
 

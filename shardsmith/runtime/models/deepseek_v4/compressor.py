@@ -139,7 +139,7 @@ class Compressor(nn.Module):
         Device-only, static shapes, no host value: the rows that complete their window (``position %
         r == r - 1``, real; :meth:`DecodeRows.completion`) write its pooled entry and (CSA) the carry
         ``prev_kv/prev_gate``: :func:`compressor_step`, one Triton launch on CUDA (its reference on
-        CPU, or with ``SHARDSMITH_COMPRESSOR_STEP=off``: every row pools as if complete and keeps the
+        CPU, or with ``SHARDSMITH_KERNELS=compressor_step=reference``: every row pools as if complete and keeps the
         result where done). Needs ``E > 0`` (the caller skips a compressor without entries).
         """
         done, entry, cs, sn = rows.completion(self.ratio)
@@ -149,7 +149,7 @@ class Compressor(nn.Module):
 
     def use_kernel_(self, device: torch.device) -> None:
         """Run :meth:`step` through :func:`compressor_step`'s Triton kernel when
-        ``SHARDSMITH_COMPRESSOR_STEP`` allows on ``device`` (``auto``: on CUDA; ``off``: its PyTorch
+        ``SHARDSMITH_KERNELS=compressor_step`` allows on ``device`` (``auto``: on CUDA; ``reference``: its PyTorch
         reference, the same maths in about 22-30 launches)."""
         self.kernel = kernel_on("compressor_step", device)
 

@@ -17,10 +17,10 @@ head mixer (``hc_head_*``) collapses the streams once more before the final norm
 replicated. The pre/post/comb maths (40 Sinkhorn half-steps on ``[T, m, m]``) is
 :func:`~shardsmith.runtime.layers.kernels.hc_mix.hc_mix`: one Triton program per token on CUDA (eagerly
 it is ~80 tiny kernels; ``torch.compile`` made it 5-6), its PyTorch reference elsewhere. With the
-``SHARDSMITH_HC_PRE`` switch on (``auto``: CUDA), a mixer of up to 16 tokens runs whole (norm,
+``SHARDSMITH_KERNELS=hc_pre`` on (``auto``: CUDA), a mixer of up to 16 tokens runs whole (norm,
 ``fn`` projection, pre/post/comb, collapse) as :func:`~shardsmith.runtime.layers.kernels.hc_pre.hc_pre`,
 one split-K launch instead of 4-5, and the RMSNormF32 the block runs on the collapse (``attn_norm``,
-``ffn_norm``, passed as ``norm``) in the same launch. With ``SHARDSMITH_HC_POST`` on (``auto``: CUDA),
+``ffn_norm``, passed as ``norm``) in the same launch. With ``SHARDSMITH_KERNELS=hc_post`` on (``auto``: CUDA),
 :meth:`HyperMixer.expand` spreads the sublayer's output onto the streams as
 :func:`~shardsmith.runtime.layers.kernels.hc_post.hc_post` (one launch for the matmul, multiply, add
 and cast) for up to 16 tokens. Past 16 tokens, or with the switches off (the default on CPU), the
@@ -91,8 +91,8 @@ class HyperMixer(nn.Module):
 
     def use_kernel_(self, device: torch.device) -> None:
         """Run mixers of up to ``HC_PRE_TOKENS`` tokens through :func:`hc_pre` (with the norm after
-        them) when ``SHARDSMITH_HC_PRE`` allows on ``device``, and their :meth:`expand` through
-        :func:`hc_post` when ``SHARDSMITH_HC_POST`` does (``auto``: on CUDA; ``off``: the torch ops)."""
+        them) when ``SHARDSMITH_KERNELS=hc_pre`` allows on ``device``, and their :meth:`expand` through
+        :func:`hc_post` when ``hc_post`` does (``auto``: on CUDA; ``reference``: the torch ops)."""
         self.kernel = kernel_on("hc_pre", device)
         self.post_kernel = kernel_on("hc_post", device)
 

@@ -3,7 +3,7 @@
 Routing is replicated, so every rank picks the same experts (transformers ``DeepseekV4TopKRouter``
 and ``DeepseekV4HashRouter``): ``s = sqrt(softplus(x @ gate.T))``; experts = top-k of
 ``s + gate.bias`` (or ``gate.tid2eid[token]`` in the first ``num_hash_layers`` layers); weights =
-``s`` of those, renormalised, times ``routed_scaling_factor``. With the ``SHARDSMITH_ROUTER_KERNEL`` switch
+``s`` of those, renormalised, times ``routed_scaling_factor``. With the ``SHARDSMITH_KERNELS=router`` item
 on (``auto``: CUDA), a router of up to 16 tokens is one launch
 (:func:`~shardsmith.runtime.layers.kernels.router.route_topk`) instead of about 6. Each expert is
 ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))`` with ``L = swiglu_limit``; the shared expert
@@ -69,7 +69,7 @@ class MoE(nn.Module):
         """Merge the shared expert's ``w1 [I_r, D]`` and ``w3 [I_r, D]`` (same input, both FP8 kernel
         linears split alike: replicated or column-parallel) into one FP8 weight and scale, so a decode
         step reads both in one :func:`fp8_linear` launch; the linears keep views of their rows. Once the
-        weights are final (the model's ``setup_cache``); ``SHARDSMITH_MERGE_PROJECTIONS=0`` keeps them
+        weights are final (the model's ``setup_cache``); ``SHARDSMITH_KERNELS=merge_projections=reference`` keeps them
         apart. Equal within float32 summation order (another split-K), not bitwise."""
         se = self.shared_experts
         pair = [se.w1, se.w3]
@@ -93,7 +93,7 @@ class MoE(nn.Module):
         return route_topk_reference(x, gate.weight, bias, self.top_k, self.score_func, self.scale, **table)
 
     def use_kernel_(self, device: torch.device) -> None:
-        """Route up to ``ROUTER_TOKENS`` tokens through :func:`route_topk` when ``SHARDSMITH_ROUTER_KERNEL``
+        """Route up to ``ROUTER_TOKENS`` tokens through :func:`route_topk` when ``SHARDSMITH_KERNELS=router``
         allows on ``device`` (``auto``: on CUDA; ``off``: :func:`route_topk_reference`, the PyTorch ops)."""
         self.kernel = kernel_on("router_kernel", device)
 
