@@ -221,6 +221,10 @@ def serve(
         help="Prompts of at most this many tokens are fed one token per step through the batched decode step "
              "instead of a prefill forward of their own (default on CUDA: measured at warm-up, the largest power "
              "of two of decode steps that cost no more than one eager prefill, at most 256; 0 on CPU)."),
+    prefix_caching: bool = typer.Option(
+        True, "--prefix-caching/--no-prefix-caching",
+        help="Keep a finished request's state in its slot; a later prompt that starts with the same tokens (a "
+             "conversation's next turn) computes only the rest."),
     header_timeout: float = typer.Option(10.0, "--header-timeout",
                                          help="Seconds a client has to send a request's headers; then HTTP 408 and close."),
     body_timeout: float = typer.Option(30.0, "--body-timeout",
@@ -262,7 +266,7 @@ def serve(
                                            trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes,
                                            max_queue=max_queue, prefill_chunk=prefill_chunk,
                                            decode_prompt_tokens=decode_prompt_tokens, max_model_len=max_seq_len,
-                                           limits=limits)))
+                                           limits=limits, prefix_caching=prefix_caching)))
 
 
 def generate(

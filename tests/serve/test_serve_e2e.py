@@ -141,7 +141,10 @@ def test_stream_completion_with_usage(server: Server) -> None:
     assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
     text_chunks, usage_chunk = chunks[:-1], chunks[-1]
     assert all(c["usage"] is None for c in text_chunks)
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+    streamed, cached = dict(usage_chunk["usage"]), usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert usage_chunk["choices"] == [] and streamed.pop("prompt_tokens_details") and \
+        streamed == {k: v for k, v in whole["usage"].items() if k != "prompt_tokens_details"}
+    assert cached == whole["usage"]["prompt_tokens"] - 1  # the same prompt again: all but its last token reused
     assert "".join(c["choices"][0]["text"] for c in text_chunks) == whole["choices"][0]["text"]
     assert " Paris" in whole["choices"][0]["text"]
     assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == whole["choices"][0]["finish_reason"]

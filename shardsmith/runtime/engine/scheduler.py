@@ -54,6 +54,7 @@ from shardsmith import settings
 from shardsmith.errors import UsageError
 from shardsmith.runtime.engine.penalties import TokenCounts, adjusts, counts_tokens
 from shardsmith.runtime.engine.penalties import apply as apply_penalties
+from shardsmith.runtime.engine.prefix_cache import PrefixCache
 from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_on_device, choose_rows, draw,
                                                 make_generator, unpack_choices)
 from shardsmith.runtime.layers.staging import to_device
@@ -105,9 +106,11 @@ class Sequence:
 
     Attributes:
         prompt_ids: the prompt; params: its sampling; tag: the caller's handle (the worker's job).
-        slot: its slot once admitted (-1 before); prefilled: prompt tokens already in the slot;
+        slot: its slot once admitted (-1 before); prefilled: prompt tokens already in the slot
+        (from the start, those a previous request left there: ``reused``);
         pending: the last sampled token, to feed at position ``pos`` (None: none yet);
-        generated: tokens sampled so far; generator: its random stream; admitted: perf_counter time.
+        generated: tokens sampled so far (``outputs``: those read on the host, in order);
+        generator: its random stream; admitted: perf_counter time.
     """
 
     prompt_ids: list[int]
@@ -122,6 +125,14 @@ class Sequence:
     admitted: float = 0.0
     inflight: int = -1  # its row in the step still in flight (its token on the device only), else -1
     counted: bool = False  # its slot's token counts were reset for it (penalties)
+    reused: int = 0  # prompt tokens whose state a previous request left in its slot (not computed)
+    outputs: list[int] = field(default_factory=list, repr=False)
+
+    def fed_tokens(self) -> list[int]:
+        """The tokens whose state its slot holds, positions ``0 ..``: the prompt tokens prefilled or
+        fed, then the generated tokens fed back (only those known on the host)."""
+        written = max(self.pos, self.prefilled)
+        return (self.prompt_ids[:written] + self.outputs[:max(0, written - len(self.prompt_ids))])[:written]
 
 
 @dataclass(eq=False)
@@ -175,6 +186,9 @@ class Scheduler:
             (0: never); None: :func:`default_decode_prompt_tokens` (measured at warm-up on CUDA).
         overlap: launch each decode step before reading the previous one's tokens
             (module docstring); None: :func:`default_overlap` (on CUDA at world size 1).
+        prefix_caching: a finished sequence's slot keeps its state and a later prompt resumes its
+            longest reusable prefix (:mod:`~shardsmith.runtime.engine.prefix_cache`); False: every
+            prompt is computed from position 0.
 
     Raises:
         UsageError: ``prefill_chunk`` below 1, ``decode_prompt_tokens`` below 0, ``overlap`` with
@@ -182,7 +196,8 @@ class Scheduler:
     """
 
     def __init__(self, engine: Any, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 decode_prompt_tokens: int | None = None, overlap: bool | None = None) -> None:
+                 decode_prompt_tokens: int | None = None, overlap: bool | None = None,
+                 prefix_caching: bool = True) -> None:
         if prefill_chunk < 1:
             raise UsageError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if decode_prompt_tokens is None:
@@ -191,7 +206,8 @@ class Scheduler:
             raise UsageError(f"decode_prompt_tokens must be >= 0, got {decode_prompt_tokens}")
         self.engine, self.prefill_chunk, self.decode_prompt_tokens = engine, prefill_chunk, decode_prompt_tokens
         self.running: list[Sequence] = []
-        self._free = list(range(engine.max_num_seqs))[::-1]  # pop() gives the lowest slot
+        self._free = list(range(engine.max_num_seqs))
+        self.prefix = PrefixCache(engine.max_num_seqs, rewinds=engine.family.rewinds, enabled=prefix_caching)
         self.counts: TokenCounts | None = None  # per-slot token counts, made when a penalty first needs them
         self.last_batch = 0  # rows of the last decode step
         self.last_feeding = 0  # of them, rows that fed a prompt token (decode_prompt_tokens)
@@ -217,17 +233,26 @@ class Scheduler:
         if not self._free:
             raise UsageError(f"no free slot: all {self.engine.max_num_seqs} are running (max_num_seqs)")
         self.engine.check_request(seq.prompt_ids, seq.params)
-        seq.slot, seq.prefilled, seq.pending, seq.pos, seq.generated = self._free.pop(), 0, None, 0, 0
+        slot, reused = self.prefix.choose(self._free, seq.prompt_ids)
+        self._free.remove(slot)
+        seq.slot, seq.prefilled, seq.pending, seq.pos, seq.generated = slot, reused, None, reused, 0
+        seq.reused, seq.outputs = reused, []
         seq.generator, seq.admitted = make_generator(seq.params.seed), time.perf_counter()
         self.running.append(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """End ``seq`` now and release its slot on every rank (no-op when it already left)."""
+        """End ``seq`` now and free its slot (no-op when it already left). With prefix caching the
+        slot keeps its state for a later prompt that shares its tokens; otherwise it is released on
+        every rank."""
         if seq in self.running:
             self.running.remove(seq)
             self._free.append(seq.slot)
-            self._free.sort(reverse=True)
-            self.engine.release(seq.slot)
+            tokens = seq.fed_tokens()
+            if self.prefix.enabled and (self.engine.family.rewinds or len(tokens) == max(seq.pos, seq.prefilled)):
+                self.prefix.keep(seq.slot, tokens)
+            else:  # nothing reusable (or a state that cannot rewind past tokens unknown here)
+                self.prefix.keep(seq.slot, ())
+                self.engine.release(seq.slot)
 
     def step(self) -> list[tuple[Sequence, StepOutput]]:
         """One engine step: a prefill budget, then one batched decode; each sampled token, in order.
@@ -400,6 +425,7 @@ class Scheduler:
         ``max_tokens``-th token, or no position left (``max_seq_len``)."""
         p = seq.params
         seq.generated += 1
+        seq.outputs.append(c.token_id)
         reason = ("stop" if c.token_id in p.stop_token_ids
                   else "length" if seq.generated == p.max_tokens or pos >= self.engine.max_seq_len else None)
         seq.pending = c.token_id

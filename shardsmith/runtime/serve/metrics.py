@@ -99,6 +99,8 @@ class Metrics:
         self.ready_seconds = 0.0
         self.ready = False
         self.offload = None  # the engine's OffloadRuntime (``stats()``), when experts are offloaded
+        self.prefix = None  # the scheduler's PrefixCache (``stats``, ``held_positions()``), once ready
+        self.bytes_per_position = 0.0  # per-sequence state of one position of one slot, bytes (rank 0)
 
     def request_done(self, endpoint: str, status: int | str) -> None:
         with self._lock:
@@ -169,6 +171,23 @@ class Metrics:
         ("host_bytes", "expert_host_bytes", "gauge", "Expert bank bytes held in host memory by this rank."),
     )
 
+    def _prefix_lines(self) -> list[str]:
+        if self.prefix is None:
+            return []
+        st, p, out = self.prefix.stats, self.PREFIX, []
+        held = self.prefix.held_positions()
+        for name, kind, value, help_ in (
+            ("prefix_cache_queries_total", "counter", st.queries, "Prompts looked up in the prefix cache."),
+            ("prefix_cache_hits_total", "counter", st.hits, "Prompts that resumed a prefix a finished request left."),
+            ("prefix_cache_query_tokens_total", "counter", st.query_tokens, "Prompt tokens looked up."),
+            ("prefix_cache_hit_tokens_total", "counter", st.hit_tokens, "Prompt tokens served from kept state (not computed)."),
+            ("prefix_cache_tokens", "gauge", held, "Positions free slots keep for reuse."),
+            ("prefix_cache_bytes", "gauge", int(held * self.bytes_per_position),
+             "Per-sequence state those positions hold on rank 0, bytes."),
+        ):
+            out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
+        return out
+
     def _offload_lines(self) -> list[str]:
         if self.offload is None:
             return []
@@ -201,6 +220,7 @@ class Metrics:
             ):
                 out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
             out += self._offload_lines()
+            out += self._prefix_lines()
             for name, hist, help_ in (
                 ("time_to_first_token_seconds", self.ttft, "Request arrival to first generated token."),
                 ("inter_token_latency_seconds", self.itl, "Gap between consecutive generated tokens."),

@@ -396,9 +396,12 @@ def chat_logprobs(steps: list, codec) -> dict[str, Any]:
                         for s in steps], "refusal": None}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's ``usage`` object; ``cached_tokens``: prompt tokens a previous request's state served
+    (``prompt_tokens_details``, as OpenAI and vLLM report prefix-cache hits)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def sse(obj: dict[str, Any] | str) -> str:

@@ -470,6 +470,8 @@ class ServeJob:
             while the engine loads (then the engine's own figure).
         limits: header and body read timeouts, keep-alive and the open-connection bound
             (:class:`~shardsmith.runtime.serve.http_limits.HTTPLimits`).
+        prefix_caching: finished requests' slots keep their state for prompts that share their
+            tokens (:mod:`~shardsmith.runtime.engine.prefix_cache`).
     """
 
     host: str
@@ -482,6 +484,7 @@ class ServeJob:
     decode_prompt_tokens: int | None = None
     max_model_len: int | None = None
     limits: HTTPLimits = HTTPLimits()
+    prefix_caching: bool = True
 
     def __call__(self, load) -> int:
         """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
@@ -508,7 +511,8 @@ class ServeJob:
                 holder["server"].should_exit = True
 
         worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal, max_queue=self.max_queue,
-                              prefill_chunk=self.prefill_chunk, decode_prompt_tokens=self.decode_prompt_tokens)
+                              prefill_chunk=self.prefill_chunk, decode_prompt_tokens=self.decode_prompt_tokens,
+                              prefix_caching=self.prefix_caching)
         app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
                          max_request_bytes=self.max_request_bytes, max_model_len=self.max_model_len)
         server = _server(app, host=self.host, port=self.port, worker=worker, limits=self.limits)

@@ -46,6 +46,11 @@ class Reply:
     jobs: list[Job]
     events: AsyncIterator[tuple[int, TextEvent | None]]
 
+    def cached_tokens(self) -> int:
+        """Prompt tokens its first choice took from a slot's earlier state (0 before admission)."""
+        seq = self.jobs[0].seq if self.jobs else None
+        return int(getattr(seq, "reused", 0) or 0)
+
 
 def _gone(r: Reply, path: str) -> Response:
     """The client went away: count it; the response goes nowhere."""
@@ -139,10 +144,10 @@ async def completion_response(r: Reply, *, stream: bool, include_usage: bool, co
         r.metrics.request_done(path, 200)
         choices = [{"index": i, "text": text, "logprobs": completion_logprobs(steps, codec, offsets) if p.want_logprobs
                     else None, "finish_reason": finish} for i, (text, steps, offsets, finish) in enumerate(got)]
-        return head | {"choices": choices, "usage": usage(n_prompt, sum(len(c[1]) for c in got))}
+        return head | {"choices": choices, "usage": usage(n_prompt, sum(len(c[1]) for c in got), r.cached_tokens())}
 
     def extra(n: int) -> dict[str, Any]:
-        return {"usage": usage(n_prompt, n) if continuous_usage else None} if include_usage else {}
+        return {"usage": usage(n_prompt, n, r.cached_tokens()) if continuous_usage else None} if include_usage else {}
 
     async def chunks():
         n, offset = 0, [0] * p.n
@@ -157,7 +162,7 @@ async def completion_response(r: Reply, *, stream: bool, include_usage: bool, co
             yield head | {"choices": [{"index": i, "text": ev.text, "logprobs": lp,
                                        "finish_reason": ev.finish_reason}]} | extra(n)
         if include_usage:
-            yield head | {"choices": [], "usage": usage(n_prompt, n)}
+            yield head | {"choices": [], "usage": usage(n_prompt, n, r.cached_tokens())}
 
     return _sse_response(r, path, chunks)
 
@@ -177,12 +182,12 @@ async def chat_response(r: Reply, *, stream: bool, include_usage: bool, continuo
                     "logprobs": chat_logprobs(steps, codec) if p.want_logprobs else None, "finish_reason": finish}
                    for i, (text, steps, _, finish) in enumerate(got)]
         return head | {"object": "chat.completion", "choices": choices,
-                       "usage": usage(n_prompt, sum(len(c[1]) for c in got))}
+                       "usage": usage(n_prompt, sum(len(c[1]) for c in got), r.cached_tokens())}
 
     head = head | {"object": "chat.completion.chunk"}
 
     def chunk(i: int, delta: dict, n: int, *, logprobs=None, finish=None) -> dict[str, Any]:
-        extra = {"usage": usage(n_prompt, n) if continuous_usage else None} if include_usage else {}
+        extra = {"usage": usage(n_prompt, n, r.cached_tokens()) if continuous_usage else None} if include_usage else {}
         return head | {"choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]} | extra
 
     async def chunks():
@@ -199,6 +204,6 @@ async def chat_response(r: Reply, *, stream: bool, include_usage: bool, continuo
                 yield chunk(i, {"content": ev.text}, n,
                             logprobs=chat_logprobs([ev.step], codec) if p.want_logprobs else None)
         if include_usage:
-            yield head | {"choices": [], "usage": usage(n_prompt, n)}
+            yield head | {"choices": [], "usage": usage(n_prompt, n, r.cached_tokens())}
 
     return _sse_response(r, path, chunks)

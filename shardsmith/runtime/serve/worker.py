@@ -278,6 +278,7 @@ class EngineWorker:
         prefill_chunk: prompt tokens per engine step (:class:`~shardsmith.runtime.engine.scheduler.Scheduler`).
         decode_prompt_tokens: prompts of at most this many tokens go through decode rows (None: the
             device's default, :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
+        prefix_caching: reuse the prefixes finished requests leave in their slots (the scheduler's).
 
     Raises:
         UsageError: ``$SHARDSMITH_STEP_TRACE`` cannot be opened, or ``SHARDSMITH_TUNING``'s ``overlap_steps`` is
@@ -286,11 +287,12 @@ class EngineWorker:
 
     def __init__(self, load: Callable[[], Any], *, metrics: Metrics, on_fatal: Callable[[str], None],
                  max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int = 512,
-                 decode_prompt_tokens: int | None = None) -> None:
+                 decode_prompt_tokens: int | None = None, prefix_caching: bool = True) -> None:
         self._load = load
         self.metrics = metrics
         self._on_fatal = on_fatal
         self.max_queue, self.prefill_chunk, self.decode_prompt_tokens = max_queue, prefill_chunk, decode_prompt_tokens
+        self.prefix_caching = prefix_caching
         self._waiting: collections.deque[Job] = collections.deque()
         self._wake = threading.Condition()
         self._stop_requested = False
@@ -381,7 +383,7 @@ class EngineWorker:
                 self.metrics.offload = offload
                 log.info("%s", offload.ready_line())
             self._sched = Scheduler(self.engine, prefill_chunk=self.prefill_chunk,
-                                    decode_prompt_tokens=self.decode_prompt_tokens)
+                                    decode_prompt_tokens=self.decode_prompt_tokens, prefix_caching=self.prefix_caching)
         except Exception as e:  # noqa: BLE001 - any load failure ends the server with its reason
             log.debug("engine load failed", exc_info=True)
             if self.stopping is not None:  # a rank went down with the stop: not a failure to report
@@ -401,13 +403,17 @@ class EngineWorker:
         self.metrics.set_ready(True, load_seconds=float(getattr(e, "load_seconds", 0.0)),
                                ready_seconds=time.perf_counter() - self._started)
         self.metrics.set_capacity(max_num_seqs=slots, state_bytes=state_bytes, max_queue=self.max_queue)
+        self.metrics.prefix = self._sched.prefix
+        self.metrics.bytes_per_position = state_bytes / max(1, slots * int(getattr(e, "max_seq_len", 0) or 1))
         log.info("ready: every rank loaded and warmed up in %.1f s (warm-up %.1f s: %d kernel launches); %d "
                  "sequence slot(s) of %d tokens (%.1f MiB of per-sequence state on rank 0), up to %d waiting, "
-                 "prefill chunks of %d tokens, prompts of <= %d tokens fed through decode steps, steps %s",
+                 "prefill chunks of %d tokens, prompts of <= %d tokens fed through decode steps, steps %s, "
+                 "prefix caching %s",
                  time.perf_counter() - self._started,
                  float(getattr(e, "warmup_seconds", 0.0)), int(getattr(e, "warmup_launches", 0)), slots,
                  getattr(e, "max_seq_len", 0), state_bytes / 2**20, self.max_queue, self.prefill_chunk,
-                 self._sched.decode_prompt_tokens, "overlapped" if self._sched.overlap else "plain")
+                 self._sched.decode_prompt_tokens, "overlapped" if self._sched.overlap else "plain",
+                 "on" if self._sched.prefix.enabled else "off")
         try:
             self._loop()
         finally:

@@ -1,0 +1,120 @@
+"""Prefix reuse across requests: a finished sequence's slot keeps its state, and a later prompt
+that begins with the same tokens starts its prefill where they end.
+
+Every family keeps one sequence per slot (:mod:`shardsmith.runtime.models.seq_slots`), its state
+preallocated for ``max_seq_len`` positions. When a sequence leaves, its slot is not cleared: it
+still holds the keys and values (DeepSeek-V3's latents, V4's window ring, compressors and indexer)
+of the tokens it was fed, positions ``0 .. n-1``. :class:`PrefixCache` remembers those tokens per
+free slot and, for a new prompt, picks the free slot whose held tokens share the longest prefix
+with it; the prompt's prefill then starts at that prefix's end instead of 0, and the slot's older
+positions past it are overwritten. This is the per-slot prompt cache of llama.cpp's server
+(``cache_prompt``) rather than vLLM's hashed KV blocks: with a slot per sequence, a conversation's
+next turn, which resends the history and adds to it, finds its previous turn's slot.
+
+Which prefixes a family can resume (``rewinds``, :class:`~shardsmith.runtime.models.registry.ModelFamily`):
+
+- position-indexed caches (the Mixtral family, DeepSeek-V3, gpt-oss): any prefix; a step at
+  position ``k`` attends positions ``< k`` and overwrites from ``k``.
+- DeepSeek-V4 (its window ring and compressor state cannot rewind): only the slot's whole
+  history, so the new prompt must extend every token the slot was fed (a conversation's next turn
+  does when its chat template renders the earlier turns as they were generated).
+
+At least one prompt token is always computed (its logits choose the first new token). The logits
+of a resumed prompt equal those of a prefill from 0 up to the rounding of a different chunking,
+as chunked prefill's do. Slots that hold nothing are used first; otherwise a new prompt with no
+shared prefix takes the least recently used free slot, dropping what it held.
+
+Legend: P = prompt tokens, H = tokens a slot holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["PrefixCache", "PrefixStats", "shared_prefix"]
+
+
+def shared_prefix(held: Sequence[int], prompt: Sequence[int]) -> int:
+    """Length of the longest common prefix of ``held`` and ``prompt`` (tokens)."""
+    m = min(len(held), len(prompt))
+    if m == 0:
+        return 0
+    a = np.asarray(held[:m], dtype=np.int64)
+    b = np.asarray(prompt[:m], dtype=np.int64)
+    diff = np.flatnonzero(a != b)
+    return int(diff[0]) if diff.size else m
+
+
+@dataclass
+class PrefixStats:
+    """Counters since start. Attributes: queries: prompts looked up; hits: prompts that resumed a
+    prefix; query_tokens: their prompt tokens; hit_tokens: prompt tokens not computed (reused)."""
+
+    queries: int = 0
+    hits: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+
+class PrefixCache:
+    """The tokens each free slot holds, and the choice of a slot for a new prompt.
+
+    Args:
+        n_slots: the engine's ``max_num_seqs``.
+        rewinds: the family resumes any prefix of a slot's history (module docstring); False: only
+            the whole history.
+        enabled: False: every prompt starts at 0 in the lowest free slot (nothing is kept).
+    """
+
+    def __init__(self, n_slots: int, *, rewinds: bool, enabled: bool = True) -> None:
+        self.rewinds, self.enabled = rewinds, enabled
+        self.held: list[tuple[int, ...]] = [()] * n_slots  # tokens at positions 0..H-1 of each free slot
+        self._used = [0] * n_slots  # when each slot was last released (a counter; 0: never)
+        self._clock = 0
+        self.stats = PrefixStats()
+
+    def keep(self, slot: int, tokens: Sequence[int]) -> None:
+        """``slot``'s sequence left holding ``tokens`` at positions ``0 .. len(tokens)-1``."""
+        self._clock += 1
+        self._used[slot] = self._clock
+        self.held[slot] = tuple(tokens) if self.enabled else ()
+
+    def reusable(self, slot: int, prompt: Sequence[int]) -> int:
+        """Prompt tokens ``slot`` can skip (0 .. P-1): the shared prefix, or for a family that
+        cannot rewind, the slot's whole history when the prompt extends it (else 0)."""
+        held = self.held[slot]
+        if not self.enabled or not held or len(prompt) < 2:
+            return 0
+        k = min(shared_prefix(held, prompt), len(prompt) - 1)
+        return k if self.rewinds or k == len(held) else 0
+
+    def choose(self, free: Sequence[int], prompt: Sequence[int]) -> tuple[int, int]:
+        """``(slot, reused)``: the free slot for ``prompt`` and the tokens it skips; counted in
+        :attr:`stats`. The slot is no longer free: its held tokens are dropped here.
+
+        Raises:
+            ValueError: no free slot.
+        """
+        if not free:
+            raise ValueError("no free slot")
+        best, reused = None, 0
+        for s in free:
+            k = self.reusable(s, prompt)
+            if k > reused:
+                best, reused = s, k
+        if best is None:  # nothing shared: a slot that holds nothing, else the least recently used
+            empty = [s for s in free if not self.held[s]]
+            best = min(empty) if empty else min(free, key=lambda s: self._used[s])
+        self.held[best] = ()
+        self.stats.queries += 1
+        self.stats.query_tokens += len(prompt)
+        self.stats.hits += reused > 0
+        self.stats.hit_tokens += reused
+        return best, reused
+
+    def held_positions(self) -> int:
+        """Positions the free slots hold for reuse (sum of H)."""
+        return sum(map(len, self.held))
