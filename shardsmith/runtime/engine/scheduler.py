@@ -52,6 +52,7 @@ import torch
 
 from shardsmith import settings
 from shardsmith.errors import UsageError
+from shardsmith.runtime.engine.constraints import TokenConstraint, allow_all, apply_bitmask
 from shardsmith.runtime.engine.penalties import TokenCounts, adjusts, counts_tokens
 from shardsmith.runtime.engine.penalties import apply as apply_penalties
 from shardsmith.runtime.engine.prefix_cache import PrefixCache
@@ -110,7 +111,8 @@ class Sequence:
         (from the start, those a previous request left there: ``reused``);
         pending: the last sampled token, to feed at position ``pos`` (None: none yet);
         generated: tokens sampled so far (``outputs``: those read on the host, in order);
-        generator: its random stream; admitted: perf_counter time.
+        generator: its random stream; admitted: perf_counter time;
+        constraint: the grammar its tokens must follow (:mod:`~shardsmith.runtime.engine.constraints`), or None.
     """
 
     prompt_ids: list[int]
@@ -126,6 +128,7 @@ class Sequence:
     inflight: int = -1  # its row in the step still in flight (its token on the device only), else -1
     counted: bool = False  # its slot's token counts were reset for it (penalties)
     reused: int = 0  # prompt tokens whose state a previous request left in its slot (not computed)
+    constraint: TokenConstraint | None = None
     outputs: list[int] = field(default_factory=list, repr=False)
 
     def fed_tokens(self) -> list[int]:
@@ -268,7 +271,8 @@ class Scheduler:
         budget, fresh = self.prefill_chunk, set()
         self.last_prefill_tokens = self.last_feeding = 0
         prefilling = [s for s in self.running if s.prefilled < len(s.prompt_ids) and not self._fed(s)]
-        overlap = self.overlap and not prefilling
+        # a constrained sequence's next mask needs its last token on the host: plain steps while one runs
+        overlap = self.overlap and not prefilling and not any(s.constraint is not None for s in self.running)
         if self._inflight is not None and not overlap:
             out += self._land()  # every token on the host before a step that needs them there
             for seq, step in out:
@@ -396,8 +400,20 @@ class Scheduler:
 
     def _scores(self, logits: torch.Tensor, seqs: list[Sequence], prev: _InFlight | None) -> torch.Tensor | None:
         """The logits ``[R, V]`` the rows choose from, adjusted by their penalties and biases
-        (:func:`~shardsmith.runtime.engine.penalties.apply`), or None when no row adjusts them.
-        ``prev``: the step in flight whose tokens are not counted in ``generated`` yet."""
+        (:func:`~shardsmith.runtime.engine.penalties.apply`) and their constraints' masks, or None
+        when no row adjusts them. ``prev``: the step in flight whose tokens are not counted in
+        ``generated`` yet."""
+        scores = self._penalised(logits, seqs, prev)
+        constrained = [r for r, s in enumerate(seqs) if s.constraint is not None]
+        if not constrained:
+            return scores
+        mask = allow_all(len(seqs), logits.shape[-1])
+        for r in constrained:
+            seqs[r].constraint.fill_bitmask(mask, r)
+        return apply_bitmask(logits.float().clone() if scores is None else scores.float(), mask)
+
+    def _penalised(self, logits: torch.Tensor, seqs: list[Sequence], prev: _InFlight | None) -> torch.Tensor | None:
+        """:meth:`_scores` before the constraints: the penalties and biases alone (None: none)."""
         params = [s.params for s in seqs]
         if not any(adjusts(p) for p in params):
             return None
@@ -426,6 +442,8 @@ class Scheduler:
         p = seq.params
         seq.generated += 1
         seq.outputs.append(c.token_id)
+        if seq.constraint is not None:
+            seq.constraint.advance(c.token_id)
         reason = ("stop" if c.token_id in p.stop_token_ids
                   else "length" if seq.generated == p.max_tokens or pos >= self.engine.max_seq_len else None)
         seq.pending = c.token_id

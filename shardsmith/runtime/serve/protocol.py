@@ -5,8 +5,9 @@ Fields follow the OpenAI API reference (Completions, legacy; Chat Completions). 
 rather than silently ignored. Every model is also ``strict``: a field OpenAI types as integer,
 number or boolean takes that JSON type only (``"max_tokens": "3"`` is a 400, as is ``3.0``; an
 integer is a valid number). Fields OpenAI defines but the runtime does not implement are
-accepted at their neutral value (``presence_penalty=0``, ``echo=false``, no ``tools``)
-and refused otherwise, naming the field. ``user``, ``store``, ``metadata`` and ``service_tier``
+accepted at their neutral value (``echo=false``, no ``tools``) and refused otherwise, naming the
+field; ``response_format`` takes ``text``, ``json_object`` and ``json_schema``
+(:mod:`~shardsmith.runtime.serve.structured`). ``user``, ``store``, ``metadata`` and ``service_tier``
 are accepted and ignored (nothing is stored; no tier applies), as vLLM does. ``top_k`` is an
 extension (vLLM spells it the same way). A union field's failed branches are reported as one
 message naming the types it takes (pydantic reports one error per branch).
@@ -28,6 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from shardsmith.runtime.serve.structured import schema_of
 MAX_LOGPROBS = 20
 MAX_N = 128  # choices per request (OpenAI's bound)
 MAX_STOP = 4
@@ -52,6 +54,7 @@ class Prepared:
     n: int = 1
     include_stop: bool = False
     skip_special_tokens: bool = True
+    constraints: tuple[Any, ...] = ()  # one token constraint per choice (structured output), or none
 
 
 class APIError(Exception):
@@ -273,7 +276,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
-    response_format: dict[str, Any] | None = Field(None, json_schema_extra={"properties": {"type": {"enum": ["text"]}}})
+    response_format: dict[str, Any] | None = Field(
+        None, json_schema_extra={"properties": {"type": {"enum": ["text", "json_object", "json_schema"]}}})
     tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
     tool_choice: str | dict[str, Any] | None = Field(None, json_schema_extra=_ONLY("none", "auto"))
     parallel_tool_calls: bool | None = None
@@ -292,8 +296,10 @@ class ChatCompletionRequest(_Sampling):
             raise invalid("'tools' are not supported", "tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise invalid("'tool_choice' is not supported", "tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise invalid("only response_format {'type': 'text'} is supported", "response_format")
+        try:
+            schema_of(self.response_format)
+        except ValueError as e:
+            raise invalid(str(e), "response_format") from None
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \

@@ -44,6 +44,7 @@ from shardsmith.runtime.serve.encoding import MessageEncoding, RemoteCodeError
 from shardsmith.runtime.serve.http_limits import HTTPLimits
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.streaming import Reply, chat_response, completion_response
+from shardsmith.runtime.serve.structured import Grammars, schema_of
 from shardsmith.runtime.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Prepared, invalid,
                                                validation_error)
 from shardsmith.runtime.serve.worker import DEFAULT_MAX_QUEUE, EngineWorker, Job, QueueFull, ServerStopping, State, TextEvent
@@ -67,6 +68,15 @@ class Service:
         self.created = int(time.time())
         self._template: ChatTemplate | MessageEncoding | ChatTemplateError | None = None
         self._defaults: dict[str, Any] | None = None
+        self._grammars: Grammars | None = None
+
+    def grammars(self, engine) -> Grammars:
+        """The structured-output compiler over this model's tokenizer (made on first use)."""
+        if self._grammars is None:
+            codec = self.worker.codec
+            vocab = int(getattr(engine, "vocab_size", 0) or codec.vocab_size)
+            self._grammars = Grammars(codec.tokenizer_json(), vocab, codec.eos_token_ids)
+        return self._grammars
 
     def _ready_engine(self):
         state = self.worker.state
@@ -161,7 +171,17 @@ class Service:
         if n > (cap := self.worker.capacity()):
             raise invalid(f"n={n} choices cannot run at once on this server: it holds {cap} sequences "
                           f"(--max-num-seqs slots plus --max-queue)", "n")
-        return Prepared(prompt_ids, params, stop, want, n, req.include_stop_str_in_output, req.skip_special_tokens)
+        constraints: tuple[Any, ...] = ()
+        schema = schema_of(req.response_format) if isinstance(req, ChatCompletionRequest) else None
+        if schema is not None:
+            grammars = self.grammars(engine)
+            try:
+                grammar = grammars.compile(schema)
+            except ValueError as e:
+                raise invalid(str(e), "response_format") from None
+            constraints = tuple(grammars.matcher(grammar) for _ in range(n))
+        return Prepared(prompt_ids, params, stop, want, n, req.include_stop_str_in_output, req.skip_special_tokens,
+                        constraints)
 
     def submit(self, p: Prepared) -> list[Job]:
         """Queue the request's ``n`` choices on the engine thread, all or none (before any response
@@ -173,7 +193,8 @@ class Service:
         """
         loop, seed = asyncio.get_running_loop(), p.params.seed
         jobs = [Job(p.prompt_ids, p.params if seed is None or i == 0 else dataclasses.replace(p.params, seed=_nth_seed(seed, i)),
-                    tuple(p.stop), loop, include_stop=p.include_stop, skip_special_tokens=p.skip_special_tokens)
+                    tuple(p.stop), loop, include_stop=p.include_stop, skip_special_tokens=p.skip_special_tokens,
+                    constraint=p.constraints[i] if p.constraints else None)
                 for i in range(p.n)]
         try:
             self.worker.submit(*jobs)

@@ -79,6 +79,10 @@ class Codec:
         self.eos_token_ids = tuple(sorted(eos))
         self._added: tuple[list[int], list[int]] | None = None
 
+    def tokenizer_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (for a grammar engine's own tokenizer)."""
+        return self._tok.to_str()
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in it are matched, none are added.
 

@@ -167,6 +167,7 @@ class Job:
     seq: Any = None
     include_stop: bool = False
     skip_special_tokens: bool = True
+    constraint: Any = None  # its grammar's TokenConstraint (structured output), or None
 
     def emit(self, item: TextEvent | Exception | None) -> None:
         try:
@@ -454,7 +455,7 @@ class EngineWorker:
             if job.cancelled.is_set():
                 self._reject(job, "the client went away")
                 continue
-            job.seq = Sequence(job.prompt_ids, job.params, tag=job)
+            job.seq = Sequence(job.prompt_ids, job.params, tag=job, constraint=job.constraint)
             try:
                 self._sched.admit(job.seq)
             except UsageError as e:  # refused before any step was broadcast: the engine is still in step
