@@ -221,6 +221,9 @@ def serve(
         help="Prompts of at most this many tokens are fed one token per step through the batched decode step "
              "instead of a prefill forward of their own (default on CUDA: measured at warm-up, the largest power "
              "of two of decode steps that cost no more than one eager prefill, at most 256; 0 on CPU)."),
+    chat_template: Path | None = typer.Option(
+        None, "--chat-template", help="A Jinja chat template file to use instead of the pack's (e.g. one that "
+                                      "lists tools)."),
     prefix_caching: bool = typer.Option(
         True, "--prefix-caching/--no-prefix-caching",
         help="Keep a finished request's state in its slot; a later prompt that starts with the same tokens (a "
@@ -254,6 +257,7 @@ def serve(
     if bad := limits.problems():
         raise UsageError("; ".join(bad))
     _check_serving_environment()
+    _check_chat_template(chat_template)
     if decode_prompt_tokens is not None and not 0 <= decode_prompt_tokens <= max_seq_len:
         raise UsageError(f"--decode-prompt-tokens must be between 0 and --max-model-len ({max_seq_len}), "
                          f"got {decode_prompt_tokens}")
@@ -266,7 +270,8 @@ def serve(
                                            trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes,
                                            max_queue=max_queue, prefill_chunk=prefill_chunk,
                                            decode_prompt_tokens=decode_prompt_tokens, max_model_len=max_seq_len,
-                                           limits=limits, prefix_caching=prefix_caching)))
+                                           limits=limits, prefix_caching=prefix_caching,
+                                           chat_template=chat_template)))
 
 
 def generate(
@@ -372,6 +377,24 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.command("generate")(generate)
     app.command("demo")(demo)
+
+
+def _check_chat_template(path: Path | None) -> None:
+    """Refuse a ``--chat-template`` file that cannot be read or does not compile, before ranks start.
+
+    Raises:
+        UsageError: naming the file and the reason.
+    """
+    if path is None:
+        return
+    from shardsmith.runtime.serve.chat import ChatTemplate, ChatTemplateError
+
+    try:
+        ChatTemplate(path.read_text(encoding="utf-8"), source=str(path), special_tokens={})
+    except OSError as e:
+        raise UsageError(f"--chat-template {path}: cannot read it ({e.strerror})") from e
+    except ChatTemplateError as e:
+        raise UsageError(str(e)) from e
 
 
 def _check_serving_environment() -> None:

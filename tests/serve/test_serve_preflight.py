@@ -71,6 +71,8 @@ def _refused(proc: subprocess.CompletedProcess, match: str) -> None:
 
 @pytest.mark.parametrize("args,match", [
     (("serve", "{pack}", "--port", "99999"), "--port must be in 1..65535, got 99999"),
+    (("serve", "{pack}", "--chat-template", "/nonexistent/t.jinja"),
+     "--chat-template /nonexistent/t.jinja: cannot read it (No such file or directory)"),
     (("serve", "{pack}", "--port", "-5"), "--port must be in 1..65535, got -5"),
     (("serve", "{pack}", "--max-request-bytes", "0"), "--max-request-bytes must be at least 1"),
     (("serve", "{pack}", "--device", "cuda:1"), "--device must be cpu or cuda, got 'cuda:1'"),

@@ -78,13 +78,14 @@ class ChatTemplate:
 
     Attributes:
         source: where the template came from (file and key), for messages.
+        text: the template itself (what it mentions: ``tools``, a tool-call markup).
         special_tokens: ``bos_token``, ``eos_token``, ... as strings, passed to the template.
     """
 
     def __init__(self, template: str, *, source: str, special_tokens: dict[str, str]) -> None:
         import jinja2
 
-        self.source = source
+        self.source, self.text = source, template
         self.special_tokens = dict(special_tokens)
         try:
             self._template = _environment().from_string(template)
@@ -151,8 +152,9 @@ def has_template(root: Path) -> bool:
     return (Path(root) / "chat_template.jinja").is_file()
 
 
-def load_chat_format(root: Path, *, trust_remote_code: bool = False):
-    """The chat format of checkpoint (or pack) ``root``: its Jinja template, else DeepSeek's ``encoding/``.
+def load_chat_format(root: Path, *, trust_remote_code: bool = False, template_file: Path | None = None):
+    """The chat format of checkpoint (or pack) ``root``: its Jinja template, else DeepSeek's
+    ``encoding/``; ``template_file``: a Jinja template used instead (``serve --chat-template``).
 
     Returns a :class:`ChatTemplate` or an :class:`~shardsmith.runtime.serve.encoding.MessageEncoding`;
     both have ``render(messages)`` and ``source``.
@@ -162,6 +164,13 @@ def load_chat_format(root: Path, *, trust_remote_code: bool = False):
         ChatTemplateError: no chat format, or a broken one.
     """
     root = Path(root)
+    if template_file is not None:
+        try:
+            text = Path(template_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ChatTemplateError(f"--chat-template {template_file}: cannot read it ({e.strerror})") from e
+        specials = ChatTemplate.from_dir(root).special_tokens if has_template(root) else {}
+        return ChatTemplate(text, source=str(template_file), special_tokens=specials)
     if not has_template(root) and (root / "encoding").is_dir():
         from shardsmith.runtime.serve.encoding import MessageEncoding
 

@@ -5,9 +5,10 @@ Fields follow the OpenAI API reference (Completions, legacy; Chat Completions). 
 rather than silently ignored. Every model is also ``strict``: a field OpenAI types as integer,
 number or boolean takes that JSON type only (``"max_tokens": "3"`` is a 400, as is ``3.0``; an
 integer is a valid number). Fields OpenAI defines but the runtime does not implement are
-accepted at their neutral value (``echo=false``, no ``tools``) and refused otherwise, naming the
-field; ``response_format`` takes ``text``, ``json_object`` and ``json_schema``
-(:mod:`~shardsmith.runtime.serve.structured`). ``user``, ``store``, ``metadata`` and ``service_tier``
+accepted at their neutral value (``echo=false``) and refused otherwise, naming the field;
+``response_format`` takes ``text``, ``json_object`` and ``json_schema``
+(:mod:`~shardsmith.runtime.serve.structured`), ``tools`` and ``tool_choice`` OpenAI's function
+tools (:mod:`~shardsmith.runtime.serve.tools`). ``user``, ``store``, ``metadata`` and ``service_tier``
 are accepted and ignored (nothing is stored; no tier applies), as vLLM does. ``top_k`` is an
 extension (vLLM spells it the same way). A union field's failed branches are reported as one
 message naming the types it takes (pydantic reports one error per branch).
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from shardsmith.runtime.serve.structured import schema_of
+
 MAX_LOGPROBS = 20
 MAX_N = 128  # choices per request (OpenAI's bound)
 MAX_STOP = 4
@@ -55,6 +57,7 @@ class Prepared:
     include_stop: bool = False
     skip_special_tokens: bool = True
     constraints: tuple[Any, ...] = ()  # one token constraint per choice (structured output), or none
+    tools: Any = None  # the request's ToolPlan (tools.py): how its answers become tool_calls, or None
 
 
 class APIError(Exception):
@@ -278,8 +281,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     response_format: dict[str, Any] | None = Field(
         None, json_schema_extra={"properties": {"type": {"enum": ["text", "json_object", "json_schema"]}}})
-    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
-    tool_choice: str | dict[str, Any] | None = Field(None, json_schema_extra=_ONLY("none", "auto"))
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # accepted and ignored, as vLLM does: nothing is stored, no tier or metadata applies to a local server
     store: bool | None = None
@@ -290,16 +293,52 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    def _check_tools(self) -> None:
+        """``tools``: OpenAI's function tools, names unique; ``tool_choice``: ``none``, ``auto``,
+        ``required`` or ``{"type": "function", "function": {"name": one of the tools}}``."""
+        names = []
+        for i, t in enumerate(self.tools or ()):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not fn["name"]:
+                raise invalid(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                              f"{{...}}}}}}", "tools")
+            if not isinstance(fn.get("parameters", {}), dict):
+                raise invalid(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+            names.append(fn["name"])
+        if len(set(names)) != len(names):
+            raise invalid(f"tool names must be unique, got {names}", "tools")
+        c = self.tool_choice
+        if isinstance(c, dict):
+            name = (c.get("function") or {}).get("name") if c.get("type") == "function" else None
+            if name not in names:
+                raise invalid(f"'tool_choice' names function {name!r}, which is not among 'tools' ({names})",
+                              "tool_choice")
+        elif c not in (None, "none", "auto", "required"):
+            raise invalid(f"'tool_choice' must be 'none', 'auto', 'required' or a function, got {c!r}", "tool_choice")
+        if c not in (None, "none") and not names:
+            raise invalid("'tool_choice' needs 'tools'", "tool_choice")
+        if self.forced_tools() and schema_of(self.response_format) is not None:
+            raise invalid("'response_format' and a 'required' or named 'tool_choice' both constrain the answer: "
+                          "give one", "response_format")
+
+    def tool_mode(self) -> str:
+        """``none`` (no tools, or ``tool_choice`` none), ``auto`` (the default with tools) or ``forced``
+        (``required`` or a named function)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        return "forced" if self.forced_tools() else "auto"
+
+    def forced_tools(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise invalid("'tools' are not supported", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise invalid("'tool_choice' is not supported", "tool_choice")
         try:
             schema_of(self.response_format)
         except ValueError as e:
             raise invalid(str(e), "response_format") from None
+        self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None \

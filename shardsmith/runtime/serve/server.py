@@ -45,6 +45,8 @@ from shardsmith.runtime.serve.http_limits import HTTPLimits
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.streaming import Reply, chat_response, completion_response
 from shardsmith.runtime.serve.structured import Grammars, schema_of
+from shardsmith.runtime.serve.tools import (GENERIC, ToolPlan, call_schema, detect_format, history_for_template,
+                                            tools_system_text)
 from shardsmith.runtime.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Prepared, invalid,
                                                validation_error)
 from shardsmith.runtime.serve.worker import DEFAULT_MAX_QUEUE, EngineWorker, Job, QueueFull, ServerStopping, State, TextEvent
@@ -62,9 +64,10 @@ class Service:
     Python encoder (DeepSeek's ``encoding/``, :mod:`.encoding`).
     """
 
-    def __init__(self, worker: EngineWorker, *, model_name: str, metrics: Metrics, trust_remote_code: bool = False) -> None:
+    def __init__(self, worker: EngineWorker, *, model_name: str, metrics: Metrics, trust_remote_code: bool = False,
+                 chat_template: Path | None = None) -> None:
         self.worker, self.model_name, self.metrics = worker, model_name, metrics
-        self.trust_remote_code = trust_remote_code
+        self.trust_remote_code, self.chat_template = trust_remote_code, chat_template
         self.created = int(time.time())
         self._template: ChatTemplate | MessageEncoding | ChatTemplateError | None = None
         self._defaults: dict[str, Any] | None = None
@@ -99,7 +102,8 @@ class Service:
     def template(self, root: Path) -> ChatTemplate | MessageEncoding:
         if self._template is None:
             try:
-                self._template = load_chat_format(root, trust_remote_code=self.trust_remote_code)
+                self._template = load_chat_format(root, trust_remote_code=self.trust_remote_code,
+                                                  template_file=self.chat_template)
             except ChatTemplateError as e:
                 self._template = e
         if isinstance(self._template, ChatTemplateError):
@@ -123,8 +127,15 @@ class Service:
         prompt = req.single_prompt() if isinstance(req, CompletionRequest) else None
         engine = self._ready_engine()
         codec = self.worker.codec
+        tool_plan = None
         if isinstance(req, ChatCompletionRequest):
-            text = render_chat(self.template(engine.root), req)
+            template = self.template(engine.root)
+            text = render_chat(template, req)
+            if (mode := req.tool_mode()) != "none":
+                names = frozenset(t["function"]["name"] for t in req.tools)
+                source = getattr(template, "text", "")
+                fmt = (detect_format(source) or GENERIC) if mode == "auto" else None
+                tool_plan = ToolPlan(mode, fmt, names, req.tool_choice)
             prompt_ids, param, max_tokens = codec.encode(text), "messages", req.requested_max_tokens()
             want, top_n = req.logprobs, req.top_logprobs or 0
         else:
@@ -173,15 +184,22 @@ class Service:
                           f"(--max-num-seqs slots plus --max-queue)", "n")
         constraints: tuple[Any, ...] = ()
         schema = schema_of(req.response_format) if isinstance(req, ChatCompletionRequest) else None
+        if tool_plan is not None and tool_plan.mode == "forced":
+            try:
+                schema = call_schema(req.tools, req.tool_choice)
+            except KeyError as e:
+                raise invalid(f"'tool_choice' names function {e}, which is not among 'tools'", "tool_choice") from None
         if schema is not None:
             grammars = self.grammars(engine)
             try:
                 grammar = grammars.compile(schema)
             except ValueError as e:
-                raise invalid(str(e), "response_format") from None
+                raise invalid(str(e), "tools" if tool_plan is not None else "response_format") from None
             constraints = tuple(grammars.matcher(grammar) for _ in range(n))
-        return Prepared(prompt_ids, params, stop, want, n, req.include_stop_str_in_output, req.skip_special_tokens,
-                        constraints)
+        # tool markup may be special tokens (DeepSeek's): the text keeps them for the parser
+        skip_special = req.skip_special_tokens and not (tool_plan is not None and tool_plan.mode == "auto")
+        return Prepared(prompt_ids, params, stop, want, n, req.include_stop_str_in_output, skip_special,
+                        constraints, tool_plan)
 
     def submit(self, p: Prepared) -> list[Job]:
         """Queue the request's ``n`` choices on the engine thread, all or none (before any response
@@ -285,10 +303,19 @@ def render_chat(template: ChatTemplate | MessageEncoding, req: ChatCompletionReq
         APIError: 400 when the template refuses the messages or the final message's content cannot be
             found in the rendered text.
     """
-    messages = [m.for_template() for m in req.messages]
+    messages = history_for_template([m.for_template() for m in req.messages])
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tool_mode() != "none":
+        if "tools" in getattr(template, "text", "tools"):  # the template lists them (DeepSeek's encoder takes them too)
+            kwargs["tools"] = req.tools
+        else:  # a template with no place for tools: they go in the system message
+            note = tools_system_text(req.tools)
+            if messages[0]["role"] == "system":
+                messages[0] = messages[0] | {"content": messages[0]["content"] + "\n\n" + note}
+            else:
+                messages.insert(0, {"role": "system", "content": note})
     try:
-        text = template.render(messages, add_generation_prompt=req.add_generation_prompt,
-                               **(req.chat_template_kwargs or {}))
+        text = template.render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
     except ChatTemplateError as e:
         raise invalid(str(e), "messages") from e
     if req.continue_final_message:
@@ -404,14 +431,17 @@ class BodyLimit:
 
 
 def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust_remote_code: bool = False,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_model_len: int | None = None) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_model_len: int | None = None,
+               chat_template: Path | None = None) -> FastAPI:
     """The FastAPI app over ``worker``; ``model_name`` is the id clients must send as ``model``;
     ``trust_remote_code``: see :class:`Service`; ``max_request_bytes``: see :class:`BodyLimit`;
-    ``max_model_len``: the configured context per sequence, which ``/v1/models`` shows while loading."""
+    ``max_model_len``: the configured context per sequence, which ``/v1/models`` shows while loading;
+    ``chat_template``: a Jinja template file used instead of the pack's."""
 
     app = FastAPI(title="shardsmith", summary="OpenAI-compatible completions and chat completions over a TP pack",
                   docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    svc = Service(worker, model_name=model_name, metrics=metrics, trust_remote_code=trust_remote_code)
+    svc = Service(worker, model_name=model_name, metrics=metrics, trust_remote_code=trust_remote_code,
+                  chat_template=chat_template)
     app.state.service = svc
     app.openapi = lambda: _openapi(app, model_name)
     app.add_middleware(BodyLimit, limit=max_request_bytes, metrics=metrics)
@@ -482,6 +512,7 @@ class ServeJob:
     Attributes:
         host, port: where uvicorn listens. model_name: the id in ``/v1/models`` and requests.
         trust_remote_code: run the checkpoint's own chat encoder (``encoding/``) when it has no template.
+        chat_template: a Jinja chat template file used instead of the pack's (``--chat-template``).
         max_request_bytes: larger request bodies get a 413 (:class:`BodyLimit`).
         max_queue: requests that may wait for a sequence slot (more get a 429).
         prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks).
@@ -499,6 +530,7 @@ class ServeJob:
     port: int
     model_name: str
     trust_remote_code: bool = False
+    chat_template: Path | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_queue: int = DEFAULT_MAX_QUEUE
     prefill_chunk: int = 512
@@ -535,7 +567,8 @@ class ServeJob:
                               prefill_chunk=self.prefill_chunk, decode_prompt_tokens=self.decode_prompt_tokens,
                               prefix_caching=self.prefix_caching)
         app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
-                         max_request_bytes=self.max_request_bytes, max_model_len=self.max_model_len)
+                         max_request_bytes=self.max_request_bytes, max_model_len=self.max_model_len,
+                         chat_template=self.chat_template)
         server = _server(app, host=self.host, port=self.port, worker=worker, limits=self.limits)
         holder["server"] = server
         # Before uvicorn captures the signals, and after it re-raises them on its way out: the same stop.

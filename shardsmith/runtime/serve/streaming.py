@@ -178,9 +178,17 @@ async def chat_response(r: Reply, *, stream: bool, include_usage: bool, continuo
             _cancel(r.jobs)()
             return _gone(r, path)
         r.metrics.request_done(path, 200)
-        choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                    "logprobs": chat_logprobs(steps, codec) if p.want_logprobs else None, "finish_reason": finish}
-                   for i, (text, steps, _, finish) in enumerate(got)]
+        choices = []
+        for i, (text, steps, _, finish) in enumerate(got):
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if p.tools is not None:
+                content, calls = p.tools.split(text)
+                message = {"role": "assistant", "content": content}
+                if calls:
+                    message["tool_calls"] = [c.openai() for c in calls]
+                    finish = "tool_calls"
+            choices.append({"index": i, "message": message, "finish_reason": finish,
+                            "logprobs": chat_logprobs(steps, codec) if p.want_logprobs else None})
         return head | {"object": "chat.completion", "choices": choices,
                        "usage": usage(n_prompt, sum(len(c[1]) for c in got), r.cached_tokens())}
 
@@ -194,14 +202,23 @@ async def chat_response(r: Reply, *, stream: bool, include_usage: bool, continuo
         for i in range(p.n):
             yield chunk(i, {"role": "assistant", "content": ""}, 0)
         n, finish = 0, [None] * p.n
+        calls = [p.tools.stream() if p.tools is not None else None for _ in range(p.n)]  # held-back tool markup
         async for i, ev in r.events:
             if ev is None:  # choice i ended
+                if calls[i] is not None:
+                    rest, made = calls[i].finish()
+                    if rest:
+                        yield chunk(i, {"content": rest}, n)
+                    if made:
+                        yield chunk(i, {"tool_calls": [c.openai(index=k) for k, c in enumerate(made)]}, n)
+                        finish[i] = "tool_calls"
                 yield chunk(i, {}, n, finish=finish[i] or "length")
                 continue
             n += 1
             finish[i] = ev.finish_reason
-            if ev.text or p.want_logprobs:
-                yield chunk(i, {"content": ev.text}, n,
+            text = ev.text if calls[i] is None else calls[i].push(ev.text)
+            if text or p.want_logprobs:
+                yield chunk(i, {"content": text}, n,
                             logprobs=chat_logprobs([ev.step], codec) if p.want_logprobs else None)
         if include_usage:
             yield head | {"choices": [], "usage": usage(n_prompt, n, r.cached_tokens())}
