@@ -51,9 +51,11 @@ class Turn:
 
 
 def chat_turns(url: str, model: str, system: str, questions: tuple[str, ...], *, max_tokens: int = 24,
-               timeout: float = 600.0) -> list[Turn]:
+               timeout: float = 600.0, answers: list[str] | None = None) -> list[Turn]:
     """Ask ``questions`` in one conversation (greedy, streamed with usage), each turn resending the
-    history with the previous answers; one :class:`Turn` per question.
+    history with the previous answers; one :class:`Turn` per question. ``answers``: the assistant
+    turns to send instead of the ones received (the first ``len(answers)`` questions are not asked:
+    their turns are taken as given), to ask a later turn alone.
 
     Raises:
         RuntimeError: a non-200 answer (its body in the message).
@@ -61,8 +63,10 @@ def chat_turns(url: str, model: str, system: str, questions: tuple[str, ...], *,
     import httpx
 
     messages, turns = [{"role": "system", "content": system}], []
+    for q, a in zip(questions, answers or ()):
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     with httpx.Client(timeout=timeout) as client:
-        for q in questions:
+        for q in questions[len(answers or ()):]:
             messages.append({"role": "user", "content": q})
             body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": True,
                     "stream_options": {"include_usage": True}}

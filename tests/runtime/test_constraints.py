@@ -66,7 +66,7 @@ def smollm2(smollm2_pack):
     from shardsmith.runtime.serve.tokenizer import Codec
 
     pack = smollm2_pack(1)
-    engine = Engine.load(pack, rank=0, world_size=1, dtype=torch.float32, max_seq_len=256, max_num_seqs=4)
+    engine = Engine.load(pack, rank=0, world_size=1, dtype=torch.float32, max_seq_len=256, max_num_seqs=8)
     codec = Codec(pack)
     return engine, codec, Grammars(codec.tokenizer_json(), engine.vocab_size, codec.eos_token_ids)
 

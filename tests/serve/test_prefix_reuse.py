@@ -1,12 +1,13 @@
 """Prefix reuse through the real server: ``shardsmith serve`` on the real SmolLM2 MoE pack (CPU,
-TP=1), a three-turn chat whose system prompt is about 1,500 tokens, each turn resending the history
-as a chat client does. With prefix caching (the default) the second and third turns compute only
-what was added, so their time to first token is at most 0.3x the first's; the answers are those of
-a server started with ``--no-prefix-caching``; usage and ``/metrics`` count the reused tokens.
+TP=1, float32), a three-turn chat whose system prompt is about 1,500 tokens, each turn resending the
+history as a chat client does. The second and third turns compute only what was added, so their
+time to first token is at most 0.3x the first's; usage and ``/metrics`` count the reused tokens.
+Then the same three prompts are asked again after unrelated prompts have taken every slot (so
+nothing is reused: ``cached_tokens`` 0), and the answers are the same.
 
 float32: a reused answer's keys and values come from its decode steps, a recomputed one's from a
 prefill; in bf16 that rounding difference can flip a near-tie greedy choice a few turns later (seen
-here on the third answer), as batching and chunking do in any engine; in float32 it does not.
+on the third answer), as batching and chunking do in any engine; in float32 it does not.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import re
 from pathlib import Path
 
 import pytest
-from test_serve_e2e import Server
+from test_serve_e2e import Server, post
 
 from shardsmith.testing.conversation import QUESTIONS, chat_turns, long_history
 
-pytest.importorskip("httpx")
+httpx = pytest.importorskip("httpx")
 
 MODEL = "smollm2"
 PARAGRAPHS = 17  # ~1,500 prompt tokens with the chat template
+SLOTS = 2
 
 
 def _metric(text: str, name: str) -> float:
@@ -32,29 +34,31 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_a_long_conversation_reuses_its_history(smollm2_pack, tmp_path: Path) -> None:
-    import httpx
-
-    pack, system = smollm2_pack(1), long_history(PARAGRAPHS)
-    runs = {}
-    for mode in ("--prefix-caching", "--no-prefix-caching"):
-        with Server(pack, tmp_path / f"{mode}.log", mode, "--max-model-len", "2048", "--dtype", "float32",
-                    model=MODEL) as srv:
-            runs[mode] = chat_turns(srv.url, MODEL, system, QUESTIONS, max_tokens=24)
-            metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-            if mode == "--prefix-caching":
-                on_metrics = metrics
-    on, off = runs["--prefix-caching"], runs["--no-prefix-caching"]
-    print("\n".join(f"turn {i + 1}: ttft {a.ttft_s:.3f} s (off {b.ttft_s:.3f} s), prompt {a.prompt_tokens}, cached "
-                    f"{a.cached_tokens}: {a.text!r}" for i, (a, b) in enumerate(zip(on, off))))
-    assert [t.text for t in on] == [t.text for t in off], "prefix reuse changed the greedy answers"
-    assert all(t.text for t in on)
+    system = long_history(PARAGRAPHS)
+    with Server(smollm2_pack(1), tmp_path / "serve.log", "--max-model-len", "2048", "--dtype", "float32",
+                "--max-num-seqs", str(SLOTS), model=MODEL) as srv:
+        on = chat_turns(srv.url, MODEL, system, QUESTIONS, max_tokens=24)
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        # each turn again from scratch: unrelated prompts first take (and overwrite) every slot
+        again = []
+        for turns in (1, 2, 3):
+            for word in ("Zebras", "Volcanoes")[:SLOTS]:  # no shared first token: each takes its own slot
+                r = post(srv, "/v1/completions", {"model": MODEL, "prompt": f"{word} are", "max_tokens": 2,
+                                                  "temperature": 0})
+                assert r.status_code == 200, r.text
+            again.append(chat_turns(srv.url, MODEL, system, QUESTIONS[:turns], max_tokens=24,
+                                    answers=[t.text for t in on[:turns - 1]])[-1])
+    print("\n".join(f"turn {i + 1}: ttft {a.ttft_s:.3f} s (from scratch {b.ttft_s:.3f} s), prompt {a.prompt_tokens}, "
+                    f"cached {a.cached_tokens}: {a.text!r}" for i, (a, b) in enumerate(zip(on, again))))
+    assert [t.text for t in on] == [t.text for t in again], "prefix reuse changed the greedy answers"
+    assert all(t.text for t in on) and all(t.cached_tokens == 0 for t in again)
+    assert [t.prompt_tokens for t in on] == [t.prompt_tokens for t in again]
     assert on[0].prompt_tokens >= 1400 and on[0].cached_tokens == 0
     for prev, turn in zip(on, on[1:]):
         # everything the previous turn's slot was fed, bar where the resent answer's tokens differ from the generated ones
         assert turn.cached_tokens >= prev.prompt_tokens, (prev, turn)
         assert turn.ttft_s <= 0.3 * on[0].ttft_s, [t.ttft_s for t in on]
-    assert all(t.cached_tokens == 0 for t in off)
-    assert _metric(on_metrics, "prefix_cache_hits_total") == 2
-    assert _metric(on_metrics, "prefix_cache_hit_tokens_total") == on[1].cached_tokens + on[2].cached_tokens
-    assert _metric(on_metrics, "prefix_cache_tokens") >= on[2].prompt_tokens  # the last turn's slot, kept
-    assert _metric(on_metrics, "prefix_cache_bytes") > 0
+    assert _metric(metrics, "prefix_cache_hits_total") == 2
+    assert _metric(metrics, "prefix_cache_hit_tokens_total") == on[1].cached_tokens + on[2].cached_tokens
+    assert _metric(metrics, "prefix_cache_tokens") >= on[2].prompt_tokens  # the last turn's slot, kept
+    assert _metric(metrics, "prefix_cache_bytes") > 0
