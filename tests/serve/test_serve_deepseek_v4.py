@@ -173,3 +173,25 @@ def test_engine_restarts_each_request_and_refuses_a_rewind(v4: dict) -> None:
     with pytest.raises(UsageError, match=r"start at 0 \(a new sequence\) or at position \d+.*cannot rewind\); got start=3"):
         eng._step([5], 3)
     assert run() == v4["completion"]
+
+
+def test_thinking_goes_to_reasoning_content(v4: dict) -> None:
+    """DeepSeek's thinking mode (``chat_template_kwargs: {"thinking": true}``) opens ``<think>`` in the
+    prompt, so the answer up to ``</think>`` is ``reasoning_content`` and no marker reaches
+    ``content``; streamed deltas give the same split; an earlier answer's ``reasoning_content`` is
+    accepted back in the history."""
+    srv = v4["servers"]["encoding"]
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"thinking": True}, "max_tokens": 24}
+    whole = post(srv, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert whole["reasoning_content"], whole  # random weights rarely close the thought within 24 tokens
+    assert END_THINK not in (whole["reasoning_content"] + (whole["content"] or ""))
+    chunks = [json.loads(e) for e in sse_events(post(srv, "/v1/chat/completions", body | {"stream": True}))[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas).strip() == whole["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas).strip() == (whole["content"] or "").strip()
+    plain = post(srv, "/v1/chat/completions", {"messages": MESSAGES}).json()["choices"][0]["message"]
+    assert plain["reasoning_content"] is None and plain["content"] == v4["codec"].decode(v4["chat"])
+    history = MESSAGES + [{"role": "assistant", "content": whole["content"] or "Paris.",
+                           "reasoning_content": whole["reasoning_content"]}, {"role": "user", "content": "And Spain?"}]
+    r = post(srv, "/v1/chat/completions", {"messages": history})
+    assert r.status_code == 200, r.text

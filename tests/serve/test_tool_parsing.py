@@ -94,3 +94,24 @@ def test_detect_format_and_history() -> None:
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert history[0]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'  # the request is untouched
     assert out[1] == history[1]
+
+
+REASONING = [(True, "Let me think. 2+2=4.</think>\n\nThe answer is 4.", ("Let me think. 2+2=4.", "The answer is 4.")),
+             (False, "<think>\nhmm, <b>\n</think>\n\nFour.", ("hmm, <b>", "Four.")),
+             (False, "Just four, <thinking> aside.", (None, "Just four, <thinking> aside.")),
+             (True, "cut off while reasoning </thi", ("cut off while reasoning </thi", ""))]
+
+
+@pytest.mark.parametrize("inside, text, want", REASONING)
+def test_thinking_splits_from_the_answer_at_every_cut(inside: bool, text: str, want: tuple) -> None:
+    from shardsmith.runtime.serve.reasoning import END, START, Reasoning, prompt_opens_thinking
+
+    r = Reasoning(inside)
+    assert r.split(text) == want
+    for deltas in [[text[:k], text[k:]] for k in range(len(text) + 1)] + [list(text)]:
+        s = r.stream()
+        parts = [s.push(d) for d in deltas] + [s.finish()]
+        reasoning, content = "".join(p[0] for p in parts), "".join(p[1] for p in parts)
+        assert (reasoning.strip() or None, content) == want, deltas
+        assert END not in reasoning + content and (START not in reasoning + content or "<thinking>" in text)
+    assert prompt_opens_thinking("<｜Assistant｜><think>") and not prompt_opens_thinking("<think>x</think>")

@@ -58,6 +58,7 @@ class Prepared:
     skip_special_tokens: bool = True
     constraints: tuple[Any, ...] = ()  # one token constraint per choice (structured output), or none
     tools: Any = None  # the request's ToolPlan (tools.py): how its answers become tool_calls, or None
+    reasoning: Any = None  # its Reasoning (reasoning.py) when the model has a thinking mode, else None
 
 
 class APIError(Exception):
@@ -244,6 +245,7 @@ class ChatMessage(_Strict):
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier answer's thinking, sent back (DeepSeek's API, vLLM)
 
     @model_validator(mode="before")
     @classmethod

@@ -44,6 +44,8 @@ from shardsmith.runtime.serve.encoding import MessageEncoding, RemoteCodeError
 from shardsmith.runtime.serve.http_limits import HTTPLimits
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.streaming import Reply, chat_response, completion_response
+from shardsmith.runtime.serve.reasoning import END as END_THINK
+from shardsmith.runtime.serve.reasoning import Reasoning, prompt_opens_thinking
 from shardsmith.runtime.serve.structured import Grammars, schema_of
 from shardsmith.runtime.serve.tools import (GENERIC, ToolPlan, call_schema, detect_format, history_for_template,
                                             tools_system_text)
@@ -127,7 +129,7 @@ class Service:
         prompt = req.single_prompt() if isinstance(req, CompletionRequest) else None
         engine = self._ready_engine()
         codec = self.worker.codec
-        tool_plan = None
+        tool_plan = reasoning = None
         if isinstance(req, ChatCompletionRequest):
             template = self.template(engine.root)
             text = render_chat(template, req)
@@ -136,6 +138,8 @@ class Service:
                 source = getattr(template, "text", "")
                 fmt = (detect_format(source) or GENERIC) if mode == "auto" else None
                 tool_plan = ToolPlan(mode, fmt, names, req.tool_choice)
+            if isinstance(template, MessageEncoding) or END_THINK in getattr(template, "text", ""):
+                reasoning = Reasoning(prompt_opens_thinking(text))
             prompt_ids, param, max_tokens = codec.encode(text), "messages", req.requested_max_tokens()
             want, top_n = req.logprobs, req.top_logprobs or 0
         else:
@@ -197,9 +201,10 @@ class Service:
                 raise invalid(str(e), "tools" if tool_plan is not None else "response_format") from None
             constraints = tuple(grammars.matcher(grammar) for _ in range(n))
         # tool markup may be special tokens (DeepSeek's): the text keeps them for the parser
-        skip_special = req.skip_special_tokens and not (tool_plan is not None and tool_plan.mode == "auto")
+        # the parsers read markup that may be special tokens (DeepSeek's tool calls, <think>): the text keeps them
+        skip_special = req.skip_special_tokens and reasoning is None and not (tool_plan is not None and tool_plan.mode == "auto")
         return Prepared(prompt_ids, params, stop, want, n, req.include_stop_str_in_output, skip_special,
-                        constraints, tool_plan)
+                        constraints, tool_plan, reasoning)
 
     def submit(self, p: Prepared) -> list[Job]:
         """Queue the request's ``n`` choices on the engine thread, all or none (before any response

@@ -181,9 +181,11 @@ async def chat_response(r: Reply, *, stream: bool, include_usage: bool, continuo
         choices = []
         for i, (text, steps, _, finish) in enumerate(got):
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if p.reasoning is not None:
+                message["reasoning_content"], text = p.reasoning.split(text)
+                message["content"] = text
             if p.tools is not None:
-                content, calls = p.tools.split(text)
-                message = {"role": "assistant", "content": content}
+                message["content"], calls = p.tools.split(text)
                 if calls:
                     message["tool_calls"] = [c.openai() for c in calls]
                     finish = "tool_calls"
@@ -203,23 +205,33 @@ async def chat_response(r: Reply, *, stream: bool, include_usage: bool, continuo
             yield chunk(i, {"role": "assistant", "content": ""}, 0)
         n, finish = 0, [None] * p.n
         calls = [p.tools.stream() if p.tools is not None else None for _ in range(p.n)]  # held-back tool markup
+        thoughts = [p.reasoning.stream() if p.reasoning is not None else None for _ in range(p.n)]
         async for i, ev in r.events:
             if ev is None:  # choice i ended
+                reasoning, text = thoughts[i].finish() if thoughts[i] is not None else ("", "")
                 if calls[i] is not None:
+                    text = calls[i].push(text)
                     rest, made = calls[i].finish()
-                    if rest:
-                        yield chunk(i, {"content": rest}, n)
-                    if made:
-                        yield chunk(i, {"tool_calls": [c.openai(index=k) for k, c in enumerate(made)]}, n)
-                        finish[i] = "tool_calls"
+                    text += rest
+                if reasoning:
+                    yield chunk(i, {"reasoning_content": reasoning}, n)
+                if text:
+                    yield chunk(i, {"content": text}, n)
+                if calls[i] is not None and made:
+                    yield chunk(i, {"tool_calls": [c.openai(index=k) for k, c in enumerate(made)]}, n)
+                    finish[i] = "tool_calls"
                 yield chunk(i, {}, n, finish=finish[i] or "length")
                 continue
             n += 1
             finish[i] = ev.finish_reason
-            text = ev.text if calls[i] is None else calls[i].push(ev.text)
-            if text or p.want_logprobs:
-                yield chunk(i, {"content": text}, n,
-                            logprobs=chat_logprobs([ev.step], codec) if p.want_logprobs else None)
+            reasoning, text = thoughts[i].push(ev.text) if thoughts[i] is not None else ("", ev.text)
+            if calls[i] is not None:
+                text = calls[i].push(text)
+            lp = chat_logprobs([ev.step], codec) if p.want_logprobs else None
+            if reasoning:
+                yield chunk(i, {"reasoning_content": reasoning}, n, logprobs=None if text else lp)
+            if text or (p.want_logprobs and not reasoning):
+                yield chunk(i, {"content": text}, n, logprobs=lp)
         if include_usage:
             yield head | {"choices": [], "usage": usage(n_prompt, n, r.cached_tokens())}
 
