@@ -201,3 +201,100 @@ def test_a_conversation_resumes_at_world_size_2(tiny) -> None:
     on = run_gloo(_tp2_conversation, 2, pack, True, timeout=300)
     off = run_gloo(_tp2_conversation, 2, pack, False, timeout=300)
     _check_conversation(on, off, rewinds=True)
+
+
+# ------------------------------------------------------------------ DeepSeek-V4's resume points
+
+EVERY = 128  # the tiny V4's ratios (4, 128) divide it; the release's default is 2048
+
+
+def _v4(pack, rank: int = 0, world_size: int = 1):
+    from shardsmith.runtime.engine.engine import Engine
+
+    engine = Engine.load(pack, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=512,
+                         max_num_seqs=2, cuda_graphs=False)
+    engine.model.snapshot_every = EVERY
+    return engine
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _resume_run(engine) -> dict:
+    """A 300-token prompt prefilled in chunks that end at 128 and 256 (resume points), 3 decoded
+    tokens; then slot 0 goes back to 256 and takes 50 other tokens, while slot 1 computes the same
+    306 tokens from 0 in the same chunks."""
+    first = _tokens(300, 1)
+    for lo in (0, 128, 256):
+        engine.prefill(0, first[lo:min(lo + 128, 300)], lo)
+    for i in range(3):
+        engine.decode([7 + i], [300 + i], [0])
+    points = engine.resume_points(0)
+    tail = _tokens(50, 2)
+    try:
+        engine.restore(0, 200)
+        refused = ""
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        refused = str(e)
+    engine.restore(0, 256)
+    resumed = engine.prefill(0, tail, 256, last_only=False)
+    for lo in (0, 128):
+        engine.prefill(1, first[lo:lo + 128], lo)
+    whole = engine.prefill(1, tail, 256, last_only=False)
+    return {"points": points, "after": engine.resume_points(0), "refused": refused,
+            "resumed": resumed.numpy(), "whole": whole.numpy()}
+
+
+def _check_resume(out: dict) -> None:
+    assert out["points"] == [128, 256, 303]  # the two chunk ends on the multiple, and where it ended
+    assert "cannot go back to position 200: it ended at 303; its resume points are [128, 256, 303]" in out["refused"]
+    assert out["after"] == [128, 256, 306]  # the points past 256 went with the overwritten positions
+    # the state at 256 put back is bit for bit the state a prefill leaves there: the same logits after
+    assert (out["resumed"] == out["whole"]).all()
+
+
+def test_deepseek_v4_goes_back_to_a_resume_point(tiny_v4_packs) -> None:
+    _check_resume(_resume_run(_v4(tiny_v4_packs[1])))
+
+
+def _tp2_resume(pack: str, rank: int, world_size: int):
+    engine = _v4(pack, rank, world_size)
+    if rank != 0:
+        engine.follow()
+        return None
+    try:
+        return _resume_run(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_deepseek_v4_resume_points_at_world_size_2(tiny_v4_packs) -> None:
+    _check_resume(run_gloo(_tp2_resume, 2, str(tiny_v4_packs[2]), timeout=300))
+
+
+def test_a_rewritten_turn_resumes_at_the_last_point_before_the_change(tiny_v4_packs) -> None:
+    """A template that rewrites an earlier turn (DeepSeek's drops the reasoning of earlier answers):
+    the next prompt shares 270 of the slot's tokens, so it resumes at 256 and gives the tokens of the
+    same prompt computed from 0."""
+    from shardsmith.runtime.engine.sampling import SamplingParams
+    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+
+    def ask(sched, prompt):
+        seq = Sequence(prompt, SamplingParams(max_tokens=4, stop_token_ids=()))
+        sched.admit(seq)
+        out = []
+        while sched.running:
+            out += [o.token_id for _, o in sched.step()]
+        return seq, out
+
+    first, changed = _tokens(300, 3), _tokens(40, 4)
+    runs = {}
+    for caching in (True, False):
+        sched = Scheduler(_v4(tiny_v4_packs[1]), prefill_chunk=100, decode_prompt_tokens=0, overlap=False,
+                          prefix_caching=caching)
+        ask(sched, first)
+        runs[caching] = ask(sched, first[:270] + changed)
+    (seq, tokens), (plain, plain_tokens) = runs[True], runs[False]
+    assert seq.reused == 256 and plain.reused == 0
+    assert tokens == plain_tokens

@@ -65,7 +65,8 @@ def test_malformed_json(loading_client) -> None:
     ("/v1/chat/completions", CHAT | {"top_logprobs": 2}, "top_logprobs", "requires 'logprobs'"),
     ("/v1/chat/completions", CHAT | {"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
     ("/v1/chat/completions", CHAT | {"min_p": -0.1}, "min_p", "greater than or equal to 0"),
-    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ("/v1/chat/completions", CHAT | {"tools": [{"type": "function"}]}, "tools", "tools\\[0\\] must be"),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "yaml"}}, "response_format", "is not one of"),
     ("/v1/completions", COMPLETION | {"prompt": ["a", "b"]}, "prompt", "only one prompt"),
     ("/v1/completions", COMPLETION | {"prompt": ""}, "prompt", "must not be empty"),
     ("/v1/completions", COMPLETION | {"echo": True}, "echo", "not supported"),
@@ -180,8 +181,8 @@ def test_openapi_schema_says_which_values_are_served(loading_client) -> None:
     """Fields accepted only at their neutral value say so in the schema, and that value passes
     validation (a 503 while loading, not a 400); another one is refused as the schema says."""
     props = loading_client.get("/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert props["n"]["anyOf"][0]["maximum"] == 128 and props["tools"]["maxItems"] == 0
-    assert props["tool_choice"]["enum"] == ["none", "auto", None]
+    assert props["n"]["anyOf"][0]["maximum"] == 128
+    assert props["response_format"]["properties"]["type"]["enum"] == ["text", "json_object", "json_schema"]
     ok = CHAT | {"n": 1, "tools": [], "tool_choice": "auto", "presence_penalty": 0}
     _error(loading_client.post("/v1/chat/completions", json=ok), 503, code="model_not_ready")
     _error(loading_client.post("/v1/chat/completions", json=CHAT | {"tool_choice": "required"}), 400, param="tool_choice")

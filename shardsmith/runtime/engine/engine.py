@@ -14,6 +14,8 @@ FORWARD     ``n, start, all_logits, slot``                ``ids [n]``: one seque
 DECODE      ``B, 0, 0, 0``                                ``[3, B]``: ids, starts, slots (a
                                                           batched one-token step, B sequences)
 RELEASE     ``slot, 0, 0, 0``                             none: the slot's sequence ended
+RESTORE     ``slot, pos, 0, 0``                           none: the slot goes back to resume point
+                                                          ``pos`` (a model that cannot rewind)
 WARMUP      ``max_rows, 0, 0, 0``                         none: compile the Triton kernels'
                                                           variants (:mod:`.warmup`)
 SHUTDOWN    ``0, 0, 0, 0``                                none: followers return
@@ -66,7 +68,7 @@ if TYPE_CHECKING:
     from shardsmith.runtime.offload import OffloadConfig
 
 log = logging.getLogger("shardsmith.runtime")
-FORWARD, SHUTDOWN, DECODE, RELEASE, WARMUP = 1, 2, 3, 4, 5
+FORWARD, SHUTDOWN, DECODE, RELEASE, WARMUP, RESTORE = 1, 2, 3, 4, 5, 6
 CMD_LEN = 5
 PROMPT_PROBE_TOKENS = 32  # the prompt length warm-up prefills to price a prefill against a decode step
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -354,6 +356,34 @@ class Engine:
             self._pos[slot] = 0
             self._release(slot)
 
+    def resume_points(self, slot: int) -> list[int]:
+        """Earlier positions ``slot`` can go back to with :meth:`restore` (rank 0): every position up
+        to where its last step ended for a model that rewinds, else the resume points its prefills
+        left (``DeepseekV4.resume_points``), ascending; the last step's end is always one."""
+        self._check_slots([slot])
+        points = getattr(self.model, "resume_points", None)
+        return sorted({*(points(slot) if points is not None else ()), self._pos[slot]})
+
+    def restore(self, slot: int, pos: int) -> None:
+        """Every rank puts ``slot`` back to position ``pos`` (rank 0): a no-op for a model that
+        rewinds (its next step may start anywhere up to where the last ended), else the model's
+        ``restore`` to one of :meth:`resume_points`.
+
+        Raises:
+            UsageError: ``pos`` is past the slot's end, or (a model that cannot rewind) not a resume point.
+        """
+        self._check_slots([slot])
+        if pos > self._pos[slot] or (not self.family.rewinds and pos not in self.resume_points(slot)):
+            raise UsageError(f"slot {slot} cannot go back to position {pos}: it ended at {self._pos[slot]}"
+                             + ("" if self.family.rewinds else f"; its resume points are {self.resume_points(slot)}"))
+        if self.family.rewinds or pos == self._pos[slot]:
+            return
+        with self._lock:
+            if self.world_size > 1:
+                self._send(torch.tensor([RESTORE, slot, pos, 0, 0], dtype=torch.int64))
+            self.model.restore(slot, pos)
+            self._pos[slot] = pos
+
     def warmup(self) -> None:
         """Prepare every rank for serving, so no request pays a compile or a capture (rank 0):
 
@@ -443,6 +473,8 @@ class Engine:
                 return
             if op == RELEASE:
                 self._release(a)
+            elif op == RESTORE:
+                self.model.restore(a, b)
             elif op == WARMUP:
                 self._collective(lambda: self._warm_kernels(a))
             elif op == DECODE:

@@ -15,9 +15,12 @@ Which prefixes a family can resume (``rewinds``, :class:`~shardsmith.runtime.mod
 
 - position-indexed caches (the Mixtral family, DeepSeek-V3, gpt-oss): any prefix; a step at
   position ``k`` attends positions ``< k`` and overwrites from ``k``.
-- DeepSeek-V4 (its window ring and compressor state cannot rewind): only the slot's whole
-  history, so the new prompt must extend every token the slot was fed (a conversation's next turn
-  does when its chat template renders the earlier turns as they were generated).
+- DeepSeek-V4 (its window ring and compressor state cannot rewind): the slot's whole history (the
+  new prompt extends every token the slot was fed, as a conversation's next turn does when its
+  template renders the earlier turns as they were generated), else the last **resume point** within
+  the shared prefix: its prefills leave a snapshot of that state every ``snapshot_every`` tokens
+  (``DeepseekV4.restore``), so a template that rewrites an earlier turn (dropping its reasoning)
+  still resumes at the last snapshot before the change.
 
 At least one prompt token is always computed (its logits choose the first new token). The logits
 of a resumed prompt equal those of a prefill from 0 up to the rounding of a different chunking,
@@ -29,7 +32,7 @@ Legend: P = prompt tokens, H = tokens a slot holds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,13 +67,15 @@ class PrefixCache:
 
     Args:
         n_slots: the engine's ``max_num_seqs``.
-        rewinds: the family resumes any prefix of a slot's history (module docstring); False: only
-            the whole history.
+        rewinds: the family resumes any prefix of a slot's history (module docstring); False: the
+            whole history, or one of ``resume_points(slot)``.
         enabled: False: every prompt starts at 0 in the lowest free slot (nothing is kept).
+        resume_points: positions a slot that cannot rewind can go back to (ascending), or None.
     """
 
-    def __init__(self, n_slots: int, *, rewinds: bool, enabled: bool = True) -> None:
-        self.rewinds, self.enabled = rewinds, enabled
+    def __init__(self, n_slots: int, *, rewinds: bool, enabled: bool = True,
+                 resume_points: Callable[[int], list[int]] | None = None) -> None:
+        self.rewinds, self.enabled, self.resume_points = rewinds, enabled, resume_points
         self.held: list[tuple[int, ...]] = [()] * n_slots  # tokens at positions 0..H-1 of each free slot
         self._used = [0] * n_slots  # when each slot was last released (a counter; 0: never)
         self._clock = 0
@@ -84,12 +89,16 @@ class PrefixCache:
 
     def reusable(self, slot: int, prompt: Sequence[int]) -> int:
         """Prompt tokens ``slot`` can skip (0 .. P-1): the shared prefix, or for a family that
-        cannot rewind, the slot's whole history when the prompt extends it (else 0)."""
+        cannot rewind, the slot's whole history when the prompt extends it, else its last resume
+        point within the shared prefix (else 0)."""
         held = self.held[slot]
         if not self.enabled or not held or len(prompt) < 2:
             return 0
         k = min(shared_prefix(held, prompt), len(prompt) - 1)
-        return k if self.rewinds or k == len(held) else 0
+        if self.rewinds or k == len(held):
+            return k
+        points = self.resume_points(slot) if self.resume_points is not None else ()
+        return max((p for p in points if p <= k), default=0)
 
     def choose(self, free: Sequence[int], prompt: Sequence[int]) -> tuple[int, int]:
         """``(slot, reused)``: the free slot for ``prompt`` and the tokens it skips; counted in

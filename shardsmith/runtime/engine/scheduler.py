@@ -210,7 +210,10 @@ class Scheduler:
         self.engine, self.prefill_chunk, self.decode_prompt_tokens = engine, prefill_chunk, decode_prompt_tokens
         self.running: list[Sequence] = []
         self._free = list(range(engine.max_num_seqs))
-        self.prefix = PrefixCache(engine.max_num_seqs, rewinds=engine.family.rewinds, enabled=prefix_caching)
+        self.prefix = PrefixCache(engine.max_num_seqs, rewinds=engine.family.rewinds, enabled=prefix_caching,
+                                  resume_points=getattr(engine, "resume_points", None))
+        # a model that cannot rewind leaves resume points where a prefill chunk ends at their multiple
+        self.resume_every = 0 if engine.family.rewinds else int(getattr(engine.model, "snapshot_every", 0) or 0)
         self.counts: TokenCounts | None = None  # per-slot token counts, made when a penalty first needs them
         self.last_batch = 0  # rows of the last decode step
         self.last_feeding = 0  # of them, rows that fed a prompt token (decode_prompt_tokens)
@@ -238,6 +241,8 @@ class Scheduler:
         self.engine.check_request(seq.prompt_ids, seq.params)
         slot, reused = self.prefix.choose(self._free, seq.prompt_ids)
         self._free.remove(slot)
+        if reused:
+            self.engine.restore(slot, reused)  # back to a resume point (a no-op where the state rewinds)
         seq.slot, seq.prefilled, seq.pending, seq.pos, seq.generated = slot, reused, None, reused, 0
         seq.reused, seq.outputs = reused, []
         seq.generator, seq.admitted = make_generator(seq.params.seed), time.perf_counter()
@@ -282,6 +287,8 @@ class Scheduler:
             if budget == 0:
                 break
             n = min(budget, len(seq.prompt_ids) - seq.prefilled)
+            if self.resume_every:  # chunks end on the resume points' multiples, so the prefill leaves them
+                n = min(n, self.resume_every - seq.prefilled % self.resume_every)
             logits = self.engine.prefill(seq.slot, seq.prompt_ids[seq.prefilled: seq.prefilled + n], seq.prefilled,
                                          on_device=True)
             seq.prefilled += n

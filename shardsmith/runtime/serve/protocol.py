@@ -318,8 +318,8 @@ class ChatCompletionRequest(_Sampling):
                               "tool_choice")
         elif c not in (None, "none", "auto", "required"):
             raise invalid(f"'tool_choice' must be 'none', 'auto', 'required' or a function, got {c!r}", "tool_choice")
-        if c not in (None, "none") and not names:
-            raise invalid("'tool_choice' needs 'tools'", "tool_choice")
+        if (c == "required" or isinstance(c, dict)) and not names:
+            raise invalid(f"'tool_choice' {c!r} needs 'tools'", "tool_choice")
         if self.forced_tools() and schema_of(self.response_format) is not None:
             raise invalid("'response_format' and a 'required' or named 'tool_choice' both constrain the answer: "
                           "give one", "response_format")

@@ -16,7 +16,11 @@ source tensor                      module buffer                      why
 (sliding windows, compressor buffers and entries) is kept per **slot**, ``max_num_seqs`` independent
 sequences preallocated by :meth:`DeepseekV4.setup_cache`; it continues from the slot's last
 position, so a step of a slot must start at 0 (a new sequence there) or where its previous one
-ended. :meth:`DeepseekV4.forward` runs one sequence (a prefill, a chunk of one, or one token);
+ended, or at a **resume point**: a prefill chunk that ends at a multiple of ``snapshot_every``
+tokens leaves a snapshot of the slot's state that cannot be recomputed from position-indexed
+entries (the window ring, the CSA compressors' carried window), and :meth:`DeepseekV4.restore`
+puts the slot back there, so a later prompt sharing that prefix resumes at it (prefix reuse).
+:meth:`DeepseekV4.forward` runs one sequence (a prefill, a chunk of one, or one token);
 :meth:`DeepseekV4.decode_step` and the blocks' pieces run one token for each of ``B`` slots
 (continuous batching).
 Source of the maths: transformers ``modeling_deepseek_v4.py`` (``DeepseekV4Model``).
@@ -122,6 +126,7 @@ class DeepseekV4(nn.Module):
             layer.attn.fuse_projections_()  # wq_a | wkv, the compressors' (weights final by now)
             layer.ffn.fuse_projections_()  # the shared expert's w1 | w3
         self.positions = [0] * max_num_seqs
+        self.snapshots: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(max_num_seqs)]
         for slot in range(max_num_seqs):
             self.release(slot)
 
@@ -138,6 +143,7 @@ class DeepseekV4(nn.Module):
         """
         self._check_slot(slot)
         self.positions[slot] = 0
+        self.snapshots[slot].clear()
         for layer in self.layers:
             layer.attn.reset(slot)
 
@@ -164,7 +170,60 @@ class DeepseekV4(nn.Module):
         for layer in self.layers:
             streams = layer(streams, ids, start, slot)
         self.positions[slot] = start + T
+        end = start + T
+        if T > 1 and end % self.snapshot_every == 0 and not any(r and end % r for r in self.args.ratios):
+            self._snapshot(slot, end)
         return self.logits(streams[-1:] if last_only else streams)[0]  # [T or 1, V]
+
+    # ------------------------------------------------------------------ resume points (prefix reuse)
+
+    snapshot_every = 2048  # tokens between resume points (every compression ratio divides it)
+    max_snapshots = 16  # per slot; the earliest is dropped past it
+
+    def _carried(self, slot: int) -> list[torch.Tensor]:
+        """Views of ``slot``'s state that its position-indexed entries do not determine: each layer's
+        window ring, each overlapping compressor's carried window (at a multiple of every ratio no
+        window is pending, and the entries up to it stay where they are)."""
+        out = []
+        for layer in self.layers:
+            out.append(layer.attn.win[slot])
+            for comp in layer.attn._compressors():
+                if comp.overlap:
+                    out += [comp.prev_kv[slot], comp.prev_gate[slot]]
+        return out
+
+    def _snapshot(self, slot: int, pos: int) -> None:
+        snaps = self.snapshots[slot]
+        snaps[pos] = [t.clone() for t in self._carried(slot)]
+        while len(snaps) > self.max_snapshots:
+            del snaps[min(snaps)]
+
+    def _drop_snapshots(self, slot: int, *, after: int) -> None:
+        for pos in [p for p in self.snapshots[slot] if p > after]:
+            del self.snapshots[slot][pos]
+
+    def resume_points(self, slot: int) -> list[int]:
+        """Positions ``slot`` can be put back to (:meth:`restore`), ascending."""
+        self._check_slot(slot)
+        return sorted(self.snapshots[slot])
+
+    def restore(self, slot: int, pos: int) -> None:
+        """Put ``slot`` back to resume point ``pos``: its next step starts there; later resume points
+        are dropped (the positions past ``pos`` will be overwritten).
+
+        Raises:
+            UsageError: ``pos`` is not one of :meth:`resume_points` (nor the slot's position).
+        """
+        self._check_slot(slot)
+        if pos == self.positions[slot]:
+            return
+        if pos not in self.snapshots[slot]:
+            raise UsageError(f"slot {slot}: no resume point at position {pos} (it has {self.resume_points(slot)} "
+                             f"and is at {self.positions[slot]})")
+        for view, saved in zip(self._carried(slot), self.snapshots[slot][pos]):
+            view.copy_(saved)
+        self.positions[slot] = pos
+        self._drop_snapshots(slot, after=pos)
 
     def _check_slot(self, slot: int) -> None:
         if not self.max_num_seqs:
