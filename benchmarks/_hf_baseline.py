@@ -23,7 +23,7 @@ Timing: the loop ``generate()`` runs for greedy search, written out so that pref
 are timed apart the way our rows are: one prefill forward with a ``DynamicCache``, then one
 forward per token on the argmax (a host sync each step, as our engine yields an int per step).
 EOS does not stop it. ``decode_s`` spans the ``tokens - 1`` steps after the first token;
-a warm-up generation runs first. ``tests/runtime/test_hf_baseline.py`` checks the loop's tokens against
+a warm-up generation runs first. ``tests/runtime/models/test_hf_baseline.py`` checks the loop's tokens against
 ``model.generate(do_sample=False)`` and against our engine at TP=1.
 
 Row fields besides ours (``tokens_per_s``, ``decode_tokens``, ``decode_s``, ``load_s``):

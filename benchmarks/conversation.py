@@ -22,9 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_concurrency import start_server, stop_server  # noqa: E402
-
 from shardsmith.testing.conversation import QUESTIONS, chat_turns, long_history  # noqa: E402
+from shardsmith.testing.server import Server  # noqa: E402
 
 
 def default_pack() -> Path:
@@ -57,12 +56,9 @@ def main() -> None:
     system, turns = long_history(a.paragraphs), {}
     for mode in ("--prefix-caching", "--no-prefix-caching"):
         log = Path(f"/tmp/shardsmith-bench-conversation{mode.replace('--', '-')}.log")
-        proc, url = start_server(pack, device=a.device, dtype=a.dtype, max_num_seqs=4, log=log,
-                                 extra=[mode, "--max-model-len", str(a.max_model_len)])
-        try:
-            turns[mode] = chat_turns(url, "bench", system, QUESTIONS, max_tokens=a.max_tokens)
-        finally:
-            stop_server(proc)
+        with Server(pack, log, mode, "--device", a.device, "--dtype", a.dtype, "--max-num-seqs", "4",
+                    "--max-model-len", str(a.max_model_len), model="bench", ready_timeout=1800) as srv:
+            turns[mode] = chat_turns(srv.url, "bench", system, QUESTIONS, max_tokens=a.max_tokens)
     on, off = turns["--prefix-caching"], turns["--no-prefix-caching"]
     rows = []
     for mode, run in (("reuse", on), ("no reuse", off)):

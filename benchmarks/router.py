@@ -73,7 +73,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/router.py times CUDA-graph replays on a GPU, and torch.cuda.is_available() is "
-                         "False here (on CPU, tests/runtime/test_router_kernel.py checks the kernel under "
+                         "False here (on CPU, tests/runtime/kernels/test_router_kernel.py checks the kernel under "
                          "TRITON_INTERPRET=1)")
     if not triton_available():
         raise SystemExit("benchmarks/router.py needs triton (pip install 'shardsmith[kernels]')")

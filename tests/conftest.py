@@ -7,15 +7,11 @@ between runs, keyed by content, so CI builds it once.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-# tests/serve/test_serve_e2e.py's ``Server`` (a real ``shardsmith serve`` subprocess) is used beyond
-# tests/serve (tests/runtime/test_deepseek_v3.py): importable however a file is selected
-sys.path.insert(0, str(Path(__file__).parent / "serve"))
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,7 @@
 
 A benchmark script runs with ``benchmarks/`` as ``sys.path[0]``, and pytest (``prepend`` import mode,
 no ``__init__.py`` in ``tests/``) puts each test file's folder on ``sys.path``; a test may add more
-(``tests/conftest.py`` adds ``tests/serve``, ``tests/runtime/test_hf_baseline.py`` adds
-``benchmarks/``). A module found there named like an installed distribution's top-level module, a
+(``tests/runtime/models/test_hf_baseline.py`` adds ``benchmarks/``). A module found there named like an installed distribution's top-level module, a
 standard-library module, or a package our dependencies import when present (``kernels``, which
 transformers imports for its hub kernels) is imported in its place: transformers once failed to load
 any model because ``benchmarks/kernels.py`` stood in for the PyPI package ``kernels``.
@@ -70,11 +69,13 @@ def top_level_modules(folder: Path) -> dict[str, Path]:
 
 
 def test_path_folders_include_those_tests_and_benchmarks_add() -> None:
-    """The scan sees what the scripts add: ``tests/serve`` (conftest) and ``benchmarks/`` (a test)."""
+    """The scan sees every test file's folder (pytest's prepend mode) and what the scripts add:
+    ``benchmarks/`` (a test inserts it)."""
     folders = path_folders()
-    assert ROOT / "tests" / "serve" in folders
+    assert ROOT / "tests" / "serve" in folders and ROOT / "tests" / "runtime" / "engine" in folders
     assert ROOT / "benchmarks" in folders
-    assert inserted_folders(ROOT / "tests" / "conftest.py") == [ROOT / "tests" / "serve"]
+    assert inserted_folders(ROOT / "tests" / "runtime" / "models" / "test_hf_baseline.py") == [ROOT / "benchmarks"]
+    assert inserted_folders(ROOT / "tests" / "conftest.py") == []  # the serve helpers live in shardsmith.testing
 
 
 def test_no_module_on_a_path_folder_shadows_a_package() -> None:

@@ -27,6 +27,7 @@ ENVIRON_USERS = {
     "shardsmith/cli_serve.py": "torchrun's RANK and LOCAL_WORLD_SIZE in the pre-flight checks",
     "shardsmith/runtime/layers/kernels/_common.py": "Triton's own TRITON_INTERPRET",
     "shardsmith/ui.py": "the terminal's COLUMNS",
+    "shardsmith/testing/server.py": "the serve subprocess's environment (PYTHONUNBUFFERED)",
 }
 
 

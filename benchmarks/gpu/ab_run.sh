@@ -19,7 +19,7 @@ first=1
 while read -r name settings; do
     [ -z "$name" ] && continue
     if [ $first = 1 ]; then  # the first run writes the checkpoint and runs the tests beside it
-        pre=(SKIP_TESTS=0 GEN=1 "TESTS=${TESTS:-tests/runtime/test_compressor_step.py tests/runtime/test_kernels_wired.py tests/runtime/test_decode_graphs.py}")
+        pre=(SKIP_TESTS=0 GEN=1 "TESTS=${TESTS:-tests/runtime/kernels/test_compressor_step.py tests/runtime/kernels/test_kernels_wired.py tests/runtime/engine/test_decode_graphs.py}")
         first=0
     else
         pre=(SKIP_TESTS=1 GEN=0)

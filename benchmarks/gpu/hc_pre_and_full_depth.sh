@@ -16,7 +16,7 @@ gen=$!
 SHARDSMITH_HOST=$host timeout ${HC_S:-60} python3 benchmarks/hc_pre.py --splits 0 --warps 4 --block-d 1024,4096 --norm \
     --tokens ${HC_TOKENS:-1,4,16} \
     > $r/hc_pre.log 2>&1; echo "hc_pre rc=$? $((SECONDS - t0)) s"; tail -12 $r/hc_pre.log
-timeout ${TEST_S:-90} python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/test_hc_pre.py > $r/tests.log 2>&1
+timeout ${TEST_S:-90} python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/kernels/test_hc_pre.py > $r/tests.log 2>&1
 echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^FAILED|^E  " $r/tests.log | head -10
 wait $gen; tail -1 $r/gen.log; echo "gen $((SECONDS - t0)) s"
 SHARDSMITH_HOST=$host-43l24e timeout ${BENCH_S:-300} python3 benchmarks/v4_decode.py /tmp/v4t5 --work /tmp/v4p --device cuda \

@@ -27,7 +27,7 @@ gen_pid=$!
 timeout 150 python3 benchmarks/gpu/host_kernel_diag.py > "$OUT/host_kernel_diag.log" 2>&1
 echo "diag rc=$? $((SECONDS - t0)) s"; grep -E '^(g\+\+|torch |mini|real_|mapped|ldd|  /)' "$OUT/host_kernel_diag.log"
 
-timeout 120 python3 -m pytest tests/runtime/test_host_kernel.py tests/runtime/test_probe.py -v -p no:cacheprovider \
+timeout 120 python3 -m pytest tests/runtime/offload/test_host_kernel.py tests/runtime/offload/test_probe.py -v -p no:cacheprovider \
     -o addopts="" -rs > "$OUT/host_kernel_tests.log" 2>&1
 echo "host kernel + probe tests rc=$? $((SECONDS - t0)) s"; grep -E 'passed|failed|Fatal|FAILED' "$OUT/host_kernel_tests.log" | tail -8
 

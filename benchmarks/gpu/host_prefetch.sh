@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 lscpu | grep -E 'Model name|^CPU\(s\)|Thread\(s\)|L3'
 cores=$(nproc)
 t0=$SECONDS
-timeout 150 python3 -m pytest tests/runtime/test_host_kernel.py -q -p no:cacheprovider -o addopts="" -rs \
+timeout 150 python3 -m pytest tests/runtime/offload/test_host_kernel.py -q -p no:cacheprovider -o addopts="" -rs \
     > "$OUT/host_kernel_tests.log" 2>&1
 echo "host kernel tests rc=$? $((SECONDS - t0)) s"; tail -2 "$OUT/host_kernel_tests.log"
 timeout 300 python3 benchmarks/host_experts.py --threads "$cores" --tp 1 --isa avx512 --no-reference \
@@ -26,7 +26,7 @@ timeout 120 python3 benchmarks/host_experts.py --threads $((cores / 2)) --tp 2 -
 echo "host prefetch tp2 rc=$? $((SECONDS - t0)) s"; tail -30 "$OUT/host_prefetch_tp2.log"
 cp "$(ls -t benchmarks/results/host_experts-*-"$SHARDSMITH_HOST".json | head -1)" "$OUT/host_experts-tp2.json" 2>/dev/null
 if [ "${GPU_TESTS:-1}" = 1 ]; then
-    timeout 200 python3 -m pytest tests/runtime/test_decode_graphs.py -m gpu -q -p no:cacheprovider -o addopts="" \
+    timeout 200 python3 -m pytest tests/runtime/engine/test_decode_graphs.py -m gpu -q -p no:cacheprovider -o addopts="" \
         > "$OUT/decode_graph_gpu_tests.log" 2>&1
     echo "decode graph gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E  " "$OUT/decode_graph_gpu_tests.log" | tail -8
 fi

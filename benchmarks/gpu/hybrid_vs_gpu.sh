@@ -40,14 +40,14 @@ cores=$(nproc)
 t0=$SECONDS
 
 if [ "${TINY:-0}" != 1 ]; then
-    timeout 150 python3 -m pytest tests/runtime/test_decode_graphs.py tests/runtime/test_probe.py -m gpu -q \
+    timeout 150 python3 -m pytest tests/runtime/engine/test_decode_graphs.py tests/runtime/offload/test_probe.py -m gpu -q \
         -p no:cacheprovider -o addopts="" -k "captured_decode_graphs or round_trip_from_the_device" -rs \
         > "$OUT/hybrid_gpu_tests.log" 2>&1
     echo "hybrid gpu tests rc=$? $((SECONDS - t0)) s"; tail -3 "$OUT/hybrid_gpu_tests.log"
 fi
 
 if [ "${HOST_CHECKS:-0}" = 1 ]; then  # steps 1-2 (measured at h200x1b; ~3-4 min): only when asked
-    timeout 240 python3 -m pytest tests/runtime/test_host_kernel.py tests/runtime/test_link_cap.py -q -p no:cacheprovider \
+    timeout 240 python3 -m pytest tests/runtime/offload/test_host_kernel.py tests/runtime/offload/test_link_cap.py -q -p no:cacheprovider \
         -o addopts="" -rs > "$OUT/host_kernel_tests.log" 2>&1
     echo "host kernel tests rc=$? $((SECONDS - t0)) s"; tail -3 "$OUT/host_kernel_tests.log"
 

@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 t0=$SECONDS
-timeout "${TEST_S:-240}" python3 -m pytest tests/runtime/test_kernels.py tests/runtime/test_kernels_gpu.py -m 'gpu or not slow' \
+timeout "${TEST_S:-240}" python3 -m pytest tests/runtime/kernels/test_kernels.py tests/runtime/kernels/test_kernels_gpu.py -m 'gpu or not slow' \
     -q -p no:cacheprovider 2>&1 | tee "$OUT/kernels_tests.log" | grep -E "passed|failed|^E |Error|^FAILED" | tail -25
 echo "tests rc=${PIPESTATUS[0]} $((SECONDS - t0)) s"
 timeout "${BENCH_S:-300}" python3 benchmarks/decode_kernels.py ${SWEEP:+--sweep} ${BENCH_ARGS:-} 2>&1 | tee "$OUT/kernels_bench.log"

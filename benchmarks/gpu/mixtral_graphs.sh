@@ -5,7 +5,7 @@
 set -uo pipefail
 source benchmarks/gpu/env.sh > /dev/null
 t0=$SECONDS
-timeout 90 python3 -m pytest tests/runtime/test_decode_graphs.py -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
+timeout 90 python3 -m pytest tests/runtime/engine/test_decode_graphs.py -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "passed|failed|^E |Error" | tail -20
 echo "tests $((SECONDS - t0)) s"
 timeout 140 python3 benchmarks/decode_offload.py --make --pack-root /tmp/op --device cuda --tp 1 2 --layers 2 \

@@ -15,7 +15,7 @@ t0=$SECONDS
 (timeout 300 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4sc --layers 2 --experts 256 --mtp 0 --inventory "$inv" \
     && timeout 300 python3 -m shardsmith.cli split /tmp/v4sc /tmp/v4sc-tp1 --tp 1) > "$OUT/gen.log" 2>&1 &
 gen=$!
-timeout "${TEST_S:-200}" python3 -m pytest tests/runtime/test_kernels.py tests/runtime/test_kernels_gpu.py -m 'gpu or not slow' \
+timeout "${TEST_S:-200}" python3 -m pytest tests/runtime/kernels/test_kernels.py tests/runtime/kernels/test_kernels_gpu.py -m 'gpu or not slow' \
     -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/kernels_tests.log" | grep -E "passed|failed|^E |^FAILED" | tail -15
 echo "tests rc=${PIPESTATUS[0]} $((SECONDS - t0)) s"
 PAIR_CONFIGS=${PAIR_CONFIGS:-"path=pairs;path=pairs,block_r=8;path=pairs,block_r=32;path=pairs,block_g=4;path=pairs,block_g=16;path=pairs,num_warps=2;path=pairs,num_warps=8;path=pairs,block_r=32,block_g=16,num_warps=8"}

@@ -11,8 +11,8 @@ host=${SHARDSMITH_HOST:-h200x1ad}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 t0=$SECONDS
 timeout ${TEST_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -k "${TEST_K:-gemv or route or hc_post or hc_pre}" \
-    tests/runtime/test_kernels_gpu.py tests/runtime/test_router_kernel.py tests/runtime/test_hc_post.py \
-    tests/runtime/test_hc_pre.py > $r/gpu_tests.log 2>&1
+    tests/runtime/kernels/test_kernels_gpu.py tests/runtime/kernels/test_router_kernel.py tests/runtime/kernels/test_hc_post.py \
+    tests/runtime/kernels/test_hc_pre.py > $r/gpu_tests.log 2>&1
 echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E |^FAILED" $r/gpu_tests.log | tail -15
 SHARDSMITH_HOST=$host timeout 170 python3 benchmarks/decode_kernels.py --fp8-only --fp8-tokens 1,4 --fp8-config \
     "${FP8_CONFIGS:-gemv=0;default;block_n=16;block_n=16,block_k=512;block_n=64,block_k=128;block_k=512,num_warps=8;num_stages=2;num_stages=4;ppsm=2;ppsm=8}" \

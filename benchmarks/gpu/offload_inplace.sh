@@ -22,7 +22,7 @@ for mode in ${MODES:-copy read off}; do
     [ "$mode" = off ] && inplace=off miss=copy
     [ "$mode" = copy ] && inplace= miss= name=$host  # the defaults
     SHARDSMITH_KERNELS=offload_inplace=$inplace SHARDSMITH_TUNING=offload_miss=$miss GEN=$gen SKIP_TESTS=$skip RUNS=4-256 \
-        TESTS="${TESTS:-tests/runtime/test_miss_copy.py tests/runtime/test_device_slots.py tests/runtime/test_fused_slots.py tests/runtime/test_hc_pre.py}" \
+        TESTS="${TESTS:-tests/runtime/offload/test_miss_copy.py tests/runtime/engine/test_device_slots.py tests/runtime/offload/test_fused_slots.py tests/runtime/kernels/test_hc_pre.py}" \
         TEST_S=${TEST_S:-130} CACHE="0.25 0.0625" BENCH_S=$(( left < ${BENCH_S:-150} ? left - 5 : ${BENCH_S:-150} )) \
         SHARDSMITH_HOST=$name bash benchmarks/gpu/v4_full_depth.sh
     echo "$mode done $((SECONDS - t0)) s"

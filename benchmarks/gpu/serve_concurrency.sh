@@ -2,7 +2,7 @@
 # On one H200 (issue 14): 1, 2, 4 and 8 concurrent streams through `shardsmith serve` with continuous
 # batching, on a DeepSeek-V4-Flash-shaped pack at TP=1 ($LAYERS layers, default 2 as v4_offload.sh; 256 FP4
 # routed experts per layer), experts resident, then offloaded with a GPU expert cache of 25% of the
-# rank's expert bytes (the checkpoint is written while tests/runtime/test_families_cuda.py and the host
+# rank's expert bytes (the checkpoint is written while tests/runtime/models/test_families_cuda.py and the host
 # kernel tests run; TESTS=0 skips them). The server needs fastapi/uvicorn: carry .whl/ (env.sh installs it) and .inv (the
 # V4 inventory copied from ../shared/real-inventories). Logs and the results JSON land in $OUT.
 # Each concurrency is run REPEAT (3) times, medians reported: the first use of a new prompt length
@@ -38,7 +38,7 @@ gen=$!
 [ "$PHASE" = gen ] && { wait $gen; cat "$OUT/gen_sc.log"; exit 0; }
 # meanwhile (GPU idle): every family graphed and batched on CUDA, and the host kernel's checks
 if [ "${TESTS:-1}" = 1 ]; then
-    timeout "${TEST_S:-300}" python3 -m pytest tests/runtime/test_families_cuda.py tests/runtime/test_host_kernel.py \
+    timeout "${TEST_S:-300}" python3 -m pytest tests/runtime/models/test_families_cuda.py tests/runtime/offload/test_host_kernel.py \
         -m "gpu or not gpu" -q -p no:cacheprovider -o addopts="" -rs > "$OUT/tests.log" 2>&1
     echo "tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^FAILED|^E  " "$OUT/tests.log" | head -12
 fi

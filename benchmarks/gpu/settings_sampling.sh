@@ -11,7 +11,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1  # pass SHARDSMITH_COMMIT=<sha>: the c
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
 export SHARDSMITH_HOST=${SHARDSMITH_HOST:-${card:-gpu}x1ak}
 t0=$SECONDS
-RUNS=${RUNS:-43-24} TESTS=${TESTS:-"tests/runtime/test_fused_slots.py tests/runtime/test_kernels_gpu.py"} \
+RUNS=${RUNS:-43-24} TESTS=${TESTS:-"tests/runtime/offload/test_fused_slots.py tests/runtime/kernels/test_kernels_gpu.py"} \
     bash benchmarks/gpu/v4_full_depth.sh
 timeout 120 python3 -m shardsmith.cli split /tmp/v4t5 /tmp/v4t5-tp1 --tp 1 > "$OUT/split.log" 2>&1
 echo "split rc=$? $((SECONDS - t0)) s"

@@ -4,7 +4,7 @@
 # ../shared/real-inventories: headers and config.json); no wheels needed. Steps:
 #   1. a V4-Flash-shaped template checkpoint (5 layers: sliding x2 and CSA hash-routed, HCA, CSA;
 #      24 FP4 experts; real per-layer shapes; ~4.5 GB) is written while the GPU checks run
-#      (tests/runtime/test_fused_slots.py -m gpu: the slot pool through fused_experts == the resident
+#      (tests/runtime/offload/test_fused_slots.py -m gpu: the slot pool through fused_experts == the resident
 #      bank bitwise at V4 shapes, FP4/FP8/bf16, T = 1/4/16, in a CUDA graph; the tiny V4 offloaded
 #      through the kernel, graphed, == resident);
 #   2. v4_decode.py, template mode, 4 layers x 256 experts (the cache benchmark: last numbers resident
@@ -35,7 +35,7 @@ if [ "${GEN:-1}" = 1 ]; then
     gen=$!
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    timeout "${TEST_S:-100}" python3 -m pytest ${TESTS:-tests/runtime/test_fused_slots.py} -m gpu -s \
+    timeout "${TEST_S:-100}" python3 -m pytest ${TESTS:-tests/runtime/offload/test_fused_slots.py} -m gpu -s \
         -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E |^FAILED|through the kernel" "$OUT/gpu_tests.log" | tail -20
 fi

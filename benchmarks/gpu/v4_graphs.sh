@@ -17,7 +17,7 @@ else
     (timeout 170 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4ck --layers 2 --experts 256 --mtp 0 --inventory "$inv" \
         > "$OUT/gen.log" 2>&1) &
     gen=$!
-    timeout 170 python3 -m pytest tests/runtime/test_decode_graphs.py tests/runtime/test_offload_v4.py tests/runtime/test_offload.py -m gpu \
+    timeout 170 python3 -m pytest tests/runtime/engine/test_decode_graphs.py tests/runtime/offload/test_offload_v4.py tests/runtime/offload/test_offload.py -m gpu \
         -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|^E |Error" | tail -20
     echo "gpu tests rc=${PIPESTATUS[0]} $((SECONDS - t0)) s"
     wait $gen

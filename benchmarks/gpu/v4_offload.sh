@@ -21,5 +21,5 @@ timeout 170 python3 benchmarks/decode_offload.py --make --pack-root /tmp/op --de
 echo "mixtral+hf $((SECONDS - t0)) s"
 cp benchmarks/results/decode_offload-*-"$SHARDSMITH_HOST".json "$OUT/" 2>/dev/null
 
-timeout 120 python3 -m pytest tests/runtime/test_offload.py tests/runtime/test_offload_v4.py -m gpu -q -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+timeout 120 python3 -m pytest tests/runtime/offload/test_offload.py tests/runtime/offload/test_offload_v4.py -m gpu -q -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
 true

@@ -36,8 +36,8 @@ if [ ! -f /tmp/v4t5/config.json ]; then
     gen=$!
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    timeout "${TEST_S:-110}" python3 -m pytest tests/runtime/test_decode_graphs.py tests/runtime/test_families_cuda.py \
-        tests/runtime/test_fused_slots.py tests/runtime/test_kernels.py -m "gpu or not gpu" -q -p no:cacheprovider \
+    timeout "${TEST_S:-110}" python3 -m pytest tests/runtime/engine/test_decode_graphs.py tests/runtime/models/test_families_cuda.py \
+        tests/runtime/offload/test_fused_slots.py tests/runtime/kernels/test_kernels.py -m "gpu or not gpu" -q -p no:cacheprovider \
         -o addopts="" -x > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E |^FAILED" "$OUT/gpu_tests.log" | tail -20
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On one H200 (issue 12): the decode kernels wired into the runtime. The GPU checks
 # (tests/test_kernels*.py -m gpu: the wired models' tokens, logits and bytes, the kernels at V4
-# shapes; tests/runtime/test_decode_graphs.py -m gpu: captured pieces give the eager bits, kernels on) run
+# shapes; tests/runtime/engine/test_decode_graphs.py -m gpu: captured pieces give the eager bits, kernels on) run
 # while a V4-Flash-shaped checkpoint (4 layers x 256 FP4 experts, real per-layer shapes) is written;
 # then v4_decode.py at TP=1, resident, eager and graphed, with the kernels on (default on CUDA) and
 # off (SHARDSMITH_KERNELS=fp8_dense=reference,fused_experts=reference). Carry .inv (the real V4
@@ -17,7 +17,7 @@ t0=$SECONDS
 (timeout "${GEN_S:-220}" python3 benchmarks/gen_v4_checkpoint.py /tmp/v4ck --layers 4 --experts 256 --mtp 0 \
     --inventory .inv/deepseek-v4-flash-0731-reap160 > "$OUT/gen.log" 2>&1) &
 gen=$!
-timeout "${TEST_S:-200}" python3 -m pytest tests/runtime/test_kernels_wired.py tests/runtime/test_kernels_gpu.py tests/runtime/test_decode_graphs.py \
+timeout "${TEST_S:-200}" python3 -m pytest tests/runtime/kernels/test_kernels_wired.py tests/runtime/kernels/test_kernels_gpu.py tests/runtime/engine/test_decode_graphs.py \
     -m gpu -q -s -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? $((SECONDS - t0)) s"; grep -E "passed|failed|^E |^FAILED|linear bytes" "$OUT/gpu_tests.log" | tail -30
 wait $gen; tail -1 "$OUT/gen.log"; echo "gen $((SECONDS - t0)) s"

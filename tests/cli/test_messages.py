@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from shardsmith.checkpoint import open_checkpoint
 from shardsmith.cli import app
-from shardsmith.errors import PlanError, ShardsmithError, UsageError
+from shardsmith.errors import PlanError, UsageError
 from shardsmith.plans import plan_checkpoint
 from shardsmith.plans.deepseek_v4 import valid_world_sizes
 from shardsmith.testing.headers import smollm2_moe_headers

@@ -18,7 +18,7 @@ import torch
 
 httpx = pytest.importorskip("httpx")
 
-from test_serve_e2e import Server  # noqa: E402  (same directory; pytest puts it on sys.path)
+from shardsmith.testing.server import Server
 
 MODEL = "tiny-gpt-oss"
 MAX_TOKENS = 10

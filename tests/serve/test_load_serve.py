@@ -17,7 +17,9 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from test_serve_e2e import MODEL, Server  # noqa: E402  (same directory; pytest puts it on sys.path)
+from shardsmith.testing.server import Server
+
+MODEL = "smollm2-tp2"
 
 CLIENTS = 8
 DURATION_S = float(os.environ.get("SHARDSMITH_LOAD_SECONDS", "30"))
@@ -94,7 +96,7 @@ def _counter(text: str, name: str) -> float:
 
 
 def test_eight_clients_under_load(pack: Path, tmp_path: Path) -> None:
-    srv = Server(pack, tmp_path / "serve.log")
+    srv = Server(pack, tmp_path / "serve.log", model=MODEL)
     try:
         srv.wait_ready()
         res = asyncio.run(run_load(srv.url))

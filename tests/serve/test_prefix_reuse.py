@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_serve_e2e import Server, post
+from shardsmith.testing.server import Server, post
 
 from shardsmith.testing.conversation import QUESTIONS, chat_turns, long_history
 

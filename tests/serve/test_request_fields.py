@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_serve_e2e import Server  # noqa: E402  (tests/serve is on sys.path: tests/conftest.py)
+from shardsmith.testing.server import Server
 
 httpx = pytest.importorskip("httpx")
 MODEL = "smol"

@@ -21,7 +21,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from test_serve_e2e import Server  # noqa: E402  (tests/serve is on sys.path: tests/conftest.py)
+from shardsmith.testing.server import Server
 
 MODEL = "smol"
 SLOTS, QUEUE = 4, 2

@@ -27,7 +27,7 @@ import torch
 httpx = pytest.importorskip("httpx")
 
 from shardsmith.testing.reference import dequantized_copy  # noqa: E402
-from test_serve_e2e import Server, sse_events  # noqa: E402
+from shardsmith.testing.server import Server, sse_events
 
 from shardsmith.testing.tokenizer import ASSISTANT, BOS, END_THINK, USER  # noqa: E402
 

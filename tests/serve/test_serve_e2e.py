@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -17,12 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from shardsmith.runtime.serve.launch import free_port
+from shardsmith.testing.server import Server, post, sse_events
 
 httpx = pytest.importorskip("httpx")
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-READY_TIMEOUT_S = 180.0
 MODEL = "smollm2-tp2"
 
 
@@ -34,82 +32,14 @@ def pack(smollm2_pack) -> Path:
     return smollm2_pack(2)
 
 
-class Server:
-    """A ``shardsmith serve`` subprocess and its log."""
-
-    def __init__(self, pack: Path, log: Path, *extra: str, model: str = MODEL) -> None:
-        self.port, self.log_path = free_port(), log
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "shardsmith.cli", "serve", str(pack), "--port", str(self.port),
-               "--dist-port", str(free_port()), "--served-model-name", model, *extra]
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode} before ready:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        pytest.fail(f"server not ready after {READY_TIMEOUT_S} s:\n{self.log()}")
-
-    def rank_pids(self) -> dict[int, int]:
-        m = re.search(r"rank pids: (.*)", self.log())
-        return {int(r): int(p) for r, p in re.findall(r"rank (\d+)=(\d+)", m.group(1))} if m else {}
-
-    def __enter__(self) -> "Server":
-        """Ready to serve (``with Server(...) as srv``); stopped on the way out, whatever happened."""
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-
 HEADER_TIMEOUT_S = 3.0  # short, so the stalled-connection test below is quick
 
 
 @pytest.fixture(scope="module")
 def server(pack: Path, tmp_path_factory: pytest.TempPathFactory):
     with Server(pack, tmp_path_factory.mktemp("log") / "serve.log", "--header-timeout", str(HEADER_TIMEOUT_S),
-                "--body-timeout", str(HEADER_TIMEOUT_S)) as srv:
+                "--body-timeout", str(HEADER_TIMEOUT_S), model=MODEL) as srv:
         yield srv
-
-
-def post(server: Server, path: str, body: dict, **kw) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=120, **kw)
-
-
-def sse_events(resp: httpx.Response) -> list[str]:
-    """The ``data:`` payloads of an SSE body, checking the framing (one line, blank line after)."""
-    text = resp.text
-    assert text.endswith("\n\n")
-    blocks = text.split("\n\n")[:-1]
-    assert all(b.startswith("data: ") and "\n" not in b for b in blocks), blocks
-    return [b.removeprefix("data: ") for b in blocks]
 
 
 def test_health_and_models(server: Server) -> None:
@@ -364,7 +294,7 @@ def test_zz_sigterm_stops_cleanly(server: Server) -> None:
 
 def test_killed_rank_takes_the_server_down(pack: Path, tmp_path: Path) -> None:
     """Rank 1 is SIGKILLed mid-stream: the client's stream ends, the server exits non-zero, saying why."""
-    srv = Server(pack, tmp_path / "serve.log")
+    srv = Server(pack, tmp_path / "serve.log", model=MODEL)
     try:
         srv.wait_ready()
         pids = srv.rank_pids()

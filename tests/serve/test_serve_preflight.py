@@ -29,7 +29,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
-from test_serve_e2e import Server  # noqa: E402  (same directory; pytest puts it on sys.path)
+from shardsmith.testing.server import Server
 
 from shardsmith.runtime.serve.launch import free_port  # noqa: E402
 from shardsmith.runtime.serve.metrics import Metrics  # noqa: E402

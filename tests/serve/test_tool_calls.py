@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_serve_e2e import Server, post, sse_events
+from shardsmith.testing.server import Server, post, sse_events
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -8,7 +8,7 @@ nothing waits for the host and an overlapped step sees the token of the step bef
 S = slots, R = rows of a step that adjust, V = vocabulary.
 
 Definitions and order (vLLM's sampler; each checked against its transformers processor in
-``tests/runtime/test_penalties.py``):
+``tests/runtime/engine/test_penalties.py``):
 
 =====================  =========================================================================
 ``logit_bias``         ``x[t] += bias[t]`` (OpenAI; ``SequenceBiasLogitsProcessor``)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 try:  # benchmarks/ on sys.path only while these two import (tests/test_module_names.py checks its names)
     import _hf_baseline as hfb  # noqa: E402
     import decode_offload  # noqa: E402

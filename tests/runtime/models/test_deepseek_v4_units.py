@@ -18,7 +18,7 @@ from shardsmith.runtime.layers.quant import dequantize_fp4, ue8m0_to_float
 from shardsmith.testing.quant import dequantize_fp4_group, quantize_fp4_group
 
 # the release's config.json, verbatim in the shipped header sample (and beside the checkout in shared/)
-REAL_CONFIG = Path(__file__).parents[1] / "fixtures/deepseek-v4-flash-sample/release-config.json"
+REAL_CONFIG = Path(__file__).parents[2] / "fixtures/deepseek-v4-flash-sample/release-config.json"
 
 
 def test_release_config_is_read_like_transformers() -> None:

@@ -242,7 +242,7 @@ def test_serve_answers_over_http(v3: dict, tmp_path: Path) -> None:
     """``serve`` of the FP8 TP=2 pack, experts on the host (``--moe-backend cpu``): a token-id completion
     and a chat give transformers' greedy answers."""
     httpx = pytest.importorskip("httpx")
-    from test_serve_e2e import Server  # same directory; pytest puts it on sys.path
+    from shardsmith.testing.server import Server
 
     codec, answers = v3["codec"], v3["answers"]
     srv = Server(v3["packs"]["fp8", 2], tmp_path / "serve.log", "--dtype", "float32", "--max-seq-len", "128",

@@ -8,7 +8,6 @@ matmuls go through. The general (prefill) path must fail there, or the check pro
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

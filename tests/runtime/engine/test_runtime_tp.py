@@ -137,7 +137,6 @@ def packs(sources, tmp_path_factory) -> callable:
     from shardsmith.writer.split import split_checkpoint
 
     root = tmp_path_factory.mktemp("runtime-packs")
-    made: dict = {}
 
     def get(case: str, world_size: int) -> Path:
         out = root / f"{case}-tp{world_size}"
