@@ -221,6 +221,11 @@ def serve(
         help="Prompts of at most this many tokens are fed one token per step through the batched decode step "
              "instead of a prefill forward of their own (default on CUDA: measured at warm-up, the largest power "
              "of two of decode steps that cost no more than one eager prefill, at most 256; 0 on CPU)."),
+    speculative: str | None = typer.Option(
+        None, "--speculative", help="Speculative decoding: 'ngram' (drafts looked up in the sequence's own text, "
+                                    "checked in one chunk; greedy requests of families whose state rewinds)."),
+    num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens",
+                                               help="Draft tokens per step with --speculative (1-16)."),
     chat_template: Path | None = typer.Option(
         None, "--chat-template", help="A Jinja chat template file to use instead of the pack's (e.g. one that "
                                       "lists tools)."),
@@ -258,6 +263,7 @@ def serve(
         raise UsageError("; ".join(bad))
     _check_serving_environment()
     _check_chat_template(chat_template)
+    spec_decode = _speculative(speculative, num_speculative_tokens)
     if decode_prompt_tokens is not None and not 0 <= decode_prompt_tokens <= max_seq_len:
         raise UsageError(f"--decode-prompt-tokens must be between 0 and --max-model-len ({max_seq_len}), "
                          f"got {decode_prompt_tokens}")
@@ -271,7 +277,7 @@ def serve(
                                            max_queue=max_queue, prefill_chunk=prefill_chunk,
                                            decode_prompt_tokens=decode_prompt_tokens, max_model_len=max_seq_len,
                                            limits=limits, prefix_caching=prefix_caching,
-                                           chat_template=chat_template)))
+                                           chat_template=chat_template, speculative=spec_decode)))
 
 
 def generate(
@@ -377,6 +383,24 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.command("generate")(generate)
     app.command("demo")(demo)
+
+
+def _speculative(method: str | None, k: int):
+    """The scheduler's speculation config of ``--speculative`` / ``--num-speculative-tokens``.
+
+    Raises:
+        UsageError: a method other than ``ngram``, or ``k`` outside 1..16.
+    """
+    if method is None:
+        return None
+    if method != "ngram":
+        raise UsageError(f"--speculative must be 'ngram', got {method!r} (MTP drafts are not implemented yet)")
+    from shardsmith.runtime.engine.speculative import NgramConfig
+
+    cfg = NgramConfig(k=k)
+    if bad := cfg.problems():
+        raise UsageError("--" + "; ".join(bad).replace("num_speculative_tokens", "num-speculative-tokens"))
+    return cfg
 
 
 def _check_chat_template(path: Path | None) -> None:

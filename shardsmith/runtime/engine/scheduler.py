@@ -56,6 +56,7 @@ from shardsmith.runtime.engine.constraints import TokenConstraint, allow_all, ap
 from shardsmith.runtime.engine.penalties import TokenCounts, adjusts, counts_tokens
 from shardsmith.runtime.engine.penalties import apply as apply_penalties
 from shardsmith.runtime.engine.prefix_cache import PrefixCache
+from shardsmith.runtime.engine.speculative import NgramConfig, SpecStats, accepted, ngram_draft
 from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_on_device, choose_rows, draw,
                                                 make_generator, unpack_choices)
 from shardsmith.runtime.layers.staging import to_device
@@ -192,6 +193,8 @@ class Scheduler:
         prefix_caching: a finished sequence's slot keeps its state and a later prompt resumes its
             longest reusable prefix (:mod:`~shardsmith.runtime.engine.prefix_cache`); False: every
             prompt is computed from position 0.
+        speculative: n-gram drafts checked in one chunk per greedy sequence
+            (:mod:`~shardsmith.runtime.engine.speculative`), or None.
 
     Raises:
         UsageError: ``prefill_chunk`` below 1, ``decode_prompt_tokens`` below 0, ``overlap`` with
@@ -200,7 +203,7 @@ class Scheduler:
 
     def __init__(self, engine: Any, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  decode_prompt_tokens: int | None = None, overlap: bool | None = None,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, speculative: NgramConfig | None = None) -> None:
         if prefill_chunk < 1:
             raise UsageError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if decode_prompt_tokens is None:
@@ -212,6 +215,11 @@ class Scheduler:
         self._free = list(range(engine.max_num_seqs))
         self.prefix = PrefixCache(engine.max_num_seqs, rewinds=engine.family.rewinds, enabled=prefix_caching,
                                   resume_points=getattr(engine, "resume_points", None))
+        if speculative is not None and (bad := speculative.problems()):
+            raise UsageError("; ".join(bad))
+        # drafts need a state that takes back rejected positions by writing over them
+        self.speculative = speculative if engine.family.rewinds else None
+        self.spec = SpecStats()
         # a model that cannot rewind leaves resume points where a prefill chunk ends at their multiple
         self.resume_every = 0 if engine.family.rewinds else int(getattr(engine.model, "snapshot_every", 0) or 0)
         self.counts: TokenCounts | None = None  # per-slot token counts, made when a penalty first needs them
@@ -299,6 +307,11 @@ class Scheduler:
                 out.append((seq, self._sample([seq], logits[-1:])[0]))
                 fresh.add(id(seq))
         batch = [s for s in self.running if id(s) not in fresh and self._in_batch(s)]
+        if self.speculative is not None and not overlap:
+            drafts = {id(s): d for s in batch if (d := self._draft(s))}
+            for seq in [s for s in batch if id(s) in drafts]:
+                out += self._verify(seq, drafts[id(seq)])
+            batch = [s for s in batch if id(s) not in drafts]
         self.last_batch = len(batch)
         if batch:
             feeding = [s.prefilled < len(s.prompt_ids) for s in batch]  # a prompt token, not a sampled one
@@ -317,6 +330,41 @@ class Scheduler:
         for seq, step in out:
             if step.finished:
                 self.abort(seq)
+        return out
+
+    def _draft(self, s: Sequence) -> list[int]:
+        """``s``'s n-gram draft, or ``[]`` when it does not speculate (sampled, penalised, logprobs,
+        constrained, still feeding its prompt) or nothing repeats."""
+        p = s.params
+        if (s.prefilled < len(s.prompt_ids) or s.pending is None or p.temperature > 0 or p.logprobs or adjusts(p)
+                or s.constraint is not None or s.inflight >= 0):
+            return []
+        left = min(p.max_tokens - s.generated, self.engine.max_seq_len - s.pos) - 1  # room for the draft's tokens
+        if left < 1:
+            return []
+        draft = ngram_draft(s.prompt_ids + s.outputs, self.speculative)
+        return draft[:left]
+
+    def _verify(self, seq: Sequence, draft: list[int]) -> list[tuple[Sequence, StepOutput]]:
+        """One chunk of ``seq``'s pending token and ``draft``; the greedy tokens it gives (1 to
+        ``len(draft) + 1``, fewer when one ends the sequence)."""
+        logits = self.engine.prefill(seq.slot, [seq.pending, *draft], seq.pos, last_only=False, on_device=True)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        choices = torch.argmax(logits, dim=-1)  # lowest id on ties, as choose_rows
+        picked = lp.gather(1, choices[:, None])[:, 0]
+        choices, picked = choices.tolist(), picked.tolist()
+        n = accepted(draft, choices)
+        self.spec.steps += 1
+        self.spec.drafted += len(draft)
+        self.spec.accepted += n - 1
+        out = []
+        for i in range(n):
+            seq.pos += 1  # the token fed at this position (the pending one, then each accepted draft token)
+            step = self._step_output(seq, Choice(choices[i], picked[i], ()), seq.pos)
+            out.append((seq, step))
+            if step.finished:
+                break
+        self.spec.emitted += len(out)
         return out
 
     def _in_batch(self, s: Sequence) -> bool:

@@ -101,6 +101,7 @@ class Metrics:
         self.offload = None  # the engine's OffloadRuntime (``stats()``), when experts are offloaded
         self.prefix = None  # the scheduler's PrefixCache (``stats``, ``held_positions()``), once ready
         self.bytes_per_position = 0.0  # per-sequence state of one position of one slot, bytes (rank 0)
+        self.spec = None  # the scheduler's SpecStats when speculation is on
 
     def request_done(self, endpoint: str, status: int | str) -> None:
         with self._lock:
@@ -188,6 +189,20 @@ class Metrics:
             out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
         return out
 
+    def _spec_lines(self) -> list[str]:
+        if self.spec is None:
+            return []
+        st, p, out = self.spec, self.PREFIX, []
+        for name, kind, value, help_ in (
+            ("spec_decode_steps_total", "counter", st.steps, "Verify chunks run (one per speculating sequence and step)."),
+            ("spec_decode_draft_tokens_total", "counter", st.drafted, "Draft tokens checked."),
+            ("spec_decode_accepted_tokens_total", "counter", st.accepted, "Draft tokens the model agreed with."),
+            ("spec_decode_emitted_tokens_total", "counter", st.emitted, "Tokens the verify chunks gave."),
+            ("spec_decode_acceptance_rate", "gauge", st.acceptance_rate, "Accepted over drafted since start."),
+        ):
+            out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
+        return out
+
     def _offload_lines(self) -> list[str]:
         if self.offload is None:
             return []
@@ -221,6 +236,7 @@ class Metrics:
                 out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
             out += self._offload_lines()
             out += self._prefix_lines()
+            out += self._spec_lines()
             for name, hist, help_ in (
                 ("time_to_first_token_seconds", self.ttft, "Request arrival to first generated token."),
                 ("inter_token_latency_seconds", self.itl, "Gap between consecutive generated tokens."),

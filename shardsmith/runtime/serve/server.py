@@ -518,6 +518,7 @@ class ServeJob:
         host, port: where uvicorn listens. model_name: the id in ``/v1/models`` and requests.
         trust_remote_code: run the checkpoint's own chat encoder (``encoding/``) when it has no template.
         chat_template: a Jinja chat template file used instead of the pack's (``--chat-template``).
+        speculative: n-gram speculation (``NgramConfig``), or None.
         max_request_bytes: larger request bodies get a 413 (:class:`BodyLimit`).
         max_queue: requests that may wait for a sequence slot (more get a 429).
         prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks).
@@ -536,6 +537,7 @@ class ServeJob:
     model_name: str
     trust_remote_code: bool = False
     chat_template: Path | None = None
+    speculative: Any = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_queue: int = DEFAULT_MAX_QUEUE
     prefill_chunk: int = 512
@@ -570,7 +572,7 @@ class ServeJob:
 
         worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal, max_queue=self.max_queue,
                               prefill_chunk=self.prefill_chunk, decode_prompt_tokens=self.decode_prompt_tokens,
-                              prefix_caching=self.prefix_caching)
+                              prefix_caching=self.prefix_caching, speculative=self.speculative)
         app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
                          max_request_bytes=self.max_request_bytes, max_model_len=self.max_model_len,
                          chat_template=self.chat_template)

@@ -280,6 +280,7 @@ class EngineWorker:
         decode_prompt_tokens: prompts of at most this many tokens go through decode rows (None: the
             device's default, :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
         prefix_caching: reuse the prefixes finished requests leave in their slots (the scheduler's).
+        speculative: the scheduler's n-gram speculation config, or None.
 
     Raises:
         UsageError: ``$SHARDSMITH_STEP_TRACE`` cannot be opened, or ``SHARDSMITH_TUNING``'s ``overlap_steps`` is
@@ -288,12 +289,13 @@ class EngineWorker:
 
     def __init__(self, load: Callable[[], Any], *, metrics: Metrics, on_fatal: Callable[[str], None],
                  max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int = 512,
-                 decode_prompt_tokens: int | None = None, prefix_caching: bool = True) -> None:
+                 decode_prompt_tokens: int | None = None, prefix_caching: bool = True,
+                 speculative: Any = None) -> None:
         self._load = load
         self.metrics = metrics
         self._on_fatal = on_fatal
         self.max_queue, self.prefill_chunk, self.decode_prompt_tokens = max_queue, prefill_chunk, decode_prompt_tokens
-        self.prefix_caching = prefix_caching
+        self.prefix_caching, self.speculative = prefix_caching, speculative
         self._waiting: collections.deque[Job] = collections.deque()
         self._wake = threading.Condition()
         self._stop_requested = False
@@ -384,7 +386,8 @@ class EngineWorker:
                 self.metrics.offload = offload
                 log.info("%s", offload.ready_line())
             self._sched = Scheduler(self.engine, prefill_chunk=self.prefill_chunk,
-                                    decode_prompt_tokens=self.decode_prompt_tokens, prefix_caching=self.prefix_caching)
+                                    decode_prompt_tokens=self.decode_prompt_tokens, prefix_caching=self.prefix_caching,
+                                    speculative=self.speculative)
         except Exception as e:  # noqa: BLE001 - any load failure ends the server with its reason
             log.debug("engine load failed", exc_info=True)
             if self.stopping is not None:  # a rank went down with the stop: not a failure to report
@@ -405,6 +408,7 @@ class EngineWorker:
                                ready_seconds=time.perf_counter() - self._started)
         self.metrics.set_capacity(max_num_seqs=slots, state_bytes=state_bytes, max_queue=self.max_queue)
         self.metrics.prefix = self._sched.prefix
+        self.metrics.spec = self._sched.spec if self._sched.speculative is not None else None
         self.metrics.bytes_per_position = state_bytes / max(1, slots * int(getattr(e, "max_seq_len", 0) or 1))
         log.info("ready: every rank loaded and warmed up in %.1f s (warm-up %.1f s: %d kernel launches); %d "
                  "sequence slot(s) of %d tokens (%.1f MiB of per-sequence state on rank 0), up to %d waiting, "

@@ -1,0 +1,82 @@
+"""Speculative decoding with n-gram (prompt-lookup) drafts: no draft model, the draft is copied from
+earlier text of the same sequence, and one forward of the draft checks it.
+
+When a greedy sequence's last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) occurred
+earlier in its prompt or output, the ``k`` tokens that followed that occurrence are the draft
+(:func:`ngram_draft`; text edits, code and quotes repeat their input). The scheduler feeds the
+pending token and the draft as one ``k + 1``-token prefill chunk of the sequence, and takes the
+model's own greedy choices after each position for as long as the draft agreed with them
+(:func:`accepted`): the first choice always counts, so a step gives 1 to ``k + 1`` tokens, each the
+token greedy decoding gives at that position. Positions past the accepted ones hold the rejected
+draft; a family whose state is position-indexed (``rewinds``) simply writes over them with the next
+step, so nothing is rolled back. The logits of a chunk equal one-token steps' up to matmul rounding,
+as a chunked prefill's do.
+
+Only greedy sequences without penalties, logprobs or constraints speculate, in families that
+rewind; the others decode as before in the same step. Source of the method: Saxena's prompt lookup
+decoding, as vLLM's ``ngram`` speculator uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["NgramConfig", "SpecStats", "accepted", "ngram_draft"]
+
+
+@dataclass(frozen=True, slots=True)
+class NgramConfig:
+    """Attributes: k: draft tokens per step (``--num-speculative-tokens``); min_ngram, max_ngram:
+    lengths of the suffix looked up (tokens)."""
+
+    k: int = 4
+    min_ngram: int = 1
+    max_ngram: int = 4
+
+    def problems(self) -> list[str]:
+        out = []
+        if not 1 <= self.k <= 16:
+            out.append(f"num_speculative_tokens must be in 1..16, got {self.k}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            out.append(f"n-gram sizes need 1 <= min ({self.min_ngram}) <= max ({self.max_ngram})")
+        return out
+
+
+@dataclass
+class SpecStats:
+    """Counters since start. Attributes: steps: verify chunks run; drafted: draft tokens checked;
+    accepted: draft tokens the model agreed with; emitted: tokens the verify chunks gave."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def ngram_draft(tokens: Sequence[int], cfg: NgramConfig) -> list[int]:
+    """Up to ``cfg.k`` tokens that followed the latest earlier occurrence of ``tokens``' last ``n``
+    tokens (the longest ``n`` in ``[min_ngram, max_ngram]`` that occurred); ``[]`` when none did."""
+    L = len(tokens)
+    for n in range(min(cfg.max_ngram, L - 1), cfg.min_ngram - 1, -1):
+        tail = list(tokens[L - n:])
+        for start in range(L - n - 1, -1, -1):  # latest first; the match must end before the tail does
+            if list(tokens[start:start + n]) == tail:
+                follow = list(tokens[start + n:start + n + cfg.k])
+                if follow:
+                    return follow
+    return []
+
+
+def accepted(draft: Sequence[int], choices: Sequence[int]) -> int:
+    """How many of ``choices`` (the model's greedy token after the pending token and after each
+    draft token, ``len(draft) + 1`` of them) a verify step gives: the first, and one more for each
+    leading draft token that equals the choice before it."""
+    m = 0
+    while m < len(draft) and draft[m] == choices[m]:
+        m += 1
+    return m + 1

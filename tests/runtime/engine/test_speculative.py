@@ -1,0 +1,119 @@
+"""N-gram speculative decoding (:mod:`shardsmith.runtime.engine.speculative`): the draft lookup and
+acceptance rule on their own, then greedy decoding through the real :class:`Scheduler` with drafts
+checked in one chunk per sequence gives the tokens decoding without them gives (float32), in
+batches that mix speculating sequences with sampled ones, on the tiny Mixtral and Qwen3-MoE at world
+sizes 1 and 2 and on the real SmolLM2 MoE rewriting a paragraph (where most drafts are accepted).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardsmith.errors import UsageError
+from shardsmith.runtime.engine.speculative import NgramConfig, accepted, ngram_draft
+from shardsmith.testing.ranks import run_gloo
+
+
+def test_the_draft_follows_the_latest_earlier_occurrence() -> None:
+    cfg = NgramConfig(k=3, min_ngram=1, max_ngram=3)
+    assert ngram_draft([5, 6, 7, 8, 9, 1, 5, 6, 7], cfg) == [8, 9, 1]  # "5 6 7" seen before: what followed
+    assert ngram_draft([1, 2, 3, 9, 2, 3, 4, 2, 3], cfg) == [4, 2, 3]  # the latest "2 3" wins
+    assert ngram_draft([1, 2, 3, 4], cfg) == []  # nothing repeats
+    assert ngram_draft([7, 1, 7], NgramConfig(k=5)) == [1, 7]  # fewer than k follow
+    assert accepted([4, 5, 6], [4, 5, 9, 1]) == 3 and accepted([4, 5, 6], [1, 5, 6, 7]) == 1
+    assert accepted([4, 5, 6], [4, 5, 6, 7]) == 4 and accepted([], [3]) == 1
+    assert NgramConfig(k=0).problems() and NgramConfig(min_ngram=3, max_ngram=2).problems()
+
+
+REPEATING = [3, 17, 42, 99, 5, 8, 61, 7, 3, 17, 42, 99, 5, 8, 61, 7, 3, 17]
+
+
+def _decode(engine, prompts, params, speculative):
+    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+
+    sched = Scheduler(engine, prefill_chunk=64, decode_prompt_tokens=0, overlap=False, prefix_caching=False,
+                      speculative=speculative)
+    seqs = [Sequence(p, sp) for p, sp in zip(prompts, params)]
+    for s in seqs:
+        sched.admit(s)
+    tokens = {id(s): [] for s in seqs}
+    while sched.running:
+        for seq, out in sched.step():
+            tokens[id(seq)].append(out.token_id)
+    return [tokens[id(s)] for s in seqs], sched.spec
+
+
+def _cases():
+    from shardsmith.runtime.engine.sampling import SamplingParams
+
+    prompts = [REPEATING, REPEATING[3:] + [11, 12], [250, 4, 9, 77, 31]]
+    params = [SamplingParams(max_tokens=20, stop_token_ids=()), SamplingParams(max_tokens=13, stop_token_ids=()),
+              SamplingParams(max_tokens=9, temperature=0.9, seed=5, stop_token_ids=())]  # sampled: decodes as before
+    return prompts, params
+
+
+def _load(path, rank=0, world_size=1):
+    from shardsmith.runtime.engine.engine import Engine
+
+    return Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, from_checkpoint=True,
+                       max_seq_len=64, max_num_seqs=3, cuda_graphs=False)
+
+
+def _both(engine) -> dict:
+    prompts, params = _cases()
+    plain, _ = _decode(engine, prompts, params, None)
+    spec, stats = _decode(engine, prompts, params, NgramConfig(k=4))
+    return {"plain": plain, "spec": spec, "steps": stats.steps, "accepted": stats.accepted, "drafted": stats.drafted}
+
+
+def _check(out: dict) -> None:
+    assert out["spec"] == out["plain"], "speculation changed the greedy tokens"
+    assert out["steps"] > 0 and out["drafted"] >= out["accepted"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+def test_greedy_tokens_are_those_of_plain_decoding(tiny, family) -> None:
+    _check(_both(_load(tiny(family))))
+
+
+def _tp2(path: str, rank: int, world_size: int):
+    engine = _load(path, rank, world_size)
+    if rank != 0:
+        engine.follow()
+        return None
+    try:
+        return _both(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_greedy_tokens_at_world_size_2(tiny) -> None:
+    _check(run_gloo(_tp2, 2, str(tiny("mixtral")), timeout=300))
+
+
+def test_a_bad_config_and_a_family_that_cannot_rewind(tiny) -> None:
+    from shardsmith.runtime.engine.scheduler import Scheduler
+
+    with pytest.raises(UsageError, match="num_speculative_tokens must be in 1..16"):
+        Scheduler(_load(tiny("mixtral")), speculative=NgramConfig(k=0))
+    assert Scheduler(_load(tiny("deepseek-v4")), speculative=NgramConfig()).speculative is None
+
+
+def test_smollm2_rewriting_a_paragraph_accepts_most_drafts(smollm2_pack) -> None:
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.engine.sampling import SamplingParams
+    from shardsmith.runtime.serve.tokenizer import Codec
+
+    pack = smollm2_pack(1)
+    codec = Codec(pack)
+    text = ("The harbour market opens at dawn. Fishermen bring their catch to the stone quay, and traders "
+            "from the valley arrive with cheese, wool and apples. By noon the stalls are empty and the gulls "
+            "take what is left.")
+    prompt = codec.encode(f"Copy this paragraph exactly.\n\n{text}\n\nCopy:\n{text[:40]}")
+    engine = Engine.load(pack, rank=0, world_size=1, dtype=torch.float32, max_seq_len=256, max_num_seqs=1)
+    params = [SamplingParams(max_tokens=40, stop_token_ids=codec.eos_token_ids)]
+    plain, _ = _decode(engine, [prompt], params, None)
+    spec, stats = _decode(engine, [prompt], params, NgramConfig(k=4))
+    assert spec == plain
+    assert stats.acceptance_rate > 0.5 and stats.emitted / stats.steps > 2, stats
