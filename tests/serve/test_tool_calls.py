@@ -112,3 +112,38 @@ def test_bad_tool_requests_are_named(server: Server, body: dict, param: str, wor
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_openai_client_calls_a_tool_and_answers(server: Server, stream: bool) -> None:
+    """OpenAI's own Python client: a forced call to ``get_weather``, its result sent back as a
+    ``tool`` message, then the final answer, whole and streamed."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model=MODEL, temperature=0, max_tokens=60, tools=[WEATHER, TIME])
+    if stream:
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(messages=ASK, tool_choice=NAMED, stream=True, **kw):
+            choice = chunk.choices[0]
+            assert not choice.delta.content  # the arguments never arrive as content
+            for tc in choice.delta.tool_calls or ():
+                entry = calls.setdefault(tc.index, {"id": tc.id, "name": tc.function.name, "arguments": ""})
+                entry["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+        assert finish == "tool_calls" and list(calls) == [0]
+        call = {"id": calls[0]["id"], "type": "function",
+                "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}
+    else:
+        reply = client.chat.completions.create(messages=ASK, tool_choice=NAMED, **kw)
+        assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None
+        call = reply.choices[0].message.tool_calls[0].model_dump()
+    _check_call(call, WEATHER)
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": '{"temperature": 21, "sky": "clear"}'}]
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(messages=history, tool_choice="none", stream=True, **kw))
+    else:
+        text = client.chat.completions.create(messages=history, tool_choice="none", **kw).choices[0].message.content
+    assert text and "<tool_call>" not in text and "<tool_response>" not in text
