@@ -4,7 +4,7 @@ at world sizes 1 and 2.
 
 On CPU nothing is captured, but every piece runs through its static input and output buffers, so a
 piece whose outputs are read after the next call overwrote them fails here as it would on a GPU.
-The ``gpu`` test captures real CUDA graphs (run by ``benchmarks/gpu/v4_offload.sh``).
+The ``gpu`` test captures real CUDA graphs (``bash benchmarks/gpu/run.sh tests`` runs it).
 """
 
 from __future__ import annotations

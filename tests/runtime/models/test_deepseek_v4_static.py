@@ -186,7 +186,7 @@ def test_a_whole_decode_step_is_one_cuda_graph(tiny_v4_packs) -> None:
     """``step_rows`` + ``as_tuple`` + every layer's ``attn_static`` and ``ffn_block`` + logits captured
     in ONE CUDA graph (bucket ``B = 4``: 2 real rows and 2 padding rows, ``key = 512``), replayed for 4
     steps that cross CSA and HCA window completions: the eager steps' logits and state, bit for bit.
-    (Run by ``benchmarks/gpu/v4_static.sh``.)"""
+    (``bash benchmarks/gpu/run.sh tests`` runs it.)"""
     from shardsmith.runtime.engine.loader import load_rank_weights
     from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
 

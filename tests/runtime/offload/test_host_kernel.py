@@ -3,7 +3,7 @@
 Stored formats built with the project's reference quantizers; float32 activations, so the kernel
 (float32 accumulation, no expanded copy) must equal the dequantize-then-matmul reference within
 float32 rounding, on every instruction set this CPU supports (``scalar`` and ``avx2`` here; the GPU
-host adds ``avx512``, benchmarks/gpu/hybrid_vs_gpu.sh and host_kernel_diag.sh run this file there).
+host adds ``avx512``, ``bash benchmarks/gpu/run.sh tests`` runs this file there).
 Bad arguments are refused in Python before the operator runs; the C++ checks behind them are
 exercised in a child process. Skipped, saying why, where the kernel cannot be compiled.
 """

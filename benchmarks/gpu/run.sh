@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# One GPU call, the benchmarks it names: bash benchmarks/gpu/run.sh STEP [STEP ...]
+#
+# Steps (each runs the Python benchmark of benchmarks/ and copies its results JSON to $OUT):
+#   tests           the GPU-marked tests of the kernel, graph, offload and family files (pytest -m gpu)
+#   v4-full-depth   43 V4-Flash-shaped layers (the release's kinds) x 24 FP4 experts, resident and a 25%
+#                   expert cache, graphed, profiled (v4_decode.py; RESULTS' decode table)
+#   offload-4x256   4 layers x 256 FP4 experts at 25% and 6.25% caches: the in-place copy kernel (default),
+#                   misses read in place, the host table after a sync (RESULTS' offload table)
+#   conversations   prefix reuse after 8k and 2k histories on a full-depth checkpoint, structured-output
+#                   masks at batch 1 and 8 (prefix_reuse.py, structured.py)
+#   sampling        the sampling fields per decode step on the 5-layer template pack (sampling.py)
+#   kernels         the decode kernels side by side (decode_kernels.py)
+#   serve           8 concurrent streams against one through the real serve path (serve_concurrency.py)
+#
+# Carry .inv/ (the real V4-Flash inventory from ../shared/real-inventories, and SmolLM2's
+# tokenizer.json as .inv/smollm2-tokenizer.json for the masks) and .whl/ (wheels the host lacks:
+# llguidance). Pass SHARDSMITH_COMMIT=<sha> (the host's copy of .git may be stale) and
+# SHARDSMITH_HOST=<label>. Per-step limits: <STEP>_S seconds (e.g. OFFLOAD_S=300). The per-session
+# scripts this replaces are kept, as they were run, in benchmarks/journal/gpu-scripts/.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 SHARDSMITH_CACHE=${SHARDSMITH_CACHE:-/tmp/sscache}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h')
+export SHARDSMITH_HOST=${SHARDSMITH_HOST:-${card:-gpu}x1}
+inv=.inv/deepseek-v4-flash-0731-reap160
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+t0=$SECONDS
+say() { echo "== $1 rc=$2 $((SECONDS - t0)) s"; }
+keep() { cp benchmarks/results/"$1"-*-"$SHARDSMITH_HOST"*.json "$OUT/" 2>/dev/null; true; }
+
+template() {  # the 5-layer V4-Flash-shaped checkpoint v4_decode.py stacks to any depth (written once)
+    [ -f /tmp/v4t5/config.json ] || timeout 200 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4t5 --layers 5 --experts 24 \
+        --mtp 0 --inventory "$inv" > "$OUT/gen_v4t5.log" 2>&1
+}
+
+v4_decode() {  # NAME LAYERS EXPERTS CACHE... [env: extra settings]
+    local name=$1 layers=$2 experts=$3; shift 3
+    local fractions=(); for f in "$@"; do fractions+=(--cache-fraction "$f"); done
+    local limit=${V4_S:-$([ "$layers" -gt 8 ] && echo 330 || echo 150)}
+    SHARDSMITH_HOST=$name timeout "$limit" python3 benchmarks/v4_decode.py /tmp/v4t5 --work /tmp/v4p --device cuda --tp 1 \
+        --prompt 16 --tokens 16 --kinds-config "$inv/config.json" "${fractions[@]}" --layers "$layers" \
+        --experts-per-layer "$experts" --hang-s $((limit - 8)) --profile "/tmp/prof-$name" > "$OUT/v4_$name.log" 2>&1
+    local rc=$?
+    grep -E '^\[tp=|Error' "$OUT/v4_$name.log" | head -12
+    cp benchmarks/results/v4_decode-*-"$name".json "$OUT/" 2>/dev/null
+    return $rc
+}
+
+step_tests() {
+    timeout "${TESTS_S:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/runtime/kernels tests/runtime/engine/test_decode_graphs.py tests/runtime/offload tests/runtime/models/test_families_cuda.py \
+        > "$OUT/gpu_tests.log" 2>&1
+    local rc=$?; grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.log" | tail -15; return $rc
+}
+
+step_v4_full_depth() { template && v4_decode "$SHARDSMITH_HOST-43l24e" 43 24 0.25; }
+
+step_offload_4x256() {
+    template || return 1
+    v4_decode "$SHARDSMITH_HOST-4l256e" 4 256 0.25 0.0625  # the defaults: in place, misses copied by a kernel
+    SHARDSMITH_TUNING=offload_miss=read v4_decode "$SHARDSMITH_HOST-read-4l256e" 4 256 0.25 0.0625
+    SHARDSMITH_KERNELS=offload_inplace=reference v4_decode "$SHARDSMITH_HOST-off-4l256e" 4 256 0.25 0.0625
+}
+
+step_conversations() {
+    timeout 90 python3 benchmarks/structured.py .inv/smollm2-tokenizer.json --device cuda --batch 1 8 --steps 300 \
+        2>&1 | tail -4
+    [ -f /tmp/v4f/config.json ] || timeout "${GEN_S:-300}" python3 benchmarks/gen_v4_checkpoint.py /tmp/v4f --layers 43 \
+        --experts 8 --mtp 0 --inventory "$inv" > "$OUT/gen_v4f.log" 2>&1
+    timeout "${CONVERSATIONS_S:-420}" python3 benchmarks/prefix_reuse.py /tmp/v4f --from-checkpoint --device cuda \
+        --dtype bfloat16 --history 8192 2048 --added 64 --answer 32 --chunk 2048 --repeat 3 2>&1 | grep -v INFO | tail -6
+    local rc=${PIPESTATUS[0]}; keep structured; keep prefix_reuse; return $rc
+}
+
+step_sampling() {
+    template || return 1
+    [ -f /tmp/v4t5-tp1/pack.yaml ] || timeout 120 python3 -m shardsmith.cli split /tmp/v4t5 /tmp/v4t5-tp1 --tp 1 > "$OUT/split.log" 2>&1
+    timeout "${SAMPLING_S:-200}" python3 benchmarks/sampling.py /tmp/v4t5-tp1 --device cuda --dtype bfloat16 --batch 1 8 \
+        --steps 24 2>&1 | grep -v INFO | tail -10
+    local rc=${PIPESTATUS[0]}; keep sampling; return $rc
+}
+
+step_kernels() {
+    timeout "${KERNELS_S:-300}" python3 benchmarks/decode_kernels.py 2>&1 | tee "$OUT/kernels_bench.log" | tail -20
+    local rc=${PIPESTATUS[0]}; keep decode_kernels; return $rc
+}
+
+step_serve() {
+    [ -f /tmp/v4sc-tp1/pack.yaml ] || {
+        timeout 300 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4sc --layers 2 --experts 256 --mtp 0 --inventory "$inv" \
+            > "$OUT/gen_sc.log" 2>&1
+        python3 -c 'from pathlib import Path; from shardsmith.testing.tokenizer import deepseek_tokenizer; deepseek_tokenizer(Path("/tmp/v4sc"), vocab_size=512, chat="template")'
+        timeout 300 python3 -m shardsmith.cli split /tmp/v4sc /tmp/v4sc-tp1 --tp 1 >> "$OUT/gen_sc.log" 2>&1
+    }
+    timeout "${SERVE_S:-240}" python3 benchmarks/serve_concurrency.py /tmp/v4sc-tp1 --device cuda --dtype bfloat16 --tokens 64 \
+        --repeat 3 --label resident 2>&1 | grep -v INFO | tail -12
+    local rc=${PIPESTATUS[0]}; keep serve_concurrency; return $rc
+}
+
+[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+for step in "$@"; do
+    fn="step_${step//-/_}"
+    if ! declare -F "$fn" > /dev/null; then echo "unknown step: $step"; continue; fi
+    "$fn"; say "$step" $?
+done
+tar czf "$OUT/prof.tgz" -C /tmp $(cd /tmp && ls -d prof-* 2>/dev/null) 2>/dev/null
+true
