@@ -264,13 +264,13 @@ def _decode_v4(path, offload, prompt: list[int]) -> tuple[list[torch.Tensor], li
     return logits, tokens, stats
 
 
-@pytest.mark.parametrize("inplace", ["auto", "auto:read", "off"])
+@pytest.mark.parametrize("inplace", ["auto", "auto:read", "reference"])
 def test_gpu_tiny_v4_offloaded_through_the_kernel_equals_resident(tiny_v4_packs, use_settings, inplace):
     """The tiny DeepSeek-V4 with the kernel on (the CUDA default), graphed: offloaded to a 12-slot
     cache (misses, then hits), its decode steps' experts run fused_experts over the pool, and give
     the resident kernel bank's logits bit for bit and its greedy tokens; ``auto``: misses decided on
     the device and copied from the pinned host banks by a kernel (``auto:read``: read in place by
-    the expert kernel), each step one graph; ``off``: the host table, copied after a sync."""
+    the expert kernel), each step one graph; ``reference``: the host table, copied after a sync."""
     from shardsmith.runtime.offload import OffloadConfig
 
     inplace, _, miss = inplace.partition(":")
