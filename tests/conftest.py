@@ -12,6 +12,16 @@ from typing import Callable
 
 import pytest
 
+# Triton reads TRITON_INTERPRET once, when it is first imported. Without CUDA the kernel tests run
+# their kernels under Triton's CPU interpreter, so it is set here, before any test module (or a
+# shardsmith module a test imports) imports triton: in whatever order the files are collected.
+# Kernels stay off on a CPU unless a test forces them (``auto`` is CUDA only, interpreter or not).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 
 @pytest.fixture(scope="session")
