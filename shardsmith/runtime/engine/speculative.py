@@ -22,6 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
 __all__ = ["NgramConfig", "SpecStats", "accepted", "ngram_draft"]
 
 
@@ -60,15 +63,17 @@ class SpecStats:
 
 def ngram_draft(tokens: Sequence[int], cfg: NgramConfig) -> list[int]:
     """Up to ``cfg.k`` tokens that followed the latest earlier occurrence of ``tokens``' last ``n``
-    tokens (the longest ``n`` in ``[min_ngram, max_ngram]`` that occurred); ``[]`` when none did."""
-    L = len(tokens)
+    tokens (the longest ``n`` in ``[min_ngram, max_ngram]`` that occurred); ``[]`` when none did.
+    One vectorised comparison per ``n`` over the whole history (this runs every decode step)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    L = arr.shape[0]
     for n in range(min(cfg.max_ngram, L - 1), cfg.min_ngram - 1, -1):
-        tail = list(tokens[L - n:])
-        for start in range(L - n - 1, -1, -1):  # latest first; the match must end before the tail does
-            if list(tokens[start:start + n]) == tail:
-                follow = list(tokens[start + n:start + n + cfg.k])
-                if follow:
-                    return follow
+        # windows starting at 0 .. L-n-1 (each must end before the tail does), compared with the tail
+        hits = np.flatnonzero((sliding_window_view(arr[:L - 1], n) == arr[L - n:]).all(axis=1))
+        for start in hits[::-1]:  # latest first
+            follow = arr[start + n:start + n + cfg.k]
+            if follow.size:
+                return follow.tolist()
     return []
 
 

@@ -72,6 +72,11 @@ class Histogram:
         return out
 
 
+def _metric(name: str, kind: str, value: object, help_: str) -> list[str]:
+    """One unlabelled metric in the exposition format: its HELP, TYPE and sample lines."""
+    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+
+
 class Metrics:
     """All server metrics; every method is thread-safe."""
 
@@ -186,7 +191,7 @@ class Metrics:
             ("prefix_cache_bytes", "gauge", int(held * self.bytes_per_position),
              "Per-sequence state those positions hold on rank 0, bytes."),
         ):
-            out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
+            out += _metric(p + name, kind, value, help_)
         return out
 
     def _spec_lines(self) -> list[str]:
@@ -200,7 +205,7 @@ class Metrics:
             ("spec_decode_emitted_tokens_total", "counter", st.emitted, "Tokens the verify chunks gave."),
             ("spec_decode_acceptance_rate", "gauge", st.acceptance_rate, "Accepted over drafted since start."),
         ):
-            out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
+            out += _metric(p + name, kind, value, help_)
         return out
 
     def _offload_lines(self) -> list[str]:
@@ -209,7 +214,7 @@ class Metrics:
         stats, p, out = self.offload.stats(), self.PREFIX, []
         for key, name, kind, help_ in self.OFFLOAD:
             if key in stats:
-                out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {float(stats[key])}"]
+                out += _metric(p + name, kind, float(stats[key]), help_)
         return out
 
     def render(self) -> str:
@@ -233,7 +238,7 @@ class Metrics:
                 ("ready_seconds", "gauge", self.ready_seconds, "Rank 0 job start to ready (load and warm-up), seconds."),
                 ("ready", "gauge", int(self.ready), "1 once every rank has loaded and warmed up."),
             ):
-                out += [f"# HELP {p}{name} {help_}", f"# TYPE {p}{name} {kind}", f"{p}{name} {value}"]
+                out += _metric(p + name, kind, value, help_)
             out += self._offload_lines()
             out += self._prefix_lines()
             out += self._spec_lines()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardsmith.runtime.serve.tools import partial_marker
+
 __all__ = ["END", "START", "Reasoning", "ReasoningStream", "prompt_opens_thinking"]
 
 START, END = "<think>", "</think>"
@@ -74,7 +76,7 @@ class ReasoningStream:
                     out_r += self.buf[:at]
                     self.buf, self.state = self.buf[at + len(END):].lstrip(), "content_start"
                     continue
-                keep = _partial_suffix(self.buf, END)
+                keep = partial_marker(self.buf, END)
                 out_r += self.buf[:len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep:]
                 return out_r, out_c
@@ -92,9 +94,3 @@ class ReasoningStream:
         rest, self.buf = self.buf, ""
         return (rest, "") if self.state == "reasoning" else ("", rest if self.state != "content_start" else "")
 
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["DEEPSEEK", "GENERIC", "HERMES", "ToolCall", "ToolFormat", "ToolPlan", "ToolStream", "call_schema", "calls_from_constrained",
-           "detect_format", "history_for_template", "parse_calls", "tools_system_text"]
+           "detect_format", "history_for_template", "parse_calls", "partial_marker", "tools_system_text"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,32 +49,36 @@ class ToolCall:
 @dataclass(frozen=True, slots=True)
 class ToolFormat:
     """A model family's tool-call markup. Attributes: name; start: the text that opens the calls
-    (everything from it on is calls); pattern: one call's regex, with groups ``name`` and
-    ``args`` (Hermes: ``body``, a ``{"name", "arguments"}`` object)."""
+    (everything from it on is calls); pattern: one call's regex, with either a group ``body`` (a
+    ``{"name", "arguments"}`` object) or groups ``name`` and ``args`` (``name2``/``args2`` for a
+    second spelling); whole: the call is the whole answer, a bare object (no markup)."""
 
     name: str
     start: str
     pattern: re.Pattern
+    whole: bool = False
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
+    def parse(self, text: str, names: frozenset[str] = frozenset()) -> tuple[str, list[ToolCall]] | None:
         """``(content, calls)`` of a whole answer: the text before :attr:`start` (stripped) and
         every call after it; ``(text, [])`` when there is no :attr:`start`; None when the markup
-        is there but a call does not parse (the caller returns the raw text as content).
+        is there but a call does not parse, or (``whole``) names a function not in ``names`` (the
+        caller returns the raw text as content).
         """
-        at = text.find(self.start)
+        at = (0 if text.lstrip().startswith(self.start) else -1) if self.whole else text.find(self.start)
         if at < 0:
             return text, []
         calls = []
         for m in self.pattern.finditer(text, at):
+            g = m.groupdict()
             try:
-                if "body" in m.groupdict():
-                    body = json.loads(m.group("body"))
+                if g.get("body") is not None:
+                    body = json.loads(g["body"])
                     name, args = body["name"], body.get("arguments", body.get("parameters", {}))
                 else:
-                    name, args = m.group("name").strip(), json.loads(m.group("args"))
-            except (ValueError, KeyError, TypeError):
+                    name, args = (g.get("name") or g.get("name2")).strip(), json.loads(g.get("args") or g.get("args2"))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 return None
-            if not isinstance(name, str) or not isinstance(args, dict):
+            if not isinstance(name, str) or not isinstance(args, dict) or (self.whole and name not in names):
                 return None
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
         return (text[:at].strip(), calls) if calls else None
@@ -85,47 +89,13 @@ HERMES = ToolFormat("hermes", "<tool_call>", re.compile(r"<tool_call>\s*(?P<body
 DEEPSEEK = ToolFormat("deepseek", "<｜tool▁calls▁begin｜>", re.compile(
     r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>(?P<name>[^\n]+)\n```json\n(?P<args>.*?)\n```"
     r"|(?P<name2>[^<]+?)<｜tool▁sep｜>(?P<args2>.*?))<｜tool▁call▁end｜>", re.S))
-
-
-def _parse_deepseek(text: str) -> tuple[str, list[ToolCall]] | None:
-    at = text.find(DEEPSEEK.start)
-    if at < 0:
-        return text, []
-    calls = []
-    for m in DEEPSEEK.pattern.finditer(text, at):
-        name, raw = (m.group("name"), m.group("args")) if m.group("name") else (m.group("name2"), m.group("args2"))
-        try:
-            args = json.loads(raw)
-        except ValueError:
-            return None
-        if not isinstance(args, dict):
-            return None
-        calls.append(ToolCall(name.strip(), json.dumps(args, ensure_ascii=False)))
-    return (text[:at].strip(), calls) if calls else None
-
-
 # a template with no tool markup: the system message asks for a bare {"name", "arguments"} object
-GENERIC = ToolFormat("generic", "{", re.compile(r"\A\s*(?P<body>\{.*\})\s*\Z", re.S))
-
-
-def _parse_generic(text: str, names: frozenset[str]) -> tuple[str, list[ToolCall]] | None:
-    if not text.lstrip().startswith("{"):
-        return text, []
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return None
-    if not (isinstance(body, dict) and body.get("name") in names and isinstance(body.get("arguments"), dict)):
-        return None
-    return "", [ToolCall(body["name"], json.dumps(body["arguments"], ensure_ascii=False))]
+GENERIC = ToolFormat("generic", "{", re.compile(r"\A\s*(?P<body>\{.*\})\s*\Z", re.S), whole=True)
 
 
 def parse_calls(fmt: ToolFormat, text: str, names: frozenset[str] = frozenset()) -> tuple[str, list[ToolCall]] | None:
-    """:meth:`ToolFormat.parse` for any known format (``names``: the request's functions, which a
-    :data:`GENERIC` answer must call)."""
-    if fmt is GENERIC:
-        return _parse_generic(text, names)
-    return _parse_deepseek(text) if fmt is DEEPSEEK else fmt.parse(text)
+    """``fmt.parse(text, names)`` (:meth:`ToolFormat.parse`); ``names``: the request's functions."""
+    return fmt.parse(text, names)
 
 
 def detect_format(template_source: str) -> ToolFormat | None:
@@ -245,7 +215,7 @@ class ToolStream:
         self.text += delta
         if self.in_calls:
             return ""
-        if self.fmt is GENERIC:  # a call is the whole answer: hold it all once it opens with "{"
+        if self.fmt.whole:  # a call is the whole answer: hold it all once it opens with "{"
             head = self.text.lstrip()
             if not head or head.startswith("{"):
                 self.in_calls = bool(head)
@@ -257,7 +227,7 @@ class ToolStream:
             self.in_calls = True
             out, self.sent = self.text[self.sent:at], at
             return out.rstrip()
-        keep = _partial_suffix(self.text, self.fmt.start)
+        keep = partial_marker(self.text, self.fmt.start)
         end = len(self.text) - keep
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
@@ -279,8 +249,9 @@ class ToolStream:
         return "", parsed[1]
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+def partial_marker(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker`` (characters a
+    streamed answer holds back until the next delta says whether the marker follows)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
             return n
