@@ -38,6 +38,8 @@ class NgramConfig:
     max_ngram: int = 4
 
     def problems(self) -> list[str]:
+        """What is out of range (``k`` in 1..16, ``1 <= min_ngram <= max_ngram``), one message each;
+        empty when the config is valid."""
         out = []
         if not 1 <= self.k <= 16:
             out.append(f"num_speculative_tokens must be in 1..16, got {self.k}")

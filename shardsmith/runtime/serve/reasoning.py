@@ -46,6 +46,7 @@ class Reasoning:
         return body[:at].strip() or None, body[at + len(END):].lstrip()
 
     def stream(self) -> "ReasoningStream":
+        """A :class:`ReasoningStream` for one streamed choice of this request."""
         return ReasoningStream(self.inside)
 
 
