@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_kernels import try_seconds  # noqa: E402
 
-from shardsmith.runtime.layers.kernels.hc_post import BLOCK_D, hc_post, hc_post_reference  # noqa: E402
-from shardsmith.runtime.layers.kernels.hc_pre import hc_pre, rms_norm_reference  # noqa: E402
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_post import BLOCK_D, hc_post, hc_post_reference  # noqa: E402
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_pre import hc_pre, rms_norm_reference  # noqa: E402
 from shardsmith.runtime.models.deepseek_v4.hyper import expand  # noqa: E402
 
 M, D, ITERS, EPS = 4, 4096, 20, 1e-6

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_kernels import try_seconds  # noqa: E402
 
-from shardsmith.runtime.layers.kernels.hc_mix import hc_mix  # noqa: E402
-from shardsmith.runtime.layers.kernels.hc_pre import hc_pre, hc_pre_reference  # noqa: E402
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_mix import hc_mix  # noqa: E402
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_pre import hc_pre, hc_pre_reference  # noqa: E402
 
 M, D, ITERS, EPS = 4, 4096, 20, 1e-6
 

@@ -370,6 +370,18 @@ def debug() -> bool:
     return _flag((os.environ.get("SHARDSMITH_DEBUG") or "0").strip() or "0")
 
 
+def triton_interpreting() -> bool:
+    """Whether Triton's CPU interpreter is on (Triton's own ``TRITON_INTERPRET``, not ours: read here so
+    that no other module reads the environment)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def terminal_columns(default: int = 160) -> int:
+    """The width ``COLUMNS`` asks for (the shell's), else ``default`` characters."""
+    raw = os.environ.get("COLUMNS", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else default
+
+
 def check() -> Settings:
     """:func:`current`, for the CLI's checks before ranks start (the same errors)."""
     return current()

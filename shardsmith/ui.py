@@ -15,10 +15,10 @@ from rich.console import Console
 def err_console() -> Console:
     """The Rich console on stderr (tables, progress, errors). Into a file or pipe, lines are not
     wrapped (a command printed to copy stays on one line); tables keep ``$COLUMNS`` (160)."""
-    import os
+    from shardsmith import settings
 
     tty = sys.stderr.isatty()
-    width = None if tty else int(os.environ.get("COLUMNS", "160"))
+    width = None if tty else settings.terminal_columns()
     return Console(stderr=True, soft_wrap=not tty, width=width)
 
 

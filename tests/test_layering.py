@@ -18,6 +18,7 @@ modules                     must not import
 ``runtime/models/<family>`` every other family (shared pieces: ``runtime/models/common``)
 ``checkpoint/``, ``plans/`` ``pack/``, ``writer/``, ``runtime/`` (the source side sits below)
 ``runtime/serve/streaming`` ``runtime/serve/server`` (it takes a typed ``Reply``, never calls back)
+everything but V4's model   ``runtime/layers/kernels/deepseek_v4`` (V4's own kernels)
 ==========================  ================================================================
 
 Imports inside functions count as well as module-level ones; relative imports are resolved. And no
@@ -62,6 +63,10 @@ RULES = (
       for a in FAMILIES for b in FAMILIES if a != b),
     *((f"shardsmith.{low}", f"shardsmith.{up}", "the source side (checkpoint, plans) sits below packs and the runtime")
       for low in ("checkpoint", "plans") for up in ("pack", "writer", "runtime")),
+    *((f"shardsmith.runtime.{other}", "shardsmith.runtime.layers.kernels.deepseek_v4",
+       "DeepSeek-V4's own kernels are called by its model only")
+      for other in ("models.mixtral", "models.deepseek_v3", "models.gpt_oss", "models.common", "layers.experts",
+                    "layers.parallel", "engine", "offload", "serve")),
 )
 
 

@@ -25,8 +25,6 @@ ENVIRON_USERS = {
     "shardsmith/runtime/engine/dist.py": "torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE; the thread counts it sets",
     "shardsmith/parity/ranks.py": "a parity rank's RANK, thread counts and the reference paths it sets",
     "shardsmith/cli_serve.py": "torchrun's RANK and LOCAL_WORLD_SIZE in the pre-flight checks",
-    "shardsmith/runtime/layers/kernels/_common.py": "Triton's own TRITON_INTERPRET",
-    "shardsmith/ui.py": "the terminal's COLUMNS",
     "shardsmith/testing/server.py": "the serve subprocess's environment (PYTHONUNBUFFERED)",
 }
 

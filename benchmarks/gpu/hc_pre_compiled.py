@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _results import save_results  # noqa: E402
 from decode_kernels import graph_seconds  # noqa: E402
 
-from shardsmith.runtime.layers.kernels.hc_pre import hc_pre  # noqa: E402
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_pre import hc_pre  # noqa: E402
 
 M, D, ITERS, EPS = 4, 4096, 20, 1e-6
 g = torch.Generator(device="cuda").manual_seed(0)

@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
-from shardsmith.runtime.layers.kernels.compressor_step import (
+from shardsmith.runtime.layers.kernels.deepseek_v4.compressor_step import (
     compressor_step,
     compressor_step_reference,
 )

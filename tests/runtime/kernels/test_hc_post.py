@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
-from shardsmith.runtime.layers.kernels.hc_post import hc_post, hc_post_reference
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_post import hc_post, hc_post_reference
 from shardsmith.runtime.layers.kernels.testing import interpreter_rounds_bf16
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")

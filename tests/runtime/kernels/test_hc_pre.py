@@ -31,8 +31,8 @@ if not torch.cuda.is_available():
 
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
 from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
-from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
-from shardsmith.runtime.layers.kernels.hc_pre import (BLOCK_D, hc_pre, hc_pre_op, hc_pre_reference, rms_norm_reference,
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_mix import hc_mix
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_pre import (BLOCK_D, hc_pre, hc_pre_op, hc_pre_reference, rms_norm_reference,
                                                    splits_for)
 from shardsmith.runtime.layers.kernels.testing import interpreter_rounds_bf16
 from shardsmith.runtime.models.common import RMSNormF32

@@ -301,7 +301,7 @@ def test_reference_backend_needs_no_triton():
 @needs_triton
 @pytest.mark.parametrize(("m", "iters", "tokens"), [(4, 20, 1), (4, 20, 8), (3, 5, 2)])  # V4: m=4, 20 rounds
 def test_hc_mix_matches_reference(m, iters, tokens):
-    from shardsmith.runtime.layers.kernels.hc_mix import hc_mix, hc_mix_reference
+    from shardsmith.runtime.layers.kernels.deepseek_v4.hc_mix import hc_mix, hc_mix_reference
 
     gen = torch.Generator(device=DEV).manual_seed(m * 100 + tokens)
     width = (2 + m) * m

@@ -24,8 +24,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
-from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores, indexer_scores_reference
-from shardsmith.runtime.layers.kernels.sink_attention import (BLOCK_S, sink_attention, sink_attention_reference,
+from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import indexer_scores, indexer_scores_reference
+from shardsmith.runtime.layers.kernels.deepseek_v4.sink_attention import (BLOCK_S, sink_attention, sink_attention_reference,
                                                                splits_for)
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")

@@ -36,6 +36,9 @@ kernel                   replaces (the reference)            what it reads
                          about 6 launches)                   normalises the weights
 =======================  ==================================  ===========================================
 
+The kernels only DeepSeek-V4 runs (``hc_mix``, ``sink_attention``, ``indexer_scores``, ``compressor_step``,
+``hc_pre``, ``hc_post``) live in :mod:`.deepseek_v4`; the others serve every family.
+
 Each public function takes ``backend="auto" | "triton" | "reference"``; ``auto`` runs Triton on
 CUDA tensors (or on CPU under ``TRITON_INTERPRET=1``) and the reference otherwise, so callers need
 no Triton to import or run this package. Triton comes with the ``kernels`` extra. Measured on an

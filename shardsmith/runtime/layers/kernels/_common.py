@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 
+from shardsmith import settings
 from shardsmith.errors import ShardsmithError
 
 BACKENDS = ("auto", "triton", "reference")
@@ -32,7 +32,7 @@ def triton_available() -> bool:
 
 def interpreting() -> bool:
     """Whether Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return settings.triton_interpreting()
 
 
 def use_triton(x: torch.Tensor, backend: str) -> bool:

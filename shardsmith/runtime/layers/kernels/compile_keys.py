@@ -99,8 +99,9 @@ def record_launches(*, run: bool = False) -> Iterator[list[tuple]]:
         ...     fp8_linear(x, w, scale, backend="triton")
         >>> len(set(keys))  # doctest: +SKIP
     """
-    from shardsmith.runtime.layers.kernels import (_compressor_triton, _fp8_triton, _hc_triton, _indexer_triton,
-                                                   _moe_triton, _router_triton, _sink_attention_triton)
+    from shardsmith.runtime.layers.kernels import _fp8_triton, _moe_triton, _router_triton
+    from shardsmith.runtime.layers.kernels.deepseek_v4 import (_compressor_triton, _hc_triton, _indexer_triton,
+                                                               _sink_attention_triton)
 
     keys: list[tuple] = []
     saved = []

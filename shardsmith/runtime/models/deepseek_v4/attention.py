@@ -28,7 +28,7 @@ The state is kept per **slot** (one independent sequence each, preallocated by
 rows, one token of a different slot each) runs :meth:`Attention.decode_core`, which attends all rows
 at once over their own slot's window and entries, padded to the step's length bucket and masked, from
 the layer's key buffer ``[sink | window | entries]`` with an additive bias (on CUDA two Triton launches
-that read each key row once, :func:`~shardsmith.runtime.layers.kernels.sink_attention.sink_attention`;
+that read each key row once, :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.sink_attention.sink_attention`;
 its reference, one gather, a ``baddbmm``, a softmax and a ``bmm``, on CPU), the step's masks and
 indices built once per step (:class:`DecodeRows`), and the compressors' and indexer's row-wise
 projections done in :meth:`Attention.project`. The core is
@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear
-from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
-from shardsmith.runtime.layers.kernels.sink_attention import sink_attention
+from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import indexer_scores
+from shardsmith.runtime.layers.kernels.deepseek_v4.sink_attention import sink_attention
 from shardsmith import settings
 from shardsmith.runtime.layers.parallel import ReplicatedLinear, Shards, kernel_on, merge_rows
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardsmith.runtime.layers.kernels.compressor_step import compressor_step
-from shardsmith.runtime.layers.kernels.indexer_scores import indexer_scores
+from shardsmith.runtime.layers.kernels.deepseek_v4.compressor_step import compressor_step
+from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import indexer_scores
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
 from shardsmith.runtime.models.common import RMSNormF32
 from shardsmith.runtime.models.deepseek_v4.ops import apply_rope, rope_cos_sin

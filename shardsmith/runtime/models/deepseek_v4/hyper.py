@@ -15,14 +15,14 @@ comb        ``[T,m,m]`` ``softmax(f_comb * scale[2] + base_comb) + eps``, then S
 ``streams' [k] = post[k] * block(sum_j pre[j] streams[j]) + sum_j comb[j, k] streams[j]``. The
 head mixer (``hc_head_*``) collapses the streams once more before the final norm. All mixers are
 replicated. The pre/post/comb maths (40 Sinkhorn half-steps on ``[T, m, m]``) is
-:func:`~shardsmith.runtime.layers.kernels.hc_mix.hc_mix`: one Triton program per token on CUDA (eagerly
+:func:`~shardsmith.runtime.layers.kernels.deepseek_v4.hc_mix.hc_mix`: one Triton program per token on CUDA (eagerly
 it is ~80 tiny kernels; ``torch.compile`` made it 5-6), its PyTorch reference elsewhere. With the
 ``SHARDSMITH_KERNELS=hc_pre`` on (``auto``: CUDA), a mixer of up to 16 tokens runs whole (norm,
-``fn`` projection, pre/post/comb, collapse) as :func:`~shardsmith.runtime.layers.kernels.hc_pre.hc_pre`,
+``fn`` projection, pre/post/comb, collapse) as :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.hc_pre.hc_pre`,
 one split-K launch instead of 4-5, and the RMSNormF32 the block runs on the collapse (``attn_norm``,
 ``ffn_norm``, passed as ``norm``) in the same launch. With ``SHARDSMITH_KERNELS=hc_post`` on (``auto``: CUDA),
 :meth:`HyperMixer.expand` spreads the sublayer's output onto the streams as
-:func:`~shardsmith.runtime.layers.kernels.hc_post.hc_post` (one launch for the matmul, multiply, add
+:func:`~shardsmith.runtime.layers.kernels.deepseek_v4.hc_post.hc_post` (one launch for the matmul, multiply, add
 and cast) for up to 16 tokens. Past 16 tokens, or with the switches off (the default on CPU), the
 mixer runs the PyTorch ops below, and :func:`expand`.
 
@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardsmith.runtime.layers.kernels.hc_mix import hc_mix
-from shardsmith.runtime.layers.kernels.hc_post import hc_post
-from shardsmith.runtime.layers.kernels.hc_pre import hc_pre_op as hc_pre
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_mix import hc_mix
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_post import hc_post
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_pre import hc_pre_op as hc_pre
 from shardsmith.runtime.layers.parallel import kernel_on
 from shardsmith.runtime.models.common import RMSNormF32
 from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
@@ -118,7 +118,7 @@ class HyperMixer(nn.Module):
 
 def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """``post[k] * out + sum_j comb[j, k] * streams[j]``: ``[T, m, D]`` in ``streams.dtype`` (transformers
-    ``DeepseekV4DecoderLayer``; :func:`~shardsmith.runtime.layers.kernels.hc_post.hc_post_reference`)."""
+    ``DeepseekV4DecoderLayer``; :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.hc_post.hc_post_reference`)."""
     dt = streams.dtype
     return post.to(dt)[..., None] * out[:, None, :] + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
 

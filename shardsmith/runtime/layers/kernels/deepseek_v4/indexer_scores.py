@@ -81,7 +81,7 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, entries: torch.Tensor, inde
     _check(q, w, entries, index, columns)
     if not use_triton(q, backend) or columns == 0 or q.numel() == 0:
         return indexer_scores_reference(q, w, entries, index, columns)
-    from shardsmith.runtime.layers.kernels import _indexer_triton
+    from shardsmith.runtime.layers.kernels.deepseek_v4 import _indexer_triton
 
     q = q if q.stride(-1) == 1 else q.contiguous()
     w, index = w.contiguous(), index.contiguous()  # read by element offset

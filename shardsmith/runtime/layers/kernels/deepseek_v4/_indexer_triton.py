@@ -1,4 +1,4 @@
-"""Triton kernel behind :func:`~shardsmith.runtime.layers.kernels.indexer_scores.indexer_scores`.
+"""Triton kernel behind :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores.indexer_scores`.
 
 ``_indexer_scores_kernel`` (grid ``[B, ceil(C / BLOCK_S)]``): one program loads one row's index
 queries ``q [h, c]`` and weights ``w [h]`` and ``BLOCK_S`` of its slot's entries ``[BLOCK_S, c]``

@@ -1,5 +1,5 @@
-"""Triton kernels behind :func:`~shardsmith.runtime.layers.kernels.hc_mix.hc_mix` (one program per token)
-and :func:`~shardsmith.runtime.layers.kernels.hc_pre.hc_pre` (the whole mixer, split-K, one launch).
+"""Triton kernels behind :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.hc_mix.hc_mix` (one program per token)
+and :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.hc_pre.hc_pre` (the whole mixer, split-K, one launch).
 
 :func:`_hc_mix_row` is the mixer maths of one token: it loads the token's ``(2 + m) * m`` mixer
 logits, makes ``pre`` and ``post`` (sigmoids) and ``comb`` (a row softmax, then Sinkhorn-Knopp:

@@ -91,7 +91,7 @@ def hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: 
         return hc_post_reference(streams, out, post, comb)
     import triton
 
-    from shardsmith.runtime.layers.kernels import _hc_triton
+    from shardsmith.runtime.layers.kernels.deepseek_v4 import _hc_triton
 
     T, m, D = streams.shape
     if streams.stride(2) != 1 or streams.stride(1) != D:

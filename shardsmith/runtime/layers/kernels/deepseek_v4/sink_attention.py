@@ -111,7 +111,7 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, bia
     _check(q, keys, index, biases, sink)
     if not use_triton(q, backend):
         return sink_attention_reference(q, keys, index, biases, sink, scale)
-    from shardsmith.runtime.layers.kernels import _sink_attention_triton
+    from shardsmith.runtime.layers.kernels.deepseek_v4 import _sink_attention_triton
 
     B, n, d = q.shape
     if q.numel() == 0:  # no rows or no heads: nothing to attend

@@ -1,4 +1,4 @@
-"""Triton kernels behind :func:`~shardsmith.runtime.layers.kernels.sink_attention.sink_attention`.
+"""Triton kernels behind :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.sink_attention.sink_attention`.
 
 ``_sink_split_kernel`` (grid ``[B, ceil(n / BLOCK_H), splits]``): one program takes ``BLOCK_H`` query
 heads of one row and one chunk of its key columns, loads each key row of the chunk once

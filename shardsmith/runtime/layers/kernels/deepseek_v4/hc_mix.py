@@ -74,7 +74,7 @@ def hc_mix(f: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, m: int, ite
         return hc_mix_reference(f, base, scale, m, iters, eps)
     import triton
 
-    from shardsmith.runtime.layers.kernels import _hc_triton as k
+    from shardsmith.runtime.layers.kernels.deepseek_v4 import _hc_triton as k
 
     T = f.shape[0]
     pre = torch.empty((T, m), dtype=torch.float32, device=f.device)

@@ -164,7 +164,7 @@ def compressor_step(kv_gate: torch.Tensor, buf: torch.Tensor, ape: torch.Tensor,
                                          prev_kv, prev_gate, eps=eps)
     if kv_gate.shape[0] == 0:
         return None
-    from shardsmith.runtime.layers.kernels import _compressor_triton
+    from shardsmith.runtime.layers.kernels.deepseek_v4 import _compressor_triton
 
     state = [buf, *(t for t in (prev_kv, prev_gate) if t is not None)]
     if not all(t.is_contiguous() for t in state) or entries.stride(-1) != 1:

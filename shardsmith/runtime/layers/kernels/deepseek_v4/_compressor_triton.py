@@ -1,4 +1,4 @@
-"""Triton kernel behind :func:`~shardsmith.runtime.layers.kernels.compressor_step.compressor_step`.
+"""Triton kernel behind :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.compressor_step.compressor_step`.
 
 ``_compressor_step_kernel`` (grid ``[B]``): a program per decode row. Every row copies its new kv and
 gate into its slot's window row ``column``; a done row then (a runtime branch, so the other ``r - 1``

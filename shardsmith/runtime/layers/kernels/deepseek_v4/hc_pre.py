@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from shardsmith.runtime.layers.kernels._common import KernelError, sm_count, use_triton
 from shardsmith.runtime.layers.kernels.fp8_linear import split_counters
-from shardsmith.runtime.layers.kernels.hc_mix import hc_mix_reference
+from shardsmith.runtime.layers.kernels.deepseek_v4.hc_mix import hc_mix_reference
 
 Pre = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 BLOCK_K = 64  # K elements per inner step of a program
@@ -161,7 +161,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
         return hc_pre_reference(streams, fn, base, scale, iters, eps, norm_eps, out_norm=out_norm)
     import triton
 
-    from shardsmith.runtime.layers.kernels import _hc_triton
+    from shardsmith.runtime.layers.kernels.deepseek_v4 import _hc_triton
 
     T, m, D = streams.shape
     W, dev = (2 + m) * m, streams.device
