@@ -82,7 +82,7 @@ class Variable:
 class Item:
     """One ``key=word`` item of a list variable (``SHARDSMITH_KERNELS`` or ``SHARDSMITH_TUNING``).
     Attributes: variable: the list variable's name; key; field: the :class:`Settings` attribute;
-    values, default, doc: as :class:`Variable`'s; old: the variable it replaced."""
+    values, default, doc: as :class:`Variable`'s; old: the variable it replaced ("" for none)."""
 
     variable: str
     key: str
@@ -181,11 +181,12 @@ def _var(name: str, kind: str, values: str, default: str, doc: str, parse: Calla
 def _item(variable: str, key: str, values: str, default: str, doc: str, parse: Callable[[str], object],
           value: object, old: str) -> object:
     """A :class:`Settings` field read from item ``key`` of list variable ``variable``."""
-    return field(default=value, metadata={"item": Item(variable, key, "", values, default, doc, f"SHARDSMITH_{old}"),
+    return field(default=value, metadata={"item": Item(variable, key, "", values, default, doc,
+                                                       f"SHARDSMITH_{old}" if old else ""),
                                           "parse": parse})
 
 
-def _kernel_item(key: str, doc: str, old: str) -> object:
+def _kernel_item(key: str, doc: str, old: str = "") -> object:
     return _item(KERNELS, key, "auto, kernel, reference", "auto", doc, _kernel, Kernel.AUTO, old)
 
 
@@ -213,6 +214,8 @@ class Settings:
                                             "DECODE_ATTENTION")
     indexer_scores: Kernel = _kernel_item("indexer_scores", "DeepSeek-V4's sparse indexer scores (with the decode "
                                           "attention kernel)", "INDEXER_SCORES")
+    prefill_attention: Kernel = _kernel_item("prefill_attention", "DeepSeek-V4's prefill attention and indexer "
+                                             "scores over a chunk")
     compressor_step: Kernel = _kernel_item("compressor_step", "DeepSeek-V4's KV compressor decode step",
                                            "COMPRESSOR_STEP")
     hc_pre: Kernel = _kernel_item("hc_pre", "DeepSeek-V4's hyper-connection mixer before a block", "HC_PRE")
@@ -334,7 +337,7 @@ REMOVED = {
     "SHARDSMITH_TEST_SLOW_WRITE": "the interrupt tests slow the split from their own side",
     "SHARDSMITH_SPAWNED": "the launcher sets SHARDSMITH_SPAWNED_BY",
     "SHARDSMITH_PARENT_PID": "the launcher sets SHARDSMITH_SPAWNED_BY",
-    **{i.old: f"write {i.variable}={i.key}=<{i.values.replace(', ', '|')}>" for i in ITEMS},
+    **{i.old: f"write {i.variable}={i.key}=<{i.values.replace(', ', '|')}>" for i in ITEMS if i.old},
 }
 _NAMES = tuple(v.name for v in VARIABLES) + tuple(REMOVED)  # what current() reads
 

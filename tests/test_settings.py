@@ -103,7 +103,7 @@ def test_every_bad_entry_is_named_at_once() -> None:
         "SHARDSMITH_KERNELS: fused_experts='sometimes': expected auto, kernel or reference; "
         "SHARDSMITH_KERNELS: unknown key 'warp_drive' (known: compile_pieces, compressor_step, decode_attention, "
         "fp8_dense, fused_experts, hc_post, hc_pre, host_experts, indexer_scores, merge_projections, offload_inplace, "
-        "router, all); "
+        "prefill_attention, router, all); "
         "SHARDSMITH_KERNELS: 'hc_post' is not key=word; "
         "SHARDSMITH_TUNING: host_prefetch='-1': expected a whole number in 0 .. 1048576; "
         "SHARDSMITH_TUNING: offload_miss='dma': expected one of copy, read; "

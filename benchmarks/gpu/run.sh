@@ -12,6 +12,8 @@
 #   sampling        the sampling fields per decode step on the 5-layer template pack (sampling.py)
 #   kernels         the decode kernels side by side (decode_kernels.py)
 #   serve           8 concurrent streams against one through the real serve path (serve_concurrency.py)
+#   prefill         the prefill kernel's GPU test, then 1k-32k prompts through a full-depth checkpoint in
+#                   2k and 8k chunks, kernel against reference, and one chunk's kernels profiled (prefill.py)
 #
 # Carry .inv/ (the real V4-Flash inventory from ../shared/real-inventories, and SmolLM2's
 # tokenizer.json as .inv/smollm2-tokenizer.json for the masks) and .whl/ (wheels the host lacks:
@@ -72,8 +74,7 @@ step_offload_4x256() {
 step_conversations() {
     timeout 90 python3 benchmarks/structured.py .inv/smollm2-tokenizer.json --device cuda --batch 1 8 --steps 300 \
         2>&1 | tail -4
-    [ -f /tmp/v4f/config.json ] || timeout "${GEN_S:-300}" python3 benchmarks/gen_v4_checkpoint.py /tmp/v4f --layers 43 \
-        --experts 8 --mtp 0 --inventory "$inv" > "$OUT/gen_v4f.log" 2>&1
+    full_depth || return 1
     timeout "${CONVERSATIONS_S:-420}" python3 benchmarks/prefix_reuse.py /tmp/v4f --from-checkpoint --device cuda \
         --dtype bfloat16 --history 8192 2048 --added 64 --answer 32 --chunk 2048 --repeat 3 2>&1 | grep -v INFO | tail -6
     local rc=${PIPESTATUS[0]}; keep structured; keep prefix_reuse; return $rc
@@ -104,7 +105,21 @@ step_serve() {
     local rc=${PIPESTATUS[0]}; keep serve_concurrency; return $rc
 }
 
-[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+full_depth() {  # 43 V4-Flash-shaped layers x 8 FP4 experts (written once)
+    [ -f /tmp/v4f/config.json ] || timeout "${GEN_S:-300}" python3 benchmarks/gen_v4_checkpoint.py /tmp/v4f --layers 43 \
+        --experts 8 --mtp 0 --inventory "$inv" > "$OUT/gen_v4f.log" 2>&1
+}
+
+step_prefill() {
+    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/kernels/test_prefill_attention.py 2>&1 | tail -3
+    full_depth || return 1
+    timeout "${PREFILL_S:-420}" python3 benchmarks/prefill.py /tmp/v4f --from-checkpoint --device cuda \
+        --prompt ${PREFILL_PROMPTS:-1024 8192 32768} --chunk ${PREFILL_CHUNKS:-2048 8192} --reference-max 8192 \
+        --profile 18 2>&1 | grep -v INFO | tee "$OUT/prefill.log" | tail -60
+    local rc=${PIPESTATUS[0]}; keep prefill; return $rc
+}
+
+[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
 for step in "$@"; do
     fn="step_${step//-/_}"
     if ! declare -F "$fn" > /dev/null; then echo "unknown step: $step"; continue; fi

@@ -126,6 +126,33 @@ def test_tensor_parallel_matches_transformers(v4: dict, world_size: int, source:
     check(torch.load(tmp_path / "outputs.pt"), v4["ref"])
 
 
+def test_prefill_kernels_match_transformers_and_the_reference_in_chunks(v4: dict, use_settings) -> None:
+    """The prefill attention and index-score kernels (Triton's interpreter on CPU): the one-pass prefill
+    gives transformers' logits, and the prompt fed in three chunks, each starting mid-window and
+    mid-compressor-window, gives the PyTorch reference's logits for the same chunks. (Chunks against one
+    pass differ where index scores tie exactly: the tiny model's relu leaves several entries at score 0,
+    and ``topk`` breaks such ties by the row's length.)"""
+    from shardsmith.runtime.engine.loader import load_rank_weights
+    from shardsmith.runtime.layers.parallel import use_kernels_
+    from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
+
+    def run(kernel: bool, chunks: tuple[int, ...]) -> torch.Tensor:
+        use_settings(prefill_attention="kernel" if kernel else "reference")
+        model = DeepseekV4.from_weights(load_rank_weights(v4["ckpt"], rank=0, world_size=1, from_checkpoint=True),
+                                        dtype=torch.float32, max_seq_len=PROMPT_LEN + STEPS)
+        use_kernels_(model, torch.device("cpu"))  # as the engine's load does
+        assert {a.prefill_kernel for a in model.modules() if hasattr(a, "prefill_kernel")} == {kernel}
+        logits, pos = [], 0
+        for n in chunks:
+            logits.append(model(v4["ids"][pos:pos + n], pos, last_only=False))
+            pos += n
+        return torch.cat(logits)
+
+    torch.testing.assert_close(run(True, (PROMPT_LEN,)), v4["ref"]["prefill"], atol=ATOL, rtol=0)
+    chunks = (101, 78, PROMPT_LEN - 179)
+    torch.testing.assert_close(run(True, chunks), run(False, chunks), atol=ATOL, rtol=0)
+
+
 def test_start_must_continue_the_sequence(v4: dict) -> None:
     from shardsmith.errors import UsageError
     from shardsmith.runtime.models.deepseek_v4 import DeepseekV4

@@ -19,8 +19,10 @@ A query at position ``t`` sees window keys at ``t - window < s <= t`` and the co
 its layer allows (HCA: every complete window; CSA: the indexer's top-k of them). RoPE rotates the
 trailing ``rope_dim`` channels (sliding layers: plain RoPE at ``rope_theta``; compressed layers:
 YaRN at ``compress_rope_theta``); as K = V, the output's rope channels are rotated back by the
-query's angle. Queries are processed in chunks of :data:`QUERY_CHUNK` so prefill memory grows
-with ``T * (window + C)``, not ``T^2``.
+query's angle. A prefill chunk attends through :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention.prefill_attention`
+(on CUDA one Triton launch that reads only the keys each query sees: its window rows, then its layer's
+entries, on CSA layers the indexer's top-k gathered; its reference, float32 einsums over chunks of
+queries, on CPU).
 
 The state is kept per **slot** (one independent sequence each, preallocated by
 :meth:`Attention.allocate`): a window ring per slot and the compressors' per-slot state. A prefill
@@ -48,16 +50,15 @@ from torch import nn
 
 from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear
 from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import indexer_scores
+from shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention import prefill_attention
 from shardsmith.runtime.layers.kernels.deepseek_v4.sink_attention import sink_attention
 from shardsmith import settings
 from shardsmith.runtime.layers.parallel import ReplicatedLinear, Shards, kernel_on, merge_rows
-from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer, visible
+from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.common import RMSNormF32
 from shardsmith.runtime.models.deepseek_v4.ops import apply_rope, rms_unweighted, rope_cos_sin
 from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec
-
-QUERY_CHUNK = 1024
 
 
 class Attention(nn.Module):
@@ -97,6 +98,7 @@ class Attention(nn.Module):
         self.keys = self.win = None  # set by allocate
         self.max_seq_len = 0
         self.kernel = self.index_kernel = False  # decode attention / index scores through Triton (use_kernel_)
+        self.prefill_kernel = False  # prefill attention and index scores through Triton (use_kernel_)
         self.x_fp8 = self.x_dense = None  # merged projections of x (fuse_projections_)
 
     def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -263,14 +265,10 @@ class Attention(nn.Module):
         if self.compressor is not None:
             entries = self.compressor.extend(x, slot, start)  # [C, d]
             if self.indexer is not None:
-                select = self.indexer(x, q_lora, positions, slot, start)  # [T, C]
-            else:
-                select = visible(positions, entries.shape[0], self.ratio)
-        out = torch.empty_like(q)
-        for a in range(0, T, QUERY_CHUNK):
-            b = min(T, a + QUERY_CHUNK)
-            out[a:b] = self._attend(q[a:b], keys, first, start + a, entries, None if select is None else select[a:b])
-        return out
+                select = self.indexer(x, q_lora, positions, slot, start, kernel=self.prefill_kernel)  # [T, K]
+        return prefill_attention(q, keys, entries, select, self.attn_sink, self.head_dim ** -0.5, q0=start,
+                                 first=first, window=W, ratio=self.ratio or 1,
+                                 backend="auto" if self.prefill_kernel else "reference")  # [T, n, d]
 
     def decode_core(self, q: torch.Tensor, kv: torch.Tensor, side: list[torch.Tensor] | tuple[torch.Tensor, ...],
                     rows: DecodeRows) -> torch.Tensor:
@@ -284,7 +282,7 @@ class Attention(nn.Module):
         yet written and entries the row may not see (incomplete, or not the indexer's top-k on CSA
         layers). The masks are the step's (:class:`DecodeRows`, shared by the layers). The sink's
         zero value row adds nothing, so ``softmax`` over all ``S`` columns then ``probs @ keys`` is
-        the softmax with a dropped sink column (:func:`_sink_softmax`).
+        the softmax with a dropped sink column.
 
         Device-only with shapes fixed by ``(B, rows.key)``: no host value, no host-device copy, so
         it can be captured in a CUDA graph and replayed for any positions below the bucket.
@@ -335,9 +333,12 @@ class Attention(nn.Module):
         """Run the decode core's attention through :func:`sink_attention`'s Triton kernels when
         ``SHARDSMITH_KERNELS=decode_attention`` allows on ``device`` (``auto``: on CUDA; ``reference``: the PyTorch
         path), and with it a CSA layer's index scores through :func:`indexer_scores` when
-        ``SHARDSMITH_KERNELS=indexer_scores`` allows (``auto``, the default, or ``kernel``; ``reference``: its reference)."""
+        ``SHARDSMITH_KERNELS=indexer_scores`` allows (``auto``, the default, or ``kernel``; ``reference``: its reference);
+        and a prefill chunk's attention through :func:`prefill_attention` (and its index scores through
+        :func:`indexer_scores`) when ``SHARDSMITH_KERNELS=prefill_attention`` allows."""
         self.kernel = kernel_on("decode_attention", device)
         self.index_kernel = self.kernel and kernel_on("indexer_scores", device)
+        self.prefill_kernel = kernel_on("prefill_attention", device)
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""
@@ -345,29 +346,3 @@ class Attention(nn.Module):
         groups = self.wo_a.weight.shape[0] // self.o_rank  # G: whole output groups of this rank's heads
         out = apply_rope(out, cos, -sin).reshape(T, groups, -1)  # [T, G, n*d/G]
         return self.wo_b(self.wo_a.grouped(out))  # [T, G*o] -> [T, D]
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, first: int, q0: int, entries: torch.Tensor | None,
-                select: torch.Tensor | None) -> torch.Tensor:
-        """Softmax attention with sinks for queries at ``q0 ..`` over window keys and entries."""
-        T = q.shape[0]
-        lo, hi = max(0, q0 - self.window + 1 - first), q0 + T - first  # window keys any query here sees
-        k = keys[lo:hi]  # [S, d]
-        mask = None  # one query (decode) sees all of [lo, hi): itself last, the oldest inside its window
-        if T > 1:
-            dist = torch.arange(q0, q0 + T, device=q.device)[:, None] - torch.arange(first + lo, first + hi, device=q.device)[None, :]
-            mask = (dist >= 0) & (dist < self.window)  # [T, S]
-        if entries is not None and entries.shape[0]:
-            mask = torch.cat((select.new_ones(T, k.shape[0]) if mask is None else mask, select), dim=1)  # [T, S + C]
-            k = torch.cat((k, entries))
-        logits = torch.einsum("tnd,sd->nts", q.float(), k.float()) * self.head_dim ** -0.5  # [n, T, S+C]
-        if mask is not None:
-            logits = logits.masked_fill(~mask, float("-inf"))
-        probs = _sink_softmax(logits, self.attn_sink.float()[:, None, None])
-        return torch.einsum("nts,sd->tnd", probs, k.float()).to(q.dtype)  # [T, n, d]
-
-
-def _sink_softmax(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    """Softmax of masked ``logits`` ``[..., S]`` float32 with one extra sink logit per row (``sink``
-    broadcast to ``[..., 1]``), which takes probability mass and is dropped: ``[..., S]``."""
-    logits = torch.cat((logits, sink.expand(*logits.shape[:-1], 1)), dim=-1)
-    return (logits - logits.amax(dim=-1, keepdim=True)).softmax(dim=-1)[..., :-1]

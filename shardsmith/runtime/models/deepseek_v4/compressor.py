@@ -212,19 +212,27 @@ class Indexer(nn.Module):
         self.weights_proj = shards.linear(prefix + ".weights_proj")
 
     def forward(self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, slot: int,
-                start: int) -> torch.Tensor:
-        """One sequence's selection mask ``[T, C]`` bool over slot ``slot``'s entries (causal and top-k).
+                start: int, *, kernel: bool = False) -> torch.Tensor:
+        """One sequence's picks ``[T, K]`` int64 over slot ``slot``'s entries: each query's top
+        ``K = min(topk, C)`` complete entries by index score, ``-1`` where it has fewer than ``K``.
 
         Args:
             x: ``[T, D]`` attention input; q_lora: ``[T, q_lora_rank]`` normed query latent;
             positions: ``[T]`` absolute positions ``[start, start + T)``; slot: the slot; start: the
-                slot's position (checked by the caller).
+                slot's position (checked by the caller); kernel: score through :func:`indexer_scores`'s
+                Triton kernel (each entry read from the buffer by every query's program; else the
+                reference einsum).
         """
         keys = self.compressor.extend(x, slot, start)  # [C, c]
         T, C = x.shape[0], keys.shape[0]
         if C == 0:
-            return torch.zeros(T, 0, dtype=torch.bool, device=x.device)
-        score = self._score(*self.query(x, q_lora, *rope_cos_sin(positions, self.freqs)), keys)  # [T, C]
+            return torch.zeros(T, 0, dtype=torch.int64, device=x.device)
+        q, w = self.query(x, q_lora, *rope_cos_sin(positions, self.freqs))
+        if kernel:
+            index = torch.full((T,), slot, dtype=torch.int64, device=x.device)
+            score = indexer_scores(q, w, self.compressor.entries, index, C, backend="triton")
+        else:
+            score = self._score(q, w, keys)  # [T, C]
         return self._top(score, visible(positions, C, self.ratio))
 
     def project(self, x: torch.Tensor, q_lora: torch.Tensor, cos: torch.Tensor,
@@ -276,7 +284,7 @@ class Indexer(nn.Module):
         return (scores * w[..., None]).sum(dim=1)  # [T, C]
 
     def _top(self, score: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
-        """The top-``k`` of ``score`` ``[T, C]`` among the ``causal`` entries, as a ``[T, C]`` bool mask."""
+        """The top-``k`` of ``score`` ``[T, C]`` among the ``causal`` entries, as indices ``[T, k]``
+        (``-1`` where a query has fewer than ``k`` causal entries)."""
         top = score.masked_fill(~causal, float("-inf")).topk(min(self.topk, score.shape[1]), dim=-1).indices
-        picked = torch.zeros(score.shape, dtype=torch.bool, device=score.device).scatter_(1, top, True)
-        return picked & causal
+        return torch.where(causal.gather(1, top), top, -1)

@@ -1,0 +1,151 @@
+"""Prefill speed of a long prompt at the engine level: DeepSeek-V4's prefill kernels side by side with the
+PyTorch reference path, per prompt length and chunk size, and where a chunk's GPU time goes.
+
+One engine (rank 0, world size 1, weights resident) loads ``PATH`` (a pack, or a checkpoint with
+``--from-checkpoint``: e.g. ``gen_v4_checkpoint.py --layers 43``, the full V4-Flash depth with random
+weights). For each prompt length (random token ids) and chunk size it prefills the prompt chunk by
+chunk into one slot, as the scheduler feeds a long prompt, with the attention path ``kernel``
+(:func:`~shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention.prefill_attention` and the
+indexer's kernel scores) and ``reference`` (the same maths in float32 einsums), timing from the first
+chunk to the last logits on the host (``ttft_s``, median of ``--repeat`` after one untimed run that
+compiles). With ``--profile`` one chunk at the longest prompt's end runs under ``torch.profiler`` per
+path and the GPU kernels that take the most time are listed.
+
+Rows: ``device``, ``tp``, ``layers``, ``experts_per_layer``, ``prompt_tokens``, ``chunk_tokens``,
+``attention`` (``kernel`` / ``reference``), ``ttft_s``, ``prefill_tokens_per_s``, ``ratio_to_reference``
+(the reference's time over this row's), ``same_last_token`` (the greedy token after the prompt equals
+the reference's), ``moe_backend`` (``resident``); saved as ``benchmarks/results/prefill-<date>-<host>.json``
+with the profiles under ``profile``. Not yet here (the long-prompt issue's full benchmark): the real
+``serve`` path over HTTP, offloaded experts, decode speed at the context, transformers beside it.
+
+    python benchmarks/gen_v4_checkpoint.py /data/v4f --layers 43 --experts 8 --mtp 0
+    python benchmarks/prefill.py /data/v4f --from-checkpoint --device cuda --prompt 1024 8192 32768 --chunk 2048 8192
+    python benchmarks/prefill.py /tmp/v4t --from-checkpoint --device cpu --dtype float32 --prompt 256 --chunk 64  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shardsmith.runtime.engine.engine import Engine  # noqa: E402
+
+
+def set_attention(model: torch.nn.Module, path: str) -> None:
+    """Switch every V4 attention layer's prefill path (``kernel`` or ``reference``) for this run."""
+    for m in model.modules():
+        if hasattr(m, "prefill_kernel"):
+            m.prefill_kernel = path == "kernel"
+
+
+def prefill(engine: Engine, ids: list[int], chunk: int, sync) -> tuple[float, int]:
+    """``(seconds, greedy next token)`` of one prompt fed in chunks of ``chunk`` tokens into slot 0."""
+    engine.release(0)
+    sync()
+    t0 = time.perf_counter()
+    for a in range(0, len(ids), chunk):
+        logits = engine.prefill(0, ids[a:a + chunk], a)
+    sync()
+    return time.perf_counter() - t0, int(logits[-1].argmax())
+
+
+def profile_chunk(engine: Engine, ids: list[int], chunk: int, top: int) -> list[dict]:
+    """The GPU kernels of one chunk at the end of ``ids`` (the rest prefilled first), by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.release(0)
+    start = max(0, len(ids) - chunk)
+    for a in range(0, start, chunk):
+        engine.prefill(0, ids[a:min(a + chunk, start)], a)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.prefill(0, ids[start:], start)
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            t = totals[e.name[:90]]
+            t[0] += e.device_time_total / 1e3
+            t[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    whole = sum(v[0] for v in totals.values())
+    return [{"kernel": k, "ms": round(v[0], 3), "calls": v[1], "share": round(v[0] / whole, 4)}
+            for k, v in ranked[:top]] + [{"kernel": "(all)", "ms": round(whole, 3), "calls": sum(v[1] for v in totals.values()),
+                                          "share": 1.0}]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", type=Path)
+    ap.add_argument("--from-checkpoint", action="store_true", help="PATH is a checkpoint (sliced as TP=1)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompt", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--chunk", type=int, nargs="+", default=[2048])
+    ap.add_argument("--attention", nargs="+", default=["kernel", "reference"], choices=["kernel", "reference"])
+    ap.add_argument("--reference-max", type=int, default=32768, help="longest prompt the reference path runs")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="list the TOP kernels of one chunk (CUDA)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    from _results import save_results
+
+    engine = Engine.load(a.path, rank=0, world_size=1, device=a.device, dtype=getattr(torch, a.dtype),
+                         max_seq_len=max(a.prompt) + 8, max_num_seqs=1, from_checkpoint=a.from_checkpoint)
+    cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    cfg = json.loads((a.path / "config.json").read_text()) if (a.path / "config.json").exists() else {}
+    layers = cfg.get("num_hidden_layers")
+    experts = cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    rows, profiles = [], {}
+    for length in a.prompt:
+        ids = torch.randint(3, engine.vocab_size, (length,), generator=gen).tolist()
+        for chunk in a.chunk:
+            got = {}
+            for path in a.attention:
+                if path == "reference" and length > a.reference_max:
+                    continue
+                set_attention(engine.model, path)
+                prefill(engine, ids, chunk, sync)  # compiles, fills the allocator
+                runs = [prefill(engine, ids, chunk, sync) for _ in range(a.repeat)]
+                got[path] = (statistics.median(r[0] for r in runs), runs[0][1])
+                print(f"prompt {length} chunk {chunk} {path}: {got[path][0]:.3f} s", flush=True)
+            for path, (secs, token) in got.items():
+                ref = got.get("reference")
+                rows.append({"device": device, "tp": 1, "layers": layers, "experts_per_layer": experts,
+                             "prompt_tokens": length, "chunk_tokens": chunk, "attention": path,
+                             "ttft_s": round(secs, 4), "prefill_tokens_per_s": round(length / secs, 1),
+                             "ratio_to_reference": round(ref[0] / secs, 3) if ref else None,
+                             "same_last_token": token == ref[1] if ref else None, "moe_backend": "resident"})
+    if a.profile and cuda:
+        longest, chunk = max(a.prompt), max(a.chunk)
+        ids = torch.randint(3, engine.vocab_size, (longest,), generator=gen).tolist()
+        for path in a.attention:
+            if path == "reference" and longest > a.reference_max:
+                continue
+            set_attention(engine.model, path)
+            profiles[f"{path}-{longest}-{chunk}"] = ops = profile_chunk(engine, ids, chunk, a.profile)
+            print(f"\nGPU kernels of the last {chunk}-token chunk of a {longest}-token prompt, {path}:")
+            for op in ops:
+                print(f"  {op['ms']:>10.2f} ms {op['share']:>6.1%} {op['calls']:>6}  {op['kernel']}")
+    print(f"\n{'prompt':>7} {'chunk':>6} {'attention':<10} {'ttft s':>9} {'tok/s':>9} {'vs ref':>7} {'same':>5}")
+    for r in rows:
+        ratio = "" if r["ratio_to_reference"] is None else f"{r['ratio_to_reference']:.2f}"
+        print(f"{r['prompt_tokens']:>7} {r['chunk_tokens']:>6} {r['attention']:<10} {r['ttft_s']:>9.3f} "
+              f"{r['prefill_tokens_per_s']:>9.1f} {ratio:>7} {str(r['same_last_token']):>5}")
+    save_results("prefill", rows, extra={"path": a.path.name, "dtype": a.dtype, "profile": profiles}, path=a.out)
+
+
+if __name__ == "__main__":
+    main()
