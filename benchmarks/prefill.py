@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from shardsmith.runtime.engine.engine import Engine  # noqa: E402
+from shardsmith.runtime.engine.engine import Engine
 
 
 def set_attention(model: torch.nn.Module, path: str) -> None:
@@ -143,7 +143,7 @@ def main() -> None:
     for r in rows:
         ratio = "" if r["ratio_to_reference"] is None else f"{r['ratio_to_reference']:.2f}"
         print(f"{r['prompt_tokens']:>7} {r['chunk_tokens']:>6} {r['attention']:<10} {r['ttft_s']:>9.3f} "
-              f"{r['prefill_tokens_per_s']:>9.1f} {ratio:>7} {str(r['same_last_token']):>5}")
+              f"{r['prefill_tokens_per_s']:>9.1f} {ratio:>7} {r['same_last_token']!s:>5}")
     save_results("prefill", rows, extra={"path": a.path.name, "dtype": a.dtype, "profile": profiles}, path=a.out)
 
 

@@ -21,8 +21,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
-from shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention import (entry_mask, prefill_attention,
-                                                                             prefill_attention_reference)
+from shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention import (
+    entry_mask,
+    prefill_attention,
+    prefill_attention_reference,
+)
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
@@ -45,7 +48,7 @@ def _case(T: int, n: int, d: int, W: int, q0: int, *, ratio: int = 4, mode: str 
         scores = scores.masked_fill(torch.arange(C, device=device)[None, :] >= visible[:, None], -1.0)
         top = scores.topk(min(K, C), dim=1)
         select = torch.where(top.values >= 0, top.indices, -1).int()  # -1: not complete (none picked)
-    return q, keys, entries, select, sink, dict(q0=q0, first=first, window=W, ratio=ratio)
+    return q, keys, entries, select, sink, {"q0": q0, "first": first, "window": W, "ratio": ratio}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
@@ -106,7 +109,7 @@ def test_entry_mask_reads_holes_and_completion():
 def test_a_query_that_sees_only_itself_and_the_sink():
     """Window 1, no entries complete: each query attends its own key and the sink: ``e^s/(e^s + e^x)``
     weighs zero, the rest weighs its key."""
-    q, keys, entries, select, sink, kw = _case(5, 2, 16, 1, 0, mode="sliding")
+    q, keys, _, _, sink, kw = _case(5, 2, 16, 1, 0, mode="sliding")
     got = prefill_attention(q, keys, None, None, sink, 0.25, backend="triton", **kw)
     logit = (q * keys[:, None, :]).sum(-1) * 0.25  # [T, n]
     share = torch.sigmoid(logit - sink[None, :])  # the key's probability against the sink

@@ -37,7 +37,11 @@ from __future__ import annotations
 
 import torch
 
-from shardsmith.runtime.layers.kernels._common import KernelError, interpreting, use_triton
+from shardsmith.runtime.layers.kernels._common import (
+    KernelError,
+    interpreting,
+    use_triton,
+)
 
 QUERY_CHUNK = 1024  # queries per einsum in the reference (its logits are [n, QUERY_CHUNK, S + C] float32)
 BLOCK_H = 16  # heads per program (tl.dot's smallest M)
