@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from shardsmith.runtime.layers.experts import FUSED_TOKENS_MAX, ExpertBank, fused_bank
-from shardsmith.runtime.layers.kernels._common import sm_count
 from shardsmith.runtime.layers.kernels.fp8_linear import warmup_rows
 from shardsmith.runtime.layers.parallel import _Linear
 
@@ -75,7 +74,7 @@ def warm_kernels(model: torch.nn.Module, *, max_rows: int, top_k: int, dtype: to
             continue
         seen.add(sig)
         if isinstance(m, _Linear):
-            for rows in warmup_rows(max_rows, sms=sm_count(device)):
+            for rows in warmup_rows(max_rows):
                 m.matmul(torch.zeros(rows, m.weight.shape[1], dtype=dtype, device=device))
                 launches += 1
             continue

@@ -104,7 +104,10 @@ def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
             (``weight_scale_inv``); block: ``(b0, b1)`` elements.
     """
     R, C = w.shape
-    s = scale.repeat_interleave(block[0], 0)[:R].repeat_interleave(block[1], 1)[:, :C]  # [R, C]
+    b0, b1 = block
+    if R % b0 == 0 and C % b1 == 0:  # whole blocks: broadcast the scales, no [R, C] float32 copy of them
+        return (w.view(R // b0, b0, C // b1, b1).float() * scale[:, None, :, None]).to(dtype).view(R, C)
+    s = scale.repeat_interleave(b0, 0)[:R].repeat_interleave(b1, 1)[:, :C]  # [R, C]
     return (w.float() * s).to(dtype)
 
 

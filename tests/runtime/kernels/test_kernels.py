@@ -316,3 +316,35 @@ def test_hc_mix_matches_reference(m, iters, tokens):
     assert torch.allclose(comb.sum(-2), torch.ones_like(comb.sum(-2)), atol=1e-4)
     with pytest.raises(KernelError, match=r"hc_mix: f must be \[T, 24\]"):
         hc_mix(f[:, :5].contiguous(), base, scale, 4, iters, 1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("groups", [1, 4])
+def test_fp8_linear_prefill_chunks_run_the_dequantized_gemm(groups):
+    """From ``DENSE_M`` tokens on, ``fp8_linear`` launches no Triton kernel: the weight is dequantized
+    once and multiplied as a dense GEMM (grouped: the diagonal blocks only), the reference's bits;
+    one token fewer still runs the dot kernel, within rounding of it."""
+    from shardsmith.runtime.layers.kernels.fp8_linear import DENSE_M
+
+    gen = torch.Generator(device=DEV).manual_seed(groups)
+    k = 512
+    w, scale = random_fp8_linear(256, k, (128, 128), ue8m0=True, gen=gen)
+    for m, want in ((DENSE_M, []), (DENSE_M - 1, ["_fp8_linear_long_kernel"])):
+        x = torch.randn(m, groups, k, generator=gen, device=DEV) if groups > 1 else \
+            torch.randn(m, k, generator=gen, device=DEV)
+        out, names = _fp8_launches(x, w, scale, (128, 128), groups=groups)
+        assert names == want
+        ref = fp8_linear_reference(x, w, scale, (128, 128), groups)
+        assert torch.equal(out, ref) if not want else rel_error(out, ref) < 1e-5
+
+
+def test_dequantize_blocks_broadcasts_whole_blocks_as_the_ragged_path_does():
+    from shardsmith.runtime.layers.kernels.fp8_linear import scale_as_float
+    from shardsmith.runtime.layers.quant import dequantize_blocks
+
+    gen = torch.Generator().manual_seed(9)
+    w, scale = random_fp8_linear(256, 384, (128, 128), ue8m0=False, gen=gen)
+    s = scale_as_float(scale)
+    whole = dequantize_blocks(w, s, (128, 128), torch.bfloat16)  # the broadcast path
+    ragged = dequantize_blocks(torch.cat((w, w[:5])), torch.cat((s, s[:1])), (128, 128), torch.bfloat16)[:256]
+    assert torch.equal(whole, ragged)

@@ -31,6 +31,7 @@ from shardsmith.runtime.layers.kernels._common import DECODE_M, KernelError, int
 BLOCK_K_MAX = 128
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, GEMV_STAGES = 32, 256, 4, 3  # GEMV launch defaults
 GEMV_PROGRAMS_PER_SM = 4  # split-K of the GEMV aims at about this many programs per multiprocessor
+DENSE_M = 256  # rows from which fp8_linear dequantizes the weight and multiplies on cuBLAS (prefill chunks)
 COUNTERS_MIN = 4096  # split-K tile counters first allocated (16 KiB): decode at N <= 131072, block_n 32
 
 # Split-K tile counters (``_fp8_triton``'s fused sum): one int32 buffer per device, zero between
@@ -73,17 +74,16 @@ def k_splits(m: int, n: int, k: int, *, block_k: int, block_n: int, split_k: int
     return -(-k // k_per_split), k_per_split
 
 
-def warmup_rows(max_rows: int, *, sms: int = 132) -> list[int]:
+def warmup_rows(max_rows: int) -> list[int]:
     """Row counts M whose :func:`fp8_linear` launches compile every kernel variant that any M in
-    ``1..max_rows`` uses, for any weight (default launch options), on a device of ``sms``
-    multiprocessors: each decode M (the split-sum's size ``M*N`` is specialised too), then 17 and
-    the largest M that may still split (:func:`auto_split` splits up to some M and never past
-    ``32 * sms`` rows, so these two give both long variants without a huge zero input). The same
+    ``1..max_rows`` uses, for any weight (default launch options): each decode M (the split-sum's size ``M*N`` is specialised too), then 17 and
+    the largest M below :data:`DENSE_M` (from there on the call runs on cuBLAS; :func:`auto_split`
+    splits up to some M, so these two give both long variants). The same
     launches, run before any CUDA graph capture (the engine's warm-up), grow the split-K counters
     (:func:`split_counters`) to the most tiles a split launch of those weights uses.
     """
     rows = list(range(1, min(DECODE_M, max_rows) + 1))
-    return rows + sorted({m for m in (DECODE_M + 1, min(max_rows, 32 * sms)) if DECODE_M < m <= max_rows})
+    return rows + sorted({m for m in (DECODE_M + 1, min(max_rows, DENSE_M - 1)) if DECODE_M < m <= max_rows})
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
@@ -177,7 +177,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                gemv: bool = True, backend: str = "auto") -> torch.Tensor:
     """``x @ (w * scale).T`` with the FP8 weight read once and never dequantized to memory.
 
-    Built for decode. One token (``M = 1``, or one token's ``groups`` rows) runs the GEMV kernel
+    Built for decode. A prefill chunk (at least :data:`DENSE_M` tokens) is compute-bound: it runs the
+    reference, the weight dequantized to ``x.dtype`` once per call (FP8 times a UE8M0 scale is exact in
+    bf16) and multiplied on cuBLAS's tensor cores, the same bits as a load-time dequantized linear
+    (``groups``: one batched GEMM over the diagonal blocks, not all of them). One token (``M = 1``, or one token's ``groups`` rows) runs the GEMV kernel
     (``_fp8_triton._fp8_gemv_kernel``: element-wise float32 multiply-adds, the block scale applied to
     the activations, split-K over about :data:`GEMV_PROGRAMS_PER_SM` programs per multiprocessor);
     ``M = 2..16`` runs the dot kernel in one 16-row tile; larger M runs in 16-row tiles, correct but
@@ -219,7 +222,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         >>> y = fp8_linear(x, layer.weight, layer.weight_scale_inv, (128, 128))  # doctest: +SKIP
     """
     _check(x, w, scale, block, groups)
-    if not use_triton(x, backend):
+    if not use_triton(x, backend) or x.numel() // x.shape[-1] >= DENSE_M * groups:
         return fp8_linear_reference(x, w, scale, block, groups)
     from shardsmith.runtime.layers.kernels import _fp8_triton
 

@@ -23,8 +23,8 @@ one split-K launch instead of 4-5, and the RMSNormF32 the block runs on the coll
 ``ffn_norm``, passed as ``norm``) in the same launch. With ``SHARDSMITH_KERNELS=hc_post`` on (``auto``: CUDA),
 :meth:`HyperMixer.expand` spreads the sublayer's output onto the streams as
 :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.hc_post.hc_post` (one launch for the matmul, multiply, add
-and cast) for up to 16 tokens. Past 16 tokens, or with the switches off (the default on CPU), the
-mixer runs the PyTorch ops below, and :func:`expand`.
+and cast) at any token count. Past 16 tokens, or with the switches off (the default on CPU), the
+mixer runs the PyTorch ops below (and without ``hc_post``, :func:`expand`).
 
 Legend: T = tokens, m = streams, D = hidden.
 """
@@ -42,7 +42,7 @@ from shardsmith.runtime.layers.parallel import kernel_on
 from shardsmith.runtime.models.common import RMSNormF32
 from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
 
-HC_PRE_TOKENS = 16  # mixers of up to this many tokens run hc_pre (hc_post) when ``kernel`` (``post_kernel``) is on
+HC_PRE_TOKENS = 16  # mixers of up to this many tokens run hc_pre when ``kernel`` is on (hc_post: any, ``post_kernel``)
 
 
 def _meta(*shape: int) -> torch.Tensor:
@@ -64,7 +64,7 @@ class HyperMixer(nn.Module):
         self.register_buffer("base", _meta(width))
         self.register_buffer("scale", _meta(3))
         self.kernel = False  # up to HC_PRE_TOKENS tokens through hc_pre (use_kernel_)
-        self.post_kernel = False  # up to HC_PRE_TOKENS tokens of expand through hc_post (use_kernel_)
+        self.post_kernel = False  # expand through hc_post (use_kernel_)
 
     def forward(self, streams: torch.Tensor, norm: RMSNormF32 | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                    torch.Tensor]:
@@ -83,9 +83,9 @@ class HyperMixer(nn.Module):
 
     def expand(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The sublayer's ``out [T, D]`` spread onto ``streams [T, m, D]`` with this mixer's ``post`` and
-        ``comb``: :func:`expand`, or :func:`hc_post` (the same roundings, one launch) for up to
-        ``HC_PRE_TOKENS`` tokens when ``post_kernel`` is on."""
-        if self.post_kernel and streams.shape[0] <= HC_PRE_TOKENS:
+        ``comb``: :func:`expand`, or :func:`hc_post` (the same roundings, one launch, at any token count:
+        a prefill chunk's batched ``m x m`` matmul is slow on cuBLAS) when ``post_kernel`` is on."""
+        if self.post_kernel:
             return hc_post(streams, out, post, comb)
         return expand(streams, out, post, comb)
 
