@@ -7,7 +7,10 @@ holes and repeats of none), a first chunk and a later chunk whose keys start bef
 window, head counts below and past one 16-head block, a head dim that is not a power of two, a
 window wider than the chunk, and queries that see only the sink's share. GPU (``-m gpu``): V4-Flash's
 shapes (64 heads, head dim 512, window 128, top-k 512, 2048-query chunk at 8k of context) in bf16
-within a few times the reference's own bf16 error of a float32 truth.
+within a few times the reference's own bf16 error of a float32 truth. The indexer's prefill scores
+(``indexer_prefill_scores``) against their reference: chunks at the sequence's start (the triangle of
+incomplete entries, ``-inf``), later chunks, blocks no query may see yet; on the GPU 64 x 128 heads
+over 2k entries in bf16.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shardsmith.runtime.layers.kernels import KernelError, triton_available
+from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import (indexer_prefill_scores,
+                                                                          indexer_prefill_scores_reference)
 from shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention import (
     entry_mask,
     prefill_attention,
@@ -126,6 +131,44 @@ def test_bad_inputs_are_refused_with_every_problem():
         prefill_attention(q.double(), keys.double(), None, None, sink, 0.25, backend="reference", **kw)
 
 
+def _scores_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """The same ``-inf`` places, the finite scores within ``tol`` of the largest."""
+    assert got.shape == want.shape and got.dtype == torch.float32
+    hidden = torch.isinf(want)
+    assert torch.equal(torch.isinf(got), hidden) and (got[hidden] < 0).all()
+    if (~hidden).any():
+        err = (got[~hidden].double() - want[~hidden].double()).abs().max().item()
+        assert err <= tol * max(1.0, want[~hidden].abs().max().item()), err
+
+
+@needs_triton
+@pytest.mark.parametrize(("T", "h", "c", "q0", "ratio"), [
+    (37, 4, 32, 0, 4),      # the first chunk: the early queries see nothing, the triangle inside
+    (45, 20, 48, 300, 4),   # a later chunk: many blocks seen by all, heads past 16, c not a power of two
+    (16, 3, 16, 1000, 4),   # one query tile, every block complete
+    (70, 2, 32, 5, 128),    # no entry complete at all: every block skipped, all -inf
+])
+def test_index_prefill_scores_match_reference(T, h, c, q0, ratio):
+    g = torch.Generator().manual_seed(T + q0)
+    q, w = torch.randn(T, h, c, generator=g), torch.randn(T, h, generator=g)
+    entries = torch.randn((q0 + T) // ratio, c, generator=g)
+    got = indexer_prefill_scores(q, w, entries, q0=q0, ratio=ratio, backend="triton")
+    want = indexer_prefill_scores_reference(q, w, entries, q0=q0, ratio=ratio)
+    _scores_close(got, want, 2e-6)
+    for t in (0, T - 1):  # the formula, by hand
+        seen = (q0 + t + 1) // ratio
+        by_hand = (torch.relu(q[t] @ entries[:seen].T) * c ** -0.5 * w[t][:, None]).sum(0)
+        assert torch.allclose(want[t, :seen], by_hand, atol=1e-5) and torch.isinf(want[t, seen:]).all()
+
+
+def test_index_prefill_scores_refuse_bad_inputs():
+    q, w, entries = torch.randn(4, 2, 8), torch.randn(4, 2), torch.randn(3, 8)
+    with pytest.raises(KernelError, match=r"w \(4, 3\).*ratio 0"):
+        indexer_prefill_scores(q, torch.randn(4, 3), entries, q0=0, ratio=0, backend="reference")
+    with pytest.raises(KernelError, match="want \\[T, h, c\\] and \\[C, c\\]"):
+        indexer_prefill_scores(q, w, entries[:, :4], q0=0, ratio=4, backend="reference")
+
+
 # ------------------------------------------------------------------ GPU: V4-Flash shapes
 
 
@@ -142,3 +185,15 @@ def test_v4_shapes_on_cuda_within_bf16(mode, ratio):
     truth = prefill_attention_reference(q.float(), keys.float(), f(entries), select, sink, scale, **kw)
     err, ref_err = (got.float() - truth).abs().max().item(), (want.float() - truth).abs().max().item()
     assert err <= 4 * ref_err + 1e-3, (err, ref_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_index_prefill_scores_v4_shapes_on_cuda():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    T, q0 = 2048, 6144
+    q = torch.randn(T, 64, 128, generator=g, device="cuda").bfloat16()
+    w = torch.randn(T, 64, generator=g, device="cuda")
+    entries = torch.randn((q0 + T) // 4, 128, generator=g, device="cuda").bfloat16()
+    got = indexer_prefill_scores(q, w, entries, q0=q0, ratio=4)
+    _scores_close(got, indexer_prefill_scores_reference(q, w, entries, q0=q0, ratio=4), 1e-5)

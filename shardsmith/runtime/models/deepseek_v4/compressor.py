@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.runtime.layers.kernels.deepseek_v4.compressor_step import compressor_step
-from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import indexer_scores
+from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import indexer_prefill_scores, indexer_scores
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
 from shardsmith.runtime.models.common import RMSNormF32
 from shardsmith.runtime.models.deepseek_v4.ops import apply_rope, rope_cos_sin
@@ -219,18 +219,16 @@ class Indexer(nn.Module):
         Args:
             x: ``[T, D]`` attention input; q_lora: ``[T, q_lora_rank]`` normed query latent;
             positions: ``[T]`` absolute positions ``[start, start + T)``; slot: the slot; start: the
-                slot's position (checked by the caller); kernel: score through :func:`indexer_scores`'s
-                Triton kernel (each entry read from the buffer by every query's program; else the
-                reference einsum).
+                slot's position (checked by the caller); kernel: score through
+                :func:`indexer_prefill_scores`'s Triton kernel (else the reference einsum).
         """
         keys = self.compressor.extend(x, slot, start)  # [C, c]
         T, C = x.shape[0], keys.shape[0]
         if C == 0:
             return torch.zeros(T, 0, dtype=torch.int64, device=x.device)
         q, w = self.query(x, q_lora, *rope_cos_sin(positions, self.freqs))
-        if kernel:
-            index = torch.full((T,), slot, dtype=torch.int64, device=x.device)
-            score = indexer_scores(q, w, self.compressor.entries, index, C, backend="triton")
+        if kernel:  # -inf on entries not complete for the query already
+            score = indexer_prefill_scores(q, w, keys, q0=start, ratio=self.ratio, backend="triton")
         else:
             score = self._score(q, w, keys)  # [T, C]
         return self._top(score, visible(positions, C, self.ratio))
