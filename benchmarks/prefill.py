@@ -1,25 +1,29 @@
 """Prefill speed of a long prompt at the engine level: DeepSeek-V4's prefill kernels side by side with the
-PyTorch reference path, per prompt length and chunk size, and where a chunk's GPU time goes.
+PyTorch reference path and the FP4 experts' grouped matmuls beside the expert-by-expert loop, per prompt
+length and chunk size, and where a chunk's GPU time goes.
 
 One engine (rank 0, world size 1, weights resident) loads ``PATH`` (a pack, or a checkpoint with
 ``--from-checkpoint``: e.g. ``gen_v4_checkpoint.py --layers 43``, the full V4-Flash depth with random
 weights). For each prompt length (random token ids) and chunk size it prefills the prompt chunk by
-chunk into one slot, as the scheduler feeds a long prompt, with the attention path ``kernel``
-(:func:`~shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention.prefill_attention` and the
-indexer's kernel scores) and ``reference`` (the same maths in float32 einsums), timing from the first
-chunk to the last logits on the host (``ttft_s``, median of ``--repeat`` after one untimed run that
-compiles). With ``--profile`` one chunk at the longest prompt's end runs under ``torch.profiler`` per
-path and the GPU kernels that take the most time are listed.
+chunk into one slot, as the scheduler feeds a long prompt, once per ``--paths`` entry ``ATTENTION/MOE``:
+attention ``kernel`` (:func:`~shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention.prefill_attention`
+and the indexer's kernel scores) or ``reference`` (the same maths in float32 einsums); MoE ``grouped``
+(:func:`~shardsmith.runtime.layers.experts.grouped_fp4`) or ``loop`` (expert by expert). Time from the
+first chunk to the last logits on the host (``ttft_s``, median of ``--repeat`` after one untimed run
+that compiles). With ``--profile`` one chunk at the longest prompt's end runs under ``torch.profiler``
+on the first path and the GPU kernels that take the most time are listed.
 
 Rows: ``device``, ``tp``, ``layers``, ``experts_per_layer``, ``prompt_tokens``, ``chunk_tokens``,
-``attention`` (``kernel`` / ``reference``), ``ttft_s``, ``prefill_tokens_per_s``, ``ratio_to_reference``
-(the reference's time over this row's), ``same_last_token`` (the greedy token after the prompt equals
-the reference's), ``moe_backend`` (``resident``); saved as ``benchmarks/results/prefill-<date>-<host>.json``
+``attention``, ``moe``, ``ttft_s``, ``prefill_tokens_per_s``, ``ratio_to_baseline`` (the last path's
+time over this row's), ``same_last_token`` (the greedy token after the prompt equals the baseline's),
+``moe_backend`` (``resident``); saved as ``benchmarks/results/prefill-<date>-<host>.json``
 with the profiles under ``profile``. Not yet here (the long-prompt issue's full benchmark): the real
 ``serve`` path over HTTP, offloaded experts, decode speed at the context, transformers beside it.
 
     python benchmarks/gen_v4_checkpoint.py /data/v4f --layers 43 --experts 8 --mtp 0
     python benchmarks/prefill.py /data/v4f --from-checkpoint --device cuda --prompt 1024 8192 32768 --chunk 2048 8192
+    python benchmarks/gen_v4_checkpoint.py /data/v4m --layers 4 --experts 256 --mtp 0
+    python benchmarks/prefill.py /data/v4m --from-checkpoint --paths kernel/grouped kernel/loop --prompt 8192
     python benchmarks/prefill.py /tmp/v4t --from-checkpoint --device cpu --dtype float32 --prompt 256 --chunk 64  # smoke
 """
 
@@ -38,13 +42,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shardsmith.runtime.engine.engine import Engine
+from shardsmith.runtime.layers.experts import grouped_mm_runs as _GROUPED
 
 
-def set_attention(model: torch.nn.Module, path: str) -> None:
-    """Switch every V4 attention layer's prefill path (``kernel`` or ``reference``) for this run."""
+def set_path(model: torch.nn.Module, path: str) -> None:
+    """Switch the prefill path for this run: ``ATTENTION/MOE``, attention ``kernel`` or ``reference``
+    (every V4 attention layer's ``prefill_kernel``), MoE ``grouped`` (FP4 banks' grouped matmuls) or
+    ``loop`` (expert by expert, as before them)."""
+    from shardsmith.runtime.layers import experts
+
+    attention, moe = path.split("/")
     for m in model.modules():
         if hasattr(m, "prefill_kernel"):
-            m.prefill_kernel = path == "kernel"
+            m.prefill_kernel = attention == "kernel"
+    experts.grouped_mm_runs = _GROUPED if moe == "grouped" else (lambda x: False)
 
 
 def prefill(engine: Engine, ids: list[int], chunk: int, sync) -> tuple[float, int]:
@@ -91,8 +102,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--chunk", type=int, nargs="+", default=[2048])
-    ap.add_argument("--attention", nargs="+", default=["kernel", "reference"], choices=["kernel", "reference"])
-    ap.add_argument("--reference-max", type=int, default=32768, help="longest prompt the reference path runs")
+    ap.add_argument("--paths", nargs="+", default=["kernel/grouped", "reference/grouped"],
+                    help="ATTENTION/MOE: attention kernel|reference, MoE grouped|loop; the last is the baseline")
+    ap.add_argument("--baseline-max", type=int, default=32768, help="longest prompt the baseline path runs")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="list the TOP kernels of one chunk (CUDA)")
     ap.add_argument("--out", type=Path, default=None)
@@ -113,37 +125,35 @@ def main() -> None:
         ids = torch.randint(3, engine.vocab_size, (length,), generator=gen).tolist()
         for chunk in a.chunk:
             got = {}
-            for path in a.attention:
-                if path == "reference" and length > a.reference_max:
+            for path in a.paths:
+                if path == a.paths[-1] and len(a.paths) > 1 and length > a.baseline_max:
                     continue
-                set_attention(engine.model, path)
+                set_path(engine.model, path)
                 prefill(engine, ids, chunk, sync)  # compiles, fills the allocator
                 runs = [prefill(engine, ids, chunk, sync) for _ in range(a.repeat)]
                 got[path] = (statistics.median(r[0] for r in runs), runs[0][1])
                 print(f"prompt {length} chunk {chunk} {path}: {got[path][0]:.3f} s", flush=True)
+            base = got.get(a.paths[-1])
             for path, (secs, token) in got.items():
-                ref = got.get("reference")
+                attention, moe = path.split("/")
                 rows.append({"device": device, "tp": 1, "layers": layers, "experts_per_layer": experts,
-                             "prompt_tokens": length, "chunk_tokens": chunk, "attention": path,
+                             "prompt_tokens": length, "chunk_tokens": chunk, "attention": attention, "moe": moe,
                              "ttft_s": round(secs, 4), "prefill_tokens_per_s": round(length / secs, 1),
-                             "ratio_to_reference": round(ref[0] / secs, 3) if ref else None,
-                             "same_last_token": token == ref[1] if ref else None, "moe_backend": "resident"})
+                             "ratio_to_baseline": round(base[0] / secs, 3) if base else None,
+                             "same_last_token": token == base[1] if base else None, "moe_backend": "resident"})
     if a.profile and cuda:
         longest, chunk = max(a.prompt), max(a.chunk)
         ids = torch.randint(3, engine.vocab_size, (longest,), generator=gen).tolist()
-        for path in a.attention:
-            if path == "reference" and longest > a.reference_max:
-                continue
-            set_attention(engine.model, path)
-            profiles[f"{path}-{longest}-{chunk}"] = ops = profile_chunk(engine, ids, chunk, a.profile)
-            print(f"\nGPU kernels of the last {chunk}-token chunk of a {longest}-token prompt, {path}:")
-            for op in ops:
-                print(f"  {op['ms']:>10.2f} ms {op['share']:>6.1%} {op['calls']:>6}  {op['kernel']}")
-    print(f"\n{'prompt':>7} {'chunk':>6} {'attention':<10} {'ttft s':>9} {'tok/s':>9} {'vs ref':>7} {'same':>5}")
+        set_path(engine.model, a.paths[0])
+        profiles[f"{a.paths[0]}-{longest}-{chunk}"] = ops = profile_chunk(engine, ids, chunk, a.profile)
+        print(f"\nGPU kernels of the last {chunk}-token chunk of a {longest}-token prompt, {a.paths[0]}:")
+        for op in ops:
+            print(f"  {op['ms']:>10.2f} ms {op['share']:>6.1%} {op['calls']:>6}  {op['kernel']}")
+    print(f"\n{'prompt':>7} {'chunk':>6} {'path':<18} {'ttft s':>9} {'tok/s':>9} {'vs base':>8} {'same':>5}")
     for r in rows:
-        ratio = "" if r["ratio_to_reference"] is None else f"{r['ratio_to_reference']:.2f}"
-        print(f"{r['prompt_tokens']:>7} {r['chunk_tokens']:>6} {r['attention']:<10} {r['ttft_s']:>9.3f} "
-              f"{r['prefill_tokens_per_s']:>9.1f} {ratio:>7} {r['same_last_token']!s:>5}")
+        ratio = "" if r["ratio_to_baseline"] is None else f"{r['ratio_to_baseline']:.2f}"
+        print(f"{r['prompt_tokens']:>7} {r['chunk_tokens']:>6} {r['attention'] + '/' + r['moe']:<18} "
+              f"{r['ttft_s']:>9.3f} {r['prefill_tokens_per_s']:>9.1f} {ratio:>8} {str(r['same_last_token']):>5}")
     save_results("prefill", rows, extra={"path": a.path.name, "dtype": a.dtype, "profile": profiles}, path=a.out)
 
 

@@ -12,8 +12,9 @@
 #   sampling        the sampling fields per decode step on the 5-layer template pack (sampling.py)
 #   kernels         the decode kernels side by side (decode_kernels.py)
 #   serve           8 concurrent streams against one through the real serve path (serve_concurrency.py)
-#   prefill         the prefill kernel's GPU test, then 1k-32k prompts through a full-depth checkpoint in
+#   prefill         the prefill kernels' GPU tests, then 1k-32k prompts through a full-depth checkpoint in
 #                   2k and 8k chunks, kernel against reference, and one chunk's kernels profiled (prefill.py)
+#   prefill-moe     2k and 8k prompts through 4 layers x 256 FP4 experts: grouped experts against the loop
 #
 # Carry .inv/ (the real V4-Flash inventory from ../shared/real-inventories, and SmolLM2's
 # tokenizer.json as .inv/smollm2-tokenizer.json for the masks) and .whl/ (wheels the host lacks:
@@ -111,15 +112,23 @@ full_depth() {  # 43 V4-Flash-shaped layers x 8 FP4 experts (written once)
 }
 
 step_prefill() {
-    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/kernels/test_prefill_attention.py 2>&1 | tail -3
+    timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/kernels/test_prefill_attention.py \
+        tests/runtime/kernels/test_grouped_experts.py 2>&1 | tail -3
     full_depth || return 1
     timeout "${PREFILL_S:-420}" python3 benchmarks/prefill.py /tmp/v4f --from-checkpoint --device cuda \
-        --prompt ${PREFILL_PROMPTS:-1024 8192 32768} --chunk ${PREFILL_CHUNKS:-2048 8192} --reference-max 8192 \
-        --profile 18 2>&1 | grep -v INFO | tee "$OUT/prefill.log" | tail -60
-    local rc=${PIPESTATUS[0]}; keep prefill; return $rc
+        --prompt ${PREFILL_PROMPTS:-1024 8192 32768} --chunk ${PREFILL_CHUNKS:-2048 8192} --baseline-max 8192 \
+        --profile 18 --out "$OUT/prefill-$SHARDSMITH_HOST.json" 2>&1 | grep -v INFO | tee "$OUT/prefill.log" | tail -60
 }
 
-[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+step_prefill_moe() {  # 4 layers x 256 FP4 experts: a chunk routes to every expert, grouped against the loop
+    [ -f /tmp/v4m/config.json ] || timeout 300 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4m --layers 4 \
+        --experts 256 --mtp 0 --inventory "$inv" > "$OUT/gen_v4m.log" 2>&1
+    timeout "${PREFILL_MOE_S:-300}" python3 benchmarks/prefill.py /tmp/v4m --from-checkpoint --device cuda \
+        --prompt 2048 8192 --chunk 2048 8192 --paths kernel/grouped kernel/loop --profile 12 \
+        --out "$OUT/prefill-$SHARDSMITH_HOST-moe.json" 2>&1 | grep -v INFO | tee "$OUT/prefill_moe.log" | tail -30
+}
+
+[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
 for step in "$@"; do
     fn="step_${step//-/_}"
     if ! declare -F "$fn" > /dev/null; then echo "unknown step: $step"; continue; fi

@@ -26,9 +26,15 @@ dense   one token, its K experts gathered by id     expert by expert, gate and u
         (at most ``DECODE_GATHER_MAX_BYTES``)
 fp8     never without the kernel (FP8 is kept with  expert by expert, dequantized per use
         ``fp8="on-the-fly"`` or the kernel)
-fp4     ``T*K <= ExpertMath.batched_pairs`` pairs,  expert by expert, one gate+up matmul
-        expanded, two batched matmuls
+fp4     ``T*K <= ExpertMath.batched_pairs`` pairs,  the pairs sorted by expert, ``GROUP_EXPERTS``
+        expanded, two batched matmuls               experts expanded at a time, two grouped
+                                                    matmuls each (``torch._grouped_mm``)
 ======  ==========================================  ============================================
+
+A prefill chunk routes to nearly every expert: expert by expert it was ~15 launches each (256 experts:
+thousands of launches a layer), grouped it is a few per ``GROUP_EXPERTS`` experts; each token still
+adds its experts' outputs in ascending expert order, so the result has the loop's bits wherever the
+grouped matmul has ``F.linear``'s (on the CPU, in the tests).
 
 On CUDA a resident bank of any format runs steps of at most ``FUSED_TOKENS_MAX`` tokens (a decode
 batch) through the Triton kernel :func:`~shardsmith.runtime.layers.kernels.fused_experts` instead
@@ -61,6 +67,9 @@ from shardsmith.runtime.layers.parallel import Shards, kernel_on
 from shardsmith.runtime.layers.quant import bank_format, dequantize_fp4, expert_weights
 from shardsmith.runtime.layers.staging import rows_by_expert
 
+# FP4 experts expanded at once by a grouped step: 32 of V4-Flash's (2 x 2048 x 4096 gate/up, 4096 x 2048
+# down) are 1.5 GiB of bf16 scratch.
+GROUP_EXPERTS = 32
 # A one-token step gathers its dense experts (no host sync) while their bytes are at most this; past
 # it the copy (read + write + read) costs more than the one host sync it saves. Not yet tuned on GPU.
 DECODE_GATHER_MAX_BYTES = 64 << 20
@@ -178,6 +187,63 @@ def fused_bank(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, arrays:
     return fused_experts(x, ids, weight, arrays["gate_up"], arrays["down"], arrays.get("gate_up_scale"),
                          arrays.get("down_scale"), limit=math.limit, block=block, backend="triton", out_dtype=out_dtype,
                          **kernel)
+
+
+def grouped_mm_runs(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes activations like ``x``: on the CPU any float dtype; on CUDA
+    bf16 on compute capability 9.0 or later (its grouped GEMM kernels)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor],
+                math: ExpertMath, group: int = GROUP_EXPERTS) -> torch.Tensor:
+    """Many tokens through an FP4 bank: the ``P = T*K`` pairs sorted by expert, ``group`` present experts
+    expanded at a time and run as two grouped matmuls (``torch._grouped_mm``, one group of rows per
+    expert), the outputs weighted and added per token in ascending expert order (as the expert-by-expert
+    loop adds them). One host sync (the experts' pair counts).
+
+    Args:
+        x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` routing weights; arrays: the
+            bank's ``gate_up [E, 2*I_r, D/2]``, ``down [E, D, I_r/2]`` int8 with their ``_scale`` arrays
+            (and gpt-oss's ``gate_up_bias [E, 2*I_r]``); math: the family's :class:`ExpertMath`;
+            group: experts expanded at once (bf16 scratch ``group x 3 x I_r x D``).
+
+    Returns:
+        ``[T, D]`` in ``x.dtype``.
+    """
+    T, K = index.shape
+    flat = index.flatten()  # [P]
+    order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
+    counts = torch.bincount(flat, minlength=arrays["gate_up"].shape[0])
+    present = counts.nonzero().flatten()
+    sizes = counts[present]
+    present_h, sizes_h = present.tolist(), sizes.tolist()  # the one host sync
+    xs = x[order // K]  # [P, D]
+    ys = torch.empty_like(xs)
+    start = 0
+    for g in range(0, len(present_h), group):
+        ids, n = present[g:g + group], sum(sizes_h[g:g + group])
+        offs = sizes[g:g + group].cumsum(0).to(torch.int32)
+        gate_up = dequantize_fp4(arrays["gate_up"][ids], arrays["gate_up_scale"][ids], x.dtype)  # [G, 2I_r, D]
+        h = torch._grouped_mm(xs[start:start + n], gate_up.transpose(-2, -1), offs=offs)  # [n, 2I_r]
+        del gate_up
+        if "gate_up_bias" in arrays:
+            h = h + arrays["gate_up_bias"][ids].to(x.dtype).repeat_interleave(sizes[g:g + group], dim=0)
+        down = dequantize_fp4(arrays["down"][ids], arrays["down_scale"][ids], x.dtype)  # [G, D, I_r]
+        ys[start:start + n] = torch._grouped_mm(math.glu(h), down.transpose(-2, -1), offs=offs)
+        start += n
+    pairs = torch.empty_like(ys, dtype=math.accumulator(x[:1]).dtype)
+    pairs[order] = math.contribution(ys, weight.flatten()[order], x.dtype)  # back to [T*K] row-major
+    by_expert = index.argsort(dim=1, stable=True)  # [T, K]: each token's experts, ascending
+    pairs = pairs.view(T, K, -1).gather(1, by_expert[..., None].expand(T, K, pairs.shape[-1]))
+    out = math.accumulator(x)
+    for k in range(K):
+        out += pairs[:, k]
+    return out.to(x.dtype)
 
 
 class RoutedExperts(nn.Module):
@@ -317,8 +383,9 @@ class ExpertBank(RoutedExperts):
         a step that :meth:`sync_free` allows gathers its experts by id on the device (no host
         sync, so the host keeps queueing kernels): FP4 per pair (:func:`routed_pairs`), dense for
         one token in ascending expert order with the general path's kernels (so the same bits).
-        Otherwise one host sync (the ids), then expert by expert in ascending order, reading each
-        expert in place (at most one FP4/FP8 expert expanded at a time).
+        Otherwise one host sync (the ids), then an FP4 bank runs :func:`grouped_fp4` (where
+        :func:`grouped_mm_runs`), other banks expert by expert in ascending order, reading each expert
+        in place (at most one FP4/FP8 expert expanded at a time).
         """
         T, K = index.shape
         if self.fused(T, K):
@@ -338,6 +405,8 @@ class ExpertBank(RoutedExperts):
                              down[k])  # [1, D]
                 out.add_(self.math.contribution(y, w[k: k + 1], x.dtype))
             return out.to(x.dtype)
+        if self.format == "fp4" and grouped_mm_runs(x):
+            return grouped_fp4(x, index, weight, self.arrays(), self.math)
         index_h = index.cpu()  # the one host sync: ids -> rows per expert on the host
         for e, (tok, k) in rows_by_expert(index_h, index_h.unique().tolist(), x.device).items():  # [n], [n]
             y = expert_output({a: t[e] for a, t in self.arrays().items()}, x[tok], self.block, math=self.math)

@@ -1,0 +1,87 @@
+"""Many tokens through an FP4 expert bank as grouped matmuls (``grouped_fp4``) against the expert-by-expert
+loop it replaced (``expert_output`` per expert, outputs added per token in ascending expert order).
+
+CPU: DeepSeek-V4's maths (float32 accumulation, SwiGLU clamp) bit for bit at float32 and bf16, with
+experts no token picks, groups smaller than the experts present (several grouped steps), and a token
+count that is not a multiple of anything; gpt-oss's maths (interleaved gate/up rows, ``alpha``, a gate/up
+bias added after the matmul instead of inside it) within float32 rounding. GPU (``-m gpu``): V4-Flash's
+expert shapes in bf16 through cuBLAS's grouped GEMM, within bf16 rounding of the loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardsmith.runtime.layers.experts import ExpertMath, expert_output, grouped_fp4, grouped_mm_runs
+from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing, rel_error
+
+V4_MATH = ExpertMath(limit=10.0, accumulate_f32=True, batched_pairs=16)
+GPT_OSS_MATH = ExpertMath(limit=7.0, alpha=1.702, interleaved=True)
+
+
+def loop(x, index, weight, arrays, math):
+    """The expert-by-expert path: each present expert on its rows, added in ascending expert order."""
+    out = math.accumulator(x)
+    for e in index.unique().tolist():
+        tok, k = torch.where(index == e)
+        y = expert_output({a: t[e] for a, t in arrays.items()}, x[tok], None, math=math)
+        out.index_add_(0, tok, math.contribution(y, weight[tok, k], x.dtype))
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [3, 32])
+def test_v4_grouped_is_the_loop_bit_for_bit(dtype, group):
+    gen = torch.Generator().manual_seed(group)
+    arrays = random_bank(12, 64, 32, fp4=True, gen=gen)
+    index, weight = random_routing(37, 4, 10, gen=gen)  # experts 10 and 11 never picked
+    x = torch.randn(37, 64, generator=gen).to(dtype)
+    got = grouped_fp4(x, index, weight, arrays, V4_MATH, group=group)
+    assert got.dtype == dtype and torch.equal(got, loop(x, index, weight, arrays, V4_MATH))
+
+
+def test_gpt_oss_grouped_matches_the_loop():
+    gen = torch.Generator().manual_seed(5)
+    arrays = random_bank(8, 64, 32, fp4=True, gen=gen)
+    arrays["gate_up_bias"] = torch.randn(8, 64, generator=gen)
+    index, weight = random_routing(29, 2, 8, gen=gen)
+    x = torch.randn(29, 64, generator=gen)
+    got = grouped_fp4(x, index, weight, arrays, GPT_OSS_MATH, group=3)
+    want = loop(x, index, weight, arrays, GPT_OSS_MATH)
+    assert rel_error(got, want) < 1e-6
+
+
+def test_a_resident_bank_takes_the_grouped_path_past_the_pair_budget(monkeypatch):
+    """``ExpertBank.forward`` of an FP4 bank: ``T*K`` past ``batched_pairs`` runs ``grouped_fp4``."""
+    from shardsmith.runtime.layers import experts
+
+    calls = []
+    real = experts.grouped_fp4
+    monkeypatch.setattr(experts, "grouped_fp4", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    bank = experts.ExpertBank.__new__(experts.ExpertBank)
+    torch.nn.Module.__init__(bank)
+    gen = torch.Generator().manual_seed(2)
+    for name, t in random_bank(6, 64, 32, fp4=True, gen=gen).items():
+        bank.register_buffer(name, t)
+    bank.top_k, bank.math, bank.format, bank.block = 2, V4_MATH, "fp4", None
+    x = torch.randn(20, 64, generator=gen)
+    index, weight = random_routing(20, 2, 6, gen=gen)
+    assert torch.equal(bank(x, index, weight), loop(x, index, weight, bank.arrays(), V4_MATH))
+    assert calls == [(20, 2)]
+    bank(x[:8], index[:8], weight[:8])  # 16 pairs: the batched pairs, no sync
+    assert calls == [(20, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_v4_shapes_on_cuda_within_bf16():
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    arrays = random_bank(40, 4096, 2048, fp4=True, gen=gen)
+    index, weight = random_routing(512, 6, 40, gen=gen)
+    x = torch.randn(512, 4096, generator=gen, device="cuda").bfloat16()
+    assert grouped_mm_runs(x)
+    got = grouped_fp4(x, index, weight, arrays, V4_MATH)
+    truth = loop(x.float(), index, weight, {a: t for a, t in arrays.items()}, V4_MATH)
+    want = loop(x, index, weight, arrays, V4_MATH)
+    assert rel_error(got, truth) <= 2 * rel_error(want, truth) + 1e-3
