@@ -215,20 +215,20 @@ def test_reference_is_the_mixers_former_maths_bitwise():
 
 @needs_triton
 def test_mixer_through_the_kernel():
-    """A ``HyperMixer`` with ``kernel`` on runs ``hc_pre`` at any token count (decode rows and prefill
-    chunks; 300 tokens: many token tiles, one split each), within float32 rounding of its former path."""
+    """A ``HyperMixer`` with ``kernel`` on runs ``hc_pre`` up to 16 tokens (decode rows) and its former
+    path past them (on CPU the reference: the same bits as with ``kernel`` off)."""
     from shardsmith.runtime.layers.kernels.compile_keys import record_launches
     from shardsmith.runtime.models.deepseek_v4.hyper import HyperMixer
 
     mixer = HyperMixer(64, 4, ITERS, EPS, NORM_EPS)
-    streams, mixer.fn, mixer.base, mixer.scale = _case(300, 4, 64, torch.bfloat16, seed=5)
-    for T in (3, 17, 300):
+    streams, mixer.fn, mixer.base, mixer.scale = _case(17, 4, 64, torch.bfloat16, seed=5)
+    for T in (3, 17):
         want = mixer(streams[:T])
         mixer.kernel = True
         with record_launches(run=True) as keys:
             got = mixer(streams[:T])
         mixer.kernel = False
-        assert [k[0] for k in keys] == ["_hc_pre_kernel"]
+        assert [k[0] for k in keys] == (["_hc_pre_kernel"] if T <= 16 else [])  # past 16: hc_mix's reference on CPU
         _close((got[0], want[1], got[1], got[2]), (want[0], want[1], want[1], want[2]))
 
 

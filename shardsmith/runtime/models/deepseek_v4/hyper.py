@@ -17,15 +17,16 @@ head mixer (``hc_head_*``) collapses the streams once more before the final norm
 replicated. The pre/post/comb maths (40 Sinkhorn half-steps on ``[T, m, m]``) is
 :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.hc_mix.hc_mix`: one Triton program per token on CUDA (eagerly
 it is ~80 tiny kernels; ``torch.compile`` made it 5-6), its PyTorch reference elsewhere. With the
-``SHARDSMITH_KERNELS=hc_pre`` on (``auto``: CUDA), a mixer runs whole (norm,
+``SHARDSMITH_KERNELS=hc_pre`` on (``auto``: CUDA), a mixer of up to 16 tokens runs whole (norm,
 ``fn`` projection, pre/post/comb, collapse) as :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.hc_pre.hc_pre`,
 one split-K launch instead of 4-5, and the RMSNormF32 the block runs on the collapse (``attn_norm``,
 ``ffn_norm``, passed as ``norm``) in the same launch. With ``SHARDSMITH_KERNELS=hc_post`` on (``auto``: CUDA),
 :meth:`HyperMixer.expand` spreads the sublayer's output onto the streams as
 :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.hc_post.hc_post` (one launch for the matmul, multiply, add
-and cast), both at any token count (decode rows and prefill chunks: the PyTorch path of a chunk writes
-float32 copies of the streams and runs a slow batched ``m x m`` matmul). With the switches off (the
-default on CPU) the mixer runs the PyTorch ops below, and :func:`expand`.
+and cast) at any token count (a prefill chunk's batched ``m x m`` matmul ran a slow small-tile cuBLAS
+kernel). ``hc_pre`` stays with decode: at an 8k-token chunk it took 5.2 ms a call on an H100, slower
+than the PyTorch ops below, which a mixer of more tokens (or with the switch off, the default on
+CPU) runs.
 
 Legend: T = tokens, m = streams, D = hidden.
 """
@@ -42,6 +43,8 @@ from shardsmith.runtime.layers.kernels.deepseek_v4.hc_pre import hc_pre_op as hc
 from shardsmith.runtime.layers.parallel import kernel_on
 from shardsmith.runtime.models.common import RMSNormF32
 from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
+
+HC_PRE_TOKENS = 16  # mixers of up to this many tokens run hc_pre when ``kernel`` is on (decode rows)
 
 
 
@@ -63,14 +66,14 @@ class HyperMixer(nn.Module):
         self.register_buffer("fn", _meta(width, mult * dim))
         self.register_buffer("base", _meta(width))
         self.register_buffer("scale", _meta(3))
-        self.kernel = False  # through hc_pre (use_kernel_)
+        self.kernel = False  # up to HC_PRE_TOKENS tokens through hc_pre (use_kernel_)
         self.post_kernel = False  # expand through hc_post (use_kernel_)
 
     def forward(self, streams: torch.Tensor, norm: RMSNormF32 | None = None) -> tuple[torch.Tensor, torch.Tensor,
                                                                                    torch.Tensor]:
         """``streams [T, m, D]`` -> ``(x [T, D], post [T, m], comb [T, m, m])``: ``x`` is the collapsed
         streams, or ``norm(collapsed)`` when the block's RMSNormF32 is given (folded into ``hc_pre``)."""
-        if self.kernel:  # one launch; within float32 rounding of below
+        if self.kernel and streams.shape[0] <= HC_PRE_TOKENS:  # one launch; within float32 rounding of below
             x, _, post, comb = hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps,
                                       out_norm=None if norm is None else (norm.weight, norm.eps))
             return x, post, comb
@@ -90,7 +93,7 @@ class HyperMixer(nn.Module):
         return expand(streams, out, post, comb)
 
     def use_kernel_(self, device: torch.device) -> None:
-        """Run mixers of any token count through :func:`hc_pre` (with the norm after
+        """Run mixers of up to ``HC_PRE_TOKENS`` tokens through :func:`hc_pre` (with the norm after
         them) when ``SHARDSMITH_KERNELS=hc_pre`` allows on ``device``, and their :meth:`expand` through
         :func:`hc_post` when ``hc_post`` does (``auto``: on CUDA; ``reference``: the torch ops)."""
         self.kernel = kernel_on("hc_pre", device)
