@@ -117,6 +117,7 @@ step_prefill() {
     full_depth || return 1
     timeout "${PREFILL_S:-420}" python3 benchmarks/prefill.py /tmp/v4f --from-checkpoint --device cuda \
         --prompt ${PREFILL_PROMPTS:-1024 8192 32768} --chunk ${PREFILL_CHUNKS:-2048 8192} --baseline-max 8192 \
+        --paths ${PREFILL_PATHS:-kernel/grouped reference/grouped} \
         --profile 18 --out "$OUT/prefill-$SHARDSMITH_HOST.json" 2>&1 | grep -v INFO | tee "$OUT/prefill.log" | tail -60
 }
 

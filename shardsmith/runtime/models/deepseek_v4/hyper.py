@@ -47,7 +47,6 @@ from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
 HC_PRE_TOKENS = 16  # mixers of up to this many tokens run hc_pre when ``kernel`` is on (decode rows)
 
 
-
 def _meta(*shape: int) -> torch.Tensor:
     return torch.empty(*shape, dtype=torch.float32, device="meta")
 
