@@ -214,8 +214,10 @@ def serve(
     max_num_seqs: int = typer.Option(8, "--max-num-seqs",
                                      help="Sequences decoded together (continuous batching): slots of per-sequence state."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; more get HTTP 429."),
-    prefill_chunk: int = typer.Option(512, "--prefill-chunk",
-                                      help="Prompt tokens per engine step, so a long prompt does not stall running streams."),
+    prefill_chunk: int | None = typer.Option(
+        None, "--prefill-chunk",
+        help="Prompt tokens per engine step, so a long prompt does not stall running streams "
+             "(default: 2048 on a GPU, 512 on a CPU)."),
     decode_prompt_tokens: int | None = typer.Option(
         None, "--decode-prompt-tokens",
         help="Prompts of at most this many tokens are fed one token per step through the batched decode step "
@@ -253,7 +255,7 @@ def serve(
         raise UsageError("--served-model-name must not be empty")
     if max_queue < 0:
         raise UsageError(f"--max-queue must be at least 0, got {max_queue}")
-    if prefill_chunk < 1:
+    if prefill_chunk is not None and prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be at least 1 token, got {prefill_chunk}")
     from shardsmith.runtime.serve.http_limits import HTTPLimits
 

@@ -276,7 +276,8 @@ class EngineWorker:
         metrics: updated with load time, readiness, queue and batch sizes, per-token latencies.
         on_fatal: called once, with a message, when the engine fails (load error or dead rank).
         max_queue: jobs that may wait for a slot (>= 0); one more is refused (:class:`QueueFull`).
-        prefill_chunk: prompt tokens per engine step (:class:`~shardsmith.runtime.engine.scheduler.Scheduler`).
+        prefill_chunk: prompt tokens per engine step (:class:`~shardsmith.runtime.engine.scheduler.Scheduler`;
+            None: its default for the engine's device).
         decode_prompt_tokens: prompts of at most this many tokens go through decode rows (None: the
             device's default, :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
         prefix_caching: reuse the prefixes finished requests leave in their slots (the scheduler's).
@@ -288,7 +289,7 @@ class EngineWorker:
     """
 
     def __init__(self, load: Callable[[], Any], *, metrics: Metrics, on_fatal: Callable[[str], None],
-                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int = 512,
+                 max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int | None = None,
                  decode_prompt_tokens: int | None = None, prefix_caching: bool = True,
                  speculative: Any = None) -> None:
         self._load = load
@@ -416,7 +417,7 @@ class EngineWorker:
                  "prefix caching %s",
                  time.perf_counter() - self._started,
                  float(getattr(e, "warmup_seconds", 0.0)), int(getattr(e, "warmup_launches", 0)), slots,
-                 getattr(e, "max_seq_len", 0), state_bytes / 2**20, self.max_queue, self.prefill_chunk,
+                 getattr(e, "max_seq_len", 0), state_bytes / 2**20, self.max_queue, self._sched.prefill_chunk,
                  self._sched.decode_prompt_tokens, "overlapped" if self._sched.overlap else "plain",
                  "on" if self._sched.prefix.enabled else "off")
         try:

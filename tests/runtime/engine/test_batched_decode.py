@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from shardsmith.errors import UsageError
 from shardsmith.runtime.engine.cuda_graphs import buckets_for
+from shardsmith.runtime.engine.scheduler import CUDA_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK, Scheduler, default_prefill_chunk
 from shardsmith.testing.ranks import run_ranks
 
 PROMPTS = [[3, 17, 42, 99, 5, 8, 61, 7, 200, 13], [11, 12], [250, 4, 9, 77, 31], [5]]
@@ -181,6 +183,9 @@ def test_scheduler_chunks_prompts_and_samples_each_sequence_alone(packs):
     assert _schedule(eng, prompts, seeded, chunk=4)[0] == alone
     with pytest.raises(UsageError, match="prefill_chunk must be >= 1 token, got 0"):
         _schedule(eng, prompts, greedy, chunk=0)
+    # the default chunk: 512 tokens on a CPU, 2048 on a GPU
+    assert Scheduler(eng, decode_prompt_tokens=0, overlap=False).prefill_chunk == DEFAULT_PREFILL_CHUNK == 512
+    assert default_prefill_chunk(SimpleNamespace(device="cuda:0")) == CUDA_PREFILL_CHUNK == 2048
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v4"])
