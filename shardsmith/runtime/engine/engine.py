@@ -43,10 +43,10 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,9 @@ FORWARD, SHUTDOWN, DECODE, RELEASE, WARMUP, RESTORE = 1, 2, 3, 4, 5, 6
 CMD_LEN = 5
 PROMPT_PROBE_TOKENS = 32  # the prompt length warm-up prefills to price a prefill against a decode step
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# GPU memory left free after the per-sequence state: a prefill chunk's activations (a 2048-token chunk
+# of DeepSeek-V4-Flash: its streams, logits, up to 32 expanded FP4 experts) and the CUDA graphs' pools
+ACTIVATION_RESERVE_BYTES = 6 << 30
 
 
 class Engine:
@@ -182,6 +185,10 @@ class Engine:
             use_kernels_(model, dev)  # on CUDA: FP8 linears stay FP8 (fp8_linear), banks run fused_experts
             if fp8 == "load":
                 dequantize_fp8_(model, dtype)  # what use_kernels_ did not keep FP8
+            if dev.type == "cuda" and hasattr(model, "state_bytes_for"):
+                slots = max_num_seqs if getattr(model, "SUPPORTS_BATCHING", False) else 1
+                check_state_fits(model, max_seq_len, slots, dtype, free_bytes=torch.cuda.mem_get_info(dev)[0],
+                                 where=str(dev))
             if getattr(model, "SUPPORTS_BATCHING", False):
                 model.setup_cache(max_seq_len, dev, dtype, max_num_seqs=max_num_seqs)
             else:
@@ -576,6 +583,40 @@ class Engine:
                 raise
             raise RankLostError(f"rank {self.rank}: another rank died or left the process group; "
                                 f"stopping ({str(e).splitlines()[0][:300]})") from e
+
+
+def check_state_fits(model: Any, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype, *, free_bytes: int,
+                     where: str, reserve: int = ACTIVATION_RESERVE_BYTES) -> None:
+    """Refuse a context the device cannot hold, before the per-sequence state is allocated.
+
+    The state ``model.state_bytes_for(max_seq_len, max_num_seqs, dtype)`` must fit in ``free_bytes``
+    (free on the device once the weights are there) less ``reserve`` (a step's activations).
+
+    Raises:
+        UsageError: it does not fit; the message gives what it needs, what is free, the longest
+            ``--max-model-len`` that fits with these slots and the most slots that fit at this length.
+    """
+    need = model.state_bytes_for(max_seq_len, max_num_seqs, dtype)
+    budget = free_bytes - reserve
+    if need <= budget:
+        return
+
+    def largest(fits: Callable[[int], bool], high: int) -> int:  # the largest n in [0, high] with fits(n)
+        low = 0
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        return low
+
+    length = largest(lambda n: model.state_bytes_for(n, max_num_seqs, dtype) <= budget, max_seq_len)
+    slots = largest(lambda n: model.state_bytes_for(max_seq_len, n, dtype) <= budget, max_num_seqs)
+    gib = 2 ** 30
+    raise UsageError(
+        f"--max-model-len {max_seq_len} with {max_num_seqs} sequence slot(s) needs {need / gib:.2f} GiB of "
+        f"per-sequence state on {where}, and {free_bytes / gib:.2f} GiB are free there after the weights, of which "
+        f"{reserve / gib:.0f} GiB stay free for a step's activations: "
+        + (f"--max-model-len {length} fits with {max_num_seqs} slot(s)" if length >= 2 else "no context fits")
+        + (f", or --max-num-seqs {slots} at {max_seq_len}" if slots >= 1 else ""))
 
 
 def _command_group(rank: int, world_size: int) -> object | None:

@@ -131,6 +131,13 @@ class DeepseekV3(nn.Module):
         cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, r] float32
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
+    def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
+        """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``
+        (every slot's latent and RoPE cache, all layers), allocating nothing."""
+        b = torch.empty((), dtype=dtype).element_size()
+        return sum(max_num_seqs * max_seq_len * (layer.self_attn.c + layer.self_attn.rope) * b
+                   for layer in self.model.layers)
+
     def state_bytes(self) -> int:
         """Bytes of per-sequence state this rank allocated (every slot's latent cache, all layers)."""
         return sum(cache_bytes(layer.self_attn.cache_kv, layer.self_attn.cache_pe) for layer in self.model.layers)

@@ -163,6 +163,12 @@ class Attention(nn.Module):
                    and m.weight.dtype == dense[0].weight.dtype for m in dense):
                 self.x_dense = merge_rows(dense, "weight")
 
+    def state_bytes_for(self, num_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
+        """Bytes of :meth:`state` that :meth:`allocate` would make for ``num_slots`` slots of
+        ``max_seq_len`` positions (window rings and compressors), allocating nothing."""
+        window = num_slots * self.window * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        return window + sum(c.state_bytes_for(num_slots, max_seq_len, dtype) for c in self._compressors())
+
     def state(self) -> list[torch.Tensor]:
         """The preallocated per-slot state tensors of this layer (window ring, compressors)."""
         return [self.win, *(t for mod in self._compressors() for t in mod.state())]

@@ -88,6 +88,14 @@ class Compressor(nn.Module):
             self.prev_gate = torch.full((n, r, d), float("-inf"), device=device, dtype=torch.float32)
         self.entries = torch.zeros(n, max_seq_len // r, d, device=device, dtype=dtype) if entries is None else entries
 
+    def state_bytes_for(self, num_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
+        """Bytes :meth:`allocate` would make for ``num_slots`` slots of ``max_seq_len`` positions (what
+        :meth:`state` then holds: the pending window, the CSA carry, the entries), allocating nothing."""
+        b = torch.empty((), dtype=dtype).element_size()
+        r, d = self.ratio, self.dim
+        per_slot = 2 * r * self.width * b + (r * d * (b + 4) if self.overlap else 0) + max_seq_len // r * d * b
+        return num_slots * per_slot
+
     def state(self) -> list[torch.Tensor]:
         """The preallocated per-slot state tensors (for :meth:`DeepseekV4.state_bytes`)."""
         return [t for t in (self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate, self.entries) if t is not None]

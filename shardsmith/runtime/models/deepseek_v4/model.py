@@ -130,6 +130,11 @@ class DeepseekV4(nn.Module):
         for slot in range(max_num_seqs):
             self.release(slot)
 
+    def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
+        """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``,
+        computed from the layers' shapes (nothing allocated; the scratch slot included)."""
+        return sum(layer.attn.state_bytes_for(max_num_seqs + 1, max_seq_len, dtype) for layer in self.layers)
+
     def state_bytes(self) -> int:
         """Bytes of per-sequence state this rank allocated: all ``max_num_seqs + 1`` slots (the scratch
         slot included), all layers."""

@@ -135,6 +135,13 @@ class GptOss(nn.Module):
         cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, d/2] float32
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
+    def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
+        """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``
+        (keys and values of every slot and layer, sliding layers included), allocating nothing."""
+        b = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * max_num_seqs * layer.self_attn.n_kv * max_seq_len * self.args.head_dim * b
+                   for layer in self.model.layers)
+
     def state_bytes(self) -> int:
         """Bytes of per-sequence state this rank allocated (every slot's keys and values, all layers)."""
         return sum(cache_bytes(layer.self_attn.cache_k, layer.self_attn.cache_v) for layer in self.model.layers)

@@ -165,6 +165,13 @@ class Transformer(nn.Module):
         self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         self.lengths = [0] * max_num_seqs  # positions held per slot
 
+    def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
+        """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``
+        (keys and values of every slot and layer), allocating nothing."""
+        b = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * max_num_seqs * layer.self_attn.n_kv * max_seq_len * self.args.head_dim * b
+                   for layer in self.model.layers)
+
     def state_bytes(self) -> int:
         """Bytes of per-sequence state this rank allocated in :meth:`setup_cache` (every slot's KV cache)."""
         return sum(layer.self_attn.cache_k.nbytes + layer.self_attn.cache_v.nbytes for layer in self.model.layers)
