@@ -187,8 +187,9 @@ class Engine:
                 dequantize_fp8_(model, dtype)  # what use_kernels_ did not keep FP8
             if dev.type == "cuda" and hasattr(model, "state_bytes_for"):
                 slots = max_num_seqs if getattr(model, "SUPPORTS_BATCHING", False) else 1
-                check_state_fits(model, max_seq_len, slots, dtype, free_bytes=torch.cuda.mem_get_info(dev)[0],
-                                 where=str(dev))
+                free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+                check_state_fits(model, max_seq_len, slots, dtype, free_bytes=free, where=str(dev))  # the allocator's
+                # cached blocks count as free: the state's tensors may take them
             if getattr(model, "SUPPORTS_BATCHING", False):
                 model.setup_cache(max_seq_len, dev, dtype, max_num_seqs=max_num_seqs)
             else:
