@@ -114,7 +114,7 @@ def test_bad_options_fail_before_ranks_start(packs, args, match: str) -> None:
      "is chosen by batch and format"),
     ({"SHARDSMITH_KERNELS": "moe_path=x"}, "SHARDSMITH_KERNELS: unknown key 'moe_path' (known: compile_pieces, "
      "compressor_step, decode_attention, fp8_dense, fused_experts, hc_post, hc_pre, host_experts, indexer_scores, "
-     "merge_projections, offload_inplace, router, all)"),
+     "merge_projections, offload_inplace, prefill_attention, router, all)"),
     ({"SHARDSMITH_HC_POST": "off"}, "SHARDSMITH_HC_POST was removed: write SHARDSMITH_KERNELS=hc_post=<auto|kernel|reference>"),
     ({"SHARDSMITH_FP8_GEMV": "always"}, "SHARDSMITH_FP8_GEMV was removed: one-token FP8 linears always take the GEMV"),
     ({"SHARDSMITH_TUNING": "host_isa=avx9000", "SHARDSMITH_KERNELS": "host_experts=yes"},

@@ -190,12 +190,12 @@ def fused_bank(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, arrays:
 
 
 def grouped_mm_runs(x: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes activations like ``x``: on the CPU any float dtype; on CUDA
-    bf16 on compute capability 9.0 or later (its grouped GEMM kernels)."""
+    """Whether ``torch._grouped_mm`` takes activations like ``x``: on the CPU float32, bf16 or f16 (not
+    float64); on CUDA bf16 on compute capability 9.0 or later (its grouped GEMM kernels)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
-        return True
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 

@@ -71,6 +71,8 @@ def test_a_resident_bank_takes_the_grouped_path_past_the_pair_budget(monkeypatch
     assert calls == [(20, 2)]
     bank(x[:8], index[:8], weight[:8])  # 16 pairs: the batched pairs, no sync
     assert calls == [(20, 2)]
+    assert torch.equal(bank(x.double(), index, weight), loop(x.double(), index, weight, bank.arrays(), V4_MATH))
+    assert calls == [(20, 2)]  # float64 (parity runs): the loop, which grouped_mm does not take
 
 
 @pytest.mark.gpu

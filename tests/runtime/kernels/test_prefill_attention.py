@@ -127,8 +127,10 @@ def test_bad_inputs_are_refused_with_every_problem():
         prefill_attention(q, keys, entries, select[:3], sink[:3], 0.25, backend="reference", **kw)
     with pytest.raises(KernelError, match="keys cover positions"):
         prefill_attention(q, keys[:-1], entries, select, sink, 0.25, backend="reference", **kw)
-    with pytest.raises(KernelError, match="bfloat16, float16, float32"):
-        prefill_attention(q.double(), keys.double(), None, None, sink, 0.25, backend="reference", **kw)
+    with pytest.raises(KernelError, match="bfloat16, float16, float32, float64, the same"):
+        prefill_attention(q.double(), keys, None, None, sink, 0.25, backend="reference", **kw)
+    double = prefill_attention(q.double(), keys.double(), None, None, sink, 0.25, backend="triton", **kw)
+    assert double.dtype == torch.float64  # float64 (parity runs) takes the reference, even when Triton is asked
 
 
 def _scores_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:

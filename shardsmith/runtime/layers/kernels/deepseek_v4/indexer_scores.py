@@ -130,8 +130,8 @@ def indexer_prefill_scores(q: torch.Tensor, w: torch.Tensor, entries: torch.Tens
     problems = []
     if q.dim() != 3 or entries.dim() != 2 or q.shape[-1] != entries.shape[-1]:
         problems.append(f"q {tuple(q.shape)} and entries {tuple(entries.shape)}: want [T, h, c] and [C, c]")
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or entries.dtype != q.dtype:
-        problems.append(f"q {q.dtype}, entries {entries.dtype}: one of bfloat16, float16, float32, the same")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64) or entries.dtype != q.dtype:
+        problems.append(f"q {q.dtype}, entries {entries.dtype}: one of bfloat16, float16, float32, float64, the same")
     if w.dtype != torch.float32 or w.shape != q.shape[:2]:
         problems.append(f"w {tuple(w.shape)} {w.dtype}: want [T, h] float32")
     if q0 < 0 or ratio < 1:
@@ -140,7 +140,7 @@ def indexer_prefill_scores(q: torch.Tensor, w: torch.Tensor, entries: torch.Tens
         problems.append("q, w and entries must be on one device")
     if problems:
         raise KernelError("indexer_prefill_scores: " + "; ".join(problems))
-    if not use_triton(q, backend) or entries.shape[0] == 0 or q.numel() == 0:
+    if not use_triton(q, backend) or entries.shape[0] == 0 or q.numel() == 0 or q.dtype == torch.float64:
         return indexer_prefill_scores_reference(q, w, entries, q0=q0, ratio=ratio)
     from shardsmith.runtime.layers.kernels.deepseek_v4 import _indexer_triton
 

@@ -6,7 +6,8 @@ latent KV head; ``Attention.core`` in ``models/deepseek_v4/attention.py``; paper
 =================  =====================  ===========================================================
 tensor             shape                  what
 =================  =====================  ===========================================================
-``q``              ``[T, n, d]``          the chunk's queries, at positions ``q0 .. q0 + T - 1``
+``q``              ``[T, n, d]``          the chunk's queries, at positions ``q0 .. q0 + T - 1`` (bf16,
+                                          f16, f32; f64 runs the reference)
 ``keys``           ``[S, d]``             window keys in position order, row ``j`` at ``first + j``;
                                           query ``t`` sees rows at ``pos - W < first + j <= pos``
 ``entries``        ``[C, d]`` or None     the slot's compressed entries so far (compressed layers)
@@ -43,6 +44,7 @@ from shardsmith.runtime.layers.kernels._common import (
     use_triton,
 )
 
+FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: the reference only (parity runs)
 QUERY_CHUNK = 1024  # queries per einsum in the reference (its logits are [n, QUERY_CHUNK, S + C] float32)
 BLOCK_H = 16  # heads per program (tl.dot's smallest M)
 BLOCK_S = 32  # key rows per step
@@ -92,8 +94,8 @@ def _check(q: torch.Tensor, keys: torch.Tensor, entries: torch.Tensor | None, se
     problems = []
     if q.dim() != 3 or keys.dim() != 2 or q.shape[-1] != keys.shape[-1]:
         problems.append(f"q {tuple(q.shape)} and keys {tuple(keys.shape)}: want [T, n, d] and [S, d]")
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or keys.dtype != q.dtype:
-        problems.append(f"q {q.dtype}, keys {keys.dtype}: one of bfloat16, float16, float32, the same")
+    if q.dtype not in FLOATS or keys.dtype != q.dtype:
+        problems.append(f"q {q.dtype}, keys {keys.dtype}: one of bfloat16, float16, float32, float64, the same")
     if entries is not None and (entries.dim() != 2 or entries.shape[-1] != keys.shape[-1] or entries.dtype != keys.dtype):
         problems.append(f"entries {tuple(entries.shape)} {entries.dtype}: want [C, d] in the keys' dtype")
     if select is not None and (entries is None or select.dim() != 2 or select.shape[0] != q.shape[0]
@@ -137,7 +139,7 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, entries: torch.Tensor
     _check(q, keys, entries, select, sink, q0, first, window, ratio)
     if entries is not None and entries.shape[0] == 0:
         entries = select = None
-    if not use_triton(q, backend) or q.numel() == 0:
+    if not use_triton(q, backend) or q.numel() == 0 or q.dtype == torch.float64:
         return prefill_attention_reference(q, keys, entries, select, sink, scale, q0=q0, first=first,
                                            window=window, ratio=ratio)
     from shardsmith.runtime.layers.kernels.deepseek_v4 import _prefill_attention_triton
