@@ -119,7 +119,11 @@ class ExpertMath:
 
     def accumulator(self, x: torch.Tensor) -> torch.Tensor:
         """Zeros ``[T, D]`` to :meth:`torch.Tensor.index_add_` contributions into."""
-        return torch.zeros(x.shape, dtype=torch.float32 if self.accumulate_f32 else x.dtype, device=x.device)
+        return torch.zeros(x.shape, dtype=self.sum_dtype(x.dtype), device=x.device)
+
+    def sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype contributions are weighted and summed in, for activations in ``dtype``."""
+        return torch.float32 if self.accumulate_f32 else dtype
 
     def contribution(self, y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Expert output ``y [n, D]`` times its routing weights ``w [n]``, in the accumulator's dtype."""
@@ -221,7 +225,7 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
     counts = torch.bincount(flat, minlength=arrays["gate_up"].shape[0])
     present = counts.nonzero().flatten()
     sizes = counts[present]
-    present_h, sizes_h = present.tolist(), sizes.tolist()  # the one host sync
+    present_h, sizes_h = torch.stack((present, sizes)).tolist()  # the one host sync
     xs = x[order // K]  # [P, D]
     ys = torch.empty_like(xs)
     start = 0
@@ -236,7 +240,7 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
         down = dequantize_fp4(arrays["down"][ids], arrays["down_scale"][ids], x.dtype)  # [G, D, I_r]
         ys[start:start + n] = torch._grouped_mm(math.glu(h), down.transpose(-2, -1), offs=offs)
         start += n
-    pairs = torch.empty_like(ys, dtype=math.accumulator(x[:1]).dtype)
+    pairs = torch.empty_like(ys, dtype=math.sum_dtype(x.dtype))
     pairs[order] = math.contribution(ys, weight.flatten()[order], x.dtype)  # back to [T*K] row-major
     by_expert = index.argsort(dim=1, stable=True)  # [T, K]: each token's experts, ascending
     pairs = pairs.view(T, K, -1).gather(1, by_expert[..., None].expand(T, K, pairs.shape[-1]))

@@ -134,7 +134,7 @@ class DeepseekV3(nn.Module):
     def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
         """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``
         (every slot's latent and RoPE cache, all layers), allocating nothing."""
-        b = torch.empty((), dtype=dtype).element_size()
+        b = dtype.itemsize
         return sum(max_num_seqs * max_seq_len * (layer.self_attn.c + layer.self_attn.rope) * b
                    for layer in self.model.layers)
 

@@ -166,7 +166,7 @@ class Attention(nn.Module):
     def state_bytes_for(self, num_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
         """Bytes of :meth:`state` that :meth:`allocate` would make for ``num_slots`` slots of
         ``max_seq_len`` positions (window rings and compressors), allocating nothing."""
-        window = num_slots * self.window * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        window = num_slots * self.window * self.head_dim * dtype.itemsize
         return window + sum(c.state_bytes_for(num_slots, max_seq_len, dtype) for c in self._compressors())
 
     def state(self) -> list[torch.Tensor]:

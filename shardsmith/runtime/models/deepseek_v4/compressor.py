@@ -91,7 +91,7 @@ class Compressor(nn.Module):
     def state_bytes_for(self, num_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
         """Bytes :meth:`allocate` would make for ``num_slots`` slots of ``max_seq_len`` positions (what
         :meth:`state` then holds: the pending window, the CSA carry, the entries), allocating nothing."""
-        b = torch.empty((), dtype=dtype).element_size()
+        b = dtype.itemsize
         r, d = self.ratio, self.dim
         per_slot = 2 * r * self.width * b + (r * d * (b + 4) if self.overlap else 0) + max_seq_len // r * d * b
         return num_slots * per_slot

@@ -168,7 +168,7 @@ class Transformer(nn.Module):
     def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
         """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``
         (keys and values of every slot and layer), allocating nothing."""
-        b = torch.empty((), dtype=dtype).element_size()
+        b = dtype.itemsize
         return sum(2 * max_num_seqs * layer.self_attn.n_kv * max_seq_len * self.args.head_dim * b
                    for layer in self.model.layers)
 

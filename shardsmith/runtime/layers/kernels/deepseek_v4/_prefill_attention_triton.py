@@ -24,27 +24,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FLOOR = tl.constexpr(-1.0e30)
+from shardsmith.runtime.layers.kernels.deepseek_v4._sink_attention_triton import FLOOR, online_step
 
 
 @triton.jit
 def _attend_rows(q, k, valid, m, l, acc, scale, DOT_F32: tl.constexpr):
-    """One step of the online softmax: ``k [BLOCK_S, BLOCK_D]`` rows, ``valid [BLOCK_S]``."""
-    if DOT_F32:
-        k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_S] float32
-    logits = tl.where(valid[None, :], qk * scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(logits, axis=1))
-    p = tl.exp(logits - m_new[:, None])
-    alpha = tl.exp(m - m_new)
-    l = l * alpha + tl.sum(p, axis=1)
-    if DOT_F32:
-        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-    return m_new, l, acc
+    """:func:`online_step` over rows ``k`` of which ``valid [BLOCK_S]`` are seen (the rest weigh 0)."""
+    return online_step(q, k, tl.where(valid, 0.0, float("-inf")), m, l, acc, scale, DOT_F32)
 
 
 @triton.jit(do_not_specialize=["q0", "first", "n_entries", "topk", "stride_qt", "stride_st", "stride_ot"])

@@ -22,6 +22,29 @@ import triton.language as tl
 FLOOR = tl.constexpr(-1.0e30)  # the running max's start: finite, below any real logit (a constexpr: jit code reads no other globals)
 
 
+@triton.jit
+def online_step(q, k, bias, m, l, acc, scale, DOT_F32: tl.constexpr):
+    """One step of the online softmax over key rows ``k [BLOCK_S, BLOCK_D]`` (K = V) for queries ``q
+    [BLOCK_H, BLOCK_D]`` (float32 when ``DOT_F32``): logits ``scale * q k^T + bias`` (``bias
+    [BLOCK_S]``: 0 or ``-inf``), the running max ``m``, sum ``l`` and weighted key sum ``acc``
+    updated; returns ``(m, l, acc)``. Shared by the decode and prefill kernels."""
+    if DOT_F32:
+        k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_S] float32
+    logits = qk * scale + bias[None, :]
+    m_new = tl.maximum(m, tl.max(logits, axis=1))
+    p = tl.exp(logits - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, axis=1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+    return m_new, l, acc
+
+
 @triton.jit(do_not_specialize=["c1", "columns", "chunk", "stride_b1", "stride_b2"])
 def _sink_split_kernel(q_ptr, k_ptr, idx_ptr, b1_ptr, b2_ptr, m_ptr, l_ptr, acc_ptr,
            n, d, c1, columns, chunk, scale,
@@ -49,25 +72,11 @@ def _sink_split_kernel(q_ptr, k_ptr, idx_ptr, b1_ptr, b2_ptr, m_ptr, l_ptr, acc_
         c_mask = cols < hi
         k = tl.load(k_row + cols[:, None] * stride_ks + dims[None, :], mask=c_mask[:, None] & d_mask[None, :],
                     other=0.0)  # [BLOCK_S, BLOCK_D]
-        if DOT_F32:
-            k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_S] float32
         bias = tl.load(b1_ptr + b * stride_b1 + cols, mask=c_mask & (cols < c1), other=float("-inf"))
         if TWO:
             bias2 = tl.load(b2_ptr + b * stride_b2 + (cols - c1), mask=c_mask & (cols >= c1), other=float("-inf"))
             bias = tl.where(cols < c1, bias, bias2)
-        logits = qk * scale + bias[None, :]
-        m_new = tl.maximum(m, tl.max(logits, axis=1))
-        p = tl.exp(logits - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-        m = m_new
+        m, l, acc = online_step(q, k, bias, m, l, acc, scale, DOT_F32)
     part = (b * n + heads) * splits + sp  # [B, n, splits] row-major
     tl.store(m_ptr + part, m, mask=h_mask)
     tl.store(l_ptr + part, l, mask=h_mask)
