@@ -63,6 +63,7 @@ from shardsmith.runtime.engine.sampling import (SamplingParams, StepOutput, choo
                                                 make_generator, param_problems)
 from shardsmith.runtime.layers.staging import to_device
 from shardsmith.runtime.engine.loader import load_rank_weights
+from shardsmith.runtime.engine.rank_alone import is_rank_alone
 
 if TYPE_CHECKING:
     from shardsmith.runtime.offload import OffloadConfig
@@ -167,36 +168,9 @@ class Engine:
             weights = load_rank_weights(path, rank=rank, world_size=world_size, from_checkpoint=from_checkpoint,
                                         verify=verify_hashes)  # hash each file as it is read (pack.loader)
             config = weights.config
-            family = family_for(config)
-            if isinstance(dtype, str):
-                if dtype not in DTYPES:
-                    raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-                dtype = DTYPES[dtype]
-            dtype = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.bfloat16)
-            place = None
-            if offload is not None:  # swaps the expert banks for host banks + a device cache
-                from shardsmith.runtime.offload import attach_offload
-
-                def place(meta_model):
-                    return attach_offload(meta_model, weights, offload, device=dev, dtype=dtype)
-            model, offloaded = family.build(weights, rank=rank, dtype=dtype, device=dev, place_experts=place)
-            if fp8 not in ("load", "on-the-fly"):
-                raise UsageError(f"fp8 must be 'load' or 'on-the-fly', got {fp8!r}")
-            use_kernels_(model, dev)  # on CUDA: FP8 linears stay FP8 (fp8_linear), banks run fused_experts
-            if fp8 == "load":
-                dequantize_fp8_(model, dtype)  # what use_kernels_ did not keep FP8
-            if dev.type == "cuda" and hasattr(model, "state_bytes_for"):
-                slots = max_num_seqs if getattr(model, "SUPPORTS_BATCHING", False) else 1
-                free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-                check_state_fits(model, max_seq_len, slots, dtype, free_bytes=free, where=str(dev))  # the allocator's
-                # cached blocks count as free: the state's tensors may take them
-            if getattr(model, "SUPPORTS_BATCHING", False):
-                model.setup_cache(max_seq_len, dev, dtype, max_num_seqs=max_num_seqs)
-            else:
-                if max_num_seqs > 1:
-                    log.info("%s decodes one sequence at a time (no batched decode yet): max_num_seqs %d -> 1",
-                             family.name, max_num_seqs)
-                model.setup_cache(max_seq_len, dev, dtype)
+            model, family, offloaded, dtype = build_model(weights, rank=rank, device=dev, dtype=dtype,
+                                                          max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+                                                          offload=offload, fp8=fp8)
             engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
                          device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group, family=family)
             if cuda_graphs and dev.type == "cuda":
@@ -620,6 +594,61 @@ def check_state_fits(model: Any, max_seq_len: int, max_num_seqs: int, dtype: tor
         + (f", or --max-num-seqs {slots} at {max_seq_len}" if slots >= 1 else ""))
 
 
+def build_model(weights, *, rank: int, device: torch.device, dtype: torch.dtype | str | None, max_seq_len: int,
+                max_num_seqs: int = 1, offload: "OffloadConfig | None" = None, fp8: str = "load",
+                check_fit: bool = True) -> tuple[torch.nn.Module, ModelFamily, Any, torch.dtype]:
+    """Build rank ``rank``'s model from its loaded weights, kernels chosen and per-sequence state
+    allocated: what :meth:`Engine.load` runs between reading the pack and the step protocol.
+
+    Args:
+        weights: :func:`~shardsmith.runtime.engine.loader.load_rank_weights`' result for ``rank``.
+        device: where the model runs; dtype: compute dtype or its name (None: the config's
+            ``dtype``/``torch_dtype``, else bfloat16).
+        max_seq_len, max_num_seqs: per-sequence state, as :meth:`Engine.load` takes them.
+        offload: routed experts in host memory with a device cache (None: resident).
+        fp8: ``load`` or ``on-the-fly`` (:meth:`Engine.load`).
+        check_fit: on CUDA, refuse state that does not fit the free memory (:func:`check_state_fits`).
+
+    Returns:
+        ``(model, family, offload runtime or None, dtype)``.
+
+    Raises:
+        UsageError: an unknown dtype or ``fp8`` value, or state that does not fit.
+    """
+    config = weights.config
+    family = family_for(config)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    dtype = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.bfloat16)
+    place = None
+    if offload is not None:  # swaps the expert banks for host banks + a device cache
+        from shardsmith.runtime.offload import attach_offload
+
+        def place(meta_model):
+            return attach_offload(meta_model, weights, offload, device=device, dtype=dtype)
+    model, offloaded = family.build(weights, rank=rank, dtype=dtype, device=device, place_experts=place)
+    if fp8 not in ("load", "on-the-fly"):
+        raise UsageError(f"fp8 must be 'load' or 'on-the-fly', got {fp8!r}")
+    use_kernels_(model, device)  # on CUDA: FP8 linears stay FP8 (fp8_linear), banks run fused_experts
+    if fp8 == "load":
+        dequantize_fp8_(model, dtype)  # what use_kernels_ did not keep FP8
+    batching = getattr(model, "SUPPORTS_BATCHING", False)
+    if check_fit and device.type == "cuda" and hasattr(model, "state_bytes_for"):
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        check_state_fits(model, max_seq_len, max_num_seqs if batching else 1, dtype, free_bytes=free,
+                         where=str(device))  # the allocator's cached blocks count as free: the state's tensors may take them
+    if batching:
+        model.setup_cache(max_seq_len, device, dtype, max_num_seqs=max_num_seqs)
+    else:
+        if max_num_seqs > 1:
+            log.info("%s decodes one sequence at a time (no batched decode yet): max_num_seqs %d -> 1",
+                     family.name, max_num_seqs)
+        model.setup_cache(max_seq_len, device, dtype)
+    return model, family, offloaded, dtype
+
+
 def _command_group(rank: int, world_size: int) -> object | None:
     """A gloo group for step commands (CPU tensors on every backend), with a long idle timeout."""
     if world_size == 1:
@@ -627,6 +656,10 @@ def _command_group(rank: int, world_size: int) -> object | None:
     if not dist.is_initialized():
         raise RuntimeLoadError(f"world_size={world_size} but torch.distributed is not initialised "
                                "(call shardsmith.runtime.engine.dist.init_distributed first)")
+    if is_rank_alone():
+        raise UsageError("the process group is a rank-alone (fake) one: its collectives move no data, so the "
+                         "model's values would be wrong; the engine (and serve) runs on gloo or NCCL only "
+                         "(rank-alone runs are benchmarks/tp_sim.py's)")
     if dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeLoadError(f"launched as rank {rank} of {world_size} but the process group is rank "
                                f"{dist.get_rank()} of {dist.get_world_size()}")
