@@ -15,6 +15,8 @@
 #   prefill         the prefill kernels' GPU tests, then 1k-32k prompts through a full-depth checkpoint in
 #                   2k and 8k chunks, kernel against reference, and one chunk's kernels profiled (prefill.py)
 #   prefill-moe     2k and 8k prompts through 4 layers x 256 FP4 experts: grouped experts against the loop
+#   tp-sim          TP 1, 2, 4 of a full-depth V4 predicted from one rank alone, resident and with a 48 GB
+#                   card's expert cache, collectives priced (tp_sim.py)
 #
 # Carry .inv/ (the real V4-Flash inventory from ../shared/real-inventories, and SmolLM2's
 # tokenizer.json as .inv/smollm2-tokenizer.json for the masks) and .whl/ (wheels the host lacks:
@@ -129,7 +131,14 @@ step_prefill_moe() {  # 4 layers x 256 FP4 experts: a chunk routes to every expe
         --out "$OUT/prefill-$SHARDSMITH_HOST-moe.json" 2>&1 | grep -v INFO | tee "$OUT/prefill_moe.log" | tail -30
 }
 
-[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+step_tp_sim() {
+    template || return 1
+    timeout "${TP_SIM_S:-540}" python3 benchmarks/tp_sim.py /tmp/v4t5 --work /tmp/tps --layers 43 --experts-per-layer 24 \
+        --tp ${TP_SIM_TP:-1,2,4} --timeout-s 240 2>&1 | grep -v INFO | tee "$OUT/tp_sim.log" | tail -40
+    local rc=${PIPESTATUS[0]}; keep tp_sim; return $rc
+}
+
+[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
 for step in "$@"; do
     fn="step_${step//-/_}"
     if ! declare -F "$fn" > /dev/null; then echo "unknown step: $step"; continue; fi
