@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shardsmith.runtime.engine.engine import Engine, SamplingParams  # noqa: E402
 from shardsmith.runtime.engine.scheduler import Scheduler, Sequence  # noqa: E402
-from shardsmith.runtime.engine.speculative import NgramConfig  # noqa: E402
+from shardsmith.runtime.engine.speculative import SpeculativeConfig  # noqa: E402
 from shardsmith.runtime.serve.tokenizer import Codec  # noqa: E402
 
 PARAGRAPH = ("The harbour market opens at dawn. Fishermen bring their catch to the stone quay, and traders from "
@@ -37,7 +37,7 @@ PARAGRAPH = ("The harbour market opens at dawn. Fishermen bring their catch to t
              "reach the baskets, and the bell of the clock tower marks the hours of trade.")
 
 
-def run(engine: Engine, prompt: list[int], tokens: int, cfg: NgramConfig | None, sync) -> dict:
+def run(engine: Engine, prompt: list[int], tokens: int, cfg: SpeculativeConfig | None, sync) -> dict:
     """Tokens, seconds from the first token to the last, step times by kind, and the draft counters."""
     sched = Scheduler(engine, prefill_chunk=4096, decode_prompt_tokens=0, overlap=False, prefix_caching=False,
                       speculative=cfg)
@@ -83,7 +83,7 @@ def main() -> None:
     decode_ms = statistics.median(t for b in base for t in b["steps"]["decode"])
     rows = []
     for k in a.k:
-        runs = [run(engine, prompt, a.tokens, NgramConfig(k=k), sync) for _ in range(a.repeat)]
+        runs = [run(engine, prompt, a.tokens, SpeculativeConfig(k=k), sync) for _ in range(a.repeat)]
         s, st = statistics.median(r["seconds"] for r in runs), runs[-1]["spec"]
         verify = [t for r in runs for t in r["steps"]["verify"]]
         rows.append({"family": engine.family.name, "layers": int(engine.config.get("num_hidden_layers", 0)),

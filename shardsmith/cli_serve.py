@@ -139,7 +139,7 @@ def _check_port(host: str, port: int) -> None:
 
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
           verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto", enforce_eager: bool = False,
-          expect_digest: str | None = None, max_num_seqs: int = 1):
+          expect_digest: str | None = None, max_num_seqs: int = 1, mtp_layers: int = 0):
     from shardsmith.runtime.serve.launch import LaunchSpec, under_torchrun
     from shardsmith.runtime.serve.placement import check_local_ranks, pack_world_size
 
@@ -171,7 +171,7 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
     return LaunchSpec(path=path.resolve(), world_size=ws, device=device, dist_port=dist_port,
                       from_checkpoint=from_checkpoint, verify_hashes=verify_hashes, max_seq_len=max_seq_len,
                       offload=offload, dtype=None if dtype == "auto" else dtype, cuda_graphs=not enforce_eager,
-                      max_num_seqs=max_num_seqs)
+                      max_num_seqs=max_num_seqs, mtp_layers=mtp_layers)
 
 
 def _check_sampling(*, prompts: list[str], chat: bool, max_tokens: int, max_seq_len: int, temperature: float,
@@ -224,8 +224,9 @@ def serve(
              "instead of a prefill forward of their own (default on CUDA: measured at warm-up, the largest power "
              "of two of decode steps that cost no more than one eager prefill, at most 256; 0 on CPU)."),
     speculative: str | None = typer.Option(
-        None, "--speculative", help="Speculative decoding: 'ngram' (drafts looked up in the sequence's own text, "
-                                    "checked in one chunk; greedy requests of families whose state rewinds)."),
+        None, "--speculative", help="Speculative decoding of greedy requests, drafts checked in one chunk: 'ngram' "
+                                    "(drafts looked up in the sequence's own text; families whose state rewinds) "
+                                    "or 'mtp' (the checkpoint's MTP layer drafts; DeepSeek-V3, resident experts)."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens",
                                                help="Draft tokens per step with --speculative (1-16)."),
     chat_template: Path | None = typer.Option(
@@ -272,7 +273,8 @@ def serve(
     spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
                  verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
-                 enforce_eager=enforce_eager, max_num_seqs=max_num_seqs)
+                 enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
+                 mtp_layers=int(spec_decode is not None and spec_decode.method == "mtp"))
     _check_port(host, port)
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
                                            trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes,
@@ -391,15 +393,13 @@ def _speculative(method: str | None, k: int):
     """The scheduler's speculation config of ``--speculative`` / ``--num-speculative-tokens``.
 
     Raises:
-        UsageError: a method other than ``ngram``, or ``k`` outside 1..16.
+        UsageError: a method other than ``ngram`` or ``mtp``, or ``k`` outside 1..16.
     """
     if method is None:
         return None
-    if method != "ngram":
-        raise UsageError(f"--speculative must be 'ngram', got {method!r} (MTP drafts are not implemented yet)")
-    from shardsmith.runtime.engine.speculative import NgramConfig
+    from shardsmith.runtime.engine.speculative import SpeculativeConfig
 
-    cfg = NgramConfig(k=k)
+    cfg = SpeculativeConfig(k=k, method=method)
     if bad := cfg.problems():
         raise UsageError("--" + "; ".join(bad).replace("num_speculative_tokens", "num-speculative-tokens"))
     return cfg

@@ -71,7 +71,7 @@ def _refused(proc: subprocess.CompletedProcess, match: str) -> None:
 
 @pytest.mark.parametrize("args,match", [
     (("serve", "{pack}", "--port", "99999"), "--port must be in 1..65535, got 99999"),
-    (("serve", "{pack}", "--speculative", "eagle"), "--speculative must be 'ngram', got 'eagle'"),
+    (("serve", "{pack}", "--speculative", "eagle"), "--speculative must be one of ngram, mtp, got 'eagle'"),
     (("serve", "{pack}", "--speculative", "ngram", "--num-speculative-tokens", "0"),
      "--num-speculative-tokens must be in 1..16, got 0"),
     (("serve", "{pack}", "--chat-template", "/nonexistent/t.jinja"),

@@ -18,6 +18,8 @@ RESTORE     ``slot, pos, 0, 0``                           none: the slot goes ba
                                                           ``pos`` (a model that cannot rewind)
 WARMUP      ``max_rows, 0, 0, 0``                         none: compile the Triton kernels'
                                                           variants (:mod:`.warmup`)
+DRAFT       ``slot, pos, k, token``                       none: the MTP layer drafts ``k`` tokens
+                                                          after ``token`` at ``pos`` (:meth:`Engine.draft`)
 SHUTDOWN    ``0, 0, 0, 0``                                none: followers return
 ==========  ============================================  =====================================
 
@@ -39,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import threading
@@ -69,7 +72,7 @@ if TYPE_CHECKING:
     from shardsmith.runtime.offload import OffloadConfig
 
 log = logging.getLogger("shardsmith.runtime")
-FORWARD, SHUTDOWN, DECODE, RELEASE, WARMUP, RESTORE = 1, 2, 3, 4, 5, 6
+FORWARD, SHUTDOWN, DECODE, RELEASE, WARMUP, RESTORE, DRAFT = 1, 2, 3, 4, 5, 6, 7
 CMD_LEN = 5
 PROMPT_PROBE_TOKENS = 32  # the prompt length warm-up prefills to price a prefill against a decode step
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -119,7 +122,7 @@ class Engine:
     def load(cls, path: str | Path, *, rank: int, world_size: int, device: str = "cpu", from_checkpoint: bool = False,
              verify_hashes: bool = True, max_seq_len: int = 2048, dtype: torch.dtype | None = None,
              load_timeout_s: float = 1800.0, offload: "OffloadConfig | None" = None, fp8: str = "load",
-             cuda_graphs: bool = True, max_num_seqs: int = 8) -> "Engine":
+             cuda_graphs: bool = True, max_num_seqs: int = 8, mtp_layers: int = 0) -> "Engine":
         """Load rank ``rank``'s weights and build its model; collective over all ranks.
 
         The model is the registry's for the config's architecture (:mod:`~shardsmith.runtime.models.registry`:
@@ -148,6 +151,7 @@ class Engine:
             cuda_graphs: on CUDA, run one-token decode steps as piecewise CUDA graphs (both
                 model families; :mod:`~shardsmith.runtime.engine.cuda_graphs`); False runs every kernel
                 eagerly (``--enforce-eager``).
+            mtp_layers: the checkpoint's MTP layers to load for :meth:`draft` (DeepSeek-V3: 0 or 1).
 
         Raises:
             RuntimeLoadError: on every rank, listing each rank's load problem (missing,
@@ -170,7 +174,7 @@ class Engine:
             config = weights.config
             model, family, offloaded, dtype = build_model(weights, rank=rank, device=dev, dtype=dtype,
                                                           max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
-                                                          offload=offload, fp8=fp8)
+                                                          offload=offload, fp8=fp8, mtp_layers=mtp_layers)
             engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
                          device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group, family=family)
             if cuda_graphs and dev.type == "cuda":
@@ -338,6 +342,26 @@ class Engine:
             self._pos[slot] = 0
             self._release(slot)
 
+    def draft(self, slot: int, token: int, pos: int, k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``token`` at ``pos`` in ``slot``, from the model's MTP
+        layer (``DeepseekV3.draft``; loaded with ``mtp_layers``); ``[]`` when the slot's last step did
+        not end at ``pos``. Rank 0; every rank runs it (the layer is tensor-parallel).
+
+        Raises:
+            UsageError: a slot outside the slots, a model without an MTP layer, or ``pos + k`` past
+                ``max_seq_len``.
+            RankLostError: another rank died.
+        """
+        self._check_slots([slot])
+        if not getattr(self.model, "mtp", None):
+            raise UsageError(f"{self.family.name}: no MTP layer loaded (Engine.load(mtp_layers=1); DeepSeek-V3 only)")
+        if pos + k > self.max_seq_len:
+            raise UsageError(f"a {k}-token draft at {pos} passes max_seq_len={self.max_seq_len}")
+        with self._lock:
+            if self.world_size > 1:
+                self._send(torch.tensor([DRAFT, slot, pos, k, token], dtype=torch.int64))
+            return self._collective(lambda: self.model.draft(slot, token, pos, k))
+
     def resume_points(self, slot: int) -> list[int]:
         """Earlier positions ``slot`` can go back to with :meth:`restore` (rank 0): every position up
         to where its last step ended for a model that rewinds, else the resume points its prefills
@@ -459,6 +483,8 @@ class Engine:
                 self.model.restore(a, b)
             elif op == WARMUP:
                 self._collective(lambda: self._warm_kernels(a))
+            elif op == DRAFT:
+                self._collective(lambda: self.model.draft(a, d, b, c))
             elif op == DECODE:
                 payload = torch.empty(3, a, dtype=torch.int64)
                 self._collective(lambda: dist.broadcast(payload, src=0, group=self._group))
@@ -596,7 +622,7 @@ def check_state_fits(model: Any, max_seq_len: int, max_num_seqs: int, dtype: tor
 
 def build_model(weights, *, rank: int, device: torch.device, dtype: torch.dtype | str | None, max_seq_len: int,
                 max_num_seqs: int = 1, offload: "OffloadConfig | None" = None, fp8: str = "load",
-                check_fit: bool = True) -> tuple[torch.nn.Module, ModelFamily, Any, torch.dtype]:
+                check_fit: bool = True, mtp_layers: int = 0) -> tuple[torch.nn.Module, ModelFamily, Any, torch.dtype]:
     """Build rank ``rank``'s model from its loaded weights, kernels chosen and per-sequence state
     allocated: what :meth:`Engine.load` runs between reading the pack and the step protocol.
 
@@ -608,15 +634,22 @@ def build_model(weights, *, rank: int, device: torch.device, dtype: torch.dtype 
         offload: routed experts in host memory with a device cache (None: resident).
         fp8: ``load`` or ``on-the-fly`` (:meth:`Engine.load`).
         check_fit: on CUDA, refuse state that does not fit the free memory (:func:`check_state_fits`).
+        mtp_layers: the checkpoint's MTP layers to load for speculative drafts (DeepSeek-V3).
 
     Returns:
         ``(model, family, offload runtime or None, dtype)``.
 
     Raises:
-        UsageError: an unknown dtype or ``fp8`` value, or state that does not fit.
+        UsageError: an unknown dtype or ``fp8`` value, state that does not fit, or MTP layers asked of
+            a family that does not run them.
     """
     config = weights.config
     family = family_for(config)
+    extra = {}
+    if mtp_layers:
+        if "mtp_layers" not in inspect.signature(family.build).parameters:
+            raise UsageError(f"{family.name} does not run MTP draft layers (DeepSeek-V3 does); use --speculative ngram")
+        extra["mtp_layers"] = mtp_layers
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -628,7 +661,7 @@ def build_model(weights, *, rank: int, device: torch.device, dtype: torch.dtype 
 
         def place(meta_model):
             return attach_offload(meta_model, weights, offload, device=device, dtype=dtype)
-    model, offloaded = family.build(weights, rank=rank, dtype=dtype, device=device, place_experts=place)
+    model, offloaded = family.build(weights, rank=rank, dtype=dtype, device=device, place_experts=place, **extra)
     if fp8 not in ("load", "on-the-fly"):
         raise UsageError(f"fp8 must be 'load' or 'on-the-fly', got {fp8!r}")
     use_kernels_(model, device)  # on CUDA: FP8 linears stay FP8 (fp8_linear), banks run fused_experts

@@ -56,7 +56,7 @@ from shardsmith.runtime.engine.constraints import TokenConstraint, allow_all, ap
 from shardsmith.runtime.engine.penalties import TokenCounts, adjusts, counts_tokens
 from shardsmith.runtime.engine.penalties import apply as apply_penalties
 from shardsmith.runtime.engine.prefix_cache import PrefixCache
-from shardsmith.runtime.engine.speculative import NgramConfig, SpecStats, accepted, ngram_draft
+from shardsmith.runtime.engine.speculative import SpeculativeConfig, SpecStats, accepted, ngram_draft
 from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_on_device, choose_rows, draw,
                                                 make_generator, unpack_choices)
 from shardsmith.runtime.layers.staging import to_device
@@ -205,8 +205,9 @@ class Scheduler:
         prefix_caching: a finished sequence's slot keeps its state and a later prompt resumes its
             longest reusable prefix (:mod:`~shardsmith.runtime.engine.prefix_cache`); False: every
             prompt is computed from position 0.
-        speculative: n-gram drafts checked in one chunk per greedy sequence
-            (:mod:`~shardsmith.runtime.engine.speculative`), or None.
+        speculative: n-gram or MTP drafts checked in one chunk per greedy sequence
+            (:mod:`~shardsmith.runtime.engine.speculative`; MTP needs an engine loaded with its
+            MTP layer), or None.
 
     Raises:
         UsageError: ``prefill_chunk`` below 1, ``decode_prompt_tokens`` below 0, ``overlap`` with
@@ -215,7 +216,7 @@ class Scheduler:
 
     def __init__(self, engine: Any, *, prefill_chunk: int | None = None,
                  decode_prompt_tokens: int | None = None, overlap: bool | None = None,
-                 prefix_caching: bool = True, speculative: NgramConfig | None = None) -> None:
+                 prefix_caching: bool = True, speculative: SpeculativeConfig | None = None) -> None:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk(engine)
         if prefill_chunk < 1:
@@ -347,7 +348,7 @@ class Scheduler:
         return out
 
     def _draft(self, s: Sequence) -> list[int]:
-        """``s``'s n-gram draft, or ``[]`` when it does not speculate (sampled, penalised, logprobs,
+        """``s``'s draft (n-gram, or the MTP layer's), or ``[]`` when it does not speculate (sampled, penalised, logprobs,
         constrained, still feeding its prompt) or nothing repeats."""
         p = s.params
         if (s.prefilled < len(s.prompt_ids) or s.pending is None or p.temperature > 0 or p.logprobs or adjusts(p)
@@ -356,8 +357,13 @@ class Scheduler:
         left = min(p.max_tokens - s.generated, self.engine.max_seq_len - s.pos) - 1  # room for the draft's tokens
         if left < 1:
             return []
-        draft = ngram_draft(s.prompt_ids + s.outputs, self.speculative)
-        return draft[:left]
+        cfg = self.speculative
+        if cfg.method == "mtp":
+            # the MTP layer's draft; after a step that did not run it (a one-token step through the decode
+            # pieces) a one-token guess makes this verify a chunk, whose forward runs it again
+            return (self.engine.draft(s.slot, s.pending, s.pos, min(cfg.k, left))
+                    or ngram_draft(s.prompt_ids + s.outputs, cfg)[:1] or [s.pending])
+        return ngram_draft(s.prompt_ids + s.outputs, cfg)[:left]
 
     def _verify(self, seq: Sequence, draft: list[int]) -> list[tuple[Sequence, StepOutput]]:
         """One chunk of ``seq``'s pending token and ``draft``; the greedy tokens it gives (1 to

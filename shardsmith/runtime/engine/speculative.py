@@ -1,7 +1,13 @@
-"""Speculative decoding with n-gram (prompt-lookup) drafts: no draft model, the draft is copied from
-earlier text of the same sequence, and one forward of the draft checks it.
+"""Speculative decoding: a draft of ``k`` tokens per greedy sequence, checked in one forward.
 
-When a greedy sequence's last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) occurred
+Two draft sources (:class:`SpeculativeConfig` ``method``):
+
+- ``ngram`` (prompt lookup, every family): no draft model, the draft is copied from earlier text of
+  the same sequence.
+- ``mtp`` (DeepSeek-V3): the checkpoint's multi-token-prediction layer, loaded beside the model,
+  proposes the tokens (``DeepseekV3.draft``); its cache is filled by every forward of the sequence.
+
+N-gram drafts: when a greedy sequence's last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) occurred
 earlier in its prompt or output, the ``k`` tokens that followed that occurrence are the draft
 (:func:`ngram_draft`; text edits, code and quotes repeat their input). The scheduler feeds the
 pending token and the draft as one ``k + 1``-token prefill chunk of the sequence, and takes the
@@ -13,8 +19,10 @@ step, so nothing is rolled back. The logits of a chunk equal one-token steps' up
 as a chunked prefill's do.
 
 Only greedy sequences without penalties, logprobs or constraints speculate, in families that
-rewind; the others decode as before in the same step. Source of the method: Saxena's prompt lookup
-decoding, as vLLM's ``ngram`` speculator uses it.
+rewind; the others decode as before in the same step. Whatever the draft, the tokens emitted are the
+verify forward's own greedy choices, so the output is greedy decoding's. Sources: Saxena's prompt
+lookup decoding, as vLLM's ``ngram`` speculator uses it; the DeepSeek-V3 technical report's MTP
+modules, run as drafts as vLLM's ``deepseek_mtp`` does.
 """
 
 from __future__ import annotations
@@ -25,22 +33,25 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-__all__ = ["NgramConfig", "SpecStats", "accepted", "ngram_draft"]
+__all__ = ["METHODS", "SpeculativeConfig", "SpecStats", "accepted", "ngram_draft"]
+METHODS = ("ngram", "mtp")
 
 
 @dataclass(frozen=True, slots=True)
-class NgramConfig:
-    """Attributes: k: draft tokens per step (``--num-speculative-tokens``); min_ngram, max_ngram:
-    lengths of the suffix looked up (tokens)."""
+class SpeculativeConfig:
+    """Attributes: method: the draft source (:data:`METHODS`, ``--speculative``); k: draft tokens per
+    step (``--num-speculative-tokens``); min_ngram, max_ngram: lengths of the suffix ``ngram`` looks
+    up (tokens)."""
 
     k: int = 4
     min_ngram: int = 1
     max_ngram: int = 4
+    method: str = "ngram"
 
     def problems(self) -> list[str]:
-        """What is out of range (``k`` in 1..16, ``1 <= min_ngram <= max_ngram``), one message each;
-        empty when the config is valid."""
-        out = []
+        """What is out of range (a known ``method``, ``k`` in 1..16, ``1 <= min_ngram <= max_ngram``),
+        one message each; empty when the config is valid."""
+        out = [] if self.method in METHODS else [f"speculative must be one of {', '.join(METHODS)}, got {self.method!r}"]
         if not 1 <= self.k <= 16:
             out.append(f"num_speculative_tokens must be in 1..16, got {self.k}")
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -63,7 +74,7 @@ class SpecStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def ngram_draft(tokens: Sequence[int], cfg: NgramConfig) -> list[int]:
+def ngram_draft(tokens: Sequence[int], cfg: SpeculativeConfig) -> list[int]:
     """Up to ``cfg.k`` tokens that followed the latest earlier occurrence of ``tokens``' last ``n``
     tokens (the longest ``n`` in ``[min_ngram, max_ngram]`` that occurred); ``[]`` when none did.
     One vectorised comparison per ``n`` over the whole history (this runs every decode step)."""

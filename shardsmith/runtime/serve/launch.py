@@ -78,6 +78,7 @@ class LaunchSpec:
         cuda_graphs: passed to ``Engine.load`` (False: ``--enforce-eager``).
         max_num_seqs: sequence slots (``Engine.load``; ``serve --max-num-seqs``, default 8 there;
             one-off generation needs 1).
+        mtp_layers: MTP draft layers to load (``Engine.load``; ``serve --speculative mtp``: 1).
     """
 
     path: Path
@@ -91,6 +92,7 @@ class LaunchSpec:
     offload: Any = None  # OffloadConfig | None; typed loosely so --help stays free of torch
     cuda_graphs: bool = True
     max_num_seqs: int = 1
+    mtp_layers: int = 0
 
 
 class Job(Protocol):
@@ -161,7 +163,7 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
     load = partial(Engine.load, spec.path, rank=rank, world_size=world_size, device=device,
                    from_checkpoint=spec.from_checkpoint, verify_hashes=spec.verify_hashes,
                    max_seq_len=spec.max_seq_len, dtype=spec.dtype, offload=spec.offload,
-                   cuda_graphs=spec.cuda_graphs, max_num_seqs=spec.max_num_seqs)
+                   cuda_graphs=spec.cuda_graphs, max_num_seqs=spec.max_num_seqs, mtp_layers=spec.mtp_layers)
     if rank == 0:
         return job(load)
     engine = load()

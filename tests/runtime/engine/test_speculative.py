@@ -1,8 +1,10 @@
-"""N-gram speculative decoding (:mod:`shardsmith.runtime.engine.speculative`): the draft lookup and
+"""Speculative decoding (:mod:`shardsmith.runtime.engine.speculative`): the n-gram lookup and
 acceptance rule on their own, then greedy decoding through the real :class:`Scheduler` with drafts
 checked in one chunk per sequence gives the tokens decoding without them gives (float32), in
-batches that mix speculating sequences with sampled ones, on the tiny Mixtral and Qwen3-MoE at world
-sizes 1 and 2 and on the real SmolLM2 MoE rewriting a paragraph (where most drafts are accepted).
+batches that mix speculating sequences with sampled ones: n-gram drafts on the tiny Mixtral and
+Qwen3-MoE at world sizes 1 and 2 and on the real SmolLM2 MoE rewriting a paragraph (where most drafts
+are accepted); DeepSeek-V3's MTP drafts at world sizes 1 and 2, its cache after rejected drafts, and
+planted drafts that are always right (all accepted) or always wrong (none).
 """
 
 from __future__ import annotations
@@ -11,19 +13,19 @@ import pytest
 import torch
 
 from shardsmith.errors import UsageError
-from shardsmith.runtime.engine.speculative import NgramConfig, accepted, ngram_draft
+from shardsmith.runtime.engine.speculative import SpeculativeConfig, accepted, ngram_draft
 from shardsmith.testing.ranks import run_gloo
 
 
 def test_the_draft_follows_the_latest_earlier_occurrence() -> None:
-    cfg = NgramConfig(k=3, min_ngram=1, max_ngram=3)
+    cfg = SpeculativeConfig(k=3, min_ngram=1, max_ngram=3)
     assert ngram_draft([5, 6, 7, 8, 9, 1, 5, 6, 7], cfg) == [8, 9, 1]  # "5 6 7" seen before: what followed
     assert ngram_draft([1, 2, 3, 9, 2, 3, 4, 2, 3], cfg) == [4, 2, 3]  # the latest "2 3" wins
     assert ngram_draft([1, 2, 3, 4], cfg) == []  # nothing repeats
-    assert ngram_draft([7, 1, 7], NgramConfig(k=5)) == [1, 7]  # fewer than k follow
+    assert ngram_draft([7, 1, 7], SpeculativeConfig(k=5)) == [1, 7]  # fewer than k follow
     assert accepted([4, 5, 6], [4, 5, 9, 1]) == 3 and accepted([4, 5, 6], [1, 5, 6, 7]) == 1
     assert accepted([4, 5, 6], [4, 5, 6, 7]) == 4 and accepted([], [3]) == 1
-    assert NgramConfig(k=0).problems() and NgramConfig(min_ngram=3, max_ngram=2).problems()
+    assert SpeculativeConfig(k=0).problems() and SpeculativeConfig(min_ngram=3, max_ngram=2).problems()
 
 
 REPEATING = [3, 17, 42, 99, 5, 8, 61, 7, 3, 17, 42, 99, 5, 8, 61, 7, 3, 17]
@@ -63,7 +65,7 @@ def _load(path, rank=0, world_size=1):
 def _both(engine) -> dict:
     prompts, params = _cases()
     plain, _ = _decode(engine, prompts, params, None)
-    spec, stats = _decode(engine, prompts, params, NgramConfig(k=4))
+    spec, stats = _decode(engine, prompts, params, SpeculativeConfig(k=4))
     return {"plain": plain, "spec": spec, "steps": stats.steps, "accepted": stats.accepted, "drafted": stats.drafted}
 
 
@@ -96,8 +98,8 @@ def test_a_bad_config_and_a_family_that_cannot_rewind(tiny) -> None:
     from shardsmith.runtime.engine.scheduler import Scheduler
 
     with pytest.raises(UsageError, match="num_speculative_tokens must be in 1..16"):
-        Scheduler(_load(tiny("mixtral")), speculative=NgramConfig(k=0))
-    assert Scheduler(_load(tiny("deepseek-v4")), speculative=NgramConfig()).speculative is None
+        Scheduler(_load(tiny("mixtral")), speculative=SpeculativeConfig(k=0))
+    assert Scheduler(_load(tiny("deepseek-v4")), speculative=SpeculativeConfig()).speculative is None
 
 
 def test_smollm2_rewriting_a_paragraph_accepts_most_drafts(smollm2_pack) -> None:
@@ -114,6 +116,94 @@ def test_smollm2_rewriting_a_paragraph_accepts_most_drafts(smollm2_pack) -> None
     engine = Engine.load(pack, rank=0, world_size=1, dtype=torch.float32, max_seq_len=256, max_num_seqs=1)
     params = [SamplingParams(max_tokens=40, stop_token_ids=codec.eos_token_ids)]
     plain, _ = _decode(engine, [prompt], params, None)
-    spec, stats = _decode(engine, [prompt], params, NgramConfig(k=4))
+    spec, stats = _decode(engine, [prompt], params, SpeculativeConfig(k=4))
     assert spec == plain
     assert stats.acceptance_rate > 0.5 and stats.emitted / stats.steps > 2, stats
+
+
+# ---------------------------------------------------------------- MTP drafts (DeepSeek-V3's MTP layer)
+
+
+def _load_mtp(path, rank=0, world_size=1):
+    from shardsmith.runtime.engine.engine import Engine
+
+    return Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, from_checkpoint=True,
+                       max_seq_len=64, max_num_seqs=3, cuda_graphs=False, mtp_layers=1)
+
+
+def _both_mtp(engine) -> dict:
+    prompts, params = _cases()
+    plain, _ = _decode(engine, prompts, params, None)
+    spec, stats = _decode(engine, prompts, params, SpeculativeConfig(k=3, method="mtp"))
+    return {"plain": plain, "spec": spec, "steps": stats.steps, "accepted": stats.accepted, "drafted": stats.drafted}
+
+
+def test_mtp_greedy_tokens_are_those_of_plain_decoding(tiny) -> None:
+    _check(_both_mtp(_load_mtp(tiny("deepseek-v3"))))
+
+
+def _tp2_mtp(path: str, rank: int, world_size: int):
+    engine = _load_mtp(path, rank, world_size)
+    if rank != 0:
+        engine.follow()
+        return None
+    try:
+        return _both_mtp(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_mtp_greedy_tokens_at_world_size_2(tiny) -> None:
+    _check(run_gloo(_tp2_mtp, 2, str(tiny("deepseek-v3")), timeout=300))
+
+
+def test_the_mtp_cache_after_speculation_is_a_fresh_prefills(tiny) -> None:
+    """After verify chunks with rejected drafts, the MTP layer's cache holds what one prefill of the
+    accepted text leaves: the next draft is the same from both."""
+    from shardsmith.runtime.engine.sampling import SamplingParams
+
+    engine = _load_mtp(tiny("deepseek-v3"))
+    (tokens,), stats = _decode(engine, [REPEATING], [SamplingParams(max_tokens=12, stop_token_ids=())],
+                               SpeculativeConfig(k=3, method="mtp"))
+    assert stats.drafted > stats.accepted  # some drafts were rejected: their positions were written over
+    text, pending = REPEATING + tokens[:-1], tokens[-1]
+    after_spec = engine.model.draft(0, pending, len(text), 3)  # slot 0 ended at len(text) (released: refill)
+    engine.prefill(1, text, 0)
+    fresh = engine.draft(1, pending, len(text), 3)
+    assert len(fresh) == 3 and after_spec in ([], fresh)
+    engine.prefill(0, text[:5], 0)
+    engine.prefill(0, text[5:], 5)  # two chunks: the MTP pass joins them at the chunk boundary
+    assert engine.draft(0, pending, len(text), 3) == fresh
+
+
+@pytest.mark.parametrize("oracle", [True, False])
+def test_planted_drafts_right_and_wrong(tiny, oracle: bool, monkeypatch) -> None:
+    """Drafts that are the plain decode's own next tokens are all accepted; wrong ones never are; the
+    output is plain decoding's either way."""
+    from shardsmith.runtime.engine.sampling import SamplingParams
+
+    engine = _load_mtp(tiny("deepseek-v3"))
+    params = [SamplingParams(max_tokens=14, stop_token_ids=())]
+    (plain,), _ = _decode(engine, [REPEATING], params, None)
+    text = REPEATING + plain
+    vocab = engine.vocab_size
+
+    def planted(slot: int, token: int, pos: int, k: int) -> list[int]:
+        want = text[pos + 1: pos + 1 + k]
+        return want if oracle else [(t + 1) % vocab for t in want]
+
+    monkeypatch.setattr(engine, "draft", planted)
+    (spec,), stats = _decode(engine, [REPEATING], params, SpeculativeConfig(k=3, method="mtp"))
+    assert spec == plain
+    assert stats.drafted > 0 and stats.acceptance_rate == (1.0 if oracle else 0.0), stats
+
+
+def test_mtp_is_refused_where_it_cannot_run(tiny) -> None:
+    from shardsmith.errors import RuntimeLoadError
+
+    with pytest.raises(RuntimeLoadError, match="Mixtral family does not run MTP draft layers"):
+        _load_mtp(tiny("mixtral"))
+    assert SpeculativeConfig(method="eagle").problems() == ["speculative must be one of ngram, mtp, got 'eagle'"]
+    engine = _load(tiny("deepseek-v3"))  # loaded without its MTP layer
+    with pytest.raises(UsageError, match="no MTP layer loaded"):
+        engine.draft(0, 1, 1, 2)

@@ -6,7 +6,7 @@ module          contents
 ``config``      :class:`V3Args` from ``config.json``; YaRN frequencies, mscale, tables
 ``attention``   MLA over the rank's heads, latent KV cache, absorbed decode
 ``moe``         ``noaux_tc`` router; routed (Mixtral-family bank) and shared experts
-``model``       :class:`DeepseekV3` and the strict weight assignment (MTP layers skipped)
+``model``       :class:`DeepseekV3`, its MTP draft layer, the strict weight assignment
 ==============  ===================================================================
 
 Example:
@@ -25,13 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardsmith.errors import UsageError
 from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v3.config import ARCHITECTURES, V3Args
 from shardsmith.runtime.models.deepseek_v3.model import DeepseekV3, assign_weights
 
 
 def build(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
-          place_experts: Callable[[nn.Module], Any] | None = None) -> tuple[nn.Module, Any]:
+          place_experts: Callable[[nn.Module], Any] | None = None, mtp_layers: int = 0) -> tuple[nn.Module, Any]:
     """:class:`DeepseekV3` for rank ``rank``, routed experts resident or offloaded (the registry's builder).
 
     Offloaded experts use the shared host banks, slots and host executor unchanged (the bank format
@@ -40,15 +41,20 @@ def build(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
     Args:
         weights: a :class:`~shardsmith.runtime.engine.loader.RankWeights`; place_experts: the
             engine's expert offload, called on the ``meta`` model (then no banks are assigned).
+        mtp_layers: MTP layers to load for speculative drafts (0 or 1; resident experts only).
 
     Returns:
         ``(model, offload runtime or None)``; the caller dequantizes FP8 and sets up the cache.
 
     Raises:
         RuntimeLoadError: an unsupported config, or missing/unexpected/mis-shaped tensors (all listed).
+        UsageError: more MTP layers than the checkpoint has, or MTP with offloaded experts.
     """
     args = V3Args.from_config(weights.config)
-    model = DeepseekV3(args, Shards(weights.plan, rank, dtype))
+    if mtp_layers and place_experts is not None:
+        raise UsageError("MTP drafts run with resident experts only (the MTP layer's experts are not offloaded yet): "
+                         "drop --moe-backend, or use --speculative ngram")
+    model = DeepseekV3(args, Shards(weights.plan, rank, dtype), mtp_layers=mtp_layers)
     offloaded = place_experts(model) if place_experts is not None else None
     assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device)
     return model, offloaded

@@ -51,6 +51,7 @@ class V3Args:
         rope_interleave: rotary dims in interleaved pairs (transformers' default, DeepSeek's
             complex-number RoPE) rather than halves.
         max_positions: ``max_position_embeddings`` (YaRN's default ``original`` length).
+        n_mtp: ``num_nextn_predict_layers``, the MTP layers after the decoder layers.
     """
 
     vocab_size: int
@@ -77,6 +78,7 @@ class V3Args:
     rope: dict
     rope_interleave: bool
     max_positions: int
+    n_mtp: int = 0
 
     @classmethod
     def from_config(cls, c: dict) -> "V3Args":
@@ -101,6 +103,7 @@ class V3Args:
                 moe_freq=int(c.get("moe_layer_freq") or 1), norm_eps=float(c.get("rms_norm_eps", 1e-6)),
                 rope=_rope(c), rope_interleave=bool(c.get("rope_interleave", True)),
                 max_positions=int(c.get("max_position_embeddings") or 4096),
+                n_mtp=int(c.get("num_nextn_predict_layers") or 0),
             )
         except KeyError as e:
             raise RuntimeLoadError(f"config.json: missing field {e.args[0]!r} for DeepseekV3ForCausalLM") from None

@@ -2,9 +2,10 @@
 
 Module names mirror the Hugging Face checkpoint (``model.layers.N.self_attn.kv_b_proj.weight``),
 so loading is a strict name-for-name assignment (:func:`assign_weights`); expert banks fill
-``model.layers.N.mlp.experts.{gate_up,down}(_scale)``. The MTP layers (``model.layers.{L..}``
-with ``L = num_hidden_layers``: ``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj``,
-``shared_head`` and a full decoder layer) stay in the pack and are not loaded or run.
+``model.layers.N.mlp.experts.{gate_up,down}(_scale)``. The MTP layer (``model.layers.{L}`` with
+``L = num_hidden_layers``: ``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``
+and a full decoder layer) is loaded as ``mtp.0`` when the model is built with ``mtp_layers=1``
+(speculative decoding: :meth:`DeepseekV3.draft`); otherwise it stays in the pack.
 
 ``max_num_seqs`` sequences in slots of the latent KV cache (:mod:`~shardsmith.runtime.models.seq_slots`):
 a prefill or step runs one sequence in its slot (``forward(..., slot=)``); a batched decode step
@@ -89,6 +90,44 @@ class DecoderLayer(nn.Module):
         return (x + self.mlp.finish(h, routed),)
 
 
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3's multi-token prediction layer ``model.layers.{L}`` (``L >= num_hidden_layers``): a
+    decoder layer whose input joins the next token's embedding and the main model's hidden,
+    ``eh_proj([enorm(embed(t_j)); hnorm(h_{j-1})])``, and whose output goes through its own
+    ``shared_head`` (norm and vocab-parallel head) to predict token ``j + 1``.
+
+    Source: the DeepSeek-V3 technical report, section 2.2 (MTP modules); the inference wiring (the
+    final-norm hidden of the main model, a masked embedding at position 0, one layer chained for
+    more than one draft) as vLLM's ``deepseek_mtp.py``. Legend: T = tokens, D = hidden, V = vocabulary.
+    """
+
+    def __init__(self, args: V3Args, shards: Shards, i: int) -> None:
+        super().__init__(args, shards, i)
+        prefix, vocab = f"model.layers.{i}", (args.vocab_size, args.dim)
+        self.embed_tokens = shards.embedding(prefix + ".embed_tokens.weight", vocab)
+        self.enorm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
+        self.eh_proj = shards.linear(prefix + ".eh_proj", shape=(args.dim, 2 * args.dim))
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
+        self.shared_head.head = shards.lm_head(prefix + ".shared_head.head.weight", vocab)
+
+    def hidden(self, ids: torch.Tensor, h_prev: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+               slot: int = 0, *, mask_first: bool = False) -> torch.Tensor:
+        """Tokens ``ids [T]`` at ``[start, start + T)`` with the hidden before each, ``h_prev [T, D]``
+        -> the layer's output ``[T, D]`` (its cache written at those positions). ``mask_first``
+        zeroes the first token's embedding (position 0 has no hidden before it)."""
+        e = self.embed_tokens(ids)
+        if mask_first:
+            e = torch.cat([torch.zeros_like(e[:1]), e[1:]])
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h_prev)], dim=-1))
+        return super().forward(x, start, cos, sin, slot)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, D]`` -> float32 logits ``[T, V]`` of the next-but-one token."""
+        return self.shared_head.head(self.shared_head.norm(x))
+
+
 class DeepseekV3(nn.Module):
     """DeepSeek-V3 on one rank: vocab-parallel embedding, decoder layers, final norm, vocab-parallel head.
 
@@ -101,15 +140,20 @@ class DeepseekV3(nn.Module):
 
     SUPPORTS_BATCHING = True  # per-sequence slots and batched decode steps (models/seq_slots.py)
 
-    def __init__(self, args: V3Args, shards: Shards) -> None:
+    def __init__(self, args: V3Args, shards: Shards, *, mtp_layers: int = 0) -> None:
         super().__init__()
         self.args = args
         vocab = (args.vocab_size, args.dim)
+        if not 0 <= mtp_layers <= args.n_mtp:
+            raise UsageError(f"DeepSeek-V3: {mtp_layers} MTP layer(s) asked for, the checkpoint has {args.n_mtp} "
+                             "(num_nextn_predict_layers)")
         self.model = nn.Module()
         self.model.embed_tokens = shards.embedding("model.embed_tokens.weight", vocab)
         self.model.layers = nn.ModuleList(DecoderLayer(args, shards, i) for i in range(args.n_layers))
         self.model.norm = RMSNorm(args.dim, args.norm_eps, shards.dtype)
         self.lm_head = shards.lm_head("lm_head.weight", vocab)
+        self.mtp = nn.ModuleList(MTPLayer(args, shards, args.n_layers + j) for j in range(mtp_layers))
+        self._hidden: list[tuple[int, torch.Tensor] | None] = [None]  # per slot: (start, [T, D]) of its last forward
         self.cos = self.sin = None
         self.max_seq_len, self.max_num_seqs = 0, 0
         self.seqs = SeqSlots("DeepSeek-V3", 1, 1)  # replaced by setup_cache
@@ -124,7 +168,8 @@ class DeepseekV3(nn.Module):
         """
         self.seqs = SeqSlots("DeepSeek-V3", max_num_seqs, max_seq_len)
         self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
-        for layer in self.model.layers:
+        self._hidden = [None] * max_num_seqs
+        for layer in self._cached_layers():
             attn = layer.self_attn
             attn.cache_kv = torch.zeros(max_num_seqs, max_seq_len, attn.c, dtype=dtype, device=device)
             attn.cache_pe = torch.zeros(max_num_seqs, max_seq_len, attn.rope, dtype=dtype, device=device)
@@ -136,11 +181,15 @@ class DeepseekV3(nn.Module):
         (every slot's latent and RoPE cache, all layers), allocating nothing."""
         b = dtype.itemsize
         return sum(max_num_seqs * max_seq_len * (layer.self_attn.c + layer.self_attn.rope) * b
-                   for layer in self.model.layers)
+                   for layer in self._cached_layers())
 
     def state_bytes(self) -> int:
         """Bytes of per-sequence state this rank allocated (every slot's latent cache, all layers)."""
-        return sum(cache_bytes(layer.self_attn.cache_kv, layer.self_attn.cache_pe) for layer in self.model.layers)
+        return sum(cache_bytes(layer.self_attn.cache_kv, layer.self_attn.cache_pe) for layer in self._cached_layers())
+
+    def _cached_layers(self) -> list[DecoderLayer]:
+        """Every layer with a latent cache: the decoder layers, then the MTP layers."""
+        return [*self.model.layers, *self.mtp]
 
     def release(self, slot: int) -> None:
         """Forget ``slot``'s sequence (its next step starts at 0).
@@ -149,6 +198,7 @@ class DeepseekV3(nn.Module):
             UsageError: ``slot`` outside ``0..max_num_seqs-1``.
         """
         self.seqs.release(slot)
+        self._hidden[slot] = None
 
     def set_absorb(self, mode: str) -> None:
         """How attention uses the latent cache: ``decode`` (absorbed for one-token steps, the
@@ -177,7 +227,59 @@ class DeepseekV3(nn.Module):
         (x,) = self.embed_ids(ids)  # [T, D]
         for layer in self.model.layers:
             x = layer(x, start, cos, sin, slot)
-        return self.logits(x[-1:] if last_only else x)[0]  # [T or 1, V]
+        if not self.mtp:
+            return self.logits(x[-1:] if last_only else x)[0]  # [T or 1, V]
+        h = self.model.norm(x)  # [T, D]: what the MTP layer reads, and the head's input
+        self._mtp_pass(ids, h, start, cos, sin, slot)
+        return self.lm_head(h[-1:] if last_only else h)  # [T or 1, V]
+
+    # ------------------------------------------------------------------ MTP drafts
+
+    def _previous_hidden(self, slot: int, pos: int) -> torch.Tensor | None:
+        """The final-norm hidden ``[D]`` of ``slot`` at ``pos`` if its last forward computed it."""
+        kept = self._hidden[slot]
+        if kept is None or not kept[0] <= pos < kept[0] + kept[1].shape[0]:
+            return None
+        return kept[1][pos - kept[0]]
+
+    def _mtp_pass(self, ids: torch.Tensor, h: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                  slot: int) -> None:
+        """Run the MTP layer over a forward's positions, so its cache holds them: position ``j`` reads
+        token ``j`` and the main model's hidden at ``j - 1`` (the previous forward's last row for the
+        first position, zeros at position 0, whose embedding is masked as in training)."""
+        prev = self._previous_hidden(slot, start - 1) if start > 0 else None
+        first = torch.zeros_like(h[:1]) if prev is None else prev[None]
+        h_prev = torch.cat([first, h[:-1]])  # [T, D]
+        self.mtp[0].hidden(ids, h_prev, start, cos, sin, slot, mask_first=start == 0)
+        self._hidden[slot] = (start, h)
+
+    @torch.inference_mode()
+    def draft(self, slot: int, token: int, pos: int, k: int) -> list[int]:
+        """Up to ``k`` greedy draft tokens after ``token`` at ``pos`` in ``slot`` from the MTP layer:
+        draft ``i`` is the MTP layer's choice at position ``pos + i`` (the main model's hidden at
+        ``pos - 1`` and ``token`` for the first; the layer's own output and its last choice after
+        that, as vLLM chains one MTP layer). Its cache entries at those positions are scratch: the
+        next forward writes over them. ``[]`` when the slot's last forward did not end at ``pos``.
+
+        Raises:
+            UsageError: the model has no MTP layer, or ``pos + k`` passes ``max_seq_len``.
+        """
+        if not self.mtp:
+            raise UsageError("DeepSeek-V3 was built without its MTP layer (mtp_layers=0)")
+        if pos + k > self.max_seq_len:
+            raise UsageError(f"slot {slot}: a {k}-token draft at {pos} passes max_seq_len={self.max_seq_len}")
+        h = self._previous_hidden(slot, pos - 1)
+        if h is None:
+            return []
+        layer, device = self.mtp[0], h.device
+        out: list[int] = []
+        for i in range(k):
+            p = pos + i
+            x = layer.hidden(torch.tensor([token], device=device), h[None], p, self.cos[p: p + 1], self.sin[p: p + 1], slot)
+            token = int(layer.logits(x)[0].argmax())  # lowest id on ties, as greedy decoding
+            out.append(token)
+            h = x[0]
+        return out
 
     @property
     def decode_layers(self) -> nn.ModuleList:
@@ -208,23 +310,27 @@ def assign_weights(model: DeepseekV3, dense: dict[str, torch.Tensor], banks: dic
                    *, device: torch.device) -> None:
     """Replace every ``meta`` buffer of ``model`` by the rank's tensor of the same name, strictly.
 
-    Tensors and banks of the MTP layers (index >= ``num_hidden_layers``) are skipped. FP8 weights
+    Tensors and banks of the MTP layers (index >= ``num_hidden_layers``) go to ``mtp.j`` for the
+    layers the model was built with, and are skipped otherwise. FP8 weights
     and their F32 ``weight_scale_inv`` keep their stored dtype (on CPU the buffer is the mmap view
     itself); other tensors are cast to the buffer's dtype (the router's BF16 weight to float32).
 
     Raises:
         RuntimeLoadError: listing every missing, unexpected, mis-shaped or wrongly typed tensor.
     """
-    n = model.args.n_layers
+    n, mtp = model.args.n_layers, len(model.mtp)
 
-    def decoder(name: str) -> bool:
+    def rename(name: str) -> str | None:  # decoder layers keep their names, the MTP layers loaded become mtp.j
         m = _LAYER.match(name + ".")
-        return m is None or int(m.group(1)) < n
+        if m is None or int(m.group(1)) < n:
+            return name
+        j = int(m.group(1)) - n
+        return f"mtp.{j}." + name[m.end():] if j < mtp else None
 
-    given = {k: t for k, t in dense.items() if decoder(k)}
+    given = {r: t for k, t in dense.items() if (r := rename(k)) is not None}
     for layer, arrays in banks.items():
-        if decoder(layer):
-            given.update({f"{layer}.mlp.experts.{a}": t for a, t in arrays.items()})
+        if (r := rename(layer)) is not None:
+            given.update({f"{r.rstrip('.')}.mlp.experts.{a}": t for a, t in arrays.items()})
 
     def convert(name: str, t: torch.Tensor, meta: torch.Tensor) -> torch.Tensor | str:
         if (meta.dtype == torch.float8_e4m3fn) != (t.dtype == torch.float8_e4m3fn):
