@@ -9,8 +9,9 @@ lost, and the sampled tokens reach them as the next step's payload. Commands:
 ==========  ============================================  =====================================
 op          command ``[op, a, b, c, d]``                  payload (int64)
 ==========  ============================================  =====================================
-FORWARD     ``n, start, all_logits, slot``                ``ids [n]``: one sequence's prefill,
+FORWARD     ``n, start, flags, slot``                     ``ids [n]``: one sequence's prefill,
                                                           prefill chunk or step, in ``slot``
+                                                          (flags: all logits, speculative)
 DECODE      ``B, 0, 0, 0``                                ``[3, B]``: ids, starts, slots (a
                                                           batched one-token step, B sequences)
 RELEASE     ``slot, 0, 0, 0``                             none: the slot's sequence ended
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardsmith.runtime")
 FORWARD, SHUTDOWN, DECODE, RELEASE, WARMUP, RESTORE, DRAFT = 1, 2, 3, 4, 5, 6, 7
 CMD_LEN = 5
+SPECULATIVE = 2  # FORWARD's flags (c): bit 0 all logits, bit 1 a verify chunk the model may take back
 PROMPT_PROBE_TOKENS = 32  # the prompt length warm-up prefills to price a prefill against a decode step
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # GPU memory left free after the per-sequence state: a prefill chunk's activations (a 2048-token chunk
@@ -115,6 +117,7 @@ class Engine:
         self._eager: DecodeGraphs | None = None
         self._kernels: bool | None = None  # whether some module runs a Triton kernel (warmup)
         self._pos = [0] * self.max_num_seqs  # per slot, where its last step ended (rank 0)
+        self._spec: list[tuple[int, int] | None] = [None] * self.max_num_seqs  # per slot, a verify chunk (start, n)
         self.warmup_seconds, self.warmup_launches = 0.0, 0
         self.prompt_costs: tuple[float, float] | None = None  # (prefill, decode step) seconds, from warmup() on CUDA
 
@@ -261,19 +264,21 @@ class Engine:
         return self._step(ids, 0, last_only=False)
 
     def prefill(self, slot: int, ids: list[int], start: int = 0, *, last_only: bool = True,
-                on_device: bool = False) -> torch.Tensor:
+                on_device: bool = False, speculative: bool = False) -> torch.Tensor:
         """One sequence's tokens ``ids`` at ``[start, start + len(ids))`` in ``slot`` (a prompt, or one
         chunk of it: chunk k starts where chunk k-1 ended; ``start == 0`` begins a new sequence);
         float32 CPU logits ``[1, V]`` (``[T, V]`` without ``last_only``; left on the engine's device
         with ``on_device``, for :func:`~shardsmith.runtime.engine.sampling.choose_rows`). Rank 0;
-        every rank runs it.
+        every rank runs it. ``speculative`` (a draft's verify chunk, in a model that cannot rewind):
+        the model keeps what the step writes over, so :meth:`restore` can take back its later rows.
 
         Raises:
             UsageError: a slot outside ``[0, max_num_seqs)``, or a start the model cannot take.
             RankLostError: another rank died.
         """
         self._check_slots([slot])
-        return self._step(ids, start, last_only=last_only, slot=slot, on_device=on_device)
+        return self._step(ids, start, last_only=last_only, slot=slot, on_device=on_device,
+                          speculative=speculative and not self.family.rewinds)
 
     def decode(self, ids: list[int], starts: list[int], slots: list[int], *, on_device: bool = False) -> torch.Tensor:
         """One batched step: B sequences, one token each (row b: ``ids[b]`` at ``starts[b]`` in
@@ -373,13 +378,16 @@ class Engine:
     def restore(self, slot: int, pos: int) -> None:
         """Every rank puts ``slot`` back to position ``pos`` (rank 0): a no-op for a model that
         rewinds (its next step may start anywhere up to where the last ended), else the model's
-        ``restore`` to one of :meth:`resume_points`.
+        ``restore`` to one of :meth:`resume_points` or into the last step when it was ``speculative``.
 
         Raises:
-            UsageError: ``pos`` is past the slot's end, or (a model that cannot rewind) not a resume point.
+            UsageError: ``pos`` is past the slot's end, or (a model that cannot rewind) neither a resume
+                point nor inside a speculative last step.
         """
         self._check_slots([slot])
-        if pos > self._pos[slot] or (not self.family.rewinds and pos not in self.resume_points(slot)):
+        spec = self._spec[slot]
+        inside = spec is not None and spec[0] < pos < spec[0] + spec[1] == self._pos[slot]  # a verify chunk's rows
+        if pos > self._pos[slot] or (not self.family.rewinds and not inside and pos not in self.resume_points(slot)):
             raise UsageError(f"slot {slot} cannot go back to position {pos}: it ended at {self._pos[slot]}"
                              + ("" if self.family.rewinds else f"; its resume points are {self.resume_points(slot)}"))
         if self.family.rewinds or pos == self._pos[slot]:
@@ -389,6 +397,7 @@ class Engine:
                 self._send(torch.tensor([RESTORE, slot, pos, 0, 0], dtype=torch.int64))
             self.model.restore(slot, pos)
             self._pos[slot] = pos
+            self._spec[slot] = None
 
     def warmup(self) -> None:
         """Prepare every rank for serving, so no request pays a compile or a capture (rank 0):
@@ -492,7 +501,9 @@ class Engine:
             else:
                 ids = torch.empty(a, dtype=torch.int64)
                 self._collective(lambda: dist.broadcast(ids, src=0, group=self._group))
-                self._collective(lambda: self._run_forward(ids, b, last_only=not c, slot=d))
+                if c & SPECULATIVE:
+                    self.model.speculate(d, a)
+                self._collective(lambda: self._run_forward(ids, b, last_only=not c & 1, slot=d))
 
     # ---------------------------------------------------------------- internals
 
@@ -532,7 +543,7 @@ class Engine:
             raise UsageError(f"{self.family.name}: a step must start at 0 (a new sequence) or {where}; got start={start}")
 
     def _step(self, ids: list[int], start: int, *, last_only: bool = True, slot: int = 0,
-              on_device: bool = False) -> torch.Tensor:
+              on_device: bool = False, speculative: bool = False) -> torch.Tensor:
         """Broadcast one sequence's step (command and tokens), run it here; returns float32 logits, on
         the CPU unless ``on_device``.
 
@@ -545,8 +556,12 @@ class Engine:
         tokens = torch.tensor(ids, dtype=torch.int64)
         with self._lock:
             if self.world_size > 1:
-                self._send(torch.tensor([FORWARD, len(ids), start, int(not last_only), slot], dtype=torch.int64))
+                flags = int(not last_only) | SPECULATIVE * speculative
+                self._send(torch.tensor([FORWARD, len(ids), start, flags, slot], dtype=torch.int64))
                 self._collective(lambda: dist.broadcast(tokens, src=0, group=self._group))
+            if speculative:
+                self.model.speculate(slot, len(ids))
+            self._spec[slot] = (start, len(ids)) if speculative else None
             self._pos[slot] = start + len(ids)
             logits = self._collective(lambda: self._run_forward(tokens, start, last_only=last_only, slot=slot))
         return logits if on_device else logits.cpu()

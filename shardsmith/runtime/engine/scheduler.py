@@ -232,8 +232,13 @@ class Scheduler:
                                   resume_points=getattr(engine, "resume_points", None))
         if speculative is not None and (bad := speculative.problems()):
             raise UsageError("; ".join(bad))
-        # drafts need a state that takes back rejected positions by writing over them
-        self.speculative = speculative if engine.family.rewinds else None
+        # drafts need a state that takes back rejected positions: written over where it rewinds, else
+        # saved before the verify chunk and restored after it (DeepseekV4.speculate)
+        takes_back = engine.family.rewinds or hasattr(engine.model, "speculate")
+        self.speculative = speculative if takes_back else None
+        # a verify chunk V4 can take back holds at most its sliding window: the pending token and window - 1
+        window = getattr(getattr(engine.model, "args", None), "window", 0) if not engine.family.rewinds else 0
+        self.max_draft = window - 1 if window else 16
         self.spec = SpecStats()
         # a model that cannot rewind leaves resume points where a prefill chunk ends at their multiple
         self.resume_every = 0 if engine.family.rewinds else int(getattr(engine.model, "snapshot_every", 0) or 0)
@@ -355,6 +360,7 @@ class Scheduler:
                 or s.constraint is not None or s.inflight >= 0):
             return []
         left = min(p.max_tokens - s.generated, self.engine.max_seq_len - s.pos) - 1  # room for the draft's tokens
+        left = min(left, self.max_draft)
         if left < 1:
             return []
         cfg = self.speculative
@@ -368,7 +374,9 @@ class Scheduler:
     def _verify(self, seq: Sequence, draft: list[int]) -> list[tuple[Sequence, StepOutput]]:
         """One chunk of ``seq``'s pending token and ``draft``; the greedy tokens it gives (1 to
         ``len(draft) + 1``, fewer when one ends the sequence)."""
-        logits = self.engine.prefill(seq.slot, [seq.pending, *draft], seq.pos, last_only=False, on_device=True)
+        start = seq.pos
+        logits = self.engine.prefill(seq.slot, [seq.pending, *draft], start, last_only=False, on_device=True,
+                                     speculative=True)
         lp = torch.log_softmax(logits.float(), dim=-1)
         choices = torch.argmax(logits, dim=-1)  # lowest id on ties, as choose_rows
         picked = lp.gather(1, choices[:, None])[:, 0]
@@ -384,6 +392,8 @@ class Scheduler:
             out.append((seq, step))
             if step.finished:
                 break
+        if n <= len(draft) and not out[-1][1].finished:
+            self.engine.restore(seq.slot, start + n)  # the rejected rows back (a no-op where the state rewinds)
         self.spec.emitted += len(out)
         return out
 

@@ -15,11 +15,14 @@ model's own greedy choices after each position for as long as the draft agreed w
 (:func:`accepted`): the first choice always counts, so a step gives 1 to ``k + 1`` tokens, each the
 token greedy decoding gives at that position. Positions past the accepted ones hold the rejected
 draft; a family whose state is position-indexed (``rewinds``) simply writes over them with the next
-step, so nothing is rolled back. The logits of a chunk equal one-token steps' up to matmul rounding,
-as a chunked prefill's do.
+step. DeepSeek-V4's window ring and compressors cannot be recomputed from positions: its verify
+chunk runs after ``DeepseekV4.speculate`` kept what the chunk writes over, and the engine's
+``restore`` then takes the rejected rows back exactly (the ring rows return, the compressors retake
+the accepted rows). The logits of a chunk equal one-token steps' up to matmul rounding, as a
+chunked prefill's do.
 
-Only greedy sequences without penalties, logprobs or constraints speculate, in families that
-rewind; the others decode as before in the same step. Whatever the draft, the tokens emitted are the
+Only greedy sequences without penalties, logprobs or constraints speculate; the others decode as
+before in the same step. Whatever the draft, the tokens emitted are the
 verify forward's own greedy choices, so the output is greedy decoding's. Sources: Saxena's prompt
 lookup decoding, as vLLM's ``ngram`` speculator uses it; the DeepSeek-V3 technical report's MTP
 modules, run as drafts as vLLM's ``deepseek_mtp`` does.

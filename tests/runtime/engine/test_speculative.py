@@ -94,12 +94,35 @@ def test_greedy_tokens_at_world_size_2(tiny) -> None:
     _check(run_gloo(_tp2, 2, str(tiny("mixtral")), timeout=300))
 
 
-def test_a_bad_config_and_a_family_that_cannot_rewind(tiny) -> None:
+def test_a_bad_config(tiny) -> None:
     from shardsmith.runtime.engine.scheduler import Scheduler
 
     with pytest.raises(UsageError, match="num_speculative_tokens must be in 1..16"):
         Scheduler(_load(tiny("mixtral")), speculative=SpeculativeConfig(k=0))
-    assert Scheduler(_load(tiny("deepseek-v4")), speculative=SpeculativeConfig()).speculative is None
+
+
+def test_deepseek_v4_takes_back_rejected_drafts(tiny) -> None:
+    """V4's window ring and compressors cannot rewind by position: each verify chunk is saved and its
+    rejected rows taken back. The tiny V4's 16-token window wraps and its ratio-4 windows complete
+    inside verify chunks; greedy tokens stay plain decoding's."""
+    out = _both(_load(tiny("deepseek-v4")))
+    _check(out)
+    assert out["drafted"] > out["accepted"]  # some drafts were rejected and taken back
+
+
+def _tp2_v4(path: str, rank: int, world_size: int):
+    engine = _load(path, rank, world_size)
+    if rank != 0:
+        engine.follow()
+        return None
+    try:
+        return _both(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_deepseek_v4_speculation_at_world_size_2(tiny) -> None:
+    _check(run_gloo(_tp2_v4, 2, str(tiny("deepseek-v4")), timeout=300))
 
 
 def test_smollm2_rewriting_a_paragraph_accepts_most_drafts(smollm2_pack) -> None:
@@ -176,24 +199,32 @@ def test_the_mtp_cache_after_speculation_is_a_fresh_prefills(tiny) -> None:
     assert engine.draft(0, pending, len(text), 3) == fresh
 
 
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v4"])
 @pytest.mark.parametrize("oracle", [True, False])
-def test_planted_drafts_right_and_wrong(tiny, oracle: bool, monkeypatch) -> None:
+def test_planted_drafts_right_and_wrong(tiny, family: str, oracle: bool, monkeypatch) -> None:
     """Drafts that are the plain decode's own next tokens are all accepted; wrong ones never are; the
-    output is plain decoding's either way."""
+    output is plain decoding's either way (V3: in place of the MTP layer's; V4: of the n-gram lookup,
+    every wrong draft taken back from its window ring and compressors)."""
+    from shardsmith.runtime.engine import scheduler
     from shardsmith.runtime.engine.sampling import SamplingParams
 
-    engine = _load_mtp(tiny("deepseek-v3"))
+    engine = _load_mtp(tiny(family)) if family == "deepseek-v3" else _load(tiny(family))
     params = [SamplingParams(max_tokens=14, stop_token_ids=())]
     (plain,), _ = _decode(engine, [REPEATING], params, None)
     text = REPEATING + plain
     vocab = engine.vocab_size
 
-    def planted(slot: int, token: int, pos: int, k: int) -> list[int]:
-        want = text[pos + 1: pos + 1 + k]
+    def planted(after: int, k: int) -> list[int]:  # the k tokens after position `after`
+        want = text[after + 1: after + 1 + k]
         return want if oracle else [(t + 1) % vocab for t in want]
 
-    monkeypatch.setattr(engine, "draft", planted)
-    (spec,), stats = _decode(engine, [REPEATING], params, SpeculativeConfig(k=3, method="mtp"))
+    if family == "deepseek-v3":
+        monkeypatch.setattr(engine, "draft", lambda slot, token, pos, k: planted(pos, k))
+        cfg = SpeculativeConfig(k=3, method="mtp")
+    else:
+        monkeypatch.setattr(scheduler, "ngram_draft", lambda tokens, c: planted(len(tokens) - 1, c.k))
+        cfg = SpeculativeConfig(k=3)
+    (spec,), stats = _decode(engine, [REPEATING], params, cfg)
     assert spec == plain
     assert stats.drafted > 0 and stats.acceptance_rate == (1.0 if oracle else 0.0), stats
 

@@ -53,6 +53,7 @@ from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import indexer
 from shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention import prefill_attention
 from shardsmith.runtime.layers.kernels.deepseek_v4.sink_attention import sink_attention
 from shardsmith import settings
+from shardsmith.errors import UsageError
 from shardsmith.runtime.layers.parallel import ReplicatedLinear, Shards, kernel_on, merge_rows
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
@@ -96,6 +97,7 @@ class Attention(nn.Module):
                                    eps=args.norm_eps)
         self.ratio = ratio
         self.keys = self.win = None  # set by allocate
+        self._saved: tuple | None = None  # (slot, ring rows, their values): save() for rewind()
         self.max_seq_len = 0
         self.kernel = self.index_kernel = False  # decode attention / index scores through Triton (use_kernel_)
         self.prefill_kernel = False  # prefill attention and index scores through Triton (use_kernel_)
@@ -176,8 +178,33 @@ class Attention(nn.Module):
     def reset(self, slot: int) -> None:
         """Forget slot ``slot``'s sequence. The window needs nothing: rows of earlier sequences are
         masked by position (a fresh sequence sees only positions >= 0 it wrote itself)."""
+        if self._saved is not None and self._saved[0] == slot:
+            self._saved = None
         for mod in self._compressors():
             mod.reset(slot)
+
+    def save(self, slot: int, start: int, T: int) -> None:
+        """Before a ``T``-token step of slot ``slot`` at ``start`` (``T <= window``): keep the window
+        rows it will write over and the compressors' state (:meth:`Compressor.save`), for :meth:`rewind`."""
+        ring = torch.arange(start, start + T, device=self.win.device) % self.window
+        self._saved = (slot, ring, self.win[slot, ring].clone())
+        for mod in self._compressors():
+            mod.save(slot)
+
+    def rewind(self, slot: int, start: int, keep: int) -> None:
+        """After the saved step: keep its first ``keep`` rows, take back the rest (the window rows they
+        wrote over return; the compressors retake the kept rows).
+
+        Raises:
+            UsageError: no step of ``slot`` was saved.
+        """
+        if self._saved is None or self._saved[0] != slot:
+            raise UsageError(f"slot {slot}: no saved step to rewind")
+        _, ring, rows = self._saved
+        self._saved = None
+        self.win[slot, ring[keep:]] = rows[keep:]
+        for mod in self._compressors():
+            mod.rewind(slot, start, keep)
 
     def _compressors(self) -> list[Compressor]:
         return [m for m in (self.compressor, self.indexer and self.indexer.compressor) if m is not None]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardsmith.errors import UsageError
 from shardsmith.runtime.layers.kernels.deepseek_v4.compressor_step import compressor_step
 from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import indexer_prefill_scores, indexer_scores
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
@@ -73,6 +74,7 @@ class Compressor(nn.Module):
         self.norm = RMSNormF32(dim, eps)
         self.buf = self.buf_kv = self.buf_gate = self.prev_kv = self.prev_gate = self.entries = None
         self.kernel = False  # step through the Triton kernel (use_kernel_)
+        self._saved: tuple | None = None  # (slot, buf, carry, the step's rows): save() for rewind()
 
     def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype, *,
                  entries: torch.Tensor | None = None) -> None:
@@ -102,6 +104,8 @@ class Compressor(nn.Module):
 
     def reset(self, slot: int) -> None:
         """Forget slot ``slot``'s tokens (a new sequence starts there at position 0)."""
+        if self._saved is not None and self._saved[0] == slot:
+            self._saved = None
         if self.overlap:
             self.prev_kv[slot] = 0
             self.prev_gate[slot] = float("-inf")
@@ -113,6 +117,14 @@ class Compressor(nn.Module):
         ``start`` must be the slot's position (the caller checks it).
         """
         kv, gate = self.wkv(x), self.wgate(x)  # [T, width]
+        if self._saved is not None and self._saved[0] == slot and self._saved[-1] is None:
+            self._saved = (*self._saved[:-1], (kv, gate))  # a verify chunk's rows, for rewind
+        self._absorb(kv, gate, slot, start)
+        return self.entries[slot, :(start + x.shape[0]) // self.ratio]
+
+    def _absorb(self, kv: torch.Tensor, gate: torch.Tensor, slot: int, start: int) -> None:
+        """Take one sequence's projected rows ``kv``, ``gate`` ``[T, width]`` at ``[start, start + T)``
+        into slot ``slot``: complete windows pool into entries (and the CSA carry), the rest waits."""
         r, d = self.ratio, self.dim
         pending = start % r
         if pending:
@@ -128,11 +140,35 @@ class Compressor(nn.Module):
                 prev = (torch.cat((self.prev_kv[slot, None], kv_w[:-1, :, :d])),
                         torch.cat((self.prev_gate[slot, None], gate_w[:-1, :, :d])))
                 self.prev_kv[slot], self.prev_gate[slot] = kv_w[-1, :, :d], gate_w[-1, :, :d]
-            cos, sin = rope_cos_sin(torch.arange(w0, w0 + n, device=x.device) * r, self.freqs)
+            cos, sin = rope_cos_sin(torch.arange(w0, w0 + n, device=kv.device) * r, self.freqs)
             self.entries[slot, w0:w0 + n] = apply_rope(self._pool(kv_w, gate_w, *prev), cos, sin)
         rest = kv.shape[0] - usable
         self.buf_kv[slot, :rest], self.buf_gate[slot, :rest] = kv[usable:], gate[usable:]
-        return self.entries[slot, :(start + x.shape[0]) // r]
+
+    def save(self, slot: int) -> None:
+        """Keep slot ``slot``'s pending window and carry, and the rows the next :meth:`extend` of the
+        slot takes, so that :meth:`rewind` can take back that step's later rows (speculative decoding's
+        rejected draft). Entries need no copy: they are indexed by position, and a window the draft
+        completed is written again when its real tokens complete it."""
+        carry = (self.prev_kv[slot].clone(), self.prev_gate[slot].clone()) if self.overlap else None
+        self._saved = (slot, self.buf[slot].clone(), carry, None)
+
+    def rewind(self, slot: int, start: int, keep: int) -> None:
+        """Put slot ``slot`` back to its state before the saved step (at ``start``), then take that
+        step's first ``keep`` rows again: the state the step would have left with only those rows.
+
+        Raises:
+            UsageError: no step of ``slot`` was saved.
+        """
+        if self._saved is None or self._saved[0] != slot or self._saved[-1] is None:
+            raise UsageError(f"slot {slot}: no saved step to rewind (save() before the step's extend)")
+        _, buf, carry, (kv, gate) = self._saved
+        self._saved = None
+        self.buf[slot] = buf
+        if carry is not None:
+            self.prev_kv[slot], self.prev_gate[slot] = carry
+        if keep:
+            self._absorb(kv[:keep], gate[:keep], slot, start)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The per-token projections ``kv``, ``gate`` of ``x`` ``[T, D]`` stacked: ``[T, 2, width]``.

@@ -127,6 +127,7 @@ class DeepseekV4(nn.Module):
             layer.ffn.fuse_projections_()  # the shared expert's w1 | w3
         self.positions = [0] * max_num_seqs
         self.snapshots: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(max_num_seqs)]
+        self._speculating: list[tuple[int, int] | None] = [None] * max_num_seqs  # (start, T) saved by speculate
         for slot in range(max_num_seqs):
             self.release(slot)
 
@@ -149,6 +150,7 @@ class DeepseekV4(nn.Module):
         self._check_slot(slot)
         self.positions[slot] = 0
         self.snapshots[slot].clear()
+        self._speculating[slot] = None
         for layer in self.layers:
             layer.attn.reset(slot)
 
@@ -212,15 +214,40 @@ class DeepseekV4(nn.Module):
         self._check_slot(slot)
         return sorted(self.snapshots[slot])
 
-    def restore(self, slot: int, pos: int) -> None:
-        """Put ``slot`` back to resume point ``pos``: its next step starts there; later resume points
-        are dropped (the positions past ``pos`` will be overwritten).
+    def speculate(self, slot: int, T: int) -> None:
+        """Before a ``T``-token step of ``slot`` at its position (a speculative verify chunk): keep what
+        the step writes over, so that :meth:`restore` can take back any of its rows but the first.
 
         Raises:
-            UsageError: ``pos`` is not one of :meth:`resume_points` (nor the slot's position).
+            UsageError: a bad slot, or ``T`` outside ``[1, sliding_window]`` (the rows the ring keeps).
         """
         self._check_slot(slot)
+        if not 1 <= T <= self.args.window:
+            raise UsageError(f"slot {slot}: a speculative step of {T} tokens; at most the sliding window "
+                             f"({self.args.window}) can be taken back")
+        start = self.positions[slot]
+        for layer in self.layers:
+            layer.attn.save(slot, start, T)
+        self._speculating[slot] = (start, T)
+
+    def restore(self, slot: int, pos: int) -> None:
+        """Put ``slot`` back to ``pos``: a resume point, or a position inside the step :meth:`speculate`
+        saved (its rows past ``pos`` taken back exactly); its next step starts there; later resume
+        points are dropped (the positions past ``pos`` will be overwritten).
+
+        Raises:
+            UsageError: ``pos`` is neither one of :meth:`resume_points`, nor inside the saved step, nor
+                the slot's position.
+        """
+        self._check_slot(slot)
+        spec, self._speculating[slot] = self._speculating[slot], None
         if pos == self.positions[slot]:
+            return
+        if spec is not None and spec[0] < pos < spec[0] + spec[1] and self.positions[slot] == spec[0] + spec[1]:
+            for layer in self.layers:
+                layer.attn.rewind(slot, spec[0], pos - spec[0])
+            self.positions[slot] = pos
+            self._drop_snapshots(slot, after=pos)
             return
         if pos not in self.snapshots[slot]:
             raise UsageError(f"slot {slot}: no resume point at position {pos} (it has {self.resume_points(slot)} "
