@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram drafts against plain decoding, side by side, on one pack.
+"""Speculative decoding against plain decoding, side by side, on one pack; and what a verify step costs.
 
 One greedy sequence through the real :class:`~shardsmith.runtime.engine.scheduler.Scheduler` (rank
 0, world size 1) on a text-editing prompt (rewrite a given paragraph: the answer repeats its input,
@@ -11,7 +11,18 @@ Rows: ``family``, ``layers``, ``speculative``, ``num_speculative_tokens``, ``acc
 ``decode_step_ms``, ``same_tokens``, ``moe_backend``; saved as
 ``benchmarks/results/spec_decode-<date>-<host>.json``.
 
+``--cost`` (any family, no tokenizer needed: a random prompt of ``--prompt-tokens``): what one
+step costs by kind, medians over ``--repeat`` x 8 steps after the prompt: ``decode_step_ms`` (the
+engine's batched one-token step: graphed on CUDA), ``verify_step_ms`` at each ``k`` (a ``k + 1``-token
+speculative chunk, then the state put back to its first token: the whole rollback a rejected draft
+costs on DeepSeek-V4), ``draft_ms`` (``--speculative mtp``: the MTP layer's ``k`` chained drafts), and
+the single-stream tokens/s those costs give at 80% and 90% per-token acceptance: a step emits
+``(1 - a^(k+1)) / (1 - a)`` tokens on average (random weights accept nothing, so the speed-up is
+modelled from the measured step). Rows add ``modeled_tokens_per_s_at_80``, ``..._at_90`` and
+``modeled_speedup_at_80``.
+
     python benchmarks/spec_decode.py PACK --dtype float32 --k 2 4 6
+    python benchmarks/spec_decode.py PACK --cost --k 1 2 3 --speculative mtp --device cuda
 """
 
 from __future__ import annotations
@@ -60,6 +71,73 @@ def run(engine: Engine, prompt: list[int], tokens: int, cfg: SpeculativeConfig |
     return {"tokens": out, "seconds": end - first, "steps": steps, "spec": sched.spec}
 
 
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one verify step emits on average when each draft token is accepted with probability ``a``
+    (independently, up to the first rejection), plus the verify's own choice."""
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def cost_rows(engine: Engine, a: argparse.Namespace, sync) -> list[dict]:
+    """``--cost``: step costs by kind and the modelled single-stream speed (module docstring)."""
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, engine.vocab_size, (a.prompt_tokens,), generator=g).tolist()
+    mtp = a.speculative == "mtp"
+
+    def median_ms(fn, n: int = 8) -> float:
+        times = []
+        for _ in range(a.repeat):
+            engine.release(0)
+            engine.prefill(0, prompt, 0)
+            pos = len(prompt)
+            for _ in range(n):
+                sync()
+                t0 = time.perf_counter()
+                pos = fn(pos)
+                sync()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    def decode(pos: int) -> int:
+        engine.decode([7], [pos], [0], on_device=True)
+        return pos + 1
+
+    for _ in range(2):  # warm: compiles, captures
+        median_ms(decode, 2)
+    decode_ms = median_ms(decode)
+    rows = []
+    for k in a.k:
+        def verify(pos: int, k=k) -> int:
+            engine.prefill(0, [7] * (k + 1), pos, last_only=False, on_device=True, speculative=True)
+            engine.restore(0, pos + 1)  # everything but the pending token rejected: the rollback is whole
+            return pos + 1
+
+        def draft(pos: int, k=k) -> int:
+            engine.draft(0, 7, pos, k)
+            engine.decode([7], [pos], [0], on_device=True)  # moves on, so every draft starts at a new position
+            return pos + 1
+
+        median_ms(verify, 2)
+        verify_ms = median_ms(verify)
+        draft_ms = max(0.0, median_ms(draft) - decode_ms) if mtp else 0.0
+        step = verify_ms + draft_ms
+        at = {p: expected_tokens(p / 100, k) / step * 1e3 for p in (80, 90)}
+        rows.append({"family": engine.family.name, "layers": int(engine.config.get("num_hidden_layers", 0)),
+                     "speculative": a.speculative, "num_speculative_tokens": k, "prompt_tokens": len(prompt),
+                     "decode_step_ms": round(decode_ms, 3), "verify_step_ms": round(verify_ms, 3),
+                     "draft_ms": round(draft_ms, 3), "verify_over_decode": round(verify_ms / decode_ms, 3),
+                     "tokens_per_s_without": round(1e3 / decode_ms, 2),
+                     "modeled_tokens_per_s_at_80": round(at[80], 2), "modeled_tokens_per_s_at_90": round(at[90], 2),
+                     "modeled_speedup_at_80": round(at[80] * decode_ms / 1e3, 3), "moe_backend": "resident"})
+    print(f"{'k':>3} {'decode ms':>10} {'verify ms':>10} {'draft ms':>9} {'verify/decode':>14} {'tok/s':>8} "
+          f"{'@80%':>8} {'@90%':>8} {'x@80%':>6}")
+    for r in rows:
+        print(f"{r['num_speculative_tokens']:>3} {r['decode_step_ms']:>10.2f} {r['verify_step_ms']:>10.2f} "
+              f"{r['draft_ms']:>9.2f} {r['verify_over_decode']:>14.2f} {r['tokens_per_s_without']:>8.1f} "
+              f"{r['modeled_tokens_per_s_at_80']:>8.1f} {r['modeled_tokens_per_s_at_90']:>8.1f} "
+              f"{r['modeled_speedup_at_80']:>6.2f}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("pack", type=Path)
@@ -69,13 +147,29 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--from-checkpoint", action="store_true", help="PACK is a checkpoint (split in memory)")
+    ap.add_argument("--cost", action="store_true", help="step costs and the modelled speed (module docstring)")
+    ap.add_argument("--speculative", choices=("ngram", "mtp"), default="ngram",
+                    help="--cost: the draft source (mtp loads the MTP layer and times its drafts)")
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="--cost: random prompt length")
     a = ap.parse_args()
     from _results import save_results
 
+    mtp = int(a.cost and a.speculative == "mtp")
+    if a.cost:
+        engine = Engine.load(a.pack, rank=0, world_size=1, device=a.device, dtype=getattr(torch, a.dtype),
+                             from_checkpoint=a.from_checkpoint, max_seq_len=a.prompt_tokens + 64 * max(a.k) + 64,
+                             max_num_seqs=1, mtp_layers=mtp)
+        sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+        rows = cost_rows(engine, a, sync)
+        name = engine.device.type if engine.device.type != "cuda" else torch.cuda.get_device_name()
+        save_results("spec_decode", rows, extra={"pack": a.pack.name, "device": name, "dtype": a.dtype,
+                                                  "mode": "cost"}, path=a.out, append=a.out is not None)
+        return
     codec = Codec(a.pack)
     prompt = codec.encode(f"Rewrite this paragraph, word for word:\n\n{PARAGRAPH}\n\nRewritten:\n")
     engine = Engine.load(a.pack, rank=0, world_size=1, device=a.device, dtype=getattr(torch, a.dtype),
-                         max_seq_len=len(prompt) + a.tokens + 32, max_num_seqs=1)
+                         from_checkpoint=a.from_checkpoint, max_seq_len=len(prompt) + a.tokens + 32, max_num_seqs=1)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     run(engine, prompt, 8, None, sync)  # warm
     base = [run(engine, prompt, a.tokens, None, sync) for _ in range(a.repeat)]
