@@ -17,6 +17,8 @@
 #   prefill-moe     2k and 8k prompts through 4 layers x 256 FP4 experts: grouped experts against the loop
 #   tp-sim          TP 1, 2, 4 of a full-depth V4 predicted from one rank alone, resident and with a 48 GB
 #                   card's expert cache, collectives priced (tp_sim.py)
+#   spec-cost       a full-depth V4's decode step against its verify step (k = 1, 2, 3, rollback included) and
+#                   the tokens/s they give at 80% and 90% acceptance (spec_decode.py --cost)
 #
 # Carry .inv/ (the real V4-Flash inventory from ../shared/real-inventories, and SmolLM2's
 # tokenizer.json as .inv/smollm2-tokenizer.json for the masks) and .whl/ (wheels the host lacks:
@@ -138,7 +140,14 @@ step_tp_sim() {
     local rc=${PIPESTATUS[0]}; keep tp_sim; return $rc
 }
 
-[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
+step_spec_cost() {
+    full_depth || return 1
+    timeout "${SPEC_COST_S:-360}" python3 benchmarks/spec_decode.py /tmp/v4f --from-checkpoint --cost --k 1 2 3 \
+        --device cuda --dtype bfloat16 --prompt-tokens 1024 --out "$OUT/spec_decode-$SHARDSMITH_HOST.json" 2>&1 \
+        | grep -v INFO | tee "$OUT/spec_cost.log" | tail -8
+}
+
+[ $# -gt 0 ] || { sed -n '2,29p' "$0"; exit 2; }
 for step in "$@"; do
     fn="step_${step//-/_}"
     if ! declare -F "$fn" > /dev/null; then echo "unknown step: $step"; continue; fi
