@@ -13,6 +13,8 @@ another process could still take it before rank 0 listens), and the GPUs for ``-
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import typer
@@ -29,8 +31,10 @@ TP = typer.Option(None, "--tp", help="Ranks for --from-checkpoint (a pack's worl
 VERIFY = typer.Option(True, "--verify-hashes/--no-verify",
                       help="Hash every pack file (XXH3-128) against its manifest as it is read; --no-verify skips it.")
 DIGEST = typer.Option(None, "--expect-digest", help="Refuse the pack unless its root digest (printed by split) is this.")
-MAX_SEQ = typer.Option(2048, "--max-seq-len", "--max-model-len",
-                       help="Context length in tokens (prompt + completion), per sequence.")
+MAX_SEQ = typer.Option(None, "--max-seq-len", "--max-model-len",
+                       help="Context length in tokens (prompt + completion), per sequence; at most the model's "
+                            "max_position_embeddings (default: 2048, or the model's length when shorter).")
+DEFAULT_MAX_SEQ = 2048
 EAGER = typer.Option(False, "--enforce-eager",
                      help="Launch every kernel eagerly: no CUDA graphs for decode steps (used on CUDA only).")
 DTYPE = typer.Option("auto", "--dtype", help="Compute dtype: auto (the config's torch_dtype), bfloat16, float16 or float32.")
@@ -205,7 +209,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="HTTP listen address."),
     port: int = typer.Option(8000, "--port", help="HTTP port."),
     device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
-    tp: int | None = TP, verify_hashes: bool = VERIFY, expect_digest: str | None = DIGEST, max_seq_len: int = MAX_SEQ,
+    tp: int | None = TP, verify_hashes: bool = VERIFY, expect_digest: str | None = DIGEST, max_seq_len: int | None = MAX_SEQ,
     served_model_name: str | None = typer.Option(None, "--served-model-name", help="Model id for clients (default: the directory name)."),
     max_request_bytes: int = typer.Option(4 << 20, "--max-request-bytes",
                                           help="Larger request bodies get HTTP 413 (default 4 MiB)."),
@@ -266,6 +270,7 @@ def serve(
         raise UsageError("; ".join(bad))
     _check_serving_environment()
     _check_chat_template(chat_template)
+    max_seq_len = _context_length(path, max_seq_len)
     spec_decode = _speculative(speculative, num_speculative_tokens)
     if decode_prompt_tokens is not None and not 0 <= decode_prompt_tokens <= max_seq_len:
         raise UsageError(f"--decode-prompt-tokens must be between 0 and --max-model-len ({max_seq_len}), "
@@ -294,7 +299,7 @@ def generate(
     seed: int | None = typer.Option(None, "--seed"),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
-    tp: int | None = TP, verify_hashes: bool = VERIFY, expect_digest: str | None = DIGEST, max_seq_len: int = MAX_SEQ,
+    tp: int | None = TP, verify_hashes: bool = VERIFY, expect_digest: str | None = DIGEST, max_seq_len: int | None = MAX_SEQ,
     moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
     dtype: str = DTYPE, trust_remote_code: bool = TRUST, enforce_eager: bool = EAGER,
     max_num_seqs: int = typer.Option(1, "--max-num-seqs",
@@ -304,6 +309,7 @@ def generate(
     from shardsmith.runtime.serve.generate import GenerateJob
     from shardsmith.runtime.serve.launch import launch
 
+    max_seq_len = _context_length(path, max_seq_len)
     _check_sampling(prompts=prompt, chat=chat, max_tokens=max_tokens, max_seq_len=max_seq_len,
                     temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     _check_serving_environment()
@@ -387,6 +393,29 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.command("generate")(generate)
     app.command("demo")(demo)
+
+
+def _context_length(path: Path, asked: int | None) -> int:
+    """``--max-model-len``: ``asked``, or by default :data:`DEFAULT_MAX_SEQ` or the model's length when
+    that is shorter; the model's length is ``max_position_embeddings`` of ``path/config.json`` (none
+    when it is missing or the file cannot be read here: later checks name that).
+
+    Raises:
+        UsageError: ``asked`` is below 2 or past the model's length.
+    """
+    limit = None
+    try:
+        limit = int(json.loads((path / "config.json").read_text()).get("max_position_embeddings") or 0) or None
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    if asked is None:
+        return min(DEFAULT_MAX_SEQ, limit or DEFAULT_MAX_SEQ)
+    if asked < 2:
+        raise UsageError(f"--max-model-len (--max-seq-len) must be at least 2, got {asked}")
+    if limit is not None and asked > limit:
+        raise UsageError(f"--max-model-len {asked} is longer than the model's context, {limit} tokens "
+                         f"(max_position_embeddings in {path / 'config.json'}); at most {limit}")
+    return asked
 
 
 def _speculative(method: str | None, k: int):

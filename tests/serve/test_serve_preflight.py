@@ -71,6 +71,8 @@ def _refused(proc: subprocess.CompletedProcess, match: str) -> None:
 
 @pytest.mark.parametrize("args,match", [
     (("serve", "{pack}", "--port", "99999"), "--port must be in 1..65535, got 99999"),
+    (("serve", "{pack}", "--max-model-len", "100000"),
+     "--max-model-len 100000 is longer than the model's context, 512 tokens (max_position_embeddings in"),
     (("serve", "{pack}", "--speculative", "eagle"), "--speculative must be one of ngram, mtp, got 'eagle'"),
     (("serve", "{pack}", "--speculative", "ngram", "--num-speculative-tokens", "0"),
      "--num-speculative-tokens must be in 1..16, got 0"),
@@ -338,3 +340,17 @@ def test_health_answers_while_a_long_prompt_is_tokenized(server: Server) -> None
     """The server tokenizes in a worker thread; /health must not wait for it."""
     _, seconds, worst = _post_long_prompt(server)
     assert worst < 0.5 < seconds, (worst, seconds)
+
+
+def test_the_context_length_defaults_to_the_models_when_shorter(tmp_path: Path) -> None:
+    from shardsmith.cli_serve import DEFAULT_MAX_SEQ, _context_length
+    from shardsmith.errors import UsageError
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    assert _context_length(tmp_path, None) == 512 and _context_length(tmp_path, 512) == 512
+    with pytest.raises(UsageError, match="--max-model-len 513 is longer than the model's context, 512 tokens"):
+        _context_length(tmp_path, 513)
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    assert _context_length(tmp_path, None) == DEFAULT_MAX_SEQ == 2048 and _context_length(tmp_path, 131072) == 131072
+    (tmp_path / "config.json").unlink()  # no config here: the load names that; no limit to apply
+    assert _context_length(tmp_path, None) == 2048 and _context_length(tmp_path, 9999) == 9999
