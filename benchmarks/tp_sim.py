@@ -13,6 +13,9 @@ run measures time only. It measures:
   report): ``collective_ms``;
 - ``predicted_tokens_per_s = 1000 / (rank_step_ms + collective_ms)``; ``ratio_to_tp1`` against the
   TP=1 row of the same backend and links.
+- ``--real``: each TP > 1 also runs for real (gloo on CPU, NCCL on that many GPUs), resident; its row
+  (``collective_link`` ``measured``) prices the step's collectives with the backend's latency measured
+  in that run and gives ``real_tokens_per_s`` and ``predicted_over_real``: the model checked.
 
 Offloaded rows hold the expert cache of a ``--card-gib`` GPU at every TP: what the card holds after the
 rank's resident weights (measured: GPU memory of the resident build less its banks) and
@@ -53,6 +56,70 @@ def rank_run(rank: int, world_size: int, port: int, a: dict, queue) -> None:
     except BaseException:
         queue.put(("error", traceback.format_exc()))
         raise
+
+
+def real_run(rank: int, world_size: int, port: int, a: dict, queue) -> None:
+    """``--real``: one rank of the real TP world (gloo on CPU, NCCL on CUDA): the resident decode step
+    with its collectives, and the backend's own latency for the step's collectives (each call of the
+    step's list issued alone, timed over ``REPEATS``); rank 0 reports."""
+    try:
+        from _v4_template import TemplateWeights
+        from v4_decode import decode
+
+        import torch.distributed as dist
+
+        from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
+        from shardsmith.runtime.engine.dist import init_distributed
+        from shardsmith.runtime.engine.engine import build_model
+        from shardsmith.runtime.engine.loader import load_rank_weights
+        from shardsmith.runtime.engine.rank_alone import CollectiveLog
+        from shardsmith.runtime.layers import parallel
+
+        cuda = a["device"] == "cuda"
+        if cuda:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+        init_distributed(rank, world_size, master_port=port, device=a["device"])
+        dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        t = a["template"]
+        weights = TemplateWeights(load_rank_weights(a["pack"], rank=rank, world_size=world_size), Path(t["ckpt"]),
+                                  Path(t["work"]), layers=t["layers"], experts=t["experts"], kinds=t["kinds"])
+        model, *_ = build_model(weights, rank=rank, device=dev, dtype=getattr(torch, a["dtype"]),
+                                max_seq_len=a["max_seq_len"], check_fit=False)
+        prompt = torch.randint(0, int(weights.config["vocab_size"]), (a["prompt"],),
+                               generator=torch.Generator().manual_seed(0)).to(dev)
+        runner = DecodeGraphs(model, dev) if cuda else model
+        decode(runner, prompt[:8], 4, sync)
+        seconds, _ = decode(runner, prompt, a["tokens"], sync)
+        logits = model(prompt, 0)
+        with CollectiveLog() as log:
+            model(logits[-1:].argmax(-1), prompt.shape[0])
+        per_call = []
+        for c in log.calls[:4]:  # the first few: the step's sizes repeat layer after layer
+            x = torch.zeros(max(1, c.nbytes // 2), dtype=torch.bfloat16, device=dev)
+            parts = [torch.empty_like(x) for _ in range(world_size)]
+            # the model's own all-reduce (on gloo a small one is a gather and a local sum)
+            issue = (lambda: parallel.all_reduce(x)) if c.op == "allreduce" else (lambda: dist.all_gather(parts, x))
+            for _ in range(5):
+                issue()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(REPEATS):
+                issue()
+            sync()
+            per_call.append((time.perf_counter() - t0) / REPEATS)
+        if rank == 0:
+            queue.put(("ok", {"tp": world_size, "real_step_ms": 1e3 * seconds / a["tokens"],
+                              "measured_latency_s": sorted(per_call)[len(per_call) // 2],
+                              "collectives": len(log.calls)}))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+REPEATS = 50
 
 
 def _measure(a: dict) -> dict:
@@ -120,7 +187,7 @@ def _measure(a: dict) -> dict:
 
 def rows_for(measured: list[dict], a: argparse.Namespace) -> list[dict]:
     """The issue's rows: per TP, backend, host link and collective link; ratios to TP=1."""
-    from shardsmith.runtime.engine.rank_alone import LINKS, CollectiveCall, collective_seconds
+    from shardsmith.runtime.engine.rank_alone import LINKS, CollectiveCall, Link, collective_seconds
 
     rows = []
     for m in measured:
@@ -142,9 +209,26 @@ def rows_for(measured: list[dict], a: argparse.Namespace) -> list[dict]:
                              "collective_bytes_per_step": sum(c.nbytes for c in calls), "collective_link": name,
                              "collective_ms": coll_ms, "predicted_tokens_per_s": 1e3 / (step_ms + coll_ms),
                              "hit_rate": hit, "values": "not the model's (rank alone; reductions skipped)"})
+    for m in measured:
+        real = m.get("real")
+        if real is None:
+            continue
+        link = Link("measured", real["measured_latency_s"], float("inf"), "this run's backend, the step's collective sizes")
+        calls = [CollectiveCall(c["op"], c["bytes"], (), "", c["group_size"]) for c in m["collectives"]]
+        coll_ms = 1e3 * collective_seconds(calls, link)
+        predicted = 1e3 / (m["resident_step_ms"] + coll_ms)
+        rows.append({"tp": m["tp"], "layers": m["layers"], "moe_backend": "resident", "cache_bytes_per_gpu": None,
+                     "cache_share_of_real_experts": None, "link_gb_per_s": None, "link_emulated": False,
+                     "rank_step_ms": m["resident_step_ms"], "collectives_per_step": len(calls),
+                     "collective_bytes_per_step": sum(c.nbytes for c in calls), "collective_link": "measured",
+                     "collective_ms": coll_ms, "predicted_tokens_per_s": predicted, "hit_rate": None,
+                     "real_step_ms": real["real_step_ms"], "real_tokens_per_s": 1e3 / real["real_step_ms"],
+                     "predicted_over_real": predicted * real["real_step_ms"] / 1e3,
+                     "values": "real TP run beside the rank-alone prediction"})
     for r in rows:
         base = next((b for b in rows if b["tp"] == 1 and b["moe_backend"] == r["moe_backend"]
-                     and b["collective_link"] == r["collective_link"] and b["link_emulated"] == r["link_emulated"]), None)
+                     and b["collective_link"] in (r["collective_link"], "nvlink" if r["collective_link"] == "measured" else "")
+                     and b["link_emulated"] == r["link_emulated"]), None)
         r["ratio_to_tp1"] = r["predicted_tokens_per_s"] / base["predicted_tokens_per_s"] if base else None
     return rows
 
@@ -155,14 +239,15 @@ def print_table(rows: list[dict]) -> None:
 
     t = Table(title="DeepSeek-V4 decode by TP, one rank measured alone (time only), collectives priced")
     for col in ("tp", "backend", "host link GB/s", "hit rate", "rank step ms", "collectives", "link",
-                "collective ms", "predicted tok/s", "vs TP=1"):
+                "collective ms", "predicted tok/s", "vs TP=1", "real tok/s"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(str(r["tp"]), r["moe_backend"],
                   "-" if r["link_gb_per_s"] is None else f"{r['link_gb_per_s']:.0f}" + (" (emulated)" if r["link_emulated"] else ""),
                   "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}", f"{r['rank_step_ms']:.2f}",
                   str(r["collectives_per_step"]), r["collective_link"], f"{r['collective_ms']:.2f}",
-                  f"{r['predicted_tokens_per_s']:.1f}", "-" if r["ratio_to_tp1"] is None else f"{r['ratio_to_tp1']:.2f}x")
+                  f"{r['predicted_tokens_per_s']:.1f}", "-" if r["ratio_to_tp1"] is None else f"{r['ratio_to_tp1']:.2f}x",
+                  f"{r['real_tokens_per_s']:.1f}" if "real_tokens_per_s" in r else "-")
     Console(stderr=True, width=170).print(t)
 
 
@@ -185,6 +270,9 @@ def main() -> None:
     ap.add_argument("--reserve-gib", type=float, default=6.0, help="kept off the cache: state, activations, graphs")
     ap.add_argument("--slow-link-gb-per-s", type=float, default=25.0)
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per TP")
+    ap.add_argument("--real", action="store_true",
+                    help="also run each TP > 1 for real (gloo on CPU, NCCL on as many GPUs), resident, beside the "
+                         "prediction priced with the backend's own measured latency")
     ap.add_argument("--no-save", action="store_true")
     a = ap.parse_args()
     from _v4_template import REAL_CONFIG
@@ -216,6 +304,8 @@ def main() -> None:
                 "prompt": a.prompt, "tokens": a.tokens, "max_seq_len": a.max_seq_len, "real_experts": a.real_experts,
                 "card_bytes": int(a.card_gib * GiB), "reserve_bytes": int(a.reserve_gib * GiB)}
         measured.append(run_ranks(rank_run, 1, opts, timeout=a.timeout_s))
+        if a.real and tp > 1:
+            measured[-1]["real"] = run_ranks(real_run, tp, opts, timeout=a.timeout_s)
         print(f"[tp={tp}] measured in {time.perf_counter() - t0:.0f} s: resident step "
               f"{measured[-1]['resident_step_ms']:.2f} ms, {len(measured[-1]['collectives'])} collectives per step",
               file=sys.stderr, flush=True)

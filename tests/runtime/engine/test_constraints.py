@@ -1,6 +1,6 @@
 """Token constraints (:mod:`shardsmith.runtime.engine.constraints`) and structured output with
 llguidance (:mod:`shardsmith.runtime.serve.structured`): the bitmask against a per-token reference,
-then the real SmolLM2 MoE through the real :class:`Scheduler`: 20 sampled answers under a JSON
+then the real SmolLM2 MoE through the real :class:`Scheduler`: 8 sampled answers under a JSON
 schema all parse and validate and end on their own (``stop``), in batches that mix them with an
 unconstrained sequence, whose tokens stay those it samples alone.
 """
@@ -86,7 +86,7 @@ def _run(engine, seqs) -> dict[int, list[int]]:
     return {k: (v, finish[k]) for k, v in tokens.items()}
 
 
-def test_twenty_sampled_answers_follow_the_schema(smollm2) -> None:
+def test_sampled_answers_follow_the_schema(smollm2) -> None:
     from shardsmith.runtime.engine.sampling import SamplingParams
     from shardsmith.runtime.engine.scheduler import Sequence
 
@@ -98,7 +98,7 @@ def test_twenty_sampled_answers_follow_the_schema(smollm2) -> None:
     alone = _run(engine, [free])[id(free)]
     free_again = Sequence(free.prompt_ids, free.params)
     seqs = [Sequence(prompt, SamplingParams(max_tokens=80, temperature=1.0, seed=s, stop_token_ids=stops),
-                     constraint=grammars.matcher(grammar)) for s in range(20)]
+                     constraint=grammars.matcher(grammar)) for s in range(8)]
     got = _run(engine, seqs[:2] + [free_again] + seqs[2:])
     assert got[id(free_again)] == alone, "an unconstrained sequence changed beside constrained ones"
     texts = []
@@ -109,7 +109,7 @@ def test_twenty_sampled_answers_follow_the_schema(smollm2) -> None:
         jsonschema.validate(json.loads(text), SCHEMA)
         assert seq.constraint.complete and not seq.constraint.failed
         texts.append(text)
-    assert len(set(texts)) > 1  # sampled, not one answer twenty times
+    assert len(set(texts)) > 1  # sampled, not one answer eight times
 
 
 def test_an_unenforceable_schema_is_refused(smollm2) -> None:
