@@ -133,6 +133,8 @@ def _measure(a: dict) -> dict:
     from shardsmith.runtime.offload import OffloadConfig
 
     tp, cuda = a["tp"], a["device"] == "cuda"
+    if not cuda:  # a CPU rank of a TP world gets its share of the cores (as the real ranks are clamped)
+        torch.set_num_threads(max(1, torch.get_num_threads() // tp))
     if tp > 1:
         init_rank_alone(0, tp)
     dev = torch.device("cuda:0" if cuda else "cpu")
