@@ -1,6 +1,7 @@
 """``serve --speculative ngram`` on the real SmolLM2 MoE pack (CPU, TP=1, float32): a request that
 copies a paragraph gets the answer a server without speculation gives, streamed and not, and
-``/metrics`` counts the drafts (most accepted)."""
+``/metrics`` counts the drafts (most accepted); ``serve --speculative mtp`` on a tiny DeepSeek-V3 pack
+at TP=2 (its MTP layer on both ranks) answers as without it."""
 
 from __future__ import annotations
 
@@ -42,3 +43,25 @@ def test_ngram_speculation_keeps_the_answer(smollm2_pack, tmp_path: Path) -> Non
     assert _metric(metrics, "spec_decode_steps_total") > 0
     assert _metric(metrics, "spec_decode_acceptance_rate") > 0.5
     assert _metric(metrics, "spec_decode_emitted_tokens_total") > _metric(metrics, "spec_decode_steps_total")
+
+
+def test_mtp_speculation_through_serve_at_tp2(tmp_path: Path) -> None:
+    """``serve --speculative mtp`` on a tiny DeepSeek-V3 pack at TP=2: the MTP layer loads on every rank,
+    drafts are checked, and the greedy answer is the one a server without speculation gives."""
+    from shardsmith.testing import tiny_deepseek_v3
+    from shardsmith.testing.tokenizer import deepseek_tokenizer
+    from shardsmith.writer.split import split_checkpoint
+
+    src = tiny_deepseek_v3(tmp_path / "src")
+    deepseek_tokenizer(src, vocab_size=512, chat="template")
+    split_checkpoint(src, tmp_path / "tp2", world_size=2)
+    ask = {"model": MODEL, "prompt": [3, 17, 42, 99, 5, 8, 61, 7, 3, 17, 42], "max_tokens": 16, "temperature": 0}
+    answers = {}
+    for mode in ((), ("--speculative", "mtp", "--num-speculative-tokens", "3")):
+        with Server(tmp_path / "tp2", tmp_path / f"serve{len(mode)}.log", "--dtype", "float32", *mode,
+                    model=MODEL) as srv:
+            answers[bool(mode)] = post(srv, "/v1/completions", ask).json()["choices"][0]["text"]
+            metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    assert answers[True] == answers[False] and answers[True]
+    assert _metric(metrics, "spec_decode_steps_total") > 0
+    assert _metric(metrics, "spec_decode_draft_tokens_total") >= _metric(metrics, "spec_decode_steps_total")
