@@ -174,3 +174,14 @@ class TemplateWeights:
             self._banks = {f"layers.{i}": {a: self._rows(t) for a, t in base[f"layers.{src}"].items()}
                            for i, src in enumerate(self.templates)}
         return self._banks
+
+
+def tiny_template(work: Path) -> Path:
+    """The tiny DeepSeek-V4 checkpoint with one layer of each (kind, routing), as the template mode
+    needs (``work/tiny-template``, written once): CPU rehearsals of the template benchmarks."""
+    from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
+
+    ckpt = work / "tiny-template"
+    if not (ckpt / "config.json").is_file():
+        tiny_deepseek_v4(ckpt, layers=5, hash_layers=3, mtp_layers=0, compress_ratios=(0, 0, 4, 128, 4, 0))
+    return ckpt

@@ -37,7 +37,6 @@ Writes ``benchmarks/results/tp_sim-<YYYYMMDD>-<host>.json``. The template is
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import traceback
@@ -277,25 +276,20 @@ def main() -> None:
                          "prediction priced with the backend's own measured latency")
     ap.add_argument("--no-save", action="store_true")
     a = ap.parse_args()
-    from _v4_template import REAL_CONFIG
+    from _v4_template import REAL_CONFIG, tiny_template
+    from v4_decode import template as template_options
 
     from shardsmith.testing.ranks import run_ranks
     from shardsmith.writer.split import split_checkpoint
 
-    kinds_path = a.kinds_config or REAL_CONFIG
+    a.kinds_config = a.kinds_config or REAL_CONFIG
     if a.tiny:
-        from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
-
-        ckpt = a.work / "tiny-template"
-        if not (ckpt / "config.json").is_file():
-            tiny_deepseek_v4(ckpt, layers=5, hash_layers=3, mtp_layers=0, compress_ratios=(0, 0, 4, 128, 4, 0))
+        ckpt = tiny_template(a.work)
     elif a.checkpoint is None:
         raise SystemExit("give a template checkpoint directory or --tiny")
     else:
         ckpt = a.checkpoint
-    kinds = json.loads(kinds_path.read_text())
-    template = {"ckpt": str(ckpt), "work": str(a.work), "layers": a.layers, "experts": a.experts_per_layer,
-                "kinds": {k: kinds[k] for k in ("compress_ratios", "num_hash_layers") if k in kinds}}
+    template = template_options(a, ckpt)
     measured = []
     for tp in (int(x) for x in a.tp.split(",")):
         pack = a.work / f"tp{tp}"

@@ -629,12 +629,12 @@ def main() -> None:
 
         a.kinds_config = a.kinds_config or REAL_CONFIG
     if a.tiny:
+        from _v4_template import tiny_template
+
         from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
 
-        ckpt = a.work / ("tiny-template" if a.layers else "tiny-ckpt")
-        if not (ckpt / "config.json").is_file() and a.layers:  # one layer of each (kind, hashed), as the real one
-            tiny_deepseek_v4(ckpt, layers=5, hash_layers=3, mtp_layers=0, compress_ratios=(0, 0, 4, 128, 4, 0))
-        elif not (ckpt / "config.json").is_file():
+        ckpt = tiny_template(a.work) if a.layers else a.work / "tiny-ckpt"
+        if not (ckpt / "config.json").is_file():
             tiny_deepseek_v4(ckpt)
     elif a.checkpoint is None:
         raise SystemExit("give a checkpoint directory or --tiny")

@@ -117,7 +117,6 @@ class Engine:
         self._eager: DecodeGraphs | None = None
         self._kernels: bool | None = None  # whether some module runs a Triton kernel (warmup)
         self._pos = [0] * self.max_num_seqs  # per slot, where its last step ended (rank 0)
-        self._spec: list[tuple[int, int] | None] = [None] * self.max_num_seqs  # per slot, a verify chunk (start, n)
         self.warmup_seconds, self.warmup_launches = 0.0, 0
         self.prompt_costs: tuple[float, float] | None = None  # (prefill, decode step) seconds, from warmup() on CUDA
 
@@ -385,7 +384,7 @@ class Engine:
                 point nor inside a speculative last step.
         """
         self._check_slots([slot])
-        spec = self._spec[slot]
+        spec = self.model.speculating(slot) if hasattr(self.model, "speculating") else None
         inside = spec is not None and spec[0] < pos < spec[0] + spec[1] == self._pos[slot]  # a verify chunk's rows
         if pos > self._pos[slot] or (not self.family.rewinds and not inside and pos not in self.resume_points(slot)):
             raise UsageError(f"slot {slot} cannot go back to position {pos}: it ended at {self._pos[slot]}"
@@ -397,7 +396,6 @@ class Engine:
                 self._send(torch.tensor([RESTORE, slot, pos, 0, 0], dtype=torch.int64))
             self.model.restore(slot, pos)
             self._pos[slot] = pos
-            self._spec[slot] = None
 
     def warmup(self) -> None:
         """Prepare every rank for serving, so no request pays a compile or a capture (rank 0):
@@ -561,7 +559,6 @@ class Engine:
                 self._collective(lambda: dist.broadcast(tokens, src=0, group=self._group))
             if speculative:
                 self.model.speculate(slot, len(ids))
-            self._spec[slot] = (start, len(ids)) if speculative else None
             self._pos[slot] = start + len(ids)
             logits = self._collective(lambda: self._run_forward(tokens, start, last_only=last_only, slot=slot))
         return logits if on_device else logits.cpu()

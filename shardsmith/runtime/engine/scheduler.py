@@ -236,9 +236,8 @@ class Scheduler:
         # saved before the verify chunk and restored after it (DeepseekV4.speculate)
         takes_back = engine.family.rewinds or hasattr(engine.model, "speculate")
         self.speculative = speculative if takes_back else None
-        # a verify chunk V4 can take back holds at most its sliding window: the pending token and window - 1
-        window = getattr(getattr(engine.model, "args", None), "window", 0) if not engine.family.rewinds else 0
-        self.max_draft = window - 1 if window else 16
+        # a verify chunk holds the pending token and the draft: at most what the model can take back
+        self.max_draft = getattr(engine.model, "max_speculative_step", 17) - 1
         self.spec = SpecStats()
         # a model that cannot rewind leaves resume points where a prefill chunk ends at their multiple
         self.resume_every = 0 if engine.family.rewinds else int(getattr(engine.model, "snapshot_every", 0) or 0)

@@ -55,17 +55,24 @@ def _cases():
     return prompts, params
 
 
-def _load(path, rank=0, world_size=1):
+def _load(path, rank=0, world_size=1, mtp_layers=0):
     from shardsmith.runtime.engine.engine import Engine
 
     return Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, from_checkpoint=True,
-                       max_seq_len=64, max_num_seqs=3, cuda_graphs=False)
+                       max_seq_len=64, max_num_seqs=3, cuda_graphs=False, mtp_layers=mtp_layers)
 
 
-def _both(engine) -> dict:
+def _load_mtp(path, rank=0, world_size=1):
+    return _load(path, rank, world_size, mtp_layers=1)
+
+
+NGRAM, MTP = SpeculativeConfig(k=4), SpeculativeConfig(k=3, method="mtp")
+
+
+def _both(engine, cfg: SpeculativeConfig = NGRAM) -> dict:
     prompts, params = _cases()
     plain, _ = _decode(engine, prompts, params, None)
-    spec, stats = _decode(engine, prompts, params, SpeculativeConfig(k=4))
+    spec, stats = _decode(engine, prompts, params, cfg)
     return {"plain": plain, "spec": spec, "steps": stats.steps, "accepted": stats.accepted, "drafted": stats.drafted}
 
 
@@ -79,19 +86,19 @@ def test_greedy_tokens_are_those_of_plain_decoding(tiny, family) -> None:
     _check(_both(_load(tiny(family))))
 
 
-def _tp2(path: str, rank: int, world_size: int):
-    engine = _load(path, rank, world_size)
+def _tp2(path: str, cfg: SpeculativeConfig, rank: int, world_size: int):
+    engine = _load(path, rank, world_size, mtp_layers=int(cfg.method == "mtp"))
     if rank != 0:
         engine.follow()
         return None
     try:
-        return _both(engine)
+        return _both(engine, cfg)
     finally:
         engine.shutdown()
 
 
 def test_greedy_tokens_at_world_size_2(tiny) -> None:
-    _check(run_gloo(_tp2, 2, str(tiny("mixtral")), timeout=300))
+    _check(run_gloo(_tp2, 2, str(tiny("mixtral")), NGRAM, timeout=300))
 
 
 def test_a_bad_config(tiny) -> None:
@@ -110,19 +117,8 @@ def test_deepseek_v4_takes_back_rejected_drafts(tiny) -> None:
     assert out["drafted"] > out["accepted"]  # some drafts were rejected and taken back
 
 
-def _tp2_v4(path: str, rank: int, world_size: int):
-    engine = _load(path, rank, world_size)
-    if rank != 0:
-        engine.follow()
-        return None
-    try:
-        return _both(engine)
-    finally:
-        engine.shutdown()
-
-
 def test_deepseek_v4_speculation_at_world_size_2(tiny) -> None:
-    _check(run_gloo(_tp2_v4, 2, str(tiny("deepseek-v4")), timeout=300))
+    _check(run_gloo(_tp2, 2, str(tiny("deepseek-v4")), NGRAM, timeout=300))
 
 
 def test_smollm2_rewriting_a_paragraph_accepts_most_drafts(smollm2_pack) -> None:
@@ -147,37 +143,12 @@ def test_smollm2_rewriting_a_paragraph_accepts_most_drafts(smollm2_pack) -> None
 # ---------------------------------------------------------------- MTP drafts (DeepSeek-V3's MTP layer)
 
 
-def _load_mtp(path, rank=0, world_size=1):
-    from shardsmith.runtime.engine.engine import Engine
-
-    return Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, from_checkpoint=True,
-                       max_seq_len=64, max_num_seqs=3, cuda_graphs=False, mtp_layers=1)
-
-
-def _both_mtp(engine) -> dict:
-    prompts, params = _cases()
-    plain, _ = _decode(engine, prompts, params, None)
-    spec, stats = _decode(engine, prompts, params, SpeculativeConfig(k=3, method="mtp"))
-    return {"plain": plain, "spec": spec, "steps": stats.steps, "accepted": stats.accepted, "drafted": stats.drafted}
-
-
 def test_mtp_greedy_tokens_are_those_of_plain_decoding(tiny) -> None:
-    _check(_both_mtp(_load_mtp(tiny("deepseek-v3"))))
-
-
-def _tp2_mtp(path: str, rank: int, world_size: int):
-    engine = _load_mtp(path, rank, world_size)
-    if rank != 0:
-        engine.follow()
-        return None
-    try:
-        return _both_mtp(engine)
-    finally:
-        engine.shutdown()
+    _check(_both(_load_mtp(tiny("deepseek-v3")), MTP))
 
 
 def test_mtp_greedy_tokens_at_world_size_2(tiny) -> None:
-    _check(run_gloo(_tp2_mtp, 2, str(tiny("deepseek-v3")), timeout=300))
+    _check(run_gloo(_tp2, 2, str(tiny("deepseek-v3")), MTP, timeout=300))
 
 
 def test_the_mtp_cache_after_speculation_is_a_fresh_prefills(tiny) -> None:
@@ -187,7 +158,7 @@ def test_the_mtp_cache_after_speculation_is_a_fresh_prefills(tiny) -> None:
 
     engine = _load_mtp(tiny("deepseek-v3"))
     (tokens,), stats = _decode(engine, [REPEATING], [SamplingParams(max_tokens=12, stop_token_ids=())],
-                               SpeculativeConfig(k=3, method="mtp"))
+                               MTP)
     assert stats.drafted > stats.accepted  # some drafts were rejected: their positions were written over
     text, pending = REPEATING + tokens[:-1], tokens[-1]
     after_spec = engine.model.draft(0, pending, len(text), 3)  # slot 0 ended at len(text) (released: refill)
@@ -220,7 +191,7 @@ def test_planted_drafts_right_and_wrong(tiny, family: str, oracle: bool, monkeyp
 
     if family == "deepseek-v3":
         monkeypatch.setattr(engine, "draft", lambda slot, token, pos, k: planted(pos, k))
-        cfg = SpeculativeConfig(k=3, method="mtp")
+        cfg = MTP
     else:
         monkeypatch.setattr(scheduler, "ngram_draft", lambda tokens, c: planted(len(tokens) - 1, c.k))
         cfg = SpeculativeConfig(k=3)

@@ -214,6 +214,11 @@ class DeepseekV4(nn.Module):
         self._check_slot(slot)
         return sorted(self.snapshots[slot])
 
+    @property
+    def max_speculative_step(self) -> int:
+        """Tokens a :meth:`speculate` step may hold (the sliding window: the ring keeps that many rows)."""
+        return self.args.window
+
     def speculate(self, slot: int, T: int) -> None:
         """Before a ``T``-token step of ``slot`` at its position (a speculative verify chunk): keep what
         the step writes over, so that :meth:`restore` can take back any of its rows but the first.
@@ -222,13 +227,20 @@ class DeepseekV4(nn.Module):
             UsageError: a bad slot, or ``T`` outside ``[1, sliding_window]`` (the rows the ring keeps).
         """
         self._check_slot(slot)
-        if not 1 <= T <= self.args.window:
+        if not 1 <= T <= self.max_speculative_step:
             raise UsageError(f"slot {slot}: a speculative step of {T} tokens; at most the sliding window "
-                             f"({self.args.window}) can be taken back")
+                             f"({self.max_speculative_step}) can be taken back")
         start = self.positions[slot]
         for layer in self.layers:
             layer.attn.save(slot, start, T)
         self._speculating[slot] = (start, T)
+
+    def speculating(self, slot: int) -> tuple[int, int] | None:
+        """``(start, T)`` of the step :meth:`speculate` saved for ``slot`` if it is the slot's last step
+        (positions ``(start, start + T)`` can be restored), else None."""
+        self._check_slot(slot)
+        spec = self._speculating[slot]
+        return spec if spec is not None and self.positions[slot] == spec[0] + spec[1] else None
 
     def restore(self, slot: int, pos: int) -> None:
         """Put ``slot`` back to ``pos``: a resume point, or a position inside the step :meth:`speculate`
@@ -240,10 +252,10 @@ class DeepseekV4(nn.Module):
                 the slot's position.
         """
         self._check_slot(slot)
-        spec, self._speculating[slot] = self._speculating[slot], None
+        spec, self._speculating[slot] = self.speculating(slot), None
         if pos == self.positions[slot]:
             return
-        if spec is not None and spec[0] < pos < spec[0] + spec[1] and self.positions[slot] == spec[0] + spec[1]:
+        if spec is not None and spec[0] < pos < spec[0] + spec[1]:
             for layer in self.layers:
                 layer.attn.rewind(slot, spec[0], pos - spec[0])
             self.positions[slot] = pos
