@@ -118,6 +118,7 @@ class Engine:
         self._kernels: bool | None = None  # whether some module runs a Triton kernel (warmup)
         self._pos = [0] * self.max_num_seqs  # per slot, where its last step ended (rank 0)
         self.warmup_seconds, self.warmup_launches = 0.0, 0
+        self.warmup_phases: dict[str, float] = {}  # seconds per warm-up phase: kernels, prefill, step, bucket<rows>, probe
         self.prompt_costs: tuple[float, float] | None = None  # (prefill, decode step) seconds, from warmup() on CUDA
 
     @classmethod
@@ -412,9 +413,16 @@ class Engine:
            (seconds); the scheduler feeds prompts through decode rows up to their ratio
            (:func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
 
-        Every slot it used is released. Sets ``warmup_seconds`` and ``warmup_launches``.
+        Every slot it used is released. Sets ``warmup_seconds``, ``warmup_launches`` and
+        ``warmup_phases`` (seconds of each phase: ``kernels``, ``prefill``, ``step``, ``bucket<rows>``,
+        ``probe``), and logs the phases.
         """
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
+
+        def phase(name: str) -> None:
+            phases[name] = time.perf_counter() - t0 - sum(phases.values())
+
         if self._kernels is None:
             from shardsmith.runtime.engine.warmup import kernel_modules
 
@@ -424,24 +432,31 @@ class Engine:
                 if self.world_size > 1:
                     self._send(torch.tensor([WARMUP, self.max_seq_len, 0, 0, 0], dtype=torch.int64))
                 self.warmup_launches = self._collective(lambda: self._warm_kernels(self.max_seq_len))
+        phase("kernels")
         self._step([0, 0], 0)
+        phase("prefill")
         self._step([0], 2)
         self.release(0)
+        phase("step")
         if self.max_num_seqs > 1 and (self.device.type == "cuda" or self._kernels):
             slots = list(range(self.max_num_seqs))  # eager too (--enforce-eager): torch.compile'd pieces
             for rows in self.runner.buckets:
                 for s in slots[:rows]:
                     self.prefill(s, [0, 0], 0)
                 self.decode([0] * rows, [2] * rows, slots[:rows])
+                phase(f"bucket{rows}")
             for s in slots:
                 self.release(s)
         if self.device.type == "cuda" and self.max_seq_len >= 3:  # a prefill and a step after it must fit
             self.prompt_costs = self._time_prompt_paths()
+            phase("probe")
         self.warmup_seconds = time.perf_counter() - t0
+        self.warmup_phases = phases
         log.info("warm-up: %d kernel launches and the decode buckets in %.2f s%s", self.warmup_launches,
                  self.warmup_seconds, "" if self.prompt_costs is None else
                  "; a %d-token prefill takes %.1f ms, a one-row decode step %.2f ms" % (
                      min(PROMPT_PROBE_TOKENS, self.max_seq_len - 1), 1e3 * self.prompt_costs[0], 1e3 * self.prompt_costs[1]))
+        log.info("warm-up phases (s): %s", " ".join(f"{k}={v:.2f}" for k, v in phases.items()))
 
     def _time_prompt_paths(self) -> tuple[float, float]:
         """(seconds of an eager prefill of :data:`PROMPT_PROBE_TOKENS` tokens, seconds of a one-row decode

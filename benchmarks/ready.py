@@ -1,0 +1,172 @@
+"""Time to ready through the real ``serve`` path: a first start on empty compile caches, then starts
+that find them filled, beside the load floor (the pack's bytes at the measured disk rate).
+
+Each start runs ``shardsmith serve PACK`` as a subprocess (``serve_concurrency.start_server``) with
+``SHARDSMITH_CACHE``, ``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` under ``--cache``
+(emptied before the first start only), waits for ``/health``, then reads:
+
+- ``ready_s``: wall seconds from the command to ``/health`` answering 200;
+- ``load_s``: the engine's load on rank 0 (``/metrics`` ``load_seconds``: map the pack, build the
+  model); ``warmup_s`` and its phases (the ``warm-up phases`` log line: Triton kernel variants,
+  first prefill and step, each batch bucket, the prompt probe);
+- ``process_start_s``: the rest (interpreter and imports, the launcher, rank start-up):
+  ``ready_s - load_s - warmup_s``;
+- ``compile_cache_files`` (files under ``--cache`` at ready) and ``new_cache_files`` (added by this
+  start; a start on filled caches should add none);
+- ``decode_tokens_per_s``: one greedy streaming request after ready (``--tokens`` tokens; from the
+  first token to the last), so a start that skipped its compiles is seen to decode as fast.
+
+The load floor: the pack's files are dropped from the page cache (``posix_fadvise`` DONTNEED) and
+read back (``--floor-gb`` of them at most), giving ``disk_gb_per_s``; ``load_floor_s`` is the
+pack's bytes at that rate. Rows go to ``benchmarks/results/ready-<YYYYMMDD>-<host>.json``
+(``SHARDSMITH_HOST`` labels the host) or ``--out``.
+
+Usage::
+
+    python benchmarks/ready.py PACK [--device cuda] [--dtype bfloat16] [--starts 2] [--cache DIR]
+        [--tokens 64] [--out FILE] [-- extra serve options, e.g. --max-num-seqs 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import save_results  # noqa: E402
+from serve_concurrency import start_server, stop_server, stream_urllib  # noqa: E402
+
+
+def cache_files(root: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(root))
+
+
+def pack_files(pack: Path) -> list[Path]:
+    return sorted(p for p in pack.rglob("*") if p.is_file())
+
+
+def disk_rate(files: list[Path], limit_bytes: int) -> tuple[float, int]:
+    """(bytes per second, bytes read) reading ``files`` (up to ``limit_bytes``) after dropping them
+    from the page cache; the rate is an upper bound where the kernel keeps some pages anyway."""
+    chunk, done, t = 16 << 20, 0, 0.0
+    for path in files:
+        if done >= limit_bytes:
+            break
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            while done < limit_bytes:
+                got = os.read(fd, chunk)
+                if not got:
+                    break
+                done += len(got)
+            t += time.perf_counter() - t0
+        finally:
+            os.close(fd)
+    return (done / t if t > 0 else float("inf")), done
+
+
+def metric(url: str, name: str) -> float | None:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf"^(?:shardsmith_)?{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def one_start(a: argparse.Namespace, extra: list[str], label: str, log: Path) -> dict:
+    before = cache_files(a.cache)
+    t0 = time.perf_counter()
+    proc, url = start_server(a.pack, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, extra=extra, log=log)
+    ready_s = time.perf_counter() - t0
+    try:
+        at_ready = cache_files(a.cache)
+        load_s = metric(url, "load_seconds")
+        deadline = time.monotonic() + 10
+        phases: dict[str, float] = {}
+        warm = None
+        while time.monotonic() < deadline and warm is None:  # rank 0's lines reach the log as it flushes
+            text = log.read_text()
+            warm = re.search(r"ready: every rank .*?\(warm-up ([\d.]+) s: (\d+) kernel launches", text)
+            ph = re.search(r"warm-up phases \(s\): (.*)$", text, re.M)
+            if ph:
+                phases = {k: float(v) for k, v in (kv.split("=") for kv in ph.group(1).split())}
+            time.sleep(0.2)
+        warmup_s = float(warm.group(1)) if warm else None
+        body = {"model": "bench", "prompt": list(range(1, 17)), "max_tokens": a.tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        sent = time.perf_counter()
+        first, end, got = stream_urllib(url, body, None)
+        after = cache_files(a.cache)
+    finally:
+        stop_server(proc)
+    row = {"start": label, "device": a.device_name, "pack_bytes": a.pack_bytes, "ready_s": round(ready_s, 2),
+           "load_s": None if load_s is None else round(load_s, 2), "warmup_s": warmup_s,
+           "process_start_s": None if load_s is None or warmup_s is None else round(ready_s - load_s - warmup_s, 2),
+           "warmup_phases_s": phases, "warmup_kernel_launches": int(warm.group(2)) if warm else None,
+           "compile_cache_files": at_ready, "new_cache_files": at_ready - before,
+           "compiled_after_ready_files": after - at_ready, "ttft_s": round(first - sent, 4),
+           "decode_tokens_per_s": round((got - 1) / (end - first), 2) if got > 1 and end > first else None}
+    print(f"{label:>7}: ready {ready_s:7.2f} s = process start {row['process_start_s']} s + load {row['load_s']} s + "
+          f"warm-up {warmup_s} s; compile-cache files {at_ready} ({at_ready - before:+d}); "
+          f"decode {row['decode_tokens_per_s']} tokens/s", flush=True)
+    if phases:
+        print("         warm-up phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pack", type=Path)
+    ap.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--starts", type=int, default=2, help="starts in all: the first on empty caches, then cached ones")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens of the decode check after each start")
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/ready-cache"), help="compile caches (emptied first)")
+    ap.add_argument("--floor-gb", type=float, default=4.0, help="read at most this much of the pack for the disk rate")
+    ap.add_argument("--out", type=Path, default=None)
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    extra = argv[cut + 1:]
+    files = pack_files(a.pack)
+    a.pack_bytes = sum(p.stat().st_size for p in files)
+    if a.device == "cuda":
+        import torch
+
+        a.device_name = torch.cuda.get_device_name(0)
+    else:
+        a.device_name = "cpu"
+    rate, sampled = disk_rate(files, int(a.floor_gb * 1e9))
+    floor_s = a.pack_bytes / rate
+    print(f"pack {a.pack}: {a.pack_bytes / 2**30:.2f} GiB; disk read {rate / 1e9:.2f} GB/s over {sampled / 2**30:.2f} GiB "
+          f"(page cache dropped): load floor {floor_s:.2f} s", flush=True)
+    shutil.rmtree(a.cache, ignore_errors=True)
+    a.cache.mkdir(parents=True)
+    os.environ.update({"SHARDSMITH_CACHE": str(a.cache / "shardsmith"), "TRITON_CACHE_DIR": str(a.cache / "triton"),
+                       "TORCHINDUCTOR_CACHE_DIR": str(a.cache / "inductor")})
+    out_dir = Path(os.environ.get("OUT", "/tmp"))
+    rows = []
+    for i in range(a.starts):
+        label = "cold" if i == 0 else "cached"
+        rows.append(one_start(a, extra, label, out_dir / f"ready-serve-{i}.log"))
+    for r in rows:
+        r |= {"load_floor_s": round(floor_s, 2), "disk_gb_per_s": round(rate / 1e9, 3),
+              "ready_over_floor_s": round(r["ready_s"] - floor_s, 2),
+              "ready_vs_cold": round(r["ready_s"] / rows[0]["ready_s"], 3)}
+    print(f"{'start':>7} {'ready s':>8} {'load s':>7} {'warm-up s':>9} {'floor s':>8} {'vs cold':>8} {'decode t/s':>10}")
+    for r in rows:
+        print(f"{r['start']:>7} {r['ready_s']:>8} {r['load_s']!s:>7} {r['warmup_s']!s:>9} {r['load_floor_s']:>8} "
+              f"{r['ready_vs_cold']:>8} {r['decode_tokens_per_s']!s:>10}")
+    save_results("ready", rows, extra={"pack": a.pack.name, "serve_args": " ".join(extra)}, path=a.out)
+
+
+if __name__ == "__main__":
+    main()
