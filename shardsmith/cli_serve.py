@@ -143,7 +143,7 @@ def _check_port(host: str, port: int) -> None:
 
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
           verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto", enforce_eager: bool = False,
-          expect_digest: str | None = None, max_num_seqs: int = 1, mtp_layers: int = 0):
+          expect_digest: str | None = None, max_num_seqs: int = 1, mtp_layers: int = 0, compile_cache: bool = False):
     from shardsmith.runtime.serve.launch import LaunchSpec, under_torchrun
     from shardsmith.runtime.serve.placement import check_local_ranks, pack_world_size
 
@@ -175,7 +175,20 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
     return LaunchSpec(path=path.resolve(), world_size=ws, device=device, dist_port=dist_port,
                       from_checkpoint=from_checkpoint, verify_hashes=verify_hashes, max_seq_len=max_seq_len,
                       offload=offload, dtype=None if dtype == "auto" else dtype, cuda_graphs=not enforce_eager,
-                      max_num_seqs=max_num_seqs, mtp_layers=mtp_layers)
+                      max_num_seqs=max_num_seqs, mtp_layers=mtp_layers,
+                      compile_cache=_compile_root() if compile_cache else None)
+
+
+def _compile_root() -> Path | None:
+    """``$SHARDSMITH_CACHE/compile``, where serve and warmup keep each rank's compile caches; None (said
+    on stderr) when the user set ``TRITON_CACHE_DIR`` or ``TORCHINDUCTOR_CACHE_DIR``: those are used as set."""
+    from shardsmith import settings
+
+    if own := settings.library_cache_folders():
+        typer.echo(f"compile cache: {' and '.join(f'{k}={v}' for k, v in own.items())} set, so the libraries' "
+                   f"caches stay there (not kept per pack under $SHARDSMITH_CACHE/compile)", err=True)
+        return None
+    return settings.current().cache_dir / "compile"
 
 
 def _check_sampling(*, prompts: list[str], chat: bool, max_tokens: int, max_seq_len: int, temperature: float,
@@ -279,7 +292,7 @@ def serve(
                  verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
                  enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-                 mtp_layers=int(spec_decode is not None and spec_decode.method == "mtp"))
+                 mtp_layers=int(spec_decode is not None and spec_decode.method == "mtp"), compile_cache=True)
     _check_port(host, port)
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
                                            trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes,
@@ -388,10 +401,34 @@ def demo(
     raise typer.Exit(launch(spec, job))
 
 
+def warmup(
+    path: Path = PATH_ARG,
+    device: str = DEVICE, dist_port: int | None = DIST_PORT, from_checkpoint: bool = FROM_CKPT,
+    tp: int | None = TP, verify_hashes: bool = VERIFY, expect_digest: str | None = DIGEST, max_seq_len: int | None = MAX_SEQ,
+    moe_backend: str = MOE_BACKEND, expert_cache_gb: float | None = CACHE_GB, expert_policy: str = POLICY,
+    dtype: str = DTYPE, enforce_eager: bool = EAGER,
+    max_num_seqs: int = typer.Option(8, "--max-num-seqs", help="Sequence slots, as serve will be given (its batch buckets)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+) -> None:
+    """Load a pack and run serve's warm-up once, filling the compile cache a later serve with the same
+    options reuses ($SHARDSMITH_CACHE/compile); say how long it took."""
+    from shardsmith.runtime.serve.launch import launch
+    from shardsmith.runtime.serve.warmup_job import WarmupJob
+
+    _check_serving_environment()
+    max_seq_len = _context_length(path, max_seq_len)
+    spec = _spec(path, device=device, dist_port=dist_port, from_checkpoint=from_checkpoint, tp=tp,
+                 verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
+                 offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
+                 enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, compile_cache=True)
+    raise typer.Exit(launch(spec, WarmupJob(as_json=as_json)))
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``serve``, ``generate`` and ``demo`` to ``app``."""
+    """Add ``serve``, ``generate``, ``warmup`` and ``demo`` to ``app``."""
     app.command("serve")(serve)
     app.command("generate")(generate)
+    app.command("warmup")(warmup)
     app.command("demo")(demo)
 
 

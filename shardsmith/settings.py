@@ -196,7 +196,7 @@ class Settings:
     :data:`ITEMS` entry (its doc)."""
 
     cache_dir: Path = _var("CACHE", "user", "a folder", "~/.cache/shardsmith",
-                           "demo wheels and checkpoints, the compiled host expert kernel", lambda r: Path(r).expanduser(),
+                           "demo wheels and checkpoints, the compiled host expert kernel, compile caches per pack", lambda r: Path(r).expanduser(),
                            Path.home() / ".cache" / "shardsmith")
     debug: bool = _var("DEBUG", "user", "1 (any value but 0)", "off", "show tracebacks", _flag, False)
     pin_cores: bool = _var("PIN_CORES", "user", "0 or 1", "1",
@@ -225,9 +225,9 @@ class Settings:
                                            "(auto: FP4 banks; kernel: bf16 too)", "OFFLOAD_INPLACE")
     host_kernel: bool = _item(KERNELS, "host_experts", "on, reference", "on",
                               "the compiled host expert kernel (reference: the PyTorch path)", _on, True, "HOST_KERNEL")
-    compile_pieces: bool = _item(KERNELS, "compile_pieces", "on, reference", "on",
-                                 "torch.compile the row-wise pieces of a decode step on CUDA", _on, True,
-                                 "COMPILE_PIECES")
+    compile_pieces: Kernel = _kernel_item("compile_pieces", "torch.compile the row-wise pieces of a decode step "
+                                          "(auto: on CUDA; kernel: on the CPU too, inductor's C++ code)",
+                                          "COMPILE_PIECES")
     merge_projections: bool = _item(KERNELS, "merge_projections", "on, reference", "on",
                                     "merge same-input projections into one launch on the kernel path", _on, True,
                                     "MERGE_PROJECTIONS")
@@ -371,6 +371,17 @@ def current() -> Settings:
 def debug() -> bool:
     """``$SHARDSMITH_DEBUG`` alone (error handlers ask it even when another setting is malformed)."""
     return _flag((os.environ.get("SHARDSMITH_DEBUG") or "0").strip() or "0")
+
+
+# the libraries' cache folders as this process found them: inductor writes its default into os.environ the first
+# time it asks (torch._dynamo's import does), so a later look cannot tell the user's choice from torch's
+_LIBRARY_CACHES = {v: os.environ.get(v) or "" for v in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+
+
+def library_cache_folders() -> dict[str, str]:
+    """``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` that the user set (name -> folder), as they
+    were when this module was first imported (the CLI imports it before torch)."""
+    return {k: v for k, v in _LIBRARY_CACHES.items() if v}
 
 
 def triton_interpreting() -> bool:

@@ -26,6 +26,7 @@ ENVIRON_USERS = {
     "shardsmith/parity/ranks.py": "a parity rank's RANK, thread counts and the reference paths it sets",
     "shardsmith/cli_serve.py": "torchrun's RANK and LOCAL_WORLD_SIZE in the pre-flight checks",
     "shardsmith/testing/server.py": "the serve subprocess's environment (PYTHONUNBUFFERED)",
+    "shardsmith/runtime/engine/compile_cache.py": "points TorchInductor and Triton at a rank's compile cache folder",
 }
 
 
@@ -89,7 +90,7 @@ def test_all_sets_every_kernel_and_later_items_win() -> None:
     assert kernels.pop("fused_experts") is Kernel.KERNEL
     assert set(kernels.values()) <= {Kernel.OFF, False}, kernels
     s = Settings.from_env({"SHARDSMITH_KERNELS": "hc_post=reference,all=auto"})
-    assert s.hc_post is Kernel.AUTO and s.compile_pieces is True
+    assert s.hc_post is Kernel.AUTO and s.compile_pieces is Kernel.AUTO
 
 
 def test_every_bad_entry_is_named_at_once() -> None:

@@ -180,13 +180,14 @@ class GraphedPiece:
 
 def compiled(fn: Callable[..., Tensors]) -> Callable[..., Tensors]:
     """``fn`` (a layer's row-wise piece: norms, projections, mixers, router) fused by ``torch.compile``
-    on CUDA (``SHARDSMITH_KERNELS=compile_pieces=reference`` turns it off), else ``fn``: one compiled function per
+    on CUDA (``SHARDSMITH_KERNELS=compile_pieces=reference`` turns it off; ``=kernel`` turns it on for the CPU
+    too, as inductor's C++ code), else ``fn``: one compiled function per
     method, shared by every layer (dynamo lifts a module's tensors to inputs, so layers of one kind
     and batch bucket share a compiled graph; the Triton kernels inside are traced as user kernels).
     The pieces' compile happens in their warm-up run, before capture (the server's warm-up: ~65 s
     more on a cold inductor cache for a V4-Flash-shaped model on an H200; the step ran 1.4x faster
     at one row and 1.5x at eight, ``benchmarks/RESULTS.md``)."""
-    if not settings.current().compile_pieces or not torch.cuda.is_available():
+    if not compiles():
         return fn
     from torch import _dynamo as dynamo  # (``import torch._dynamo`` here would make ``torch`` a local name)
 
@@ -200,6 +201,12 @@ def compiled(fn: Callable[..., Tensors]) -> Callable[..., Tensors]:
 
 
 _COMPILED: dict[type, dict[str, Callable[..., Tensors]]] = {}
+
+
+def compiles() -> bool:
+    """Whether :func:`compiled` compiles (``compile_pieces``: ``auto`` on CUDA, ``kernel`` everywhere)."""
+    mode = settings.current().compile_pieces
+    return mode is settings.Kernel.KERNEL or (mode is settings.Kernel.AUTO and torch.cuda.is_available())
 
 
 def layer_pieces(layer: Any, pool: GraphPool, index: int, *, whole: bool, tag: str = "") -> dict[str, GraphedPiece]:

@@ -19,6 +19,8 @@ RESTORE     ``slot, pos, 0, 0``                           none: the slot goes ba
                                                           ``pos`` (a model that cannot rewind)
 WARMUP      ``max_rows, 0, 0, 0``                         none: compile the Triton kernels'
                                                           variants (:mod:`.warmup`)
+            ``0, 1, 0, 0``                                none: the warm-up ended; seal the
+                                                          compile cache (:mod:`.compile_cache`)
 DRAFT       ``slot, pos, k, token``                       none: the MTP layer drafts ``k`` tokens
                                                           after ``token`` at ``pos`` (:meth:`Engine.draft`)
 SHUTDOWN    ``0, 0, 0, 0``                                none: followers return
@@ -60,7 +62,7 @@ from shardsmith.runtime.models.registry import ModelFamily, family_for
 from shardsmith.runtime.engine.dist import clamp_threads, install_rank_zero_logging
 from shardsmith.runtime.layers.parallel import use_kernels_
 from shardsmith.runtime.layers.quant import dequantize_fp8_
-from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
+from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs, compiles
 from shardsmith.runtime.engine import penalties
 from shardsmith.runtime.engine.penalties import TokenCounts
 from shardsmith.runtime.engine.sampling import (SamplingParams, StepOutput, choose, choose_rows,  # noqa: F401 (re-exported)
@@ -118,6 +120,7 @@ class Engine:
         self._kernels: bool | None = None  # whether some module runs a Triton kernel (warmup)
         self._pos = [0] * self.max_num_seqs  # per slot, where its last step ended (rank 0)
         self.warmup_seconds, self.warmup_launches = 0.0, 0
+        self.compile_cache = None  # CompileCache of this rank (Engine.load(compile_cache=...)), sealed by warmup()
         self.warmup_phases: dict[str, float] = {}  # seconds per warm-up phase: kernels, prefill, step, bucket<rows>, probe
         self.prompt_costs: tuple[float, float] | None = None  # (prefill, decode step) seconds, from warmup() on CUDA
 
@@ -125,7 +128,8 @@ class Engine:
     def load(cls, path: str | Path, *, rank: int, world_size: int, device: str = "cpu", from_checkpoint: bool = False,
              verify_hashes: bool = True, max_seq_len: int = 2048, dtype: torch.dtype | None = None,
              load_timeout_s: float = 1800.0, offload: "OffloadConfig | None" = None, fp8: str = "load",
-             cuda_graphs: bool = True, max_num_seqs: int = 8, mtp_layers: int = 0) -> "Engine":
+             cuda_graphs: bool = True, max_num_seqs: int = 8, mtp_layers: int = 0,
+             compile_cache: Path | None = None) -> "Engine":
         """Load rank ``rank``'s weights and build its model; collective over all ranks.
 
         The model is the registry's for the config's architecture (:mod:`~shardsmith.runtime.models.registry`:
@@ -155,6 +159,9 @@ class Engine:
                 model families; :mod:`~shardsmith.runtime.engine.cuda_graphs`); False runs every kernel
                 eagerly (``--enforce-eager``).
             mtp_layers: the checkpoint's MTP layers to load for :meth:`draft` (DeepSeek-V3: 0 or 1).
+            compile_cache: keep this rank's TorchInductor and Triton caches in a checked folder under
+                this one (``$SHARDSMITH_CACHE/compile``; :mod:`~shardsmith.runtime.engine.compile_cache`),
+                sealed when :meth:`warmup` ends; None leaves the libraries' own folders.
 
         Raises:
             RuntimeLoadError: on every rank, listing each rank's load problem (missing,
@@ -180,6 +187,12 @@ class Engine:
                                                           offload=offload, fp8=fp8, mtp_layers=mtp_layers)
             engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
                          device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group, family=family)
+            if compile_cache is not None:  # before anything compiles (warm-up), after the dtype is known
+                from shardsmith.runtime.engine import compile_cache as cc
+
+                key = cc.make_key(Path(path), from_checkpoint=from_checkpoint, rank=rank, world_size=world_size,
+                                  dtype=dtype, device=dev)
+                engine.compile_cache = cc.open_cache(Path(compile_cache), Path(path), key)
             if cuda_graphs and dev.type == "cuda":
                 engine.use_decode_graphs()
             engine.offload = offloaded
@@ -438,7 +451,7 @@ class Engine:
         self._step([0], 2)
         self.release(0)
         phase("step")
-        if self.max_num_seqs > 1 and (self.device.type == "cuda" or self._kernels):
+        if self.max_num_seqs > 1 and (self.device.type == "cuda" or self._kernels or compiles()):
             slots = list(range(self.max_num_seqs))  # eager too (--enforce-eager): torch.compile'd pieces
             for rows in self.runner.buckets:
                 for s in slots[:rows]:
@@ -450,6 +463,11 @@ class Engine:
         if self.device.type == "cuda" and self.max_seq_len >= 3:  # a prefill and a step after it must fit
             self.prompt_costs = self._time_prompt_paths()
             phase("probe")
+        with self._lock:  # every rank records the compile cache its warm-up filled
+            if self.world_size > 1:
+                self._send(torch.tensor([WARMUP, 0, 1, 0, 0], dtype=torch.int64))
+            self._seal_compile_cache()
+        phase("seal")
         self.warmup_seconds = time.perf_counter() - t0
         self.warmup_phases = phases
         log.info("warm-up: %d kernel launches and the decode buckets in %.2f s%s", self.warmup_launches,
@@ -457,6 +475,10 @@ class Engine:
                  "; a %d-token prefill takes %.1f ms, a one-row decode step %.2f ms" % (
                      min(PROMPT_PROBE_TOKENS, self.max_seq_len - 1), 1e3 * self.prompt_costs[0], 1e3 * self.prompt_costs[1]))
         log.info("warm-up phases (s): %s", " ".join(f"{k}={v:.2f}" for k, v in phases.items()))
+
+    def _seal_compile_cache(self) -> None:
+        if self.compile_cache is not None:
+            self.compile_cache.seal()
 
     def _time_prompt_paths(self) -> tuple[float, float]:
         """(seconds of an eager prefill of :data:`PROMPT_PROBE_TOKENS` tokens, seconds of a one-row decode
@@ -503,6 +525,8 @@ class Engine:
                 self._release(a)
             elif op == RESTORE:
                 self.model.restore(a, b)
+            elif op == WARMUP and b == 1:
+                self._seal_compile_cache()
             elif op == WARMUP:
                 self._collective(lambda: self._warm_kernels(a))
             elif op == DRAFT:

@@ -79,6 +79,8 @@ class LaunchSpec:
         max_num_seqs: sequence slots (``Engine.load``; ``serve --max-num-seqs``, default 8 there;
             one-off generation needs 1).
         mtp_layers: MTP draft layers to load (``Engine.load``; ``serve --speculative mtp``: 1).
+        compile_cache: where each rank keeps its compile caches (``Engine.load``; ``serve`` and
+            ``warmup``: ``$SHARDSMITH_CACHE/compile``); None leaves the libraries' own folders.
     """
 
     path: Path
@@ -93,6 +95,7 @@ class LaunchSpec:
     cuda_graphs: bool = True
     max_num_seqs: int = 1
     mtp_layers: int = 0
+    compile_cache: Path | None = None
 
 
 class Job(Protocol):
@@ -142,6 +145,10 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
 
     from shardsmith.runtime.engine.dist import clamp_threads, init_distributed
 
+    if spec.compile_cache is not None:  # before torch's compiler is first imported
+        from shardsmith.runtime.engine.compile_cache import point_libraries
+
+        point_libraries(spec.compile_cache, spec.path, rank, world_size)
     clamp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), local_rank=local_rank)  # and pin (dist.pin_cores)
     device = f"cuda:{local_rank}" if spec.device.startswith("cuda") else "cpu"
     if world_size > 1 and init_method == "env://":
@@ -163,7 +170,8 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
     load = partial(Engine.load, spec.path, rank=rank, world_size=world_size, device=device,
                    from_checkpoint=spec.from_checkpoint, verify_hashes=spec.verify_hashes,
                    max_seq_len=spec.max_seq_len, dtype=spec.dtype, offload=spec.offload,
-                   cuda_graphs=spec.cuda_graphs, max_num_seqs=spec.max_num_seqs, mtp_layers=spec.mtp_layers)
+                   cuda_graphs=spec.cuda_graphs, max_num_seqs=spec.max_num_seqs, mtp_layers=spec.mtp_layers,
+                   compile_cache=spec.compile_cache)
     if rank == 0:
         return job(load)
     engine = load()

@@ -239,7 +239,7 @@ def test_compiled_pieces_stay_within_bf16_spread_on_cuda(packs, config, monkeypa
     own distance (issue 12: within the spread of a bf16 run)."""
     from shardsmith.runtime.engine.engine import Engine
 
-    use_settings(compile_pieces="on")
+    use_settings(compile_pieces="auto")
     load = lambda dtype: Engine.load(str(packs[1]), rank=0, world_size=1, device="cuda", dtype=dtype,  # noqa: E731
                                      max_seq_len=64, offload=CONFIGS[config], cuda_graphs=False)
     eager, compiled = _bf16_spread(load)
@@ -325,7 +325,7 @@ def test_mixtral_family_captured_graphs_match_eager_on_cuda(family_packs, monkey
 def test_mixtral_family_compiled_pieces_stay_within_bf16_spread_on_cuda(family_packs, name, monkeypatch, use_settings):
     from shardsmith.runtime.engine.engine import Engine
 
-    use_settings(compile_pieces="on")
+    use_settings(compile_pieces="auto")
     build, kwargs, _ = FAMILY[name]
     pack = family_packs["mixtral-fp8" if build.get("fp8") else build["family"], 1]
     load = lambda dtype: Engine.load(pack, rank=0, world_size=1, device="cuda", dtype=dtype, max_seq_len=64,  # noqa: E731

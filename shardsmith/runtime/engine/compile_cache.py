@@ -1,0 +1,247 @@
+"""A rank's compile caches, kept per pack under ``$SHARDSMITH_CACHE/compile``, so a second start compiles nothing.
+
+A server's warm-up compiles: TorchInductor graphs of the ``torch.compile``'d decode pieces (its FX
+graph, AOTAutograd and autotune caches) and Triton kernels (ours and the ones inductor writes).
+Both libraries keep on-disk caches keyed by content, in per-user temporary folders by default;
+:func:`open_cache` gives them one folder per pack and rank instead, records what it was made for,
+and checks it before any use::
+
+    $SHARDSMITH_CACHE/compile/<pack folder>-<path hash>-rank<r>of<N>/
+        record.json   the key it was made for; once a warm-up ended, every file's size and XXH3-64
+        inductor/     TORCHINDUCTOR_CACHE_DIR
+        triton/       TRITON_CACHE_DIR
+
+=============================================  ===================================================
+found                                          done (and logged on rank 0)
+=============================================  ===================================================
+no folder                                      a new one
+a record made for another key (pack digest,    emptied and rebuilt; the log names every field that
+world size, dtype, device, torch, Triton,      differs, old and new value
+Python, kernel settings)
+a record that cannot be read                   emptied and rebuilt, the reason logged
+a recorded file missing or whose bytes differ  emptied and rebuilt, the file named (a damaged
+                                               entry could crash a load or a launch)
+``TRITON_CACHE_DIR`` or                        not managed: the user's folders are used as set
+``TORCHINDUCTOR_CACHE_DIR`` set by the user    (``serve`` and ``warmup`` ask
+                                               ``settings.library_cache_folders`` before the ranks start)
+=============================================  ===================================================
+
+:meth:`CompileCache.seal` (every rank, once its warm-up ended) records the files; a folder left
+holding no compiled file is removed (the CPU path compiles nothing by default). Folders past
+:data:`KEEP_FOLDERS` are removed oldest first. Dynamo still traces each piece at start (its
+guards are not cached across processes); what a warm cache skips is inductor's code generation,
+the C++/PTX compiles and Triton's compiles.
+
+Sources: PyTorch's compile caching recipe
+(https://docs.pytorch.org/tutorials/recipes/torch_compile_caching_tutorial.html), Triton's cache
+knobs (``triton.knobs.cache``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+import xxhash
+
+log = logging.getLogger("shardsmith.runtime")
+
+RECORD = "record.json"
+KEEP_FOLDERS = 16  # compile folders kept under $SHARDSMITH_CACHE/compile (least recently used go first)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    """What a compile cache is valid for. Attributes: pack (the pack's root digest, or a digest of a
+    checkpoint's ``config.json`` and weight files' names, sizes and times), rank, world_size, dtype
+    (``torch.bfloat16``), device (the GPU's name and capability, or the CPU's architecture and vector
+    ISA), torch, triton, python (versions), kernels (the ``SHARDSMITH_KERNELS`` items, resolved)."""
+
+    pack: str
+    rank: int
+    world_size: int
+    dtype: str
+    device: str
+    torch: str
+    triton: str
+    python: str
+    kernels: str
+
+
+def pack_identity(path: Path, *, from_checkpoint: bool = False) -> str:
+    """The digest that names ``path``'s weights: a pack's root digest (XXH3-128 of ``pack.yaml``), or for a
+    checkpoint XXH3-128 over ``config.json``'s bytes and each ``*.safetensors`` file's name, size and mtime."""
+    if not from_checkpoint:
+        from shardsmith.pack.format import PACK_MANIFEST, root_digest
+
+        return root_digest((path / PACK_MANIFEST).read_bytes())
+    h = xxhash.xxh3_128((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def device_label(device: torch.device) -> str:
+    """``NVIDIA H200 sm_90`` for a GPU; ``cpu x86_64 AVX512`` for the CPU (what inductor's C++ code targets)."""
+    import torch
+
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
+    return f"cpu {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def make_key(path: Path, *, from_checkpoint: bool, rank: int, world_size: int, dtype: torch.dtype,
+             device: torch.device) -> CacheKey:
+    """The :class:`CacheKey` of this process's start (versions and settings read here)."""
+    import torch
+
+    from shardsmith import settings
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    kernels = settings.items(settings.current(), settings.KERNELS)
+    return CacheKey(pack=pack_identity(path, from_checkpoint=from_checkpoint), rank=rank, world_size=world_size,
+                    dtype=str(dtype), device=device_label(device), torch=torch.__version__, triton=triton_version,
+                    python=platform.python_version(), kernels=",".join(f"{k}={v}" for k, v in sorted(kernels.items())))
+
+
+def folder_name(path: Path, rank: int, world_size: int) -> str:
+    """``<pack folder>-<XXH3-64 of its resolved path, 12 hex>-rank<r>of<N>``: one folder per served pack and rank."""
+    where = xxhash.xxh3_64(str(path.resolve()).encode()).hexdigest()[:12]
+    return f"{path.resolve().name}-{where}-rank{rank}of{world_size}"
+
+
+class CompileCache:
+    """One rank's compile cache folder, opened by :func:`open_cache`.
+
+    Attributes:
+        folder: the folder; key: what it is for; state: ``new``, ``reused`` or ``rebuilt`` (and
+        ``why``: the reason it was rebuilt, "" otherwise); files_at_open: compiled files found.
+    """
+
+    def __init__(self, folder: Path, key: CacheKey, state: str, why: str, files_at_open: int) -> None:
+        self.folder, self.key, self.state, self.why, self.files_at_open = folder, key, state, why, files_at_open
+
+    def files(self) -> dict[str, tuple[int, str]]:
+        """Every compiled file: path relative to the folder -> (bytes, XXH3-64 hex)."""
+        out = {}
+        for sub in ("inductor", "triton"):
+            for dirpath, _, names in os.walk(self.folder / sub):
+                for n in names:
+                    p = Path(dirpath) / n
+                    out[str(p.relative_to(self.folder))] = (p.stat().st_size, _hash(p))
+        return out
+
+    def seal(self) -> int:
+        """Record every compiled file (size and hash) so the next start can check them; remove the
+        folder when it holds none. Returns the number of files recorded."""
+        files = self.files()
+        if not files:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return 0
+        _write_record(self.folder, {"key": asdict(self.key), "sealed": time.time(),
+                                    "files": {k: list(v) for k, v in sorted(files.items())}})
+        added = len(files) - self.files_at_open
+        log.info("compile cache %s: %d files sealed (%+d this start)", self.folder, len(files), added)
+        return len(files)
+
+
+def point_libraries(root: Path, path: Path, rank: int, world_size: int) -> Path:
+    """Point TorchInductor and Triton at rank ``rank``'s folder under ``root`` and return it. Call it
+    before torch's compiler is imported (a rank's start): ``torch._dynamo`` fixes some folders when
+    it is first imported. :func:`open_cache` checks the folder later and points them there again."""
+    folder = root / folder_name(path, rank, world_size)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
+    return folder
+
+
+def open_cache(root: Path, path: Path, key: CacheKey) -> CompileCache:
+    """Open (or make) the compile cache folder for ``key`` under ``root`` and point TorchInductor and
+    Triton at it (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``, overriding what they hold).
+
+    A folder whose record was made for another key, cannot be read, or lists a file that is now
+    missing or different is emptied first, the reason logged.
+
+    Args:
+        root: ``$SHARDSMITH_CACHE/compile``; path: the pack (or checkpoint) served; key: :func:`make_key`'s.
+    """
+    folder = point_libraries(root, path, key.rank, key.world_size)
+    state, why = "new", ""
+    if folder.exists():
+        why = _stale(folder, key)
+        state = "rebuilt" if why else "reused"
+        if why:
+            shutil.rmtree(folder)
+    (folder / "inductor").mkdir(parents=True, exist_ok=True)
+    (folder / "triton").mkdir(exist_ok=True)
+    os.utime(folder)  # most recently used
+    _evict(root, keep=folder)
+    cache = CompileCache(folder, key, state, why, 0)
+    cache.files_at_open = len(cache.files()) if state == "reused" else 0
+    if state == "rebuilt":
+        log.info("compile cache %s: rebuilt: %s", folder, why)
+    else:
+        log.info("compile cache %s: %s%s", folder, state,
+                 f" ({cache.files_at_open} compiled files, checked)" if state == "reused" else "")
+    return cache
+
+
+def _stale(folder: Path, key: CacheKey) -> str:
+    """Why ``folder`` cannot be used for ``key`` ("" when it can)."""
+    try:
+        record = json.loads((folder / RECORD).read_text())
+        made = record["key"]
+        files = record.get("files", {})
+        if not isinstance(made, dict) or not isinstance(files, dict):
+            raise ValueError("not a record")
+    except FileNotFoundError:
+        return "it has no record (a start ended before its warm-up did)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its {RECORD} cannot be read ({type(e).__name__}: {e})"
+    now = asdict(key)
+    diff = [f"{k} {made.get(k)!r} (now {v!r})" for k, v in now.items() if made.get(k) != v]
+    if diff:
+        return "it was made for " + ", ".join(diff)
+    for rel, (size, digest) in files.items():
+        p = folder / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        if p.stat().st_size != size or _hash(p) != digest:
+            return f"{rel} differs from its record (size or XXH3-64)"
+    return ""
+
+
+def _hash(p: Path) -> str:
+    with open(p, "rb") as f:
+        return xxhash.xxh3_64(f.read()).hexdigest()
+
+
+def _write_record(folder: Path, doc: dict) -> None:
+    tmp = folder / (RECORD + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, folder / RECORD)
+
+
+def _evict(root: Path, *, keep: Path) -> None:
+    """Remove the least recently used folders under ``root`` beyond :data:`KEEP_FOLDERS` (never ``keep``)."""
+    folders = sorted((p for p in root.iterdir() if p.is_dir() and p != keep), key=lambda p: p.stat().st_mtime)
+    for old in folders[:max(0, len(folders) + 1 - KEEP_FOLDERS)]:
+        log.info("compile cache %s: removed (more than %d folders; least recently used)", old, KEEP_FOLDERS)
+        shutil.rmtree(old, ignore_errors=True)
