@@ -1,9 +1,11 @@
 """Time to ready through the real ``serve`` path: a first start on empty compile caches, then starts
-that find them filled, beside the load floor (the pack's bytes at the measured disk rate).
+that find them filled, beside the load floor (the pack's bytes at the measured disk rate); with every
+batch bucket built before ready (``--no-defer-buckets``) and with the larger ones built while idle
+(``--defer-buckets``), side by side (``all_buckets_s``: from the command until none is pending).
 
 Each start runs ``shardsmith serve PACK`` as a subprocess (``serve_concurrency.start_server``) with
-``SHARDSMITH_CACHE``, ``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` under ``--cache``
-(emptied before the first start only), waits for ``/health``, then reads:
+``SHARDSMITH_CACHE=--cache`` (emptied before the first start only; serve keeps each rank's compile
+caches there, ``$SHARDSMITH_CACHE/compile``), waits for ``/health``, then reads:
 
 - ``ready_s``: wall seconds from the command to ``/health`` answering 200;
 - ``load_s``: the engine's load on rank 0 (``/metrics`` ``load_seconds``: map the pack, build the
@@ -23,8 +25,8 @@ pack's bytes at that rate. Rows go to ``benchmarks/results/ready-<YYYYMMDD>-<hos
 
 Usage::
 
-    python benchmarks/ready.py PACK [--device cuda] [--dtype bfloat16] [--starts 2] [--cache DIR]
-        [--tokens 64] [--out FILE] [-- extra serve options, e.g. --max-num-seqs 8]
+    python benchmarks/ready.py PACK [--device cuda] [--dtype bfloat16] [--starts 2] [--buckets all deferred]
+        [--cache DIR] [--tokens 64] [--out FILE] [-- extra serve options, e.g. --moe-backend gpu]
 """
 
 from __future__ import annotations
@@ -80,14 +82,21 @@ def metric(url: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def one_start(a: argparse.Namespace, extra: list[str], label: str, log: Path) -> dict:
+def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str, log: Path) -> dict:
     before = cache_files(a.cache)
     t0 = time.perf_counter()
-    proc, url = start_server(a.pack, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs, extra=extra, log=log)
+    flag = "--defer-buckets" if buckets == "deferred" else "--no-defer-buckets"
+    proc, url = start_server(a.pack, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
+                             extra=[flag, *extra], log=log)
     ready_s = time.perf_counter() - t0
     try:
         at_ready = cache_files(a.cache)
         load_s = metric(url, "load_seconds")
+        pending = metric(url, "decode_buckets_pending")
+        while pending:  # deferred: the idle server builds the rest now
+            time.sleep(0.2)
+            pending = metric(url, "decode_buckets_pending")
+        all_buckets_s = time.perf_counter() - t0
         deadline = time.monotonic() + 10
         phases: dict[str, float] = {}
         warm = None
@@ -106,14 +115,15 @@ def one_start(a: argparse.Namespace, extra: list[str], label: str, log: Path) ->
         after = cache_files(a.cache)
     finally:
         stop_server(proc)
-    row = {"start": label, "device": a.device_name, "pack_bytes": a.pack_bytes, "ready_s": round(ready_s, 2),
+    row = {"start": label, "buckets": buckets, "device": a.device_name, "pack_bytes": a.pack_bytes,
+           "ready_s": round(ready_s, 2), "all_buckets_s": round(all_buckets_s, 2),
            "load_s": None if load_s is None else round(load_s, 2), "warmup_s": warmup_s,
            "process_start_s": None if load_s is None or warmup_s is None else round(ready_s - load_s - warmup_s, 2),
            "warmup_phases_s": phases, "warmup_kernel_launches": int(warm.group(2)) if warm else None,
            "compile_cache_files": at_ready, "new_cache_files": at_ready - before,
            "compiled_after_ready_files": after - at_ready, "ttft_s": round(first - sent, 4),
            "decode_tokens_per_s": round((got - 1) / (end - first), 2) if got > 1 and end > first else None}
-    print(f"{label:>7}: ready {ready_s:7.2f} s = process start {row['process_start_s']} s + load {row['load_s']} s + "
+    print(f"{label:>7} {buckets:>8}: ready {ready_s:7.2f} s (every bucket {all_buckets_s:.2f} s) = process start {row['process_start_s']} s + load {row['load_s']} s + "
           f"warm-up {warmup_s} s; compile-cache files {at_ready} ({at_ready - before:+d}); "
           f"decode {row['decode_tokens_per_s']} tokens/s", flush=True)
     if phases:
@@ -127,7 +137,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--starts", type=int, default=2, help="starts in all: the first on empty caches, then cached ones")
+    ap.add_argument("--starts", type=int, default=2, help="starts per bucket mode: the first on empty caches, then cached")
+    ap.add_argument("--buckets", nargs="+", default=["all", "deferred"], choices=("all", "deferred"),
+                    help="all: every batch bucket before ready (--no-defer-buckets); deferred: built while idle")
     ap.add_argument("--tokens", type=int, default=64, help="tokens of the decode check after each start")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/ready-cache"), help="compile caches (emptied first)")
     ap.add_argument("--floor-gb", type=float, default=4.0, help="read at most this much of the pack for the disk rate")
@@ -148,23 +160,26 @@ def main() -> None:
     floor_s = a.pack_bytes / rate
     print(f"pack {a.pack}: {a.pack_bytes / 2**30:.2f} GiB; disk read {rate / 1e9:.2f} GB/s over {sampled / 2**30:.2f} GiB "
           f"(page cache dropped): load floor {floor_s:.2f} s", flush=True)
-    shutil.rmtree(a.cache, ignore_errors=True)
-    a.cache.mkdir(parents=True)
-    os.environ.update({"SHARDSMITH_CACHE": str(a.cache / "shardsmith"), "TRITON_CACHE_DIR": str(a.cache / "triton"),
-                       "TORCHINDUCTOR_CACHE_DIR": str(a.cache / "inductor")})
+    for v in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):  # set, serve would use them as set
+        os.environ.pop(v, None)
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     rows = []
-    for i in range(a.starts):
-        label = "cold" if i == 0 else "cached"
-        rows.append(one_start(a, extra, label, out_dir / f"ready-serve-{i}.log"))
+    for buckets in a.buckets:
+        shutil.rmtree(a.cache, ignore_errors=True)  # each mode's first start on empty caches
+        a.cache.mkdir(parents=True)
+        os.environ["SHARDSMITH_CACHE"] = str(a.cache)  # serve keeps its compile caches under it, per pack and rank
+        for i in range(a.starts):
+            rows.append(one_start(a, extra, "cold" if i == 0 else "cached", buckets,
+                                  out_dir / f"ready-serve-{buckets}-{i}.log"))
     for r in rows:
         r |= {"load_floor_s": round(floor_s, 2), "disk_gb_per_s": round(rate / 1e9, 3),
               "ready_over_floor_s": round(r["ready_s"] - floor_s, 2),
-              "ready_vs_cold": round(r["ready_s"] / rows[0]["ready_s"], 3)}
-    print(f"{'start':>7} {'ready s':>8} {'load s':>7} {'warm-up s':>9} {'floor s':>8} {'vs cold':>8} {'decode t/s':>10}")
+              "ready_vs_cold_all": round(r["ready_s"] / rows[0]["ready_s"], 3)}
+    print(f"{'start':>7} {'buckets':>8} {'ready s':>8} {'all s':>7} {'load s':>7} {'warm-up s':>9} {'floor s':>8} "
+          f"{'vs cold':>8} {'decode t/s':>10}")
     for r in rows:
-        print(f"{r['start']:>7} {r['ready_s']:>8} {r['load_s']!s:>7} {r['warmup_s']!s:>9} {r['load_floor_s']:>8} "
-              f"{r['ready_vs_cold']:>8} {r['decode_tokens_per_s']!s:>10}")
+        print(f"{r['start']:>7} {r['buckets']:>8} {r['ready_s']:>8} {r['all_buckets_s']:>7} {r['load_s']!s:>7} "
+              f"{r['warmup_s']!s:>9} {r['load_floor_s']:>8} {r['ready_vs_cold_all']:>8} {r['decode_tokens_per_s']!s:>10}")
     save_results("ready", rows, extra={"pack": a.pack.name, "serve_args": " ".join(extra)}, path=a.out)
 
 

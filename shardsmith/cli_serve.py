@@ -249,6 +249,10 @@ def serve(
     chat_template: Path | None = typer.Option(
         None, "--chat-template", help="A Jinja chat template file to use instead of the pack's (e.g. one that "
                                       "lists tools)."),
+    defer_buckets: bool = typer.Option(
+        True, "--defer-buckets/--no-defer-buckets",
+        help="Say ready once the one-row decode step is built, and build the larger batch buckets while idle "
+             "(a batch meanwhile runs through the nearest built one); --no-defer-buckets builds all before ready."),
     prefix_caching: bool = typer.Option(
         True, "--prefix-caching/--no-prefix-caching",
         help="Keep a finished request's state in its slot; a later prompt that starts with the same tokens (a "
@@ -299,7 +303,8 @@ def serve(
                                            max_queue=max_queue, prefill_chunk=prefill_chunk,
                                            decode_prompt_tokens=decode_prompt_tokens, max_model_len=max_seq_len,
                                            limits=limits, prefix_caching=prefix_caching,
-                                           chat_template=chat_template, speculative=spec_decode)))
+                                           chat_template=chat_template, speculative=spec_decode,
+                                           defer_buckets=defer_buckets)))
 
 
 def generate(

@@ -343,6 +343,9 @@ class DecodeGraphs:
         self.buckets = buckets_for(getattr(model, "max_num_seqs", 1) if self.batching else 1)
         # rows -> BucketPieces; a static-core model: (rows, length bucket) -> StaticBucketPieces
         self.sets: dict[Any, BucketPieces | StaticBucketPieces] = {}
+        self.built: set[int] = set()  # buckets (rows) a step has run through: their pieces exist
+        self.deferring = False  # choose among built buckets only (defer()): the rest are built on purpose
+        self.last_rows = 0  # the bucket the last step ran through
         self.last: BucketPieces | StaticBucketPieces | None = None
         if not self.static:
             self.last = self.sets[1] = BucketPieces(model, self.pool, 1)
@@ -375,23 +378,51 @@ class DecodeGraphs:
                 return b
         raise ValueError(f"a decode step of {rows} rows exceeds max_num_seqs={self.buckets[-1]}")
 
+    def defer(self) -> None:
+        """From now on a step takes the smallest *built* bucket that holds its rows, else runs as steps of the
+        largest built one; an unbuilt bucket is built only by a step that names it (``decode(bucket=...)``).
+        Every rank must defer alike (the engine's ``WARMUP`` command), so that all choose the same buckets."""
+        self.deferring = True
+
+    def pending(self) -> list[int]:
+        """Buckets not built yet."""
+        return [b for b in self.buckets if b not in self.built]
+
     @torch.inference_mode()
-    def decode(self, ids: torch.Tensor, starts: list[int], slots: list[int]) -> torch.Tensor:
+    def decode(self, ids: torch.Tensor, starts: list[int], slots: list[int], *, bucket: int | None = None) -> torch.Tensor:
         """B sequences one token each: row b is slot ``slots[b]``'s token ``ids[b]`` at ``starts[b]``.
 
         Args:
             ids: ``[B]`` int64 on the model's device; starts, slots: B ints each.
+            bucket: run through this bucket (padded to it), building it if needed; default: the
+                smallest bucket that holds B rows (while deferring, the smallest built one, else
+                ``ceil(B / largest built)`` steps of the largest built one).
 
         Returns:
             float32 logits ``[B, V]`` (a fresh tensor).
 
         Raises:
-            ValueError: B above the largest bucket, or B > 1 for a model without ``SUPPORTS_BATCHING``.
+            ValueError: B above the largest bucket or above ``bucket``, ``bucket`` not a bucket, or B > 1
+                for a model without ``SUPPORTS_BATCHING``.
         """
         n = ids.shape[0]
         if n > 1 and not self.batching:
             raise ValueError(f"{type(self.model).__name__} decodes one sequence per step (no SUPPORTS_BATCHING); got {n}")
-        rows = self.bucket(n)
+        if bucket is not None:
+            if bucket not in self.buckets or bucket < n:
+                raise ValueError(f"bucket {bucket} cannot run {n} rows (buckets {self.buckets})")
+            rows = bucket
+        else:
+            rows = self.bucket(n)
+            if self.deferring and rows not in self.built and self.built:
+                usable = [b for b in sorted(self.built) if b >= n]
+                if not usable:  # split over the largest built bucket: each part is an ordinary step
+                    part = max(self.built)
+                    return torch.cat([self.decode(ids[i:i + part], starts[i:i + part], slots[i:i + part])
+                                      for i in range(0, n, part)])
+                rows = usable[0]
+        self.built.add(rows)
+        self.last_rows = rows
         if rows > n:  # padding rows: copies of row 0 (the model leaves their state alone)
             ids = torch.cat([ids, ids[:1].expand(rows - n)])
             starts, slots = list(starts) + [starts[0]] * (rows - n), list(slots) + [slots[0]] * (rows - n)

@@ -12,8 +12,9 @@ op          command ``[op, a, b, c, d]``                  payload (int64)
 FORWARD     ``n, start, flags, slot``                     ``ids [n]``: one sequence's prefill,
                                                           prefill chunk or step, in ``slot``
                                                           (flags: all logits, speculative)
-DECODE      ``B, 0, 0, 0``                                ``[3, B]``: ids, starts, slots (a
-                                                          batched one-token step, B sequences)
+DECODE      ``B, bucket, 0, 0``                           ``[3, B]``: ids, starts, slots (a
+                                                          batched one-token step, B sequences;
+                                                          bucket 0: the runner's choice)
 RELEASE     ``slot, 0, 0, 0``                             none: the slot's sequence ended
 RESTORE     ``slot, pos, 0, 0``                           none: the slot goes back to resume point
                                                           ``pos`` (a model that cannot rewind)
@@ -21,6 +22,8 @@ WARMUP      ``max_rows, 0, 0, 0``                         none: compile the Trit
                                                           variants (:mod:`.warmup`)
             ``0, 1, 0, 0``                                none: the warm-up ended; seal the
                                                           compile cache (:mod:`.compile_cache`)
+            ``0, 2, 0, 0``                                none: defer the batch buckets not built
+                                                          (``DecodeGraphs.defer``)
 DRAFT       ``slot, pos, k, token``                       none: the MTP layer drafts ``k`` tokens
                                                           after ``token`` at ``pos`` (:meth:`Engine.draft`)
 SHUTDOWN    ``0, 0, 0, 0``                                none: followers return
@@ -293,7 +296,8 @@ class Engine:
         return self._step(ids, start, last_only=last_only, slot=slot, on_device=on_device,
                           speculative=speculative and not self.family.rewinds)
 
-    def decode(self, ids: list[int], starts: list[int], slots: list[int], *, on_device: bool = False) -> torch.Tensor:
+    def decode(self, ids: list[int], starts: list[int], slots: list[int], *, on_device: bool = False,
+               bucket: int | None = None) -> torch.Tensor:
         """One batched step: B sequences, one token each (row b: ``ids[b]`` at ``starts[b]`` in
         ``slots[b]``); float32 CPU logits ``[B, V]`` (left on the engine's device with ``on_device``:
         the serving loop reduces them there, :func:`~shardsmith.runtime.engine.sampling.choose_rows`).
@@ -301,23 +305,26 @@ class Engine:
 
         The step runs the model's decode pieces (:meth:`DecodeGraphs.decode`: padded to a bucket,
         graphed on CUDA, eager elsewhere); row b equals a one-token :meth:`prefill` of that sequence
-        up to matmul rounding.
+        up to matmul rounding. ``bucket``: the batch bucket to run through (padded; built if it is not),
+        default the runner's choice.
 
         Raises:
             UsageError: lists of different lengths, B outside ``[1, max_num_seqs]``, a slot twice or
-                outside the slots, a start past the slot's sequence.
+                outside the slots, a start past the slot's sequence, a bucket that cannot hold B rows.
             RankLostError: another rank died.
         """
         B = len(ids)
         self._check_rows(B, starts, slots)
+        if bucket is not None and (bucket not in self.runner.buckets or bucket < B):
+            raise UsageError(f"decode: bucket {bucket} cannot run {B} rows (buckets {self.runner.buckets})")
         payload = torch.tensor([ids, starts, slots], dtype=torch.int64)  # [3, B]
         with self._lock:
             if self.world_size > 1:
-                self._send(torch.tensor([DECODE, B, 0, 0, 0], dtype=torch.int64))
+                self._send(torch.tensor([DECODE, B, bucket or 0, 0, 0], dtype=torch.int64))
                 self._collective(lambda: dist.broadcast(payload, src=0, group=self._group))
             for s, start in zip(slots, starts):
                 self._pos[s] = start + 1
-            logits = self._collective(lambda: self._run_decode(payload))
+            logits = self._collective(lambda: self._run_decode(payload, bucket))
         return logits if on_device else logits.cpu()
 
     def decode_on_device(self, ids: torch.Tensor, starts: list[int], slots: list[int]) -> torch.Tensor:
@@ -411,15 +418,18 @@ class Engine:
             self.model.restore(slot, pos)
             self._pos[slot] = pos
 
-    def warmup(self) -> None:
+    def warmup(self, *, defer_buckets: bool = False) -> None:
         """Prepare every rank for serving, so no request pays a compile or a capture (rank 0):
 
         1. every rank launches each Triton kernel variant its steps can use, for steps of up to
            ``max_seq_len`` tokens (:func:`~shardsmith.runtime.engine.warmup.warm_kernels`; the
            ``WARMUP`` command; nothing when no module runs a kernel, as on CPU);
-        2. one tiny prefill and one decode step; on CUDA (or with kernels) also one batched step
-           of every bucket, so no graph is captured and nothing compiled mid-serving (graphed or
-           eager: the batched pieces' ``torch.compile`` and kernel shapes).
+        2. one tiny prefill and one decode step; on CUDA (or with kernels, or compiled pieces) also
+           one batched step of every bucket, so no graph is captured and nothing compiled
+           mid-serving (graphed or eager: the batched pieces' ``torch.compile`` and kernel shapes).
+           With ``defer_buckets`` only the one-row bucket: the others are left in
+           :attr:`pending_buckets` for :meth:`build_bucket`, and a step meanwhile runs through the
+           smallest built bucket that holds it (or as several steps of the largest built one).
 
         3. on CUDA, times both ways a short prompt can take (best of 3, warm): an eager prefill of
            :data:`PROMPT_PROBE_TOKENS` tokens and a one-row decode step, into ``prompt_costs``
@@ -451,22 +461,26 @@ class Engine:
         self._step([0], 2)
         self.release(0)
         phase("step")
-        if self.max_num_seqs > 1 and (self.device.type == "cuda" or self._kernels or compiles()):
+        if self.max_num_seqs > 1 and (self.bucket_builds_compile or defer_buckets):
             slots = list(range(self.max_num_seqs))  # eager too (--enforce-eager): torch.compile'd pieces
-            for rows in self.runner.buckets:
+            buckets = self.runner.buckets
+            if defer_buckets:
+                with self._lock:
+                    if self.world_size > 1:
+                        self._send(torch.tensor([WARMUP, 0, 2, 0, 0], dtype=torch.int64))
+                    self.runner.defer()
+                buckets = buckets[:1]
+            for rows in buckets:
                 for s in slots[:rows]:
                     self.prefill(s, [0, 0], 0)
-                self.decode([0] * rows, [2] * rows, slots[:rows])
+                self.decode([0] * rows, [2] * rows, slots[:rows], bucket=rows)
                 phase(f"bucket{rows}")
             for s in slots:
                 self.release(s)
         if self.device.type == "cuda" and self.max_seq_len >= 3:  # a prefill and a step after it must fit
             self.prompt_costs = self._time_prompt_paths()
             phase("probe")
-        with self._lock:  # every rank records the compile cache its warm-up filled
-            if self.world_size > 1:
-                self._send(torch.tensor([WARMUP, 0, 1, 0, 0], dtype=torch.int64))
-            self._seal_compile_cache()
+        self._seal_all()
         phase("seal")
         self.warmup_seconds = time.perf_counter() - t0
         self.warmup_phases = phases
@@ -475,6 +489,55 @@ class Engine:
                  "; a %d-token prefill takes %.1f ms, a one-row decode step %.2f ms" % (
                      min(PROMPT_PROBE_TOKENS, self.max_seq_len - 1), 1e3 * self.prompt_costs[0], 1e3 * self.prompt_costs[1]))
         log.info("warm-up phases (s): %s", " ".join(f"{k}={v:.2f}" for k, v in phases.items()))
+
+    @property
+    def bucket_builds_compile(self) -> bool:
+        """Whether building a batch bucket compiles or captures (CUDA, a Triton kernel, compiled pieces), so
+        the warm-up builds them all before serving (or defers them); elsewhere a bucket's eager pieces
+        cost nothing to make."""
+        if self._kernels is None:
+            from shardsmith.runtime.engine.warmup import kernel_modules
+
+            self._kernels = bool(kernel_modules(self.model, self.offload))
+        return self.device.type == "cuda" or self._kernels or compiles()
+
+    @property
+    def pending_buckets(self) -> list[int]:
+        """Batch buckets the warm-up deferred and no :meth:`build_bucket` built yet, largest first (rank 0)."""
+        runner = self.graphs if self.graphs is not None else self._eager
+        return sorted(runner.pending(), reverse=True) if runner is not None and runner.deferring else []
+
+    def built_buckets(self) -> list[int]:
+        """Batch buckets whose pieces exist (a step ran through them)."""
+        runner = self.graphs if self.graphs is not None else self._eager
+        return sorted(runner.built) if runner is not None else []
+
+    def build_bucket(self, slot: int) -> int:
+        """Build the largest of :attr:`pending_buckets` (rank 0; every rank runs it): a two-token prefill
+        in the free ``slot``, one step through that bucket padded with copies of its row, and the slot
+        released. Returns the bucket's rows.
+
+        Raises:
+            UsageError: nothing is pending.
+        """
+        if not self.pending_buckets:
+            raise UsageError("no decode bucket is waiting to be built")
+        rows, t0 = self.pending_buckets[0], time.perf_counter()
+        self.prefill(slot, [0, 0], 0)
+        self.decode([0], [2], [slot], bucket=rows)
+        self.release(slot)
+        self._seal_all()
+        log.info("decode bucket of %d rows built in %.2f s%s", rows, time.perf_counter() - t0,
+                 f" ({', '.join(map(str, self.pending_buckets))} to build)" if self.pending_buckets else
+                 " (every bucket built)")
+        return rows
+
+    def _seal_all(self) -> None:
+        """Every rank records the compile cache its steps filled (the ``WARMUP`` command's seal)."""
+        with self._lock:
+            if self.world_size > 1:
+                self._send(torch.tensor([WARMUP, 0, 1, 0, 0], dtype=torch.int64))
+            self._seal_compile_cache()
 
     def _seal_compile_cache(self) -> None:
         if self.compile_cache is not None:
@@ -527,6 +590,8 @@ class Engine:
                 self.model.restore(a, b)
             elif op == WARMUP and b == 1:
                 self._seal_compile_cache()
+            elif op == WARMUP and b == 2:
+                self.runner.defer()
             elif op == WARMUP:
                 self._collective(lambda: self._warm_kernels(a))
             elif op == DRAFT:
@@ -534,7 +599,7 @@ class Engine:
             elif op == DECODE:
                 payload = torch.empty(3, a, dtype=torch.int64)
                 self._collective(lambda: dist.broadcast(payload, src=0, group=self._group))
-                self._collective(lambda: self._run_decode(payload))
+                self._collective(lambda: self._run_decode(payload, bucket=b or None))
             else:
                 ids = torch.empty(a, dtype=torch.int64)
                 self._collective(lambda: dist.broadcast(ids, src=0, group=self._group))
@@ -607,9 +672,9 @@ class Engine:
             return self.forward(tokens.to(self.device), start, last_only=last_only)
         return self.forward(tokens.to(self.device), start, last_only=last_only, slot=slot)
 
-    def _run_decode(self, payload: torch.Tensor) -> torch.Tensor:
+    def _run_decode(self, payload: torch.Tensor, bucket: int | None = None) -> torch.Tensor:
         ids, starts, slots = payload[0].to(self.device), payload[1].tolist(), payload[2].tolist()
-        return self.runner.decode(ids, starts, slots)
+        return self.runner.decode(ids, starts, slots, bucket=bucket)
 
     def _warm_kernels(self, max_rows: int) -> int:
         from shardsmith.runtime.engine.warmup import warm_kernels

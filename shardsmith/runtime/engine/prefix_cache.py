@@ -115,14 +115,27 @@ class PrefixCache:
             if k > reused:
                 best, reused = s, k
         if best is None:  # nothing shared: a slot that holds nothing, else the least recently used
-            empty = [s for s in free if not self.held[s]]
-            best = min(empty) if empty else min(free, key=lambda s: self._used[s])
+            best = self.evictable(free)
         self.held[best] = ()
         self.stats.queries += 1
         self.stats.query_tokens += len(prompt)
         self.stats.hits += reused > 0
         self.stats.hit_tokens += reused
         return best, reused
+
+    def evictable(self, free: Sequence[int]) -> int:
+        """The free slot to give up first: one that holds nothing, else the least recently used; what
+        it held is forgotten here.
+
+        Raises:
+            ValueError: no free slot.
+        """
+        if not free:
+            raise ValueError("no free slot")
+        empty = [s for s in free if not self.held[s]]
+        slot = min(empty) if empty else min(free, key=lambda s: self._used[s])
+        self.held[slot] = ()
+        return slot
 
     def held_positions(self) -> int:
         """Positions the free slots hold for reuse (sum of H)."""

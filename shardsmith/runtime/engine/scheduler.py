@@ -257,6 +257,16 @@ class Scheduler:
     def free_slots(self) -> int:
         return len(self._free)
 
+    def build_bucket(self) -> int | None:
+        """Build the engine's next deferred decode bucket in a free slot (:meth:`Engine.build_bucket`),
+        between steps; a slot that keeps no prefix is taken first, else the least recently used one (its
+        kept prefix is dropped). Returns the bucket's rows; None when nothing is pending, no slot is free
+        or a step is in flight."""
+        if not self.engine.pending_buckets or not self._free or self._inflight is not None:
+            return None
+        slot = self.prefix.evictable(self._free)
+        return self.engine.build_bucket(slot)
+
     def admit(self, seq: Sequence) -> None:
         """Give ``seq`` a free slot; its prefill starts at the next :meth:`step`.
 

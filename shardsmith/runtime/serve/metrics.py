@@ -29,6 +29,8 @@ sequence_state_bytes                          gauge      per-sequence state of e
 load_seconds                                  gauge      engine load time on rank 0 (weights)
 ready_seconds                                 gauge      rank 0 job start to ready (load + warm-up)
 ready                                         gauge      1 once every rank loaded and warmed up
+decode_buckets_built / decode_buckets_pending gauge      batch buckets whose decode pieces exist / that
+                                                         are still to build (``--defer-buckets``: when idle)
 ============================================  =========  ==========================================
 """
 
@@ -107,6 +109,7 @@ class Metrics:
         self.prefix = None  # the scheduler's PrefixCache (``stats``, ``held_positions()``), once ready
         self.bytes_per_position = 0.0  # per-sequence state of one position of one slot, bytes (rank 0)
         self.spec = None  # the scheduler's SpecStats when speculation is on
+        self.buckets: tuple[int, int] = (0, 0)  # decode batch buckets built, still to build
 
     def request_done(self, endpoint: str, status: int | str) -> None:
         with self._lock:
@@ -237,6 +240,9 @@ class Metrics:
                 ("load_seconds", "gauge", self.load_seconds, "Engine load time on rank 0, seconds."),
                 ("ready_seconds", "gauge", self.ready_seconds, "Rank 0 job start to ready (load and warm-up), seconds."),
                 ("ready", "gauge", int(self.ready), "1 once every rank has loaded and warmed up."),
+                ("decode_buckets_built", "gauge", self.buckets[0], "Batch buckets whose decode pieces exist."),
+                ("decode_buckets_pending", "gauge", self.buckets[1],
+                 "Batch buckets still to build (built when the server is idle)."),
             ):
                 out += _metric(p + name, kind, value, help_)
             out += self._offload_lines()

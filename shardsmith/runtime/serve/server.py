@@ -531,6 +531,8 @@ class ServeJob:
             (:class:`~shardsmith.runtime.serve.http_limits.HTTPLimits`).
         prefix_caching: finished requests' slots keep their state for prompts that share their
             tokens (:mod:`~shardsmith.runtime.engine.prefix_cache`).
+        defer_buckets: say ready once the one-row decode step is built; build the other batch
+            buckets while idle (``Engine.warmup(defer_buckets=True)``).
     """
 
     host: str
@@ -546,6 +548,7 @@ class ServeJob:
     max_model_len: int | None = None
     limits: HTTPLimits = HTTPLimits()
     prefix_caching: bool = True
+    defer_buckets: bool = False
 
     def __call__(self, load) -> int:
         """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
@@ -573,7 +576,7 @@ class ServeJob:
 
         worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal, max_queue=self.max_queue,
                               prefill_chunk=self.prefill_chunk, decode_prompt_tokens=self.decode_prompt_tokens,
-                              prefix_caching=self.prefix_caching, speculative=self.speculative)
+                              prefix_caching=self.prefix_caching, speculative=self.speculative, defer_buckets=self.defer_buckets)
         app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
                          max_request_bytes=self.max_request_bytes, max_model_len=self.max_model_len,
                          chat_template=self.chat_template)

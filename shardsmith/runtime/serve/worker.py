@@ -282,6 +282,8 @@ class EngineWorker:
             device's default, :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
         prefix_caching: reuse the prefixes finished requests leave in their slots (the scheduler's).
         speculative: the scheduler's n-gram speculation config, or None.
+        defer_buckets: ready once the one-row decode step is built; the other batch buckets are built
+            one at a time while no request runs or waits (``Engine.build_bucket``).
 
     Raises:
         UsageError: ``$SHARDSMITH_STEP_TRACE`` cannot be opened, or ``SHARDSMITH_TUNING``'s ``overlap_steps`` is
@@ -291,8 +293,9 @@ class EngineWorker:
     def __init__(self, load: Callable[[], Any], *, metrics: Metrics, on_fatal: Callable[[str], None],
                  max_queue: int = DEFAULT_MAX_QUEUE, prefill_chunk: int | None = None,
                  decode_prompt_tokens: int | None = None, prefix_caching: bool = True,
-                 speculative: Any = None) -> None:
+                 speculative: Any = None, defer_buckets: bool = False) -> None:
         self._load = load
+        self.defer_buckets = defer_buckets
         self.metrics = metrics
         self._on_fatal = on_fatal
         self.max_queue, self.prefill_chunk, self.decode_prompt_tokens = max_queue, prefill_chunk, decode_prompt_tokens
@@ -381,7 +384,7 @@ class EngineWorker:
         try:
             self.engine = self._load()
             self.codec = Codec(self.engine.root)
-            self.engine.warmup()
+            self.engine.warmup(defer_buckets=self.defer_buckets and self.engine.bucket_builds_compile)
             offload = self.engine.offload
             if offload is not None:
                 self.metrics.offload = offload
@@ -410,16 +413,18 @@ class EngineWorker:
         self.metrics.set_capacity(max_num_seqs=slots, state_bytes=state_bytes, max_queue=self.max_queue)
         self.metrics.prefix = self._sched.prefix
         self.metrics.spec = self._sched.spec if self._sched.speculative is not None else None
+        self._count_buckets()
         self.metrics.bytes_per_position = state_bytes / max(1, slots * int(getattr(e, "max_seq_len", 0) or 1))
         log.info("ready: every rank loaded and warmed up in %.1f s (warm-up %.1f s: %d kernel launches); %d "
                  "sequence slot(s) of %d tokens (%.1f MiB of per-sequence state on rank 0), up to %d waiting, "
                  "prefill chunks of %d tokens, prompts of <= %d tokens fed through decode steps, steps %s, "
-                 "prefix caching %s",
+                 "prefix caching %s, decode buckets %s built%s",
                  time.perf_counter() - self._started,
                  float(getattr(e, "warmup_seconds", 0.0)), int(getattr(e, "warmup_launches", 0)), slots,
                  getattr(e, "max_seq_len", 0), state_bytes / 2**20, self.max_queue, self._sched.prefill_chunk,
                  self._sched.decode_prompt_tokens, "overlapped" if self._sched.overlap else "plain",
-                 "on" if self._sched.prefix.enabled else "off")
+                 "on" if self._sched.prefix.enabled else "off", ", ".join(map(str, e.built_buckets())) or "none",
+                 f" ({', '.join(map(str, e.pending_buckets))} to build when idle)" if e.pending_buckets else "")
         try:
             self._loop()
         finally:
@@ -434,11 +439,16 @@ class EngineWorker:
             with self._wake:  # idle until a job, a stop() or an interrupt() (which drops the running jobs)
                 if self._trace is not None and not self._running and not self._waiting:
                     self._trace.flush()
-                while not self._running and not self._waiting and not self._stop_requested:
+                while not self._running and not self._waiting and not self._stop_requested and not self._can_build():
                     self._wake.wait()
                 if not self._running and not self._waiting and self._stop_requested:
                     return
+                build = not self._running and not self._waiting
             try:
+                if build:  # idle: build a deferred decode bucket (a request that comes meanwhile waits for it)
+                    self._sched.build_bucket()
+                    self._count_buckets()
+                    continue
                 self._drop_cancelled()
                 self._admit()
                 if self._running:
@@ -446,6 +456,12 @@ class EngineWorker:
             except Exception as e:  # noqa: BLE001 - a failed step means a rank is gone or the engine broke
                 self._step_failed(e)
                 return
+
+    def _can_build(self) -> bool:
+        return bool(self.engine.pending_buckets) and self._sched.free_slots > 0
+
+    def _count_buckets(self) -> None:
+        self.metrics.buckets = (len(self.engine.built_buckets()), len(self.engine.pending_buckets))
 
     def _admit(self) -> None:
         """Move waiting jobs into free slots, oldest first (each refused alone on a UsageError)."""

@@ -1,0 +1,93 @@
+"""Deferred batch buckets: a warm-up that builds only the one-row decode bucket, steps that meanwhile run
+through the nearest built bucket (or as several one-row steps), and ``build_bucket`` building the rest,
+at world sizes 1 and 2 (every rank chooses the same buckets). Logits equal an engine that built every
+bucket first (float32, CPU: the pieces run eagerly)."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardsmith.errors import UsageError
+from shardsmith.testing.ranks import run_ranks
+
+PROMPTS = [[3, 17, 42, 99, 5], [11, 12, 250], [4, 9, 77]]
+SLOTS = 4  # buckets 1, 2, 4
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory) -> dict[int, Path]:
+    from shardsmith.testing.tiny import tiny_mixtral
+    from shardsmith.writer.split import split_checkpoint
+
+    root = tmp_path_factory.mktemp("deferred")
+    src = tiny_mixtral(root / "src", layers=1)
+    out = {}
+    for ws in (1, 2):
+        out[ws] = root / f"tp{ws}"
+        split_checkpoint(src, out[ws], world_size=ws)
+    return out
+
+
+def _steps(eng, slots: list[int]) -> torch.Tensor:
+    """Prefill ``PROMPTS`` into ``slots`` and run two batched greedy steps; the steps' logits [2, B, V]."""
+    last = [eng.prefill(s, p)[-1] for s, p in zip(slots, PROMPTS)]
+    out = []
+    for i in range(2):
+        logits = eng.decode([int(x.argmax()) for x in last], [len(p) + i for p in PROMPTS], slots)
+        out.append(logits)
+        last = list(logits)
+    for s in slots:
+        eng.release(s)
+    return torch.stack(out)
+
+
+def _run(rank: int, world_size: int, port: int, pack: str, queue) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch.distributed as dist
+
+        from shardsmith.runtime.engine.engine import Engine
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        eng = Engine.load(pack, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=32,
+                          max_num_seqs=SLOTS)
+        if rank != 0:
+            eng.follow()
+            return
+        eng.warmup(defer_buckets=True)
+        report = {"after_warmup": (eng.built_buckets(), eng.pending_buckets)}
+        split = _steps(eng, [1, 2, 3])  # only bucket 1 built: each 3-row step runs as three one-row steps
+        report["after_split"] = (eng.built_buckets(), eng.pending_buckets, eng.runner.last_rows)
+        report["built"] = [eng.build_bucket(slot=3)]
+        padded = _steps(eng, [3, 0, 1])  # bucket 4 built (bucket 2 not yet): one step, one padding row
+        report["padded_rows"] = eng.runner.last_rows
+        report["built"].append(eng.build_bucket(slot=0))
+        eng.decode([5, 6], [0, 0], [0, 1])
+        report["two_rows"] = eng.runner.last_rows
+        for s in (0, 1):
+            eng.release(s)
+        try:
+            eng.build_bucket(slot=0)
+        except UsageError as e:
+            report["nothing_left"] = str(e)
+        report["diff"] = float((split - padded).abs().max())
+        eng.shutdown()
+        queue.put(("ok", report))
+    except Exception:  # noqa: BLE001 - reported to the test
+        queue.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_deferred_buckets_run_through_built_ones_and_build_on_demand(packs, world_size: int) -> None:
+    r = run_ranks(_run, world_size, str(packs[world_size]))
+    assert r["after_warmup"] == ([1], [4, 2])  # the warm-up built the one-row bucket; the rest wait, largest first
+    assert r["after_split"] == ([1], [4, 2], 1)  # a step the built buckets cannot hold whole builds nothing
+    assert r["built"] == [4, 2] and r["padded_rows"] == 4 and r["two_rows"] == 2
+    assert r["nothing_left"] == "no decode bucket is waiting to be built"
+    assert r["diff"] < 1e-4, r["diff"]  # split into one-row steps or padded to 4: the same logits
