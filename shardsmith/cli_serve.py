@@ -241,7 +241,8 @@ def serve(
              "instead of a prefill forward of their own (default on CUDA: measured at warm-up, the largest power "
              "of two of decode steps that cost no more than one eager prefill, at most 256; 0 on CPU)."),
     speculative: str | None = typer.Option(
-        None, "--speculative", help="Speculative decoding of greedy requests, drafts checked in one chunk: 'ngram' "
+        None, "--speculative", help="Speculative decoding, drafts checked in one chunk (greedy: the same tokens; sampled: the same "
+                                    "distribution, by speculative sampling): 'ngram' "
                                     "(drafts looked up in the sequence's own text; families whose state rewinds) "
                                     "or 'mtp' (the checkpoint's MTP layer drafts; DeepSeek-V3, resident experts)."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens",

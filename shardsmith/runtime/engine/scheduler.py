@@ -56,7 +56,7 @@ from shardsmith.runtime.engine.constraints import TokenConstraint, allow_all, ap
 from shardsmith.runtime.engine.penalties import TokenCounts, adjusts, counts_tokens
 from shardsmith.runtime.engine.penalties import apply as apply_penalties
 from shardsmith.runtime.engine.prefix_cache import PrefixCache
-from shardsmith.runtime.engine.speculative import SpeculativeConfig, SpecStats, accepted, ngram_draft
+from shardsmith.runtime.engine.speculative import SpeculativeConfig, SpecStats, accepted, ngram_draft, sample_verified
 from shardsmith.runtime.engine.sampling import (Choice, SamplingParams, StepOutput, choose_on_device, choose_rows, draw,
                                                 make_generator, unpack_choices)
 from shardsmith.runtime.layers.staging import to_device
@@ -205,7 +205,7 @@ class Scheduler:
         prefix_caching: a finished sequence's slot keeps its state and a later prompt resumes its
             longest reusable prefix (:mod:`~shardsmith.runtime.engine.prefix_cache`); False: every
             prompt is computed from position 0.
-        speculative: n-gram or MTP drafts checked in one chunk per greedy sequence
+        speculative: n-gram or MTP drafts checked in one chunk per sequence
             (:mod:`~shardsmith.runtime.engine.speculative`; MTP needs an engine loaded with its
             MTP layer), or None.
 
@@ -362,10 +362,10 @@ class Scheduler:
         return out
 
     def _draft(self, s: Sequence) -> list[int]:
-        """``s``'s draft (n-gram, or the MTP layer's), or ``[]`` when it does not speculate (sampled, penalised, logprobs,
+        """``s``'s draft (n-gram, or the MTP layer's), or ``[]`` when it does not speculate (penalised, logprobs,
         constrained, still feeding its prompt) or nothing repeats."""
         p = s.params
-        if (s.prefilled < len(s.prompt_ids) or s.pending is None or p.temperature > 0 or p.logprobs or adjusts(p)
+        if (s.prefilled < len(s.prompt_ids) or s.pending is None or p.logprobs or adjusts(p)
                 or s.constraint is not None or s.inflight >= 0):
             return []
         left = min(p.max_tokens - s.generated, self.engine.max_seq_len - s.pos) - 1  # room for the draft's tokens
@@ -381,16 +381,23 @@ class Scheduler:
         return ngram_draft(s.prompt_ids + s.outputs, cfg)[:left]
 
     def _verify(self, seq: Sequence, draft: list[int]) -> list[tuple[Sequence, StepOutput]]:
-        """One chunk of ``seq``'s pending token and ``draft``; the greedy tokens it gives (1 to
-        ``len(draft) + 1``, fewer when one ends the sequence)."""
+        """One chunk of ``seq``'s pending token and ``draft``; the tokens it gives (1 to
+        ``len(draft) + 1``, fewer when one ends the sequence): greedy choices, or for a sampled
+        sequence speculative sampling's (:func:`~shardsmith.runtime.engine.speculative.sample_verified`)."""
         start = seq.pos
         logits = self.engine.prefill(seq.slot, [seq.pending, *draft], start, last_only=False, on_device=True,
                                      speculative=True)
         lp = torch.log_softmax(logits.float(), dim=-1)
-        choices = torch.argmax(logits, dim=-1)  # lowest id on ties, as choose_rows
-        picked = lp.gather(1, choices[:, None])[:, 0]
+        if seq.params.temperature > 0:
+            tokens = sample_verified(logits, draft, seq.params, seq.generator)
+            choices = torch.tensor(tokens, device=logits.device)
+            n = len(tokens)
+        else:
+            choices = torch.argmax(logits, dim=-1)  # lowest id on ties, as choose_rows
+        picked = lp[torch.arange(choices.shape[0], device=lp.device), choices]
         choices, picked = choices.tolist(), picked.tolist()
-        n = accepted(draft, choices)
+        if seq.params.temperature <= 0:
+            n = accepted(draft, choices)
         self.spec.steps += 1
         self.spec.drafted += len(draft)
         self.spec.accepted += n - 1

@@ -1,4 +1,4 @@
-"""Speculative decoding: a draft of ``k`` tokens per greedy sequence, checked in one forward.
+"""Speculative decoding: a draft of ``k`` tokens per sequence, checked in one forward.
 
 Two draft sources (:class:`SpeculativeConfig` ``method``):
 
@@ -21,11 +21,20 @@ chunk runs after ``DeepseekV4.speculate`` kept what the chunk writes over, and t
 the accepted rows). The logits of a chunk equal one-token steps' up to matmul rounding, as a
 chunked prefill's do.
 
-Only greedy sequences without penalties, logprobs or constraints speculate; the others decode as
-before in the same step. Whatever the draft, the tokens emitted are the
-verify forward's own greedy choices, so the output is greedy decoding's. Sources: Saxena's prompt
-lookup decoding, as vLLM's ``ngram`` speculator uses it; the DeepSeek-V3 technical report's MTP
-modules, run as drafts as vLLM's ``deepseek_mtp`` does.
+Sequences without penalties, logprobs or constraints speculate; the others decode as before in
+the same step. A greedy sequence emits the verify forward's own greedy choices, so its output is
+greedy decoding's. A sampled one (temperature, top-k, top-p, min-p) goes through speculative
+sampling (:func:`sample_verified`): both draft sources propose one token per position (a point
+mass ``q = 1[x]``), so draft token ``x`` is accepted with probability ``min(1, p(x) / q(x)) = p(x)``
+under the target's filtered distribution ``p``, and at the first rejection the token is drawn from
+the residual ``max(0, p - q)``, normalised: ``p`` without ``x``. Each emitted token is distributed
+exactly as ``p`` (``P(y) = p(x) 1[y = x] + (1 - p(x)) p(y) 1[y != x] / (1 - p(x))``); after ``k``
+acceptances one more token is drawn from the last row. The uniforms come from the request's own
+generator, so a seeded request repeats itself. Sources: Saxena's prompt lookup decoding, as vLLM's
+``ngram`` speculator uses it; the DeepSeek-V3 technical report's MTP modules, run as drafts as
+vLLM's ``deepseek_mtp`` does; Leviathan et al., "Fast Inference from Transformers via Speculative
+Decoding" (2023), and Chen et al., "Accelerating Large Language Model Decoding with Speculative
+Sampling" (2023), for the acceptance rule.
 """
 
 from __future__ import annotations
@@ -34,9 +43,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-__all__ = ["METHODS", "SpeculativeConfig", "SpecStats", "accepted", "ngram_draft"]
+from shardsmith.runtime.engine.sampling import SamplingParams, draw, draw_index, draw_sorted, sorted_filtered
+
+__all__ = ["METHODS", "SpeculativeConfig", "SpecStats", "accepted", "ngram_draft", "sample_verified"]
 METHODS = ("ngram", "mtp")
 
 
@@ -101,3 +113,39 @@ def accepted(draft: Sequence[int], choices: Sequence[int]) -> int:
     while m < len(draft) and draft[m] == choices[m]:
         m += 1
     return m + 1
+
+
+def sample_verified(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams,
+                    generator: torch.Generator | None) -> list[int]:
+    """Speculative sampling of a point-mass draft: the tokens a sampled sequence's verify step gives
+    (1 to ``len(draft) + 1``), each distributed exactly as sampling from the target (module docstring).
+
+    Args:
+        logits: ``[k + 1, V]`` float32, row i the model's logits after the pending token and ``draft[:i]``;
+        draft: the ``k`` proposed tokens; params: the request's sampling (temperature > 0, top-k,
+        top-p, min-p: the filters of :func:`~shardsmith.runtime.engine.sampling.sorted_filtered`);
+        generator: the request's random stream (one uniform per accept test, one per drawn token).
+    """
+    k, G = len(draft), logits.shape[0]
+    full = lambda v, dtype=None: torch.full((G,), v, dtype=dtype)  # noqa: E731
+    sx, order = sorted_filtered(logits.float(), full(params.temperature), full(params.top_k, torch.int64),
+                                full(params.top_p, torch.float64), full(params.min_p) if params.min_p > 0 else None)
+    probs = torch.zeros_like(sx).scatter_(1, order, torch.softmax(sx, dim=-1))  # [k + 1, V], vocabulary order
+    at = torch.tensor(list(draft), dtype=torch.int64, device=probs.device)
+    p_draft = probs[torch.arange(k, device=probs.device), at].tolist() if k else []
+    out: list[int] = []
+    for i, x in enumerate(draft):
+        if draw(generator) < p_draft[i]:
+            out.append(int(x))
+            continue
+        residual = probs[i].clone()
+        residual[x] = 0.0
+        if not bool((residual > 0).any()):  # p(x) rounds to 1 but the uniform landed past it: x after all
+            out.append(int(x))
+            continue
+        u = torch.tensor([draw(generator)], dtype=torch.float64, device=probs.device)
+        out.append(int(draw_index(residual[None], u)[0, 0]))
+        return out
+    u = torch.tensor([draw(generator)], dtype=torch.float64, device=probs.device)
+    out.append(int(draw_sorted(sx[k:], order[k:], u)[0]))
+    return out

@@ -1,7 +1,9 @@
 """Speculative decoding (:mod:`shardsmith.runtime.engine.speculative`): the n-gram lookup and
-acceptance rule on their own, then greedy decoding through the real :class:`Scheduler` with drafts
-checked in one chunk per sequence gives the tokens decoding without them gives (float32), in
-batches that mix speculating sequences with sampled ones: n-gram drafts on the tiny Mixtral and
+acceptance rule on their own; speculative sampling's tokens distributed as the target's (a
+statistical test against an independent softmax / top-p); then greedy decoding through the real
+:class:`Scheduler` with drafts checked in one chunk per sequence gives the tokens decoding without
+them gives (float32), in batches with a sampled sequence whose top-k of 1 makes it greedy too, and a
+seeded sampled request repeats itself: n-gram drafts on the tiny Mixtral and
 Qwen3-MoE at world sizes 1 and 2 and on the real SmolLM2 MoE rewriting a paragraph (where most drafts
 are accepted); DeepSeek-V3's MTP drafts at world sizes 1 and 2, its cache after rejected drafts, and
 planted drafts that are always right (all accepted) or always wrong (none).
@@ -28,6 +30,52 @@ def test_the_draft_follows_the_latest_earlier_occurrence() -> None:
     assert SpeculativeConfig(k=0).problems() and SpeculativeConfig(min_ngram=3, max_ngram=2).problems()
 
 
+def _target(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """An independent reference of the sampled distribution: softmax at ``temperature``, then the smallest
+    set of best tokens whose mass reaches ``top_p``, renormalised (rows of ``logits`` ``[G, V]``)."""
+    out = []
+    for row in logits.double():
+        probs = torch.softmax(row / temperature, dim=-1)
+        order = torch.argsort(probs, descending=True)
+        keep, mass = [], 0.0
+        for t in order.tolist():
+            keep.append(t)
+            mass += float(probs[t])
+            if mass >= top_p:
+                break
+        kept = torch.zeros_like(probs)
+        kept[keep] = probs[keep]
+        out.append(kept / kept.sum())
+    return torch.stack(out)
+
+
+def test_speculative_sampling_gives_the_targets_distribution() -> None:
+    """Each emitted token of :func:`sample_verified` follows the target: the first token, the second given
+    the first draft token was accepted, and so on, up to the extra token after every draft token was
+    accepted: over 20,000 verify steps every token's share is within 4.5 binomial standard deviations of
+    its probability (and a token the filters remove never comes). A removed draft token is never accepted."""
+    from shardsmith.runtime.engine.sampling import SamplingParams
+    from shardsmith.runtime.engine.speculative import sample_verified
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 7) * 1.5
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    target = _target(logits, 0.8, 0.9)
+    # row 0's second best (often rejected: the residual is drawn), then rows 1 and 2's best (often accepted)
+    draft = [int(torch.argsort(target[i], descending=True)[int(i == 0)]) for i in range(3)]
+    gen = torch.Generator().manual_seed(1)
+    runs = [sample_verified(logits, draft, params, gen) for _ in range(20_000)]
+    for i in range(4):  # position i, among the runs that accepted draft[:i]
+        at = [r[i] for r in runs if len(r) > i and r[:i] == draft[:i]]
+        n = len(at)
+        seen = torch.bincount(torch.tensor(at), minlength=7).double() / n
+        bound = 4.5 * (target[i] * (1 - target[i]) / n).sqrt()  # each token's share, binomial, 4.5 sigma
+        assert n > 1000 and bool(((seen - target[i]).abs() <= bound).all()), (i, n, seen, target[i])
+    masked = int(torch.argmin(target[0]))
+    assert target[0, masked] == 0
+    assert all(r[0] != masked for r in (sample_verified(logits, [masked], params, gen) for _ in range(2000)))
+
+
 REPEATING = [3, 17, 42, 99, 5, 8, 61, 7, 3, 17, 42, 99, 5, 8, 61, 7, 3, 17]
 
 
@@ -50,8 +98,10 @@ def _cases():
     from shardsmith.runtime.engine.sampling import SamplingParams
 
     prompts = [REPEATING, REPEATING[3:] + [11, 12], [250, 4, 9, 77, 31]]
+    # the third is sampled through speculative sampling; top-k 1 makes its distribution a point mass on the
+    # greedy token, so its tokens too must be plain decoding's
     params = [SamplingParams(max_tokens=20, stop_token_ids=()), SamplingParams(max_tokens=13, stop_token_ids=()),
-              SamplingParams(max_tokens=9, temperature=0.9, seed=5, stop_token_ids=())]  # sampled: decodes as before
+              SamplingParams(max_tokens=9, temperature=0.9, top_k=1, seed=5, stop_token_ids=())]
     return prompts, params
 
 
@@ -95,6 +145,18 @@ def _tp2(path: str, cfg: SpeculativeConfig, rank: int, world_size: int):
         return _both(engine, cfg)
     finally:
         engine.shutdown()
+
+
+def test_a_seeded_sampled_request_repeats_itself_with_speculation(tiny) -> None:
+    from shardsmith.runtime.engine.sampling import SamplingParams
+
+    engine = _load(tiny("mixtral"))
+    params = [SamplingParams(max_tokens=24, temperature=0.7, top_p=0.95, seed=11, stop_token_ids=())] * 2
+    prompts = [REPEATING, REPEATING[5:]]
+    first, stats = _decode(engine, prompts, params, NGRAM)
+    again, _ = _decode(engine, prompts, params, NGRAM)
+    assert first == again and stats.steps > 0 and stats.drafted > 0
+    assert all(len(t) == 24 for t in first)
 
 
 def test_greedy_tokens_at_world_size_2(tiny) -> None:
