@@ -244,7 +244,7 @@ def serve(
         None, "--speculative", help="Speculative decoding, drafts checked in one chunk (greedy: the same tokens; sampled: the same "
                                     "distribution, by speculative sampling): 'ngram' "
                                     "(drafts looked up in the sequence's own text; families whose state rewinds) "
-                                    "or 'mtp' (the checkpoint's MTP layer drafts; DeepSeek-V3, resident experts)."),
+                                    "or 'mtp' (the checkpoint's MTP layer drafts; DeepSeek-V3, its experts offloaded with the rest)."),
     num_speculative_tokens: int = typer.Option(4, "--num-speculative-tokens",
                                                help="Draft tokens per step with --speculative (1-16)."),
     chat_template: Path | None = typer.Option(

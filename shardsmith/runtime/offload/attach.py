@@ -67,8 +67,9 @@ def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: 
     Args:
         model: the built model; its resident expert modules (a
             :class:`~shardsmith.runtime.layers.experts.RoutedExperts` with a ``math``), named
-            ``<layer>.<moe>.experts`` with ``<layer>`` a bank layer key, are replaced (banks of
-            other layers, e.g. DeepSeek-V4's MTP layers, are not read). The banks' own
+            ``<layer>.<moe>.experts`` with ``<layer>`` a bank layer key (or one the model's
+            ``bank_layer_key(layer)`` maps to a bank layer key: DeepSeek-V3's MTP layer ``mtp.0``),
+            are replaced (banks of other layers, e.g. DeepSeek-V4's MTP layers, are not read). The banks' own
             :class:`~shardsmith.runtime.layers.experts.ExpertMath` and FP8 block size are kept, so
             offloaded experts compute what the resident ones would.
 
@@ -87,7 +88,10 @@ def attach_offload(model: nn.Module, weights, config: OffloadConfig, *, device: 
     if len(kinds) > 1:
         raise UsageError(f"expert offload: the model's expert banks differ in maths or FP8 block: {kinds}")
     first = next(iter(banks.values()))
-    keys = {name.rsplit(".", 2)[0]: name for name in banks}  # model.layers.N.<moe>.experts -> model.layers.N
+    # model.layers.N.<moe>.experts -> model.layers.N; a layer loaded under another name (DeepSeek-V3's MTP
+    # layer, mtp.0) -> its bank's layer key in the pack (the model's bank_layer_key)
+    bank_key = getattr(model, "bank_layer_key", lambda key: key)
+    keys = {bank_key(name.rsplit(".", 2)[0]): name for name in banks}
     layers = list(keys)
     pin = config.pin if torch.device(device).type == "cuda" else "off"
     host = load_host_banks(weights, pin=pin, layers=set(layers))

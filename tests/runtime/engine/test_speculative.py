@@ -209,6 +209,24 @@ def test_mtp_greedy_tokens_are_those_of_plain_decoding(tiny) -> None:
     _check(_both(_load_mtp(tiny("deepseek-v3")), MTP))
 
 
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_mtp_with_offloaded_experts_drafts_as_resident(tiny, backend: str) -> None:
+    """The MTP layer's experts join the expert cache as one more layer (host computed, or a 4-slot cache on
+    a CPU pool): its drafts are the resident layer's, so as many are accepted, and the tokens are plain
+    decoding's."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.offload import OffloadConfig
+
+    resident = _both(_load_mtp(tiny("deepseek-v3")), MTP)
+    offload = OffloadConfig(backend=backend, probe=False, **({"cache_slots": 4} if backend == "gpu" else {}))
+    engine = Engine.load(tiny("deepseek-v3"), rank=0, world_size=1, dtype=torch.float32, from_checkpoint=True,
+                         max_seq_len=64, max_num_seqs=3, cuda_graphs=False, mtp_layers=1, offload=offload)
+    assert engine.offload.layers[-1] == f"model.layers.{engine.model.args.n_layers}"  # the MTP layer's bank too
+    out = _both(engine, MTP)
+    _check(out)
+    assert (out["spec"], out["drafted"], out["accepted"]) == (resident["spec"], resident["drafted"], resident["accepted"])
+
+
 def test_mtp_greedy_tokens_at_world_size_2(tiny) -> None:
     _check(run_gloo(_tp2, 2, str(tiny("deepseek-v3")), MTP, timeout=300))
 

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardsmith.errors import UsageError
 from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v3.config import ARCHITECTURES, V3Args
 from shardsmith.runtime.models.deepseek_v3.model import DeepseekV3, assign_weights
@@ -41,19 +40,17 @@ def build(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
     Args:
         weights: a :class:`~shardsmith.runtime.engine.loader.RankWeights`; place_experts: the
             engine's expert offload, called on the ``meta`` model (then no banks are assigned).
-        mtp_layers: MTP layers to load for speculative drafts (0 or 1; resident experts only).
+        mtp_layers: MTP layers to load for speculative drafts (0 or 1); offloaded, the MTP layer's
+            experts join the expert cache as one more layer.
 
     Returns:
         ``(model, offload runtime or None)``; the caller dequantizes FP8 and sets up the cache.
 
     Raises:
         RuntimeLoadError: an unsupported config, or missing/unexpected/mis-shaped tensors (all listed).
-        UsageError: more MTP layers than the checkpoint has, or MTP with offloaded experts.
+        UsageError: more MTP layers than the checkpoint has.
     """
     args = V3Args.from_config(weights.config)
-    if mtp_layers and place_experts is not None:
-        raise UsageError("MTP drafts run with resident experts only (the MTP layer's experts are not offloaded yet): "
-                         "drop --moe-backend, or use --speculative ngram")
     model = DeepseekV3(args, Shards(weights.plan, rank, dtype), mtp_layers=mtp_layers)
     offloaded = place_experts(model) if place_experts is not None else None
     assign_weights(model, weights.dense(), {} if offloaded is not None else weights.banks(), device=device)

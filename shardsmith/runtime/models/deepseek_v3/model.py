@@ -297,6 +297,13 @@ class DeepseekV3(nn.Module):
         """
         return self.seqs.step_rows(ids, starts, slots, real, self.cos, self.sin)
 
+    def bank_layer_key(self, key: str) -> str:
+        """The pack's bank layer key of module layer ``key``: ``mtp.j`` is ``model.layers.{L + j}``
+        (L = ``num_hidden_layers``), the decoder layers are their own (the expert offload asks)."""
+        if key.startswith("mtp."):
+            return f"model.layers.{self.args.n_layers + int(key.split('.')[1])}"
+        return key
+
     def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
         """Token ids ``[T]`` -> ``([T, D],)`` (vocab-parallel, all-reduced)."""
         return (self.model.embed_tokens(ids),)
