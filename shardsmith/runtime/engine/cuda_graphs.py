@@ -384,6 +384,12 @@ class DecodeGraphs:
         Every rank must defer alike (the engine's ``WARMUP`` command), so that all choose the same buckets."""
         self.deferring = True
 
+    def reserve(self, rows: int) -> None:
+        """Batch buckets up to ``rows`` rows (more than ``max_num_seqs``: speculative verify runs), the
+        new ones built like the others (deferred ones pending)."""
+        if rows > self.buckets[-1]:
+            self.buckets = buckets_for(rows)
+
     def pending(self) -> list[int]:
         """Buckets not built yet."""
         return [b for b in self.buckets if b not in self.built]

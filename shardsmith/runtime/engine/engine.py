@@ -24,6 +24,8 @@ WARMUP      ``max_rows, 0, 0, 0``                         none: compile the Trit
                                                           compile cache (:mod:`.compile_cache`)
             ``0, 2, 0, 0``                                none: defer the batch buckets not built
                                                           (``DecodeGraphs.defer``)
+            ``rows, 3, 0, 0``                             none: buckets up to ``rows`` rows
+                                                          (:meth:`Engine.reserve_rows`)
 DRAFT       ``slot, pos, k, token``                       none: the MTP layer drafts ``k`` tokens
                                                           after ``token`` at ``pos`` (:meth:`Engine.draft`)
 SHUTDOWN    ``0, 0, 0, 0``                                none: followers return
@@ -62,6 +64,7 @@ import torch.distributed as dist
 
 from shardsmith.errors import EXIT_CODES, RankLostError, RuntimeLoadError, UsageError, error_class, error_class_named, format_problems
 from shardsmith.runtime.models.registry import ModelFamily, family_for
+from shardsmith.runtime.models.seq_slots import verify_runs
 from shardsmith.runtime.engine.dist import clamp_threads, install_rank_zero_logging
 from shardsmith.runtime.layers.parallel import use_kernels_
 from shardsmith.runtime.layers.quant import dequantize_fp8_
@@ -349,14 +352,52 @@ class Engine:
             return self.runner.decode(ids, list(starts), list(slots))
 
     def _check_rows(self, B: int, starts: list[int], slots: list[int]) -> None:
-        if not 1 <= B <= self.max_num_seqs or len(starts) != B or len(slots) != B:
-            raise UsageError(f"decode needs 1..{self.max_num_seqs} rows with one start and slot each; got "
+        most = self.max_rows
+        if not 1 <= B <= most or len(starts) != B or len(slots) != B:
+            raise UsageError(f"decode needs 1..{most} rows with one start and slot each; got "
                              f"{B} ids, {len(starts)} starts, {len(slots)} slots")
-        if len(set(slots)) != B:
-            raise UsageError(f"decode: a slot appears twice in {slots}")
+        firsts = dict(zip(slots, starts))
+        if len(firsts) != B:  # a verify run: one slot's rows at consecutive positions, where the model takes them
+            try:
+                if not self.verify_runs:
+                    raise UsageError("")
+                firsts = {slot: first for slot, (first, _) in verify_runs(starts, slots, family="decode").items()}
+            except UsageError:
+                raise UsageError(f"decode: a slot appears twice in {slots}"
+                                 + (" at positions that are not one verify run (consecutive, in order)"
+                                    if self.verify_runs else f" ({self.family.name} decodes one row per sequence)")) from None
         self._check_slots(slots)
-        for s, start in zip(slots, starts):
+        for s, start in firsts.items():
             self._check_start(s, start)
+
+    @property
+    def verify_runs(self) -> bool:
+        """Whether a decode step may hold several rows of one sequence at consecutive positions (a
+        speculative verify run, each row attending to the ones before it): the model's ``VERIFY_RUNS``."""
+        return bool(getattr(self.model, "VERIFY_RUNS", False))
+
+    @property
+    def max_rows(self) -> int:
+        """Most rows one decode step takes: ``max_num_seqs``, or more after :meth:`reserve_rows`."""
+        return max(self.max_num_seqs, self.runner.buckets[-1])
+
+    def reserve_rows(self, rows: int) -> None:
+        """Let decode steps carry up to ``rows`` rows (rank 0; every rank): the batch buckets then reach
+        ``rows`` (speculative verify runs add rows beyond one per sequence). Call before :meth:`warmup`.
+
+        Raises:
+            UsageError: the model takes one row per sequence (no ``VERIFY_RUNS``) and ``rows`` exceeds
+                ``max_num_seqs``.
+        """
+        if rows <= self.max_rows:
+            return
+        if not self.verify_runs:
+            raise UsageError(f"{self.family.name} decodes one row per sequence: a step holds at most "
+                             f"max_num_seqs={self.max_num_seqs} rows")
+        with self._lock:
+            if self.world_size > 1:
+                self._send(torch.tensor([WARMUP, rows, 3, 0, 0], dtype=torch.int64))
+            self.runner.reserve(rows)
 
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` ended: every rank forgets it (rank 0)."""
@@ -592,6 +633,8 @@ class Engine:
                 self._seal_compile_cache()
             elif op == WARMUP and b == 2:
                 self.runner.defer()
+            elif op == WARMUP and b == 3:
+                self.runner.reserve(a)
             elif op == WARMUP:
                 self._collective(lambda: self._warm_kernels(a))
             elif op == DRAFT:

@@ -238,6 +238,12 @@ class Scheduler:
         self.speculative = speculative if takes_back else None
         # a verify chunk holds the pending token and the draft: at most what the model can take back
         self.max_draft = getattr(engine.model, "max_speculative_step", 17) - 1
+        # n-gram drafts of a model whose decode step takes verify runs ride in the batched step (MTP drafts
+        # need the MTP layer's pass over the chunk: a chunk of their own); the step gets k rows more
+        self.runs = (self.speculative is not None and self.speculative.method == "ngram"
+                     and getattr(engine, "verify_runs", False))
+        if self.runs:
+            engine.reserve_rows(engine.max_num_seqs + self.speculative.k)
         self.spec = SpecStats()
         # a model that cannot rewind leaves resume points where a prefill chunk ends at their multiple
         self.resume_every = 0 if engine.family.rewinds else int(getattr(engine.model, "snapshot_every", 0) or 0)
@@ -336,24 +342,45 @@ class Scheduler:
                 out.append((seq, self._sample([seq], logits[-1:])[0]))
                 fresh.add(id(seq))
         batch = [s for s in self.running if id(s) not in fresh and self._in_batch(s)]
+        runs: dict[int, list[int]] = {}  # verify runs in the decode step: id(seq) -> its draft
         if self.speculative is not None and not overlap:
             drafts = {id(s): d for s in batch if (d := self._draft(s))}
-            for seq in [s for s in batch if id(s) in drafts]:
-                out += self._verify(seq, drafts[id(seq)])
-            batch = [s for s in batch if id(s) not in drafts]
-        self.last_batch = len(batch)
+            if self.runs:
+                room = self.engine.max_rows - len(batch)  # the step's rows beyond one per sequence
+                for s in batch:
+                    if id(s) in drafts and room > 0:
+                        runs[id(s)] = drafts[id(s)][:room]
+                        room -= len(runs[id(s)])
+            else:
+                for seq in [s for s in batch if id(s) in drafts]:
+                    out += self._verify(seq, drafts[id(seq)])
+                batch = [s for s in batch if id(s) not in drafts]
+        self.last_batch = len(batch) + sum(map(len, runs.values()))
         if batch:
             feeding = [s.prefilled < len(s.prompt_ids) for s in batch]  # a prompt token, not a sampled one
             self.last_feeding = sum(feeding)
             if overlap:
                 out += self._launch(batch, feeding)
             else:
-                ids = [s.prompt_ids[s.prefilled] if f else s.pending for s, f in zip(batch, feeding)]
-                logits = self.engine.decode(ids, [s.pos for s in batch], [s.slot for s in batch], on_device=True)
-                ready = self._advance(batch, feeding)
+                ids, starts, slots, first = [], [], [], []  # first: each sequence's first row
+                for s, f in zip(batch, feeding):
+                    row = [s.prompt_ids[s.prefilled] if f else s.pending, *runs.get(id(s), ())]
+                    first.append(len(ids))
+                    ids += row
+                    starts += range(s.pos, s.pos + len(row))
+                    slots += [s.slot] * len(row)
+                logits = self.engine.decode(ids, starts, slots, on_device=True)
+                for b, s in enumerate(batch):
+                    if id(s) in runs:
+                        draft = runs[id(s)]
+                        out += self._accept(s, draft, logits[first[b]: first[b] + len(draft) + 1], s.pos)
+                plain = [b for b, s in enumerate(batch) if id(s) not in runs]
+                rest, fed = [batch[b] for b in plain], [feeding[b] for b in plain]
+                ready = self._advance(rest, fed)
                 if ready:
-                    rows = logits if len(ready) == len(batch) else logits[torch.tensor(ready, device=logits.device)]
-                    out += zip([batch[b] for b in ready], self._sample([batch[b] for b in ready], rows))
+                    at = [first[plain[i]] for i in ready]
+                    rows = logits if at == list(range(logits.shape[0])) else logits[torch.tensor(at, device=logits.device)]
+                    out += zip([rest[i] for i in ready], self._sample([rest[i] for i in ready], rows))
         elif self._inflight is not None:
             out += self._land()
         for seq, step in out:
@@ -387,6 +414,12 @@ class Scheduler:
         start = seq.pos
         logits = self.engine.prefill(seq.slot, [seq.pending, *draft], start, last_only=False, on_device=True,
                                      speculative=True)
+        return self._accept(seq, draft, logits, start)
+
+    def _accept(self, seq: Sequence, draft: list[int], logits: torch.Tensor, start: int) -> list[tuple[Sequence, StepOutput]]:
+        """The tokens ``seq``'s verify gives from its ``logits`` ``[len(draft) + 1, V]`` (the rows after its
+        pending token at ``start`` and after each draft token), greedy or by speculative sampling; the
+        rejected positions are taken back."""
         lp = torch.log_softmax(logits.float(), dim=-1)
         if seq.params.temperature > 0:
             tokens = sample_verified(logits, draft, seq.params, seq.generator)

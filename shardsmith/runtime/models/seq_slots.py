@@ -8,7 +8,8 @@ validated rows of a batched decode step (:class:`Rows`), whose device tensors th
 read. The cache arrays themselves stay in the model (their layout is the family's).
 
 Batched decode step contract (``engine/cuda_graphs.py``'s piece table): row ``b`` of a
-step of ``B`` rows is slot ``slots[b]``'s token at position ``starts[b]``; rows ``>= real`` are
+step of ``B`` rows is slot ``slots[b]``'s token at position ``starts[b]`` (a slot's rows, when it
+has several, are consecutive positions in order: a verify run, :func:`verify_runs`); rows ``>= real`` are
 padding the engine adds to reach a captured batch bucket, copies of row 0's start and slot, that
 change no state and whose outputs are ignored. Source of the design: vLLM's and SGLang's
 preallocated per-request KV slots (``req_to_token_pool``), with one slot per sequence instead of pages.
@@ -18,6 +19,7 @@ Legend: B = rows of a step (a batch bucket), N = slots (``max_num_seqs``), S = a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,8 +123,9 @@ class SeqSlots:
 
         Raises:
             UsageError: ``ids`` not ``[B]``, ``starts``/``slots`` not B long, ``real`` outside
-                ``1..B``, two real rows in one slot, a padding row that is not a copy of row 0's
-                start and slot, or a real row's bad slot, start or length (as :meth:`begin`).
+                ``1..B``, real rows of one slot that are not one verify run (:func:`verify_runs`), a
+                padding row that is not a copy of row 0's start and slot, or a real row's bad slot,
+                start or length (as :meth:`begin`).
         """
         if isinstance(starts, int):
             starts = [starts]
@@ -135,17 +138,15 @@ class SeqSlots:
         real = B if real is None else int(real)
         if not 1 <= real <= B:
             raise UsageError(f"{self.family}: real={real} rows must be within 1..{B} (the step's rows)")
-        dup = sorted({s for s in slots[:real] if slots[:real].count(s) > 1})
-        if dup:
-            raise UsageError(f"{self.family}: slots {dup} appear in more than one real row (one row per sequence)")
+        runs = verify_runs(starts[:real], slots[:real], family=self.family)
         bad = [b for b in range(real, B) if (starts[b], slots[b]) != (starts[0], slots[0])]
         if bad:
             raise UsageError(f"{self.family}: padding rows {bad} must copy row 0's start and slot "
                              f"({starts[0]}, {slots[0]})")
-        for b in range(real):
-            self._check(slots[b], starts[b], 1)
-        for b in range(real):
-            self.lengths[slots[b]] = starts[b] + 1
+        for slot, (first, n) in runs.items():
+            self._check(slot, first, n)
+        for slot, (first, n) in runs.items():
+            self.lengths[slot] = first + n
         return starts, slots, real
 
     def step_rows(self, ids: torch.Tensor, starts: int | list[int], slots: list[int] | None, real: int | None,
@@ -155,6 +156,25 @@ class SeqSlots:
         pos = torch.tensor(starts, dtype=torch.int64, device=cos.device)
         return Rows(starts, slots, real, pos, torch.tensor(slots, dtype=torch.int64, device=cos.device),
                     max(starts) + 1, cos.index_select(0, pos), sin.index_select(0, pos))
+
+
+def verify_runs(starts: Sequence[int], slots: Sequence[int], *, family: str) -> dict[int, tuple[int, int]]:
+    """A step's real rows grouped by slot: ``{slot: (first position, rows)}``. A slot may have several
+    rows, a speculative verify run (its pending token and the draft), when they sit at consecutive
+    positions in row order: every row writes its position before any attends, and each attends up to
+    its own, so row ``j`` of a run sees the rows before it as a prefill chunk would.
+
+    Raises:
+        UsageError: a slot's rows at positions that are not consecutive and ascending.
+    """
+    runs: dict[int, list[int]] = {}
+    for start, slot in zip(starts, slots):
+        runs.setdefault(slot, []).append(start)
+    bad = sorted(slot for slot, ps in runs.items() if any(b != a + 1 for a, b in zip(ps, ps[1:])))
+    if bad:
+        raise UsageError(f"{family}: slots {bad} appear in more than one real row at positions that are not one "
+                         f"verify run (a slot's rows must be consecutive positions, in order)")
+    return {slot: (ps[0], len(ps)) for slot, ps in runs.items()}
 
 
 def cache_bytes(*tensors: torch.Tensor | None) -> int:

@@ -384,6 +384,9 @@ class EngineWorker:
         try:
             self.engine = self._load()
             self.codec = Codec(self.engine.root)
+            spec = self.speculative
+            if spec is not None and spec.method == "ngram" and self.engine.verify_runs:  # verify runs ride in the
+                self.engine.reserve_rows(self.engine.max_num_seqs + spec.k)  # decode step: its buckets, warmed
             self.engine.warmup(defer_buckets=self.defer_buckets and self.engine.bucket_builds_compile)
             offload = self.engine.offload
             if offload is not None:

@@ -131,9 +131,27 @@ def _check(out: dict) -> None:
     assert out["steps"] > 0 and out["drafted"] >= out["accepted"]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "deepseek-v3"])
 def test_greedy_tokens_are_those_of_plain_decoding(tiny, family) -> None:
-    _check(_both(_load(tiny(family))))
+    """Where the decode step takes verify runs (these families), the drafts ride in the batched step: no
+    verify chunk of its own, and steps that hold a sequence's consecutive positions in several rows."""
+    engine = _load(tiny(family))
+    chunks, runs = [], []
+    prefill, decode = engine.prefill, engine.decode
+
+    def counted_prefill(*a, **kw):
+        chunks.append(kw.get("speculative", False))
+        return prefill(*a, **kw)
+
+    def counted_decode(ids, starts, slots, **kw):
+        runs.append(len(slots) - len(set(slots)))
+        return decode(ids, starts, slots, **kw)
+
+    engine.prefill, engine.decode = counted_prefill, counted_decode
+    out = _both(engine)
+    _check(out)
+    assert engine.verify_runs and not any(chunks) and max(runs) > 0
+    assert engine.max_rows == 3 + NGRAM.k  # the scheduler reserved the draft's rows
 
 
 def _tp2(path: str, cfg: SpeculativeConfig, rank: int, world_size: int):

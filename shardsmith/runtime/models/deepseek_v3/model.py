@@ -139,6 +139,7 @@ class DeepseekV3(nn.Module):
     """
 
     SUPPORTS_BATCHING = True  # per-sequence slots and batched decode steps (models/seq_slots.py)
+    VERIFY_RUNS = True  # a decode step may hold a slot's verify run: consecutive positions, in order
 
     def __init__(self, args: V3Args, shards: Shards, *, mtp_layers: int = 0) -> None:
         super().__init__()

@@ -28,6 +28,7 @@ from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.common import MLP, RMSNorm, install_buffers
 from shardsmith.runtime.models.mixtral.attention import Attention
 from shardsmith.runtime.models.mixtral.config import ModelArgs, rope_tables
+from shardsmith.runtime.models.seq_slots import verify_runs
 from shardsmith.runtime.models.mixtral.moe import SparseMoe
 
 
@@ -131,6 +132,7 @@ class Transformer(nn.Module):
     """
 
     SUPPORTS_BATCHING = True
+    VERIFY_RUNS = True  # a decode step may hold a slot's verify run: consecutive positions, in order
 
     def __init__(self, args: ModelArgs, shards: Shards) -> None:
         super().__init__()
@@ -225,20 +227,21 @@ class Transformer(nn.Module):
                 id); starts, slots: B ints each; real: rows that are sequences.
 
         Raises:
-            UsageError: lists of the wrong length, a slot twice, a slot outside ``[0, N)`` or a
-                position past ``max_seq_len``.
+            UsageError: lists of the wrong length, rows of one slot that are not one verify run
+                (consecutive positions in order: :func:`~shardsmith.runtime.models.seq_slots.verify_runs`;
+                the rows run in order, so each attends to the ones before it), a slot outside
+                ``[0, N)`` or a position past ``max_seq_len``.
         """
         B = ids.shape[0]
         real = B if real is None else real
         if len(starts) != B or len(slots) != B or not 1 <= real <= B:
             raise UsageError(f"decode_step: {B} ids, {len(starts)} starts, {len(slots)} slots, real={real}")
-        if len(set(slots[:real])) != real:
-            raise UsageError(f"decode_step: a slot appears twice among the real rows {slots[:real]}")
-        for b in range(real):
-            self._check(slots[b], starts[b], 1)
+        runs = verify_runs(starts[:real], slots[:real], family="decode_step")
+        for slot, (first, n) in runs.items():
+            self._check(slot, first, n)
         index = torch.tensor(starts, device=self.cos.device)
-        for b in range(real):
-            self.lengths[slots[b]] = starts[b] + 1
+        for slot, (first, n) in runs.items():
+            self.lengths[slot] = first + n
         return Step(list(starts), list(slots), real, self.cos.index_select(0, index), self.sin.index_select(0, index))
 
     def embed_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor]:
