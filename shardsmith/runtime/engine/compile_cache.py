@@ -3,10 +3,10 @@
 A server's warm-up compiles: TorchInductor graphs of the ``torch.compile``'d decode pieces (its FX
 graph, AOTAutograd and autotune caches) and Triton kernels (ours and the ones inductor writes).
 Both libraries keep on-disk caches keyed by content, in per-user temporary folders by default;
-:func:`open_cache` gives them one folder per pack and rank instead, records what it was made for,
-and checks it before any use::
+:func:`open_cache` gives them one folder per pack, rank and key instead, records what it was made
+for, and checks it before any use::
 
-    $SHARDSMITH_CACHE/compile/<pack folder>-<path hash>-rank<r>of<N>/
+    $SHARDSMITH_CACHE/compile/<pack folder>-<path hash>-rank<r>of<N>-<key hash>/
         record.json   the key it was made for; once a warm-up ended, every file's size and XXH3-64
         inductor/     TORCHINDUCTOR_CACHE_DIR
         triton/       TRITON_CACHE_DIR
@@ -14,13 +14,16 @@ and checks it before any use::
 =============================================  ===================================================
 found                                          done (and logged on rank 0)
 =============================================  ===================================================
-no folder                                      a new one
-a record made for another key (pack digest,    emptied and rebuilt; the log names every field that
-world size, dtype, device, torch, Triton,      differs, old and new value
-Python, kernel settings)
-a record that cannot be read                   emptied and rebuilt, the reason logged
-a recorded file missing or whose bytes differ  emptied and rebuilt, the file named (a damaged
-                                               entry could crash a load or a launch)
+no folder for this key; folders of this pack   a new one; the others are left alone (another
+and rank for other keys (pack digest, world    server may use them) and the log names every
+size, dtype, device, torch, Triton, Python,    field that differs, old and new value
+kernel settings)
+a folder with no record yet                    used as it is (a start of the same key still
+                                               warming up: the libraries write files whole)
+a record that cannot be read, or made for      moved aside, removed and rebuilt, the reason logged
+another key
+a recorded file missing or whose bytes differ  moved aside, removed and rebuilt, the file named (a
+                                               damaged entry could crash a load or a launch)
 ``TRITON_CACHE_DIR`` or                        not managed: the user's folders are used as set
 ``TORCHINDUCTOR_CACHE_DIR`` set by the user    (``serve`` and ``warmup`` ask
                                                ``settings.library_cache_folders`` before the ranks start)
@@ -121,18 +124,27 @@ def make_key(path: Path, *, from_checkpoint: bool, rank: int, world_size: int, d
                     python=platform.python_version(), kernels=",".join(f"{k}={v}" for k, v in sorted(kernels.items())))
 
 
-def folder_name(path: Path, rank: int, world_size: int) -> str:
-    """``<pack folder>-<XXH3-64 of its resolved path, 12 hex>-rank<r>of<N>``: one folder per served pack and rank."""
+def folder_prefix(path: Path, rank: int, world_size: int) -> str:
+    """``<pack folder>-<XXH3-64 of its resolved path, 12 hex>-rank<r>of<N>``: what every compile folder of one
+    served pack and rank starts with."""
     where = xxhash.xxh3_64(str(path.resolve()).encode()).hexdigest()[:12]
     return f"{path.resolve().name}-{where}-rank{rank}of{world_size}"
+
+
+def folder_name(path: Path, key: CacheKey) -> str:
+    """:func:`folder_prefix` and ``-<XXH3-64 of the key, 8 hex>``: one folder per pack, rank and key, so
+    servers of one pack with different keys (dtype, kernel settings) never share or empty one."""
+    digest = xxhash.xxh3_64(json.dumps(asdict(key), sort_keys=True).encode()).hexdigest()[:8]
+    return f"{folder_prefix(path, key.rank, key.world_size)}-{digest}"
 
 
 class CompileCache:
     """One rank's compile cache folder, opened by :func:`open_cache`.
 
     Attributes:
-        folder: the folder; key: what it is for; state: ``new``, ``reused`` or ``rebuilt`` (and
-        ``why``: the reason it was rebuilt, "" otherwise); files_at_open: compiled files found.
+        folder: the folder; key: what it is for; state: ``new``, ``reused`` or ``rebuilt``; why:
+        the reason it was rebuilt, or for a new one what this pack's other folders were made for
+        ("" when nothing to say); files_at_open: compiled files found.
     """
 
     def __init__(self, folder: Path, key: CacheKey, state: str, why: str, files_at_open: int) -> None:
@@ -162,45 +174,60 @@ class CompileCache:
         return len(files)
 
 
-def point_libraries(root: Path, path: Path, rank: int, world_size: int) -> Path:
-    """Point TorchInductor and Triton at rank ``rank``'s folder under ``root`` and return it. Call it
-    before torch's compiler is imported (a rank's start): ``torch._dynamo`` fixes some folders when
-    it is first imported. :func:`open_cache` checks the folder later and points them there again."""
-    folder = root / folder_name(path, rank, world_size)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
-    return folder
-
-
 def open_cache(root: Path, path: Path, key: CacheKey) -> CompileCache:
     """Open (or make) the compile cache folder for ``key`` under ``root`` and point TorchInductor and
     Triton at it (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``, overriding what they hold).
 
-    A folder whose record was made for another key, cannot be read, or lists a file that is now
-    missing or different is emptied first, the reason logged.
+    A folder whose record cannot be read, was made for another key, or lists a file that is now
+    missing or different is moved aside and removed, then made anew, the reason logged. A folder with
+    no record yet is used as it is (a start of the same key still warming up, or one that ended
+    before its warm-up did: the libraries write each file whole). Folders of this pack and rank made
+    for other keys are left alone; the log says what they were made for.
 
     Args:
         root: ``$SHARDSMITH_CACHE/compile``; path: the pack (or checkpoint) served; key: :func:`make_key`'s.
     """
-    folder = point_libraries(root, path, key.rank, key.world_size)
+    folder = root / folder_name(path, key)
     state, why = "new", ""
     if folder.exists():
         why = _stale(folder, key)
         state = "rebuilt" if why else "reused"
         if why:
-            shutil.rmtree(folder)
+            aside = folder.with_name(f"{folder.name}.damaged-{os.getpid()}")
+            folder.rename(aside)  # a process still using it keeps its open files; new writes go to the new one
+            shutil.rmtree(aside, ignore_errors=True)
+    else:
+        why = _others(root, path, key, folder)
     (folder / "inductor").mkdir(parents=True, exist_ok=True)
     (folder / "triton").mkdir(exist_ok=True)
     os.utime(folder)  # most recently used
     _evict(root, keep=folder)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
     cache = CompileCache(folder, key, state, why, 0)
     cache.files_at_open = len(cache.files()) if state == "reused" else 0
     if state == "rebuilt":
         log.info("compile cache %s: rebuilt: %s", folder, why)
     else:
-        log.info("compile cache %s: %s%s", folder, state,
-                 f" ({cache.files_at_open} compiled files, checked)" if state == "reused" else "")
+        log.info("compile cache %s: %s%s%s", folder, state,
+                 f" ({cache.files_at_open} compiled files, checked)" if state == "reused" else "",
+                 f"; {why}" if why else "")
     return cache
+
+
+def _others(root: Path, path: Path, key: CacheKey, folder: Path) -> str:
+    """What the other compile folders of this pack and rank were made for, as a reason not to use them."""
+    out = []
+    for other in sorted(root.glob(folder_prefix(path, key.rank, key.world_size) + "-*")):
+        if other == folder or not other.is_dir() or ".damaged-" in other.name:
+            continue
+        try:
+            made = json.loads((other / RECORD).read_text())["key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        diff = [f"{k} {made.get(k)!r} (now {v!r})" for k, v in asdict(key).items() if made.get(k) != v]
+        out.append(f"{other.name} was made for " + ", ".join(diff) + ": not used")
+    return "; ".join(out)
 
 
 def _stale(folder: Path, key: CacheKey) -> str:
@@ -212,13 +239,12 @@ def _stale(folder: Path, key: CacheKey) -> str:
         if not isinstance(made, dict) or not isinstance(files, dict):
             raise ValueError("not a record")
     except FileNotFoundError:
-        return "it has no record (a start ended before its warm-up did)"
+        return ""  # not sealed yet: the libraries' files are whole, or absent
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its {RECORD} cannot be read ({type(e).__name__}: {e})"
-    now = asdict(key)
-    diff = [f"{k} {made.get(k)!r} (now {v!r})" for k, v in now.items() if made.get(k) != v]
+    diff = [f"{k} {made.get(k)!r} (now {v!r})" for k, v in asdict(key).items() if made.get(k) != v]
     if diff:
-        return "it was made for " + ", ".join(diff)
+        return "its record was made for " + ", ".join(diff)
     for rel, (size, digest) in files.items():
         p = folder / rel
         if not p.is_file():

@@ -145,10 +145,6 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
 
     from shardsmith.runtime.engine.dist import clamp_threads, init_distributed
 
-    if spec.compile_cache is not None:  # before torch's compiler is first imported
-        from shardsmith.runtime.engine.compile_cache import point_libraries
-
-        point_libraries(spec.compile_cache, spec.path, rank, world_size)
     clamp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), local_rank=local_rank)  # and pin (dist.pin_cores)
     device = f"cuda:{local_rank}" if spec.device.startswith("cuda") else "cpu"
     if world_size > 1 and init_method == "env://":

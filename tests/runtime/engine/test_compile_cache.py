@@ -58,22 +58,23 @@ def test_reused_when_the_key_and_every_file_match(tmp_path: Path, pack_path: Pat
     assert (again.state, again.why, again.files_at_open, again.folder) == ("reused", "", 2, cache.folder)
 
 
-@pytest.mark.parametrize(("change", "why"), [
-    ({"dtype": "torch.bfloat16"}, "it was made for dtype 'torch.float32' (now 'torch.bfloat16')"),
-    ({"torch": "2.14.0", "pack": "b" * 32},
-     f"it was made for pack '{'a' * 32}' (now '{'b' * 32}'), torch '2.13.0+cpu' (now '2.14.0')"),
+@pytest.mark.parametrize(("change", "made"), [
+    ({"dtype": "torch.bfloat16"}, "dtype 'torch.float32' (now 'torch.bfloat16')"),
+    ({"torch": "2.14.0", "pack": "b" * 32}, f"pack '{'a' * 32}' (now '{'b' * 32}'), torch '2.13.0+cpu' (now '2.14.0')"),
 ])
-def test_a_cache_made_for_another_key_is_rebuilt_and_says_why(tmp_path: Path, pack_path: Path, change, why,
-                                                               caplog) -> None:
+def test_a_cache_made_for_another_key_is_not_used_and_says_why(tmp_path: Path, pack_path: Path, change, made,
+                                                                caplog) -> None:
     root = tmp_path / "compile"
     cache = cc.open_cache(root, pack_path, _key())
     files = _fill(cache)
     cache.seal()
     with caplog.at_level("INFO", logger="shardsmith.runtime"):
-        again = cc.open_cache(root, pack_path, _key(**change))
-    assert (again.state, again.why) == ("rebuilt", why)
-    assert f"rebuilt: {why}" in caplog.text
-    assert not any(f.exists() for f in files)  # emptied: nothing made for the old key is used
+        other = cc.open_cache(root, pack_path, _key(**change))
+    why = f"{cache.folder.name} was made for {made}: not used"
+    assert (other.state, other.why) == ("new", why) and other.folder != cache.folder
+    assert f"compile cache {other.folder}: new; {why}" in caplog.text
+    assert other.files() == {} and all(f.exists() for f in files)  # left alone: another server may use it
+    assert os.environ["TRITON_CACHE_DIR"] == str(other.folder / "triton")
 
 
 def test_a_damaged_or_missing_entry_or_record_is_rebuilt(tmp_path: Path, pack_path: Path) -> None:
@@ -84,6 +85,7 @@ def test_a_damaged_or_missing_entry_or_record_is_rebuilt(tmp_path: Path, pack_pa
     so.write_bytes(b"\x01" * 99 + b"\x02")  # same size, other bytes
     again = cc.open_cache(root, pack_path, _key())
     assert (again.state, again.why) == ("rebuilt", "triton/K3Y/kernel.so differs from its record (size or XXH3-64)")
+    assert again.files() == {} and sorted(p.name for p in root.iterdir()) == [cache.folder.name]  # moved aside, gone
     _fill(again)
     again.seal()
     entry.unlink()
@@ -93,9 +95,13 @@ def test_a_damaged_or_missing_entry_or_record_is_rebuilt(tmp_path: Path, pack_pa
     (again.folder / cc.RECORD).write_text("{not json")
     third = cc.open_cache(root, pack_path, _key())
     assert third.state == "rebuilt" and third.why.startswith("its record.json cannot be read (JSONDecodeError")
-    _fill(third)  # a start that ended before sealing leaves files and no record
+    record = json.loads(json.dumps({"key": dataclasses.asdict(_key(dtype="torch.float16")), "files": {}}))
+    (third.folder / cc.RECORD).write_text(json.dumps(record))  # a record that is not this folder's key
+    assert cc.open_cache(root, pack_path, _key()).why == "its record was made for dtype 'torch.float16' (now 'torch.float32')"
     (third.folder / cc.RECORD).unlink(missing_ok=True)
-    assert cc.open_cache(root, pack_path, _key()).why == "it has no record (a start ended before its warm-up did)"
+    _fill(third)  # no record yet: a start of the same key still warming up; its whole files are used
+    unsealed = cc.open_cache(root, pack_path, _key())
+    assert (unsealed.state, unsealed.why, unsealed.files_at_open) == ("reused", "", 2)
 
 
 def test_an_empty_cache_is_removed_at_seal_and_old_folders_are_evicted(tmp_path: Path, monkeypatch) -> None:
@@ -150,7 +156,7 @@ def test_a_second_start_compiles_nothing_and_a_damaged_entry_is_rebuilt(tmp_path
 
     first, _ = _warmup(tmp_path / "tp2", cache)
     folders = sorted((cache / "compile").iterdir())
-    assert [f.name.rsplit("-", 1)[1] for f in folders] == ["rank0of2", "rank1of2"]
+    assert [f.name.rsplit("-", 2)[1] for f in folders] == ["rank0of2", "rank1of2"]
     assert first["compile_cache"]["state"] == "new" and first["compile_cache"]["files"] > 0
     trees = [_tree(f) for f in folders]
     for f, tree in zip(folders, trees):  # every rank sealed its folder with each compiled file
