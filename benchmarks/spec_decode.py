@@ -4,7 +4,9 @@ One greedy sequence through the real :class:`~shardsmith.runtime.engine.schedule
 0, world size 1) on a text-editing prompt (rewrite a given paragraph: the answer repeats its input,
 where prompt lookup pays), ``--tokens`` generated, timed from the first token to the last, for
 each ``--k`` and without speculation; the same tokens either way are checked. ``verify_step_ms``:
-a verify chunk of ``k + 1`` tokens; ``decode_step_ms``: a one-token step (both medians).
+a step that verified a draft (``verify``: a decode step with the ``k + 1`` rows of the sequence's
+verify run where the model takes them, else a chunk of ``k + 1`` tokens); ``decode_step_ms``: a
+one-token step (both medians).
 
 Rows: ``family``, ``layers``, ``speculative``, ``num_speculative_tokens``, ``acceptance_rate``,
 ``tokens_per_step``, ``tokens_per_s``, ``tokens_per_s_without``, ``speedup``, ``verify_step_ms``,
@@ -13,9 +15,10 @@ Rows: ``family``, ``layers``, ``speculative``, ``num_speculative_tokens``, ``acc
 
 ``--cost`` (any family, no tokenizer needed: a random prompt of ``--prompt-tokens``): what one
 step costs by kind, medians over ``--repeat`` x 8 steps after the prompt: ``decode_step_ms`` (the
-engine's batched one-token step: graphed on CUDA), ``verify_step_ms`` at each ``k`` (a ``k + 1``-token
-speculative chunk, then the state put back to its first token: the whole rollback a rejected draft
-costs on DeepSeek-V4), ``draft_ms`` (``--speculative mtp``: the MTP layer's ``k`` chained drafts), and
+engine's batched one-token step: graphed on CUDA), ``verify_step_ms`` at each ``k`` (a decode step of
+the ``k + 1`` rows of a verify run where the model takes them, else a ``k + 1``-token speculative
+chunk, then the state put back to its first token: the whole rollback a rejected draft costs on
+DeepSeek-V4), ``draft_ms`` (``--speculative mtp``: the MTP layer's ``k`` chained drafts), and
 the single-stream tokens/s those costs give at 80% and 90% per-token acceptance: a step emits
 ``(1 - a^(k+1)) / (1 - a)`` tokens on average (random weights accept nothing, so the speed-up is
 modelled from the measured step). Rows add ``modeled_tokens_per_s_at_80``, ``..._at_90`` and
@@ -101,13 +104,19 @@ def cost_rows(engine: Engine, a: argparse.Namespace, sync) -> list[dict]:
         engine.decode([7], [pos], [0], on_device=True)
         return pos + 1
 
+    runs = engine.verify_runs  # the verify rides in the decode step as k + 1 rows of the slot
+    if runs:
+        engine.reserve_rows(1 + max(a.k))
     for _ in range(2):  # warm: compiles, captures
         median_ms(decode, 2)
     decode_ms = median_ms(decode)
     rows = []
     for k in a.k:
         def verify(pos: int, k=k) -> int:
-            engine.prefill(0, [7] * (k + 1), pos, last_only=False, on_device=True, speculative=True)
+            if runs:
+                engine.decode([7] * (k + 1), list(range(pos, pos + k + 1)), [0] * (k + 1), on_device=True)
+            else:
+                engine.prefill(0, [7] * (k + 1), pos, last_only=False, on_device=True, speculative=True)
             engine.restore(0, pos + 1)  # everything but the pending token rejected: the rollback is whole
             return pos + 1
 
@@ -123,6 +132,7 @@ def cost_rows(engine: Engine, a: argparse.Namespace, sync) -> list[dict]:
         at = {p: expected_tokens(p / 100, k) / step * 1e3 for p in (80, 90)}
         rows.append({"family": engine.family.name, "layers": int(engine.config.get("num_hidden_layers", 0)),
                      "speculative": a.speculative, "num_speculative_tokens": k, "prompt_tokens": len(prompt),
+                     "verify": "run in the decode step" if runs else "chunk",
                      "decode_step_ms": round(decode_ms, 3), "verify_step_ms": round(verify_ms, 3),
                      "draft_ms": round(draft_ms, 3), "verify_over_decode": round(verify_ms / decode_ms, 3),
                      "tokens_per_s_without": round(1e3 / decode_ms, 2),
@@ -182,6 +192,7 @@ def main() -> None:
         verify = [t for r in runs for t in r["steps"]["verify"]]
         rows.append({"family": engine.family.name, "layers": int(engine.config.get("num_hidden_layers", 0)),
                      "speculative": "ngram", "num_speculative_tokens": k,
+                     "verify": "run in the decode step" if engine.verify_runs else "chunk",
                      "acceptance_rate": round(st.acceptance_rate, 4),
                      "tokens_per_step": round(st.emitted / st.steps, 3) if st.steps else 0.0,
                      "tokens_per_s": round((a.tokens - 1) / s, 2), "tokens_per_s_without": round((a.tokens - 1) / plain_s, 2),
