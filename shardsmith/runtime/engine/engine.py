@@ -312,8 +312,9 @@ class Engine:
         default the runner's choice.
 
         Raises:
-            UsageError: lists of different lengths, B outside ``[1, max_num_seqs]``, a slot twice or
-                outside the slots, a start past the slot's sequence, a bucket that cannot hold B rows.
+            UsageError: lists of different lengths, B outside ``[1, max_rows]``, a slot twice (but in
+                a verify run, where the model takes one) or outside the slots, a start past the slot's
+                sequence, a bucket that cannot hold B rows.
             RankLostError: another rank died.
         """
         B = len(ids)
@@ -357,15 +358,16 @@ class Engine:
             raise UsageError(f"decode needs 1..{most} rows with one start and slot each; got "
                              f"{B} ids, {len(starts)} starts, {len(slots)} slots")
         firsts = dict(zip(slots, starts))
-        if len(firsts) != B:  # a verify run: one slot's rows at consecutive positions, where the model takes them
+        if len(firsts) != B:  # several rows of one slot: a verify run, where the model takes them
+            if not self.verify_runs:
+                raise UsageError(f"decode: a slot appears twice in {slots} ({self.family.name} decodes one row "
+                                 f"per sequence)")
             try:
-                if not self.verify_runs:
-                    raise UsageError("")
-                firsts = {slot: first for slot, (first, _) in verify_runs(starts, slots, family="decode").items()}
+                runs = verify_runs(starts, slots, family="decode")
             except UsageError:
-                raise UsageError(f"decode: a slot appears twice in {slots}"
-                                 + (" at positions that are not one verify run (consecutive, in order)"
-                                    if self.verify_runs else f" ({self.family.name} decodes one row per sequence)")) from None
+                raise UsageError(f"decode: a slot appears twice in {slots} at positions that are not one verify "
+                                 f"run (consecutive, in order)") from None
+            firsts = {slot: first for slot, (first, _) in runs.items()}
         self._check_slots(slots)
         for s, start in firsts.items():
             self._check_start(s, start)
