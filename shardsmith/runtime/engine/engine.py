@@ -198,7 +198,11 @@ class Engine:
 
                 key = cc.make_key(Path(path), from_checkpoint=from_checkpoint, rank=rank, world_size=world_size,
                                   dtype=dtype, device=dev)
-                engine.compile_cache = cc.open_cache(Path(compile_cache), Path(path), key)
+                try:
+                    engine.compile_cache = cc.open_cache(Path(compile_cache), Path(path), key)
+                except OSError as e:  # a cache that cannot be written is a slower start, not a failed one
+                    log.warning("compile cache under %s cannot be used (%s): the libraries' own folders are used",
+                                compile_cache, e)
             if cuda_graphs and dev.type == "cuda":
                 engine.use_decode_graphs()
             engine.offload = offloaded
@@ -584,7 +588,10 @@ class Engine:
 
     def _seal_compile_cache(self) -> None:
         if self.compile_cache is not None:
-            self.compile_cache.seal()
+            try:
+                self.compile_cache.seal()
+            except OSError as e:  # unrecorded, the next start checks nothing and reuses the files as they are
+                log.warning("compile cache %s: not sealed (%s)", self.compile_cache.folder, e)
 
     def _time_prompt_paths(self) -> tuple[float, float]:
         """(seconds of an eager prefill of :data:`PROMPT_PROBE_TOKENS` tokens, seconds of a one-row decode

@@ -120,6 +120,21 @@ def test_an_empty_cache_is_removed_at_seal_and_old_folders_are_evicted(tmp_path:
     assert sorted(p.name for p in root.iterdir()) == sorted(f.name for f in [*folders[3:], c.folder])
 
 
+def test_a_cache_folder_that_cannot_be_written_is_a_slower_start_not_a_failed_one(tmp_path: Path, caplog) -> None:
+    from shardsmith.runtime.engine.engine import Engine
+
+    src = tiny_mixtral(tmp_path / "src", layers=1)
+    split_checkpoint(src, tmp_path / "out", world_size=1)
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder would go\n")
+    with caplog.at_level("WARNING", logger="shardsmith.runtime"):
+        engine = Engine.load(tmp_path / "out", rank=0, world_size=1, dtype=torch.float32, max_seq_len=16,
+                             max_num_seqs=1, compile_cache=blocked / "compile")
+    assert engine.compile_cache is None and "cannot be used" in caplog.text
+    engine.warmup()  # nothing to seal: no error either
+    assert engine.prefill(0, [1, 2, 3]).shape == (1, engine.vocab_size)
+
+
 def test_the_key_names_the_pack_by_its_root_digest(tmp_path: Path) -> None:
     from shardsmith.pack.reader import open_pack
 
