@@ -51,10 +51,11 @@ PARAGRAPH = ("The harbour market opens at dawn. Fishermen bring their catch to t
              "reach the baskets, and the bell of the clock tower marks the hours of trade.")
 
 
-def run(engine: Engine, prompt: list[int], tokens: int, cfg: SpeculativeConfig | None, sync) -> dict:
+def run(engine: Engine, prompt: list[int], tokens: int, cfg: SpeculativeConfig | None, sync,
+        verify_runs: bool = True) -> dict:
     """Tokens, seconds from the first token to the last, step times by kind, and the draft counters."""
     sched = Scheduler(engine, prefill_chunk=4096, decode_prompt_tokens=0, overlap=False, prefix_caching=False,
-                      speculative=cfg)
+                      speculative=cfg, verify_runs=verify_runs)
     seq = Sequence(prompt, SamplingParams(max_tokens=tokens, stop_token_ids=()))
     sched.admit(seq)
     out, steps, first = [], {"verify": [], "decode": []}, None
@@ -162,6 +163,9 @@ def main() -> None:
     ap.add_argument("--speculative", choices=("ngram", "mtp"), default="ngram",
                     help="--cost: the draft source (mtp loads the MTP layer and times its drafts)")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="--cost: random prompt length")
+    ap.add_argument("--verify", nargs="+", choices=("run", "chunk"), default=["run", "chunk"],
+                    help="how drafts are checked, side by side: rows of the batched step (where the model takes "
+                         "verify runs) or a chunk per sequence")
     a = ap.parse_args()
     from _results import save_results
 
@@ -186,23 +190,25 @@ def main() -> None:
     plain_s = statistics.median(b["seconds"] for b in base)
     decode_ms = statistics.median(t for b in base for t in b["steps"]["decode"])
     rows = []
-    for k in a.k:
-        runs = [run(engine, prompt, a.tokens, SpeculativeConfig(k=k), sync) for _ in range(a.repeat)]
+    for k, how in [(k, how) for k in a.k for how in a.verify if how == "chunk" or engine.verify_runs]:
+        runs = [run(engine, prompt, a.tokens, SpeculativeConfig(k=k), sync, verify_runs=how == "run")
+                for _ in range(a.repeat)]
         s, st = statistics.median(r["seconds"] for r in runs), runs[-1]["spec"]
         verify = [t for r in runs for t in r["steps"]["verify"]]
         rows.append({"family": engine.family.name, "layers": int(engine.config.get("num_hidden_layers", 0)),
                      "speculative": "ngram", "num_speculative_tokens": k,
-                     "verify": "run in the decode step" if engine.verify_runs else "chunk",
+                     "verify": "run in the decode step" if how == "run" else "chunk",
                      "acceptance_rate": round(st.acceptance_rate, 4),
                      "tokens_per_step": round(st.emitted / st.steps, 3) if st.steps else 0.0,
                      "tokens_per_s": round((a.tokens - 1) / s, 2), "tokens_per_s_without": round((a.tokens - 1) / plain_s, 2),
                      "speedup": round(plain_s / s, 3), "verify_step_ms": round(statistics.median(verify), 3) if verify else None,
                      "decode_step_ms": round(decode_ms, 3), "same_tokens": runs[0]["tokens"] == base[0]["tokens"],
                      "moe_backend": "resident"})
-    print(f"{'k':>3} {'accept':>7} {'tok/step':>9} {'tok/s':>8} {'without':>8} {'speedup':>8} {'verify ms':>10} "
-          f"{'decode ms':>10} {'same':>5}")
+    print(f"{'k':>3} {'verify':>6} {'accept':>7} {'tok/step':>9} {'tok/s':>8} {'without':>8} {'speedup':>8} "
+          f"{'verify ms':>10} {'decode ms':>10} {'same':>5}")
     for r in rows:
-        print(f"{r['num_speculative_tokens']:>3} {r['acceptance_rate']:>7.3f} {r['tokens_per_step']:>9.2f} "
+        print(f"{r['num_speculative_tokens']:>3} {r['verify'].split()[0]:>6} {r['acceptance_rate']:>7.3f} "
+              f"{r['tokens_per_step']:>9.2f} "
               f"{r['tokens_per_s']:>8.1f} {r['tokens_per_s_without']:>8.1f} {r['speedup']:>8.2f} "
               f"{r['verify_step_ms'] or 0:>10.2f} {r['decode_step_ms']:>10.2f} {str(r['same_tokens']):>5}")
     name = engine.device.type if engine.device.type != "cuda" else torch.cuda.get_device_name()

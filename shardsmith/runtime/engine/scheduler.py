@@ -205,9 +205,12 @@ class Scheduler:
         prefix_caching: a finished sequence's slot keeps its state and a later prompt resumes its
             longest reusable prefix (:mod:`~shardsmith.runtime.engine.prefix_cache`); False: every
             prompt is computed from position 0.
-        speculative: n-gram or MTP drafts checked in one chunk per sequence
+        speculative: n-gram or MTP drafts, checked in one chunk per sequence or as rows of the step
             (:mod:`~shardsmith.runtime.engine.speculative`; MTP needs an engine loaded with its
             MTP layer), or None.
+        verify_runs: where the model's decode step takes a slot's consecutive positions, check n-gram
+            drafts as rows of the batched step (default) rather than in a chunk per sequence (False:
+            ``benchmarks/spec_decode.py --verify`` compares them).
 
     Raises:
         UsageError: ``prefill_chunk`` below 1, ``decode_prompt_tokens`` below 0, ``overlap`` with
@@ -216,7 +219,8 @@ class Scheduler:
 
     def __init__(self, engine: Any, *, prefill_chunk: int | None = None,
                  decode_prompt_tokens: int | None = None, overlap: bool | None = None,
-                 prefix_caching: bool = True, speculative: SpeculativeConfig | None = None) -> None:
+                 prefix_caching: bool = True, speculative: SpeculativeConfig | None = None,
+                 verify_runs: bool = True) -> None:
         if prefill_chunk is None:
             prefill_chunk = default_prefill_chunk(engine)
         if prefill_chunk < 1:
@@ -240,7 +244,7 @@ class Scheduler:
         self.max_draft = getattr(engine.model, "max_speculative_step", 17) - 1
         # n-gram drafts of a model whose decode step takes verify runs ride in the batched step (MTP drafts
         # need the MTP layer's pass over the chunk: a chunk of their own); the step gets k rows more
-        self.runs = (self.speculative is not None and self.speculative.method == "ngram"
+        self.runs = (verify_runs and self.speculative is not None and self.speculative.method == "ngram"
                      and getattr(engine, "verify_runs", False))
         if self.runs:
             engine.reserve_rows(engine.max_num_seqs + self.speculative.k)
