@@ -43,10 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import save_results  # noqa: E402
 from serve_concurrency import start_server, stop_server, stream_urllib  # noqa: E402
-
-
-def cache_files(root: Path) -> int:
-    return sum(len(files) for _, _, files in os.walk(root))
+from ttft import cache_files  # noqa: E402
 
 
 def pack_files(pack: Path) -> list[Path]:

@@ -160,6 +160,10 @@ class CompileCache:
                     out[str(p.relative_to(self.folder))] = (p.stat().st_size, _hash(p))
         return out
 
+    def count(self) -> int:
+        """How many compiled files the folder holds (nothing read)."""
+        return sum(len(names) for sub in ("inductor", "triton") for _, _, names in os.walk(self.folder / sub))
+
     def seal(self) -> int:
         """Record every compiled file (size and hash) so the next start can check them; remove the
         folder when it holds none. Returns the number of files recorded."""
@@ -186,6 +190,9 @@ def open_cache(root: Path, path: Path, key: CacheKey) -> CompileCache:
 
     Args:
         root: ``$SHARDSMITH_CACHE/compile``; path: the pack (or checkpoint) served; key: :func:`make_key`'s.
+
+    Raises:
+        OSError: the folder cannot be made or moved aside (the engine logs it and starts without it).
     """
     folder = root / folder_name(path, key)
     state, why = "new", ""
@@ -205,7 +212,7 @@ def open_cache(root: Path, path: Path, key: CacheKey) -> CompileCache:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
     cache = CompileCache(folder, key, state, why, 0)
-    cache.files_at_open = len(cache.files()) if state == "reused" else 0
+    cache.files_at_open = cache.count() if state == "reused" else 0  # _stale hashed the recorded ones already
     if state == "rebuilt":
         log.info("compile cache %s: rebuilt: %s", folder, why)
     else:
@@ -225,8 +232,7 @@ def _others(root: Path, path: Path, key: CacheKey, folder: Path) -> str:
             made = json.loads((other / RECORD).read_text())["key"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        diff = [f"{k} {made.get(k)!r} (now {v!r})" for k, v in asdict(key).items() if made.get(k) != v]
-        out.append(f"{other.name} was made for " + ", ".join(diff) + ": not used")
+        out.append(f"{other.name} was made for {_differences(made, key)}: not used")
     return "; ".join(out)
 
 
@@ -242,9 +248,8 @@ def _stale(folder: Path, key: CacheKey) -> str:
         return ""  # not sealed yet: the libraries' files are whole, or absent
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its {RECORD} cannot be read ({type(e).__name__}: {e})"
-    diff = [f"{k} {made.get(k)!r} (now {v!r})" for k, v in asdict(key).items() if made.get(k) != v]
-    if diff:
-        return "its record was made for " + ", ".join(diff)
+    if diff := _differences(made, key):
+        return f"its record was made for {diff}"
     for rel, (size, digest) in files.items():
         p = folder / rel
         if not p.is_file():
@@ -252,6 +257,11 @@ def _stale(folder: Path, key: CacheKey) -> str:
         if p.stat().st_size != size or _hash(p) != digest:
             return f"{rel} differs from its record (size or XXH3-64)"
     return ""
+
+
+def _differences(made: dict, key: CacheKey) -> str:
+    """``dtype 'torch.float32' (now 'torch.bfloat16'), ...``: each field of ``key`` that ``made`` holds otherwise."""
+    return ", ".join(f"{k} {made.get(k)!r} (now {v!r})" for k, v in asdict(key).items() if made.get(k) != v)
 
 
 def _hash(p: Path) -> str:

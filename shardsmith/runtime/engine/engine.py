@@ -493,11 +493,7 @@ class Engine:
         def phase(name: str) -> None:
             phases[name] = time.perf_counter() - t0 - sum(phases.values())
 
-        if self._kernels is None:
-            from shardsmith.runtime.engine.warmup import kernel_modules
-
-            self._kernels = bool(kernel_modules(self.model, self.offload))
-        if self._kernels:  # every rank's modules are switched alike (same config, same device kind)
+        if self.has_kernels:  # every rank's modules are switched alike (same config, same device kind)
             with self._lock:
                 if self.world_size > 1:
                     self._send(torch.tensor([WARMUP, self.max_seq_len, 0, 0, 0], dtype=torch.int64))
@@ -542,22 +538,25 @@ class Engine:
         """Whether building a batch bucket compiles or captures (CUDA, a Triton kernel, compiled pieces), so
         the warm-up builds them all before serving (or defers them); elsewhere a bucket's eager pieces
         cost nothing to make."""
+        return self.device.type == "cuda" or self.has_kernels or compiles()
+
+    @property
+    def has_kernels(self) -> bool:
+        """Whether some module (or the offload runtime) runs a Triton kernel (asked once)."""
         if self._kernels is None:
             from shardsmith.runtime.engine.warmup import kernel_modules
 
             self._kernels = bool(kernel_modules(self.model, self.offload))
-        return self.device.type == "cuda" or self._kernels or compiles()
+        return self._kernels
 
     @property
     def pending_buckets(self) -> list[int]:
         """Batch buckets the warm-up deferred and no :meth:`build_bucket` built yet, largest first (rank 0)."""
-        runner = self.graphs if self.graphs is not None else self._eager
-        return sorted(runner.pending(), reverse=True) if runner is not None and runner.deferring else []
+        return sorted(self.runner.pending(), reverse=True) if self.runner.deferring else []
 
     def built_buckets(self) -> list[int]:
-        """Batch buckets whose pieces exist (a step ran through them)."""
-        runner = self.graphs if self.graphs is not None else self._eager
-        return sorted(runner.built) if runner is not None else []
+        """Batch buckets whose pieces exist (a step ran through them), ascending."""
+        return sorted(self.runner.built)
 
     def build_bucket(self, slot: int) -> int:
         """Build the largest of :attr:`pending_buckets` (rank 0; every rank runs it): a two-token prefill

@@ -165,6 +165,15 @@ def overlap_setting() -> bool | None:
     return settings.current().overlap_steps
 
 
+def verify_rows(engine: Any, speculative: SpeculativeConfig | None) -> int:
+    """Rows a decode step needs when n-gram drafts ride in it as verify runs (``max_num_seqs`` plus the k draft
+    rows; :meth:`Engine.reserve_rows`), or 0: no speculation, MTP drafts (a chunk of their own, where the MTP
+    layer runs) or a model whose step takes one row per sequence."""
+    if speculative is None or speculative.method != "ngram" or not getattr(engine, "verify_runs", False):
+        return 0
+    return engine.max_num_seqs + speculative.k
+
+
 def default_prefill_chunk(engine: Any) -> int:
     """Prompt tokens per engine step by default: :data:`CUDA_PREFILL_CHUNK` on a GPU, where a chunk's
     fixed cost (thousands of launches a layer) is spread over enough tokens only at that size
@@ -244,10 +253,9 @@ class Scheduler:
         self.max_draft = getattr(engine.model, "max_speculative_step", 17) - 1
         # n-gram drafts of a model whose decode step takes verify runs ride in the batched step (MTP drafts
         # need the MTP layer's pass over the chunk: a chunk of their own); the step gets k rows more
-        self.runs = (verify_runs and self.speculative is not None and self.speculative.method == "ngram"
-                     and getattr(engine, "verify_runs", False))
+        self.runs = verify_runs and verify_rows(engine, self.speculative) > 0
         if self.runs:
-            engine.reserve_rows(engine.max_num_seqs + self.speculative.k)
+            engine.reserve_rows(verify_rows(engine, self.speculative))
         self.spec = SpecStats()
         # a model that cannot rewind leaves resume points where a prefill chunk ends at their multiple
         self.resume_every = 0 if engine.family.rewinds else int(getattr(engine.model, "snapshot_every", 0) or 0)

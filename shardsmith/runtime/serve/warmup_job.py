@@ -25,7 +25,7 @@ class WarmupJob:
         try:
             engine.warmup()
             cache = engine.compile_cache
-            files = len(cache.files()) if cache is not None else None
+            files = cache.count() if cache is not None else None
             doc = {"pack": str(engine.root), "world_size": engine.world_size, "device": str(engine.device),
                    "dtype": str(engine.dtype).removeprefix("torch."), "max_num_seqs": engine.max_num_seqs,
                    "max_model_len": engine.max_seq_len, "load_s": round(engine.load_seconds, 3),

@@ -39,7 +39,7 @@ from typing import Any
 from shardsmith import settings
 from shardsmith.errors import RankLostError, UsageError
 from shardsmith.runtime.engine.engine import Engine
-from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+from shardsmith.runtime.engine.scheduler import Scheduler, Sequence, verify_rows
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.tokenizer import Codec, IncrementalDetokenizer, StopStrings
 
@@ -384,9 +384,8 @@ class EngineWorker:
         try:
             self.engine = self._load()
             self.codec = Codec(self.engine.root)
-            spec = self.speculative
-            if spec is not None and spec.method == "ngram" and self.engine.verify_runs:  # verify runs ride in the
-                self.engine.reserve_rows(self.engine.max_num_seqs + spec.k)  # decode step: its buckets, warmed
+            if rows := verify_rows(self.engine, self.speculative):  # drafts ride in the decode step: its
+                self.engine.reserve_rows(rows)                        # buckets, warmed with the others
             self.engine.warmup(defer_buckets=self.defer_buckets and self.engine.bucket_builds_compile)
             offload = self.engine.offload
             if offload is not None:
