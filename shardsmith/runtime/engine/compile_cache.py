@@ -144,20 +144,27 @@ class CompileCache:
     Attributes:
         folder: the folder; key: what it is for; state: ``new``, ``reused`` or ``rebuilt``; why:
         the reason it was rebuilt, or for a new one what this pack's other folders were made for
-        ("" when nothing to say); files_at_open: compiled files found.
+        ("" when nothing to say); files_at_open: compiled files found; known: the files checked at
+        open or recorded at the last seal (path -> (bytes, XXH3-64 hex)), which a seal does not hash again.
     """
 
-    def __init__(self, folder: Path, key: CacheKey, state: str, why: str, files_at_open: int) -> None:
+    def __init__(self, folder: Path, key: CacheKey, state: str, why: str, files_at_open: int,
+                 known: dict[str, tuple[int, str]] | None = None) -> None:
         self.folder, self.key, self.state, self.why, self.files_at_open = folder, key, state, why, files_at_open
+        self.known = dict(known or {})
 
     def files(self) -> dict[str, tuple[int, str]]:
-        """Every compiled file: path relative to the folder -> (bytes, XXH3-64 hex)."""
+        """Every compiled file: path relative to the folder -> (bytes, XXH3-64 hex). A file in
+        :attr:`known` of the same size keeps its hash (the libraries write a file whole, under a name
+        made from its content, and never rewrite it); the others are read and hashed."""
         out = {}
         for sub in ("inductor", "triton"):
             for dirpath, _, names in os.walk(self.folder / sub):
                 for n in names:
                     p = Path(dirpath) / n
-                    out[str(p.relative_to(self.folder))] = (p.stat().st_size, _hash(p))
+                    rel, size = str(p.relative_to(self.folder)), p.stat().st_size
+                    seen = self.known.get(rel)
+                    out[rel] = seen if seen is not None and seen[0] == size else (size, _hash(p))
         return out
 
     def count(self) -> int:
@@ -171,6 +178,7 @@ class CompileCache:
         if not files:
             shutil.rmtree(self.folder, ignore_errors=True)
             return 0
+        self.known = files
         _write_record(self.folder, {"key": asdict(self.key), "sealed": time.time(),
                                     "files": {k: list(v) for k, v in sorted(files.items())}})
         added = len(files) - self.files_at_open
@@ -195,9 +203,9 @@ def open_cache(root: Path, path: Path, key: CacheKey) -> CompileCache:
         OSError: the folder cannot be made or moved aside (the engine logs it and starts without it).
     """
     folder = root / folder_name(path, key)
-    state, why = "new", ""
+    state, why, known = "new", "", {}
     if folder.exists():
-        why = _stale(folder, key)
+        why, known = _stale(folder, key)
         state = "rebuilt" if why else "reused"
         if why:
             aside = folder.with_name(f"{folder.name}.damaged-{os.getpid()}")
@@ -211,7 +219,7 @@ def open_cache(root: Path, path: Path, key: CacheKey) -> CompileCache:
     _evict(root, keep=folder)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
-    cache = CompileCache(folder, key, state, why, 0)
+    cache = CompileCache(folder, key, state, why, 0, known if state == "reused" else None)
     cache.files_at_open = cache.count() if state == "reused" else 0  # _stale hashed the recorded ones already
     if state == "rebuilt":
         log.info("compile cache %s: rebuilt: %s", folder, why)
@@ -236,8 +244,8 @@ def _others(root: Path, path: Path, key: CacheKey, folder: Path) -> str:
     return "; ".join(out)
 
 
-def _stale(folder: Path, key: CacheKey) -> str:
-    """Why ``folder`` cannot be used for ``key`` ("" when it can)."""
+def _stale(folder: Path, key: CacheKey) -> tuple[str, dict[str, tuple[int, str]]]:
+    """Why ``folder`` cannot be used for ``key`` ("" when it can), and the recorded files it checked."""
     try:
         record = json.loads((folder / RECORD).read_text())
         made = record["key"]
@@ -245,18 +253,20 @@ def _stale(folder: Path, key: CacheKey) -> str:
         if not isinstance(made, dict) or not isinstance(files, dict):
             raise ValueError("not a record")
     except FileNotFoundError:
-        return ""  # not sealed yet: the libraries' files are whole, or absent
+        return "", {}  # not sealed yet: the libraries' files are whole, or absent
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"its {RECORD} cannot be read ({type(e).__name__}: {e})"
+        return f"its {RECORD} cannot be read ({type(e).__name__}: {e})", {}
     if diff := _differences(made, key):
-        return f"its record was made for {diff}"
+        return f"its record was made for {diff}", {}
+    checked = {}
     for rel, (size, digest) in files.items():
         p = folder / rel
         if not p.is_file():
-            return f"{rel} is missing"
+            return f"{rel} is missing", {}
         if p.stat().st_size != size or _hash(p) != digest:
-            return f"{rel} differs from its record (size or XXH3-64)"
-    return ""
+            return f"{rel} differs from its record (size or XXH3-64)", {}
+        checked[rel] = (int(size), str(digest))
+    return "", checked
 
 
 def _differences(made: dict, key: CacheKey) -> str:

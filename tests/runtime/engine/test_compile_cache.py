@@ -58,6 +58,32 @@ def test_reused_when_the_key_and_every_file_match(tmp_path: Path, pack_path: Pat
     assert (again.state, again.why, again.files_at_open, again.folder) == ("reused", "", 2, cache.folder)
 
 
+def test_a_seal_hashes_only_the_files_it_has_not_checked(tmp_path: Path, pack_path: Path, monkeypatch) -> None:
+    """A bucket built while idle seals again: the files checked at open or at the last seal keep their
+    hashes, new ones (and one whose size changed) are read; the next open still checks every file."""
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    root = tmp_path / "compile"
+    first = cc.open_cache(root, pack_path, _key())
+    old = _fill(first)
+    first.seal()
+    read: list[str] = []
+    real_hash = cc._hash
+    monkeypatch.setattr(cc, "_hash", lambda p: read.append(p.name) or real_hash(p))
+    cache = cc.open_cache(root, pack_path, _key())
+    assert sorted(read) == ["entry", "kernel.so"]  # the open checks every recorded file
+    read.clear()
+    new = cache.folder / "triton" / "N3W" / "bucket.so"
+    new.parent.mkdir(parents=True)
+    new.write_bytes(b"x" * 50)
+    assert cache.seal() == 3 and read == ["bucket.so"]
+    read.clear()
+    old[1].write_bytes(b"y" * 7)  # a size change is read again, and recorded as it is now
+    assert cache.seal() == 3 and read == ["entry"]
+    record = json.loads((cache.folder / cc.RECORD).read_text())["files"]
+    assert record["inductor/fxgraph/ab/entry"] == [7, real_hash(old[1])]
+    assert cc.open_cache(root, pack_path, _key()).state == "reused"
+
+
 @pytest.mark.parametrize(("change", "made"), [
     ({"dtype": "torch.bfloat16"}, "dtype 'torch.float32' (now 'torch.bfloat16')"),
     ({"torch": "2.14.0", "pack": "b" * 32}, f"pack '{'a' * 32}' (now '{'b' * 32}'), torch '2.13.0+cpu' (now '2.14.0')"),
