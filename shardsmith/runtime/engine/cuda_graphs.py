@@ -402,7 +402,8 @@ class DecodeGraphs:
             ids: ``[B]`` int64 on the model's device; starts, slots: B ints each.
             bucket: run through this bucket (padded to it), building it if needed; default: the
                 smallest bucket that holds B rows (while deferring, the smallest built one, else
-                ``ceil(B / largest built)`` steps of the largest built one).
+                ``ceil(B / largest built)`` steps of the largest built one; a step with a verify run,
+                a slot in several rows, builds its bucket instead).
 
         Returns:
             float32 logits ``[B, V]`` (a fresh tensor).
@@ -422,6 +423,8 @@ class DecodeGraphs:
             rows = self.bucket(n)
             if self.deferring and rows not in self.built and self.built:
                 usable = [b for b in sorted(self.built) if b >= n]
+                if not usable and len(set(slots)) < n:  # a verify run cannot be split: build its bucket now
+                    usable = [rows]
                 if not usable:  # split over the largest built bucket: each part is an ordinary step
                     part = max(self.built)
                     return torch.cat([self.decode(ids[i:i + part], starts[i:i + part], slots[i:i + part])

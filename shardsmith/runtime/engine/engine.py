@@ -389,7 +389,9 @@ class Engine:
 
     def reserve_rows(self, rows: int) -> None:
         """Let decode steps carry up to ``rows`` rows (rank 0; every rank): the batch buckets then reach
-        ``rows`` (speculative verify runs add rows beyond one per sequence). Call before :meth:`warmup`.
+        ``rows`` (speculative verify runs add rows beyond one per sequence). Call before :meth:`warmup`:
+        a model whose state is sized for runs (DeepSeek-V4's window rings) allocates it anew, and
+        every slot's sequence is forgotten.
 
         Raises:
             UsageError: the model takes one row per sequence (no ``VERIFY_RUNS``) and ``rows`` exceeds
@@ -403,7 +405,13 @@ class Engine:
         with self._lock:
             if self.world_size > 1:
                 self._send(torch.tensor([WARMUP, rows, 3, 0, 0], dtype=torch.int64))
-            self.runner.reserve(rows)
+            self._reserve(rows)
+            self._pos = [0] * self.max_num_seqs
+
+    def _reserve(self, rows: int) -> None:
+        self.runner.reserve(rows)
+        if hasattr(self.model, "reserve_runs"):  # state sized for runs (DeepSeek-V4's rings): slots forgotten
+            self.model.reserve_runs(rows)
 
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` ended: every rank forgets it (rank 0)."""
@@ -642,7 +650,7 @@ class Engine:
             elif op == WARMUP and b == 2:
                 self.runner.defer()
             elif op == WARMUP and b == 3:
-                self.runner.reserve(a)
+                self._reserve(a)
             elif op == WARMUP:
                 self._collective(lambda: self._warm_kernels(a))
             elif op == DRAFT:

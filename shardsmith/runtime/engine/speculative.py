@@ -10,16 +10,17 @@ Two draft sources (:class:`SpeculativeConfig` ``method``):
 N-gram drafts: when a greedy sequence's last ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``) occurred
 earlier in its prompt or output, the ``k`` tokens that followed that occurrence are the draft
 (:func:`ngram_draft`; text edits, code and quotes repeat their input). The scheduler feeds the
-pending token and the draft as one ``k + 1``-token prefill chunk of the sequence, and takes the
-model's own greedy choices after each position for as long as the draft agreed with them
-(:func:`accepted`): the first choice always counts, so a step gives 1 to ``k + 1`` tokens, each the
-token greedy decoding gives at that position. Positions past the accepted ones hold the rejected
-draft; a family whose state is position-indexed (``rewinds``) simply writes over them with the next
-step. DeepSeek-V4's window ring and compressors cannot be recomputed from positions: its verify
-chunk runs after ``DeepseekV4.speculate`` kept what the chunk writes over, and the engine's
-``restore`` then takes the rejected rows back exactly (the ring rows return, the compressors retake
-the accepted rows). The logits of a chunk equal one-token steps' up to matmul rounding, as a
-chunked prefill's do.
+pending token and the draft as consecutive rows of the sequence's slot in the batched decode step
+(a verify run; where the model's step takes none, or for MTP drafts, as one ``k + 1``-token prefill
+chunk of the sequence), and takes the model's own greedy choices after each position for as long
+as the draft agreed with them (:func:`accepted`): the first choice always counts, so a step gives 1
+to ``k + 1`` tokens, each the token greedy decoding gives at that position. Positions past the
+accepted ones hold the rejected draft; a family whose state is position-indexed (``rewinds``)
+simply writes over them with the next step. DeepSeek-V4's window ring and compressors cannot be
+recomputed from positions: a verify run's compressors keep what it writes over (a chunk's, after
+``DeepseekV4.speculate``), and the engine's ``restore`` then takes the rejected rows back exactly
+(the compressors retake the accepted rows; the ring, grown by ``k`` rows, needs nothing). The
+logits of a run or a chunk equal one-token steps' up to matmul rounding, as a chunked prefill's do.
 
 Sequences without penalties, logprobs or constraints speculate; the others decode as before in
 the same step. A greedy sequence emits the verify forward's own greedy choices, so its output is

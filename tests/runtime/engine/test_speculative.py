@@ -79,11 +79,11 @@ def test_speculative_sampling_gives_the_targets_distribution() -> None:
 REPEATING = [3, 17, 42, 99, 5, 8, 61, 7, 3, 17, 42, 99, 5, 8, 61, 7, 3, 17]
 
 
-def _decode(engine, prompts, params, speculative):
+def _decode(engine, prompts, params, speculative, *, runs: bool = True):
     from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
 
     sched = Scheduler(engine, prefill_chunk=64, decode_prompt_tokens=0, overlap=False, prefix_caching=False,
-                      speculative=speculative)
+                      speculative=speculative, verify_runs=runs)
     seqs = [Sequence(p, sp) for p, sp in zip(prompts, params)]
     for s in seqs:
         sched.admit(s)
@@ -119,10 +119,10 @@ def _load_mtp(path, rank=0, world_size=1):
 NGRAM, MTP = SpeculativeConfig(k=4), SpeculativeConfig(k=3, method="mtp")
 
 
-def _both(engine, cfg: SpeculativeConfig = NGRAM) -> dict:
+def _both(engine, cfg: SpeculativeConfig = NGRAM, *, runs: bool = True) -> dict:
     prompts, params = _cases()
     plain, _ = _decode(engine, prompts, params, None)
-    spec, stats = _decode(engine, prompts, params, cfg)
+    spec, stats = _decode(engine, prompts, params, cfg, runs=runs)
     return {"plain": plain, "spec": spec, "steps": stats.steps, "accepted": stats.accepted, "drafted": stats.drafted}
 
 
@@ -131,10 +131,12 @@ def _check(out: dict) -> None:
     assert out["steps"] > 0 and out["drafted"] >= out["accepted"]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe", "deepseek-v3", "deepseek-v4"])
 def test_greedy_tokens_are_those_of_plain_decoding(tiny, family) -> None:
-    """Where the decode step takes verify runs (these families), the drafts ride in the batched step: no
-    verify chunk of its own, and steps that hold a sequence's consecutive positions in several rows."""
+    """Where the decode step takes verify runs (every family here), the drafts ride in the batched step:
+    no verify chunk of its own, and steps that hold a sequence's consecutive positions in several rows
+    (V4: its window rings grown by the draft's rows, its compressors taking a run's rows in order and
+    taking rejected ones back)."""
     engine = _load(tiny(family))
     chunks, runs = [], []
     prefill, decode = engine.prefill, engine.decode
@@ -188,11 +190,12 @@ def test_a_bad_config(tiny) -> None:
         Scheduler(_load(tiny("mixtral")), speculative=SpeculativeConfig(k=0))
 
 
-def test_deepseek_v4_takes_back_rejected_drafts(tiny) -> None:
-    """V4's window ring and compressors cannot rewind by position: each verify chunk is saved and its
-    rejected rows taken back. The tiny V4's 16-token window wraps and its ratio-4 windows complete
-    inside verify chunks; greedy tokens stay plain decoding's."""
-    out = _both(_load(tiny("deepseek-v4")))
+@pytest.mark.parametrize("runs", [True, False], ids=["runs", "chunks"])
+def test_deepseek_v4_takes_back_rejected_drafts(tiny, runs: bool) -> None:
+    """V4's window ring and compressors cannot rewind by position: each verify run (or chunk) is saved
+    and its rejected rows taken back. The tiny V4's 16-token window wraps and its ratio-4 windows
+    complete inside verify runs; greedy tokens stay plain decoding's."""
+    out = _both(_load(tiny("deepseek-v4")), runs=runs)
     _check(out)
     assert out["drafted"] > out["accepted"]  # some drafts were rejected and taken back
 

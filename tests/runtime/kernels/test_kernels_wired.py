@@ -180,6 +180,46 @@ def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, use_settings, na
         assert err < tol, f"{name} {dtype}: relative error {err:.2e} >= {tol}"
 
 
+@needs_triton
+def test_deepseek_v4_verify_runs_through_the_kernels(tiny, monkeypatch, use_settings):
+    """A verify run of 4 rows in V4's batched decode step with every kernel on (the interpreter): the
+    compressors step once per row of the run (the others sent to the scratch slot) and the sink
+    attention reads the grown window ring; the run's logits are a reference prefill chunk's. Two of
+    its rows are then taken back (the compressors retake the kept ones through the kernel) and the
+    next step's logits are those of the reference that took its chunk back."""
+    from shardsmith.runtime.models.deepseek_v4 import compressor as v4_compressor
+
+    from shardsmith.runtime.engine.engine import Engine
+
+    ref = _load(tiny("deepseek-v4"), "cpu", torch.float32, False, use_settings).model
+    # the kernels a run changes: the compressor step, the sink attention over the ring, the index scores
+    use_settings(**{**dict.fromkeys(ENV, "reference"),
+                    **dict.fromkeys(("compressor_step", "decode_attention", "indexer_scores"), "kernel")})
+    eng = Engine.load(tiny("deepseek-v4"), rank=0, world_size=1, dtype=torch.float32, from_checkpoint=True,
+                      max_seq_len=64, max_num_seqs=1, cuda_graphs=False)
+    eng.reserve_rows(1 + 3)  # runs of up to 4 rows
+    backends = []
+    real_step = v4_compressor.compressor_step
+    monkeypatch.setattr(v4_compressor, "compressor_step",
+                        lambda *a, **k: backends.append(k["backend"]) or real_step(*a, **k))
+    draft = [11, 12, 13, 14]
+    logits = ref(torch.tensor(PROMPT), 0)
+    eng.prefill(0, PROMPT)
+    ref.speculate(0, 4)
+    want = ref(torch.tensor(draft), len(PROMPT), last_only=False)
+    got = eng.decode(draft, list(range(8, 12)), [0] * 4)
+    compressors = sum(1 for layer in eng.model.layers for _ in layer.attn._compressors()
+                      if layer.attn.compressor.entries.shape[1])
+    assert backends == ["auto"] * 4 * compressors  # one launch per row of the longest run
+    tol = 2e-5
+    assert ((got - want).abs().max() / want.abs().max()).item() < tol
+    ref.restore(0, 10)
+    eng.restore(0, 10)
+    want = ref(torch.tensor([21]), 10)
+    got = eng.decode([21], [10], [0])
+    assert logits.shape == want.shape and ((got - want).abs().max() / want.abs().max()).item() < tol
+
+
 # ------------------------------------------------------------------ GPU
 
 

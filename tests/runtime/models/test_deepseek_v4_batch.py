@@ -38,11 +38,13 @@ def load(pack: Path, rank: int = 0, world_size: int = 1, *, max_num_seqs: int = 
 
 
 @torch.inference_mode()
-def batched_step(model, ids: list[int], starts: list[int], slots: list[int], bucket: int) -> torch.Tensor:
+def batched_step(model, ids: list[int], starts: list[int], slots: list[int], bucket: int, *,
+                 pad_atol: float = 0.0) -> torch.Tensor:
     """One batched decode step through the pieces, eagerly, padded to ``bucket`` rows with copies of
     row 0 (as the engine's DecodeGraphs does); logits of the real rows ``[len(ids), V]``.
 
-    Also checks that the padding rows' logits are row 0's.
+    Also checks that the padding rows' logits are row 0's (within ``pad_atol``: past 8 rows the CPU
+    GEMM's tail rows may sum in another order).
     """
     real = len(ids)
     pad = bucket - real
@@ -53,7 +55,7 @@ def batched_step(model, ids: list[int], starts: list[int], slots: list[int], buc
         a = layer.attn_in(h, *layer.attn_in_args(step))
         (h,) = layer.ffn_block(h, *layer.attn_core(a, step))
     (logits,) = model.logits(h)
-    torch.testing.assert_close(logits[real:], logits[:1].expand(pad, -1), atol=0, rtol=0)
+    torch.testing.assert_close(logits[real:], logits[:1].expand(pad, -1), atol=pad_atol, rtol=0)
     return logits[:real]
 
 
@@ -243,3 +245,73 @@ def test_batched_decode_step_has_no_host_sync(tiny_v4_packs) -> None:
             (h,) = layer.ffn_block(h, *layer.attn_core(layer.attn_in(h, *layer.attn_in_args(step)), step))
         assert model.logits(h)[0].shape == (3, model.args.vocab_size)
     assert model.positions == [5, 5]
+
+
+def test_verify_runs_equal_a_chunk_and_are_taken_back_exactly(tiny_v4_packs) -> None:
+    """After ``reserve_runs``, one batched step holds a 6-row run (more rows than a CSA window: two of
+    its rows share a pending column), a 3-row run and a single row, in shuffled slots with padding.
+    Each run's rows give the logits of the same tokens as one prefill chunk, across the window ring's
+    wrap and CSA windows completed inside the run; the third sequence reaches 127, where its HCA
+    window completes. Rows are then taken back (4 of 6, 1 of 3) and every sequence decodes on as a
+    sequence that never saw the rejected tokens: the same logits as the chunk path's model, which
+    took the same tokens back from its saved chunk."""
+    gen = torch.Generator().manual_seed(3)
+    run_model = load(tiny_v4_packs[1], max_num_seqs=3)
+    run_model.reserve_runs(3 + 8)  # steps of up to 11 rows, K = 9 rows per slot at most
+    assert run_model.runs == 9 and run_model.layers[0].attn.win.shape[1] == run_model.args.window + 8
+    ref = load(tiny_v4_packs[1], max_num_seqs=3)
+    slot_of = [1, 2, 0]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2][:121]]
+    for m in (run_model, ref):
+        for i, p in enumerate(prompts):
+            m(p, 0, slot=slot_of[i])
+    pos = [p.shape[0] for p in prompts]
+    drafts = [torch.randint(2, 512, (6,), generator=gen).tolist(), torch.randint(2, 512, (3,), generator=gen).tolist(),
+              torch.randint(2, 512, (7,), generator=gen).tolist()]
+    rows = {0: 6, 1: 3, 2: 1}
+    order = [1, 2, 0]  # sequence order of the rows (runs stay whole)
+    ids, starts, slots = [], [], []
+    for i in order:
+        ids += drafts[i][:rows[i]]
+        starts += range(pos[i], pos[i] + rows[i])
+        slots += [slot_of[i]] * rows[i]
+    out = batched_step(run_model, ids, starts, slots, bucket=11, pad_atol=ATOL)
+    keep = {0: 2, 1: 2, 2: 1}  # 4 of 6 and 1 of 3 taken back; the single row stays
+    at = 0
+    for i in order:  # the chunk path: one sequence's chunk saved, checked and taken back at a time
+        ref.speculate(slot_of[i], rows[i])
+        want = ref(torch.tensor(drafts[i][:rows[i]]), pos[i], last_only=False, slot=slot_of[i])
+        torch.testing.assert_close(out[at:at + rows[i]], want, atol=ATOL, rtol=0)
+        assert out[at:at + rows[i]].argmax(-1).tolist() == want.argmax(-1).tolist()
+        ref.restore(slot_of[i], pos[i] + keep[i])
+        at += rows[i]
+    for i in order:
+        run_model.restore(slot_of[i], pos[i] + keep[i])
+        pos[i] += keep[i]
+    assert run_model.positions == ref.positions
+    for _ in range(8):  # the third passes 127: its first HCA window completes
+        seqs = [0, 1, 2]
+        toks = [drafts[i][-1] for i in seqs]
+        got = batched_step(run_model, toks, [pos[i] for i in seqs], [slot_of[i] for i in seqs], bucket=4)
+        want = batched_step(ref, toks, [pos[i] for i in seqs], [slot_of[i] for i in seqs], bucket=4)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        for row, i in enumerate(seqs):
+            drafts[i].append(int(got[row].argmax()))
+            pos[i] += 1
+    assert pos[2] > 128
+
+
+def test_runs_past_the_reserve_are_refused(tiny_v4_packs) -> None:
+    model = load(tiny_v4_packs[1], max_num_seqs=2, max_seq_len=40)
+    model(PROMPTS[0][:10], 0, slot=0)
+    with pytest.raises(UsageError, match=r"each real row must be a different slot.*reserve_runs"):
+        model.decode_step(torch.tensor([3, 4]), [10, 11], [0, 0])
+    model.reserve_runs(2 + 2)  # K = 3; the state is allocated anew: every slot forgotten
+    assert model.positions == [0, 0]
+    model(PROMPTS[0][:10], 0, slot=0)
+    with pytest.raises(UsageError, match=r"runs of \{0: 4\} rows .* at most 3 per slot"):
+        model.decode_step(torch.tensor([3, 4, 5, 6]), [10, 11, 12, 13], [0, 0, 0, 0])
+    with pytest.raises(UsageError, match=r"not one verify run"):
+        model.decode_step(torch.tensor([3, 4]), [10, 12], [0, 0])
+    assert model.positions == [10, 0]

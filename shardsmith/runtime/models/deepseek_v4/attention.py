@@ -97,14 +97,16 @@ class Attention(nn.Module):
                                    eps=args.norm_eps)
         self.ratio = ratio
         self.keys = self.win = None  # set by allocate
+        self.ring = self.window  # R: the window ring's rows (allocate)
         self._saved: tuple | None = None  # (slot, ring rows, their values): save() for rewind()
         self.max_seq_len = 0
         self.kernel = self.index_kernel = False  # decode attention / index scores through Triton (use_kernel_)
         self.prefill_kernel = False  # prefill attention and index scores through Triton (use_kernel_)
         self.x_fp8 = self.x_dense = None  # merged projections of x (fuse_projections_)
 
-    def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Preallocate every slot's state in ``dtype``: the key buffer ``keys`` ``[N, 1 + W + E, d]``
+    def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype, *,
+                 runs: int = 1) -> None:
+        """Preallocate every slot's state in ``dtype``: the key buffer ``keys`` ``[N, 1 + R + E, d]``
         (keys = values, RoPE applied), laid out as a decode step attends over it:
 
         =========================  =================  ==============================================
@@ -112,21 +114,23 @@ class Attention(nn.Module):
         =========================  =================  ==============================================
         ``0``                      --                 the sink: zeros, never written (its logit is
                                                       the bias ``attn_sink``; its value adds 0)
-        ``1 .. W``                 ``win [N, W, d]``  the window ring: position ``p`` at ``p % W``
-        ``1 + W ..``               compressor's       ``E = max_seq_len // ratio`` compressed entries
+        ``1 .. R``                 ``win [N, R, d]``  the window ring: position ``p`` at ``p % R``
+        ``1 + R ..``               compressor's       ``E = max_seq_len // ratio`` compressed entries
                                    ``entries``        (compressed layers; ``E = 0`` on sliding ones)
         =========================  =================  ==============================================
 
-        so a step's keys of every row are one gather, ``keys[slots, :1 + W + C]``; the compressors'
+        so a step's keys of every row are one gather, ``keys[slots, :1 + R + C]``; the compressors'
         other state is theirs (:meth:`Compressor.allocate`). :meth:`state` lists the views (the
-        sink row is not state)."""
-        W, d = self.window, self.head_dim
+        sink row is not state). ``runs`` (K): the most rows one slot may have in a decode step (a
+        speculative verify run); the ring then holds ``R = W + K - 1`` rows (:class:`RowsSpec`)."""
+        d = self.head_dim
+        R = self.ring = self.window + runs - 1
         self.max_seq_len = max_seq_len
         E = max_seq_len // self.ratio if self.compressor is not None else 0
-        self.keys = torch.zeros(num_slots, 1 + W + E, d, device=device, dtype=dtype)
-        self.win = self.keys[:, 1:1 + W]
+        self.keys = torch.zeros(num_slots, 1 + R + E, d, device=device, dtype=dtype)
+        self.win = self.keys[:, 1:1 + R]
         if self.compressor is not None:
-            self.compressor.allocate(num_slots, max_seq_len, device, dtype, entries=self.keys[:, 1 + W:])
+            self.compressor.allocate(num_slots, max_seq_len, device, dtype, entries=self.keys[:, 1 + R:])
         if self.indexer is not None:
             self.indexer.compressor.allocate(num_slots, max_seq_len, device, dtype)
 
@@ -165,10 +169,10 @@ class Attention(nn.Module):
                    and m.weight.dtype == dense[0].weight.dtype for m in dense):
                 self.x_dense = merge_rows(dense, "weight")
 
-    def state_bytes_for(self, num_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
+    def state_bytes_for(self, num_slots: int, max_seq_len: int, dtype: torch.dtype, *, runs: int = 1) -> int:
         """Bytes of :meth:`state` that :meth:`allocate` would make for ``num_slots`` slots of
         ``max_seq_len`` positions (window rings and compressors), allocating nothing."""
-        window = num_slots * self.window * self.head_dim * dtype.itemsize
+        window = num_slots * (self.window + runs - 1) * self.head_dim * dtype.itemsize
         return window + sum(c.state_bytes_for(num_slots, max_seq_len, dtype) for c in self._compressors())
 
     def state(self) -> list[torch.Tensor]:
@@ -186,7 +190,7 @@ class Attention(nn.Module):
     def save(self, slot: int, start: int, T: int) -> None:
         """Before a ``T``-token step of slot ``slot`` at ``start`` (``T <= window``): keep the window
         rows it will write over and the compressors' state (:meth:`Compressor.save`), for :meth:`rewind`."""
-        ring = torch.arange(start, start + T, device=self.win.device) % self.window
+        ring = torch.arange(start, start + T, device=self.win.device) % self.ring
         self._saved = (slot, ring, self.win[slot, ring].clone())
         for mod in self._compressors():
             mod.save(slot)
@@ -205,6 +209,22 @@ class Attention(nn.Module):
         self.win[slot, ring[keep:]] = rows[keep:]
         for mod in self._compressors():
             mod.rewind(slot, start, keep)
+
+    def reserve_runs(self, rows: int) -> None:
+        """Keep room for a decode step's run rows (``rows``: the most rows of a step), so that
+        :meth:`rewind_run` can take back a run's later rows (:meth:`Compressor.reserve_runs`)."""
+        for mod in self._compressors():
+            mod.reserve_runs(rows)
+
+    def rewind_run(self, slot: int, first: int, rows: int, start: int, keep: list[DecodeRows]) -> None:
+        """After a decode step in which slot ``slot`` had a run of ``rows`` rows from row ``first`` on, at
+        positions from ``start``: keep its first ``len(keep)`` rows (``keep[j]``: row ``j``'s one-row
+        rows, slot ``slot``), take back the rest. The window ring needs nothing: a taken-back row's
+        ring row holds a position its slot's later rows do not see until they write it again
+        (:meth:`DecodeRows.window`), and it wrote over only positions ``R`` behind it, outside the
+        window; the compressors retake the kept rows (:meth:`Compressor.rewind_run`)."""
+        for mod in self._compressors():
+            mod.rewind_run(slot, first, rows, start, keep)
 
     def _compressors(self) -> list[Compressor]:
         return [m for m in (self.compressor, self.indexer and self.indexer.compressor) if m is not None]
@@ -231,7 +251,7 @@ class Attention(nn.Module):
         step of :meth:`DeepseekV4.decode_step` is the same up to such ties)."""
         E = self.compressor.entries.shape[1] if self.compressor is not None else 0
         spec = RowsSpec(self.window, (self.ratio,) if E else (), self.max_seq_len,
-                        {self.table: self.freqs})
+                        {self.table: self.freqs}, self.ring - self.window + 1)
         index = torch.full((1,), slot, dtype=torch.int64, device=positions.device)
         return DecodeRows(positions, index, start + 1, self.keys.shape[0] - 1, spec)
 
@@ -290,10 +310,11 @@ class Attention(nn.Module):
         compressor state; attention output ``[T, n, d]``. ``start`` is the slot's position."""
         T, W = x.shape[0], self.window
         first = max(0, start - (W - 1))  # position of keys[0]: the oldest key the first query sees
-        old = self.win[slot, torch.arange(first, start, device=x.device) % W]  # [start - first, d]
+        R = self.ring
+        old = self.win[slot, torch.arange(first, start, device=x.device) % R]  # [start - first, d]
         keys = torch.cat((old, kv))  # [S, d] in position order
-        keep = max(start, start + T - W)  # the last W positions stay in the ring
-        self.win[slot, torch.arange(keep, start + T, device=x.device) % W] = kv[keep - start:]
+        keep = max(start, start + T - R)  # the last R positions stay in the ring
+        self.win[slot, torch.arange(keep, start + T, device=x.device) % R] = kv[keep - start:]
         entries = select = None
         if self.compressor is not None:
             entries = self.compressor.extend(x, slot, start)  # [C, d]
@@ -346,7 +367,7 @@ class Attention(nn.Module):
         """Launch :func:`sink_attention` (and on CSA layers :func:`indexer_scores`) once on zero queries
         against slot 0's keys (read only), so their kernels compile before serving (``engine/warmup.py``), unless a layer of the same variant did
         (``seen``: what decides the variants); returns the launches (0 or 1). ``dtype``: unused (the keys' decides)."""
-        n, d, W = self.n_heads, self.head_dim, self.window
+        n, d, W = self.n_heads, self.head_dim, self.ring
         C = min(self.keys.shape[1] - 1 - W, 16) if self.indexer is not None else 0
         key = ("sink_attention", n, d, self.keys.dtype, C > 0, self.index_kernel, self.keys.stride())
         if key in seen:

@@ -75,6 +75,7 @@ class Compressor(nn.Module):
         self.buf = self.buf_kv = self.buf_gate = self.prev_kv = self.prev_gate = self.entries = None
         self.kernel = False  # step through the Triton kernel (use_kernel_)
         self._saved: tuple | None = None  # (slot, buf, carry, the step's rows): save() for rewind()
+        self.run_col = self.run_prev_kv = self.run_prev_gate = self.run_rows = None  # reserve_runs
 
     def allocate(self, num_slots: int, max_seq_len: int, device: torch.device, dtype: torch.dtype, *,
                  entries: torch.Tensor | None = None) -> None:
@@ -170,6 +171,50 @@ class Compressor(nn.Module):
         if keep:
             self._absorb(kv[:keep], gate[:keep], slot, start)
 
+    def reserve_runs(self, rows: int) -> None:
+        """Room for what :meth:`step` keeps of a step of up to ``rows`` rows when a slot may have a run
+        of them (``spec.runs > 1``), for :meth:`rewind_run`: each row's column of its slot's pending
+        window before the step ``run_col [rows, 2, width]``, its slot's CSA carry before the step
+        ``run_prev_kv / run_prev_gate [rows, r, d]``, its projections ``run_rows [rows, 2, width]``.
+        Static buffers, so a captured step writes the same memory at every replay."""
+        if self.run_rows is not None and self.run_rows.shape[0] >= rows:
+            return
+        dev, dt, r = self.buf.device, self.buf.dtype, self.ratio
+        self.run_col = torch.zeros(rows, 2, self.width, device=dev, dtype=dt)
+        self.run_rows = torch.zeros_like(self.run_col)
+        if self.overlap:
+            self.run_prev_kv = torch.zeros(rows, r, self.dim, device=dev, dtype=dt)
+            self.run_prev_gate = torch.zeros(rows, r, self.dim, device=dev, dtype=torch.float32)
+
+    def rewind_run(self, slot: int, first: int, rows: int, start: int, keep: list[DecodeRows]) -> None:
+        """After a step in which slot ``slot`` had a run of ``rows`` rows from row ``first`` on, at
+        positions from ``start`` (kept by :meth:`step`): put the slot back as it was before the step,
+        then take the run's first ``len(keep)`` rows again, one :func:`compressor_step` each
+        (``keep[j]``: row ``j``'s one-row rows, at ``start + j``), as the step's phases took them: the state the step
+        would have left with those rows only. Entries a taken-back row completed stay written but
+        unseen (an entry is visible only past its window's last position) until the real token
+        completes the window again.
+
+        Raises:
+            UsageError: :meth:`reserve_runs` was not called, or ``keep`` is empty (a run's first row,
+                the sequence's pending token, is always kept).
+        """
+        if self.run_rows is None or not keep:
+            raise UsageError(f"slot {slot}: no run kept to rewind, or none of its rows kept")
+        if self.entries.shape[1] == 0:  # E = 0: the step never ran (no window ever completes)
+            return
+        r = self.ratio
+        n = min(rows, r)  # each column's first writer in the run kept its pre-step value
+        cols = torch.arange(start, start + n, device=self.buf.device) % r
+        self.buf[slot, cols] = self.run_col[first:first + n]
+        if self.overlap:
+            self.prev_kv[slot], self.prev_gate[slot] = self.run_prev_kv[first], self.run_prev_gate[first]
+        for j, one in enumerate(keep):
+            done, entry, cs, sn = one.completion(r)
+            compressor_step(self.run_rows[first + j:first + j + 1], self.buf, self.ape, self.norm.weight, self.entries,
+                            one.index, one.column(r), done, entry, cs, sn, self.prev_kv, self.prev_gate,
+                            eps=self.norm.eps, backend="auto" if self.kernel else "reference")
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The per-token projections ``kv``, ``gate`` of ``x`` ``[T, D]`` stacked: ``[T, 2, width]``.
         Row-wise, so a decode step computes them in its captured ``attn_in`` piece and hands them to
@@ -185,11 +230,32 @@ class Compressor(nn.Module):
         ``prev_kv/prev_gate``: :func:`compressor_step`, one Triton launch on CUDA (its reference on
         CPU, or with ``SHARDSMITH_KERNELS=compressor_step=reference``: every row pools as if complete and keeps the
         result where done). Needs ``E > 0`` (the caller skips a compressor without entries).
+
+        Where a slot may have a run of rows (``rows.spec.runs = K > 1``; :meth:`reserve_runs` called),
+        the step first keeps what :meth:`rewind_run` needs, then takes the rows in ``K`` launches, the
+        ``j``-th row of every run in launch ``j`` (the others sent to the scratch slot,
+        :meth:`DecodeRows.phase`), so that a window a run's row completes pools the run's earlier rows.
         """
-        done, entry, cs, sn = rows.completion(self.ratio)
-        compressor_step(kv_gate, self.buf, self.ape, self.norm.weight, self.entries, rows.index,
-                        rows.column(self.ratio), done, entry, cs, sn, self.prev_kv, self.prev_gate,
-                        eps=self.norm.eps, backend="auto" if self.kernel else "reference")
+        r, backend = self.ratio, "auto" if self.kernel else "reference"
+        done, entry, cs, sn = rows.completion(r)
+        if rows.spec.runs == 1:
+            compressor_step(kv_gate, self.buf, self.ape, self.norm.weight, self.entries, rows.index,
+                            rows.column(r), done, entry, cs, sn, self.prev_kv, self.prev_gate,
+                            eps=self.norm.eps, backend=backend)
+            return
+        # runs: keep what rewind_run needs, then take the rows in phases (each run's j-th rows in phase j)
+        B = kv_gate.shape[0]
+        if B > self.run_col.shape[0]:
+            raise UsageError(f"a decode step of {B} rows; reserve_runs kept room for {self.run_col.shape[0]}")
+        self.run_col[:B] = self.buf[rows.index, rows.column(r)]
+        self.run_rows[:B] = kv_gate
+        if self.overlap:
+            self.run_prev_kv[:B], self.run_prev_gate[:B] = self.prev_kv[rows.index], self.prev_gate[rows.index]
+        for j in range(rows.spec.runs):
+            index, done_j = rows.phase(r, j)
+            compressor_step(kv_gate, self.buf, self.ape, self.norm.weight, self.entries, index,
+                            rows.column(r), done_j, entry, cs, sn, self.prev_kv, self.prev_gate,
+                            eps=self.norm.eps, backend=backend)
 
     def use_kernel_(self, device: torch.device) -> None:
         """Run :meth:`step` through :func:`compressor_step`'s Triton kernel when

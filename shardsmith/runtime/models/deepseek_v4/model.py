@@ -45,6 +45,7 @@ from shardsmith.runtime.models.deepseek_v4.hyper import HyperHead
 from shardsmith.runtime.models.common import RMSNormF32, install_buffers
 from shardsmith.runtime.models.deepseek_v4.ops import inv_freq
 from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec, host_to_device, length_bucket
+from shardsmith.runtime.models.seq_slots import verify_runs
 
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
 
@@ -69,6 +70,7 @@ class DeepseekV4(nn.Module):
 
     SUPPORTS_BATCHING = True
     STATIC_DECODE = True  # decode_step's core is device-only with static shapes: Block.attn_static, step_rows
+    VERIFY_RUNS = True  # a decode step may hold a slot's consecutive positions (reserve_runs first)
 
     def __init__(self, args: V4Args, shards: Shards) -> None:
         super().__init__()
@@ -84,6 +86,7 @@ class DeepseekV4(nn.Module):
         self.max_seq_len = self.max_num_seqs = self.scratch = 0
         self.rows_spec: RowsSpec | None = None
         self.positions: list[int] = []
+        self.runs = 1  # K: the most rows one slot may have in a decode step (reserve_runs)
 
     @classmethod
     def from_weights(cls, weights, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
@@ -119,22 +122,44 @@ class DeepseekV4(nn.Module):
                 mod.freqs = mod.freqs.to(device)
         self.freqs = {name: f.to(device) for name, f in self.freqs.items()}
         ratios = sorted({r for r in self.args.ratios if r and max_seq_len // r})
-        self.rows_spec = RowsSpec(self.args.window, tuple(ratios), max_seq_len, self.freqs)
+        self.rows_spec = RowsSpec(self.args.window, tuple(ratios), max_seq_len, self.freqs, self.runs)
         for layer in self.layers:
-            layer.attn.allocate(max_num_seqs + 1, max_seq_len, torch.device(device), dtype)
+            layer.attn.allocate(max_num_seqs + 1, max_seq_len, torch.device(device), dtype, runs=self.runs)
             layer.attn.reset(self.scratch)
             layer.attn.fuse_projections_()  # wq_a | wkv, the compressors' (weights final by now)
             layer.ffn.fuse_projections_()  # the shared expert's w1 | w3
         self.positions = [0] * max_num_seqs
         self.snapshots: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(max_num_seqs)]
         self._speculating: list[tuple[int, int] | None] = [None] * max_num_seqs  # (start, T) saved by speculate
+        self._run: list[tuple[int, int] | None] = [None] * max_num_seqs  # (first row, rows) of the last step's run
         for slot in range(max_num_seqs):
             self.release(slot)
+
+    def reserve_runs(self, rows: int) -> None:
+        """Let a decode step of up to ``rows`` rows give a slot several consecutive positions (a
+        speculative verify run of up to ``K = rows - max_num_seqs + 1`` rows): the window rings grow
+        to ``W + K - 1`` rows and the compressors keep room for what a run's rollback needs. The state
+        is allocated anew, so every slot's sequence is forgotten: call before serving (the engine's
+        ``reserve_rows``, before its warm-up). Nothing changes when no step can hold a run.
+
+        Raises:
+            UsageError: no slots yet (:meth:`setup_cache` first).
+        """
+        if not self.max_num_seqs:
+            raise UsageError("DeepSeek-V4 has no slots yet: call setup_cache before reserve_runs")
+        runs = rows - self.max_num_seqs + 1
+        if runs > self.runs:
+            self.runs = runs
+            device, dtype = self.layers[0].attn.keys.device, self.layers[0].attn.keys.dtype
+            self.setup_cache(self.max_seq_len, device, dtype, self.max_num_seqs)
+        for layer in self.layers:
+            layer.attn.reserve_runs(max(rows, self.max_num_seqs + 1))
 
     def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
         """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``,
         computed from the layers' shapes (nothing allocated; the scratch slot included)."""
-        return sum(layer.attn.state_bytes_for(max_num_seqs + 1, max_seq_len, dtype) for layer in self.layers)
+        return sum(layer.attn.state_bytes_for(max_num_seqs + 1, max_seq_len, dtype, runs=self.runs)
+                   for layer in self.layers)
 
     def state_bytes(self) -> int:
         """Bytes of per-sequence state this rank allocated: all ``max_num_seqs + 1`` slots (the scratch
@@ -151,6 +176,7 @@ class DeepseekV4(nn.Module):
         self.positions[slot] = 0
         self.snapshots[slot].clear()
         self._speculating[slot] = None
+        self._run[slot] = None
         for layer in self.layers:
             layer.attn.reset(slot)
 
@@ -233,11 +259,12 @@ class DeepseekV4(nn.Module):
         start = self.positions[slot]
         for layer in self.layers:
             layer.attn.save(slot, start, T)
-        self._speculating[slot] = (start, T)
+        self._speculating[slot], self._run[slot] = (start, T), None
 
     def speculating(self, slot: int) -> tuple[int, int] | None:
-        """``(start, T)`` of the step :meth:`speculate` saved for ``slot`` if it is the slot's last step
-        (positions ``(start, start + T)`` can be restored), else None."""
+        """``(start, T)`` of the step :meth:`speculate` saved for ``slot``, or of the slot's verify run in
+        the last decode step, if it is the slot's last step (positions ``(start, start + T)`` can be
+        restored), else None."""
         self._check_slot(slot)
         spec = self._speculating[slot]
         return spec if spec is not None and self.positions[slot] == spec[0] + spec[1] else None
@@ -256,8 +283,17 @@ class DeepseekV4(nn.Module):
         if pos == self.positions[slot]:
             return
         if spec is not None and spec[0] < pos < spec[0] + spec[1]:
-            for layer in self.layers:
-                layer.attn.rewind(slot, spec[0], pos - spec[0])
+            run, self._run[slot] = self._run[slot], None
+            if run is not None:  # a verify run of a decode step: its compressors retake the kept rows
+                keep = [self.step_rows(host_to_device([p], self.freqs["main"].device),
+                                       host_to_device([slot], self.freqs["main"].device),
+                                       length_bucket(p, self.max_seq_len))
+                        for p in range(spec[0], pos)]
+                for layer in self.layers:
+                    layer.attn.rewind_run(slot, run[0], run[1], spec[0], keep)
+            else:
+                for layer in self.layers:
+                    layer.attn.rewind(slot, spec[0], pos - spec[0])
             self.positions[slot] = pos
             self._drop_snapshots(slot, after=pos)
             return
@@ -298,9 +334,11 @@ class DeepseekV4(nn.Module):
                     real: int | None = None) -> Step:
         """Begin a batched one-token step: row ``b`` is slot ``slots[b]``'s token ``ids[b]`` at
         ``starts[b]``; rows ``>= real`` (default: none) are padding, copies of row 0, that change no
-        real slot (they run in the scratch slot). Checks every real row as :meth:`forward` does, then
-        resets the slots a row begins (``start == 0``) and advances each real slot's position. The old
-        form ``decode_step(ids [1], start: int)`` is slot 0, one row.
+        real slot (they run in the scratch slot). After :meth:`reserve_runs` a slot may have a run of
+        up to ``runs`` rows at consecutive positions (a speculative verify run: each row attends to the
+        ones before it, and :meth:`restore` can take back any but the first). Checks every real row
+        as :meth:`forward` does, then resets the slots a row begins (``start == 0``) and advances each
+        real slot's position. The old form ``decode_step(ids [1], start: int)`` is slot 0, one row.
 
         The step's device inputs are ``step.tensors = (positions [B], index [B])`` (one host-to-device
         copy; padding rows: row 0's position and the scratch slot) and its length bucket
@@ -309,7 +347,8 @@ class DeepseekV4(nn.Module):
 
         Raises:
             UsageError: lengths disagree, ``real`` is not in ``[1, B]``, a padding row is not a copy
-                of row 0, two real rows share a slot, or a row fails :meth:`forward`'s checks.
+                of row 0, two real rows share a slot but not as a run (or a run is longer than
+                ``runs``), or a row fails :meth:`forward`'s checks.
         """
         if isinstance(starts, int):  # the single-row form
             starts, slots = [starts], [0] if slots is None else slots
@@ -322,14 +361,25 @@ class DeepseekV4(nn.Module):
         pad = [b for b in range(real, B) if (slots[b], starts[b]) != (slots[0], starts[0])]
         if pad:
             raise UsageError(f"decode_step: padding rows {pad} must copy row 0 (slot {slots[0]}, start {starts[0]})")
-        if len(set(slots[:real])) != real:
-            raise UsageError(f"decode_step: each real row must be a different slot; got slots {slots[:real]}")
-        for slot, start in zip(slots[:real], starts[:real]):
-            self._check_row(slot, start, 1)
-        for slot, start in zip(slots[:real], starts[:real]):
+        if len(set(slots[:real])) != real and self.runs == 1:
+            raise UsageError(f"decode_step: each real row must be a different slot; got slots {slots[:real]} "
+                             f"(a slot's verify run needs reserve_runs)")
+        runs = verify_runs(starts[:real], slots[:real], family="DeepSeek-V4 decode_step")
+        long = {slot: T for slot, (_, T) in runs.items() if T > self.runs}
+        if long:
+            raise UsageError(f"decode_step: runs of {long} rows (slot: rows); at most {self.runs} per slot "
+                             f"(reserve_runs)")
+        for slot, (start, T) in runs.items():
+            self._check_row(slot, start, T)
+        firsts = {}
+        for b, slot in enumerate(slots[:real]):
+            firsts.setdefault(slot, b)
+        for slot, (start, T) in runs.items():
             if start == 0:
                 self.release(slot)
-            self.positions[slot] = start + 1
+            self.positions[slot] = start + T
+            self._run[slot] = (firsts[slot], T) if T > 1 else None
+            self._speculating[slot] = (start, T) if T > 1 else None
         key = length_bucket(max(starts[:real]), self.max_seq_len)
         # padding rows keep row 0's position (so their RoPE and projections are row 0's) in the scratch slot
         both = host_to_device(starts + slots[:real] + [self.scratch] * (B - real), ids.device)  # one copy: [2B]

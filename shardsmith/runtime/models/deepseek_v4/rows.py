@@ -1,7 +1,7 @@
 """The rows of a DeepSeek-V4 decode step on the device, built once per step and shared by the layers.
 
-A batched decode step (``B`` rows, one token of a different slot each; padding rows use the
-model's scratch slot) needs a few small device tensors derived from the rows' positions and slots:
+A batched decode step (``B`` rows, one token of a different slot each, or a slot's consecutive
+positions in several rows: a speculative verify run; padding rows use the model's scratch slot) needs a few small device tensors derived from the rows' positions and slots:
 the window column and mask, per compression ratio the pending-window column, the visibility mask,
 the rows that complete a window and their entry's index and RoPE, and the RoPE tables. They depend
 on the step, not on the layer, so :class:`DecodeRows` builds each once (on first use, or all at
@@ -19,8 +19,9 @@ Masks are additive float32 biases (``0`` visible, ``-inf`` hidden), laid out as 
 key buffer is (:class:`~shardsmith.runtime.models.deepseek_v4.attention.Attention`):
 ``[sink | window ring (W) | compressed entries (C)]``.
 
-Legend: B = rows of the step (padding included), W = window, r = ratio, C = entry columns of the
-bucket, E = entries allocated per slot (``max_seq_len // r``), h = rope dims / 2.
+Legend: B = rows of the step (padding included), W = window, K = most rows of one slot (a verify
+run), R = window ring rows (``W + K - 1``), r = ratio, C = entry columns of the bucket, E = entries
+allocated per slot (``max_seq_len // r``), h = rope dims / 2.
 """
 
 from __future__ import annotations
@@ -58,13 +59,22 @@ class RowsSpec:
         window: W, the sliding window (tokens); ratios: the compression ratios that have entries
         (``E = max_seq_len // r > 0``), ascending; max_seq_len: positions per slot (tokens);
         freqs: RoPE inverse frequencies ``[h]`` by table name (``main``: sliding layers,
-        ``compress``: compressed layers and every compressor's entries), on the model's device.
+        ``compress``: compressed layers and every compressor's entries), on the model's device;
+        runs: K, the most rows one slot may have in a step (a speculative verify run; 1: one row
+        per slot); ring: R, the window ring's rows, ``W + K - 1`` (so that no row of a run writes
+        over a key an earlier row of it attends: position ``p`` sits at ``p % R``).
     """
 
     window: int
     ratios: tuple[int, ...]
     max_seq_len: int
     freqs: dict[str, torch.Tensor]
+    runs: int = 1
+
+    @property
+    def ring(self) -> int:
+        """R = ``W + runs - 1``, the window ring's rows."""
+        return self.window + self.runs - 1
 
 
 class DecodeRows:
@@ -102,13 +112,50 @@ class DecodeRows:
         return self._get(("rope", name), lambda: rope_cos_sin(self.positions, self.spec.freqs[name]))
 
     def window(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(col [B], bias [B, W])``: each row's ring row (``position % W``) and the window bias
-        (ring row ``j`` holds position ``p = j (mod W)``; hidden while ``j > position``: not yet written)."""
+        """``(col [B], bias [B, R])``: each row's ring row (``position % R``) and the window bias.
+
+        One row per slot (``R = W``): ring row ``j`` holds position ``p = j (mod W)``, hidden while
+        ``j > position`` (not yet written). With runs (``R > W``) every row of the step writes before
+        any attends, so ring row ``j`` holds the latest position ``P = j (mod R)`` at or below the
+        furthest row of the row's slot (:meth:`runs`' ``last``), and a row at ``p`` sees it iff
+        ``p - W < P <= p`` and ``P >= 0``; a later row's write replaced only a position ``W + K - 1``
+        or more behind it, outside every row's window."""
         def build():
-            W = self.spec.window
-            j = torch.arange(W, device=self.index.device)
-            return self.positions % W, torch.where(j[None, :] <= self.positions[:, None], 0.0, NEG_INF)
+            W, R = self.spec.window, self.spec.ring
+            j = torch.arange(R, device=self.index.device)
+            p = self.positions[:, None]
+            if R == W:
+                return self.positions % W, torch.where(j[None, :] <= p, 0.0, NEG_INF)
+            last = self.runs()[0][:, None]
+            held = last - torch.remainder(last - j[None, :], R)  # [B, R] the position ring row j holds
+            seen = (held <= p) & (held > p - W) & (held >= 0)
+            return self.positions % R, torch.where(seen, 0.0, NEG_INF)
         return self._get(("window",), build)
+
+    def runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(last [B], phase [B])`` int64: the furthest position among the rows of each row's slot,
+        and the row's place in its slot's run (``position - first``; 0 for a slot's only row). Rows
+        of one slot are consecutive positions (:func:`~shardsmith.runtime.models.seq_slots.verify_runs`);
+        padding rows share the scratch slot at row 0's position (phase 0). One row per slot
+        (``spec.runs == 1``): ``(positions, 0)`` with no reduction."""
+        def build():
+            if self.spec.runs == 1:
+                return self.positions, torch.zeros_like(self.positions)
+            n = self.scratch + 1
+            hi = self.positions.new_full((n,), -1).scatter_reduce(0, self.index, self.positions, "amax")
+            lo = self.positions.new_full((n,), self.spec.max_seq_len).scatter_reduce(0, self.index, self.positions, "amin")
+            return hi[self.index], self.positions - lo[self.index]
+        return self._get(("runs",), build)
+
+    def phase(self, ratio: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index [B], done [B])`` of the step's ``j``-th rows of each run for ratio ``ratio``'s
+        compressors: the other rows' slot replaced by the scratch slot, and only ``j``-th rows that
+        complete a window done; a compressor takes the step's rows in ``spec.runs`` such phases, so
+        a run's rows enter its slot's pending window in order."""
+        def build():
+            here = self.runs()[1] == j
+            return torch.where(here, self.index, self.scratch), self.completion(ratio)[0] & here
+        return self._get(("phase", ratio, j), build)
 
     def count(self, ratio: int) -> int:
         """``C``: the entry columns of ratio ``ratio`` in this bucket, ``min(key, max_seq_len) // ratio``
@@ -150,15 +197,19 @@ class DecodeRows:
     def _names(self) -> list[tuple]:
         """The cache keys of every tensor the layers may ask for, in :meth:`as_tuple`'s order."""
         names = [("padding",), ("rope", "main"), ("rope", "compress"), ("window",)]
+        if self.spec.runs > 1:
+            names.append(("runs",))
         for r in self.spec.ratios:
             names += [("column", r), ("visible", r), ("keys", r), ("completion", r)]
         return names
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the layers may need, built now, flat in a fixed order: ``positions, index,
-        padding, rope main (cos, sin), rope compress (cos, sin), window (col, bias)``, then per ratio of
+        padding, rope main (cos, sin), rope compress (cos, sin), window (col, bias)``, with runs
+        (``spec.runs > 1``) ``last, phase``, then per ratio of
         the spec (ascending) ``column, visible, keys, done, entry, cs, sn``. :meth:`from_tuple` inverts it."""
         builders = {"padding": lambda: self.padding, "rope": lambda n: self.rope(n), "window": self.window,
+                    "runs": self.runs,
                     "column": self.column, "visible": self.visible, "keys": self.keys_bias,
                     "completion": self.completion}
         out = [self.positions, self.index]
@@ -177,7 +228,8 @@ class DecodeRows:
             ValueError: ``tensors`` does not have :meth:`as_tuple`'s length for ``spec``.
         """
         rows = cls(tensors[0], tensors[1], key, scratch, spec)
-        sizes = {"padding": 1, "rope": 2, "window": 2, "column": 1, "visible": 1, "keys": 1, "completion": 4}
+        sizes = {"padding": 1, "rope": 2, "window": 2, "runs": 2, "column": 1, "visible": 1, "keys": 1,
+                 "completion": 4}
         names = rows._names()
         want = 2 + sum(sizes[n[0]] for n in names)
         if len(tensors) != want:
