@@ -16,9 +16,9 @@ Rows: ``family``, ``layers``, ``speculative``, ``num_speculative_tokens``, ``acc
 ``--cost`` (any family, no tokenizer needed: a random prompt of ``--prompt-tokens``): what one
 step costs by kind, medians over ``--repeat`` x 8 steps after the prompt: ``decode_step_ms`` (the
 engine's batched one-token step: graphed on CUDA), ``verify_step_ms`` at each ``k`` (a decode step of
-the ``k + 1`` rows of a verify run where the model takes them, else a ``k + 1``-token speculative
-chunk, then the state put back to its first token: the whole rollback a rejected draft costs on
-DeepSeek-V4), ``draft_ms`` (``--speculative mtp``: the MTP layer's ``k`` chained drafts), and
+the ``k + 1`` rows of a verify run where the model takes them, and a ``k + 1``-token speculative
+chunk, side by side (``--verify``), then the state put back to its first token: the whole rollback a
+rejected draft costs on DeepSeek-V4), ``draft_ms`` (``--speculative mtp``: the MTP layer's ``k`` chained drafts), and
 the single-stream tokens/s those costs give at 80% and 90% per-token acceptance: a step emits
 ``(1 - a^(k+1)) / (1 - a)`` tokens on average (random weights accept nothing, so the speed-up is
 modelled from the measured step). Rows add ``modeled_tokens_per_s_at_80``, ``..._at_90`` and
@@ -105,15 +105,17 @@ def cost_rows(engine: Engine, a: argparse.Namespace, sync) -> list[dict]:
         engine.decode([7], [pos], [0], on_device=True)
         return pos + 1
 
-    runs = engine.verify_runs  # the verify rides in the decode step as k + 1 rows of the slot
-    if runs:
+    hows = [how for how in a.verify if how == "chunk" or engine.verify_runs]
+    if "run" in hows:  # the verify rides in the decode step as k + 1 rows of the slot
         engine.reserve_rows(1 + max(a.k))
     for _ in range(2):  # warm: compiles, captures
         median_ms(decode, 2)
     decode_ms = median_ms(decode)
     rows = []
-    for k in a.k:
-        def verify(pos: int, k=k) -> int:
+    for k, how in [(k, how) for k in a.k for how in hows]:
+        runs = how == "run"
+
+        def verify(pos: int, k=k, runs=runs) -> int:
             if runs:
                 engine.decode([7] * (k + 1), list(range(pos, pos + k + 1)), [0] * (k + 1), on_device=True)
             else:
@@ -139,10 +141,11 @@ def cost_rows(engine: Engine, a: argparse.Namespace, sync) -> list[dict]:
                      "tokens_per_s_without": round(1e3 / decode_ms, 2),
                      "modeled_tokens_per_s_at_80": round(at[80], 2), "modeled_tokens_per_s_at_90": round(at[90], 2),
                      "modeled_speedup_at_80": round(at[80] * decode_ms / 1e3, 3), "moe_backend": "resident"})
-    print(f"{'k':>3} {'decode ms':>10} {'verify ms':>10} {'draft ms':>9} {'verify/decode':>14} {'tok/s':>8} "
-          f"{'@80%':>8} {'@90%':>8} {'x@80%':>6}")
+    print(f"{'k':>3} {'verify':>6} {'decode ms':>10} {'verify ms':>10} {'draft ms':>9} {'verify/decode':>14} "
+          f"{'tok/s':>8} {'@80%':>8} {'@90%':>8} {'x@80%':>6}")
     for r in rows:
-        print(f"{r['num_speculative_tokens']:>3} {r['decode_step_ms']:>10.2f} {r['verify_step_ms']:>10.2f} "
+        print(f"{r['num_speculative_tokens']:>3} {r['verify'].split()[0]:>6} {r['decode_step_ms']:>10.2f} "
+              f"{r['verify_step_ms']:>10.2f} "
               f"{r['draft_ms']:>9.2f} {r['verify_over_decode']:>14.2f} {r['tokens_per_s_without']:>8.1f} "
               f"{r['modeled_tokens_per_s_at_80']:>8.1f} {r['modeled_tokens_per_s_at_90']:>8.1f} "
               f"{r['modeled_speedup_at_80']:>6.2f}")

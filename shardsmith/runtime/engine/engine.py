@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from shardsmith.errors import EXIT_CODES, RankLostError, RuntimeLoadError, UsageError, error_class, error_class_named, format_problems
-from shardsmith.runtime.models.registry import ModelFamily, family_for
+from shardsmith.runtime.models.registry import ModelFamily, family_for, skeleton
 from shardsmith.runtime.models.seq_slots import verify_runs
 from shardsmith.runtime.engine.dist import clamp_threads, install_rank_zero_logging
 from shardsmith.runtime.layers.parallel import use_kernels_
@@ -795,6 +795,36 @@ def check_state_fits(model: Any, max_seq_len: int, max_num_seqs: int, dtype: tor
         + (f", or --max-num-seqs {slots} at {max_seq_len}" if slots >= 1 else ""))
 
 
+def preflight_state(weights, family: ModelFamily, *, rank: int, dtype: torch.dtype, max_seq_len: int,
+                    max_num_seqs: int, offloaded: bool, free_bytes: int, where: str, **extra: Any) -> int:
+    """Refuse a context that cannot fit before any weight reaches the device (a load of a large pack
+    takes minutes; this takes a moment): :func:`check_state_fits` on the rank's model skeleton
+    (:func:`~shardsmith.runtime.models.registry.skeleton`) with ``free_bytes`` (free on the device
+    now) less the weights the device will hold, estimated from the skeleton's buffers (the routed
+    experts' banks left out when ``offloaded``; FP8 weights counted at one byte, as the kernels keep
+    them). The estimate is a lower bound, so it refuses only what surely does not fit; the check
+    after the load stays exact.
+
+    Returns:
+        The estimated weight bytes on the device.
+
+    Raises:
+        UsageError: the state does not fit (:func:`check_state_fits`' message, with the estimate).
+    """
+    from shardsmith.runtime.layers.experts import RoutedExperts
+
+    model = skeleton(family, weights, rank=rank, dtype=dtype, **extra)
+    if not hasattr(model, "state_bytes_for"):
+        return 0
+    banks = {id(b) for m in model.modules() if isinstance(m, RoutedExperts) for b in m.buffers()} if offloaded else set()
+    on_device = sum(b.nbytes for b in model.buffers() if id(b) not in banks)
+    on_device += sum(p.nbytes for p in model.parameters())
+    check_state_fits(model, max_seq_len, max_num_seqs if getattr(model, "SUPPORTS_BATCHING", False) else 1, dtype,
+                     free_bytes=free_bytes - on_device,
+                     where=f"{where} (checked before loading: the weights will take about {on_device / 2**30:.2f} GiB)")
+    return on_device
+
+
 def build_model(weights, *, rank: int, device: torch.device, dtype: torch.dtype | str | None, max_seq_len: int,
                 max_num_seqs: int = 1, offload: "OffloadConfig | None" = None, fp8: str = "load",
                 check_fit: bool = True, mtp_layers: int = 0) -> tuple[torch.nn.Module, ModelFamily, Any, torch.dtype]:
@@ -808,7 +838,8 @@ def build_model(weights, *, rank: int, device: torch.device, dtype: torch.dtype 
         max_seq_len, max_num_seqs: per-sequence state, as :meth:`Engine.load` takes them.
         offload: routed experts in host memory with a device cache (None: resident).
         fp8: ``load`` or ``on-the-fly`` (:meth:`Engine.load`).
-        check_fit: on CUDA, refuse state that does not fit the free memory (:func:`check_state_fits`).
+        check_fit: on CUDA, refuse state that does not fit the free memory, before the load
+            (:func:`preflight_state`, from the sizes) and after it (:func:`check_state_fits`).
         mtp_layers: the checkpoint's MTP layers to load for speculative drafts (DeepSeek-V3).
 
     Returns:
@@ -830,6 +861,10 @@ def build_model(weights, *, rank: int, device: torch.device, dtype: torch.dtype 
             raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         dtype = DTYPES[dtype]
     dtype = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.bfloat16)
+    if check_fit and device.type == "cuda":  # before the weights take minutes to reach the device
+        preflight_state(weights, family, rank=rank, dtype=dtype, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+                        offloaded=offload is not None, free_bytes=torch.cuda.mem_get_info(device)[0],
+                        where=str(device), **extra)
     place = None
     if offload is not None:  # swaps the expert banks for host banks + a device cache
         from shardsmith.runtime.offload import attach_offload

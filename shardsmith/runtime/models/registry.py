@@ -85,6 +85,34 @@ def build_v4(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
     return model, offloaded
 
 
+class _Skeleton(Exception):
+    """Carries the meta model out of a builder (:func:`skeleton`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__("skeleton")
+        self.model = model
+
+
+def skeleton(family: ModelFamily, weights, *, rank: int, dtype: torch.dtype, **extra: Any) -> nn.Module:
+    """Rank ``rank``'s model on ``meta`` as ``family``'s builder makes it from the plan, before any
+    weight is assigned: every builder hands its meta model to ``place_experts`` first, and this stops
+    it there. For sizes before a load: the buffers' shapes and dtypes, ``state_bytes_for``. Nothing
+    is read from the weights and nothing is allocated on a device.
+
+    Raises:
+        RuntimeLoadError: the config is not supported (the builder's own error), or the builder
+            assigned weights without offering its meta model.
+    """
+    def stop(model: nn.Module) -> Any:
+        raise _Skeleton(model)
+
+    try:
+        family.build(weights, rank=rank, dtype=dtype, device=torch.device("meta"), place_experts=stop, **extra)
+    except _Skeleton as made:
+        return made.model
+    raise RuntimeLoadError(f"{family.name}: the builder did not offer its meta model to place_experts")
+
+
 def family_for(config: dict) -> ModelFamily:
     """The registry entry for ``config.json`` (:func:`shardsmith.families.architecture_of`).
 

@@ -77,3 +77,48 @@ def test_a_context_that_does_not_fit_is_refused_with_what_fits(models):
                                                                                                torch.bfloat16)
     with pytest.raises(UsageError, match="no context fits"):
         check_state_fits(model, 4096, 4, torch.bfloat16, free_bytes=gib, where="cuda:0", reserve=gib)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "deepseek_v4", "gpt_oss"])
+def test_the_skeleton_has_the_models_sizes_and_reads_no_weight(models, tmp_path, name):
+    """The meta model a builder makes before assigning: the same buffers (names, shapes, dtypes) and
+    per-sequence state as the built model, with the rank's weights never asked for."""
+    from shardsmith.runtime.models.registry import skeleton
+
+    weights = load_rank_weights(_tiny(name, tmp_path), rank=1, world_size=2, from_checkpoint=True)
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the skeleton read a weight")
+
+    weights.dense = weights.banks = refuse
+    meta = skeleton(family_for(weights.config), weights, rank=1, dtype=torch.float32)
+    built = models[name, 2]
+    assert all(b.device.type == "meta" for b in meta.buffers())
+    shapes = {n: (tuple(b.shape), b.dtype) for n, b in meta.named_buffers()}
+    assert shapes == {n: (tuple(b.shape), b.dtype) for n, b in built.named_buffers() if n in shapes}
+    assert meta.state_bytes_for(300, 2, torch.bfloat16) == built.state_bytes_for(300, 2, torch.bfloat16)
+
+
+def test_a_context_that_does_not_fit_is_refused_before_the_load(tmp_path):
+    """``preflight_state`` (what ``build_model`` runs on CUDA before any weight reaches the device):
+    the weights the device will hold, estimated from the skeleton, then the state; refused with the
+    numbers and the estimate; offloaded experts' banks are not counted."""
+    from shardsmith.runtime.engine.engine import ACTIVATION_RESERVE_BYTES, preflight_state
+
+    weights = load_rank_weights(_tiny("deepseek_v4", tmp_path), rank=0, world_size=1, from_checkpoint=True)
+    family = family_for(weights.config)
+    model, _ = family.build(weights, rank=0, dtype=torch.float32, device=torch.device("cpu"))
+    resident = sum(b.nbytes for b in model.buffers()) + sum(p.nbytes for p in model.parameters())
+    state = model.state_bytes_for(4096, 4, torch.float32)
+    args = dict(rank=0, dtype=torch.float32, max_seq_len=4096, max_num_seqs=4, where="cuda:0")
+    fits = resident + state + ACTIVATION_RESERVE_BYTES
+    assert preflight_state(weights, family, offloaded=False, free_bytes=fits, **args) == resident
+    with pytest.raises(UsageError) as e:
+        preflight_state(weights, family, offloaded=False, free_bytes=fits - 1, **args)
+    message = str(e.value)
+    assert message.startswith("--max-model-len 4096 with 4 sequence slot(s) needs")
+    assert f"checked before loading: the weights will take about {resident / 2**30:.2f} GiB" in message
+    assert "--max-model-len" in message.split("activations: ")[1]
+    offloaded = preflight_state(weights, family, offloaded=True, free_bytes=fits - 1, **args)
+    banks = sum(b.nbytes for m in model.modules() if type(m).__name__ == "ExpertBank" for b in m.buffers())
+    assert banks > 0 and offloaded == resident - banks
