@@ -390,6 +390,15 @@ class DecodeGraphs:
         if rows > self.buckets[-1]:
             self.buckets = buckets_for(rows)
 
+    def forget(self) -> None:
+        """Drop every built bucket's pieces (the model's state was allocated anew: captured graphs point
+        at the old tensors); each bucket is built again by its next step, as at start."""
+        self.sets.clear()
+        self.built.clear()
+        self.last = None
+        if not self.static:
+            self.last = self.sets[1] = BucketPieces(self.model, self.pool, 1)
+
     def pending(self) -> list[int]:
         """Buckets not built yet."""
         return [b for b in self.buckets if b not in self.built]

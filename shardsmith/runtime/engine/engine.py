@@ -410,8 +410,9 @@ class Engine:
 
     def _reserve(self, rows: int) -> None:
         self.runner.reserve(rows)
-        if hasattr(self.model, "reserve_runs"):  # state sized for runs (DeepSeek-V4's rings): slots forgotten
-            self.model.reserve_runs(rows)
+        # state sized for runs (DeepSeek-V4's rings): slots forgotten, and pieces built on the old state rebuilt
+        if hasattr(self.model, "reserve_runs") and self.model.reserve_runs(rows):
+            self.runner.forget()
 
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` ended: every rank forgets it (rank 0)."""

@@ -310,3 +310,23 @@ def test_mtp_is_refused_where_it_cannot_run(tiny) -> None:
     engine = _load(tiny("deepseek-v3"))  # loaded without its MTP layer
     with pytest.raises(UsageError, match="no MTP layer loaded"):
         engine.draft(0, 1, 1, 2)
+
+
+def test_deepseek_v4_reserving_runs_after_steps_rebuilds_the_pieces(tiny) -> None:
+    """Room for runs allocates V4's state anew: every slot is forgotten and the decode pieces built on
+    the old state are dropped (a captured graph would point at freed tensors), then rebuilt by the next
+    step, whose logits are a model's that never reserved."""
+    engine, fresh = _load(tiny("deepseek-v4")), _load(tiny("deepseek-v4"))
+    for e in (engine, fresh):
+        e.prefill(0, REPEATING)
+        e.decode([5], [len(REPEATING)], [0])
+    assert engine.runner.built == {1}
+    engine.reserve_rows(engine.max_num_seqs + 4)
+    assert engine.model.runs == 5 and not engine.runner.built and engine.resume_points(0) == [0]
+    engine.prefill(0, REPEATING)
+    got = engine.decode([5, 6], [len(REPEATING), len(REPEATING) + 1], [0, 0])  # a run: the pending token, one draft
+    fresh.decode([6], [len(REPEATING) + 1], [0])
+    fresh.prefill(1, REPEATING)
+    want = torch.cat([fresh.decode([5], [len(REPEATING)], [1]), fresh.decode([6], [len(REPEATING) + 1], [1])])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert engine.runner.built

@@ -135,25 +135,29 @@ class DeepseekV4(nn.Module):
         for slot in range(max_num_seqs):
             self.release(slot)
 
-    def reserve_runs(self, rows: int) -> None:
+    def reserve_runs(self, rows: int) -> bool:
         """Let a decode step of up to ``rows`` rows give a slot several consecutive positions (a
         speculative verify run of up to ``K = rows - max_num_seqs + 1`` rows): the window rings grow
         to ``W + K - 1`` rows and the compressors keep room for what a run's rollback needs. The state
         is allocated anew, so every slot's sequence is forgotten: call before serving (the engine's
         ``reserve_rows``, before its warm-up). Nothing changes when no step can hold a run.
 
+        Returns:
+            Whether the state was allocated anew (what held the old tensors must let go of them).
+
         Raises:
             UsageError: no slots yet (:meth:`setup_cache` first).
         """
         if not self.max_num_seqs:
             raise UsageError("DeepSeek-V4 has no slots yet: call setup_cache before reserve_runs")
-        runs = rows - self.max_num_seqs + 1
+        runs, anew = rows - self.max_num_seqs + 1, False
         if runs > self.runs:
-            self.runs = runs
+            self.runs, anew = runs, True
             device, dtype = self.layers[0].attn.keys.device, self.layers[0].attn.keys.dtype
             self.setup_cache(self.max_seq_len, device, dtype, self.max_num_seqs)
         for layer in self.layers:
             layer.attn.reserve_runs(max(rows, self.max_num_seqs + 1))
+        return anew
 
     def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
         """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``,
