@@ -69,7 +69,7 @@ def real_run(rank: int, world_size: int, port: int, a: dict, queue) -> None:
 
         from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
         from shardsmith.runtime.engine.dist import init_distributed
-        from shardsmith.runtime.engine.engine import build_model
+        from shardsmith.runtime.engine.build import build_model
         from shardsmith.runtime.engine.loader import load_rank_weights
         from shardsmith.runtime.engine.rank_alone import CollectiveLog
         from shardsmith.runtime.layers import parallel
@@ -126,7 +126,7 @@ def _measure(a: dict) -> dict:
     from v4_decode import decode
 
     from shardsmith.runtime.engine.cuda_graphs import DecodeGraphs
-    from shardsmith.runtime.engine.engine import build_model
+    from shardsmith.runtime.engine.build import build_model
     from shardsmith.runtime.engine.loader import load_rank_weights
     from shardsmith.runtime.engine.rank_alone import CollectiveLog, init_rank_alone
     from shardsmith.runtime.offload import OffloadConfig

@@ -41,7 +41,7 @@ def packs(tiny, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int
 
 def _steps(pack: str, rank: int, world_size: int) -> list[CollectiveCall]:
     """Build ``rank``'s model of ``pack`` and log the collectives of a prefill and two decode steps."""
-    from shardsmith.runtime.engine.engine import build_model
+    from shardsmith.runtime.engine.build import build_model
     from shardsmith.runtime.engine.loader import load_rank_weights
 
     weights = load_rank_weights(pack, rank=rank, world_size=world_size)

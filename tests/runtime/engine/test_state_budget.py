@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardsmith.errors import UsageError
-from shardsmith.runtime.engine.engine import check_state_fits
+from shardsmith.runtime.engine.build import check_state_fits
 from shardsmith.runtime.engine.loader import load_rank_weights
 from shardsmith.runtime.models.registry import family_for
 
@@ -103,7 +103,7 @@ def test_a_context_that_does_not_fit_is_refused_before_the_load(tmp_path):
     """``preflight_state`` (what ``build_model`` runs on CUDA before any weight reaches the device):
     the weights the device will hold, estimated from the skeleton, then the state; refused with the
     numbers and the estimate; offloaded experts' banks are not counted."""
-    from shardsmith.runtime.engine.engine import ACTIVATION_RESERVE_BYTES, preflight_state
+    from shardsmith.runtime.engine.build import ACTIVATION_RESERVE_BYTES, preflight_state
 
     weights = load_rank_weights(_tiny("deepseek_v4", tmp_path), rank=0, world_size=1, from_checkpoint=True)
     family = family_for(weights.config)
