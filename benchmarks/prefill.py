@@ -17,8 +17,12 @@ Rows: ``device``, ``tp``, ``layers``, ``experts_per_layer``, ``prompt_tokens``, 
 ``attention``, ``moe``, ``ttft_s``, ``prefill_tokens_per_s``, ``ratio_to_baseline`` (the last path's
 time over this row's), ``same_last_token`` (the greedy token after the prompt equals the baseline's),
 ``moe_backend`` (``resident``); saved as ``benchmarks/results/prefill-<date>-<host>.json``
-with the profiles under ``profile``. Not yet here (the long-prompt issue's full benchmark): the real
-``serve`` path over HTTP, offloaded experts, decode speed at the context, transformers beside it.
+with the profiles under ``profile``. ``--offload 0.25`` adds the same prompts with the routed experts
+offloaded (a cache of 25% of them): rows with ``moe_backend`` ``offloaded (stream)`` (each chunk
+copies every missing expert once, ``OffloadRuntime.run_chunk``) or ``offloaded (slots)`` (the
+decode-sized path in 16-token pieces, ``--offload-paths``), ``cache_bytes_per_gpu`` and
+``link_bytes_per_prompt_token``. Not yet here (the long-prompt issue's full benchmark): the real
+``serve`` path over HTTP, decode speed at the context, transformers beside it.
 
     python benchmarks/gen_v4_checkpoint.py /data/v4f --layers 43 --experts 8 --mtp 0
     python benchmarks/prefill.py /data/v4f --from-checkpoint --device cuda --prompt 1024 8192 32768 --chunk 2048 8192
@@ -94,6 +98,54 @@ def profile_chunk(engine: Engine, ids: list[int], chunk: int, top: int) -> list[
                                           "share": 1.0}]
 
 
+def offloaded_rows(resident: Engine, a: argparse.Namespace, fraction: float, device: str, layers, experts,
+                   gen_seed: int) -> list[dict]:
+    """The prompts and chunks again with the routed experts offloaded (``--moe-backend gpu``, a cache of
+    ``fraction`` of every layer's experts, the first ``--paths`` entry's attention): per
+    ``--offload-paths`` entry, time and ``link_bytes_per_prompt_token`` (what the chunks copied over
+    the link per prompt token, from the offload counters). The resident engine is freed first."""
+    from shardsmith.runtime.offload import OffloadConfig
+
+    path = a.paths[0]
+    total = (layers or 1) * (experts or 1)
+    del resident
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine = Engine.load(a.path, rank=0, world_size=1, device=a.device, dtype=getattr(torch, a.dtype),
+                         max_seq_len=max(a.prompt) + 8, max_num_seqs=1, from_checkpoint=a.from_checkpoint,
+                         offload=OffloadConfig(backend="gpu", cache_slots=max(1, round(fraction * total)), probe=False))
+    rt = engine.offload
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    set_path(engine.model, path)
+    streams = rt.streams_chunk
+    gen = torch.Generator().manual_seed(gen_seed)
+    rows = []
+    for length in a.prompt:
+        ids = torch.randint(3, engine.vocab_size, (length,), generator=gen).tolist()
+        for chunk in a.chunk:
+            for how in a.offload_paths:
+                rt.streams_chunk = streams if how == "stream" else (lambda x: False)
+                prefill(engine, ids, chunk, sync)  # compiles, fills the allocator and the cache
+                rt.reset_stats()
+                runs = [prefill(engine, ids, chunk, sync) for _ in range(a.repeat)]
+                st = rt.stats()
+                secs = statistics.median(r[0] for r in runs)
+                link = st["prefill_link_bytes"] if how == "stream" else st["bytes_copied"]
+                print(f"prompt {length} chunk {chunk} offloaded {fraction:.0%} {how}: {secs:.3f} s, "
+                      f"{link / (a.repeat * length) / 2**20:.2f} MiB over the link per prompt token", flush=True)
+                attention, moe = path.split("/")
+                rows.append({"device": device, "tp": 1, "layers": layers, "experts_per_layer": experts,
+                             "prompt_tokens": length, "chunk_tokens": chunk, "attention": attention, "moe": moe,
+                             "ttft_s": round(secs, 4), "prefill_tokens_per_s": round(length / secs, 1),
+                             "ratio_to_baseline": None, "same_last_token": None,
+                             "moe_backend": f"offloaded ({how})", "cache_fraction": fraction,
+                             "cache_bytes_per_gpu": rt.cache.n_slots * rt.cache.slot_bytes,
+                             "link_bytes_per_prompt_token": round(link / (a.repeat * length), 1)})
+    rt.streams_chunk = streams
+    rt.close()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path)
@@ -107,6 +159,11 @@ def main() -> None:
     ap.add_argument("--baseline-max", type=int, default=32768, help="longest prompt the baseline path runs")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="list the TOP kernels of one chunk (CUDA)")
+    ap.add_argument("--offload", type=float, nargs="*", default=[], metavar="FRACTION",
+                    help="also run with the routed experts offloaded (backend gpu), a cache of FRACTION of them")
+    ap.add_argument("--offload-paths", nargs="+", choices=("stream", "slots"), default=["stream"],
+                    help="offloaded chunks: stream each missing expert once per chunk (run_chunk) or the "
+                         "decode-sized slot path in 16-token pieces (as before)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from _results import save_results
@@ -141,6 +198,8 @@ def main() -> None:
                              "ttft_s": round(secs, 4), "prefill_tokens_per_s": round(length / secs, 1),
                              "ratio_to_baseline": round(base[0] / secs, 3) if base else None,
                              "same_last_token": token == base[1] if base else None, "moe_backend": "resident"})
+    for fraction in a.offload:  # the same prompts with the experts in host memory, a cache of ``fraction``
+        rows += offloaded_rows(engine, a, fraction, device, layers, experts, gen_seed=0)
     if a.profile and cuda:
         longest, chunk = max(a.prompt), max(a.chunk)
         ids = torch.randint(3, engine.vocab_size, (longest,), generator=gen).tolist()
@@ -149,11 +208,15 @@ def main() -> None:
         print(f"\nGPU kernels of the last {chunk}-token chunk of a {longest}-token prompt, {a.paths[0]}:")
         for op in ops:
             print(f"  {op['ms']:>10.2f} ms {op['share']:>6.1%} {op['calls']:>6}  {op['kernel']}")
-    print(f"\n{'prompt':>7} {'chunk':>6} {'path':<18} {'ttft s':>9} {'tok/s':>9} {'vs base':>8} {'same':>5}")
+    print(f"\n{'prompt':>7} {'chunk':>6} {'path':<18} {'experts':<20} {'ttft s':>9} {'tok/s':>9} {'vs base':>8} "
+          f"{'same':>5} {'link MiB/token':>15}")
     for r in rows:
         ratio = "" if r["ratio_to_baseline"] is None else f"{r['ratio_to_baseline']:.2f}"
-        print(f"{r['prompt_tokens']:>7} {r['chunk_tokens']:>6} {r['attention'] + '/' + r['moe']:<18} "
-              f"{r['ttft_s']:>9.3f} {r['prefill_tokens_per_s']:>9.1f} {ratio:>8} {str(r['same_last_token']):>5}")
+        link = r.get("link_bytes_per_prompt_token")
+        where = r["moe_backend"] + (f" {r['cache_fraction']:.0%}" if "cache_fraction" in r else "")
+        print(f"{r['prompt_tokens']:>7} {r['chunk_tokens']:>6} {r['attention'] + '/' + r['moe']:<18} {where:<20} "
+              f"{r['ttft_s']:>9.3f} {r['prefill_tokens_per_s']:>9.1f} {ratio:>8} {str(r['same_last_token']):>5} "
+              f"{'' if link is None else f'{link / 2**20:.2f}':>15}")
     save_results("prefill", rows, extra={"path": a.path.name, "dtype": a.dtype, "profile": profiles}, path=a.out)
 
 

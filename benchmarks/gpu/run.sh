@@ -14,7 +14,9 @@
 #   serve           8 concurrent streams against one through the real serve path (serve_concurrency.py)
 #   prefill         the prefill kernels' GPU tests, then 1k-32k prompts through a full-depth checkpoint in
 #                   2k and 8k chunks, kernel against reference, and one chunk's kernels profiled (prefill.py)
-#   prefill-moe     2k and 8k prompts through 4 layers x 256 FP4 experts: grouped experts against the loop
+#   prefill-moe     2k and 8k prompts through 4 layers x 256 FP4 experts: grouped experts against the loop,
+#                   then offloaded (a 25% cache): each chunk streaming its missing experts once against the
+#                   decode-sized slot path, with the link bytes per prompt token
 #   tp-sim          TP 1, 2, 4 of a full-depth V4 predicted from one rank alone, resident and with a 48 GB
 #                   card's expert cache, collectives priced (tp_sim.py)
 #   spec-cost       a full-depth V4's decode step against its verify step (k = 1, 2, 3, rollback included) and
@@ -130,8 +132,9 @@ step_prefill() {
 step_prefill_moe() {  # 4 layers x 256 FP4 experts: a chunk routes to every expert, grouped against the loop
     [ -f /tmp/v4m/config.json ] || timeout 300 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4m --layers 4 \
         --experts 256 --mtp 0 --inventory "$inv" > "$OUT/gen_v4m.log" 2>&1
-    timeout "${PREFILL_MOE_S:-300}" python3 benchmarks/prefill.py /tmp/v4m --from-checkpoint --device cuda \
+    timeout "${PREFILL_MOE_S:-420}" python3 benchmarks/prefill.py /tmp/v4m --from-checkpoint --device cuda \
         --prompt 2048 8192 --chunk 2048 8192 --paths kernel/grouped kernel/loop --profile 12 \
+        --offload 0.25 --offload-paths stream slots \
         --out "$OUT/prefill-$SHARDSMITH_HOST-moe.json" 2>&1 | grep -v INFO | tee "$OUT/prefill_moe.log" | tail -30
 }
 

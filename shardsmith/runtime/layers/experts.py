@@ -53,6 +53,7 @@ Legend: T = tokens, K = experts per token, P = T*K (token, expert) pairs, n = an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -204,7 +205,9 @@ def grouped_mm_runs(x: torch.Tensor) -> bool:
 
 
 def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor],
-                math: ExpertMath, group: int = GROUP_EXPERTS) -> torch.Tensor:
+                math: ExpertMath, group: int = GROUP_EXPERTS, *,
+                fetch: Callable[[torch.Tensor, list[int]], Callable[[], dict[str, torch.Tensor]]] | None = None,
+                n_experts: int | None = None) -> torch.Tensor:
     """Many tokens through an FP4 bank: the ``P = T*K`` pairs sorted by expert, ``group`` present experts
     expanded at a time and run as two grouped matmuls (``torch._grouped_mm``, one group of rows per
     expert), the outputs weighted and added per token in ascending expert order (as the expert-by-expert
@@ -215,29 +218,45 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
             bank's ``gate_up [E, 2*I_r, D/2]``, ``down [E, D, I_r/2]`` int8 with their ``_scale`` arrays
             (and gpt-oss's ``gate_up_bias [E, 2*I_r]``); math: the family's :class:`ExpertMath`;
             group: experts expanded at once (bf16 scratch ``group x 3 x I_r x D``).
+        fetch: where a group's arrays come from when the bank is not ``arrays`` (offloaded experts:
+            ``arrays`` is then ``{}``): ``fetch(ids [G] on the device, the same ids on the host)``
+            starts bringing those experts' arrays ``[G, ...]`` and returns a call that waits for them and
+            returns them; the next group's fetch starts before this group computes, so a copy overlaps
+            it. n_experts: E, needed with ``fetch``.
 
     Returns:
         ``[T, D]`` in ``x.dtype``.
     """
     T, K = index.shape
+    if fetch is None:
+        n_experts = arrays["gate_up"].shape[0]
+
+        def fetch(ids: torch.Tensor, _ids_h: list[int]) -> Callable[[], dict[str, torch.Tensor]]:
+            return lambda: {name: a[ids] for name, a in arrays.items()}
     flat = index.flatten()  # [P]
     order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
-    counts = torch.bincount(flat, minlength=arrays["gate_up"].shape[0])
+    counts = torch.bincount(flat, minlength=n_experts)
     present = counts.nonzero().flatten()
     sizes = counts[present]
     present_h, sizes_h = torch.stack((present, sizes)).tolist()  # the one host sync
     xs = x[order // K]  # [P, D]
     ys = torch.empty_like(xs)
     start = 0
-    for g in range(0, len(present_h), group):
-        ids, n = present[g:g + group], sum(sizes_h[g:g + group])
+    groups = list(range(0, len(present_h), group))
+    pending = fetch(present[:group], present_h[:group]) if groups else None
+    for i, g in enumerate(groups):
+        ready, n = pending, sum(sizes_h[g:g + group])
+        if i + 1 < len(groups):  # the next group's arrays start coming while this one computes
+            nxt = groups[i + 1]
+            pending = fetch(present[nxt:nxt + group], present_h[nxt:nxt + group])
+        got = ready()
         offs = sizes[g:g + group].cumsum(0).to(torch.int32)
-        gate_up = dequantize_fp4(arrays["gate_up"][ids], arrays["gate_up_scale"][ids], x.dtype)  # [G, 2I_r, D]
+        gate_up = dequantize_fp4(got["gate_up"], got["gate_up_scale"], x.dtype)  # [G, 2I_r, D]
         h = torch._grouped_mm(xs[start:start + n], gate_up.transpose(-2, -1), offs=offs)  # [n, 2I_r]
         del gate_up
-        if "gate_up_bias" in arrays:
-            h = h + arrays["gate_up_bias"][ids].to(x.dtype).repeat_interleave(sizes[g:g + group], dim=0)
-        down = dequantize_fp4(arrays["down"][ids], arrays["down_scale"][ids], x.dtype)  # [G, D, I_r]
+        if "gate_up_bias" in got:
+            h = h + got["gate_up_bias"].to(x.dtype).repeat_interleave(sizes[g:g + group], dim=0)
+        down = dequantize_fp4(got["down"], got["down_scale"], x.dtype)  # [G, D, I_r]
         ys[start:start + n] = torch._grouped_mm(math.glu(h), down.transpose(-2, -1), offs=offs)
         start += n
     pairs = torch.empty_like(ys, dtype=math.sum_dtype(x.dtype))

@@ -70,7 +70,8 @@ import torch.distributed as dist
 from shardsmith import settings
 from shardsmith.errors import UsageError
 from shardsmith.settings import Kernel
-from shardsmith.runtime.layers.experts import FUSED_TOKENS_MAX, ExpertMath, expert_output, fused_bank
+from shardsmith.runtime.layers.experts import (FUSED_TOKENS_MAX, ExpertMath, expert_output, fused_bank, grouped_fp4,
+                                              grouped_mm_runs)
 from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs
 from shardsmith.runtime.layers.parallel import kernel_on
 from shardsmith.runtime.layers.quant import bank_format
@@ -115,7 +116,8 @@ class OffloadRuntime:
     Attributes:
         config; host: :class:`HostBanks`; cache: :class:`ExpertCache` (None for ``cpu``);
         cpu: :class:`CpuExperts`; probe: :class:`ProbeResult`; backend, hybrid_fraction: as chosen;
-        tokens: tokens through the first MoE layer (prefill and decode).
+        tokens: tokens through the first MoE layer (decode, and prefill chunks that do not stream their
+        experts; those: prefill_tokens, with prefill_link_bytes copied for them).
     """
 
     def __init__(self, config: OffloadConfig, host: HostBanks, layers: list[str], *, device: torch.device,
@@ -136,6 +138,7 @@ class OffloadRuntime:
         self._tokens_dev: torch.Tensor | None = None  # tokens through layer 0, counted on the device
         self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = 0  # _count
         self.split_steps = 0  # layer steps that ran split (GPU slots + host share)
+        self.prefill_tokens = self.prefill_link_bytes = 0  # prefill chunks that streamed their experts (run_chunk)
         self._step_open, self._step_hit = False, True
 
     # ------------------------------------------------------------ start-up
@@ -246,6 +249,8 @@ class OffloadRuntime:
 
     def run_layer(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The layer's routed partial ``[T, D]``, summed in ascending expert order as the resident path."""
+        if self.streams_chunk(x):
+            return self.run_chunk(layer, x, index, weight)
         if self.slots is not None:
             return self.run_inplace(layer, x, index, weight)
         t0, m0 = time.perf_counter(), self._misses()
@@ -294,6 +299,90 @@ class OffloadRuntime:
                                    self.block, host=host, write_slots=dst, block_r=self.blocks[0],
                                    block_g=self.blocks[1]))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def streams_chunk(self, x: torch.Tensor) -> bool:
+        """Whether a step of ``x`` ``[T, D]`` is a prefill chunk that streams its experts
+        (:meth:`run_chunk`): more than ``FUSED_TOKENS_MAX`` tokens, backend ``gpu`` (a slot pool, no
+        host share), FP4 banks, ``torch._grouped_mm`` for these activations, and not inside a CUDA
+        graph capture (a captured decode step of that many rows stays device-only: the in-place mode)."""
+        return (x.shape[0] > FUSED_TOKENS_MAX and self.backend == "gpu" and self.cache is not None
+                and bank_format(self.cache.pool["gate_up"]) == "fp4" and grouped_mm_runs(x)
+                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+    def run_chunk(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A prefill chunk's layer: the resident path's grouped matmuls (:func:`grouped_fp4`: pairs sorted
+        by expert, ``GROUP_EXPERTS`` present experts at a time), each expert's arrays read from its slot
+        when the cache holds it and otherwise copied **once** from the host bank into a staging group,
+        the next group's copies running on the copy stream while this group computes. A chunk routes to
+        nearly every expert, so copying misses pair by pair, or admitting them, would move each many
+        times and evict what decode keeps: the cache is left as it is (its counters too). The same
+        expert bytes and maths as the resident path, so the same result.
+
+        ``prefill_link_bytes`` counts what the chunks copied, ``prefill_tokens`` their tokens.
+        """
+        if layer == 0:
+            self.prefill_tokens += x.shape[0]
+        host = self.host.layers[self.layers[layer]]
+        held = self._held(layer)
+        return grouped_fp4(x, index, weight, {}, self.math, fetch=lambda ids, ids_h: self._stage(host, held, ids_h),
+                           n_experts=host["gate_up"].shape[0])
+
+    def _held(self, layer: int) -> dict[int, int]:
+        """Expert -> pool row of layer ``layer``'s experts the cache holds now (one read of the device
+        table in the in-place mode)."""
+        if self.slots is not None:
+            n, keys = self.slots.n_experts, self.slots.slot_key.tolist()
+            return {k - layer * n: row for row, k in enumerate(keys) if k >= 0 and k // n == layer}
+        return {e: slot for (lay, e), slot in self.cache.table.items() if lay == layer}
+
+    def _stage(self, host: dict[str, torch.Tensor], held: dict[int, int], experts: list[int]):
+        """Start bringing ``experts``' arrays into a fresh staging group ``[G, ...]`` on the device: held
+        ones gathered from the pool, the others copied from the host bank (runs of consecutive experts
+        in one copy each; on the copy stream on CUDA). Returns the call that waits and gives them."""
+        pool, dev = self.cache.pool, self.device
+        out = {name: torch.empty((len(experts), *p.shape[1:]), dtype=p.dtype, device=dev) for name, p in pool.items()}
+        rows = [(i, held[e]) for i, e in enumerate(experts) if e in held]
+        if rows:
+            at, slot = to_device([torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])], dev)
+            for name, p in pool.items():  # one-byte arrays as bytes (index_put has no float8 scale kernels)
+                if p.element_size() == 1:
+                    out[name].view(torch.uint8)[at] = p.view(torch.uint8)[slot]
+                else:
+                    out[name][at] = p[slot]
+        runs, i = [], 0  # (group position, first expert, count) of the misses
+        while i < len(experts):
+            if experts[i] in held:
+                i += 1
+                continue
+            j = i + 1
+            while j < len(experts) and experts[j] == experts[j - 1] + 1 and experts[j] not in held:
+                j += 1
+            runs.append((i, experts[i], j - i))
+            i = j
+        n = sum(c for _, _, c in runs) * self.cache.slot_bytes
+        self.prefill_link_bytes += n
+        if not runs:
+            return lambda: out
+        if dev.type != "cuda":
+            for i, e, c in runs:
+                for name, t in out.items():
+                    t[i:i + c].copy_(host[name][e:e + c])
+            return lambda: out
+        stream = self.cache.stream
+        stream.wait_stream(torch.cuda.current_stream(dev))  # the staging memory is this stream's until here
+        with torch.cuda.stream(stream):
+            for i, e, c in runs:
+                for name, t in out.items():
+                    t[i:i + c].copy_(host[name][e:e + c], non_blocking=True)
+            link_cap.pad(n, dev)  # emulated slower link, off unless SHARDSMITH_TUNING has emulate_h2d_gbps
+            done = stream.record_event()
+        for t in out.values():
+            t.record_stream(stream)
+
+        def ready() -> dict[str, torch.Tensor]:
+            torch.cuda.current_stream(dev).wait_event(done)
+            return out
+        return ready
 
     def _misses(self) -> int:
         return self.cache.table.misses if self.cache is not None else 0
@@ -499,7 +588,9 @@ class OffloadRuntime:
 
     def stats(self) -> dict[str, float]:
         """``slots``, ``hits``, ``misses``, ``hit_rate``, ``bytes_copied``, ``bytes_per_token``,
-        ``h2d_gb_per_s`` (achieved during miss copies), ``host_bytes``, ``host_experts``, ``tokens``;
+        ``h2d_gb_per_s`` (achieved during miss copies), ``host_bytes``, ``host_experts``, ``tokens``
+        (the prefill chunks that stream their experts apart: ``prefill_tokens``, ``prefill_link_bytes``,
+        ``prefill_link_bytes_per_token``);
         ``decode_steps``, ``steps_all_hit`` (decode-sized steps whose every layer hit: no host sync
         needed with a device-side slot table), ``layer_steps``, ``layer_steps_all_hit``."""
         out = {"backend": self.backend, "host_bytes": self.host.nbytes, "host_pinned": self.host.pinned,
@@ -520,6 +611,9 @@ class OffloadRuntime:
                     "hits": int(st["hits"]),
                     "misses": int(st["misses"]), "hit_rate": st["hit_rate"], "bytes_copied": missed,
                     "bytes_per_token": missed / tokens if tokens else 0.0, "h2d_gb_per_s": None}
+        out |= {"prefill_tokens": self.prefill_tokens, "prefill_link_bytes": self.prefill_link_bytes,
+                "prefill_link_bytes_per_token": self.prefill_link_bytes / self.prefill_tokens
+                if self.prefill_tokens else 0.0}
         if self.probe is not None:
             out["probe_h2d_gb_per_s"] = self.probe.h2d_gb_per_s
             out["probe_cpu_s_per_expert"] = self.probe.cpu_s_per_expert
@@ -527,7 +621,7 @@ class OffloadRuntime:
 
     def reset_stats(self) -> None:
         """Zero the counters (e.g. after warm-up); the cache contents stay."""
-        self.tokens = self.cpu_experts = 0
+        self.tokens = self.cpu_experts = self.prefill_tokens = self.prefill_link_bytes = 0
         self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = self.split_steps = 0
         self._step_open, self._step_hit = False, True
         self.step_s = 0.0

@@ -95,6 +95,10 @@ class SlotTable:
         """The slot holding ``key``, or None; no side effects."""
         return self._lru.get(key)
 
+    def items(self) -> list[tuple[Key, int]]:
+        """``(key, slot)`` of every resident key; no side effects."""
+        return list(self._lru.items())
+
     @property
     def hot_set(self) -> frozenset[Key]:
         """Keys currently pinned (``hot`` policy)."""

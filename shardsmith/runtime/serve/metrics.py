@@ -178,6 +178,10 @@ class Metrics:
         ("bytes_per_token", "expert_bytes_per_token", "gauge", "Host-to-device expert bytes per generated token (per rank)."),
         ("h2d_gb_per_s", "expert_h2d_gb_per_s", "gauge", "Achieved host-to-device GB/s during miss copies."),
         ("host_bytes", "expert_host_bytes", "gauge", "Expert bank bytes held in host memory by this rank."),
+        ("prefill_tokens", "expert_prefill_tokens_total", "counter",
+         "Prompt tokens of prefill chunks that streamed their experts (each missing expert copied once a chunk)."),
+        ("prefill_link_bytes", "expert_prefill_link_bytes_total", "counter",
+         "Host-to-device expert bytes those prefill chunks copied (per rank)."),
     )
 
     def _prefix_lines(self) -> list[str]:

@@ -53,14 +53,15 @@ def test_metrics_render_offload_stats() -> None:
     class Stats:
         def stats(self) -> dict:
             return {"slots": 12, "hits": 30, "misses": 10, "hit_rate": 0.75, "bytes_per_token": 1e6,
-                    "h2d_gb_per_s": 50.0, "host_bytes": 1 << 30}
+                    "h2d_gb_per_s": 50.0, "host_bytes": 1 << 30, "prefill_tokens": 4096, "prefill_link_bytes": 1 << 33}
 
     m = Metrics()
     assert "expert_cache" not in m.render()
     m.offload = Stats()
     text = m.render()
     for line in ("expert_cache_slots 12.0", "expert_cache_hits_total 30.0", "expert_cache_hit_rate 0.75",
-                 "expert_h2d_gb_per_s 50.0", "expert_host_bytes 1073741824.0"):
+                 "expert_h2d_gb_per_s 50.0", "expert_host_bytes 1073741824.0", "expert_prefill_tokens_total 4096.0",
+                 "expert_prefill_link_bytes_total 8589934592.0"):
         assert any(l.endswith(line) for l in text.splitlines()), line
 
 

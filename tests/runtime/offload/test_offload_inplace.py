@@ -59,7 +59,10 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monke
     each the resident kernel's bits on the pair path (the in-place mode's; bf16 past 4 tokens would
     take the grouped path resident), each filled slot the host expert its device key names. ``copy``:
     8 pool rows, 4 of them staging (top-k 4): a one-token call reads every pair from the pool, larger
-    ones read the misses past the staging rows from the host."""
+    ones read the misses past the staging rows from the host. The FP4 20-token call is a prefill
+    chunk: it streams its experts (``run_chunk``: the resident grouped path's bits, held experts
+    from their slots, the table and its counters untouched)."""
+    from shardsmith.runtime.layers.experts import grouped_fp4
     from shardsmith.runtime.layers.kernels import fused_moe
 
     monkeypatch.setattr(fused_moe, "pick_path", lambda fmt, tokens: "pairs")  # resident calls too
@@ -72,9 +75,12 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monke
     for layer, tokens in calls:
         ids, weights = random_routing(tokens, 4, 12, gen=gen)
         x = torch.randn(tokens, 64, generator=gen, device=DEV).bfloat16()
-        want = fused_bank(x, ids, weights, banks[f"layers.{layer}"], V4, None)
+        chunk = rt.streams_chunk(x)
+        assert chunk == (fmt == "fp4" and tokens > 16)
+        want = (grouped_fp4 if chunk else fused_bank)(x, ids, weights, banks[f"layers.{layer}"], V4,
+                                                     *(() if chunk else (None,)))
         assert torch.equal(rt.run_layer(layer, x, ids, weights), want), (fmt, layer, tokens)
-        pairs += ids.numel()
+        pairs += 0 if chunk else ids.numel()
         for s, key in enumerate(rt.slots.slot_key.tolist()):  # what the device table says each slot holds
             if key >= 0:
                 held = banks[f"layers.{key // 12}"]

@@ -144,3 +144,63 @@ def test_v4_offloaded_decode_step_is_the_resident_bits_on_cuda(packs, use_settin
     on its PyTorch path (the fused kernel resident banks take on CUDA: test_kernels_wired.py)."""
     use_settings(fused_experts="reference")
     _slots_vs_resident_bf16(packs[1], "cuda")
+
+
+LONG_PROMPT = [(7 * i + 3) % 500 + 2 for i in range(48)]  # 48 tokens: a prefill chunk past the decode-sized steps
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_v4_prefill_chunk_streams_each_missing_expert_once(packs, device):
+    """A 48-token prompt on a 4-slot cache: each layer's chunk reads the experts the cache holds from
+    their slots and copies every other present expert once, a group at a time (the next group's
+    copies start before this group computes), leaves the cache's contents and counters as they were,
+    and gives the resident model's logits bit for bit (the same grouped matmuls over the same bytes),
+    then the same greedy tokens."""
+    from shardsmith.runtime.engine.engine import Engine, SamplingParams
+    from shardsmith.runtime.offload import runtime as offload_runtime
+
+    resident = Engine.load(packs[1], rank=0, world_size=1, device=device, dtype=torch.float32, max_seq_len=96)
+    want = resident.logits(LONG_PROMPT)
+    want_tokens = [s.token_id for s in resident.generate(LONG_PROMPT, SamplingParams(max_tokens=4))]
+    eng = Engine.load(packs[1], rank=0, world_size=1, device=device, dtype=torch.float32, max_seq_len=96,
+                      offload=OffloadConfig(backend="gpu", cache_slots=4, probe=False))
+    rt = eng.offload
+    eng.logits(PROMPT)  # a short prompt first: the cache holds some experts (decode-sized steps admit them)
+    rt.reset_stats()
+    held_before = sorted(rt.cache.table.items())
+    staged, routed = [], []
+    real_stage, real_chunk = rt._stage, rt.run_chunk
+
+    def stage(host, held, experts):
+        staged.append((id(host), [e for e in experts if e not in held], [e for e in experts if e in held]))
+        return real_stage(host, held, experts)
+
+    def chunk(layer, x, index, weight):
+        routed.append((layer, sorted(set(index.flatten().tolist()))))
+        return real_chunk(layer, x, index, weight)
+
+    rt._stage, rt.run_chunk = stage, chunk
+    got = eng.logits(LONG_PROMPT)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    layers = [layer for layer, _ in routed]
+    assert layers == list(range(len(rt.layers))) and all(len(e) > 1 for _, e in routed)
+    # per layer: the groups cover the routed experts once, each missing one copied once
+    by_host = {}
+    for host, missed, held in staged:
+        by_host.setdefault(host, []).append((missed, held))
+    copied = 0
+    for (layer, experts), groups in zip(routed, by_host.values()):
+        missed = [e for m, _ in groups for e in m]
+        held = [e for _, h in groups for e in h]
+        assert sorted(missed + held) == experts and len(set(missed)) == len(missed)
+        assert set(held) == {e for (lay, e), _ in held_before if lay == layer} & set(experts)
+        copied += len(missed)
+    st = rt.stats()
+    assert copied > 0 and st["prefill_link_bytes"] == copied * rt.cache.slot_bytes
+    assert st["prefill_tokens"] == len(LONG_PROMPT) and st["misses"] == st["hits"] == 0
+    assert sorted(rt.cache.table.items()) == held_before  # nothing admitted, nothing evicted
+    assert st["prefill_link_bytes_per_token"] == copied * rt.cache.slot_bytes / len(LONG_PROMPT)
+    rt._stage, rt.run_chunk = real_stage, real_chunk
+    assert [s.token_id for s in eng.generate(LONG_PROMPT, SamplingParams(max_tokens=4))] == want_tokens
+    rt.close()
