@@ -65,3 +65,26 @@ def test_mtp_speculation_through_serve_at_tp2(tmp_path: Path) -> None:
     assert answers[True] == answers[False] and answers[True]
     assert _metric(metrics, "spec_decode_steps_total") > 0
     assert _metric(metrics, "spec_decode_draft_tokens_total") >= _metric(metrics, "spec_decode_steps_total")
+
+
+def test_deepseek_v4_ngram_speculation_through_serve(tmp_path: Path) -> None:
+    """``serve --speculative ngram`` on a tiny DeepSeek-V4 pack: the server reserves the draft's rows
+    before its warm-up (V4's window rings grown, its state allocated anew), drafts ride in the batched
+    step as verify runs, and the greedy answer is the one a server without speculation gives."""
+    from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
+    from shardsmith.testing.tokenizer import deepseek_tokenizer
+    from shardsmith.writer.split import split_checkpoint
+
+    src = tiny_deepseek_v4(tmp_path / "src")
+    deepseek_tokenizer(src, vocab_size=512, chat="template")
+    split_checkpoint(src, tmp_path / "tp1", world_size=1)
+    ask = {"model": MODEL, "prompt": [3, 17, 42, 99, 5, 8, 61, 7] * 4, "max_tokens": 24, "temperature": 0}
+    answers = {}
+    for mode in ((), ("--speculative", "ngram", "--num-speculative-tokens", "3")):
+        with Server(tmp_path / "tp1", tmp_path / f"serve{len(mode)}.log", "--dtype", "float32", *mode,
+                    model=MODEL) as srv:
+            answers[bool(mode)] = post(srv, "/v1/completions", ask).json()["choices"][0]["text"]
+            metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    assert answers[True] == answers[False] and answers[True]
+    assert _metric(metrics, "spec_decode_steps_total") > 0
+    assert _metric(metrics, "spec_decode_draft_tokens_total") >= _metric(metrics, "spec_decode_steps_total")

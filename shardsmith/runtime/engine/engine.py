@@ -51,6 +51,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -724,9 +725,10 @@ class Engine:
         return logits if on_device else logits.cpu()
 
     def _run_forward(self, tokens: torch.Tensor, start: int, *, last_only: bool, slot: int) -> torch.Tensor:
-        if slot == 0:
-            return self.forward(tokens.to(self.device), start, last_only=last_only)
-        return self.forward(tokens.to(self.device), start, last_only=last_only, slot=slot)
+        with self.offload.prefill() if self.offload is not None else contextlib.nullcontext():
+            if slot == 0:
+                return self.forward(tokens.to(self.device), start, last_only=last_only)
+            return self.forward(tokens.to(self.device), start, last_only=last_only, slot=slot)
 
     def _run_decode(self, payload: torch.Tensor, bucket: int | None = None) -> torch.Tensor:
         ids, starts, slots = payload[0].to(self.device), payload[1].tolist(), payload[2].tolist()

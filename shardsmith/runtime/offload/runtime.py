@@ -61,8 +61,10 @@ the resident step's value within float32 rounding, not its bits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -139,6 +141,7 @@ class OffloadRuntime:
         self.steps = self.steps_all_hit = self.layer_steps = self.layer_steps_all_hit = 0  # _count
         self.split_steps = 0  # layer steps that ran split (GPU slots + host share)
         self.prefill_tokens = self.prefill_link_bytes = 0  # prefill chunks that streamed their experts (run_chunk)
+        self.prefilling = False  # inside prefill(): long steps stream their experts
         self._step_open, self._step_hit = False, True
 
     # ------------------------------------------------------------ start-up
@@ -302,12 +305,22 @@ class OffloadRuntime:
 
     def streams_chunk(self, x: torch.Tensor) -> bool:
         """Whether a step of ``x`` ``[T, D]`` is a prefill chunk that streams its experts
-        (:meth:`run_chunk`): more than ``FUSED_TOKENS_MAX`` tokens, backend ``gpu`` (a slot pool, no
-        host share), FP4 banks, ``torch._grouped_mm`` for these activations, and not inside a CUDA
-        graph capture (a captured decode step of that many rows stays device-only: the in-place mode)."""
-        return (x.shape[0] > FUSED_TOKENS_MAX and self.backend == "gpu" and self.cache is not None
-                and bank_format(self.cache.pool["gate_up"]) == "fp4" and grouped_mm_runs(x)
-                and not (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+        (:meth:`run_chunk`): inside :meth:`prefill` (decode steps, however many rows, keep the cache's
+        path: they admit what they use, and a captured one stays device-only), more than
+        ``FUSED_TOKENS_MAX`` tokens, backend ``gpu`` (a slot pool, no host share), FP4 banks, and
+        ``torch._grouped_mm`` for these activations."""
+        return (self.prefilling and x.shape[0] > FUSED_TOKENS_MAX and self.backend == "gpu" and self.cache is not None
+                and bank_format(self.cache.pool["gate_up"]) == "fp4" and grouped_mm_runs(x))
+
+    @contextlib.contextmanager
+    def prefill(self) -> Iterator[None]:
+        """Within: the layers run a prefill (or a chunk of one), whose long steps stream their experts
+        (:meth:`streams_chunk`); the engine wraps every prefill forward in it."""
+        before, self.prefilling = self.prefilling, True
+        try:
+            yield
+        finally:
+            self.prefilling = before
 
     def run_chunk(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A prefill chunk's layer: the resident path's grouped matmuls (:func:`grouped_fp4`: pairs sorted

@@ -59,10 +59,7 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monke
     each the resident kernel's bits on the pair path (the in-place mode's; bf16 past 4 tokens would
     take the grouped path resident), each filled slot the host expert its device key names. ``copy``:
     8 pool rows, 4 of them staging (top-k 4): a one-token call reads every pair from the pool, larger
-    ones read the misses past the staging rows from the host. The FP4 20-token call is a prefill
-    chunk: it streams its experts (``run_chunk``: the resident grouped path's bits, held experts
-    from their slots, the table and its counters untouched)."""
-    from shardsmith.runtime.layers.experts import grouped_fp4
+    ones read the misses past the staging rows from the host."""
     from shardsmith.runtime.layers.kernels import fused_moe
 
     monkeypatch.setattr(fused_moe, "pick_path", lambda fmt, tokens: "pairs")  # resident calls too
@@ -75,12 +72,9 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monke
     for layer, tokens in calls:
         ids, weights = random_routing(tokens, 4, 12, gen=gen)
         x = torch.randn(tokens, 64, generator=gen, device=DEV).bfloat16()
-        chunk = rt.streams_chunk(x)
-        assert chunk == (fmt == "fp4" and tokens > 16)
-        want = (grouped_fp4 if chunk else fused_bank)(x, ids, weights, banks[f"layers.{layer}"], V4,
-                                                     *(() if chunk else (None,)))
+        want = fused_bank(x, ids, weights, banks[f"layers.{layer}"], V4, None)
         assert torch.equal(rt.run_layer(layer, x, ids, weights), want), (fmt, layer, tokens)
-        pairs += 0 if chunk else ids.numel()
+        pairs += ids.numel()
         for s, key in enumerate(rt.slots.slot_key.tolist()):  # what the device table says each slot holds
             if key >= 0:
                 held = banks[f"layers.{key // 12}"]
@@ -131,3 +125,29 @@ def test_miss_mode_knob(monkeypatch, use_settings):
     monkeypatch.setenv("SHARDSMITH_TUNING", "offload_miss=dma")
     with pytest.raises(UsageError, match=r"SHARDSMITH_TUNING: offload_miss='dma': expected one of copy, read"):
         miss_mode()
+
+
+@needs_triton
+def test_a_prefill_chunk_streams_its_experts_in_the_inplace_mode(use_settings):
+    """Inside ``prefill()`` a 20-token call is a prefill chunk (``run_chunk``): the resident grouped path's
+    bits, the experts the device table holds read from their slots and the rest copied once, the table
+    and its counters untouched; the same call outside it (a decode step of 20 rows) keeps the in-place path."""
+    from shardsmith.runtime.layers.experts import grouped_fp4
+
+    rt, banks = _runtime("fp4", use_settings, slots=8, top_k=4)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    ids, weights = random_routing(1, 4, 12, gen=gen)
+    x1 = torch.randn(1, 64, generator=gen, device=DEV).bfloat16()
+    rt.run_layer(0, x1, ids, weights)  # one token: four experts of layer 0 in slots
+    keys, counts = rt.slots.slot_key.clone(), rt.slots.counts.clone()
+    ids, weights = random_routing(20, 4, 12, gen=gen)
+    x = torch.randn(20, 64, generator=gen, device=DEV).bfloat16()
+    assert not rt.streams_chunk(x)
+    with rt.prefill():
+        assert rt.streams_chunk(x)
+        got = rt.run_layer(0, x, ids, weights)
+    assert torch.equal(got, grouped_fp4(x, ids, weights, banks["layers.0"], V4))
+    assert torch.equal(rt.slots.slot_key, keys) and torch.equal(rt.slots.counts, counts)
+    held = {k % 12 for k in keys.tolist() if k >= 0 and k // 12 == 0}
+    present = set(ids.flatten().tolist())
+    assert rt.stats()["prefill_link_bytes"] == len(present - held) * rt.cache.slot_bytes > 0
