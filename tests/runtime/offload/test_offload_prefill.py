@@ -1,0 +1,35 @@
+"""Offloaded prefill chunks that stream their experts (``OffloadRuntime.run_chunk``) for gpt-oss's MXFP4
+banks: the gate/up bias and the family's GLU ride with each expert, so a 40-token prompt on a 4-slot
+cache gives the resident model's logits bit for bit, and every present expert but the cached ones is
+copied once per layer. (DeepSeek-V4's FP4 chunks: ``test_offload_v4.py``; the in-place mode's:
+``test_offload_inplace.py``.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shardsmith.runtime.offload import OffloadConfig
+
+PROMPT = [(5 * i + 1) % 200 + 2 for i in range(40)]
+
+
+def test_gpt_oss_prefill_chunk_streams_its_experts(tmp_path: Path) -> None:
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.testing.tiny_gpt_oss import tiny_gpt_oss
+
+    ckpt = tiny_gpt_oss(tmp_path / "gpt-oss")
+    load = dict(rank=0, world_size=1, dtype=torch.float32, from_checkpoint=True, max_seq_len=64)
+    want = Engine.load(ckpt, **load).logits(PROMPT)
+    eng = Engine.load(ckpt, **load, offload=OffloadConfig(backend="gpu", cache_slots=4, probe=False))
+    rt = eng.offload
+    assert "gate_up_bias" in rt.cache.pool
+    got = eng.logits(PROMPT)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    st = rt.stats()
+    experts = next(iter(rt.host.layers.values()))["gate_up"].shape[0]
+    assert st["prefill_tokens"] == len(PROMPT) and st["misses"] == 0
+    assert 0 < st["prefill_link_bytes"] <= len(rt.layers) * experts * rt.cache.slot_bytes
+    assert st["prefill_link_bytes"] % rt.cache.slot_bytes == 0
+    rt.close()
