@@ -27,7 +27,8 @@ queries, on CPU).
 The state is kept per **slot** (one independent sequence each, preallocated by
 :meth:`Attention.allocate`): a window ring per slot and the compressors' per-slot state. A prefill
 (or chunk) of one sequence runs :meth:`Attention.core` on its slot; a batched decode step (``B``
-rows, one token of a different slot each) runs :meth:`Attention.decode_core`, which attends all rows
+rows, one token of a different slot each, or a slot's speculative verify run of consecutive tokens,
+its ring then ``K - 1`` rows longer: :meth:`Attention.allocate`) runs :meth:`Attention.decode_core`, which attends all rows
 at once over their own slot's window and entries, padded to the step's length bucket and masked, from
 the layer's key buffer ``[sink | window | entries]`` with an additive bias (on CUDA two Triton launches
 that read each key row once, :func:`~shardsmith.runtime.layers.kernels.deepseek_v4.sink_attention.sink_attention`;

@@ -18,7 +18,9 @@ incomplete window wait in a buffer, and a CSA compressor keeps the last complete
 rows: both carried across decode steps. That state is kept per **slot** (one independent sequence
 each, preallocated; :class:`Compressor`): a prefill or prefill chunk extends one slot
 (:meth:`Compressor.extend`), a batched decode step takes one token for each of ``R`` slots
-(:meth:`Compressor.step`, device-only with static shapes). All projections here are replicated.
+(:meth:`Compressor.step`, device-only with static shapes), or with speculation a run of a slot's
+consecutive tokens, taken in order and taken back exactly (:meth:`Compressor.rewind_run`). All
+projections here are replicated.
 
 Legend: T = new tokens, B = rows of a batched decode step (one slot each), N = slots, D = hidden,
 d = entry dim, C = compressed entries so far, r = ratio, h = indexer heads, k = top-k, L = max_seq_len.
