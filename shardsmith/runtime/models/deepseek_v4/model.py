@@ -22,7 +22,8 @@ entries (the window ring, the CSA compressors' carried window), and :meth:`Deeps
 puts the slot back there, so a later prompt sharing that prefix resumes at it (prefix reuse).
 :meth:`DeepseekV4.forward` runs one sequence (a prefill, a chunk of one, or one token);
 :meth:`DeepseekV4.decode_step` and the blocks' pieces run one token for each of ``B`` slots
-(continuous batching).
+(continuous batching), or, after :meth:`DeepseekV4.reserve_runs`, a slot's speculative verify run
+of consecutive tokens, whose rejected rows :meth:`DeepseekV4.restore` takes back.
 Source of the maths: transformers ``modeling_deepseek_v4.py`` (``DeepseekV4Model``).
 
 Legend: T = new tokens, B = rows of a batched decode step, m = hyper-connection streams, D = hidden,
