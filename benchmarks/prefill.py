@@ -124,6 +124,8 @@ def offloaded_rows(resident: Engine, a: argparse.Namespace, fraction: float, dev
         ids = torch.randint(3, engine.vocab_size, (length,), generator=gen).tolist()
         for chunk in a.chunk:
             for how in a.offload_paths:
+                if how == "slots" and length > a.slots_max:
+                    continue
                 rt.streams_chunk = streams if how == "stream" else (lambda x: False)
                 prefill(engine, ids, chunk, sync)  # compiles, fills the allocator and the cache
                 rt.reset_stats()
@@ -164,6 +166,9 @@ def main() -> None:
     ap.add_argument("--offload-paths", nargs="+", choices=("stream", "slots"), default=["stream"],
                     help="offloaded chunks: stream each missing expert once per chunk (run_chunk) or the "
                          "decode-sized slot path in 16-token pieces (as before)")
+    ap.add_argument("--slots-max", type=int, default=2048,
+                    help="longest prompt the offloaded slot path runs (it moves each missing expert once per "
+                         "16-token piece: minutes a layer at 8k tokens and the real expert count)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     from _results import save_results
