@@ -45,26 +45,35 @@ def test_ngram_speculation_keeps_the_answer(smollm2_pack, tmp_path: Path) -> Non
     assert _metric(metrics, "spec_decode_emitted_tokens_total") > _metric(metrics, "spec_decode_steps_total")
 
 
-def test_mtp_speculation_through_serve_at_tp2(tmp_path: Path) -> None:
-    """``serve --speculative mtp`` on a tiny DeepSeek-V3 pack at TP=2: the MTP layer loads on every rank,
-    drafts are checked, and the greedy answer is the one a server without speculation gives."""
-    from shardsmith.testing import tiny_deepseek_v3
+def _with_and_without(make, tmp_path: Path, world_size: int, prompt: list[int], max_tokens: int,
+                      speculative: tuple[str, ...]) -> None:
+    """A pack of the tiny checkpoint ``make`` writes, split at ``world_size``: the greedy completion of
+    ``prompt`` from a server with ``speculative`` options equals one without, and drafts were checked."""
     from shardsmith.testing.tokenizer import deepseek_tokenizer
     from shardsmith.writer.split import split_checkpoint
 
-    src = tiny_deepseek_v3(tmp_path / "src")
+    src = make(tmp_path / "src")
     deepseek_tokenizer(src, vocab_size=512, chat="template")
-    split_checkpoint(src, tmp_path / "tp2", world_size=2)
-    ask = {"model": MODEL, "prompt": [3, 17, 42, 99, 5, 8, 61, 7, 3, 17, 42], "max_tokens": 16, "temperature": 0}
+    split_checkpoint(src, tmp_path / "pack", world_size=world_size)
+    ask = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     answers = {}
-    for mode in ((), ("--speculative", "mtp", "--num-speculative-tokens", "3")):
-        with Server(tmp_path / "tp2", tmp_path / f"serve{len(mode)}.log", "--dtype", "float32", *mode,
+    for mode in ((), speculative):
+        with Server(tmp_path / "pack", tmp_path / f"serve{len(mode)}.log", "--dtype", "float32", *mode,
                     model=MODEL) as srv:
             answers[bool(mode)] = post(srv, "/v1/completions", ask).json()["choices"][0]["text"]
             metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
     assert answers[True] == answers[False] and answers[True]
     assert _metric(metrics, "spec_decode_steps_total") > 0
     assert _metric(metrics, "spec_decode_draft_tokens_total") >= _metric(metrics, "spec_decode_steps_total")
+
+
+def test_mtp_speculation_through_serve_at_tp2(tmp_path: Path) -> None:
+    """``serve --speculative mtp`` on a tiny DeepSeek-V3 pack at TP=2: the MTP layer loads on every rank,
+    drafts are checked, and the greedy answer is the one a server without speculation gives."""
+    from shardsmith.testing import tiny_deepseek_v3
+
+    _with_and_without(tiny_deepseek_v3, tmp_path, 2, [3, 17, 42, 99, 5, 8, 61, 7, 3, 17, 42], 16,
+                      ("--speculative", "mtp", "--num-speculative-tokens", "3"))
 
 
 def test_deepseek_v4_ngram_speculation_through_serve(tmp_path: Path) -> None:
@@ -72,19 +81,6 @@ def test_deepseek_v4_ngram_speculation_through_serve(tmp_path: Path) -> None:
     before its warm-up (V4's window rings grown, its state allocated anew), drafts ride in the batched
     step as verify runs, and the greedy answer is the one a server without speculation gives."""
     from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
-    from shardsmith.testing.tokenizer import deepseek_tokenizer
-    from shardsmith.writer.split import split_checkpoint
 
-    src = tiny_deepseek_v4(tmp_path / "src")
-    deepseek_tokenizer(src, vocab_size=512, chat="template")
-    split_checkpoint(src, tmp_path / "tp1", world_size=1)
-    ask = {"model": MODEL, "prompt": [3, 17, 42, 99, 5, 8, 61, 7] * 4, "max_tokens": 24, "temperature": 0}
-    answers = {}
-    for mode in ((), ("--speculative", "ngram", "--num-speculative-tokens", "3")):
-        with Server(tmp_path / "tp1", tmp_path / f"serve{len(mode)}.log", "--dtype", "float32", *mode,
-                    model=MODEL) as srv:
-            answers[bool(mode)] = post(srv, "/v1/completions", ask).json()["choices"][0]["text"]
-            metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-    assert answers[True] == answers[False] and answers[True]
-    assert _metric(metrics, "spec_decode_steps_total") > 0
-    assert _metric(metrics, "spec_decode_draft_tokens_total") >= _metric(metrics, "spec_decode_steps_total")
+    _with_and_without(tiny_deepseek_v4, tmp_path, 1, [3, 17, 42, 99, 5, 8, 61, 7] * 4, 24,
+                      ("--speculative", "ngram", "--num-speculative-tokens", "3"))
