@@ -310,7 +310,8 @@ def main() -> None:
     if not a.no_save:
         from _results import save_results
 
-        save_results("tp_sim", rows, extra={"template": str(ckpt), "device": a.device, "dtype": a.dtype,
+        card = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+        save_results("tp_sim", rows, extra={"template": str(ckpt), "device": a.device, "card": card, "dtype": a.dtype,
                                              "card_gib": a.card_gib, "measured": measured})
 
 

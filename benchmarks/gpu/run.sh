@@ -141,7 +141,7 @@ step_prefill_moe() {  # 4 layers x 256 FP4 experts: a chunk routes to every expe
 step_tp_sim() {
     template || return 1
     timeout "${TP_SIM_S:-540}" python3 benchmarks/tp_sim.py /tmp/v4t5 --work /tmp/tps --layers 43 --experts-per-layer 24 \
-        --tp ${TP_SIM_TP:-1,2,4} --timeout-s 240 2>&1 | grep -v INFO | tee "$OUT/tp_sim.log" | tail -40
+        --tp ${TP_SIM_TP:-1,2,4} --kinds-config "$inv/config.json" --timeout-s 240 2>&1 | grep -v INFO | tee "$OUT/tp_sim.log" | tail -40
     local rc=${PIPESTATUS[0]}; keep tp_sim; return $rc
 }
 
