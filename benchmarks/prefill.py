@@ -131,6 +131,9 @@ def offloaded_rows(resident: Engine, a: argparse.Namespace, fraction: float, dev
                 rt.reset_stats()
                 runs = [prefill(engine, ids, chunk, sync) for _ in range(a.repeat)]
                 st = rt.stats()
+                if how == "stream" and not st["prefill_tokens"]:
+                    print(f"prompt {length} chunk {chunk}: the chunks did not stream their experts: "
+                          f"{rt.stream_refused or 'no long step reached the experts'}", flush=True)
                 secs = statistics.median(r[0] for r in runs)
                 link = st["prefill_link_bytes"] if how == "stream" else st["bytes_copied"]
                 print(f"prompt {length} chunk {chunk} offloaded {fraction:.0%} {how}: {secs:.3f} s, "

@@ -142,6 +142,7 @@ class OffloadRuntime:
         self.split_steps = 0  # layer steps that ran split (GPU slots + host share)
         self.prefill_tokens = self.prefill_link_bytes = 0  # prefill chunks that streamed their experts (run_chunk)
         self.prefilling = False  # inside prefill(): long steps stream their experts
+        self.stream_refused = ""  # why the first long prefill step that did not stream did not (logged once)
         self._step_open, self._step_hit = False, True
 
     # ------------------------------------------------------------ start-up
@@ -254,6 +255,10 @@ class OffloadRuntime:
         """The layer's routed partial ``[T, D]``, summed in ascending expert order as the resident path."""
         if self.streams_chunk(x):
             return self.run_chunk(layer, x, index, weight)
+        if self.prefilling and x.shape[0] > FUSED_TOKENS_MAX and not self.stream_refused:
+            self.stream_refused = self.stream_refusal(x) or "streams_chunk said no"
+            log.info("a %d-token prefill chunk runs its experts through the expert cache, not streamed: %s",
+                     x.shape[0], self.stream_refused)
         if self.slots is not None:
             return self.run_inplace(layer, x, index, weight)
         t0, m0 = time.perf_counter(), self._misses()
@@ -308,9 +313,22 @@ class OffloadRuntime:
         (:meth:`run_chunk`): inside :meth:`prefill` (decode steps, however many rows, keep the cache's
         path: they admit what they use, and a captured one stays device-only), more than
         ``FUSED_TOKENS_MAX`` tokens, backend ``gpu`` (a slot pool, no host share), FP4 banks, and
-        ``torch._grouped_mm`` for these activations."""
-        return (self.prefilling and x.shape[0] > FUSED_TOKENS_MAX and self.backend == "gpu" and self.cache is not None
-                and bank_format(self.cache.pool["gate_up"]) == "fp4" and grouped_mm_runs(x))
+        ``torch._grouped_mm`` for these activations (:meth:`stream_refusal` says which is missing)."""
+        return not self.stream_refusal(x)
+
+    def stream_refusal(self, x: torch.Tensor) -> str:
+        """Why a step of ``x`` ``[T, D]`` does not stream its experts (:meth:`streams_chunk`), or ``""``."""
+        if not self.prefilling:
+            return "not a prefill (decode steps keep the cache's path)"
+        if x.shape[0] <= FUSED_TOKENS_MAX:
+            return f"{x.shape[0]} tokens, at most FUSED_TOKENS_MAX={FUSED_TOKENS_MAX}: the decode-sized path"
+        if self.backend != "gpu" or self.cache is None:
+            return f"moe backend {self.backend!r}" + ("" if self.cache is not None else " without a slot pool")
+        if (fmt := bank_format(self.cache.pool["gate_up"])) != "fp4":
+            return f"{fmt} expert banks (streaming runs FP4 banks' grouped matmuls)"
+        if not grouped_mm_runs(x):
+            return f"torch._grouped_mm does not take {x.dtype} activations on {x.device}"
+        return ""
 
     @contextlib.contextmanager
     def prefill(self) -> Iterator[None]:

@@ -33,3 +33,30 @@ def test_gpt_oss_prefill_chunk_streams_its_experts(tmp_path: Path) -> None:
     assert 0 < st["prefill_link_bytes"] <= len(rt.layers) * experts * rt.cache.slot_bytes
     assert st["prefill_link_bytes"] % rt.cache.slot_bytes == 0
     rt.close()
+
+
+def test_a_chunk_that_does_not_stream_says_why(tmp_path: Path, caplog) -> None:
+    """Each condition of ``streams_chunk`` named when it fails, and the first long prefill step that ran
+    through the cache instead logs its reason once (what a benchmark row that did not stream prints)."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.testing.tiny_gpt_oss import tiny_gpt_oss
+
+    ckpt = tiny_gpt_oss(tmp_path / "gpt-oss")
+    load = dict(rank=0, world_size=1, dtype=torch.float32, from_checkpoint=True, max_seq_len=64)
+    eng = Engine.load(ckpt, **load, offload=OffloadConfig(backend="gpu", cache_slots=4, probe=False))
+    rt = eng.offload
+    x = torch.zeros(40, 8)  # [T, D]: the conditions read T, the dtype and the device
+    assert rt.stream_refusal(x) == "not a prefill (decode steps keep the cache's path)"
+    with rt.prefill():
+        assert rt.stream_refusal(x) == "" and rt.streams_chunk(x)
+        assert rt.stream_refusal(x[:16]) == "16 tokens, at most FUSED_TOKENS_MAX=16: the decode-sized path"
+        assert rt.stream_refusal(x.double()) == "torch._grouped_mm does not take torch.float64 activations on cpu"
+        rt.backend = "hybrid"
+        assert rt.stream_refusal(x) == "moe backend 'hybrid'"
+    with caplog.at_level("INFO", logger="shardsmith.runtime.offload"):
+        eng.logits(PROMPT)
+        eng.logits(PROMPT)
+    assert rt.stats()["prefill_tokens"] == 0 and rt.stream_refused == "moe backend 'hybrid'"
+    assert caplog.text.count("a 40-token prefill chunk runs its experts through the expert cache, not streamed: "
+                             "moe backend 'hybrid'") == 1
+    rt.close()
