@@ -18,14 +18,16 @@ Rows: ``family``, ``layers``, ``streams``, ``speculative``, ``num_speculative_to
 ``--cost`` (any family, no tokenizer needed: a random prompt of ``--prompt-tokens``): what one
 step costs by kind, medians over ``--repeat`` x 8 steps after the prompt: ``decode_step_ms`` (the
 engine's batched one-token step: graphed on CUDA; with room for verify runs reserved, and
-``decode_step_ms_without_runs`` before), ``verify_step_ms`` at each ``k`` (a decode step of
+``decode_step_ms_without_runs`` before: what a server without speculation steps, the baseline of
+every ratio), ``verify_step_ms`` at each ``k`` (a decode step of
 the ``k + 1`` rows of a verify run where the model takes them, and a ``k + 1``-token speculative
 chunk, side by side (``--verify``), then the state put back to its first token: the whole rollback a
-rejected draft costs on DeepSeek-V4), ``draft_ms`` (``--speculative mtp``: the MTP layer's ``k`` chained drafts), and
+rejected draft costs on DeepSeek-V4; ``verify_accepted_ms`` the same step with every row kept, and
+``rollback_ms`` the difference), ``draft_ms`` (``--speculative mtp``: the MTP layer's ``k`` chained drafts), and
 the single-stream tokens/s those costs give at 80% and 90% per-token acceptance: a step emits
 ``(1 - a^(k+1)) / (1 - a)`` tokens on average (random weights accept nothing, so the speed-up is
-modelled from the measured step). Rows add ``modeled_tokens_per_s_at_80``, ``..._at_90`` and
-``modeled_speedup_at_80``.
+modelled from the measured step, rollback included). Rows add ``modeled_tokens_per_s_at_80``, ``..._at_90`` and
+``modeled_speedup_at_80`` (against ``decode_step_ms_without_runs``).
 
     python benchmarks/spec_decode.py PACK --dtype float32 --k 2 4 6
     python benchmarks/spec_decode.py PACK --cost --k 1 2 3 --speculative mtp --device cuda
@@ -34,6 +36,7 @@ modelled from the measured step). Rows add ``modeled_tokens_per_s_at_80``, ``...
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -124,11 +127,13 @@ def cost_rows(engine: Engine, a: argparse.Namespace, sync) -> list[dict]:
     for k, how in [(k, how) for k in a.k for how in hows]:
         runs = how == "run"
 
-        def verify(pos: int, k=k, runs=runs) -> int:
+        def verify(pos: int, k=k, runs=runs, rollback=True) -> int:
             if runs:
                 engine.decode([7] * (k + 1), list(range(pos, pos + k + 1)), [0] * (k + 1), on_device=True)
             else:
                 engine.prefill(0, [7] * (k + 1), pos, last_only=False, on_device=True, speculative=True)
+            if not rollback:  # every draft token accepted: nothing to take back
+                return pos + k + 1
             engine.restore(0, pos + 1)  # everything but the pending token rejected: the rollback is whole
             return pos + 1
 
@@ -139,6 +144,7 @@ def cost_rows(engine: Engine, a: argparse.Namespace, sync) -> list[dict]:
 
         median_ms(verify, 2)
         verify_ms = median_ms(verify)
+        accepted_ms = median_ms(functools.partial(verify, rollback=False), 4)
         draft_ms = max(0.0, median_ms(draft) - decode_ms) if mtp else 0.0
         step = verify_ms + draft_ms
         at = {p: expected_tokens(p / 100, k) / step * 1e3 for p in (80, 90)}
@@ -146,17 +152,18 @@ def cost_rows(engine: Engine, a: argparse.Namespace, sync) -> list[dict]:
                      "speculative": a.speculative, "num_speculative_tokens": k, "prompt_tokens": len(prompt),
                      "verify": "run in the decode step" if runs else "chunk",
                      "decode_step_ms": round(decode_ms, 3), "decode_step_ms_without_runs": round(plain_ms, 3),
-                     "verify_step_ms": round(verify_ms, 3),
-                     "draft_ms": round(draft_ms, 3), "verify_over_decode": round(verify_ms / decode_ms, 3),
-                     "tokens_per_s_without": round(1e3 / decode_ms, 2),
+                     "verify_step_ms": round(verify_ms, 3), "verify_accepted_ms": round(accepted_ms, 3),
+                     "rollback_ms": round(verify_ms - accepted_ms, 3),
+                     "draft_ms": round(draft_ms, 3), "verify_over_decode": round(verify_ms / plain_ms, 3),
+                     "tokens_per_s_without": round(1e3 / plain_ms, 2),
                      "modeled_tokens_per_s_at_80": round(at[80], 2), "modeled_tokens_per_s_at_90": round(at[90], 2),
-                     "modeled_speedup_at_80": round(at[80] * decode_ms / 1e3, 3), "moe_backend": "resident"})
-    print(f"{'k':>3} {'verify':>6} {'decode ms':>10} {'verify ms':>10} {'draft ms':>9} {'verify/decode':>14} "
-          f"{'tok/s':>8} {'@80%':>8} {'@90%':>8} {'x@80%':>6}")
+                     "modeled_speedup_at_80": round(at[80] * plain_ms / 1e3, 3), "moe_backend": "resident"})
+    print(f"{'k':>3} {'verify':>6} {'plain ms':>9} {'decode ms':>10} {'verify ms':>10} {'rollback':>9} {'draft ms':>9} "
+          f"{'verify/plain':>13} {'tok/s':>8} {'@80%':>8} {'@90%':>8} {'x@80%':>6}")
     for r in rows:
-        print(f"{r['num_speculative_tokens']:>3} {r['verify'].split()[0]:>6} {r['decode_step_ms']:>10.2f} "
-              f"{r['verify_step_ms']:>10.2f} "
-              f"{r['draft_ms']:>9.2f} {r['verify_over_decode']:>14.2f} {r['tokens_per_s_without']:>8.1f} "
+        print(f"{r['num_speculative_tokens']:>3} {r['verify'].split()[0]:>6} {r['decode_step_ms_without_runs']:>9.2f} "
+              f"{r['decode_step_ms']:>10.2f} {r['verify_step_ms']:>10.2f} {r['rollback_ms']:>9.2f} "
+              f"{r['draft_ms']:>9.2f} {r['verify_over_decode']:>13.2f} {r['tokens_per_s_without']:>8.1f} "
               f"{r['modeled_tokens_per_s_at_80']:>8.1f} {r['modeled_tokens_per_s_at_90']:>8.1f} "
               f"{r['modeled_speedup_at_80']:>6.2f}")
     return rows
