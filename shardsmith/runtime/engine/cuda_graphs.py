@@ -71,7 +71,7 @@ Source: PyTorch CUDA graphs notes (https://pytorch.org/docs/stable/notes/cuda.ht
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -347,6 +347,7 @@ class DecodeGraphs:
         self.deferring = False  # choose among built buckets only (defer()): the rest are built on purpose
         self.last_rows = 0  # the bucket the last step ran through
         self.last: BucketPieces | StaticBucketPieces | None = None
+        self.programs: dict[Hashable, GraphedPiece] = {}  # program(): a model's other device programs, by key
         if not self.static:
             self.last = self.sets[1] = BucketPieces(model, self.pool, 1)
 
@@ -390,11 +391,23 @@ class DecodeGraphs:
         if rows > self.buckets[-1]:
             self.buckets = buckets_for(rows)
 
+    def program(self, key: Hashable, fn: Callable[..., Tensors], *inputs: torch.Tensor) -> Tensors:
+        """Run ``fn(*inputs)``, a model's stateful device-only program of static shapes for ``key``
+        (DeepSeek-V4's verify-run rollback), as one :class:`GraphedPiece` per key: on CUDA its first
+        call runs it and captures it, later calls copy ``inputs`` into the captured ones and replay
+        (one launch instead of hundreds); elsewhere it runs eagerly through the same static inputs.
+        ``fn`` is the first call's for its key: a later call's must do the same work."""
+        piece = self.programs.get(key)
+        if piece is None:
+            piece = self.programs[key] = GraphedPiece(fn, self.pool, f"program {key}", stateful=True)
+        return piece(*inputs)
+
     def forget(self) -> None:
         """Drop every built bucket's pieces (the model's state was allocated anew: captured graphs point
         at the old tensors); each bucket is built again by its next step, as at start."""
         self.sets.clear()
         self.built.clear()
+        self.programs.clear()
         self.last = None
         if not self.static:
             self.last = self.sets[1] = BucketPieces(self.model, self.pool, 1)

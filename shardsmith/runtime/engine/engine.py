@@ -468,7 +468,7 @@ class Engine:
         with self._lock:
             if self.world_size > 1:
                 self._send(torch.tensor([RESTORE, slot, pos, 0, 0], dtype=torch.int64))
-            self.model.restore(slot, pos)
+            self._restore(slot, pos)
             self._pos[slot] = pos
 
     def warmup(self, *, defer_buckets: bool = False) -> None:
@@ -642,7 +642,7 @@ class Engine:
             if op == RELEASE:
                 self._release(a)
             elif op == RESTORE:
-                self.model.restore(a, b)
+                self._restore(a, b)
             elif op == WARMUP and b == 1:
                 self._seal_compile_cache()
             elif op == WARMUP and b == 2:
@@ -729,6 +729,14 @@ class Engine:
             if slot == 0:
                 return self.forward(tokens.to(self.device), start, last_only=last_only)
             return self.forward(tokens.to(self.device), start, last_only=last_only, slot=slot)
+
+    def _restore(self, slot: int, pos: int) -> None:
+        """The model's ``restore``, its verify-run rollback through the decode graphs' programs (a
+        captured graph on CUDA) when the model takes one (DeepSeek-V4)."""
+        if self.graphs is not None and self.verify_runs:
+            self.model.restore(slot, pos, program=self.graphs.program)
+        else:
+            self.model.restore(slot, pos)
 
     def _run_decode(self, payload: torch.Tensor, bucket: int | None = None) -> torch.Tensor:
         ids, starts, slots = payload[0].to(self.device), payload[1].tolist(), payload[2].tolist()

@@ -330,3 +330,46 @@ def test_deepseek_v4_reserving_runs_after_steps_rebuilds_the_pieces(tiny) -> Non
     want = torch.cat([fresh.decode([5], [len(REPEATING)], [1]), fresh.decode([6], [len(REPEATING) + 1], [1])])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert engine.runner.built
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_deepseek_v4_rollback_runs_as_one_program_per_shape(tiny, monkeypatch, device: str) -> None:
+    """Through the decode pieces (captured on CUDA, eager through their static buffers on the CPU) a
+    verify run's rollback is one program per (run rows, kept rows), fed the slot, the run's first row
+    and its position as device inputs: later rollbacks of other slots and positions reuse it (on CUDA
+    a captured graph's replay), and the greedy tokens stay plain decoding's. Planted drafts keep 0, 1
+    or 2 of their 3 tokens by position, in two sequences at once."""
+    from shardsmith.runtime.engine import scheduler
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.engine.sampling import SamplingParams
+
+    engine = Engine.load(tiny("deepseek-v4"), rank=0, world_size=1, dtype=torch.float32, from_checkpoint=True,
+                         max_seq_len=64, max_num_seqs=3, device=device)
+    if device == "cpu":
+        engine.use_decode_graphs()
+    prompts = [REPEATING, REPEATING[3:] + [11, 12]]
+    params = [SamplingParams(max_tokens=16, stop_token_ids=())] * 2
+    plain, _ = _decode(engine, prompts, params, None)
+    texts = [p + out for p, out in zip(prompts, plain)]
+
+    def planted(tokens: list[int], c: SpeculativeConfig) -> list[int]:
+        (text,) = [t for t in texts if t[:len(tokens)] == tokens]
+        want = text[len(tokens):len(tokens) + c.k]
+        right = len(tokens) % 3
+        return want[:right] + [(t + 1) % engine.vocab_size for t in want[right:]]
+
+    monkeypatch.setattr(scheduler, "ngram_draft", planted)
+    model, rollbacks = engine.model, []
+    real = model.rewind_program
+    monkeypatch.setattr(model, "rewind_program",
+                        lambda rows, kept, at: rollbacks.append((rows, kept, tuple(at.tolist()))) or real(rows, kept, at))
+    spec, stats = _decode(engine, prompts, params, SpeculativeConfig(k=3))
+    assert spec == plain and 0 < stats.accepted < stats.drafted
+    programs = engine.graphs.programs
+    assert {key[1:] for key in programs} == {(rows, kept) for rows, kept, _ in rollbacks} and len(programs) > 1
+    assert all(key[0] == "rewind_run" for key in programs)
+    assert len(rollbacks) > 2 * len(programs)  # each program run again for other slots and positions
+    assert {at[0] for *_, at in rollbacks} == {0, 1} and len(set(rollbacks)) == len(rollbacks)
+    if device == "cuda":
+        assert all(piece.graph is not None for piece in programs.values())

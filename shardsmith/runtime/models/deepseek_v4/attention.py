@@ -217,7 +217,8 @@ class Attention(nn.Module):
         for mod in self._compressors():
             mod.reserve_runs(rows)
 
-    def rewind_run(self, slot: int, first: int, rows: int, start: int, keep: list[DecodeRows]) -> None:
+    def rewind_run(self, slot: torch.Tensor, first: torch.Tensor, rows: int, start: torch.Tensor,
+                   keep: list[DecodeRows]) -> None:
         """After a decode step in which slot ``slot`` had a run of ``rows`` rows from row ``first`` on, at
         positions from ``start``: keep its first ``len(keep)`` rows (``keep[j]``: row ``j``'s one-row
         rows, slot ``slot``), take back the rest. The window ring needs nothing: a taken-back row's

@@ -188,7 +188,8 @@ class Compressor(nn.Module):
             self.run_prev_kv = torch.zeros(rows, r, self.dim, device=dev, dtype=dt)
             self.run_prev_gate = torch.zeros(rows, r, self.dim, device=dev, dtype=torch.float32)
 
-    def rewind_run(self, slot: int, first: int, rows: int, start: int, keep: list[DecodeRows]) -> None:
+    def rewind_run(self, slot: torch.Tensor, first: torch.Tensor, rows: int, start: torch.Tensor,
+                   keep: list[DecodeRows]) -> None:
         """After a step in which slot ``slot`` had a run of ``rows`` rows from row ``first`` on, at
         positions from ``start`` (kept by :meth:`step`): put the slot back as it was before the step,
         then take the run's first ``len(keep)`` rows again, one :func:`compressor_step` each
@@ -197,25 +198,27 @@ class Compressor(nn.Module):
         unseen (an entry is visible only past its window's last position) until the real token
         completes the window again.
 
+        ``slot``, ``first``, ``start``: ``[1]`` int64 on the state's device, so the whole rollback is
+        device work on static shapes (the engine captures it as a graph per ``(rows, len(keep))``).
+
         Raises:
             UsageError: :meth:`reserve_runs` was not called, or ``keep`` is empty (a run's first row,
                 the sequence's pending token, is always kept).
         """
         if self.run_rows is None or not keep:
-            raise UsageError(f"slot {slot}: no run kept to rewind, or none of its rows kept")
+            raise UsageError(f"slot {slot.tolist()}: no run kept to rewind, or none of its rows kept")
         if self.entries.shape[1] == 0:  # E = 0: the step never ran (no window ever completes)
             return
         r = self.ratio
-        n = min(rows, r)  # each column's first writer in the run kept its pre-step value
-        cols = torch.arange(start, start + n, device=self.buf.device) % r
-        self.buf[slot, cols] = self.run_col[first:first + n]
+        at = torch.arange(min(rows, r), device=self.buf.device)  # each column's first writer in the run
+        self.buf[slot, (start + at) % r] = self.run_col.index_select(0, first + at)  # kept its pre-step value
         if self.overlap:
             self.prev_kv[slot], self.prev_gate[slot] = self.run_prev_kv[first], self.run_prev_gate[first]
         for j, one in enumerate(keep):
             done, entry, cs, sn = one.completion(r)
-            compressor_step(self.run_rows[first + j:first + j + 1], self.buf, self.ape, self.norm.weight, self.entries,
-                            one.index, one.column(r), done, entry, cs, sn, self.prev_kv, self.prev_gate,
-                            eps=self.norm.eps, backend="auto" if self.kernel else "reference")
+            compressor_step(self.run_rows.index_select(0, first + j), self.buf, self.ape, self.norm.weight,
+                            self.entries, one.index, one.column(r), done, entry, cs, sn, self.prev_kv,
+                            self.prev_gate, eps=self.norm.eps, backend="auto" if self.kernel else "reference")
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """The per-token projections ``kv``, ``gate`` of ``x`` ``[T, D]`` stacked: ``[T, 2, width]``.

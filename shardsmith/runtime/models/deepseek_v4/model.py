@@ -32,7 +32,9 @@ V = vocabulary.
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -274,10 +276,15 @@ class DeepseekV4(nn.Module):
         spec = self._speculating[slot]
         return spec if spec is not None and self.positions[slot] == spec[0] + spec[1] else None
 
-    def restore(self, slot: int, pos: int) -> None:
+    def restore(self, slot: int, pos: int, *, program: Callable[..., tuple] | None = None) -> None:
         """Put ``slot`` back to ``pos``: a resume point, or a position inside the step :meth:`speculate`
         saved (its rows past ``pos`` taken back exactly); its next step starts there; later resume
         points are dropped (the positions past ``pos`` will be overwritten).
+
+        A verify run's rollback (:meth:`rewind_program`, device work only) runs through ``program``
+        when given, ``program(key, fn, *inputs)`` (the engine's
+        :meth:`~shardsmith.runtime.engine.cuda_graphs.DecodeGraphs.program`: one captured graph per
+        key on CUDA), else eagerly.
 
         Raises:
             UsageError: ``pos`` is neither one of :meth:`resume_points`, nor inside the saved step, nor
@@ -290,12 +297,9 @@ class DeepseekV4(nn.Module):
         if spec is not None and spec[0] < pos < spec[0] + spec[1]:
             run, self._run[slot] = self._run[slot], None
             if run is not None:  # a verify run of a decode step: its compressors retake the kept rows
-                keep = [self.step_rows(host_to_device([p], self.freqs["main"].device),
-                                       host_to_device([slot], self.freqs["main"].device),
-                                       length_bucket(p, self.max_seq_len))
-                        for p in range(spec[0], pos)]
-                for layer in self.layers:
-                    layer.attn.rewind_run(slot, run[0], run[1], spec[0], keep)
+                at = host_to_device([slot, run[0], spec[0]], self.freqs["main"].device)
+                fn = functools.partial(self.rewind_program, run[1], pos - spec[0])
+                (program or (lambda key, f, *inputs: f(*inputs)))(("rewind_run", run[1], pos - spec[0]), fn, at)
             else:
                 for layer in self.layers:
                     layer.attn.rewind(slot, spec[0], pos - spec[0])
@@ -309,6 +313,19 @@ class DeepseekV4(nn.Module):
             view.copy_(saved)
         self.positions[slot] = pos
         self._drop_snapshots(slot, after=pos)
+
+    def rewind_program(self, rows: int, kept: int, at: torch.Tensor) -> tuple:
+        """The rollback of a verify run of ``rows`` rows that keeps its first ``kept``: every layer's
+        compressors put back and retake the kept rows (:meth:`Attention.rewind_run`). ``at`` ``[3]``
+        int64 on the device: the slot, the run's first row in the step, its first position. Device
+        work on static shapes for a given ``(rows, kept)``, and idempotent (it writes the same state
+        however often it runs), so a graph of it captured once serves every slot and position.
+        Returns ``()`` (the state is its result)."""
+        slot, first, start = at[0:1], at[1:2], at[2:3]
+        keep = [self.step_rows(start + j, slot, self.max_seq_len) for j in range(kept)]
+        for layer in self.layers:
+            layer.attn.rewind_run(slot, first, rows, start, keep)
+        return ()
 
     def _check_slot(self, slot: int) -> None:
         if not self.max_num_seqs:
