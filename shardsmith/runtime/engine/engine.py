@@ -491,7 +491,7 @@ class Engine:
 
         Every slot it used is released. Sets ``warmup_seconds``, ``warmup_launches`` and
         ``warmup_phases`` (seconds of each phase: ``kernels``, ``prefill``, ``step``, ``bucket<rows>``,
-        ``probe``), and logs the phases.
+        ``rollbacks`` (:meth:`_warm_rollbacks`), ``probe``), and logs the phases.
         """
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
@@ -526,6 +526,8 @@ class Engine:
                 phase(f"bucket{rows}")
             for s in slots:
                 self.release(s)
+        if self._warm_rollbacks():
+            phase("rollbacks")
         if self.device.type == "cuda" and self.max_seq_len >= 3:  # a prefill and a step after it must fit
             self.prompt_costs = self._time_prompt_paths()
             phase("probe")
@@ -538,6 +540,21 @@ class Engine:
                  "; a %d-token prefill takes %.1f ms, a one-row decode step %.2f ms" % (
                      min(PROMPT_PROBE_TOKENS, self.max_seq_len - 1), 1e3 * self.prompt_costs[0], 1e3 * self.prompt_costs[1]))
         log.info("warm-up phases (s): %s", " ".join(f"{k}={v:.2f}" for k, v in phases.items()))
+
+    def _warm_rollbacks(self) -> bool:
+        """With the decode graphs and room for verify runs (:meth:`reserve_rows`) in a model whose runs roll
+        back through a program (DeepSeek-V4): one run of each length taken back to each kept length in
+        slot 0, so every rollback program is built (captured on CUDA) before serving. Whether it ran."""
+        runs = getattr(self.model, "runs", 1)
+        if self.graphs is None or runs < 2 or not hasattr(self.model, "rewind_program") or self.max_seq_len < runs + 2:
+            return False
+        for rows in range(2, runs + 1):
+            for kept in range(1, rows):
+                self.prefill(0, [0, 0], 0)
+                self.decode([0] * rows, list(range(2, 2 + rows)), [0] * rows)
+                self.restore(0, 2 + kept)
+        self.release(0)
+        return True
 
     @property
     def bucket_builds_compile(self) -> bool:

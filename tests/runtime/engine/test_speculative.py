@@ -373,3 +373,17 @@ def test_deepseek_v4_rollback_runs_as_one_program_per_shape(tiny, monkeypatch, d
     assert {at[0] for *_, at in rollbacks} == {0, 1} and len(set(rollbacks)) == len(rollbacks)
     if device == "cuda":
         assert all(piece.graph is not None for piece in programs.values())
+
+
+def test_deepseek_v4_warm_up_builds_every_rollback_program(tiny) -> None:
+    """With room for runs of up to 3 rows the warm-up builds the rollback of each run length to each kept
+    length (captured before serving on CUDA), and leaves slot 0 free."""
+    engine = _load(tiny("deepseek-v4"))
+    engine.use_decode_graphs()
+    engine.reserve_rows(engine.max_num_seqs + 2)
+    assert engine.model.runs == 3
+    engine.warmup()
+    assert set(engine.graphs.programs) == {("rewind_run", 2, 1), ("rewind_run", 3, 1), ("rewind_run", 3, 2)}
+    assert "rollbacks" in engine.warmup_phases and engine.model.positions[0] == 0
+    fresh = _load(tiny("deepseek-v4"))
+    torch.testing.assert_close(engine.prefill(0, REPEATING), fresh.prefill(0, REPEATING), atol=1e-5, rtol=0)
