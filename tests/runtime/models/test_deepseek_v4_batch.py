@@ -314,4 +314,7 @@ def test_runs_past_the_reserve_are_refused(tiny_v4_packs) -> None:
         model.decode_step(torch.tensor([3, 4, 5, 6]), [10, 11, 12, 13], [0, 0, 0, 0])
     with pytest.raises(UsageError, match=r"not one verify run"):
         model.decode_step(torch.tensor([3, 4]), [10, 12], [0, 0])
-    assert model.positions == [10, 0]
+    model(PROMPTS[1][:5], 0, slot=1)
+    with pytest.raises(UsageError, match=r"rows of slots \[0\] are not next to each other"):
+        model.decode_step(torch.tensor([3, 7, 4]), [10, 5, 11], [0, 1, 0])
+    assert model.positions == [10, 5]

@@ -396,6 +396,10 @@ class DeepseekV4(nn.Module):
         firsts = {}
         for b, slot in enumerate(slots[:real]):
             firsts.setdefault(slot, b)
+        apart = sorted(slot for slot, (_, T) in runs.items() if slots[firsts[slot]:firsts[slot] + T] != [slot] * T)
+        if apart:  # what the step keeps for a rollback is indexed by the run's first row
+            raise UsageError(f"decode_step: the rows of slots {apart} are not next to each other (a verify run's "
+                             f"rows must follow one another in the step)")
         for slot, (start, T) in runs.items():
             if start == 0:
                 self.release(slot)
