@@ -128,6 +128,58 @@ def test_compressor_step_matches_reference(r, d, overlap, B, padding, steps, dty
     _run(r, d, overlap, B, padding, steps, dtype)
 
 
+def _one_row(rows: DecodeRows, b: int, spec: RowsSpec) -> DecodeRows:
+    return DecodeRows(rows.positions[b:b + 1], rows.index[b:b + 1], rows.key, rows.scratch, spec)
+
+
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@needs_triton
+@pytest.mark.parametrize(("r", "d", "overlap", "device"), [
+    (4, 16, True, "cpu"), (3, 8, False, "cpu"),
+    pytest.param(4, 512, True, "cuda", marks=_CUDA), pytest.param(128, 512, False, "cuda", marks=_CUDA),
+])
+def test_runs_in_one_launch_equal_their_rows_one_by_one(r, d, overlap, device):
+    """``run``: a slot's consecutive rows (a verify run) in one launch, the run's first row's program
+    taking them in order, leave the state of one-row steps in row order (the reference): runs of 3 and
+    2 rows that complete windows inside them, a slot's only row and padding rows, over 7 steps (on
+    CUDA at V4-Flash's shapes, where the barrier between a run's rows matters)."""
+    g = torch.Generator(device=device).manual_seed(3)
+    L, slots, K = 4 * r + 32, 6, 3
+    spec = RowsSpec(window=8, ratios=(r,), max_seq_len=L, runs=K,
+                    freqs={"main": inv_freq(8, 1e4).to(device), "compress": inv_freq(8, 1.6e5).to(device)})
+    ref = _State(slots, r, d, overlap, L // r, torch.float32, device, g)
+    ker = ref.clone()
+    scratch, width = slots - 1, (2 if overlap else 1) * d
+    pos = {0: r - 2, 1: 2 * r - 2, 2: r - 1}  # slot -> its next position; runs of 3, 2 and 1 rows
+    completed = 0
+    for t in range(7):
+        lengths = {0: 3, 1: 2, 2: 1} if t % 2 == 0 else {0: 1, 1: 3, 2: 2}
+        positions = [pos[s] + j for s, n in lengths.items() for j in range(n)]
+        index = [s for s, n in lengths.items() for _ in range(n)]
+        positions += [positions[0]] * 2  # padding rows: row 0's position in the scratch slot
+        index += [scratch] * 2
+        rows = DecodeRows(torch.tensor(positions, device=device), torch.tensor(index, device=device), L, scratch, spec)
+        kv_gate = torch.randn(len(positions), 2, width, generator=g, device=device)
+        for b in range(len(positions) - 2):  # the reference: each real row alone, in row order
+            ref.step(kv_gate[b:b + 1], _one_row(rows, b, spec), r, "reference")
+        done, entry, cs, sn = rows.completion(r)
+        assert rows.run_lengths().tolist() == [n if j == 0 else 0 for n in lengths.values() for j in range(n)] + [1, 1]
+        compressor_step(kv_gate, ker.buf, ker.ape, ker.weight, ker.entries, rows.index, rows.column(r), done, entry,
+                        cs, sn, ker.prev_kv, ker.prev_gate, eps=1e-6, backend="triton", run=rows.run_lengths())
+        completed += int(done[:-2].sum())
+        real = torch.tensor(sorted(lengths), device=device)
+        assert torch.equal(ker.buf[real], ref.buf[real]), f"step {t}: the window rows differ"
+        if overlap:
+            assert torch.equal(ker.prev_kv[real], ref.prev_kv[real]) and torch.equal(ker.prev_gate[real],
+                                                                                      ref.prev_gate[real])
+        torch.testing.assert_close(ker.entries[real], ref.entries[real], atol=2e-5, rtol=2e-5)
+        for s, n in lengths.items():
+            pos[s] += n
+    assert completed >= 3, "the runs completed too few windows to test the pooling inside a run"
+
+
 @needs_triton
 def test_compressor_step_refuses_bad_input():
     s = _State(3, 4, 16, True, 4, torch.float32, "cpu", torch.Generator().manual_seed(0))

@@ -185,9 +185,9 @@ def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, use_settings, na
 
 @needs_triton
 def test_deepseek_v4_verify_runs_through_the_kernels(tiny, monkeypatch, use_settings):
-    """A verify run of 4 rows in V4's batched decode step with every kernel on (the interpreter): the
-    compressors step once per row of the run (the others sent to the scratch slot) and the sink
-    attention reads the grown window ring; the run's logits are a reference prefill chunk's. Two of
+    """A verify run of 4 rows in V4's batched decode step with every kernel on (the interpreter): each
+    compressor takes the run in one launch (the run's first row's program, its rows in order) and the
+    sink attention reads the grown window ring; the run's logits are a reference prefill chunk's. Two of
     its rows are then taken back (the compressors retake the kept ones through the kernel) and the
     next step's logits are those of the reference that took its chunk back."""
     from shardsmith.runtime.models.deepseek_v4 import compressor as v4_compressor
@@ -204,7 +204,7 @@ def test_deepseek_v4_verify_runs_through_the_kernels(tiny, monkeypatch, use_sett
     backends = []
     real_step = v4_compressor.compressor_step
     monkeypatch.setattr(v4_compressor, "compressor_step",
-                        lambda *a, **k: backends.append(k["backend"]) or real_step(*a, **k))
+                        lambda *a, **k: backends.append((k["backend"], k.get("run") is not None)) or real_step(*a, **k))
     draft = [11, 12, 13, 14]
     logits = ref(torch.tensor(PROMPT), 0)
     eng.prefill(0, PROMPT)
@@ -213,11 +213,13 @@ def test_deepseek_v4_verify_runs_through_the_kernels(tiny, monkeypatch, use_sett
     got = eng.decode(draft, list(range(8, 12)), [0] * 4)
     compressors = sum(1 for layer in eng.model.layers for _ in layer.attn._compressors()
                       if layer.attn.compressor.entries.shape[1])
-    assert backends == ["auto"] * 4 * compressors  # one launch per row of the longest run
+    assert backends == [("triton", True)] * compressors  # one launch each, the run's rows in one program
+    backends.clear()
     tol = 2e-5
     assert ((got - want).abs().max() / want.abs().max()).item() < tol
     ref.restore(0, 10)
     eng.restore(0, 10)
+    assert backends == [("auto", False)] * 2 * compressors  # the rollback retakes the 2 kept rows, one launch each
     want = ref(torch.tensor([21]), 10)
     got = eng.decode([21], [10], [0])
     assert logits.shape == want.shape and ((got - want).abs().max() / want.abs().max()).item() < tol

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.errors import UsageError
+from shardsmith.runtime.layers.kernels._common import use_triton
 from shardsmith.runtime.layers.kernels.deepseek_v4.compressor_step import compressor_step
 from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import indexer_prefill_scores, indexer_scores
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
@@ -256,6 +257,11 @@ class Compressor(nn.Module):
         self.run_rows[:B] = kv_gate
         if self.overlap:
             self.run_prev_kv[:B], self.run_prev_gate[:B] = self.prev_kv[rows.index], self.prev_gate[rows.index]
+        if self.kernel and use_triton(kv_gate, "auto"):  # one launch: each run's first row's program takes its rows
+            compressor_step(kv_gate, self.buf, self.ape, self.norm.weight, self.entries, rows.index,
+                            rows.column(r), done, entry, cs, sn, self.prev_kv, self.prev_gate,
+                            eps=self.norm.eps, backend="triton", run=rows.run_lengths())
+            return
         for j in range(rows.spec.runs):
             index, done_j = rows.phase(r, j)
             compressor_step(kv_gate, self.buf, self.ape, self.norm.weight, self.entries, index,

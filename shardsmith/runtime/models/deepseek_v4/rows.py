@@ -147,6 +147,16 @@ class DecodeRows:
             return hi[self.index], self.positions - lo[self.index]
         return self._get(("runs",), build)
 
+    def run_lengths(self) -> torch.Tensor:
+        """``[B]`` int64: at a run's first row (phase 0) the run's rows (1 for a slot's only row, and
+        for each padding row), 0 at its other rows: what a compressor launch that takes each run's rows
+        in one program (:func:`~shardsmith.runtime.layers.kernels.deepseek_v4.compressor_step.compressor_step`'s
+        ``run``) reads. Rows of a run follow one another in the step."""
+        def build():
+            last, phase = self.runs()
+            return torch.where(phase == 0, last - self.positions + 1, 0)
+        return self._get(("run_lengths",), build)
+
     def phase(self, ratio: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index [B], done [B])`` of the step's ``j``-th rows of each run for ratio ``ratio``'s
         compressors: the other rows' slot replaced by the scratch slot, and only ``j``-th rows that
@@ -198,7 +208,7 @@ class DecodeRows:
         """The cache keys of every tensor the layers may ask for, in :meth:`as_tuple`'s order."""
         names = [("padding",), ("rope", "main"), ("rope", "compress"), ("window",)]
         if self.spec.runs > 1:
-            names.append(("runs",))
+            names += [("runs",), ("run_lengths",)]
         for r in self.spec.ratios:
             names += [("column", r), ("visible", r), ("keys", r), ("completion", r)]
         return names
@@ -206,10 +216,10 @@ class DecodeRows:
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the layers may need, built now, flat in a fixed order: ``positions, index,
         padding, rope main (cos, sin), rope compress (cos, sin), window (col, bias)``, with runs
-        (``spec.runs > 1``) ``last, phase``, then per ratio of
+        (``spec.runs > 1``) ``last, phase, run lengths``, then per ratio of
         the spec (ascending) ``column, visible, keys, done, entry, cs, sn``. :meth:`from_tuple` inverts it."""
         builders = {"padding": lambda: self.padding, "rope": lambda n: self.rope(n), "window": self.window,
-                    "runs": self.runs,
+                    "runs": self.runs, "run_lengths": self.run_lengths,
                     "column": self.column, "visible": self.visible, "keys": self.keys_bias,
                     "completion": self.completion}
         out = [self.positions, self.index]
@@ -228,7 +238,7 @@ class DecodeRows:
             ValueError: ``tensors`` does not have :meth:`as_tuple`'s length for ``spec``.
         """
         rows = cls(tensors[0], tensors[1], key, scratch, spec)
-        sizes = {"padding": 1, "rope": 2, "window": 2, "runs": 2, "column": 1, "visible": 1, "keys": 1,
+        sizes = {"padding": 1, "rope": 2, "window": 2, "runs": 2, "run_lengths": 1, "column": 1, "visible": 1, "keys": 1,
                  "completion": 4}
         names = rows._names()
         want = 2 + sum(sizes[n[0]] for n in names)

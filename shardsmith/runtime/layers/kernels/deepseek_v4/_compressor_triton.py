@@ -51,14 +51,14 @@ def _window_rows(buf_row, ape_ptr, pkv_row, pg_row, j, cols, c_mask,
     return kv, tl.where(r_mask[:, None], gate, float("-inf"))
 
 
-@triton.jit(do_not_specialize=["stride_kb", "stride_en", "stride_ee"])
-def _compressor_step_kernel(kvg_ptr, buf_ptr, ape_ptr, w_ptr, ent_ptr, idx_ptr, col_ptr, done_ptr, entry_ptr,
-                            cs_ptr, sn_ptr, pkv_ptr, pg_ptr, eps, stride_kb, stride_en, stride_ee,
-                            R: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, OVERLAP: tl.constexpr,
-                            BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+@triton.jit
+def _take_row(b, kvg_ptr, buf_ptr, ape_ptr, w_ptr, ent_ptr, idx_ptr, col_ptr, done_ptr, entry_ptr, cs_ptr, sn_ptr,
+              pkv_ptr, pg_ptr, eps, stride_kb, stride_en, stride_ee,
+              R: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, OVERLAP: tl.constexpr,
+              BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Row ``b``: its kv and gate into its slot's window and, when done, the pooled entry (and carry)."""
     WIDTH: tl.constexpr = 2 * D if OVERLAP else D
     ROWS: tl.constexpr = 2 * R if OVERLAP else R
-    b = tl.program_id(0)
     slot = tl.load(idx_ptr + b)
     buf_row = buf_ptr + slot * (R * 2 * WIDTH)  # this slot's window [R, 2, WIDTH]
     # 1. the row's kv and gate into the window
@@ -117,10 +117,31 @@ def _compressor_step_kernel(kvg_ptr, buf_ptr, ape_ptr, w_ptr, ent_ptr, idx_ptr, 
                 tl.store(pg_row + j[:, None] * D + cols[None, :], gate, mask=m)
 
 
+
+
+@triton.jit(do_not_specialize=["stride_kb", "stride_en", "stride_ee"])
+def _compressor_step_kernel(kvg_ptr, buf_ptr, ape_ptr, w_ptr, ent_ptr, idx_ptr, col_ptr, done_ptr, entry_ptr,
+                            cs_ptr, sn_ptr, pkv_ptr, pg_ptr, run_ptr, eps, stride_kb, stride_en, stride_ee,
+                            R: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, OVERLAP: tl.constexpr,
+                            RUNS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    b = tl.program_id(0)
+    if RUNS:  # a run's first row takes its rows in order; the run's other rows' programs do nothing
+        for j in range(0, tl.load(run_ptr + b)):
+            tl.debug_barrier()  # the last row's stores seen, and its reads done, before this row's
+            _take_row(b + j, kvg_ptr, buf_ptr, ape_ptr, w_ptr, ent_ptr, idx_ptr, col_ptr, done_ptr, entry_ptr,
+                      cs_ptr, sn_ptr, pkv_ptr, pg_ptr, eps, stride_kb, stride_en, stride_ee,
+                      R, D, ROPE, OVERLAP, BLOCK_W, BLOCK_D, BLOCK_R)
+    else:
+        _take_row(b, kvg_ptr, buf_ptr, ape_ptr, w_ptr, ent_ptr, idx_ptr, col_ptr, done_ptr, entry_ptr,
+                  cs_ptr, sn_ptr, pkv_ptr, pg_ptr, eps, stride_kb, stride_en, stride_ee,
+                  R, D, ROPE, OVERLAP, BLOCK_W, BLOCK_D, BLOCK_R)
+
+
 def launch(kv_gate, buf, ape, weight, entries, index, column, done_u8, entry, cs, sn, prev_kv, prev_gate, *,
-           eps: float) -> None:
+           eps: float, run=None) -> None:
     """One program per row of ``kv_gate [B, 2, width]`` (rows may be strided; each row's ``[2, width]``
-    contiguous), shapes as ``compressor_step``'s module table."""
+    contiguous), shapes as ``compressor_step``'s module table; ``run`` ``[B]`` int32/int64: the rows
+    program ``b`` takes, from row ``b`` on (a run's length at its first row, 0 at its other rows)."""
     B = kv_gate.shape[0]
     _, r, _, width = buf.shape
     d = entries.shape[-1]
@@ -128,7 +149,7 @@ def launch(kv_gate, buf, ape, weight, entries, index, column, done_u8, entry, cs
     rows = (2 if overlap else 1) * r
     _compressor_step_kernel[(B,)](
         kv_gate, buf, ape, weight, entries, index, column, done_u8, entry, cs, sn,
-        prev_kv if overlap else buf, prev_gate if overlap else ape, eps, kv_gate.stride(0), entries.stride(0),
-        entries.stride(1),
-        R=r, D=d, ROPE=cs.shape[1], OVERLAP=overlap, BLOCK_W=triton.next_power_of_2(width),
+        prev_kv if overlap else buf, prev_gate if overlap else ape, index if run is None else run, eps,
+        kv_gate.stride(0), entries.stride(0), entries.stride(1),
+        R=r, D=d, ROPE=cs.shape[1], OVERLAP=overlap, RUNS=run is not None, BLOCK_W=triton.next_power_of_2(width),
         BLOCK_D=triton.next_power_of_2(d), BLOCK_R=min(8, triton.next_power_of_2(rows)), num_warps=4)

@@ -138,11 +138,17 @@ def _check(kv_gate, buf, ape, weight, entries, index, column, done, entry, cs, s
 def compressor_step(kv_gate: torch.Tensor, buf: torch.Tensor, ape: torch.Tensor, weight: torch.Tensor,
                     entries: torch.Tensor, index: torch.Tensor, column: torch.Tensor, done: torch.Tensor,
                     entry: torch.Tensor, cs: torch.Tensor, sn: torch.Tensor, prev_kv: torch.Tensor | None = None,
-                    prev_gate: torch.Tensor | None = None, *, eps: float, backend: str = "auto") -> None:
+                    prev_gate: torch.Tensor | None = None, *, eps: float, backend: str = "auto",
+                    run: torch.Tensor | None = None) -> None:
     """Take one token per row into its slot's window; done rows write their pooled entry (in place).
 
     Real rows must hold distinct slots (padding rows may share the scratch slot: its state is
-    garbage but finite); ``index < N``, ``column < r`` and ``entry < E`` are the caller's to keep
+    garbage but finite), unless ``run`` is given: ``run`` ``[B]`` int64 lets a slot hold a run of
+    rows that follow one another (a speculative verify run at consecutive positions): the run's
+    length at its first row, 0 at its other rows, 1 at a slot's only row. The run's first row's
+    program then takes the run's rows in order, so a window a later row completes pools the earlier
+    ones: the state consecutive one-row steps leave, in one launch. ``run`` needs the Triton path (the
+    model takes runs in phases on the reference). ``index < N``, ``column < r`` and ``entry < E`` are the caller's to keep
     (:class:`~shardsmith.runtime.models.deepseek_v4.rows.DecodeRows` builds them so): the kernel
     reads no host value and checks no index, where the reference raises ``IndexError``. No host
     sync and shapes fixed by the inputs, so calls can be captured in a CUDA graph.
@@ -156,9 +162,16 @@ def compressor_step(kv_gate: torch.Tensor, buf: torch.Tensor, ape: torch.Tensor,
     Raises:
         KernelError: shapes, dtypes or devices do not fit (every problem listed), ``buf``, ``prev_*``
             or the entries' last dim not contiguous or the rope dims not a power of two on the Triton
-            path, or the backend cannot run.
+            path, ``run`` without the Triton path, or the backend cannot run.
     """
     _check(kv_gate, buf, ape, weight, entries, index, column, done, entry, cs, sn, prev_kv, prev_gate)
+    if run is not None:
+        if tuple(run.shape) != (kv_gate.shape[0],) or run.dtype != torch.int64 or run.device != kv_gate.device:
+            raise KernelError(f"compressor_step: run {tuple(run.shape)} {run.dtype}: want [{kv_gate.shape[0]}] int64 "
+                              "on the rows' device")
+        if not use_triton(kv_gate, backend):
+            raise KernelError("compressor_step: run lengths need the Triton path (on the reference a caller takes "
+                              "a run's rows in phases, one call each)")
     if not use_triton(kv_gate, backend):
         return compressor_step_reference(kv_gate, buf, ape, weight, entries, index, column, done, entry, cs, sn,
                                          prev_kv, prev_gate, eps=eps)
@@ -178,5 +191,5 @@ def compressor_step(kv_gate: torch.Tensor, buf: torch.Tensor, ape: torch.Tensor,
     ape, weight, cs, sn = (t.contiguous() for t in (ape, weight, cs, sn))
     index, column, entry = index.contiguous(), column.contiguous(), entry.contiguous()
     _compressor_triton.launch(kv_gate, buf, ape, weight, entries, index, column, done.contiguous().view(torch.uint8),
-                              entry, cs, sn, prev_kv, prev_gate, eps=eps)
+                              entry, cs, sn, prev_kv, prev_gate, eps=eps, run=None if run is None else run.contiguous())
     return None
