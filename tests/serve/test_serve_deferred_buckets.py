@@ -65,3 +65,40 @@ def test_ready_before_every_bucket_then_built_while_idle(tmp_path: Path, monkeyp
     sealed = re.findall(r"compile cache \S+: (\d+) files sealed", srv.log())
     assert len(sealed) == 2 and int(sealed[1]) > int(sealed[0]) > 0  # the idle build added files
     assert len(record["files"]) == int(sealed[1])
+
+
+def test_a_stop_during_a_bucket_build_waits_for_it(tmp_path: Path, monkeypatch, caplog) -> None:
+    """A stop that comes while the idle server builds a deferred bucket (not interruptible: a compile and
+    a capture) waits for that build past the stop's own timeout and ends cleanly, saying why it waits."""
+    import threading
+
+    import torch
+
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.serve.metrics import Metrics
+    from shardsmith.runtime.serve.worker import EngineWorker, State
+    from shardsmith.testing.tiny import tiny_mixtral
+    from shardsmith.testing.tokenizer import deepseek_tokenizer
+
+    src = tiny_mixtral(tmp_path / "src", layers=1)
+    deepseek_tokenizer(src, vocab_size=256)
+    monkeypatch.setattr(Engine, "bucket_builds_compile", property(lambda self: True))  # defer on the CPU too
+    started, real = threading.Event(), Engine.build_bucket
+
+    def slow_build(self, slot: int) -> int:  # a build that takes as long as a cold compile would
+        started.set()
+        time.sleep(2.0)
+        return real(self, slot)
+
+    monkeypatch.setattr(Engine, "build_bucket", slow_build)
+    load = lambda: Engine.load(src, rank=0, world_size=1, dtype=torch.float32, from_checkpoint=True,  # noqa: E731
+                               max_seq_len=32, max_num_seqs=4)
+    worker = EngineWorker(load, metrics=Metrics(), on_fatal=lambda msg: None, defer_buckets=True)
+    worker.start()
+    assert started.wait(60) and worker.state is State.READY
+    with caplog.at_level("INFO", logger="shardsmith.runtime.serve.worker"):
+        t0 = time.perf_counter()
+        assert worker.stop(timeout=0.2)  # the build outlasts the timeout; the stop still ends cleanly
+    assert time.perf_counter() - t0 < 30 and worker.state is State.STOPPED
+    assert "stopping once the decode bucket being built is done" in caplog.text
+    assert worker.engine.built_buckets() == [1, 4]  # the bucket under way was finished, no other begun

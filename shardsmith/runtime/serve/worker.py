@@ -46,6 +46,7 @@ from shardsmith.runtime.serve.tokenizer import Codec, IncrementalDetokenizer, St
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_QUEUE = 64  # requests waiting for a slot; past it, 429
+BUILD_STOP_TIMEOUT_S = 300.0  # how long a stop waits for a deferred decode bucket being built (EngineWorker.stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +297,7 @@ class EngineWorker:
                  speculative: Any = None, defer_buckets: bool = False) -> None:
         self._load = load
         self.defer_buckets = defer_buckets
+        self._building_since: float | None = None  # perf_counter() when the deferred bucket build now running began
         self.metrics = metrics
         self._on_fatal = on_fatal
         self.max_queue, self.prefill_chunk, self.decode_prompt_tokens = max_queue, prefill_chunk, decode_prompt_tokens
@@ -362,12 +364,21 @@ class EngineWorker:
         with self._wake:
             self._wake.notify()
 
-    def stop(self, timeout: float = 30.0) -> bool:
-        """Finish the running and queued jobs, shut the engine down (followers exit), join. False on timeout."""
+    def stop(self, timeout: float = 30.0, *, build_timeout: float = BUILD_STOP_TIMEOUT_S) -> bool:
+        """Finish the running and queued jobs, shut the engine down (followers exit), join. False on timeout.
+
+        A deferred decode bucket being built when the stop comes (a compile and a graph capture: tens of
+        seconds on a cold cache, and not interruptible) is waited for up to ``build_timeout`` seconds
+        more, so a stop right after ready ends cleanly rather than as a failure."""
         with self._wake:
             self._stop_requested = True
             self._wake.notify()
         self._thread.join(timeout)
+        since = self._building_since
+        if self._thread.is_alive() and since is not None:
+            log.info("stopping once the decode bucket being built is done (building for %.1f s)",
+                     time.perf_counter() - since)
+            self._thread.join(build_timeout)
         return not self._thread.is_alive()
 
     def _fail(self, message: str, *, report: bool = True) -> None:
@@ -448,7 +459,11 @@ class EngineWorker:
                 build = not self._running and not self._waiting
             try:
                 if build:  # idle: build a deferred decode bucket (a request that comes meanwhile waits for it)
-                    self._sched.build_bucket()
+                    self._building_since = time.perf_counter()
+                    try:
+                        self._sched.build_bucket()
+                    finally:
+                        self._building_since = None
                     self._count_buckets()
                     continue
                 self._drop_cancelled()
