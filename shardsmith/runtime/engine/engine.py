@@ -543,18 +543,20 @@ class Engine:
 
     def _warm_rollbacks(self) -> bool:
         """With the decode graphs and room for verify runs (:meth:`reserve_rows`) in a model whose runs roll
-        back through a program (DeepSeek-V4): one run of each length taken back to each kept length in
-        slot 0, so every rollback program is built (captured on CUDA) before serving. Whether it ran."""
-        runs = getattr(self.model, "runs", 1)
-        if self.graphs is None or runs < 2 or not hasattr(self.model, "rewind_program") or self.max_seq_len < runs + 2:
+        back through device programs (DeepSeek-V4's ``rollback_programs``), build (capture on CUDA) each
+        of them on every rank before serving, on the model's scratch slot: no decode step, so no batch
+        bucket is built for it. Whether it ran."""
+        if self.graphs is None or not getattr(self.model, "rollback_programs", None) or getattr(self.model, "runs", 1) < 2:
             return False
-        for rows in range(2, runs + 1):
-            for kept in range(1, rows):
-                self.prefill(0, [0, 0], 0)
-                self.decode([0] * rows, list(range(2, 2 + rows)), [0] * rows)
-                self.restore(0, 2 + kept)
-        self.release(0)
+        with self._lock:
+            if self.world_size > 1:
+                self._send(torch.tensor([WARMUP, 0, 4, 0, 0], dtype=torch.int64))
+            self._build_rollbacks()
         return True
+
+    def _build_rollbacks(self) -> None:
+        for key, fn, inputs in self.model.rollback_programs():
+            self.graphs.program(key, fn, *inputs)
 
     @property
     def bucket_builds_compile(self) -> bool:
@@ -666,6 +668,9 @@ class Engine:
                 self.runner.defer()
             elif op == WARMUP and b == 3:
                 self._reserve(a)
+            elif op == WARMUP and b == 4:
+                if self.graphs is not None:
+                    self._build_rollbacks()
             elif op == WARMUP:
                 self._collective(lambda: self._warm_kernels(a))
             elif op == DRAFT:

@@ -377,13 +377,22 @@ def test_deepseek_v4_rollback_runs_as_one_program_per_shape(tiny, monkeypatch, d
 
 def test_deepseek_v4_warm_up_builds_every_rollback_program(tiny) -> None:
     """With room for runs of up to 3 rows the warm-up builds the rollback of each run length to each kept
-    length (captured before serving on CUDA), and leaves slot 0 free."""
+    length (captured before serving on CUDA) on the scratch slot: no decode step (so no batch bucket is
+    built for it), every sequence slot untouched; a rollback afterwards reuses them and is exact."""
     engine = _load(tiny("deepseek-v4"))
     engine.use_decode_graphs()
     engine.reserve_rows(engine.max_num_seqs + 2)
     assert engine.model.runs == 3
     engine.warmup()
-    assert set(engine.graphs.programs) == {("rewind_run", 2, 1), ("rewind_run", 3, 1), ("rewind_run", 3, 2)}
-    assert "rollbacks" in engine.warmup_phases and engine.model.positions[0] == 0
+    keys = {("rewind_run", 2, 1), ("rewind_run", 3, 1), ("rewind_run", 3, 2)}
+    assert set(engine.graphs.programs) == keys and engine.runner.built == {1}
+    assert "rollbacks" in engine.warmup_phases and engine.model.positions == [0] * engine.max_num_seqs
     fresh = _load(tiny("deepseek-v4"))
-    torch.testing.assert_close(engine.prefill(0, REPEATING), fresh.prefill(0, REPEATING), atol=1e-5, rtol=0)
+    fresh.reserve_rows(fresh.max_num_seqs + 2)
+    for e in (engine, fresh):
+        e.prefill(1, REPEATING)
+        e.decode([5, 6, 7], [len(REPEATING) + j for j in range(3)], [1] * 3)
+        e.restore(1, len(REPEATING) + 2)
+    assert set(engine.graphs.programs) == keys
+    want = fresh.decode([9], [len(REPEATING) + 2], [1])
+    torch.testing.assert_close(engine.decode([9], [len(REPEATING) + 2], [1]), want, atol=1e-5, rtol=0)

@@ -298,8 +298,8 @@ class DeepseekV4(nn.Module):
             run, self._run[slot] = self._run[slot], None
             if run is not None:  # a verify run of a decode step: its compressors retake the kept rows
                 at = host_to_device([slot, run[0], spec[0]], self.freqs["main"].device)
-                fn = functools.partial(self.rewind_program, run[1], pos - spec[0])
-                (program or (lambda key, f, *inputs: f(*inputs)))(("rewind_run", run[1], pos - spec[0]), fn, at)
+                key, fn = self._rollback(run[1], pos - spec[0])
+                (program or (lambda key, f, *inputs: f(*inputs)))(key, fn, at)
             else:
                 for layer in self.layers:
                     layer.attn.rewind(slot, spec[0], pos - spec[0])
@@ -313,6 +313,17 @@ class DeepseekV4(nn.Module):
             view.copy_(saved)
         self.positions[slot] = pos
         self._drop_snapshots(slot, after=pos)
+
+    def _rollback(self, rows: int, kept: int) -> tuple[tuple, Callable[[torch.Tensor], tuple]]:
+        return ("rewind_run", rows, kept), functools.partial(self.rewind_program, rows, kept)
+
+    def rollback_programs(self) -> list[tuple[tuple, Callable[[torch.Tensor], tuple], tuple[torch.Tensor]]]:
+        """``(key, program, inputs)`` of every verify-run rollback this model may run (each run length
+        ``2..runs`` to each kept length below it; none without :meth:`reserve_runs`), its inputs
+        pointing at the scratch slot: running one there writes only that slot (state no sequence
+        reads), so the engine builds them all before serving."""
+        at = host_to_device([self.scratch, 0, 0], self.freqs["main"].device)
+        return [(*self._rollback(rows, kept), (at,)) for rows in range(2, self.runs + 1) for kept in range(1, rows)]
 
     def rewind_program(self, rows: int, kept: int, at: torch.Tensor) -> tuple:
         """The rollback of a verify run of ``rows`` rows that keeps its first ``kept``: every layer's
