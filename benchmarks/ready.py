@@ -18,7 +18,11 @@ caches there, ``$SHARDSMITH_CACHE/compile``), waits for ``/health``, then reads:
 - ``engine_step_ms``: the mean engine step of one greedy streaming request after ready (``--tokens``
   tokens; ``/metrics`` ``engine_step_seconds`` sum over count, before and after it), so a start that
   skipped its compiles is seen to step as fast; ``request_tokens_per_s``: its tokens over its wall
-  time (a stream's chunks may come together: text held back until it decodes as UTF-8).
+  time (a stream's chunks may come together: text held back until it decodes as UTF-8);
+  ``engine_step_ms_streams``: the mean step while ``--streams`` such requests run together (the larger
+  buckets' pieces);
+- ``compile_rows``: ``SHARDSMITH_TUNING=compile_rows`` of the start (``--compile-rows``: each mode's
+  starts in turn, the first on empty caches).
 
 The load floor: the pack's files are dropped from the page cache (``posix_fadvise`` DONTNEED) and
 read back (``--floor-gb`` of them at most), giving ``disk_gb_per_s``; ``load_floor_s`` is the
@@ -28,7 +32,8 @@ pack's bytes at that rate. Rows go to ``benchmarks/results/ready-<YYYYMMDD>-<hos
 Usage::
 
     python benchmarks/ready.py PACK [--device cuda] [--dtype bfloat16] [--starts 2] [--buckets all deferred]
-        [--cache DIR] [--tokens 64] [--out FILE] [-- extra serve options, e.g. --moe-backend gpu]
+        [--compile-rows static dynamic] [--cache DIR] [--tokens 64] [--streams 4] [--out FILE]
+        [-- extra serve options, e.g. --moe-backend gpu]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import shutil
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -81,6 +87,15 @@ def metric(url: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def step_ms(url: str) -> tuple[float, float]:
+    """``/metrics`` ``engine_step_seconds`` (sum, count)."""
+    return metric(url, "engine_step_seconds_sum") or 0.0, metric(url, "engine_step_seconds_count") or 0.0
+
+
+def mean_step_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    return round(1e3 * (after[0] - before[0]) / (after[1] - before[1]), 3) if after[1] > before[1] else None
+
+
 def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str, log: Path) -> dict:
     before = cache_files(a.cache)
     t0 = time.perf_counter()
@@ -109,10 +124,14 @@ def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str,
         warmup_s = float(warm.group(1)) if warm else None
         body = {"model": "bench", "prompt": list(range(1, 17)), "max_tokens": a.tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-        steps0 = (metric(url, "engine_step_seconds_sum") or 0.0, metric(url, "engine_step_seconds_count") or 0.0)
+        steps0 = step_ms(url)
         sent = time.perf_counter()
         first, end, got = stream_urllib(url, body, None)
-        steps1 = (metric(url, "engine_step_seconds_sum") or 0.0, metric(url, "engine_step_seconds_count") or 0.0)
+        steps1 = step_ms(url)
+        with ThreadPoolExecutor(a.streams) as pool:  # the larger buckets' step, the same tokens from each stream
+            list(pool.map(lambda i: stream_urllib(url, body | {"prompt": list(range(1 + i, 17 + i))}, None),
+                          range(a.streams)))
+        steps_n = step_ms(url)
         after = cache_files(a.cache)
     finally:
         stop_server(proc)
@@ -124,11 +143,12 @@ def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str,
            "compile_cache_files": at_ready, "new_cache_files": at_ready - before,
            "compiled_after_ready_files": after - at_ready, "ttft_s": round(first - sent, 4),
            "request_s": round(end - sent, 4), "request_tokens_per_s": round(got / (end - sent), 2) if got else None,
-           "engine_step_ms": round(1e3 * (steps1[0] - steps0[0]) / (steps1[1] - steps0[1]), 3)
-           if steps1[1] > steps0[1] else None}
+           "engine_step_ms": mean_step_ms(steps0, steps1), "streams": a.streams,
+           "engine_step_ms_streams": mean_step_ms(steps1, steps_n), "compile_rows": a.compile_rows}
     print(f"{label:>7} {buckets:>8}: ready {ready_s:7.2f} s (every bucket {all_buckets_s:.2f} s) = process start {row['process_start_s']} s + load {row['load_s']} s + "
           f"warm-up {warmup_s} s; compile-cache files {at_ready} ({at_ready - before:+d}); "
-          f"decode: engine step {row['engine_step_ms']} ms, {row['request_tokens_per_s']} tokens/s over the request", flush=True)
+          f"decode: engine step {row['engine_step_ms']} ms ({row['engine_step_ms_streams']} ms with {a.streams} streams), "
+          f"{row['request_tokens_per_s']} tokens/s over the request", flush=True)
     if phases:
         print("         warm-up phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
     return row
@@ -144,6 +164,10 @@ def main() -> None:
     ap.add_argument("--buckets", nargs="+", default=["all", "deferred"], choices=("all", "deferred"),
                     help="all: every batch bucket before ready (--no-defer-buckets); deferred: built while idle")
     ap.add_argument("--tokens", type=int, default=64, help="tokens of the decode check after each start")
+    ap.add_argument("--streams", type=int, default=4, help="concurrent requests of the larger buckets' step check")
+    ap.add_argument("--compile-rows", nargs="+", default=["static"], choices=("static", "dynamic"),
+                    help="the compiled pieces per batch bucket, or one for every bucket past one row "
+                         "(SHARDSMITH_TUNING=compile_rows=...), each with its own starts")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/ready-cache"), help="compile caches (emptied first)")
     ap.add_argument("--floor-gb", type=float, default=4.0, help="read at most this much of the pack for the disk rate")
     ap.add_argument("--out", type=Path, default=None)
@@ -167,22 +191,27 @@ def main() -> None:
         os.environ.pop(v, None)
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     rows = []
-    for buckets in a.buckets:
+    tuning = os.environ.get("SHARDSMITH_TUNING", "")
+    for compile_rows, buckets in [(c, b) for c in a.compile_rows for b in a.buckets]:
         shutil.rmtree(a.cache, ignore_errors=True)  # each mode's first start on empty caches
         a.cache.mkdir(parents=True)
         os.environ["SHARDSMITH_CACHE"] = str(a.cache)  # serve keeps its compile caches under it, per pack and rank
+        os.environ["SHARDSMITH_TUNING"] = ",".join(filter(None, [tuning, f"compile_rows={compile_rows}"]))
+        a.compile_rows = compile_rows
         for i in range(a.starts):
-            r = one_start(a, extra, "cold" if i == 0 else "cached", buckets, out_dir / f"ready-serve-{buckets}-{i}.log")
+            r = one_start(a, extra, "cold" if i == 0 else "cached", buckets,
+                          out_dir / f"ready-serve-{compile_rows}-{buckets}-{i}.log")
             rows.append(r | {"load_floor_s": round(floor_s, 2), "disk_gb_per_s": round(rate / 1e9, 3),
                              "ready_over_floor_s": round(r["ready_s"] - floor_s, 2),
                              "ready_vs_cold_all": round(r["ready_s"] / (rows or [r])[0]["ready_s"], 3)})
             # after every start: a run stopped by its time limit keeps the starts it made
             save_results("ready", rows, extra={"pack": a.pack.name, "serve_args": " ".join(extra)}, path=a.out)
-    print(f"{'start':>7} {'buckets':>8} {'ready s':>8} {'all s':>7} {'load s':>7} {'warm-up s':>9} {'floor s':>8} "
-          f"{'vs cold':>8} {'step ms':>8}")
+    print(f"{'compile':>8} {'start':>7} {'buckets':>8} {'ready s':>8} {'all s':>7} {'load s':>7} {'warm-up s':>9} "
+          f"{'floor s':>8} {'vs cold':>8} {'step ms':>8} {'x' + str(a.streams) + ' ms':>8}")
     for r in rows:
-        print(f"{r['start']:>7} {r['buckets']:>8} {r['ready_s']:>8} {r['all_buckets_s']:>7} {r['load_s']!s:>7} "
-              f"{r['warmup_s']!s:>9} {r['load_floor_s']:>8} {r['ready_vs_cold_all']:>8} {r['engine_step_ms']!s:>8}")
+        print(f"{r['compile_rows']:>8} {r['start']:>7} {r['buckets']:>8} {r['ready_s']:>8} {r['all_buckets_s']:>7} "
+              f"{r['load_s']!s:>7} {r['warmup_s']!s:>9} {r['load_floor_s']:>8} {r['ready_vs_cold_all']:>8} "
+              f"{r['engine_step_ms']!s:>8} {r['engine_step_ms_streams']!s:>8}")
 
 
 if __name__ == "__main__":

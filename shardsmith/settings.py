@@ -39,7 +39,7 @@ from pathlib import Path
 
 from shardsmith.errors import UsageError
 
-__all__ = ["ITEMS", "Item", "Kernel", "OffloadMiss", "REMOVED", "Settings", "VARIABLES", "Variable", "check",
+__all__ = ["ITEMS", "CompileRows", "Item", "Kernel", "OffloadMiss", "REMOVED", "Settings", "VARIABLES", "Variable", "check",
            "current", "env", "items", "overrides", "spelling", "with_words"]
 
 KERNELS = "SHARDSMITH_KERNELS"
@@ -53,6 +53,15 @@ class Kernel(enum.Enum):
     AUTO = "auto"
     KERNEL = "kernel"
     OFF = "reference"
+
+
+class CompileRows(enum.Enum):
+    """How the compiled decode pieces take the batch buckets: ``static``, one graph per bucket (each
+    bucket's build traces and compiles every piece again), or ``dynamic``, the row count symbolic past
+    one row (the two-row bucket compiles, larger buckets reuse its graphs)."""
+
+    STATIC = "static"
+    DYNAMIC = "dynamic"
 
 
 class OffloadMiss(enum.Enum):
@@ -250,6 +259,10 @@ class Settings:
     host_prefetch: int | None = _item(TUNING, "host_prefetch", f"bytes, 0 .. {MAX_PREFETCH_BYTES}", "the kernel's (2048)",
                                       "the host expert kernel's software prefetch distance",
                                       _count(0, MAX_PREFETCH_BYTES), None, "HOST_PREFETCH")
+    compile_rows: CompileRows = _item(TUNING, "compile_rows", "static, dynamic", "static",
+                                      "the compiled decode pieces: one graph per batch bucket, or one for every "
+                                      "bucket past one row (fewer compiles at start)", _choice(CompileRows),
+                                      CompileRows.STATIC, "")
     switch_interval_ms: float | None = _item(TUNING, "switch_interval_ms", "milliseconds > 0", "python's",
                                              "the interpreter's thread switch interval", _positive, None,
                                              "SWITCH_INTERVAL_MS")

@@ -121,7 +121,7 @@ def test_env_round_trip() -> None:
     assert settings.items(s, "SHARDSMITH_KERNELS")["fp8_dense"] == "reference"
     assert settings.items(s, "SHARDSMITH_KERNELS")["compile_pieces"] == "reference"
     assert settings.items(Settings(), "SHARDSMITH_TUNING") == {"offload_miss": "copy", "inplace_blocks": "16x8",
-                                                               "gloo_gather_max": "65536"}
+                                                               "gloo_gather_max": "65536", "compile_rows": "static"}
 
 
 def test_overrides_keep_the_other_settings(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,8 @@
 #   spec-cost       a full-depth V4's decode step against its verify step (k = 1, 2, 3, rollback included) and
 #                   the tokens/s they give at 80% and 90% acceptance (spec_decode.py --cost)
 #   ready           time to ready through serve on a full-depth V4 pack (43 layers x 8 FP4 experts, TP=1): a
-#                   start on empty compile caches, then a cached one, beside the load floor (ready.py)
+#                   start on empty compile caches, then a cached one, beside the load floor, with the pieces
+#                   compiled per bucket and with the row count symbolic (ready.py --compile-rows static dynamic)
 #
 # Carry .inv/ (the real V4-Flash inventory from ../shared/real-inventories, and SmolLM2's
 # tokenizer.json as .inv/smollm2-tokenizer.json for the masks) and .whl/ (wheels the host lacks:
@@ -157,12 +158,13 @@ step_ready() {
     [ -f /tmp/v4f/tokenizer.json ] || python3 -c 'from pathlib import Path; from shardsmith.testing.tokenizer import deepseek_tokenizer; deepseek_tokenizer(Path("/tmp/v4f"), vocab_size=512, chat="template")'
     [ -f /tmp/v4f-tp1/pack.yaml ] || timeout 300 python3 -m shardsmith.cli split /tmp/v4f /tmp/v4f-tp1 --tp 1 \
         > "$OUT/split_v4f.log" 2>&1 || return 1
-    timeout "${READY_S:-420}" python3 benchmarks/ready.py /tmp/v4f-tp1 --device cuda --dtype bfloat16 --starts 2 \
-        --cache /tmp/ready-cache 2>&1 | grep -v INFO | tee "$OUT/ready.log" | tail -12
+    timeout "${READY_S:-480}" python3 benchmarks/ready.py /tmp/v4f-tp1 --device cuda --dtype bfloat16 --starts 2 \
+        --buckets ${READY_BUCKETS:-all} --compile-rows ${READY_COMPILE:-static dynamic} \
+        --cache /tmp/ready-cache 2>&1 | grep -v INFO | tee "$OUT/ready.log" | tail -14
     local rc=${PIPESTATUS[0]}; keep ready; return $rc
 }
 
-[ $# -gt 0 ] || { sed -n '2,31p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
 for step in "$@"; do
     fn="step_${step//-/_}"
     if ! declare -F "$fn" > /dev/null; then echo "unknown step: $step"; continue; fi

@@ -119,6 +119,7 @@ def make_key(path: Path, *, from_checkpoint: bool, rank: int, world_size: int, d
     except ImportError:
         triton_version = "none"
     kernels = settings.items(settings.current(), settings.KERNELS)
+    kernels["compile_rows"] = settings.current().compile_rows.value  # what the compiled graphs are keyed by
     return CacheKey(pack=pack_identity(path, from_checkpoint=from_checkpoint), rank=rank, world_size=world_size,
                     dtype=str(dtype), device=device_label(device), torch=torch.__version__, triton=triton_version,
                     python=platform.python_version(), kernels=",".join(f"{k}={v}" for k, v in sorted(kernels.items())))

@@ -183,7 +183,8 @@ def compiled(fn: Callable[..., Tensors]) -> Callable[..., Tensors]:
     on CUDA (``SHARDSMITH_KERNELS=compile_pieces=reference`` turns it off; ``=kernel`` turns it on for the CPU
     too, as inductor's C++ code), else ``fn``: one compiled function per
     method, shared by every layer (dynamo lifts a module's tensors to inputs, so layers of one kind
-    and batch bucket share a compiled graph; the Triton kernels inside are traced as user kernels).
+    and batch bucket share a compiled graph; the Triton kernels inside are traced as user kernels;
+    ``SHARDSMITH_TUNING=compile_rows=dynamic``: every bucket past one row shares one, the row count symbolic).
     The pieces' compile happens in their warm-up run, before capture (the server's warm-up: ~65 s
     more on a cold inductor cache for a V4-Flash-shaped model on an H200; the step ran 1.4x faster
     at one row and 1.5x at eight, ``benchmarks/RESULTS.md``)."""
@@ -195,9 +196,24 @@ def compiled(fn: Callable[..., Tensors]) -> Callable[..., Tensors]:
     dynamo.config.accumulated_cache_size_limit = max(dynamo.config.accumulated_cache_size_limit, 4096)
     owner, name = getattr(fn, "__self__", None), getattr(fn, "__name__", "")
     cache = _COMPILED.setdefault(type(owner), {}) if owner is not None else {}
+    static = settings.current().compile_rows is settings.CompileRows.STATIC
     if name not in cache:
-        cache[name] = torch.compile(getattr(type(owner), name) if owner is not None else fn, dynamic=False)
-    return functools.partial(cache[name], owner) if owner is not None else cache[name]
+        cache[name] = torch.compile(getattr(type(owner), name) if owner is not None else fn,
+                                    dynamic=False if static else None)
+    run = cache[name] if static else functools.partial(_rows_symbolic, cache[name])
+    return functools.partial(run, owner) if owner is not None else run
+
+
+def _rows_symbolic(fn: Callable[..., Tensors], *args: Any) -> Tensors:
+    """``fn(*args)`` with the leading (row) dim of every tensor argument of more than one row marked
+    dynamic, so the first bucket past one row compiles ``fn`` with the row count symbolic and every
+    larger bucket reuses that graph (a one-row bucket keeps its own: dynamo specialises size 1)."""
+    from torch import _dynamo as dynamo
+
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] > 1:
+            dynamo.maybe_mark_dynamic(a, 0)
+    return fn(*args)
 
 
 _COMPILED: dict[type, dict[str, Callable[..., Tensors]]] = {}

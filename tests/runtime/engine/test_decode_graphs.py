@@ -332,3 +332,40 @@ def test_mixtral_family_compiled_pieces_stay_within_bf16_spread_on_cuda(family_p
                                      cuda_graphs=False, **kwargs)
     eager, compiled = _bf16_spread(load)
     assert 0 < eager and compiled <= 2 * eager + 1e-3, (eager, compiled)
+
+
+def test_dynamic_rows_compile_once_for_every_bucket_past_one(tmp_path, monkeypatch, use_settings):
+    """``SHARDSMITH_TUNING=compile_rows=dynamic``: the two-row bucket's build compiles the pieces with the
+    row count symbolic and the four-row bucket's compiles nothing more (what cuts a start's bucket
+    builds), its steps still the eager pieces' logits (CPU: inductor's C++ code)."""
+    from torch._dynamo.utils import counters
+
+    from shardsmith.runtime.engine import cuda_graphs
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.testing.tiny import tiny_mixtral
+
+    src = tiny_mixtral(tmp_path / "src", layers=1)
+    load = lambda: Engine.load(src, rank=0, world_size=1, dtype=torch.float32, from_checkpoint=True,  # noqa: E731
+                               max_seq_len=32, max_num_seqs=4)
+    prompts = {s: [3 + s, 17, 42 + s, 99, 5] for s in range(4)}
+
+    def steps(eng, rows: int) -> torch.Tensor:
+        for s in range(rows):
+            eng.prefill(s, prompts[s])
+        return eng.decode([7] * rows, [5] * rows, list(range(rows)))
+
+    use_settings(compile_pieces="reference")
+    eager = load()
+    want = {rows: steps(eager, rows) for rows in (1, 2, 4)}
+    use_settings(compile_pieces="kernel", compile_rows="dynamic")
+    monkeypatch.setattr(cuda_graphs, "_COMPILED", {})  # compiled functions are made once per process
+    torch._dynamo.reset()
+    eng = load()
+    graphs = []
+    for rows in (1, 2, 4):
+        got = steps(eng, rows)
+        graphs.append(counters["stats"]["unique_graphs"])
+        torch.testing.assert_close(got, want[rows], atol=2e-5, rtol=2e-5)
+    assert graphs[0] > 0 and graphs[1] > graphs[0]  # the one-row bucket, then the symbolic one
+    assert graphs[2] == graphs[1], "the four-row bucket compiled again"
+    torch._dynamo.reset()
