@@ -27,7 +27,8 @@ rejected draft costs on DeepSeek-V4; ``verify_accepted_ms`` the same step with e
 the single-stream tokens/s those costs give at 80% and 90% per-token acceptance: a step emits
 ``(1 - a^(k+1)) / (1 - a)`` tokens on average (random weights accept nothing, so the speed-up is
 modelled from the measured step, rollback included). Rows add ``modeled_tokens_per_s_at_80``, ``..._at_90`` and
-``modeled_speedup_at_80`` (against ``decode_step_ms_without_runs``).
+``modeled_speedup_at_80`` (against ``decode_step_ms_without_runs``). ``--offload F ...`` adds the same rows
+with the routed experts offloaded, a GPU cache of each fraction ``F`` of them (``moe_backend``).
 
     python benchmarks/spec_decode.py PACK --dtype float32 --k 2 4 6
     python benchmarks/spec_decode.py PACK --cost --k 1 2 3 --speculative mtp --device cuda
@@ -183,6 +184,9 @@ def main() -> None:
     ap.add_argument("--speculative", choices=("ngram", "mtp"), default="ngram",
                     help="--cost: the draft source (mtp loads the MTP layer and times its drafts)")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="--cost: random prompt length")
+    ap.add_argument("--offload", type=float, nargs="*", default=[],
+                    help="--cost: after the resident rows, the routed experts offloaded with a GPU cache of each "
+                         "FRACTION of them (--moe-backend gpu)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1],
                     help="concurrent sequences of the prompt (each a row of the batched step)")
     ap.add_argument("--verify", nargs="+", choices=("run", "chunk"), default=["run", "chunk"],
@@ -193,11 +197,24 @@ def main() -> None:
 
     mtp = int(a.cost and a.speculative == "mtp")
     if a.cost:
-        engine = Engine.load(a.pack, rank=0, world_size=1, device=a.device, dtype=getattr(torch, a.dtype),
-                             from_checkpoint=a.from_checkpoint, max_seq_len=a.prompt_tokens + 64 * max(a.k) + 64,
-                             max_num_seqs=1, mtp_layers=mtp)
-        sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-        rows = cost_rows(engine, a, sync)
+        rows = []
+        for fraction in [None, *a.offload]:  # resident, then each expert cache, one engine at a time
+            offload = None
+            if fraction is not None:
+                from shardsmith.runtime.offload import OffloadConfig
+
+                experts = len(engine.model.layers) * int(engine.config.get("n_routed_experts") or 1)
+                del engine
+                offload = OffloadConfig(backend="gpu", cache_slots=max(1, round(fraction * experts)), probe=False)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            engine = Engine.load(a.pack, rank=0, world_size=1, device=a.device, dtype=getattr(torch, a.dtype),
+                                 from_checkpoint=a.from_checkpoint, max_seq_len=a.prompt_tokens + 64 * max(a.k) + 64,
+                                 max_num_seqs=1, mtp_layers=mtp, offload=offload)
+            sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+            backend = "resident" if fraction is None else f"offloaded ({fraction:.0%} cache)"
+            print(f"-- {backend}", flush=True)
+            rows += [r | {"moe_backend": backend} for r in cost_rows(engine, a, sync)]
         name = engine.device.type if engine.device.type != "cuda" else torch.cuda.get_device_name()
         save_results("spec_decode", rows, extra={"pack": a.pack.name, "device": name, "dtype": a.dtype,
                                                   "mode": "cost"}, path=a.out, append=a.out is not None)

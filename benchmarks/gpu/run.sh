@@ -19,8 +19,9 @@
 #                   decode-sized slot path, with the link bytes per prompt token
 #   tp-sim          TP 1, 2, 4 of a full-depth V4 predicted from one rank alone, resident and with a 48 GB
 #                   card's expert cache, collectives priced (tp_sim.py)
-#   spec-cost       a full-depth V4's decode step against its verify step (k = 1, 2, 3, rollback included) and
-#                   the tokens/s they give at 80% and 90% acceptance (spec_decode.py --cost)
+#   spec-cost       a full-depth V4's decode step against its verify step (k = 1, 2, 3, rollback included and
+#                   apart) and the tokens/s they give at 80% and 90% acceptance, resident then with a 25%
+#                   expert cache (spec_decode.py --cost --offload 0.25)
 #   ready           time to ready through serve on a full-depth V4 pack (43 layers x 8 FP4 experts, TP=1): a
 #                   start on empty compile caches, then a cached one, beside the load floor, with the pieces
 #                   compiled per bucket and with the row count symbolic (ready.py --compile-rows static dynamic)
@@ -148,9 +149,9 @@ step_tp_sim() {
 
 step_spec_cost() {
     full_depth || return 1
-    timeout "${SPEC_COST_S:-360}" python3 benchmarks/spec_decode.py /tmp/v4f --from-checkpoint --cost --k 1 2 3 \
-        --device cuda --dtype bfloat16 --prompt-tokens 1024 --out "$OUT/spec_decode-$SHARDSMITH_HOST.json" 2>&1 \
-        | grep -v INFO | tee "$OUT/spec_cost.log" | tail -8
+    timeout "${SPEC_COST_S:-420}" python3 benchmarks/spec_decode.py /tmp/v4f --from-checkpoint --cost --k 1 2 3 \
+        --device cuda --dtype bfloat16 --prompt-tokens 1024 --offload ${SPEC_OFFLOAD:-0.25} \
+        --out "$OUT/spec_decode-$SHARDSMITH_HOST.json" 2>&1 | grep -v INFO | tee "$OUT/spec_cost.log" | tail -18
 }
 
 step_ready() {
