@@ -26,7 +26,7 @@
 #                   start on empty compile caches, then a cached one, beside the load floor, with the pieces
 #                   compiled per bucket and with the row count symbolic (ready.py --compile-rows static dynamic)
 #
-# Carry .inv/ (the real V4-Flash inventory from ../shared/real-inventories, and SmolLM2's
+# Carry .inv/ and .whl/, made by benchmarks/gpu/carry.sh: .inv/ (the real V4-Flash inventory from ../shared/real-inventories, and SmolLM2's
 # tokenizer.json as .inv/smollm2-tokenizer.json for the masks) and .whl/ (wheels the host lacks:
 # llguidance). Pass SHARDSMITH_COMMIT=<sha> (the host's copy of .git may be stale) and
 # SHARDSMITH_HOST=<label>. Per-step limits: <STEP>_S seconds (e.g. OFFLOAD_S=300). The per-session
