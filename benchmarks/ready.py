@@ -12,7 +12,8 @@ caches there, ``$SHARDSMITH_CACHE/compile``), waits for ``/health``, then reads:
   model); ``warmup_s`` and its phases (the ``warm-up phases`` log line: Triton kernel variants,
   first prefill and step, each batch bucket, the prompt probe);
 - ``process_start_s``: the rest (interpreter and imports, the launcher, rank start-up):
-  ``ready_s - load_s - warmup_s``;
+  ``ready_s - load_s - warmup_s``; ``start_phases_s``: its parts as rank 0 timed them (``/metrics``
+  ``start_seconds``: the launcher, the rank's own start, its process group, the engine's import);
 - ``compile_cache_files`` (files under ``--cache`` at ready) and ``new_cache_files`` (added by this
   start; a start on filled caches should add none);
 - ``engine_step_ms``: the mean engine step of one greedy streaming request after ready (``--tokens``
@@ -22,7 +23,9 @@ caches there, ``$SHARDSMITH_CACHE/compile``), waits for ``/health``, then reads:
   ``engine_step_ms_streams``: the mean step while ``--streams`` such requests run together (the larger
   buckets' pieces);
 - ``compile_rows``: ``SHARDSMITH_TUNING=compile_rows`` of the start (``--compile-rows``: each mode's
-  starts in turn, the first on empty caches).
+  starts in turn, the first on empty caches);
+- ``checkout``, ``commit``: whose code served (``--checkout LABEL=DIR``, repeatable: a base commit's
+  worktree beside this one, side by side in one run).
 
 The load floor: the pack's files are dropped from the page cache (``posix_fadvise`` DONTNEED) and
 read back (``--floor-gb`` of them at most), giving ``disk_gb_per_s``; ``load_floor_s`` is the
@@ -33,6 +36,7 @@ Usage::
 
     python benchmarks/ready.py PACK [--device cuda] [--dtype bfloat16] [--starts 2] [--buckets all deferred]
         [--compile-rows static dynamic] [--cache DIR] [--tokens 64] [--streams 4] [--out FILE]
+        [--checkout base=/tmp/base --checkout new=.]
         [-- extra serve options, e.g. --moe-backend gpu]
 """
 
@@ -42,6 +46,7 @@ import argparse
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 import urllib.request
@@ -87,6 +92,14 @@ def metric(url: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def start_phases(url: str) -> dict[str, float]:
+    """``/metrics`` ``start_seconds{phase=...}``: rank 0's seconds before the load, by phase (empty from
+    a checkout that does not export them)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {k: float(v) for k, v in re.findall(r'^shardsmith_start_seconds\{phase="(\w+)"\} ([0-9.eE+-]+)$', text, re.M)}
+
+
 def step_ms(url: str) -> tuple[float, float]:
     """``/metrics`` ``engine_step_seconds`` (sum, count)."""
     return metric(url, "engine_step_seconds_sum") or 0.0, metric(url, "engine_step_seconds_count") or 0.0
@@ -101,11 +114,12 @@ def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str,
     t0 = time.perf_counter()
     flag = "--defer-buckets" if buckets == "deferred" else "--no-defer-buckets"
     proc, url = start_server(a.pack, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
-                             extra=[flag, *extra], log=log)
+                             extra=[flag, *extra], log=log, cwd=a.checkout_dir)
     ready_s = time.perf_counter() - t0
     try:
         at_ready = cache_files(a.cache)
         load_s = metric(url, "load_seconds")
+        before_load = start_phases(url)
         pending = metric(url, "decode_buckets_pending")
         while pending:  # deferred: the idle server builds the rest now
             time.sleep(0.2)
@@ -135,20 +149,23 @@ def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str,
         after = cache_files(a.cache)
     finally:
         stop_server(proc)
-    row = {"start": label, "buckets": buckets, "device": a.device_name, "pack_bytes": a.pack_bytes,
+    row = {"checkout": a.checkout, "commit": a.checkout_commit,
+           "start": label, "buckets": buckets, "device": a.device_name, "pack_bytes": a.pack_bytes,
            "ready_s": round(ready_s, 2), "all_buckets_s": round(all_buckets_s, 2),
            "load_s": None if load_s is None else round(load_s, 2), "warmup_s": warmup_s,
            "process_start_s": None if load_s is None or warmup_s is None else round(ready_s - load_s - warmup_s, 2),
-           "warmup_phases_s": phases, "warmup_kernel_launches": int(warm.group(2)) if warm else None,
+           "start_phases_s": before_load, "warmup_phases_s": phases, "warmup_kernel_launches": int(warm.group(2)) if warm else None,
            "compile_cache_files": at_ready, "new_cache_files": at_ready - before,
            "compiled_after_ready_files": after - at_ready, "ttft_s": round(first - sent, 4),
            "request_s": round(end - sent, 4), "request_tokens_per_s": round(got / (end - sent), 2) if got else None,
            "engine_step_ms": mean_step_ms(steps0, steps1), "streams": a.streams,
            "engine_step_ms_streams": mean_step_ms(steps1, steps_n), "compile_rows": a.compile_rows}
-    print(f"{label:>7} {buckets:>8}: ready {ready_s:7.2f} s (every bucket {all_buckets_s:.2f} s) = process start {row['process_start_s']} s + load {row['load_s']} s + "
+    print(f"{a.checkout:>8} {label:>7} {buckets:>8}: ready {ready_s:7.2f} s (every bucket {all_buckets_s:.2f} s) = process start {row['process_start_s']} s + load {row['load_s']} s + "
           f"warm-up {warmup_s} s; compile-cache files {at_ready} ({at_ready - before:+d}); "
           f"decode: engine step {row['engine_step_ms']} ms ({row['engine_step_ms_streams']} ms with {a.streams} streams), "
           f"{row['request_tokens_per_s']} tokens/s over the request", flush=True)
+    if before_load:
+        print("         before the load (s): " + ", ".join(f"{k} {v:.2f}" for k, v in before_load.items()), flush=True)
     if phases:
         print("         warm-up phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
     return row
@@ -171,9 +188,13 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path("/tmp/ready-cache"), help="compile caches (emptied first)")
     ap.add_argument("--floor-gb", type=float, default=4.0, help="read at most this much of the pack for the disk rate")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--checkout", action="append", default=None, metavar="LABEL=DIR",
+                    help="a checkout whose shardsmith serves (its DIR first on PYTHONPATH), repeatable, each "
+                         "through every mode in turn (e.g. base=/tmp/base new=.); default: this one")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])
+    a.pack, a.cache = a.pack.resolve(), a.cache.resolve()
     extra = argv[cut + 1:]
     files = pack_files(a.pack)
     a.pack_bytes = sum(p.stat().st_size for p in files)
@@ -192,7 +213,16 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     rows = []
     tuning = os.environ.get("SHARDSMITH_TUNING", "")
-    for compile_rows, buckets in [(c, b) for c in a.compile_rows for b in a.buckets]:
+    here = Path(__file__).resolve().parent.parent
+    checkouts = [c.split("=", 1) for c in a.checkout or [f"this={here}"]]
+    if bad := [c for c in checkouts if len(c) != 2 or not (Path(c[1]) / "shardsmith").is_dir()]:
+        raise SystemExit(f"--checkout takes LABEL=DIR, DIR holding the shardsmith package: {bad}")
+    path0 = os.environ.get("PYTHONPATH", "")
+    for (label, where), compile_rows, buckets in [(k, c, b) for k in checkouts for c in a.compile_rows for b in a.buckets]:
+        a.checkout, a.checkout_dir = label, Path(where).resolve()  # the command runs there: python -m puts it first
+        a.checkout_commit = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip() or None
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(where).resolve()), path0]))
         shutil.rmtree(a.cache, ignore_errors=True)  # each mode's first start on empty caches
         a.cache.mkdir(parents=True)
         os.environ["SHARDSMITH_CACHE"] = str(a.cache)  # serve keeps its compile caches under it, per pack and rank
@@ -200,16 +230,16 @@ def main() -> None:
         a.compile_rows = compile_rows
         for i in range(a.starts):
             r = one_start(a, extra, "cold" if i == 0 else "cached", buckets,
-                          out_dir / f"ready-serve-{compile_rows}-{buckets}-{i}.log")
+                          out_dir / f"ready-serve-{label}-{compile_rows}-{buckets}-{i}.log")
             rows.append(r | {"load_floor_s": round(floor_s, 2), "disk_gb_per_s": round(rate / 1e9, 3),
                              "ready_over_floor_s": round(r["ready_s"] - floor_s, 2),
                              "ready_vs_cold_all": round(r["ready_s"] / (rows or [r])[0]["ready_s"], 3)})
             # after every start: a run stopped by its time limit keeps the starts it made
             save_results("ready", rows, extra={"pack": a.pack.name, "serve_args": " ".join(extra)}, path=a.out)
-    print(f"{'compile':>8} {'start':>7} {'buckets':>8} {'ready s':>8} {'all s':>7} {'load s':>7} {'warm-up s':>9} "
+    print(f"{'checkout':>8} {'compile':>8} {'start':>7} {'buckets':>8} {'ready s':>8} {'all s':>7} {'load s':>7} {'warm-up s':>9} "
           f"{'floor s':>8} {'vs cold':>8} {'step ms':>8} {'x' + str(a.streams) + ' ms':>8}")
     for r in rows:
-        print(f"{r['compile_rows']:>8} {r['start']:>7} {r['buckets']:>8} {r['ready_s']:>8} {r['all_buckets_s']:>7} "
+        print(f"{r['checkout']:>8} {r['compile_rows']:>8} {r['start']:>7} {r['buckets']:>8} {r['ready_s']:>8} {r['all_buckets_s']:>7} "
               f"{r['load_s']!s:>7} {r['warmup_s']!s:>9} {r['load_floor_s']:>8} {r['ready_vs_cold_all']:>8} "
               f"{r['engine_step_ms']!s:>8} {r['engine_step_ms_streams']!s:>8}")
 

@@ -69,13 +69,13 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def start_server(pack: Path, *, device: str, dtype: str, max_num_seqs: int, extra: list[str], log: Path,
-                 trace: Path | None = None):
+                 trace: Path | None = None, cwd: Path | None = None):
     port = free_port()
     env = os.environ | {"PYTHONUNBUFFERED": "1"} | ({"SHARDSMITH_STEP_TRACE": str(trace)} if trace else {})
     cmd = [sys.executable, "-m", "shardsmith.cli", "serve", str(pack), "--port", str(port), "--dist-port",
            str(free_port()), "--device", device, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
            "--served-model-name", "bench", *extra]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline:

@@ -1,7 +1,7 @@
 """CLI commands ``serve``, ``generate`` and ``demo``: thin wrappers over :mod:`shardsmith.runtime.serve.launch`.
 
 Every command starts one process per rank (or runs as one rank under ``torchrun``); rank 0 runs the
-HTTP server (:class:`~shardsmith.runtime.serve.server.ServeJob`) or prints answers
+HTTP server (:class:`~shardsmith.runtime.serve.serve_job.ServeJob`) or prints answers
 (:class:`~shardsmith.runtime.serve.generate.GenerateJob`). Imports stay inside the commands so that
 ``shardsmith --help`` does not import torch.
 
@@ -91,15 +91,37 @@ def _check_device(device: str, world_size: int | None) -> None:
         return
     import os
 
-    import torch
-
     from shardsmith.runtime.serve.launch import under_torchrun
 
     need = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+    listed = _driver_gpus()
+    if listed is not None and listed >= need:
+        return  # enough GPUs, said without importing torch here (each rank checks again with torch)
+    import torch
+
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < need:
         why = "this torch build has no CUDA" if torch.version.cuda is None else f"torch sees {have} GPU(s)"
         raise UsageError(f"--device cuda needs one GPU per rank ({need}), but {why}; use --device cpu")
+
+
+def _driver_gpus() -> int | None:
+    """GPUs the NVIDIA driver lists (``/proc/driver/nvidia/gpus``), as many as ``CUDA_VISIBLE_DEVICES``
+    keeps when it lists plain indices; None where the driver lists none or the variable names GPUs
+    otherwise (UUIDs, MIG instances): then torch must say."""
+    import os
+
+    try:
+        listed = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return listed or None
+    picked = [v.strip() for v in visible.split(",") if v.strip()]
+    if not all(v.isdigit() for v in picked) or len(set(picked)) != len(picked):
+        return None
+    return sum(int(v) < listed for v in picked) or None
 
 
 def _check_tokenizer(path: Path) -> None:
@@ -270,7 +292,7 @@ def serve(
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
     from shardsmith.runtime.serve.launch import launch
-    from shardsmith.runtime.serve.server import ServeJob
+    from shardsmith.runtime.serve.serve_job import ServeJob
 
     if max_request_bytes < 1:
         raise UsageError(f"--max-request-bytes must be at least 1, got {max_request_bytes}")
@@ -504,8 +526,8 @@ def _check_serving_environment() -> None:
             ``SHARDSMITH_STEP_TRACE`` naming a file that cannot be appended to.
     """
     from shardsmith import settings
-    from shardsmith.runtime.offload.host_kernel import check_settings
-    from shardsmith.runtime.serve.worker import open_step_trace
+    from shardsmith.runtime.offload.cpu_flags import check_settings
+    from shardsmith.runtime.serve.step_trace import open_step_trace
 
     settings.check()
     check_settings()

@@ -231,6 +231,12 @@ def test_metrics_reflect_requests(server: Server) -> None:
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
     assert values["shardsmith_ready"] == 1 and values["shardsmith_load_seconds"] > 0
+    # the start before the load, by phase (each rank's own clock), adds up with the job's part to the
+    # command's whole: the launcher's start to ready
+    phases = {k: values[f'shardsmith_start_seconds{{phase="{k}"}}'] for k in ("launcher", "rank_start", "imports", "group")}
+    assert all(v >= 0 for v in phases.values()) and phases["launcher"] > 0 and phases["imports"] > 0, phases
+    whole, parts = values["shardsmith_command_to_ready_seconds"], sum(phases.values()) + values["shardsmith_ready_seconds"]
+    assert parts - 0.05 <= whole <= parts + 1.0, (whole, parts, phases)
     assert values['shardsmith_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 4
     assert values['shardsmith_requests_total{endpoint="/v1/chat/completions",status="400"}'] >= 4
     assert values['shardsmith_requests_total{endpoint="/v1/completions",status="200"}'] >= 5

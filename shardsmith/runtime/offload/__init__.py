@@ -19,9 +19,27 @@ module            role
 ================  ==============================================================
 """
 
-from .attach import OffloadedExperts, attach_offload
-from .config import OffloadConfig
-from .runtime import OffloadRuntime
-from .slots import Policy, SlotTable
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .attach import OffloadedExperts, attach_offload
+    from .config import OffloadConfig
+    from .runtime import OffloadRuntime
+    from .slots import Policy, SlotTable
+
+_EXPORTS = {"OffloadConfig": "config", "OffloadRuntime": "runtime", "OffloadedExperts": "attach", "Policy": "slots",
+            "SlotTable": "slots", "attach_offload": "attach"}
 __all__ = ["OffloadConfig", "OffloadRuntime", "OffloadedExperts", "Policy", "SlotTable", "attach_offload"]
+
+
+def __getattr__(name: str):
+    """The package's names, imported on first use (PEP 562): the CLI reads :mod:`.config` and
+    :mod:`.cpu_flags` before any rank starts, without importing torch."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -50,6 +50,7 @@ import torch
 
 from shardsmith import settings
 from shardsmith.runtime.layers.quant import bank_format
+from shardsmith.runtime.offload.cpu_flags import cpu_flags
 from ...errors import UsageError
 
 log = logging.getLogger("shardsmith.runtime.offload")
@@ -62,16 +63,6 @@ PREFETCH_BYTES = 2048  # software prefetch distance of the row functions (set_pr
 # benchmarks/RESULTS.md: of 0-8192 bytes, 2048 gave the best FP4 median on the H200 host, FP8 within noise of 4096)
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 @functools.cache
 def available() -> bool:
     """Compile (once per machine, cached) and load the kernel; False, with one warning, if that fails."""
@@ -79,7 +70,7 @@ def available() -> bool:
         return False
     # the build records this environment's include and library paths (torch's cpp_extension writes them
     # into build.ninja), so two environments with the same torch get their own folders, not a rebuild each
-    h = hashlib.sha256(torch.__version__.encode() + _cpu_flags().encode() + sys.prefix.encode() +
+    h = hashlib.sha256(torch.__version__.encode() + cpu_flags().encode() + sys.prefix.encode() +
                        str(Path(torch.__file__).parent).encode())
     for f in (*SOURCES, HEADER):
         h.update(f.read_bytes())
@@ -153,21 +144,6 @@ def set_row_blocking(on: bool) -> bool:
 def isas() -> tuple[str, ...]:
     """Instruction sets this build and CPU support, worst first (``scalar``, ``avx2``, ``avx512``); () without the kernel."""
     return tuple(torch.ops.shardsmith_host.isas().split(",")) if available() else ()
-
-
-def check_settings() -> None:
-    """``SHARDSMITH_TUNING=host_isa``, when set, names an instruction set this CPU's flags allow; checked
-    without building the kernel: for the CLI, before ranks start.
-
-    Raises:
-        UsageError: a malformed host setting (:mod:`shardsmith.settings`), or an ISA this CPU lacks.
-    """
-    flags = set(_cpu_flags().split())
-    allowed = ["scalar"] + [isa for isa, need in (("avx2", {"avx2", "fma", "f16c"}), ("avx512", {"avx512f", "avx512bw"}))
-                            if need <= flags]
-    want = settings.current().host_isa
-    if want and want not in allowed:
-        raise UsageError(f"{settings.spelling('host_isa', repr(want))}: this CPU supports {', '.join(allowed)}")
 
 
 def default_isa() -> str:

@@ -1,6 +1,7 @@
 """Start one process per rank, run a job on rank 0 while the other ranks follow, supervise them.
 
-``launch(spec, job)`` spawns ``world_size`` processes (``torch.multiprocessing`` ``spawn`` context).
+``launch(spec, job)`` spawns ``world_size`` processes (``multiprocessing``'s ``spawn`` context; the
+launcher itself imports neither torch nor the HTTP stack, so the ranks start at once).
 Each joins the default process group through one rendezvous port (``MASTER_ADDR=127.0.0.1``,
 ``MASTER_PORT`` = ``--dist-port`` or a free port the parent picks; gloo on CPU, NCCL on CUDA),
 clamps its CPU threads, and loads its pack with ``Engine.load``. Rank 0 runs ``job`` (the HTTP
@@ -141,12 +142,25 @@ def under_torchrun() -> bool:
 
 def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_rank: int, init_method: str | None) -> int:
     """Body of one rank: join the group, load, then ``job`` (rank 0) or ``Engine.follow()``."""
+    from shardsmith.runtime.serve.startup import CLOCK
+
+    CLOCK.begin(settings.current().spawned_by)
     import torch.distributed as dist
 
     from shardsmith.runtime.engine.dist import clamp_threads, init_distributed
+    from shardsmith.runtime.engine.engine import Engine
 
-    clamp_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), local_rank=local_rank)  # and pin (dist.pin_cores)
+    CLOCK.lap("imports")
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    clamp_threads(local_ranks, local_rank=local_rank)  # and pin (dist.pin_cores)
     device = f"cuda:{local_rank}" if spec.device.startswith("cuda") else "cpu"
+    if device != "cpu":  # the launcher counted the driver's GPUs without torch; torch must see them too
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have <= local_rank:
+            why = "this torch build has no CUDA" if torch.version.cuda is None else f"torch sees {have} GPU(s)"
+            raise UsageError(f"--device cuda needs one GPU per rank ({local_ranks}), but {why}; use --device cpu")
     if world_size > 1 and init_method == "env://":
         if spec.device.startswith("cuda"):
             import torch
@@ -161,7 +175,7 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
                          master_port=int(os.environ["MASTER_PORT"]), device=spec.device, timeout_s=COLLECTIVE_TIMEOUT_S)
     if world_size > 1 and init_method == "env://" and not spec.from_checkpoint:
         agree_on_local_ranks(spec.path, rank, world_size)
-    from shardsmith.runtime.engine.engine import Engine
+    CLOCK.lap("group")
 
     load = partial(Engine.load, spec.path, rank=rank, world_size=world_size, device=device,
                    from_checkpoint=spec.from_checkpoint, verify_hashes=spec.verify_hashes,
@@ -335,7 +349,7 @@ def launch(spec: LaunchSpec, job: Job, *, log_level: int = logging.INFO) -> int:
 
 
 def _spawn_and_supervise(spec: LaunchSpec, job: Job, log_level: int) -> int:
-    import torch.multiprocessing as mp
+    import multiprocessing as mp  # not torch's: the ranks import torch, the launcher need not
 
     setup_logging(None, log_level)
     port = spec.dist_port or free_port()

@@ -28,6 +28,9 @@ max_num_seqs / max_queue                      gauge      sequence slots / waitin
 sequence_state_bytes                          gauge      per-sequence state of every slot, rank 0, bytes
 load_seconds                                  gauge      engine load time on rank 0 (weights)
 ready_seconds                                 gauge      rank 0 job start to ready (load + warm-up)
+start_seconds{phase}                          gauge      before the load, on rank 0: ``launcher``, ``rank_start``,
+                                                         ``imports``, ``group`` (:mod:`.startup`)
+command_to_ready_seconds                      gauge      the command's start to ready (0 where unknown)
 ready                                         gauge      1 once every rank loaded and warmed up
 decode_buckets_built / decode_buckets_pending gauge      batch buckets whose decode pieces exist / that
                                                          are still to build (``--defer-buckets``: when idle)
@@ -104,6 +107,8 @@ class Metrics:
         self.state_bytes = 0
         self.load_seconds = 0.0
         self.ready_seconds = 0.0
+        self.start_phases: dict[str, float] = {}  # startup.PHASES -> seconds (rank 0's StartClock)
+        self.command_to_ready = 0.0
         self.ready = False
         self.offload = None  # the engine's OffloadRuntime (``stats()``), when experts are offloaded
         self.prefix = None  # the scheduler's PrefixCache (``stats``, ``held_positions()``), once ready
@@ -162,13 +167,19 @@ class Metrics:
             self.running -= 1
             self.duration.observe(duration)
 
-    def set_ready(self, ready: bool, *, load_seconds: float | None = None, ready_seconds: float | None = None) -> None:
+    def set_ready(self, ready: bool, *, load_seconds: float | None = None, ready_seconds: float | None = None,
+                  start_phases: dict[str, float] | None = None, command_to_ready: float | None = None) -> None:
+        """Ready (or not), with what the start took: seconds, ``start_phases`` by phase (:mod:`.startup`)."""
         with self._lock:
             self.ready = ready
             if load_seconds is not None:
                 self.load_seconds = load_seconds
             if ready_seconds is not None:
                 self.ready_seconds = ready_seconds
+            if start_phases is not None:
+                self.start_phases = dict(start_phases)
+            if command_to_ready is not None:
+                self.command_to_ready = command_to_ready
 
     OFFLOAD = (  # stats() key, metric name, kind, help
         ("slots", "expert_cache_slots", "gauge", "Expert slots in the device cache (per GPU)."),
@@ -243,12 +254,17 @@ class Metrics:
                  "Per-sequence state (KV caches ...) of every slot on rank 0, bytes."),
                 ("load_seconds", "gauge", self.load_seconds, "Engine load time on rank 0, seconds."),
                 ("ready_seconds", "gauge", self.ready_seconds, "Rank 0 job start to ready (load and warm-up), seconds."),
+                ("command_to_ready_seconds", "gauge", round(self.command_to_ready, 3),
+                 "The command's start to ready, seconds (0: unknown)."),
                 ("ready", "gauge", int(self.ready), "1 once every rank has loaded and warmed up."),
                 ("decode_buckets_built", "gauge", self.buckets[0], "Batch buckets whose decode pieces exist."),
                 ("decode_buckets_pending", "gauge", self.buckets[1],
                  "Batch buckets still to build (built when the server is idle)."),
             ):
                 out += _metric(p + name, kind, value, help_)
+            out += [f"# HELP {p}start_seconds Before the load on rank 0, by phase: launcher, rank_start, imports, "
+                    "group (seconds).", f"# TYPE {p}start_seconds gauge"]
+            out += [f'{p}start_seconds{{phase="{k}"}} {round(v, 3)}' for k, v in self.start_phases.items()]
             out += self._offload_lines()
             out += self._prefix_lines()
             out += self._spec_lines()

@@ -28,7 +28,6 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +50,12 @@ from shardsmith.runtime.serve.tools import (GENERIC, ToolPlan, call_schema, dete
                                             tools_system_text)
 from shardsmith.runtime.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Prepared, invalid,
                                                validation_error)
-from shardsmith.runtime.serve.worker import DEFAULT_MAX_QUEUE, EngineWorker, Job, QueueFull, ServerStopping, State, TextEvent
+from shardsmith.runtime.serve.serve_job import DEFAULT_MAX_REQUEST_BYTES, ServeJob
+from shardsmith.runtime.serve.worker import EngineWorker, Job, QueueFull, ServerStopping, State, TextEvent
 
 log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as text or token ids is ~1 MB of JSON
 
 
 class Service:
@@ -510,100 +509,60 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
 
 
 
-@dataclass(frozen=True, slots=True)
-class ServeJob:
-    """Rank 0's job for ``shardsmith serve``: the HTTP server while the engine loads beside it.
+def run_server(job: ServeJob, load) -> int:
+    """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
+    stopped by SIGTERM, 130 stopped by SIGINT, 1 failed).
 
-    Attributes:
-        host, port: where uvicorn listens. model_name: the id in ``/v1/models`` and requests.
-        trust_remote_code: run the checkpoint's own chat encoder (``encoding/``) when it has no template.
-        chat_template: a Jinja chat template file used instead of the pack's (``--chat-template``).
-        speculative: n-gram speculation (``SpeculativeConfig``), or None.
-        max_request_bytes: larger request bodies get a 413 (:class:`BodyLimit`).
-        max_queue: requests that may wait for a sequence slot (more get a 429).
-        prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks); None: 2048
-            on a GPU, 512 on a CPU.
-        decode_prompt_tokens: prompts of at most this many tokens are fed through the batched decode
-            step (None: measured at warm-up on CUDA, 0 on CPU: :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
-        max_model_len: the context each sequence gets (``--max-model-len``), shown by ``/v1/models``
-            while the engine loads (then the engine's own figure).
-        limits: header and body read timeouts, keep-alive and the open-connection bound
-            (:class:`~shardsmith.runtime.serve.http_limits.HTTPLimits`).
-        prefix_caching: finished requests' slots keep their state for prompts that share their
-            tokens (:mod:`~shardsmith.runtime.engine.prefix_cache`).
-        defer_buckets: say ready once the one-row decode step is built; build the other batch
-            buckets while idle (``Engine.warmup(defer_buckets=True)``).
+    A signal ends every request at once (:meth:`EngineWorker.interrupt`: streams get a last
+    error event, then ``[DONE]``), then uvicorn stops and the engine shuts down, releasing the
+    other ranks. A signal while the engine is still loading returns at once: the caller exits
+    the process under the load.
+
+    Raises:
+        Exception: what the engine's load raised, once the HTTP server is down (the launcher
+            reports it once; a damaged pack's ``IntegrityError`` exits 2, as ``verify``).
     """
+    import signal
 
-    host: str
-    port: int
-    model_name: str
-    trust_remote_code: bool = False
-    chat_template: Path | None = None
-    speculative: Any = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_queue: int = DEFAULT_MAX_QUEUE
-    prefill_chunk: int | None = None
-    decode_prompt_tokens: int | None = None
-    max_model_len: int | None = None
-    limits: HTTPLimits = HTTPLimits()
-    prefix_caching: bool = True
-    defer_buckets: bool = False
+    metrics = Metrics()
+    failed = threading.Event()
+    holder: dict[str, Any] = {}
 
-    def __call__(self, load) -> int:
-        """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
-        stopped by SIGTERM, 130 stopped by SIGINT, 1 failed).
+    def on_fatal(message: str) -> None:
+        failed.set()
+        if "server" in holder:
+            holder["server"].should_exit = True
 
-        A signal ends every request at once (:meth:`EngineWorker.interrupt`: streams get a last
-        error event, then ``[DONE]``), then uvicorn stops and the engine shuts down, releasing the
-        other ranks. A signal while the engine is still loading returns at once: the caller exits
-        the process under the load.
-
-        Raises:
-            Exception: what the engine's load raised, once the HTTP server is down (the launcher
-                reports it once; a damaged pack's ``IntegrityError`` exits 2, as ``verify``).
-        """
-        import signal
-
-        metrics = Metrics()
-        failed = threading.Event()
-        holder: dict[str, Any] = {}
-
-        def on_fatal(message: str) -> None:
-            failed.set()
-            if "server" in holder:
-                holder["server"].should_exit = True
-
-        worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal, max_queue=self.max_queue,
-                              prefill_chunk=self.prefill_chunk, decode_prompt_tokens=self.decode_prompt_tokens,
-                              prefix_caching=self.prefix_caching, speculative=self.speculative, defer_buckets=self.defer_buckets)
-        app = create_app(worker, model_name=self.model_name, metrics=metrics, trust_remote_code=self.trust_remote_code,
-                         max_request_bytes=self.max_request_bytes, max_model_len=self.max_model_len,
-                         chat_template=self.chat_template)
-        server = _server(app, host=self.host, port=self.port, worker=worker, limits=self.limits)
-        holder["server"] = server
-        # Before uvicorn captures the signals, and after it re-raises them on its way out: the same stop.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, server.handle_exit)
-        worker.start()
-        log.info("serving %s on http://%s:%d (ready once every rank has loaded and warmed up)",
-                 self.model_name, self.host, self.port)
-        try:
-            server.run()
-        except SystemExit as e:  # uvicorn exits when it cannot bind
-            log.error("HTTP server failed to start on %s:%d (exit %s)", self.host, self.port, e.code)
-            failed.set()
-        stopped_by = server.stopped_by
-        if stopped_by is not None and worker.state is State.LOADING:
-            log.info("stopped while loading (%s)", signal.Signals(stopped_by).name)
-            return 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
-        if not failed.is_set() and not worker.stop(timeout=15.0):
-            log.error("engine did not shut down within 15 s")
-            return 1
-        log.info("server stopped")
-        if failed.is_set() and worker.load_error is not None:
-            raise worker.load_error  # reported once by the launcher; its class sets the exit code (2: a damaged pack)
-        return 1 if failed.is_set() else 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
+    worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal, max_queue=job.max_queue,
+                          prefill_chunk=job.prefill_chunk, decode_prompt_tokens=job.decode_prompt_tokens,
+                          prefix_caching=job.prefix_caching, speculative=job.speculative, defer_buckets=job.defer_buckets)
+    app = create_app(worker, model_name=job.model_name, metrics=metrics, trust_remote_code=job.trust_remote_code,
+                     max_request_bytes=job.max_request_bytes, max_model_len=job.max_model_len,
+                     chat_template=job.chat_template)
+    server = _server(app, host=job.host, port=job.port, worker=worker, limits=job.limits)
+    holder["server"] = server
+    # Before uvicorn captures the signals, and after it re-raises them on its way out: the same stop.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    worker.start()
+    log.info("serving %s on http://%s:%d (ready once every rank has loaded and warmed up)",
+             job.model_name, job.host, job.port)
+    try:
+        server.run()
+    except SystemExit as e:  # uvicorn exits when it cannot bind
+        log.error("HTTP server failed to start on %s:%d (exit %s)", job.host, job.port, e.code)
+        failed.set()
+    stopped_by = server.stopped_by
+    if stopped_by is not None and worker.state is State.LOADING:
+        log.info("stopped while loading (%s)", signal.Signals(stopped_by).name)
+        return 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
+    if not failed.is_set() and not worker.stop(timeout=15.0):
+        log.error("engine did not shut down within 15 s")
+        return 1
+    log.info("server stopped")
+    if failed.is_set() and worker.load_error is not None:
+        raise worker.load_error  # reported once by the launcher; its class sets the exit code (2: a damaged pack)
+    return 1 if failed.is_set() else 128 + signal.SIGINT if stopped_by == signal.SIGINT else 0
 
 
 def _server(app: FastAPI, *, host: str, port: int, worker: EngineWorker, limits: HTTPLimits):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import json
 import logging
 import sys
 import threading
@@ -41,11 +40,13 @@ from shardsmith.errors import RankLostError, UsageError
 from shardsmith.runtime.engine.engine import Engine
 from shardsmith.runtime.engine.scheduler import Scheduler, Sequence, verify_rows
 from shardsmith.runtime.serve.metrics import Metrics
+from shardsmith.runtime.serve.serve_job import DEFAULT_MAX_QUEUE
+from shardsmith.runtime.serve.startup import CLOCK
+from shardsmith.runtime.serve.step_trace import open_step_trace
 from shardsmith.runtime.serve.tokenizer import Codec, IncrementalDetokenizer, StopStrings
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUE = 64  # requests waiting for a slot; past it, 429
 BUILD_STOP_TIMEOUT_S = 300.0  # how long a stop waits for a deferred decode bucket being built (EngineWorker.stop)
 
 
@@ -213,57 +214,6 @@ def set_switch_interval() -> float:
     return sys.getswitchinterval()
 
 
-class StepTrace:
-    """One JSON line per engine step, appended to ``path`` (``$SHARDSMITH_STEP_TRACE``): where a serving
-    run's time went, step by step (the histograms in ``/metrics`` keep only sums and buckets).
-
-    Fields (seconds, from ``time.perf_counter``): ``t_s`` the step's start since the trace opened;
-    ``gap_s`` since the previous step's end (admission, dropping cancelled jobs, waiting for work or
-    for the interpreter lock); ``engine_s`` the engine step (prefill chunks, the batched decode, token
-    choice); ``output_s`` the text side; ``emit_s`` handing the events to the event loop; then
-    ``rows`` (decode rows), ``feeding_rows`` (of them, rows feeding a prompt token),
-    ``prefill_tokens`` (tokens prefilled eagerly), ``running`` and ``waiting`` sequences.
-    Lines are buffered and written whenever the batch goes idle, and when the worker stops.
-
-    Raises:
-        OSError: ``path`` cannot be opened for appending.
-    """
-
-    def __init__(self, path: str) -> None:
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
-        self._t0 = self._end = time.perf_counter()
-
-    def step(self, t0: float, engine_end: float, output_end: float, end: float, sched: Any, running: int,
-             waiting: int) -> None:
-        """Record one step from its ``perf_counter`` marks (start, engine done, text done, end) and the
-        scheduler's counts of that step (``last_batch``, ``last_feeding``, ``last_prefill_tokens``)."""
-        self._file.write(json.dumps({
-            "t_s": round(t0 - self._t0, 6), "gap_s": round(t0 - self._end, 6), "engine_s": round(engine_end - t0, 6),
-            "output_s": round(output_end - engine_end, 6), "emit_s": round(end - output_end, 6),
-            "rows": sched.last_batch, "feeding_rows": sched.last_feeding, "prefill_tokens": sched.last_prefill_tokens,
-            "running": running, "waiting": waiting}) + "\n")
-        self._end = end
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def open_step_trace() -> StepTrace | None:
-    """The :class:`StepTrace` that ``$SHARDSMITH_STEP_TRACE`` asks for, None where it is unset.
-
-    Raises:
-        UsageError: the file cannot be opened for appending (named, with the reason).
-    """
-    path = settings.current().step_trace
-    try:
-        return StepTrace(path) if path else None
-    except OSError as e:
-        raise UsageError(f"SHARDSMITH_STEP_TRACE={str(path)!r}: cannot append to it ({e.strerror})") from e
-
-
 class EngineWorker:
     """Owns the engine on one thread and runs the continuous batch.
 
@@ -421,13 +371,19 @@ class EngineWorker:
         self.state = State.READY
         e = self.engine
         state_bytes, slots = int(getattr(e, "state_bytes", 0)), self._slots()
+        since_command = CLOCK.since_command()
         self.metrics.set_ready(True, load_seconds=float(getattr(e, "load_seconds", 0.0)),
-                               ready_seconds=time.perf_counter() - self._started)
+                               ready_seconds=time.perf_counter() - self._started, start_phases=CLOCK.phases,
+                               command_to_ready=since_command)
         self.metrics.set_capacity(max_num_seqs=slots, state_bytes=state_bytes, max_queue=self.max_queue)
         self.metrics.prefix = self._sched.prefix
         self.metrics.spec = self._sched.spec if self._sched.speculative is not None else None
         self._count_buckets()
         self.metrics.bytes_per_position = state_bytes / max(1, slots * int(getattr(e, "max_seq_len", 0) or 1))
+        if since_command is not None:
+            log.info("ready %.1f s after the command: before the load %s; load %.1f s, warm-up %.1f s", since_command,
+                     ", ".join(f"{k} {v:.2f} s" for k, v in CLOCK.phases.items()) or "unknown",
+                     float(getattr(e, "load_seconds", 0.0)), float(getattr(e, "warmup_seconds", 0.0)))
         log.info("ready: every rank loaded and warmed up in %.1f s (warm-up %.1f s: %d kernel launches); %d "
                  "sequence slot(s) of %d tokens (%.1f MiB of per-sequence state on rank 0), up to %d waiting, "
                  "prefill chunks of %d tokens, prompts of <= %d tokens fed through decode steps, steps %s, "

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardsmith.errors import UsageError
-from shardsmith.runtime.offload import host_kernel
+from shardsmith.runtime.offload import cpu_flags, host_kernel
 from shardsmith.runtime.layers.experts import expert_output
 from shardsmith.runtime.layers.quant import dequantize_fp4
 from shardsmith.testing.quant import quantize_fp4_group as quantize_fp4, quantize_fp8_block as quantize_fp8_blocks
@@ -46,7 +46,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_isas_follow_the_cpu_flags() -> None:
     """The best set this CPU has is offered, and is the default (a GPU host with AVX-512 must not
     silently measure the AVX2 path)."""
-    flags = set(host_kernel._cpu_flags().split())
+    flags = set(cpu_flags.cpu_flags().split())
     assert host_kernel.isas()[0] == "scalar"
     assert ("avx2" in host_kernel.isas()) == ({"avx2", "fma", "f16c"} <= flags)
     assert ("avx512" in host_kernel.isas()) == ({"avx2", "fma", "f16c", "avx512f", "avx512bw"} <= flags)

@@ -1,0 +1,88 @@
+"""Where a start's seconds go before the engine loads, as a rank sees them.
+
+``serve`` answers ``/health`` once every rank has loaded and warmed up; the engine times its load and
+warm-up itself. What comes before, from the command to the load, is timed here in rank 0 from the
+processes' own start times (``/proc/<pid>/stat``, so nothing has to be passed between processes):
+
+============== ===================================================================================
+phase          from ... to ...
+============== ===================================================================================
+``launcher``   the launcher process's start (the command) to this rank's process start: the CLI's
+               checks and the spawn (absent under ``torchrun``, where the command is the rank)
+``rank_start`` this rank's process start to its body (:func:`~.launch.run_rank`): the interpreter,
+               and the imports the job and spec bring when they are unpickled
+``imports``    importing torch and the engine (the model families, kernels)
+``group``      clamping this rank's threads and joining the process group
+============== ===================================================================================
+
+Source of the start times: ``proc(5)``, ``/proc/[pid]/stat`` field 22 (``starttime``, clock ticks
+after boot) against ``/proc/uptime``; 10 ms resolution on Linux, None elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+PHASES = ("launcher", "rank_start", "imports", "group")
+
+
+def process_started_at(pid: int | None = None) -> float | None:
+    """When process ``pid`` (default: this one) started, in ``time.time()`` seconds; None where
+    ``/proc`` does not say (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            stat = f.read()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:  # the command name (field 2) may hold spaces and parentheses: count from the last ')'
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+class StartClock:
+    """This rank's start phases (:data:`PHASES`), in seconds, as they end.
+
+    Attributes:
+        command_at: ``time.time()`` of the command (the launcher's start; this process's own start
+            under ``torchrun``), or None where unknown.
+        phases: phase -> seconds, in the order they ended.
+    """
+
+    def __init__(self) -> None:
+        self.command_at: float | None = None
+        self.phases: dict[str, float] = {}
+        self._last: float | None = None
+
+    def begin(self, launcher_pid: int | None) -> None:
+        """At the start of this rank's body: the ``launcher`` and ``rank_start`` phases, from the
+        launcher's (``launcher_pid``; None: no launcher, this process is the command) and this
+        process's start times."""
+        now, own = time.time(), process_started_at()
+        launcher = process_started_at(launcher_pid) if launcher_pid is not None else None
+        self.phases.clear()
+        if launcher is not None and own is not None:
+            self.phases["launcher"] = max(0.0, own - launcher)
+        if own is not None:
+            self.phases["rank_start"] = max(0.0, now - own)
+        self.command_at = launcher if launcher is not None else own
+        self._last = now
+
+    def lap(self, phase: str) -> None:
+        """End ``phase`` now: the seconds since the last phase ended (nothing before :meth:`begin`)."""
+        if self._last is None:
+            return
+        now = time.time()
+        self.phases[phase] = now - self._last
+        self._last = now
+
+    def since_command(self) -> float | None:
+        """Seconds from the command until now, or None where its start is unknown."""
+        return None if self.command_at is None else time.time() - self.command_at
+
+
+CLOCK = StartClock()  # this process's: one rank per process
