@@ -34,7 +34,10 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["HTTPLimits", "LimitedH11Protocol", "limited_protocol"]
+__all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_MAX_REQUEST_BYTES", "HTTPLimits", "LimitedH11Protocol", "limited_protocol"]
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as text or token ids is ~1 MB of JSON; past it, 413
+DEFAULT_MAX_QUEUE = 64  # requests waiting for a sequence slot; past it, 429
 
 REASONS = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}
 

@@ -10,10 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardsmith.runtime.serve.http_limits import HTTPLimits
-
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as text or token ids is ~1 MB of JSON
-DEFAULT_MAX_QUEUE = 64  # requests waiting for a slot; past it, 429
+from shardsmith.runtime.serve.http_limits import DEFAULT_MAX_QUEUE, DEFAULT_MAX_REQUEST_BYTES, HTTPLimits
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shardsmith.errors import UsageError
 from shardsmith.runtime.serve.chat import ChatTemplate, ChatTemplateError, load_chat_format
 from shardsmith.runtime.serve.encoding import MessageEncoding, RemoteCodeError
-from shardsmith.runtime.serve.http_limits import HTTPLimits
+from shardsmith.runtime.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES, HTTPLimits
 from shardsmith.runtime.serve.metrics import Metrics
 from shardsmith.runtime.serve.streaming import Reply, chat_response, completion_response
 from shardsmith.runtime.serve.reasoning import END as END_THINK
@@ -50,7 +50,6 @@ from shardsmith.runtime.serve.tools import (GENERIC, ToolPlan, call_schema, dete
                                             tools_system_text)
 from shardsmith.runtime.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Prepared, invalid,
                                                validation_error)
-from shardsmith.runtime.serve.serve_job import DEFAULT_MAX_REQUEST_BYTES, ServeJob
 from shardsmith.runtime.serve.worker import EngineWorker, Job, QueueFull, ServerStopping, State, TextEvent
 
 log = logging.getLogger(__name__)
@@ -509,9 +508,9 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
 
 
 
-def run_server(job: ServeJob, load) -> int:
-    """Serve until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
-    stopped by SIGTERM, 130 stopped by SIGINT, 1 failed).
+def run_server(job: Any, load) -> int:
+    """Serve ``job`` (a :class:`~.serve_job.ServeJob`, which calls this) until SIGINT/SIGTERM or an engine
+    failure; return the exit code (0 clean or stopped by SIGTERM, 130 stopped by SIGINT, 1 failed).
 
     A signal ends every request at once (:meth:`EngineWorker.interrupt`: streams get a last
     error event, then ``[DONE]``), then uvicorn stops and the engine shuts down, releasing the

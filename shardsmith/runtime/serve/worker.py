@@ -39,8 +39,8 @@ from shardsmith import settings
 from shardsmith.errors import RankLostError, UsageError
 from shardsmith.runtime.engine.engine import Engine
 from shardsmith.runtime.engine.scheduler import Scheduler, Sequence, verify_rows
+from shardsmith.runtime.serve.http_limits import DEFAULT_MAX_QUEUE
 from shardsmith.runtime.serve.metrics import Metrics
-from shardsmith.runtime.serve.serve_job import DEFAULT_MAX_QUEUE
 from shardsmith.runtime.serve.startup import CLOCK
 from shardsmith.runtime.serve.step_trace import open_step_trace
 from shardsmith.runtime.serve.tokenizer import Codec, IncrementalDetokenizer, StopStrings
