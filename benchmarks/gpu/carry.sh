@@ -5,6 +5,7 @@
 #          ../shared/real-inventories, and SmolLM2's tokenizer.json (from the demo checkpoint)
 #          as .inv/smollm2-tokenizer.json for the structured-output masks
 #   .whl/  the Python 3.12 wheels the GPU host lacks (../shared/device/fetch-wheels.sh) and llguidance
+#   .base/ with BASE=<rev>: that commit's source (git archive), which run.sh's ready step starts beside this one
 # Both are added to .git/info/exclude. Then: run(command="bash benchmarks/gpu/run.sh ...", carry=[".inv", ".whl"]).
 set -euo pipefail
 top=$(git rev-parse --show-toplevel); cd "$top"
@@ -17,4 +18,8 @@ if [ ! -f .inv/smollm2-tokenizer.json ]; then
     cp "$demo/tokenizer.json" .inv/smollm2-tokenizer.json
 fi
 bash ../shared/device/fetch-wheels.sh .whl llguidance > /dev/null
-du -sh .inv .whl
+if [ -n "${BASE:-}" ]; then  # .base/: the source of commit BASE, for run.sh's side-by-side starts
+    rm -rf .base && mkdir .base && git archive "$BASE" | tar -x -C .base && git rev-parse --short "$BASE" > .base/REV
+    grep -qx "/.base/" .git/info/exclude || echo "/.base/" >> .git/info/exclude
+fi
+du -sh .inv .whl $([ -d .base ] && echo .base)

@@ -24,7 +24,8 @@
 #                   expert cache (spec_decode.py --cost --offload 0.25)
 #   ready           time to ready through serve on a full-depth V4 pack (43 layers x 8 FP4 experts, TP=1): a
 #                   start on empty compile caches, then a cached one, beside the load floor, with the pieces
-#                   compiled per bucket and with the row count symbolic (ready.py --compile-rows static dynamic)
+#                   compiled per bucket and with the row count symbolic (ready.py --compile-rows static dynamic);
+#                   with a carried .base/ (BASE=<rev> bash benchmarks/gpu/carry.sh) that commit's starts first
 #
 # Carry .inv/ and .whl/, made by benchmarks/gpu/carry.sh: .inv/ (the real V4-Flash inventory from ../shared/real-inventories, and SmolLM2's
 # tokenizer.json as .inv/smollm2-tokenizer.json for the masks) and .whl/ (wheels the host lacks:
@@ -159,8 +160,9 @@ step_ready() {
     [ -f /tmp/v4f/tokenizer.json ] || python3 -c 'from pathlib import Path; from shardsmith.testing.tokenizer import deepseek_tokenizer; deepseek_tokenizer(Path("/tmp/v4f"), vocab_size=512, chat="template")'
     [ -f /tmp/v4f-tp1/pack.yaml ] || timeout 300 python3 -m shardsmith.cli split /tmp/v4f /tmp/v4f-tp1 --tp 1 \
         > "$OUT/split_v4f.log" 2>&1 || return 1
+    local base=(); [ -d .base/shardsmith ] && base=(--checkout "base-$(cat .base/REV 2>/dev/null)=.base" --checkout new=.)
     timeout "${READY_S:-480}" python3 benchmarks/ready.py /tmp/v4f-tp1 --device cuda --dtype bfloat16 --starts 2 \
-        --buckets ${READY_BUCKETS:-all} --compile-rows ${READY_COMPILE:-static dynamic} \
+        --buckets ${READY_BUCKETS:-all} --compile-rows ${READY_COMPILE:-static dynamic} "${base[@]}" \
         --cache /tmp/ready-cache 2>&1 | grep -v INFO | tee "$OUT/ready.log" | tail -14
     local rc=${PIPESTATUS[0]}; keep ready; return $rc
 }
