@@ -54,7 +54,27 @@ class ServeJob:
     defer_buckets: bool = False
 
     def __call__(self, load) -> int:
-        """Serve until SIGINT/SIGTERM or an engine failure (:func:`~.server.run_server`); the exit code."""
+        """Serve until SIGINT/SIGTERM or an engine failure (:func:`~.server.run_server`); the exit code.
+
+        The engine worker starts first, so the load and warm-up run while the HTTP stack is imported
+        and the app built."""
+        import threading
+
+        from shardsmith.runtime.serve.metrics import Metrics
+        from shardsmith.runtime.serve.worker import EngineWorker
+
+        metrics, failed, holder = Metrics(), threading.Event(), {}
+
+        def on_fatal(message: str) -> None:
+            failed.set()
+            if "server" in holder:
+                holder["server"].should_exit = True
+
+        worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal, max_queue=self.max_queue,
+                              prefill_chunk=self.prefill_chunk, decode_prompt_tokens=self.decode_prompt_tokens,
+                              prefix_caching=self.prefix_caching, speculative=self.speculative,
+                              defer_buckets=self.defer_buckets)
+        worker.start()
         from shardsmith.runtime.serve.server import run_server
 
-        return run_server(self, load)
+        return run_server(self, worker, metrics, failed, holder)

@@ -508,9 +508,13 @@ def create_app(worker: EngineWorker, *, model_name: str, metrics: Metrics, trust
 
 
 
-def run_server(job: Any, load) -> int:
-    """Serve ``job`` (a :class:`~.serve_job.ServeJob`, which calls this) until SIGINT/SIGTERM or an engine
-    failure; return the exit code (0 clean or stopped by SIGTERM, 130 stopped by SIGINT, 1 failed).
+def run_server(job: Any, worker: EngineWorker, metrics: Metrics, failed: threading.Event, holder: dict[str, Any]) -> int:
+    """Serve ``job`` (a :class:`~.serve_job.ServeJob`, which calls this once its ``worker`` has started
+    to load the engine) until SIGINT/SIGTERM or an engine failure; return the exit code (0 clean or
+    stopped by SIGTERM, 130 stopped by SIGINT, 1 failed).
+
+    ``failed`` is set, and ``holder["server"]`` (the uvicorn server, put there here) told to exit, by
+    the worker's ``on_fatal``; a failure before the server exists stops it as soon as it starts.
 
     A signal ends every request at once (:meth:`EngineWorker.interrupt`: streams get a last
     error event, then ``[DONE]``), then uvicorn stops and the engine shuts down, releasing the
@@ -523,27 +527,16 @@ def run_server(job: Any, load) -> int:
     """
     import signal
 
-    metrics = Metrics()
-    failed = threading.Event()
-    holder: dict[str, Any] = {}
-
-    def on_fatal(message: str) -> None:
-        failed.set()
-        if "server" in holder:
-            holder["server"].should_exit = True
-
-    worker = EngineWorker(load, metrics=metrics, on_fatal=on_fatal, max_queue=job.max_queue,
-                          prefill_chunk=job.prefill_chunk, decode_prompt_tokens=job.decode_prompt_tokens,
-                          prefix_caching=job.prefix_caching, speculative=job.speculative, defer_buckets=job.defer_buckets)
     app = create_app(worker, model_name=job.model_name, metrics=metrics, trust_remote_code=job.trust_remote_code,
                      max_request_bytes=job.max_request_bytes, max_model_len=job.max_model_len,
                      chat_template=job.chat_template)
     server = _server(app, host=job.host, port=job.port, worker=worker, limits=job.limits)
     holder["server"] = server
+    if failed.is_set():  # the load failed while the app was built: start, and stop at once
+        server.should_exit = True
     # Before uvicorn captures the signals, and after it re-raises them on its way out: the same stop.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_exit)
-    worker.start()
     log.info("serving %s on http://%s:%d (ready once every rank has loaded and warmed up)",
              job.model_name, job.host, job.port)
     try:
