@@ -24,6 +24,8 @@ caches there, ``$SHARDSMITH_CACHE/compile``), waits for ``/health``, then reads:
   buckets' pieces);
 - ``compile_rows``: ``SHARDSMITH_TUNING=compile_rows`` of the start (``--compile-rows``: each mode's
   starts in turn, the first on empty caches);
+- ``page_cache``: ``dropped`` (``--cold-page-cache``: the pack's files dropped from the page cache
+  before every start) or ``as left``;
 - ``checkout``, ``commit``: whose code served (``--checkout LABEL=DIR``, repeatable: a base commit's
   worktree beside this one, side by side in one run).
 
@@ -85,6 +87,16 @@ def disk_rate(files: list[Path], limit_bytes: int) -> tuple[float, int]:
     return (done / t if t > 0 else float("inf")), done
 
 
+def drop_page_cache(files: list[Path]) -> None:
+    """Drop ``files`` from the page cache (``posix_fadvise`` DONTNEED: clean pages no process maps)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def metric(url: str, name: str) -> float | None:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -111,6 +123,8 @@ def mean_step_ms(before: tuple[float, float], after: tuple[float, float]) -> flo
 
 def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str, log: Path) -> dict:
     before = cache_files(a.cache)
+    if a.cold_page_cache:
+        drop_page_cache(a.files)
     t0 = time.perf_counter()
     flag = "--defer-buckets" if buckets == "deferred" else "--no-defer-buckets"
     proc, url = start_server(a.pack, device=a.device, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
@@ -149,7 +163,7 @@ def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str,
         after = cache_files(a.cache)
     finally:
         stop_server(proc)
-    row = {"checkout": a.checkout, "commit": a.checkout_commit,
+    row = {"checkout": a.checkout, "commit": a.checkout_commit, "page_cache": "dropped" if a.cold_page_cache else "as left",
            "start": label, "buckets": buckets, "device": a.device_name, "pack_bytes": a.pack_bytes,
            "ready_s": round(ready_s, 2), "all_buckets_s": round(all_buckets_s, 2),
            "load_s": None if load_s is None else round(load_s, 2), "warmup_s": warmup_s,
@@ -188,6 +202,9 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path("/tmp/ready-cache"), help="compile caches (emptied first)")
     ap.add_argument("--floor-gb", type=float, default=4.0, help="read at most this much of the pack for the disk rate")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--cold-page-cache", action="store_true",
+                    help="drop the pack's files from the page cache before every start (a start after a reboot "
+                         "or on a new pack reads the disk)")
     ap.add_argument("--checkout", action="append", default=None, metavar="LABEL=DIR",
                     help="a checkout whose shardsmith serves (its DIR first on PYTHONPATH), repeatable, each "
                          "through every mode in turn (e.g. base=/tmp/base new=.); default: this one")
@@ -196,7 +213,7 @@ def main() -> None:
     a = ap.parse_args(argv[:cut])
     a.pack, a.cache = a.pack.resolve(), a.cache.resolve()
     extra = argv[cut + 1:]
-    files = pack_files(a.pack)
+    files = a.files = pack_files(a.pack)
     a.pack_bytes = sum(p.stat().st_size for p in files)
     if a.device == "cuda":
         import torch

@@ -142,9 +142,12 @@ def under_torchrun() -> bool:
 
 def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_rank: int, init_method: str | None) -> int:
     """Body of one rank: join the group, load, then ``job`` (rank 0) or ``Engine.follow()``."""
-    from shardsmith.runtime.serve.startup import CLOCK
+    from shardsmith.pack.format import rank_dir
+    from shardsmith.runtime.serve.startup import CLOCK, read_ahead
 
     CLOCK.begin(settings.current().spawned_by)
+    if not spec.from_checkpoint:  # the disk reads the rank's files while it imports and joins its group
+        read_ahead(spec.path / rank_dir(rank, world_size))
     import torch.distributed as dist
 
     from shardsmith.runtime.engine.dist import clamp_threads, init_distributed
