@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per engine step on a CPU (all prefilling sequences together)
 CUDA_PREFILL_CHUNK = 2048  # on a GPU: a chunk must be thousands of tokens to fill it
+INTERLEAVED_PREFILL_CHUNK = 2048  # at most this many while other sequences decode: their next token waits for it
 
 
 MAX_DECODE_PROMPT_TOKENS = 256  # the measured default never feeds longer prompts through decode rows
@@ -175,13 +176,19 @@ def verify_rows(engine: Any, speculative: SpeculativeConfig | None) -> int:
 
 
 def default_prefill_chunk(engine: Any) -> int:
-    """Prompt tokens per engine step by default: :data:`CUDA_PREFILL_CHUNK` on a GPU, where a chunk's
-    fixed cost (thousands of launches a layer) is spread over enough tokens only at that size
-    (DeepSeek-V4-Flash-shaped, full depth, one H100: an 8k prompt prefilled at 3,819 tokens/s in 2k
-    chunks against about 1,000 before the prefill kernels, whose chunks were 512), and
-    :data:`DEFAULT_PREFILL_CHUNK` on a CPU, where a running stream would wait seconds behind a
-    larger one. DeepSeek-V4 also cuts a chunk at its resume points (every 2048 tokens)."""
-    return CUDA_PREFILL_CHUNK if str(getattr(engine, "device", "cpu")).startswith("cuda") else DEFAULT_PREFILL_CHUNK
+    """Prompt tokens per engine step by default: on a GPU the model's ``prefill_chunk_cuda`` where it
+    has one (DeepSeek-V4: 8192, its prefill attention tiled), else :data:`CUDA_PREFILL_CHUNK`, where a
+    chunk's fixed cost (thousands of launches a layer) and each expert's weight reads are spread over
+    enough tokens only at that size; :data:`DEFAULT_PREFILL_CHUNK` on a CPU, where a running stream
+    would wait seconds behind a larger one. While other sequences decode, a step prefills at most
+    :data:`INTERLEAVED_PREFILL_CHUNK` tokens (:class:`Scheduler`).
+
+    Measured (DeepSeek-V4-Flash-shaped, one GPU, ``benchmarks/RESULTS.md``): 43 layers x 8 experts on
+    an H100, an 8k prompt at 3,819 tokens/s in 2k chunks and 5,277 in one 8k chunk; 4 layers x 256
+    experts on an H200, 8,895 and 26,859 tokens/s."""
+    if str(getattr(engine, "device", "cpu")).startswith("cuda"):
+        return int(getattr(getattr(engine, "model", None), "prefill_chunk_cuda", CUDA_PREFILL_CHUNK))
+    return DEFAULT_PREFILL_CHUNK
 
 
 def default_overlap(engine: Any) -> bool:
@@ -205,8 +212,10 @@ class Scheduler:
 
     Args:
         engine: a loaded :class:`~shardsmith.runtime.engine.engine.Engine` (rank 0).
-        prefill_chunk: prompt tokens per step across the prefilling sequences (>= 1); None:
-            :func:`default_prefill_chunk`.
+        prefill_chunk: prompt tokens per step across the prefilling sequences (>= 1), at most
+            :data:`INTERLEAVED_PREFILL_CHUNK` while other sequences decode (``interleaved_chunk``);
+            None: :func:`default_prefill_chunk`. A model that cannot rewind ends its chunks on its
+            resume points (:meth:`_resume_cut`).
         decode_prompt_tokens: prompts of at most this many tokens are fed through decode rows
             (0: never); None: :func:`default_decode_prompt_tokens` (measured at warm-up on CUDA).
         overlap: launch each decode step before reading the previous one's tokens
@@ -239,6 +248,7 @@ class Scheduler:
         if decode_prompt_tokens < 0:
             raise UsageError(f"decode_prompt_tokens must be >= 0, got {decode_prompt_tokens}")
         self.engine, self.prefill_chunk, self.decode_prompt_tokens = engine, prefill_chunk, decode_prompt_tokens
+        self.interleaved_chunk = min(prefill_chunk, INTERLEAVED_PREFILL_CHUNK)
         self.running: list[Sequence] = []
         self._free = list(range(engine.max_num_seqs))
         self.prefix = PrefixCache(engine.max_num_seqs, rewinds=engine.family.rewinds, enabled=prefix_caching,
@@ -317,6 +327,23 @@ class Scheduler:
                 self.prefix.keep(seq.slot, ())
                 self.engine.release(seq.slot)
 
+    def _resume_cut(self, seq: Sequence, n: int) -> int:
+        """The tokens of ``seq``'s next chunk, at most ``n``, for a model that cannot rewind
+        (``resume_every``: its resume points, multiples of that many tokens, where a chunk ends): the
+        chunk ends at the prompt's last resume point when it would pass it (where the next turn of a
+        conversation resumes), and before it on a multiple when it holds one, so every chunk of
+        thousands of tokens still leaves its resume point; otherwise ``n``."""
+        every = self.resume_every
+        if not every:
+            return n
+        start, total = seq.prefilled, len(seq.prompt_ids)
+        end, last = start + n, total - total % every
+        if start < last < end:
+            return last - start
+        if end < last and end % every and end - end % every > start:
+            return end - end % every - start
+        return n
+
     def step(self) -> list[tuple[Sequence, StepOutput]]:
         """One engine step: a prefill budget, then one batched decode; each sampled token, in order.
 
@@ -328,9 +355,10 @@ class Scheduler:
             RankLostError: another rank died (the caller fails every sequence).
         """
         out: list[tuple[Sequence, StepOutput]] = []
-        budget, fresh = self.prefill_chunk, set()
         self.last_prefill_tokens = self.last_feeding = 0
         prefilling = [s for s in self.running if s.prefilled < len(s.prompt_ids) and not self._fed(s)]
+        decoding = len(prefilling) < len(self.running)  # their next tokens wait for this step's chunks
+        budget, fresh = self.interleaved_chunk if decoding else self.prefill_chunk, set()
         # a constrained sequence's next mask needs its last token on the host: plain steps while one runs
         overlap = self.overlap and not prefilling and not any(s.constraint is not None for s in self.running)
         if self._inflight is not None and not overlap:
@@ -341,9 +369,7 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0:
                 break
-            n = min(budget, len(seq.prompt_ids) - seq.prefilled)
-            if self.resume_every:  # chunks end on the resume points' multiples, so the prefill leaves them
-                n = min(n, self.resume_every - seq.prefilled % self.resume_every)
+            n = self._resume_cut(seq, min(budget, len(seq.prompt_ids) - seq.prefilled))
             logits = self.engine.prefill(seq.slot, seq.prompt_ids[seq.prefilled: seq.prefilled + n], seq.prefilled,
                                          on_device=True)
             seq.prefilled += n

@@ -24,8 +24,8 @@ class ServeJob:
         speculative: n-gram speculation (``SpeculativeConfig``), or None.
         max_request_bytes: larger request bodies get a 413 (:class:`BodyLimit`).
         max_queue: requests that may wait for a sequence slot (more get a 429).
-        prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks); None: 2048
-            on a GPU, 512 on a CPU.
+        prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks); None: the
+            scheduler's default (:func:`~shardsmith.runtime.engine.scheduler.default_prefill_chunk`).
         decode_prompt_tokens: prompts of at most this many tokens are fed through the batched decode
             step (None: measured at warm-up on CUDA, 0 on CPU: :func:`~shardsmith.runtime.engine.scheduler.default_decode_prompt_tokens`).
         max_model_len: the context each sequence gets (``--max-model-len``), shown by ``/v1/models``

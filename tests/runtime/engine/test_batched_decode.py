@@ -345,3 +345,45 @@ def test_a_prefill_arriving_mid_flight_reads_the_step_and_lets_finished_sequence
     stop = tuple(t for who, t, _ in run(False, 0) if who == "a")[2:]  # a stops at its third token
     for k in range(8):
         assert run(True, k, stop) == run(False, k, stop), k
+
+
+def test_a_prompt_prefills_in_shorter_chunks_while_others_decode(packs) -> None:
+    """Alone, a prompt takes ``prefill_chunk`` tokens a step; while another sequence decodes, at most
+    ``interleaved_chunk`` (so that sequence's next token does not wait for a whole long chunk); the
+    tokens are the same either way. On a GPU the model's own chunk is the default (DeepSeek-V4's 8192)."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.engine.sampling import SamplingParams
+    from shardsmith.runtime.engine.scheduler import INTERLEAVED_PREFILL_CHUNK, Sequence
+
+    engine = Engine.load(packs["mixtral", 1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=256,
+                         max_num_seqs=2, cuda_graphs=False)
+    calls: list[tuple[int, int, int]] = []
+    prefill = engine.prefill
+
+    def spy(slot, ids, start, **kw):
+        calls.append((slot, start, len(ids)))
+        return prefill(slot, ids, start, **kw)
+
+    engine.prefill = spy
+    prompt = torch.randint(3, 200, (150,), generator=torch.Generator().manual_seed(0)).tolist()
+    outs = {}
+    for company in (False, True):
+        sched = Scheduler(engine, prefill_chunk=120, decode_prompt_tokens=0, overlap=False)
+        assert sched.interleaved_chunk == min(120, INTERLEAVED_PREFILL_CHUNK)
+        sched.interleaved_chunk = 50
+        calls.clear()
+        if company:  # a sequence already decoding when the long prompt arrives
+            other = Sequence([5, 6, 7], SamplingParams(max_tokens=40, stop_token_ids=()))
+            sched.admit(other)
+            sched.step()
+        seq = Sequence(prompt, SamplingParams(max_tokens=3, stop_token_ids=()))
+        sched.admit(seq)
+        out = []
+        while seq in sched.running:
+            out += [o.token_id for s, o in sched.step() if s is seq]
+        outs[company] = ([c[2] for c in calls if c[0] == seq.slot and c[2] > 1], out)
+        for s in list(sched.running):
+            sched.abort(s)
+    assert outs[False][0] == [120, 30] and outs[True][0] == [50, 50, 50], outs
+    assert outs[False][1] == outs[True][1] and len(outs[False][1]) == 3
+    assert default_prefill_chunk(SimpleNamespace(device="cuda:0", model=SimpleNamespace(prefill_chunk_cuda=8192))) == 8192

@@ -298,3 +298,44 @@ def test_a_rewritten_turn_resumes_at_the_last_point_before_the_change(tiny_v4_pa
     (seq, tokens), (plain, plain_tokens) = runs[True], runs[False]
     assert seq.reused == 256 and plain.reused == 0
     assert tokens == plain_tokens
+
+
+def test_long_chunks_still_end_on_the_resume_points(tiny_v4_packs) -> None:
+    """Chunks longer than the resume spacing (the GPU default is 8192 tokens against 2048) end on a
+    multiple of it when they hold one, and at the prompt's last resume point, where the next turn
+    resumes; the greedy tokens are those of chunks of one spacing each."""
+    from shardsmith.runtime.engine.sampling import SamplingParams
+    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+
+    prompt = _tokens(420, 5)  # resume points at 128, 256, 384; the last one 384
+
+    def ask(sched, tokens):
+        seq = Sequence(tokens, SamplingParams(max_tokens=4, stop_token_ids=()))
+        sched.admit(seq)
+        out = []
+        while sched.running:
+            out += [o.token_id for _, o in sched.step()]
+        return seq, out
+
+    runs = {}
+    for chunk in (300, EVERY):
+        engine = _v4(tiny_v4_packs[1])
+        calls = []
+        prefill = engine.prefill
+
+        def spy(slot, ids, start, **kw):
+            calls.append((start, len(ids)))
+            return prefill(slot, ids, start, **kw)
+
+        engine.prefill = spy
+        sched = Scheduler(engine, prefill_chunk=chunk, decode_prompt_tokens=0, overlap=False)
+        _, tokens = ask(sched, prompt)
+        points = engine.resume_points(0)
+        nxt, _ = ask(sched, prompt + _tokens(30, 6))  # the next turn: the prompt, then not the answer
+        runs[chunk] = (calls, tokens, points, nxt.reused)
+    (calls, tokens, points, reused), (short_calls, short_tokens, _, short_reused) = runs[300], runs[EVERY]
+    # 0..300 would pass 256: it ends there; 256..420 would pass the last point, 384: it ends there
+    assert calls[:3] == [(0, 256), (256, 128), (384, 36)], calls
+    assert short_calls[:4] == [(0, 128), (128, 128), (256, 128), (384, 36)], short_calls
+    assert tokens == short_tokens and points[:2] == [256, 384]
+    assert reused == short_reused == 384  # it parts from the slot's history at 420: back to the last point

@@ -218,6 +218,7 @@ class DeepseekV4(nn.Module):
     # ------------------------------------------------------------------ resume points (prefix reuse)
 
     snapshot_every = 2048  # tokens between resume points (every compression ratio divides it)
+    prefill_chunk_cuda = 8192  # the scheduler's default chunk on a GPU (scheduler.default_prefill_chunk)
     max_snapshots = 16  # per slot; the earliest is dropped past it
 
     def _carried(self, slot: int) -> list[torch.Tensor]:
