@@ -25,7 +25,8 @@
 #   ready           time to ready through serve on a full-depth V4 pack (43 layers x 8 FP4 experts, TP=1): a
 #                   start on empty compile caches, then a cached one, beside the load floor, with the pieces
 #                   compiled per bucket and with the row count symbolic (ready.py --compile-rows static dynamic);
-#                   with a carried .base/ (BASE=<rev> bash benchmarks/gpu/carry.sh) that commit's starts first
+#                   with a carried .base/ (BASE=<rev> bash benchmarks/gpu/carry.sh) that commit's starts first;
+#                   READY_COLD=1: the pack dropped from the page cache before every start
 #
 # Carry .inv/ and .whl/, made by benchmarks/gpu/carry.sh: .inv/ (the real V4-Flash inventory from ../shared/real-inventories, and SmolLM2's
 # tokenizer.json as .inv/smollm2-tokenizer.json for the masks) and .whl/ (wheels the host lacks:
@@ -162,7 +163,7 @@ step_ready() {
         > "$OUT/split_v4f.log" 2>&1 || return 1
     local base=(); [ -d .base/shardsmith ] && base=(--checkout "base-$(cat .base/REV 2>/dev/null)=.base" --checkout new=.)
     timeout "${READY_S:-480}" python3 benchmarks/ready.py /tmp/v4f-tp1 --device cuda --dtype bfloat16 --starts 2 \
-        --buckets ${READY_BUCKETS:-all} --compile-rows ${READY_COMPILE:-static dynamic} "${base[@]}" \
+        --buckets ${READY_BUCKETS:-all} --compile-rows ${READY_COMPILE:-static dynamic} "${base[@]}" ${READY_COLD:+--cold-page-cache} \
         --cache /tmp/ready-cache 2>&1 | grep -v INFO | tee "$OUT/ready.log" | tail -14
     local rc=${PIPESTATUS[0]}; keep ready; return $rc
 }
