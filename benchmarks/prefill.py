@@ -16,7 +16,8 @@ on the first path and the GPU kernels that take the most time are listed.
 Rows: ``device``, ``tp``, ``layers``, ``experts_per_layer``, ``prompt_tokens``, ``chunk_tokens``,
 ``attention``, ``moe``, ``ttft_s``, ``prefill_tokens_per_s``, ``ratio_to_baseline`` (the last path's
 time over this row's), ``same_last_token`` (the greedy token after the prompt equals the baseline's),
-``moe_backend`` (``resident``); saved as ``benchmarks/results/prefill-<date>-<host>.json``
+``moe_backend`` (``resident``), ``peak_memory_gib`` (the allocator's most during a row's last run, weights,
+caches and state included; on a GPU); saved as ``benchmarks/results/prefill-<date>-<host>.json``
 with the profiles under ``profile``. ``--offload 0.25`` adds the same prompts with the routed experts
 offloaded (a cache of 25% of them): rows with ``moe_backend`` ``offloaded (stream)`` (each chunk
 copies every missing expert once, ``OffloadRuntime.run_chunk``) or ``offloaded (slots)`` (the
@@ -62,10 +63,18 @@ def set_path(model: torch.nn.Module, path: str) -> None:
     experts.grouped_mm_runs = _GROUPED if moe == "grouped" else (lambda x: False)
 
 
+def peak_gib(engine: Engine) -> float | None:
+    """The device memory the allocator held at most since the last :func:`prefill` began, GiB (None on
+    a CPU): what a chunk of this size needs beside the weights, caches and state."""
+    return round(torch.cuda.max_memory_allocated(engine.device) / 2**30, 3) if engine.device.type == "cuda" else None
+
+
 def prefill(engine: Engine, ids: list[int], chunk: int, sync) -> tuple[float, int]:
     """``(seconds, greedy next token)`` of one prompt fed in chunks of ``chunk`` tokens into slot 0."""
     engine.release(0)
     sync()
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(engine.device)
     t0 = time.perf_counter()
     for a in range(0, len(ids), chunk):
         logits = engine.prefill(0, ids[a:a + chunk], a)
@@ -130,6 +139,7 @@ def offloaded_rows(resident: Engine, a: argparse.Namespace, fraction: float, dev
                 prefill(engine, ids, chunk, sync)  # compiles, fills the allocator and the cache
                 rt.reset_stats()
                 runs = [prefill(engine, ids, chunk, sync) for _ in range(a.repeat)]
+                peak = peak_gib(engine)
                 st = rt.stats()
                 if how == "stream" and not st["prefill_tokens"]:
                     print(f"prompt {length} chunk {chunk}: the chunks did not stream their experts: "
@@ -145,7 +155,8 @@ def offloaded_rows(resident: Engine, a: argparse.Namespace, fraction: float, dev
                              "ratio_to_baseline": None, "same_last_token": None,
                              "moe_backend": f"offloaded ({how})", "cache_fraction": fraction,
                              "cache_bytes_per_gpu": rt.cache.n_slots * rt.cache.slot_bytes,
-                             "link_bytes_per_prompt_token": round(link / (a.repeat * length), 1)})
+                             "link_bytes_per_prompt_token": round(link / (a.repeat * length), 1),
+                             "peak_memory_gib": peak})
     rt.streams_chunk = streams
     rt.close()
     return rows
@@ -189,13 +200,14 @@ def main() -> None:
     for length in a.prompt:
         ids = torch.randint(3, engine.vocab_size, (length,), generator=gen).tolist()
         for chunk in a.chunk:
-            got = {}
+            got, peaks = {}, {}
             for path in a.paths:
                 if path == a.paths[-1] and len(a.paths) > 1 and length > a.baseline_max:
                     continue
                 set_path(engine.model, path)
                 prefill(engine, ids, chunk, sync)  # compiles, fills the allocator
                 runs = [prefill(engine, ids, chunk, sync) for _ in range(a.repeat)]
+                peaks[path] = peak_gib(engine)
                 got[path] = (statistics.median(r[0] for r in runs), runs[0][1])
                 print(f"prompt {length} chunk {chunk} {path}: {got[path][0]:.3f} s", flush=True)
             base = got.get(a.paths[-1])
@@ -205,7 +217,8 @@ def main() -> None:
                              "prompt_tokens": length, "chunk_tokens": chunk, "attention": attention, "moe": moe,
                              "ttft_s": round(secs, 4), "prefill_tokens_per_s": round(length / secs, 1),
                              "ratio_to_baseline": round(base[0] / secs, 3) if base else None,
-                             "same_last_token": token == base[1] if base else None, "moe_backend": "resident"})
+                             "same_last_token": token == base[1] if base else None, "moe_backend": "resident",
+                             "peak_memory_gib": peaks.get(path)})
     for fraction in a.offload:  # the same prompts with the experts in host memory, a cache of ``fraction``
         rows += offloaded_rows(engine, a, fraction, device, layers, experts, gen_seed=0)
     if a.profile and cuda:

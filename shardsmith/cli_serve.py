@@ -255,8 +255,8 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; more get HTTP 429."),
     prefill_chunk: int | None = typer.Option(
         None, "--prefill-chunk",
-        help="Prompt tokens per engine step (default on a GPU: 8192 for DeepSeek-V4, 2048 for the others; 512 on "
-             "a CPU); while other sequences decode at most 2048, so a long prompt does not stall them."),
+        help="Prompt tokens per engine step (default on a GPU: 8192 for DeepSeek-V4 with resident experts, else "
+             "2048; 512 on a CPU); while other sequences decode at most 2048, so a long prompt does not stall them."),
     decode_prompt_tokens: int | None = typer.Option(
         None, "--decode-prompt-tokens",
         help="Prompts of at most this many tokens are fed one token per step through the batched decode step "

@@ -177,16 +177,20 @@ def verify_rows(engine: Any, speculative: SpeculativeConfig | None) -> int:
 
 def default_prefill_chunk(engine: Any) -> int:
     """Prompt tokens per engine step by default: on a GPU the model's ``prefill_chunk_cuda`` where it
-    has one (DeepSeek-V4: 8192, its prefill attention tiled), else :data:`CUDA_PREFILL_CHUNK`, where a
-    chunk's fixed cost (thousands of launches a layer) and each expert's weight reads are spread over
-    enough tokens only at that size; :data:`DEFAULT_PREFILL_CHUNK` on a CPU, where a running stream
-    would wait seconds behind a larger one. While other sequences decode, a step prefills at most
-    :data:`INTERLEAVED_PREFILL_CHUNK` tokens (:class:`Scheduler`).
+    has one (DeepSeek-V4: 8192, its prefill attention tiled) and its experts are resident, else
+    :data:`CUDA_PREFILL_CHUNK`, where a chunk's fixed cost (thousands of launches a layer) and each
+    expert's weight reads are spread over enough tokens only at that size; :data:`DEFAULT_PREFILL_CHUNK`
+    on a CPU, where a running stream would wait seconds behind a larger one. While other sequences
+    decode, a step prefills at most :data:`INTERLEAVED_PREFILL_CHUNK` tokens (:class:`Scheduler`).
+    With offloaded experts the expert cache takes the GPU's free memory but a fixed reserve at load,
+    which a larger chunk's activations have not been measured against: those keep 2048.
 
     Measured (DeepSeek-V4-Flash-shaped, one GPU, ``benchmarks/RESULTS.md``): 43 layers x 8 experts on
     an H100, an 8k prompt at 3,819 tokens/s in 2k chunks and 5,277 in one 8k chunk; 4 layers x 256
     experts on an H200, 8,895 and 26,859 tokens/s."""
     if str(getattr(engine, "device", "cpu")).startswith("cuda"):
+        if getattr(engine, "offload", None) is not None:
+            return CUDA_PREFILL_CHUNK
         return int(getattr(getattr(engine, "model", None), "prefill_chunk_cuda", CUDA_PREFILL_CHUNK))
     return DEFAULT_PREFILL_CHUNK
 

@@ -386,4 +386,7 @@ def test_a_prompt_prefills_in_shorter_chunks_while_others_decode(packs) -> None:
             sched.abort(s)
     assert outs[False][0] == [120, 30] and outs[True][0] == [50, 50, 50], outs
     assert outs[False][1] == outs[True][1] and len(outs[False][1]) == 3
-    assert default_prefill_chunk(SimpleNamespace(device="cuda:0", model=SimpleNamespace(prefill_chunk_cuda=8192))) == 8192
+    v4 = SimpleNamespace(prefill_chunk_cuda=8192)
+    assert default_prefill_chunk(SimpleNamespace(device="cuda:0", model=v4, offload=None)) == 8192
+    assert default_prefill_chunk(SimpleNamespace(device="cuda:0", model=v4, offload=object())) == CUDA_PREFILL_CHUNK
+    assert default_prefill_chunk(SimpleNamespace(device="cpu", model=v4, offload=None)) == DEFAULT_PREFILL_CHUNK
