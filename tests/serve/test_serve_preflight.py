@@ -141,9 +141,12 @@ def test_port_in_use_fails_before_ranks_start(packs, busy_port: int) -> None:
              f"--port {busy_port}: cannot listen on 127.0.0.1:{busy_port}: already in use")
 
 
-def test_the_launcher_imports_neither_torch_nor_the_http_stack(packs) -> None:
+@pytest.mark.parametrize("command,job", [("serve", "ServeJob"), ("generate --prompt hi", "GenerateJob"),
+                                         ("warmup", "WarmupJob")])
+def test_the_launcher_imports_neither_torch_nor_the_http_stack(packs, command: str, job: str) -> None:
     """The launcher checks the command and starts the ranks; torch and the HTTP stack are the ranks' to
     import (in parallel, once each), so none of them is in the launcher when it spawns."""
+    name, *rest = command.split()
     probe = ("import sys\n"
              "import shardsmith.runtime.serve.launch as launch\n"
              "def spawn(spec, job, level):\n"
@@ -152,9 +155,9 @@ def test_the_launcher_imports_neither_torch_nor_the_http_stack(packs) -> None:
              "    return 0\n"
              "launch._spawn_and_supervise = spawn\n"
              "from shardsmith.cli import app\n"
-             f"app(['serve', {str(packs['mixtral'])!r}, '--port', '{free_port()}'])\n")
+             f"app({[name, str(packs['mixtral']), *rest, *(['--port', str(free_port())] if name == 'serve' else [])]!r})\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert "SPAWN 2 ServeJob -" in proc.stdout, (proc.stdout, proc.stderr)
+    assert f"SPAWN 2 {job} -" in proc.stdout, (proc.stdout, proc.stderr)
 
 
 def test_cuda_without_gpus_fails_before_ranks_start(packs) -> None:

@@ -12,6 +12,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from shardsmith.runtime.serve.startup import CLOCK
+
 
 @dataclass(frozen=True, slots=True)
 class WarmupJob:
@@ -31,6 +33,7 @@ class WarmupJob:
                    "max_model_len": engine.max_seq_len, "load_s": round(engine.load_seconds, 3),
                    "warmup_s": round(engine.warmup_seconds, 3), "total_s": round(time.perf_counter() - t0, 3),
                    "warmup_phases_s": {k: round(v, 3) for k, v in engine.warmup_phases.items()},
+                   "start_phases_s": {k: round(v, 3) for k, v in CLOCK.phases.items()},
                    "kernel_launches": engine.warmup_launches,
                    "compile_cache": None if cache is None else {
                        "folder": str(cache.folder), "state": cache.state, "why": cache.why,

@@ -199,6 +199,7 @@ def test_a_second_start_compiles_nothing_and_a_damaged_entry_is_rebuilt(tmp_path
     folders = sorted((cache / "compile").iterdir())
     assert [f.name.rsplit("-", 2)[1] for f in folders] == ["rank0of2", "rank1of2"]
     assert first["compile_cache"]["state"] == "new" and first["compile_cache"]["files"] > 0
+    assert list(first["start_phases_s"]) == ["launcher", "rank_start", "imports", "group"]  # before the load
     trees = [_tree(f) for f in folders]
     for f, tree in zip(folders, trees):  # every rank sealed its folder with each compiled file
         record = json.loads((f / cc.RECORD).read_text())
