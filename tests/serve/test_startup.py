@@ -19,8 +19,6 @@ from shardsmith.runtime.serve.startup import READ_AHEAD_CHUNK, StartClock, proce
 
 
 def test_start_times_come_from_the_processes_own_clocks(tmp_path: Path) -> None:
-    from shardsmith.runtime.serve.startup import StartClock, process_started_at
-
     before = time.time()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     after = time.time()
