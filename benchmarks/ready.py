@@ -253,12 +253,15 @@ def main() -> None:
                              "ready_vs_cold_all": round(r["ready_s"] / (rows or [r])[0]["ready_s"], 3)})
             # after every start: a run stopped by its time limit keeps the starts it made
             save_results("ready", rows, extra={"pack": a.pack.name, "serve_args": " ".join(extra)}, path=a.out)
-    print(f"{'checkout':>8} {'compile':>8} {'start':>7} {'buckets':>8} {'ready s':>8} {'all s':>7} {'load s':>7} {'warm-up s':>9} "
-          f"{'floor s':>8} {'vs cold':>8} {'step ms':>8} {'x' + str(a.streams) + ' ms':>8}")
+    print(f"{'checkout':>8} {'compile':>8} {'start':>7} {'buckets':>8} {'ready s':>8} {'all s':>7} {'process s':>9} "
+          f"{'load s':>7} {'warm-up s':>9} {'floor s':>8} {'vs cold':>8} {'step ms':>8} {'x' + str(a.streams) + ' ms':>8}  "
+          "before the load: launcher / rank start / imports / group s")
     for r in rows:
+        before = " / ".join(f"{r['start_phases_s'][k]:.2f}" for k in ("launcher", "rank_start", "imports", "group")
+                            if k in r["start_phases_s"]) or "-"
         print(f"{r['checkout']:>8} {r['compile_rows']:>8} {r['start']:>7} {r['buckets']:>8} {r['ready_s']:>8} {r['all_buckets_s']:>7} "
-              f"{r['load_s']!s:>7} {r['warmup_s']!s:>9} {r['load_floor_s']:>8} {r['ready_vs_cold_all']:>8} "
-              f"{r['engine_step_ms']!s:>8} {r['engine_step_ms_streams']!s:>8}")
+              f"{r['process_start_s']!s:>9} {r['load_s']!s:>7} {r['warmup_s']!s:>9} {r['load_floor_s']:>8} "
+              f"{r['ready_vs_cold_all']:>8} {r['engine_step_ms']!s:>8} {r['engine_step_ms_streams']!s:>8}  {before}")
 
 
 if __name__ == "__main__":
