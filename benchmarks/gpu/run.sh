@@ -22,6 +22,8 @@
 #   spec-cost       a full-depth V4's decode step against its verify step (k = 1, 2, 3, rollback included and
 #                   apart) and the tokens/s they give at 80% and 90% acceptance, resident then with a 25%
 #                   expert cache (spec_decode.py --cost --offload 0.25)
+#   long-prompt     1k, 8k and 32k-token prompts through serve on a full-depth V4 pack: time to first token and the
+#                   decode step at the context, the default prefill chunk (8192) against 2048 (long_prompt.py)
 #   ready           time to ready through serve on a full-depth V4 pack (43 layers x 8 FP4 experts, TP=1): a
 #                   start on empty compile caches, then a cached one, beside the load floor, with the pieces
 #                   compiled per bucket and with the row count symbolic (ready.py --compile-rows static dynamic);
@@ -156,11 +158,23 @@ step_spec_cost() {
         --out "$OUT/spec_decode-$SHARDSMITH_HOST.json" 2>&1 | grep -v INFO | tee "$OUT/spec_cost.log" | tail -18
 }
 
-step_ready() {
+full_depth_pack() {  # full_depth split as a TP=1 pack with a tokenizer, for the serve path (written once)
     full_depth || return 1
     [ -f /tmp/v4f/tokenizer.json ] || python3 -c 'from pathlib import Path; from shardsmith.testing.tokenizer import deepseek_tokenizer; deepseek_tokenizer(Path("/tmp/v4f"), vocab_size=512, chat="template")'
     [ -f /tmp/v4f-tp1/pack.yaml ] || timeout 300 python3 -m shardsmith.cli split /tmp/v4f /tmp/v4f-tp1 --tp 1 \
-        > "$OUT/split_v4f.log" 2>&1 || return 1
+        > "$OUT/split_v4f.log" 2>&1
+}
+
+step_long_prompt() {
+    full_depth_pack || return 1
+    timeout "${LONG_PROMPT_S:-500}" python3 benchmarks/long_prompt.py /tmp/v4f-tp1 --device cuda --dtype bfloat16 \
+        --prompt ${LONG_PROMPTS:-1024 8192 32768} --decode-tokens 32 --config "default=" \
+        --config "chunk2k=--prefill-chunk 2048" 2>&1 | grep -v INFO | tee "$OUT/long_prompt.log" | tail -10
+    local rc=${PIPESTATUS[0]}; keep long_prompt; return $rc
+}
+
+step_ready() {
+    full_depth_pack || return 1
     local base=(); [ -d .base/shardsmith ] && base=(--checkout "base-$(cat .base/REV 2>/dev/null)=.base" --checkout new=.)
     timeout "${READY_S:-480}" python3 benchmarks/ready.py /tmp/v4f-tp1 --device cuda --dtype bfloat16 --starts 2 \
         --buckets ${READY_BUCKETS:-all} --compile-rows ${READY_COMPILE:-static dynamic} "${base[@]}" ${READY_COLD:+--cold-page-cache} \
@@ -168,7 +182,7 @@ step_ready() {
     local rc=${PIPESTATUS[0]}; keep ready; return $rc
 }
 
-[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
 for step in "$@"; do
     fn="step_${step//-/_}"
     if ! declare -F "$fn" > /dev/null; then echo "unknown step: $step"; continue; fi
