@@ -88,3 +88,5 @@ def test_read_ahead_brings_the_rank_files_into_the_page_cache_within_the_budget(
     assert _resident(files[2]) < 0.5  # past the budget (the kernel's own read-around may touch a little)
     assert files[0].stat().st_size > 4 * READ_AHEAD_CHUNK
     assert read_ahead(tmp_path / "no-such-rank") is None and read_ahead(rank, budget_bytes=0) is None
+    # the default budget, half of MemAvailable, is shared by the ranks of the host: a byte or so each here
+    assert read_ahead(rank, ranks_here=1 << 40) is None

@@ -147,7 +147,7 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
 
     CLOCK.begin(settings.current().spawned_by)
     if not spec.from_checkpoint:  # the disk reads the rank's files while it imports and joins its group
-        read_ahead(spec.path / rank_dir(rank, world_size))
+        read_ahead(spec.path / rank_dir(rank, world_size), ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     import torch.distributed as dist
 
     from shardsmith.runtime.engine.dist import clamp_threads, init_distributed

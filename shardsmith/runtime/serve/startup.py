@@ -97,13 +97,15 @@ class StartClock:
 CLOCK = StartClock()  # this process's: one rank per process
 
 
-def read_ahead(folder: Path, *, budget_bytes: int | None = None) -> threading.Thread | None:
+def read_ahead(folder: Path, *, budget_bytes: int | None = None, ranks_here: int = 1) -> threading.Thread | None:
     """Ask the kernel to read this rank's pack files (``folder``, the rank directory) into the page
     cache in the background (``posix_fadvise(POSIX_FADV_WILLNEED)``, chunk by chunk on a daemon
     thread), so a start on a cold page cache reads the disk while the rank imports torch and joins
-    its group instead of after; on a warm page cache it costs nothing. Files past ``budget_bytes``
-    (default: half of ``MemAvailable``) are left alone: reading more than fits would evict what was
-    read first. Returns the thread, or None where there is nothing to do (no ``posix_fadvise``, no
+    its group instead of after; on a warm page cache it costs nothing. Files in name order (the
+    dense weights, which the load reads first, then the expert banks); those past ``budget_bytes``
+    (default: half of ``MemAvailable`` shared by the ``ranks_here`` ranks of this host, which start
+    together) are left alone: reading more than fits would evict what was read first, and offloaded
+    expert banks also need host memory of their own. Returns the thread, or None where there is nothing to do (no ``posix_fadvise``, no
     folder, nothing within the budget). Errors (a file gone, a filesystem that refuses) only end
     the read-ahead early: the load reads what it needs anyway.
 
@@ -116,7 +118,7 @@ def read_ahead(folder: Path, *, budget_bytes: int | None = None) -> threading.Th
         files = sorted((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.name)
     except OSError:
         return None
-    budget = _mem_available() // 2 if budget_bytes is None else budget_bytes
+    budget = _mem_available() // (2 * max(1, ranks_here)) if budget_bytes is None else budget_bytes
     chosen, total = [], 0
     for path in files:
         size = path.stat().st_size
