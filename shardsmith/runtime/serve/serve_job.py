@@ -22,7 +22,7 @@ class ServeJob:
         trust_remote_code: run the checkpoint's own chat encoder (``encoding/``) when it has no template.
         chat_template: a Jinja chat template file used instead of the pack's (``--chat-template``).
         speculative: n-gram speculation (``SpeculativeConfig``), or None.
-        max_request_bytes: larger request bodies get a 413 (:class:`BodyLimit`).
+        max_request_bytes: larger request bodies get a 413 (:class:`~.server.BodyLimit`).
         max_queue: requests that may wait for a sequence slot (more get a 429).
         prefill_chunk: prompt tokens per engine step (a long prompt joins the batch in chunks); None: the
             scheduler's default (:func:`~shardsmith.runtime.engine.scheduler.default_prefill_chunk`).
