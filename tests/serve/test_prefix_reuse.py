@@ -23,7 +23,7 @@ from shardsmith.testing.conversation import QUESTIONS, chat_turns, long_history
 httpx = pytest.importorskip("httpx")
 
 MODEL = "smollm2"
-PARAGRAPHS = 17  # ~1,500 prompt tokens with the chat template
+PARAGRAPHS = 9  # ~800 prompt tokens with the chat template
 SLOTS = 2
 
 
@@ -54,7 +54,7 @@ def test_a_long_conversation_reuses_its_history(smollm2_pack, tmp_path: Path) ->
     assert [t.text for t in on] == [t.text for t in again], "prefix reuse changed the greedy answers"
     assert all(t.text for t in on) and all(t.cached_tokens == 0 for t in again)  # on[0] too: nothing to reuse
     assert [t.prompt_tokens for t in on] == [t.prompt_tokens for t in again]
-    assert on[0].prompt_tokens >= 1400 and on[0].cached_tokens == 0
+    assert on[0].prompt_tokens >= 750 and on[0].cached_tokens == 0
     for prev, turn in zip(on, on[1:]):
         # everything the previous turn's slot was fed, bar where the resent answer's tokens differ from the generated ones
         assert turn.cached_tokens >= prev.prompt_tokens, (prev, turn)

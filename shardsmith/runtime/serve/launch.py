@@ -146,7 +146,8 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
     from shardsmith.runtime.serve.startup import CLOCK, read_ahead
 
     CLOCK.begin(settings.current().spawned_by)
-    if not spec.from_checkpoint:  # the disk reads the rank's files while it imports and joins its group
+    if spec.device.startswith("cuda") and not spec.from_checkpoint:  # the disk reads the rank's files while it
+        # imports and joins its group (on a CPU the weights are the files' mmap views, read as they are used)
         read_ahead(spec.path / rank_dir(rank, world_size), ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     import torch.distributed as dist
 
