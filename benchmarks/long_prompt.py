@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import save_results  # noqa: E402
-from serve_concurrency import start_server, stop_server  # noqa: E402
+from serve_concurrency import start_server, stop_server, stream_urllib  # noqa: E402
 
 
 def metrics(url: str) -> str:
@@ -65,26 +65,14 @@ def one_prompt(url: str, length: int, vocab: int, decode: int, seed: int) -> dic
     prompt = [3 + (seed % (vocab - 3))] + [rng.randrange(3, vocab) for _ in range(length - 1)]
     body = {"model": "bench", "prompt": prompt, "max_tokens": decode, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
     sent = time.perf_counter()
-    first = at_first = None
-    usage = {}
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            elif chunk["choices"] and first is None:
-                first = time.perf_counter()
-                at_first = steps(url)  # the steps after this one are decode steps at the context
+    at_first: list[tuple[float, float]] = []  # the steps after the first token are decode steps at the context
+    first, _, completion = stream_urllib(url, body, None, on_first=lambda: at_first.append(steps(url)))
+    at_first = at_first[0] if at_first else None
     end = steps(url)
-    ttft = (first or time.perf_counter()) - sent
+    ttft = first - sent
     step_ms = 1e3 * (end[0] - at_first[0]) / (end[1] - at_first[1]) if at_first and end[1] > at_first[1] else None
-    return {"prompt_tokens": usage.get("prompt_tokens", length), "completion_tokens": usage.get("completion_tokens"),
+    return {"prompt_tokens": length, "completion_tokens": completion,
             "ttft_s": round(ttft, 4), "prefill_tokens_per_s": round(length / ttft, 1),
             "decode_step_ms": None if step_ms is None else round(step_ms, 3),
             "decode_tokens_per_s_at_context": None if not step_ms else round(1e3 / step_ms, 2)}

@@ -92,9 +92,9 @@ def start_server(pack: Path, *, device: str, dtype: str, max_num_seqs: int, extr
     raise SystemExit("server not ready within 30 minutes")
 
 
-def stream_urllib(url: str, body: dict, client: None) -> tuple[float, float, int]:
+def stream_urllib(url: str, body: dict, client: None, on_first=None) -> tuple[float, float, int]:
     """(first token time, end time, tokens) of one streaming completion read with urllib (no client
-    object: ``client`` is None)."""
+    object: ``client`` is None); ``on_first()``, when given, is called as the first token arrives."""
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     first, n = None, 0
@@ -108,6 +108,8 @@ def stream_urllib(url: str, body: dict, client: None) -> tuple[float, float, int
                 n = chunk["usage"]["completion_tokens"]
             elif chunk["choices"] and first is None:
                 first = time.perf_counter()
+                if on_first is not None:
+                    on_first()
     return first or time.perf_counter(), time.perf_counter(), n
 
 

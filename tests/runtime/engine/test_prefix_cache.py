@@ -221,6 +221,19 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _ask(sched, tokens: list[int]):
+    """Admit one greedy 4-token request of ``tokens`` and step until it ends: ``(sequence, tokens)``."""
+    from shardsmith.runtime.engine.sampling import SamplingParams
+    from shardsmith.runtime.engine.scheduler import Sequence
+
+    seq = Sequence(tokens, SamplingParams(max_tokens=4, stop_token_ids=()))
+    sched.admit(seq)
+    out = []
+    while sched.running:
+        out += [o.token_id for _, o in sched.step()]
+    return seq, out
+
+
 def _resume_run(engine) -> dict:
     """A 300-token prompt prefilled in chunks that end at 128 and 256 (resume points), 3 decoded
     tokens; then slot 0 goes back to 256 and takes 50 other tokens, while slot 1 computes the same
@@ -277,24 +290,15 @@ def test_a_rewritten_turn_resumes_at_the_last_point_before_the_change(tiny_v4_pa
     """A template that rewrites an earlier turn (DeepSeek's drops the reasoning of earlier answers):
     the next prompt shares 270 of the slot's tokens, so it resumes at 256 and gives the tokens of the
     same prompt computed from 0."""
-    from shardsmith.runtime.engine.sampling import SamplingParams
-    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
-
-    def ask(sched, prompt):
-        seq = Sequence(prompt, SamplingParams(max_tokens=4, stop_token_ids=()))
-        sched.admit(seq)
-        out = []
-        while sched.running:
-            out += [o.token_id for _, o in sched.step()]
-        return seq, out
+    from shardsmith.runtime.engine.scheduler import Scheduler
 
     first, changed = _tokens(300, 3), _tokens(40, 4)
     runs = {}
     for caching in (True, False):
         sched = Scheduler(_v4(tiny_v4_packs[1]), prefill_chunk=100, decode_prompt_tokens=0, overlap=False,
                           prefix_caching=caching)
-        ask(sched, first)
-        runs[caching] = ask(sched, first[:270] + changed)
+        _ask(sched, first)
+        runs[caching] = _ask(sched, first[:270] + changed)
     (seq, tokens), (plain, plain_tokens) = runs[True], runs[False]
     assert seq.reused == 256 and plain.reused == 0
     assert tokens == plain_tokens
@@ -304,18 +308,9 @@ def test_long_chunks_still_end_on_the_resume_points(tiny_v4_packs) -> None:
     """Chunks longer than the resume spacing (the GPU default is 8192 tokens against 2048) end on a
     multiple of it when they hold one, and at the prompt's last resume point, where the next turn
     resumes; the greedy tokens are those of chunks of one spacing each."""
-    from shardsmith.runtime.engine.sampling import SamplingParams
-    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+    from shardsmith.runtime.engine.scheduler import Scheduler
 
     prompt = _tokens(420, 5)  # resume points at 128, 256, 384; the last one 384
-
-    def ask(sched, tokens):
-        seq = Sequence(tokens, SamplingParams(max_tokens=4, stop_token_ids=()))
-        sched.admit(seq)
-        out = []
-        while sched.running:
-            out += [o.token_id for _, o in sched.step()]
-        return seq, out
 
     runs = {}
     for chunk in (300, EVERY):
@@ -329,9 +324,9 @@ def test_long_chunks_still_end_on_the_resume_points(tiny_v4_packs) -> None:
 
         engine.prefill = spy
         sched = Scheduler(engine, prefill_chunk=chunk, decode_prompt_tokens=0, overlap=False)
-        _, tokens = ask(sched, prompt)
+        _, tokens = _ask(sched, prompt)
         points = engine.resume_points(0)
-        reused = ask(sched, prompt + _tokens(30, 6))[0].reused if chunk == 300 else None  # the next turn: the
+        reused = _ask(sched, prompt + _tokens(30, 6))[0].reused if chunk == 300 else None  # the next turn: the
         runs[chunk] = (calls, tokens, points, reused)                                     # prompt, not the answer
     (calls, tokens, points, reused), (short_calls, short_tokens, _, _) = runs[300], runs[EVERY]
     # 0..300 would pass 256: it ends there; 256..420 would pass the last point, 384: it ends there
