@@ -165,7 +165,8 @@ def _check_port(host: str, port: int) -> None:
 
 def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bool, tp: int | None,
           verify_hashes: bool, max_seq_len: int, offload=None, dtype: str = "auto", enforce_eager: bool = False,
-          expect_digest: str | None = None, max_num_seqs: int = 1, mtp_layers: int = 0, compile_cache: bool = False):
+          expect_digest: str | None = None, max_num_seqs: int = 1, mtp_layers: int = 0, compile_cache: bool = False,
+          kv_cache_tokens: int | None = None):
     from shardsmith.runtime.serve.launch import LaunchSpec, under_torchrun
     from shardsmith.runtime.serve.placement import check_local_ranks, pack_world_size
 
@@ -185,6 +186,8 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
         raise UsageError(f"--max-model-len (--max-seq-len) must be at least 2, got {max_seq_len}")
     if max_num_seqs < 1:
         raise UsageError(f"--max-num-seqs must be at least 1, got {max_num_seqs}")
+    if kv_cache_tokens is not None:
+        _check_kv_cache_tokens(path, kv_cache_tokens, max_seq_len)
     if dist_port is not None and not 0 < dist_port < 65536:
         raise UsageError(f"--dist-port must be in 1..65535, got {dist_port}")
     ws = pack_world_size(path, tp=tp, from_checkpoint=from_checkpoint)
@@ -198,7 +201,28 @@ def _spec(path: Path, *, device: str, dist_port: int | None, from_checkpoint: bo
                       from_checkpoint=from_checkpoint, verify_hashes=verify_hashes, max_seq_len=max_seq_len,
                       offload=offload, dtype=None if dtype == "auto" else dtype, cuda_graphs=not enforce_eager,
                       max_num_seqs=max_num_seqs, mtp_layers=mtp_layers,
-                      compile_cache=_compile_root() if compile_cache else None)
+                      compile_cache=_compile_root() if compile_cache else None, kv_cache_tokens=kv_cache_tokens)
+
+
+def _check_kv_cache_tokens(path: Path, tokens: int, max_seq_len: int) -> None:
+    """``--kv-cache-tokens``: at least one ``--max-model-len`` sequence, for a family whose KV cache sits in
+    blocks (read from ``path/config.json``; an unreadable config is left to the load's own error).
+
+    Raises:
+        UsageError: fewer tokens than ``max_seq_len``, or a family that keeps its state per slot.
+    """
+    from shardsmith import families
+
+    if tokens < max_seq_len:
+        raise UsageError(f"--kv-cache-tokens {tokens} is less than one --max-model-len {max_seq_len} sequence; "
+                         f"at least {max_seq_len}")
+    try:
+        arch = families.lookup(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError):
+        return
+    if arch is not None and not arch.family.kv_blocks:
+        raise UsageError(f"--kv-cache-tokens: {arch.family.label} keeps each slot's state for --max-model-len "
+                         f"positions (the Mixtral family's KV cache is the one in blocks yet); leave it out")
 
 
 def _compile_root() -> Path | None:
@@ -253,6 +277,11 @@ def serve(
     max_num_seqs: int = typer.Option(8, "--max-num-seqs",
                                      help="Sequences decoded together (continuous batching): slots of per-sequence state."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; more get HTTP 429."),
+    kv_cache_tokens: int | None = typer.Option(
+        None, "--kv-cache-tokens",
+        help="Token positions of the KV cache all sequences share (the Mixtral family: KV in blocks, taken as a "
+             "sequence grows); a request waits until its prompt + max_tokens fit beside the running ones. Default: "
+             "--max-num-seqs x --max-model-len. At least --max-model-len."),
     prefill_chunk: int | None = typer.Option(
         None, "--prefill-chunk",
         help="Prompt tokens per engine step (default on a GPU: 8192 for DeepSeek-V4 with resident experts, else "
@@ -319,7 +348,8 @@ def serve(
                  verify_hashes=verify_hashes, expect_digest=expect_digest, max_seq_len=max_seq_len,
                  offload=_offload(moe_backend, expert_cache_gb, expert_policy), dtype=dtype,
                  enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-                 mtp_layers=int(spec_decode is not None and spec_decode.method == "mtp"), compile_cache=True)
+                 mtp_layers=int(spec_decode is not None and spec_decode.method == "mtp"), compile_cache=True,
+                 kv_cache_tokens=kv_cache_tokens)
     _check_port(host, port)
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
                                            trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes,

@@ -46,6 +46,9 @@ class Family:
         quant: weight formats the runtime runs (``none``, ``fp8-block``, ``fp4-group``).
         rewinds: a step may start at any position up to where the last one ended; False: only at
             0 or exactly where the last step ended (state that cannot rewind).
+        kv_blocks: the runtime keeps its KV cache in blocks of one pool that every slot shares
+            (``--kv-cache-tokens``; :mod:`shardsmith.runtime.models.kv_blocks`); False: each slot holds
+            state for ``max_seq_len`` positions.
     """
 
     name: str
@@ -55,6 +58,7 @@ class Family:
     offload: bool = False
     quant: tuple[str, ...] = ()
     rewinds: bool = True
+    kv_blocks: bool = False
 
     @property
     def servable(self) -> bool:
@@ -72,7 +76,8 @@ class Architecture:
 
 
 MIXTRAL = Family("mixtral", "Mixtral family", "shardsmith.plans.hf_moe:build",
-                 runtime="shardsmith.runtime.models.registry:build_moe", offload=True, quant=("none", "fp8-block"))
+                 runtime="shardsmith.runtime.models.registry:build_moe", offload=True, quant=("none", "fp8-block"),
+                 kv_blocks=True)
 DEEPSEEK_V4 = Family("deepseek-v4", "DeepSeek-V4", "shardsmith.plans.deepseek_v4:build",
                      runtime="shardsmith.runtime.models.registry:build_v4", offload=True,
                      quant=("none", "fp8-block", "fp4-group"), rewinds=False)

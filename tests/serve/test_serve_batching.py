@@ -26,7 +26,7 @@ from shardsmith.testing.server import Server
 MODEL = "smol"
 SLOTS, QUEUE = 4, 2
 FLAGS = ("--dtype", "float32", "--max-num-seqs", str(SLOTS), "--max-queue", str(QUEUE), "--prefill-chunk", "8",
-         "--max-model-len", "256")
+         "--max-model-len", "256", "--kv-cache-tokens", "896")
 # different prompt lengths (the chat one is ~30 tokens: 4 prefill chunks) and completion lengths
 REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 14}),
@@ -94,6 +94,8 @@ def _invariance(server: Server) -> None:
     assert after["shardsmith_max_num_seqs"] == SLOTS and after["shardsmith_sequence_state_bytes"] > 0
     assert after["shardsmith_queue_time_seconds_count"] >= 2 * len(REQUESTS)
     assert f"{SLOTS} sequence slot(s) of 256 tokens" in server.log()
+    assert "a KV pool of 896 positions in blocks of 16" in server.log()
+    assert after["shardsmith_kv_cache_blocks"] == 56 and 0 < after["shardsmith_kv_cache_blocks_used"] <= 56
 
 
 def test_concurrent_greedy_requests_get_the_tokens_each_gets_alone(server: Server) -> None:

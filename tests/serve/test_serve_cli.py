@@ -72,10 +72,19 @@ def test_tp_must_match_pack(tmp_path: Path) -> None:
     (("--dist-port", "70000"), "--dist-port must be in 1..65535"),
     (("--decode-prompt-tokens", "-1"), "--decode-prompt-tokens must be between 0 and --max-model-len (2048), got -1"),
     (("--decode-prompt-tokens", "99999999999"), "--decode-prompt-tokens must be between 0 and --max-model-len (2048)"),
+    (("--kv-cache-tokens", "1000"), "--kv-cache-tokens 1000 is less than one --max-model-len 2048 sequence; at least 2048"),
 ])
 def test_bad_options(tmp_path: Path, args, match: str) -> None:
     (tmp_path / "pack.yaml").write_text("world_size: 2\n")
     assert match in str(_run("serve", str(tmp_path), *args).exception)
+
+
+def test_kv_cache_tokens_for_a_family_whose_state_is_per_slot(tmp_path: Path) -> None:
+    (tmp_path / "pack.yaml").write_text("world_size: 2\n")
+    (tmp_path / "config.json").write_text('{"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}')
+    message = str(_run("serve", str(tmp_path), "--kv-cache-tokens", "4096").exception)
+    assert message == ("--kv-cache-tokens: DeepSeek-V4 keeps each slot's state for --max-model-len positions (the "
+                       "Mixtral family's KV cache is the one in blocks yet); leave it out")
 
 
 def test_exit_code_through_main(tmp_path: Path) -> None:

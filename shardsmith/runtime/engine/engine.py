@@ -103,7 +103,9 @@ class Engine:
         ran (None: every step eager); forward: what runs a step (``graphs`` or the model);
         runner: what runs batched decode steps (``graphs``, or the same pieces run eagerly);
         warmup_seconds, warmup_launches: what :meth:`warmup` took (seconds on rank 0) and how
-        many kernel launches it made to compile the Triton variants.
+        many kernel launches it made to compile the Triton variants; kv_blocks: the slots' block
+        tables over the KV pool (:class:`~shardsmith.runtime.models.kv_blocks.KVBlocks`; rank 0's
+        are every rank's) for a family whose KV sits in blocks, else None.
     """
 
     def __init__(self, model: torch.nn.Module, *, config: dict, root: Path, rank: int, world_size: int,
@@ -119,6 +121,7 @@ class Engine:
         self.forward = model
         self.max_num_seqs = int(getattr(model, "max_num_seqs", 1) or 1)
         self.state_bytes = int(model.state_bytes()) if hasattr(model, "state_bytes") else 0
+        self.kv_blocks = model.kv if self.family.kv_blocks else None
         self._eager: DecodeGraphs | None = None
         self._kernels: bool | None = None  # whether some module runs a Triton kernel (warmup)
         self._pos = [0] * self.max_num_seqs  # per slot, where its last step ended (rank 0)
@@ -132,7 +135,7 @@ class Engine:
              verify_hashes: bool = True, max_seq_len: int = 2048, dtype: torch.dtype | None = None,
              load_timeout_s: float = 1800.0, offload: "OffloadConfig | None" = None, fp8: str = "load",
              cuda_graphs: bool = True, max_num_seqs: int = 8, mtp_layers: int = 0,
-             compile_cache: Path | None = None) -> "Engine":
+             compile_cache: Path | None = None, kv_cache_tokens: int | None = None) -> "Engine":
         """Load rank ``rank``'s weights and build its model; collective over all ranks.
 
         The model is the registry's for the config's architecture (:mod:`~shardsmith.runtime.models.registry`:
@@ -165,6 +168,10 @@ class Engine:
             compile_cache: keep this rank's TorchInductor and Triton caches in a checked folder under
                 this one (``$SHARDSMITH_CACHE/compile``; :mod:`~shardsmith.runtime.engine.compile_cache`),
                 sealed when :meth:`warmup` ends; None leaves the libraries' own folders.
+            kv_cache_tokens: positions of the KV pool every slot takes blocks from as its sequence grows
+                (the Mixtral family; :mod:`~shardsmith.runtime.models.kv_blocks`), at least
+                ``max_seq_len``; None: ``max_num_seqs * max_seq_len``. The scheduler admits a sequence
+                when the pool can hold it to its end (:class:`~shardsmith.runtime.engine.scheduler.Scheduler`).
 
         Raises:
             RuntimeLoadError: on every rank, listing each rank's load problem (missing,
@@ -187,7 +194,8 @@ class Engine:
             config = weights.config
             model, family, offloaded, dtype = build_model(weights, rank=rank, device=dev, dtype=dtype,
                                                           max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
-                                                          offload=offload, fp8=fp8, mtp_layers=mtp_layers)
+                                                          offload=offload, fp8=fp8, mtp_layers=mtp_layers,
+                                                          kv_cache_tokens=kv_cache_tokens)
             engine = cls(model, config=config, root=Path(weights.root), rank=rank, world_size=world_size,
                          device=dev, dtype=dtype, max_seq_len=max_seq_len, group=group, family=family)
             if compile_cache is not None:  # before anything compiles (warm-up), after the dtype is known
@@ -213,8 +221,9 @@ class Engine:
             engine.offload.start(graphed=cuda_graphs and dev.type == "cuda")
         engine.load_seconds = time.perf_counter() - t0
         log.info("rank 0 of %d ready in %.2f s (%s, %s; %d sequence slot(s) of %d positions, %.1f MiB of "
-                 "per-sequence state)", world_size, engine.load_seconds, dev, dtype, engine.max_num_seqs,
-                 max_seq_len, engine.state_bytes / 2**20)
+                 "per-sequence state%s)", world_size, engine.load_seconds, dev, dtype, engine.max_num_seqs,
+                 max_seq_len, engine.state_bytes / 2**20, "" if engine.kv_blocks is None else
+                 f": a KV pool of {engine.kv_blocks.tokens} positions in blocks of {engine.kv_blocks.block_size}")
         return engine
 
     def use_decode_graphs(self) -> None:

@@ -100,9 +100,8 @@ class PrefixCache:
         points = self.resume_points(slot) if self.resume_points is not None else ()
         return max((p for p in points if p <= k), default=0)
 
-    def choose(self, free: Sequence[int], prompt: Sequence[int]) -> tuple[int, int]:
-        """``(slot, reused)``: the free slot for ``prompt`` and the tokens it skips; counted in
-        :attr:`stats`. The slot is no longer free: its held tokens are dropped here.
+    def pick(self, free: Sequence[int], prompt: Sequence[int]) -> tuple[int, int]:
+        """``(slot, reused)``: what :meth:`choose` would choose for ``prompt``, changing nothing.
 
         Raises:
             ValueError: no free slot.
@@ -114,8 +113,17 @@ class PrefixCache:
             k = self.reusable(s, prompt)
             if k > reused:
                 best, reused = s, k
-        if best is None:  # nothing shared: a slot that holds nothing, else the least recently used
-            best = self.evictable(free)
+        # nothing shared: a slot that holds nothing, else the least recently used
+        return (self._first_to_give_up(free) if best is None else best), reused
+
+    def choose(self, free: Sequence[int], prompt: Sequence[int]) -> tuple[int, int]:
+        """``(slot, reused)``: the free slot for ``prompt`` and the tokens it skips; counted in
+        :attr:`stats`. The slot is no longer free: its held tokens are dropped here.
+
+        Raises:
+            ValueError: no free slot.
+        """
+        best, reused = self.pick(free, prompt)
         self.held[best] = ()
         self.stats.queries += 1
         self.stats.query_tokens += len(prompt)
@@ -132,10 +140,13 @@ class PrefixCache:
         """
         if not free:
             raise ValueError("no free slot")
-        empty = [s for s in free if not self.held[s]]
-        slot = min(empty) if empty else min(free, key=lambda s: self._used[s])
+        slot = self._first_to_give_up(free)
         self.held[slot] = ()
         return slot
+
+    def _first_to_give_up(self, free: Sequence[int]) -> int:
+        empty = [s for s in free if not self.held[s]]
+        return min(empty) if empty else min(free, key=lambda s: self._used[s])
 
     def held_positions(self) -> int:
         """Positions the free slots hold for reuse (sum of H)."""

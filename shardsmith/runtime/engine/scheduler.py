@@ -133,6 +133,7 @@ class Sequence:
     reused: int = 0  # prompt tokens whose state a previous request left in its slot (not computed)
     constraint: TokenConstraint | None = None
     outputs: list[int] = field(default_factory=list, repr=False)
+    kv_blocks: int = 0  # KV blocks its slot may hold by its end (a family whose KV sits in blocks)
 
     def fed_tokens(self) -> list[int]:
         """The tokens whose state its slot holds, positions ``0 ..``: the prompt tokens prefilled or
@@ -289,6 +290,39 @@ class Scheduler:
     def free_slots(self) -> int:
         return len(self._free)
 
+    def kv_blocks_for(self, prompt_ids: list[int], params: Any) -> int:
+        """KV blocks a sequence of this prompt and sampling may hold by its end: its prompt, ``max_tokens``
+        fed back, one more row an overlapped step may feed and a verify run's draft rows, at most
+        ``max_seq_len`` positions (0 when the engine's KV is not in blocks)."""
+        kv = self.engine.kv_blocks
+        if kv is None:
+            return 0
+        k = self.speculative.k if self.speculative is not None else 0
+        return kv.blocks_for(min(len(prompt_ids) + params.max_tokens + 1 + k, self.engine.max_seq_len))
+
+    def can_admit(self, prompt_ids: list[int], params: Any) -> bool:
+        """Whether :meth:`admit` has room for this request now: a free slot, and for a family whose KV sits
+        in blocks, the blocks it may hold by its end beside what every running sequence may hold by its
+        own (:meth:`kv_blocks_for`) and what free slots keep for prefix reuse. Kept prefixes are given up
+        for it, least recently used first (their slots released on every rank); the one the request
+        would resume is kept. False: it waits until a running sequence ends."""
+        if not self._free:
+            return False
+        kv = self.engine.kv_blocks
+        if kv is None:
+            return True
+        slot, _ = self.prefix.pick(self._free, prompt_ids)
+        need = max(self.kv_blocks_for(prompt_ids, params), kv.held(slot))
+        taken = sum(max(s.kv_blocks, kv.held(s.slot)) for s in self.running)
+        kept = [f for f in self._free if f != slot and kv.held(f)]
+        room = kv.n_blocks - taken - sum(map(kv.held, kept))
+        while room < need and kept:
+            victim = self.prefix.evictable(kept)
+            kept.remove(victim)
+            room += kv.held(victim)
+            self.engine.release(victim)
+        return room >= need
+
     def build_bucket(self) -> int | None:
         """Build the engine's next deferred decode bucket in a free slot (:meth:`Engine.build_bucket`),
         between steps; a slot that keeps no prefix is taken first, else the least recently used one (its
@@ -300,14 +334,22 @@ class Scheduler:
         return self.engine.build_bucket(slot)
 
     def admit(self, seq: Sequence) -> None:
-        """Give ``seq`` a free slot; its prefill starts at the next :meth:`step`.
+        """Give ``seq`` a free slot; its prefill starts at the next :meth:`step`. A caller that runs
+        several sequences asks :meth:`can_admit` first.
 
         Raises:
-            UsageError: no free slot, or the request is bad (:meth:`Engine.check_request`).
+            UsageError: no free slot, the request is bad (:meth:`Engine.check_request`), or (KV in
+                blocks) the pool has no room for it beside the running sequences (:meth:`can_admit`).
         """
         if not self._free:
             raise UsageError(f"no free slot: all {self.engine.max_num_seqs} are running (max_num_seqs)")
         self.engine.check_request(seq.prompt_ids, seq.params)
+        if not self.can_admit(seq.prompt_ids, seq.params):
+            kv = self.engine.kv_blocks
+            raise UsageError(f"no room in the KV cache: this request may hold {self.kv_blocks_for(seq.prompt_ids, seq.params)} "
+                             f"blocks of {kv.block_size} positions and the {len(self.running)} running sequence(s) may "
+                             f"hold {sum(s.kv_blocks for s in self.running)} of {kv.n_blocks} (--kv-cache-tokens {kv.tokens})")
+        seq.kv_blocks = self.kv_blocks_for(seq.prompt_ids, seq.params)
         slot, reused = self.prefix.choose(self._free, seq.prompt_ids)
         self._free.remove(slot)
         if reused:

@@ -49,11 +49,14 @@ class ModelFamily:
             expert offload swaps the banks) and returns what it made; the builder then assigns no banks.
         rewinds: a step may start at any position up to where the last one ended; False: only at
             0 (a new sequence) or exactly where the last step ended (state that cannot rewind).
+        kv_blocks: the KV cache sits in blocks of one pool the slots share (``kv_cache_tokens``;
+            :mod:`~shardsmith.runtime.models.kv_blocks`).
     """
 
     name: str
     build: Callable[..., tuple[nn.Module, Any]]
     rewinds: bool
+    kv_blocks: bool = False
 
 
 def build_moe(weights, *, rank: int, dtype: torch.dtype, device: torch.device,
@@ -129,4 +132,4 @@ def family_for(config: dict) -> ModelFamily:
     if not fam.servable:
         raise RuntimeLoadError(f"architecture {arch.name!r} ({fam.label}) can be planned and split but is not "
                                f"served by this runtime yet (supported: {served})")
-    return ModelFamily(fam.label, families.load(fam.runtime), rewinds=fam.rewinds)
+    return ModelFamily(fam.label, families.load(fam.runtime), rewinds=fam.rewinds, kv_blocks=fam.kv_blocks)

@@ -82,6 +82,8 @@ class LaunchSpec:
         mtp_layers: MTP draft layers to load (``Engine.load``; ``serve --speculative mtp``: 1).
         compile_cache: where each rank keeps its compile caches (``Engine.load``; ``serve`` and
             ``warmup``: ``$SHARDSMITH_CACHE/compile``); None leaves the libraries' own folders.
+        kv_cache_tokens: positions of the KV pool the slots share (``Engine.load``; ``serve
+            --kv-cache-tokens``); None: ``max_num_seqs * max_seq_len``.
     """
 
     path: Path
@@ -97,6 +99,7 @@ class LaunchSpec:
     max_num_seqs: int = 1
     mtp_layers: int = 0
     compile_cache: Path | None = None
+    kv_cache_tokens: int | None = None
 
 
 class Job(Protocol):
@@ -185,7 +188,7 @@ def run_rank(spec: LaunchSpec, job: Job, *, rank: int, world_size: int, local_ra
                    from_checkpoint=spec.from_checkpoint, verify_hashes=spec.verify_hashes,
                    max_seq_len=spec.max_seq_len, dtype=spec.dtype, offload=spec.offload,
                    cuda_graphs=spec.cuda_graphs, max_num_seqs=spec.max_num_seqs, mtp_layers=spec.mtp_layers,
-                   compile_cache=spec.compile_cache)
+                   compile_cache=spec.compile_cache, kv_cache_tokens=spec.kv_cache_tokens)
     if rank == 0:
         return job(load)
     engine = load()

@@ -34,6 +34,8 @@ command_to_ready_seconds                      gauge      the command's start to 
 ready                                         gauge      1 once every rank loaded and warmed up
 decode_buckets_built / decode_buckets_pending gauge      batch buckets whose decode pieces exist / that
                                                          are still to build (``--defer-buckets``: when idle)
+kv_cache_blocks / kv_cache_blocks_used        gauge      blocks of the KV pool / held by sequences and kept
+                                                         prefixes (a family whose KV sits in blocks)
 ============================================  =========  ==========================================
 """
 
@@ -113,6 +115,7 @@ class Metrics:
         self.offload = None  # the engine's OffloadRuntime (``stats()``), when experts are offloaded
         self.prefix = None  # the scheduler's PrefixCache (``stats``, ``held_positions()``), once ready
         self.bytes_per_position = 0.0  # per-sequence state of one position of one slot, bytes (rank 0)
+        self.kv = None  # the engine's KVBlocks (``n_blocks``, ``blocks_free()``) where its KV sits in blocks
         self.spec = None  # the scheduler's SpecStats when speculation is on
         self.buckets: tuple[int, int] = (0, 0)  # decode batch buckets built, still to build
 
@@ -212,6 +215,18 @@ class Metrics:
             out += _metric(p + name, kind, value, help_)
         return out
 
+    def _kv_lines(self) -> list[str]:
+        if self.kv is None:
+            return []
+        out: list[str] = []
+        for name, value, help_ in (
+            ("kv_cache_blocks", self.kv.n_blocks, f"Blocks of {self.kv.block_size} positions in the KV pool (--kv-cache-tokens)."),
+            ("kv_cache_blocks_used", self.kv.n_blocks - self.kv.blocks_free(),
+             "KV blocks running sequences and kept prefixes hold."),
+        ):
+            out += _metric(self.PREFIX + name, "gauge", value, help_)
+        return out
+
     def _spec_lines(self) -> list[str]:
         if self.spec is None:
             return []
@@ -267,6 +282,7 @@ class Metrics:
             out += [f'{p}start_seconds{{phase="{k}"}} {round(v, 3)}' for k, v in self.start_phases.items()]
             out += self._offload_lines()
             out += self._prefix_lines()
+            out += self._kv_lines()
             out += self._spec_lines()
             for name, hist, help_ in (
                 ("time_to_first_token_seconds", self.ttft, "Request arrival to first generated token."),

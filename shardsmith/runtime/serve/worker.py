@@ -379,7 +379,10 @@ class EngineWorker:
         self.metrics.prefix = self._sched.prefix
         self.metrics.spec = self._sched.spec if self._sched.speculative is not None else None
         self._count_buckets()
-        self.metrics.bytes_per_position = state_bytes / max(1, slots * int(getattr(e, "max_seq_len", 0) or 1))
+        kv = getattr(e, "kv_blocks", None)
+        positions = kv.tokens if kv is not None else slots * int(getattr(e, "max_seq_len", 0) or 1)
+        self.metrics.bytes_per_position = state_bytes / max(1, positions)
+        self.metrics.kv = kv
         if since_command is not None:
             log.info("ready %.1f s after the command: before the load %s; load %.1f s, warm-up %.1f s", since_command,
                      ", ".join(f"{k} {v:.2f} s" for k, v in CLOCK.phases.items()) or "unknown",
@@ -437,12 +440,18 @@ class EngineWorker:
         self.metrics.buckets = (len(self.engine.built_buckets()), len(self.engine.pending_buckets))
 
     def _admit(self) -> None:
-        """Move waiting jobs into free slots, oldest first (each refused alone on a UsageError)."""
+        """Move waiting jobs into free slots, oldest first (each refused alone on a UsageError), while the
+        KV cache has room for the oldest (:meth:`Scheduler.can_admit`)."""
         while self._sched.free_slots:
             with self._wake:
                 if not self._waiting:
                     return
-                job = self._waiting.popleft()
+                job = self._waiting[0]
+            if self.stopping is None and not job.cancelled.is_set() and \
+                    not self._sched.can_admit(job.prompt_ids, job.params):
+                return  # it waits for a running sequence's blocks
+            with self._wake:
+                self._waiting.popleft()
             if self.stopping is not None:
                 self._reject(job, self.stopping, stopping=True)
                 continue

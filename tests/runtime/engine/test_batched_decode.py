@@ -76,7 +76,7 @@ def _run(pack: str, rank: int, world_size: int) -> dict:
     try:
         alone = [_alone(eng, p) for p in PROMPTS[:3]]
         together = _together(eng, PROMPTS[:3], [2, 0, 3], chunk=3)
-        untouched = all(bool((layer.self_attn.cache_k[1] == 0).all()) for layer in eng.model.model.layers)
+        untouched = eng.kv_blocks.held(1) == 0 and eng.model.lengths[1] == 0  # slot 1: no block, no position
         buckets = sorted(eng.runner.sets)
         four = _together(eng, PROMPTS, [0, 1, 2, 3], chunk=32)
         return {"alone": [[t.numpy() for t in r] for r in alone],

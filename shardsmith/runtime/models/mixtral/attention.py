@@ -1,11 +1,12 @@
 """Attention of the Mixtral / Qwen3-MoE / Qwen2-MoE family: RMSNorm, rotate-half RoPE, GQA over a
-rank's heads with a slotted KV cache.
+rank's heads with a KV cache in blocks.
 
-The KV cache is ``[N, K, S_max, d]`` per layer: N slots (one sequence each), this rank's K KV
-heads, ``S_max`` positions. Sources: transformers ``modeling_mixtral.py`` /
+The KV cache is one pool ``[K, P * B, d]`` per layer for keys and one for values: this rank's K KV
+heads, ``P`` blocks of ``B`` positions shared by every slot through its block table
+(:mod:`~shardsmith.runtime.models.kv_blocks`). Sources: transformers ``modeling_mixtral.py`` /
 ``modeling_qwen3_moe.py`` / ``modeling_qwen2_moe.py`` (RMSNorm in float32, rotate-half RoPE,
 SDPA attention). Legend: T = new tokens, S = cached positions, D = hidden, H = local query heads,
-K = local KV heads, d = head dim, N = slots.
+K = local KV heads, d = head dim, P = blocks, B = positions per block.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from shardsmith.runtime.layers.parallel import HeadShard, Shards
 from shardsmith.runtime.models.common import RMSNorm, apply_rope
+from shardsmith.runtime.models.kv_blocks import KVBlocks
 from shardsmith.runtime.models.mixtral.config import ModelArgs
 
 
@@ -41,7 +43,8 @@ class Attention(nn.Module):
         self.kv_index = torch.tensor(heads.kv_index)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, shards.dtype) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, shards.dtype) if args.qk_norm else None
-        self.cache_k = self.cache_v = None  # [N, K, S_max, d], set by Transformer.setup_cache
+        self.cache_k = self.cache_v = None  # [K, P * B, d] pools, set by Transformer.setup_cache
+        self.kv: KVBlocks | None = None  # the block tables (the model's, shared by every layer)
 
     def forward(self, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor, slot: int = 0) -> torch.Tensor:
         return self.o_proj(self.core(*self.project(x, cos, sin), start, slot))
@@ -57,17 +60,18 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, slot: int = 0) -> torch.Tensor:
-        """Write ``k``/``v`` at ``[start, start + T)`` of slot ``slot``'s cache, attend: ``[T, H*d]``
-        (before ``o_proj``).
+        """Write ``k``/``v`` at ``[start, start + T)`` of slot ``slot``'s blocks (the model gave it
+        the blocks of ``[0, start + T)``), attend: ``[T, H*d]`` (before ``o_proj``).
 
         Its shapes grow with the position, so a piecewise decode step runs it eagerly between pieces.
         """
         T, d = q.shape[0], self.head_dim
         end = start + T
-        cache_k, cache_v = self.cache_k[slot], self.cache_v[slot]  # [K, S_max, d] views
-        cache_k[:, start:end] = k.transpose(0, 1)
-        cache_v[:, start:end] = v.transpose(0, 1)
-        keys, values = cache_k[:, :end], cache_v[:, :end]  # [K, S, d]
+        written = self.kv.index(slot, start, end, q.device)  # a slice of the pool, or a gather index
+        self.cache_k[:, written] = k.transpose(0, 1)
+        self.cache_v[:, written] = v.transpose(0, 1)
+        held = self.kv.index(slot, 0, end, q.device)
+        keys, values = self.cache_k[:, held], self.cache_v[:, held]  # [K, S, d]: views, or gathered
         if not self.gqa:  # kv-copies shares: map each query head to its local KV head
             idx = self.kv_index.to(keys.device)
             keys, values = keys.index_select(0, idx), values.index_select(0, idx)  # [H, S, d]

@@ -5,9 +5,9 @@ a buffer's name is its source tensor's name and loading is a strict name-for-nam
 (:func:`assign_weights`). Every layer comes from :class:`~shardsmith.runtime.layers.parallel.Shards`, so
 this file knows nothing about ranks beyond its local head counts.
 
-Per-sequence state lives in preallocated **slots** (model-side contract): a static KV
-cache of ``max_num_seqs`` slots x ``max_seq_len`` positions per layer and rank (local KV heads
-only). ``forward`` runs one sequence (a prefill, a prefill chunk or one step) in one slot; the
+Per-sequence state lives in **slots** (model-side contract): each slot's keys and values sit in
+blocks of one KV pool per layer and rank (local KV heads only), taken as its sequence grows and
+given back when it is released (:mod:`~shardsmith.runtime.models.kv_blocks`). ``forward`` runs one sequence (a prefill, a prefill chunk or one step) in one slot; the
 decode pieces run B sequences, one new token each, every row in its own slot. Sources: transformers ``modeling_mixtral.py`` / ``modeling_qwen3_moe.py``
 / ``modeling_qwen2_moe.py`` for the maths (RMSNorm in float32, rotate-half RoPE, SDPA attention).
 
@@ -26,10 +26,11 @@ from shardsmith.errors import UsageError
 from shardsmith.runtime.layers.experts import RoutedExperts
 from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.common import MLP, RMSNorm, install_buffers
+from shardsmith.runtime.models.kv_blocks import KV_BLOCK_TOKENS, KVBlocks
 from shardsmith.runtime.models.mixtral.attention import Attention
 from shardsmith.runtime.models.mixtral.config import ModelArgs, rope_tables
-from shardsmith.runtime.models.seq_slots import verify_runs
 from shardsmith.runtime.models.mixtral.moe import SparseMoe
+from shardsmith.runtime.models.seq_slots import verify_runs
 
 
 class DecoderLayer(nn.Module):
@@ -121,7 +122,7 @@ class Transformer(nn.Module):
     """The causal LM: vocab-parallel embedding, decoder layers, final norm, vocab-parallel LM head.
 
     Implements the continuous-batching contract (``SUPPORTS_BATCHING``): per-sequence KV caches in
-    slots, :meth:`forward` in one slot, :meth:`decode_step` and the layers' pieces over B slots.
+    slots (their blocks in :attr:`kv`), :meth:`forward` in one slot, :meth:`decode_step` and the layers' pieces over B slots.
 
     Args:
         args: model configuration; shards: this rank's plan and compute dtype.
@@ -139,6 +140,7 @@ class Transformer(nn.Module):
         self.args = args
         self.max_seq_len = self.max_num_seqs = 0
         self.lengths: list[int] = []
+        self.kv: KVBlocks | None = None  # the slots' block tables, set by setup_cache
         self.model = nn.Module()
         vocab = (args.vocab_size, args.dim)
         self.model.embed_tokens = shards.embedding("model.embed_tokens.weight", vocab)
@@ -148,40 +150,60 @@ class Transformer(nn.Module):
         self.cos = self.sin = None
         shards.raise_problems()
 
-    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
-        """Allocate the static KV cache (``[N, K, max_seq_len, d]`` per layer, N = ``max_num_seqs``
-        slots) and the RoPE tables.
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1,
+                    kv_cache_tokens: int | None = None, block_size: int = KV_BLOCK_TOKENS) -> None:
+        """Allocate the KV cache and the RoPE tables: per layer a pool ``[K, P * B, d]`` of keys and one
+        of values, ``P`` blocks of ``B = block_size`` positions, which the ``max_num_seqs`` slots hold
+        as their sequences grow (:mod:`~shardsmith.runtime.models.kv_blocks`).
+
+        Args:
+            max_seq_len: positions one slot may hold; max_num_seqs: N slots.
+            kv_cache_tokens: positions of the pool across all slots, rounded up to whole blocks
+                (None: ``max_num_seqs * max_seq_len``, every slot at its longest at once).
 
         Raises:
-            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1.
+            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1, or a pool smaller than one
+                ``max_seq_len`` sequence.
         """
         if max_seq_len < 1 or max_num_seqs < 1:
             raise UsageError(f"setup_cache needs max_seq_len >= 1 and max_num_seqs >= 1, got {max_seq_len} and {max_num_seqs}")
+        n_blocks = self.kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
+        self.kv = KVBlocks(n_blocks, block_size, max_num_seqs, max_seq_len)
         for layer in self.model.layers:
             attn = layer.self_attn
-            shape = (max_num_seqs, attn.n_kv, max_seq_len, self.args.head_dim)
+            shape = (attn.n_kv, n_blocks * block_size, self.args.head_dim)
             attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
             attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+            attn.kv = self.kv
         cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, d] float32
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         self.lengths = [0] * max_num_seqs  # positions held per slot
 
-    def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
-        """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``
-        (keys and values of every slot and layer), allocating nothing."""
-        b = dtype.itemsize
-        return sum(2 * max_num_seqs * layer.self_attn.n_kv * max_seq_len * self.args.head_dim * b
+    @staticmethod
+    def kv_blocks_for(max_seq_len: int, max_num_seqs: int, kv_cache_tokens: int | None = None,
+                      block_size: int = KV_BLOCK_TOKENS) -> int:
+        """Blocks of the pool :meth:`setup_cache` allocates (P)."""
+        tokens = max_num_seqs * max_seq_len if kv_cache_tokens is None else kv_cache_tokens
+        return max(1, -(-tokens // block_size))
+
+    def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype,
+                        kv_cache_tokens: int | None = None) -> int:
+        """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs,
+        kv_cache_tokens)`` (every layer's key and value pools), allocating nothing."""
+        positions = self.kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens) * KV_BLOCK_TOKENS
+        return sum(2 * layer.self_attn.n_kv * positions * self.args.head_dim * dtype.itemsize
                    for layer in self.model.layers)
 
     def state_bytes(self) -> int:
-        """Bytes of per-sequence state this rank allocated in :meth:`setup_cache` (every slot's KV cache)."""
+        """Bytes of per-sequence state this rank allocated in :meth:`setup_cache` (every layer's KV pools)."""
         return sum(layer.self_attn.cache_k.nbytes + layer.self_attn.cache_v.nbytes for layer in self.model.layers)
 
     def release(self, slot: int) -> None:
-        """Forget slot ``slot``'s sequence (its cache is overwritten by the next one there)."""
+        """Forget slot ``slot``'s sequence: it gives its blocks back."""
         self._check(slot, 0, 0)
         self.lengths[slot] = 0
+        self.kv.release(slot)
 
     def _check(self, slot: int, start: int, n: int) -> None:
         """Refuse a slot outside ``[0, N)`` or positions past ``max_seq_len``.
@@ -199,11 +221,16 @@ class Transformer(nn.Module):
         """Run ``ids`` ``[T]`` at positions ``[start, start + T)`` of slot ``slot``'s sequence (a prefill,
         a prefill chunk or one step); returns float32 logits ``[T or 1, V]``. Other slots are untouched.
 
+        The slot is left the blocks of positions ``[0, start + T)``: growing, or giving back those past
+        the end after a rewind.
+
         Raises:
             UsageError: a slot outside ``[0, max_num_seqs)`` or positions past ``max_seq_len``.
+            KVCacheFull: the pool has too few free blocks (nothing is run).
         """
         T = ids.shape[0]
         self._check(slot, start, T)
+        self.kv.fit({slot: start + T})
         cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, d]
         (x,) = self.embed_ids(ids)  # [T, D]
         for layer in self.model.layers:
@@ -231,6 +258,7 @@ class Transformer(nn.Module):
                 (consecutive positions in order: :func:`~shardsmith.runtime.models.seq_slots.verify_runs`;
                 the rows run in order, so each attends to the ones before it), a slot outside
                 ``[0, N)`` or a position past ``max_seq_len``.
+            KVCacheFull: the pool has too few free blocks for the rows' slots (no slot changes).
         """
         B = ids.shape[0]
         real = B if real is None else real
@@ -239,6 +267,7 @@ class Transformer(nn.Module):
         runs = verify_runs(starts[:real], slots[:real], family="decode_step")
         for slot, (first, n) in runs.items():
             self._check(slot, first, n)
+        self.kv.fit({slot: first + n for slot, (first, n) in runs.items()})
         index = torch.tensor(starts, device=self.cos.device)
         for slot, (first, n) in runs.items():
             self.lengths[slot] = first + n

@@ -1,0 +1,195 @@
+"""The KV cache in blocks (the Mixtral family): the block tables' bookkeeping, and numerics.
+
+Bookkeeping: a slot holds exactly the blocks of its positions after each step (growing, giving back
+after a rewind, none once released), grows into the block after its last one when it can (a slice
+of the pool), refuses a step the free blocks cannot hold with the numbers and changes nothing then.
+
+Numerics: sequences whose blocks are scattered over the pool (two slots decoding in turns, blocks of
+4 positions, a pool of just their tokens) give the logits of the same sequences alone in a pool of
+contiguous slots, and transformers' logits on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+import torch
+
+from shardsmith.errors import UsageError
+from shardsmith.runtime.models.kv_blocks import KVBlocks, KVCacheFull
+
+CPU = torch.device("cpu")
+
+
+def test_a_slot_holds_the_blocks_of_its_positions():
+    kv = KVBlocks(8, 4, 3, 16)
+    kv.fit({0: 10})
+    assert kv.tables[0] == [0, 1, 2] and kv.blocks_free() == 5
+    assert kv.index(0, 2, 9, CPU) == slice(2, 9)  # consecutive blocks: a view of the pool
+    kv.fit({1: 5})
+    kv.fit({0: 13})  # block 3 is slot 1's: slot 0 goes on in the lowest free block
+    assert kv.tables == [[0, 1, 2, 5], [3, 4], []]
+    assert kv.index(0, 0, 13, CPU).tolist() == [*range(12), 20]
+    assert kv.index(0, 11, 13, CPU).tolist() == [11, 20]
+    kv.fit({0: 3})  # a rewind gives back the blocks past the end
+    assert kv.tables[0] == [0] and kv.blocks_free() == 5
+    kv.fit({0: 6})  # and grows into the block after its last one again
+    assert kv.tables[0] == [0, 1] and kv.index(0, 0, 6, CPU) == slice(0, 6)
+    kv.release(1)
+    assert kv.tables[1] == [] and kv.blocks_free() == 6
+
+
+def test_a_step_the_pool_cannot_hold_is_refused_and_changes_nothing():
+    kv = KVBlocks(8, 4, 3, 16)
+    kv.fit({0: 12})
+    before = [list(t) for t in kv.tables]
+    with pytest.raises(KVCacheFull) as e:
+        kv.fit({1: 16, 2: 8})
+    assert str(e.value) == ("the KV cache is full: slot 1 to 16 positions, slot 2 to 8 positions needs 6 more block(s) "
+                            "of 4 positions and 5 of 8 are free (--kv-cache-tokens 32)")
+    assert kv.tables == before and kv.blocks_free() == 5
+    kv.fit({0: 4, 1: 16})  # slot 0 gives back two blocks in the same step: slot 1's four fit
+    assert kv.held(0) == 1 and kv.held(1) == 4 and kv.blocks_free() == 3
+
+
+def test_a_pool_must_hold_one_sequence_of_the_longest_length():
+    with pytest.raises(UsageError, match=r"holds 12 tokens \(3 blocks of 4\); one sequence of max_seq_len=16 needs 16"):
+        KVBlocks(3, 4, 2, 16)
+
+
+def _decode_in_turns(model, prompts: list[list[int]], steps: int, slots: list[int]) -> list[torch.Tensor]:
+    """Prefill each prompt in its slot, then ``steps`` one-token steps, the slots taking turns (each
+    slot's next token is its own greedy choice); the logits of every step per sequence, stacked."""
+    out: list[list[torch.Tensor]] = [[] for _ in prompts]
+    pending = []
+    for i, (p, s) in enumerate(zip(prompts, slots)):
+        logits = model(torch.tensor(p), 0, slot=s)
+        out[i].append(logits[-1])
+        pending.append(int(logits[-1].argmax()))
+    for t in range(steps):
+        for i, (p, s) in enumerate(zip(prompts, slots)):
+            logits = model(torch.tensor([pending[i]]), len(p) + t, slot=s)
+            out[i].append(logits[-1])
+            pending[i] = int(logits[-1].argmax())
+    return [torch.stack(o) for o in out]
+
+
+@pytest.fixture(scope="module")
+def mixtral(tiny):
+    from shardsmith.runtime.engine.loader import load_rank_weights
+    from shardsmith.runtime.models.registry import family_for
+
+    def build(max_seq_len: int = 64, **cache):
+        weights = load_rank_weights(tiny("qwen3-moe"), rank=0, world_size=1, from_checkpoint=True)
+        model, _ = family_for(weights.config).build(weights, rank=0, dtype=torch.float32, device=CPU)
+        model.setup_cache(max_seq_len, CPU, torch.float32, **cache)
+        return model.eval()
+
+    return build
+
+
+PROMPTS = [[3, 17, 42, 99, 5, 8, 61], [250, 11, 64, 7, 3, 3, 90, 12, 5]]
+
+
+def test_scattered_blocks_give_the_logits_of_contiguous_slots_and_of_transformers(tiny, mixtral):
+    from transformers import AutoModelForCausalLM
+
+    steps = 9
+    ends = [len(p) + steps for p in PROMPTS]
+    paged = mixtral(32, max_num_seqs=3, kv_cache_tokens=sum(ends) + 8, block_size=4)
+    got = _decode_in_turns(paged, PROMPTS, steps, slots=[2, 0])
+    tables = [paged.kv.tables[2], paged.kv.tables[0]]
+    assert all(any(b != a + 1 for a, b in pairwise(t)) for t in tables), tables  # both scattered
+    assert not isinstance(paged.kv.index(2, 0, ends[0], CPU), slice)
+
+    alone = mixtral(max_num_seqs=1)  # one sequence at a time: its blocks are one slice of the pool
+    ref = AutoModelForCausalLM.from_pretrained(tiny("qwen3-moe"), dtype=torch.float32).eval()
+    for prompt, logits in zip(PROMPTS, got):
+        want = _decode_in_turns(alone, [prompt], steps, slots=[0])[0]
+        alone.release(0)
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+        tokens = prompt + [int(x) for x in logits.argmax(-1)[:-1]]
+        with torch.no_grad():
+            hf = ref(torch.tensor([tokens])).logits[0, len(prompt) - 1:]
+        torch.testing.assert_close(logits, hf, atol=1e-4, rtol=1e-4)
+
+
+def test_release_gives_every_block_back_and_a_full_pool_refuses_a_step(mixtral):
+    model = mixtral(max_num_seqs=2, kv_cache_tokens=64, block_size=4)
+    model(torch.tensor(PROMPTS[0] * 8), 0, slot=0)  # 56 positions: 14 of the 16 blocks
+    with pytest.raises(KVCacheFull, match="slot 1 to 9 positions needs 3 more block"):
+        model(torch.tensor(PROMPTS[1]), 0, slot=1)
+    assert model.kv.held(1) == 0 and model.lengths[1] == 0
+    model.release(0)
+    assert model.kv.blocks_free() == 16
+    model(torch.tensor(PROMPTS[1]), 0, slot=1)
+    assert model.kv.held(1) == 3
+
+
+# ------------------------------------------------------------------ admission through the scheduler
+
+REQUESTS = [([3, 17, 42, 99, 5, 8, 61, 7, 200], 5), ([250, 11, 64, 7, 3, 3, 90], 30),
+            ([31, 7, 250, 4, 9, 77, 31, 18], 5), ([2, 6, 90, 11, 150, 151], 5)]
+
+
+def _load(path: str, rank: int = 0, world_size: int = 1, **kw):
+    from shardsmith.runtime.engine.engine import Engine
+
+    return Engine.load(path, rank=rank, world_size=world_size, dtype=torch.float32, from_checkpoint=True,
+                       max_seq_len=48, max_num_seqs=4, cuda_graphs=False, **kw)
+
+
+def _serve(engine) -> dict:
+    """The requests through one scheduler, admitted oldest first whenever :meth:`Scheduler.can_admit`
+    says there is room. Returns each request's greedy tokens, the most sequences that ran together,
+    and the blocks each slot held at the end."""
+    from shardsmith.runtime.engine.sampling import SamplingParams
+    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+
+    sched = Scheduler(engine, prefill_chunk=8, decode_prompt_tokens=0, overlap=False)
+    waiting = [Sequence(p, SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=()), tag=i)
+               for i, (p, n) in enumerate(REQUESTS)]
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(REQUESTS))}
+    together = []
+    while waiting or sched.running:
+        while waiting and sched.can_admit(waiting[0].prompt_ids, waiting[0].params):
+            sched.admit(waiting.pop(0))
+        together.append(sorted(s.tag for s in sched.running))
+        for seq, out in sched.step():
+            tokens[seq.tag].append(out.token_id)
+    kv = engine.kv_blocks
+    return {"tokens": tokens, "together": together, "held": [kv.held(s) for s in range(4)] if kv else None}
+
+
+def _tp2_serve(path: str, kw: dict, rank: int, world_size: int):
+    engine = _load(path, rank, world_size, **kw)
+    if rank != 0:
+        engine.follow()
+        return None
+    try:
+        return _serve(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_requests_wait_for_room_in_the_pool_and_keep_their_tokens(tiny, world_size) -> None:
+    """A pool of 64 positions (4 blocks of 16) under 4 slots of 48: a request of 9 + 5 tokens (and the
+    one row more an overlapped step may feed) needs one block, the 7 + 30-token one three. So the first
+    two run together, the third waits until the first ends and its slot's kept prefix is given up, the
+    fourth until the third ends. Every request's tokens are those of slots that each hold 48 positions."""
+    from shardsmith.testing.ranks import run_gloo
+
+    path = str(tiny("qwen3-moe"))
+    if world_size == 1:
+        paged, full = _serve(_load(path, kv_cache_tokens=64)), _serve(_load(path))
+    else:
+        paged = run_gloo(_tp2_serve, 2, path, {"kv_cache_tokens": 64}, timeout=300)
+        full = run_gloo(_tp2_serve, 2, path, {}, timeout=300)
+    assert paged["tokens"] == full["tokens"]
+    assert [len(t) for t in paged["tokens"].values()] == [n for _, n in REQUESTS]
+    assert full["together"][0] == [0, 1, 2, 3]  # room for all four at once
+    assert paged["together"][0] == [0, 1] and max(map(len, paged["together"])) == 2
+    assert [1, 2] in paged["together"] and [1, 3] in paged["together"]
+    assert sum(paged["held"]) <= 4
