@@ -1,0 +1,144 @@
+"""The KV cache in blocks (the Mixtral family), side by side in one run: what a scattered block table costs
+a decode step, and how many sequences a pool admits against slots preallocated with the same bytes.
+
+1. Step cost. One sequence of ``--context`` tokens decodes ``--steps`` one-token steps (the engine's batched
+   step, one row; eager pieces). ``contiguous``: its blocks are one slice of the pool (a view, as when it was
+   prefilled alone). ``scattered``: another slot was prefilled in turns with it, block by block, so every
+   other block is the other slot's and attention gathers the sequence's keys and values each step.
+2. Admission. ``--requests`` requests of ``--prompt`` + ``--max-tokens`` tokens through the real scheduler's
+   :meth:`~shardsmith.runtime.engine.scheduler.Scheduler.can_admit` (nothing is run): how many are admitted
+   at once with a pool of ``--pool`` tokens under ``--max-num-seqs`` slots of ``--max-model-len``, against
+   slots that each hold ``--max-model-len`` positions in the same bytes (``pool // max_model_len`` slots).
+
+Rows (``benchmarks/results/kv_blocks-<date>-<host>.json``): ``part`` (``step`` / ``admission``); step rows
+``layout``, ``context_tokens``, ``step_ms`` (median), ``ratio_to_contiguous``; admission rows ``layout``
+(``blocks`` / ``per_slot``), ``kv_cache_tokens``, ``max_model_len_tokens``, ``slots``,
+``request_tokens``, ``sequences_at_once``, ``kv_bytes_per_rank``.
+
+    python benchmarks/kv_blocks.py PACK [--device cuda] [--context 1024 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shardsmith.runtime.engine.engine import Engine, SamplingParams  # noqa: E402
+from shardsmith.runtime.engine.scheduler import Scheduler, Sequence  # noqa: E402
+
+
+def step_ms(engine: Engine, slot: int, context: int, steps: int, sync) -> float:
+    """Median milliseconds of one-row decode steps of ``slot`` from position ``context`` on."""
+    times = []
+    for i in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        engine.decode([7], [context + i], [slot])
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[1:] if len(times) > 2 else times)
+
+
+def step_rows(engine: Engine, contexts: list[int], steps: int, sync) -> list[dict]:
+    block = engine.kv_blocks.block_size
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for context in contexts:
+        prompt = torch.randint(3, engine.vocab_size, (context,), generator=gen).tolist()
+        engine.prefill(0, prompt)  # alone: its blocks follow one another
+        assert isinstance(engine.kv_blocks.index(0, 0, context, engine.device), slice)
+        contiguous = step_ms(engine, 0, context, steps, sync)
+        engine.release(0)
+        for lo in range(0, context, block):  # in turns with slot 1, one block each
+            engine.prefill(0, prompt[lo: lo + block], lo)
+            engine.prefill(1, prompt[lo: lo + block], lo)
+        assert not isinstance(engine.kv_blocks.index(0, 0, context, engine.device), slice)
+        scattered = step_ms(engine, 0, context, steps, sync)
+        engine.release(0)
+        engine.release(1)
+        for layout, ms in (("contiguous", contiguous), ("scattered", scattered)):
+            rows.append({"part": "step", "layout": layout, "context_tokens": context, "step_ms": round(ms, 4),
+                         "ratio_to_contiguous": round(ms / contiguous, 4)})
+    return rows
+
+
+def admitted(engine: Engine, requests: int, prompt: int, max_tokens: int) -> int:
+    """How many of ``requests`` identical requests the scheduler admits before the first must wait."""
+    sched = Scheduler(engine, prefill_chunk=512, decode_prompt_tokens=0, overlap=False)
+    gen = torch.Generator().manual_seed(1)
+    n = 0
+    for _ in range(requests):
+        ids = torch.randint(3, engine.vocab_size, (prompt,), generator=gen).tolist()
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=())
+        if not sched.can_admit(ids, params):
+            break
+        sched.admit(Sequence(ids, params))
+        n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("pack", type=Path)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--pool", type=int, default=32768, help="--kv-cache-tokens of the admission part")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--from-checkpoint", action="store_true", help="PACK is a checkpoint (loaded as TP=1)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    from _results import save_results
+
+    dtype = getattr(torch, a.dtype)
+    longest = max(a.context) + a.steps + 1
+    engine = Engine.load(a.pack, rank=0, world_size=1, device=a.device, dtype=dtype, max_seq_len=longest,
+                         max_num_seqs=2, from_checkpoint=a.from_checkpoint, cuda_graphs=False)
+    if engine.kv_blocks is None:
+        raise SystemExit(f"{engine.family.name} keeps its state per slot: this benchmark needs the Mixtral family")
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    rows = step_rows(engine, a.context, a.steps, sync)
+    per_token = engine.state_bytes // engine.kv_blocks.tokens
+    engine.shutdown()
+    del engine
+
+    per_slot = max(1, a.pool // a.max_model_len)
+    for layout, slots, pool in (("blocks", a.max_num_seqs, a.pool), ("per_slot", per_slot, None)):
+        eng = Engine.load(a.pack, rank=0, world_size=1, device=a.device, dtype=dtype, max_seq_len=a.max_model_len,
+                          max_num_seqs=slots, from_checkpoint=a.from_checkpoint, cuda_graphs=False,
+                          kv_cache_tokens=pool)
+        rows.append({"part": "admission", "layout": layout, "kv_cache_tokens": eng.kv_blocks.tokens,
+                     "max_model_len_tokens": a.max_model_len, "slots": slots,
+                     "request_tokens": a.prompt + a.max_tokens,
+                     "sequences_at_once": admitted(eng, a.requests, a.prompt, a.max_tokens),
+                     "kv_bytes_per_rank": eng.state_bytes})
+        eng.shutdown()
+
+    print(f"{'layout':<11} {'context':>8} {'step ms':>9} {'ratio':>7}")
+    for r in rows:
+        if r["part"] == "step":
+            print(f"{r['layout']:<11} {r['context_tokens']:>8} {r['step_ms']:>9.3f} {r['ratio_to_contiguous']:>7.3f}")
+    print(f"\n{'layout':<9} {'pool tok':>9} {'slots':>6} {'request':>8} {'at once':>8} {'KV MiB':>8}")
+    for r in rows:
+        if r["part"] == "admission":
+            print(f"{r['layout']:<9} {r['kv_cache_tokens']:>9} {r['slots']:>6} {r['request_tokens']:>8} "
+                  f"{r['sequences_at_once']:>8} {r['kv_bytes_per_rank'] / 2**20:>8.1f}")
+    name = a.device if a.device != "cuda" else torch.cuda.get_device_name()
+    save_results("kv_blocks", rows, extra={"pack": a.pack.name, "device": name, "dtype": a.dtype,
+                                            "kv_bytes_per_token_per_rank": per_token}, path=a.out)
+
+
+if __name__ == "__main__":
+    main()
