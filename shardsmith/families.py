@@ -82,7 +82,8 @@ DEEPSEEK_V4 = Family("deepseek-v4", "DeepSeek-V4", "shardsmith.plans.deepseek_v4
                      runtime="shardsmith.runtime.models.registry:build_v4", offload=True,
                      quant=("none", "fp8-block", "fp4-group"), rewinds=False)
 DEEPSEEK_V3 = Family("deepseek-v3", "DeepSeek-V3", "shardsmith.plans.deepseek_v3:build",
-                     runtime="shardsmith.runtime.models.deepseek_v3:build", offload=True, quant=("none", "fp8-block"))
+                     runtime="shardsmith.runtime.models.deepseek_v3:build", offload=True, quant=("none", "fp8-block"),
+                     kv_blocks=True)
 GPT_OSS = Family("gpt-oss", "gpt-oss", "shardsmith.plans.gpt_oss:build",
                  runtime="shardsmith.runtime.models.gpt_oss:build", offload=True, quant=("mxfp4",))
 

@@ -23,7 +23,7 @@ import torch
 
 from shardsmith.errors import UsageError
 
-__all__ = ["KV_BLOCK_TOKENS", "KVBlocks", "KVCacheFull"]
+__all__ = ["KV_BLOCK_TOKENS", "KVBlocks", "KVCacheFull", "kv_blocks_for"]
 
 KV_BLOCK_TOKENS = 16
 """Positions per block (vLLM's default block size): at most ``B - 1`` positions of a sequence are unused."""
@@ -37,6 +37,14 @@ class KVCacheFull(UsageError):
 def blocks_for(positions: int, block_size: int) -> int:
     """Blocks that hold ``positions`` positions: ``ceil(positions / block_size)``."""
     return -(-max(positions, 0) // block_size)
+
+
+def kv_blocks_for(max_seq_len: int, max_num_seqs: int, kv_cache_tokens: int | None = None,
+                  block_size: int = KV_BLOCK_TOKENS) -> int:
+    """Blocks of a pool of ``kv_cache_tokens`` positions (None: ``max_num_seqs * max_seq_len``, every slot at
+    its longest at once), rounded up: a model's ``setup_cache`` allocates this many."""
+    tokens = max_num_seqs * max_seq_len if kv_cache_tokens is None else kv_cache_tokens
+    return max(1, blocks_for(tokens, block_size))
 
 
 class KVBlocks:
@@ -136,6 +144,21 @@ class KVBlocks:
         if isinstance(full, slice):
             return slice(full.start + lo, full.start + hi)
         return full[lo:hi]
+
+    def positions(self, slots: list[int] | tuple[int, ...], starts: list[int] | tuple[int, ...],
+                  device: torch.device) -> torch.Tensor:
+        """Pool positions ``[R]`` (int64, on ``device``) of each ``(slot, position)`` pair, within its blocks."""
+        B = self.block_size
+        return torch.tensor([self.tables[s][p // B] * B + p % B for s, p in zip(slots, starts)], dtype=torch.int64,
+                            device=device)
+
+    def gather(self, slots: list[int] | tuple[int, ...], length: int, device: torch.device) -> torch.Tensor:
+        """Pool positions ``[len(slots), length]`` (int64, on ``device``): row ``b`` is slot ``slots[b]``'s
+        positions ``0 .. length-1``; past the slot's blocks, pool position 0 (its caller masks them)."""
+        B, n = self.block_size, self.blocks_for(length)
+        tables = [(self.tables[s] + [0] * n)[:n] for s in slots]
+        t = torch.tensor(tables, dtype=torch.int64, device=device)  # [R, n]
+        return (t[:, :, None] * B + torch.arange(B, device=device)).reshape(len(slots), n * B)[:, :length]
 
     def _take(self, prefer: int) -> int:
         if 0 <= prefer < self.n_blocks and self._free[prefer]:

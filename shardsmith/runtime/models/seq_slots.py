@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from shardsmith.errors import UsageError
+from shardsmith.runtime.models.kv_blocks import KVBlocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,9 @@ class Rows:
         pos: ``[B]`` int64 positions on the model's device; slot_index: ``[B]`` int64 slots.
         length: attended positions ``max(starts) + 1`` (the only shape that varies between steps).
         cos, sin: ``[B, r]`` the family's RoPE tables at each row's own position.
+        kv_write, kv_read: where the KV cache sits in blocks (:mod:`~shardsmith.runtime.models.kv_blocks`),
+            the pool positions ``[real]`` the real rows write and ``[B, length]`` each row's slot reads
+            (past its own blocks, position 0: masked); else None.
     """
 
     starts: tuple[int, ...]
@@ -47,6 +51,8 @@ class Rows:
     length: int
     cos: torch.Tensor
     sin: torch.Tensor
+    kv_write: torch.Tensor | None = None
+    kv_read: torch.Tensor | None = None
 
     @property
     def start(self) -> int:
@@ -69,15 +75,17 @@ class SeqSlots:
 
     Args:
         family: model family name for messages; max_num_seqs: N slots; max_seq_len: positions per slot.
+        kv: the slots' block tables where the cache sits in blocks: every checked step first leaves its
+            slots the blocks of their new ends (:meth:`KVBlocks.fit`), a release gives them back.
 
     Raises:
         UsageError: ``max_num_seqs`` or ``max_seq_len`` below 1.
     """
 
-    def __init__(self, family: str, max_num_seqs: int, max_seq_len: int) -> None:
+    def __init__(self, family: str, max_num_seqs: int, max_seq_len: int, kv: KVBlocks | None = None) -> None:
         if max_num_seqs < 1 or max_seq_len < 1:
             raise UsageError(f"{family}: max_num_seqs ({max_num_seqs}) and max_seq_len ({max_seq_len}) must be >= 1")
-        self.family, self.max_num_seqs, self.max_seq_len = family, max_num_seqs, max_seq_len
+        self.family, self.max_num_seqs, self.max_seq_len, self.kv = family, max_num_seqs, max_seq_len, kv
         self.lengths = [0] * max_num_seqs
 
     def check_slot(self, slot: int) -> None:
@@ -99,8 +107,11 @@ class SeqSlots:
 
         Raises:
             UsageError: a bad slot, a start past the slot's end (or negative), or past ``max_seq_len``.
+            KVCacheFull: too few free blocks (nothing changes).
         """
         self._check(slot, start, T)
+        if self.kv is not None:
+            self.kv.fit({slot: start + T})
         self.lengths[slot] = start + T
 
     def release(self, slot: int) -> None:
@@ -111,6 +122,8 @@ class SeqSlots:
         """
         self.check_slot(slot)
         self.lengths[slot] = 0
+        if self.kv is not None:
+            self.kv.release(slot)
 
     def rows(self, ids: torch.Tensor, starts: int | list[int], slots: list[int] | None,
              real: int | None) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -145,6 +158,8 @@ class SeqSlots:
                              f"({starts[0]}, {slots[0]})")
         for slot, (first, n) in runs.items():
             self._check(slot, first, n)
+        if self.kv is not None:
+            self.kv.fit({slot: first + n for slot, (first, n) in runs.items()})
         for slot, (first, n) in runs.items():
             self.lengths[slot] = first + n
         return starts, slots, real
@@ -154,8 +169,12 @@ class SeqSlots:
         """:meth:`rows` with the device tensors, RoPE gathered from ``cos``/``sin`` ``[S_max, r]``."""
         starts, slots, real = self.rows(ids, starts, slots, real)
         pos = torch.tensor(starts, dtype=torch.int64, device=cos.device)
+        length = max(starts) + 1
+        kv = self.kv
         return Rows(starts, slots, real, pos, torch.tensor(slots, dtype=torch.int64, device=cos.device),
-                    max(starts) + 1, cos.index_select(0, pos), sin.index_select(0, pos))
+                    length, cos.index_select(0, pos), sin.index_select(0, pos),
+                    None if kv is None else kv.positions(slots[:real], starts[:real], cos.device),
+                    None if kv is None else kv.gather(slots, length, cos.device))
 
 
 def verify_runs(starts: Sequence[int], slots: Sequence[int], *, family: str) -> dict[int, tuple[int, int]]:

@@ -189,7 +189,9 @@ def _tree(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
 
 
-def test_a_second_start_compiles_nothing_and_a_damaged_entry_is_rebuilt(tmp_path: Path) -> None:
+def test_a_second_start_compiles_nothing(tmp_path: Path) -> None:
+    """Two ``warmup`` runs of a TP=2 pack: the second reuses every rank's folder and writes no compiled file
+    (a damaged entry's rebuild is :func:`test_a_damaged_or_missing_entry_or_record_is_rebuilt`'s)."""
     src = tiny_mixtral(tmp_path / "src", layers=1)
     deepseek_tokenizer(src, vocab_size=256)
     split_checkpoint(src, tmp_path / "tp2", world_size=2)
@@ -213,11 +215,3 @@ def test_a_second_start_compiles_nothing_and_a_damaged_entry_is_rebuilt(tmp_path
     for f, tree in zip(folders, trees):  # no rank wrote a compiled file: the same files, the same sizes
         assert {k: v for k, v in _tree(f).items() if k != cc.RECORD} == {k: v for k, v in tree.items() if k != cc.RECORD}
 
-    damaged = sorted(k for k in trees[0] if k.startswith("inductor/") and k.endswith(".py"))[0]
-    (folders[0] / damaged).write_text("this is not the code inductor wrote\n")
-    third, log = _warmup(tmp_path / "tp2", cache)
-    assert third["compile_cache"]["state"] == "rebuilt"
-    assert third["compile_cache"]["why"] == f"{damaged} differs from its record (size or XXH3-64)"
-    assert f"rebuilt: {damaged} differs" in log
-    assert (folders[0] / damaged).read_text() != "this is not the code inductor wrote\n"
-    assert third["compile_cache"]["files"] > 0

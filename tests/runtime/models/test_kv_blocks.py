@@ -4,8 +4,9 @@ Bookkeeping: a slot holds exactly the blocks of its positions after each step (g
 after a rewind, none once released), grows into the block after its last one when it can (a slice
 of the pool), refuses a step the free blocks cannot hold with the numbers and changes nothing then.
 
-Numerics: sequences whose blocks are scattered over the pool (two slots decoding in turns, blocks of
-4 positions, a pool of just their tokens) give the logits of the same sequences alone in a pool of
+Numerics (Qwen3-MoE of the Mixtral family, and DeepSeek-V3's latent cache with its batched absorbed
+decode step): sequences whose blocks are scattered over the pool (two slots decoding in turns, blocks
+of 4 positions, a pool of just their tokens) give the logits of the same sequences alone in a pool of
 contiguous slots, and transformers' logits on the same checkpoint.
 """
 
@@ -75,16 +76,20 @@ def _decode_in_turns(model, prompts: list[list[int]], steps: int, slots: list[in
     return [torch.stack(o) for o in out]
 
 
-@pytest.fixture(scope="module")
-def mixtral(tiny):
+def _build(path, max_seq_len: int = 64, **cache):
     from shardsmith.runtime.engine.loader import load_rank_weights
     from shardsmith.runtime.models.registry import family_for
 
+    weights = load_rank_weights(path, rank=0, world_size=1, from_checkpoint=True)
+    model, _ = family_for(weights.config).build(weights, rank=0, dtype=torch.float32, device=CPU)
+    model.setup_cache(max_seq_len, CPU, torch.float32, **cache)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def mixtral(tiny):
     def build(max_seq_len: int = 64, **cache):
-        weights = load_rank_weights(tiny("qwen3-moe"), rank=0, world_size=1, from_checkpoint=True)
-        model, _ = family_for(weights.config).build(weights, rank=0, dtype=torch.float32, device=CPU)
-        model.setup_cache(max_seq_len, CPU, torch.float32, **cache)
-        return model.eval()
+        return _build(tiny("qwen3-moe"), max_seq_len, **cache)
 
     return build
 
@@ -92,19 +97,30 @@ def mixtral(tiny):
 PROMPTS = [[3, 17, 42, 99, 5, 8, 61], [250, 11, 64, 7, 3, 3, 90, 12, 5]]
 
 
-def test_scattered_blocks_give_the_logits_of_contiguous_slots_and_of_transformers(tiny, mixtral):
+@pytest.fixture(scope="module")
+def checkpoints(tiny, tmp_path_factory) -> dict:
+    """Qwen3-MoE, and a DeepSeek-V3 in float32 weights (no FP8 blocks), which transformers loads as is."""
+    from shardsmith.testing.tiny_v3 import tiny_deepseek_v3_model
+
+    root = tmp_path_factory.mktemp("kv-blocks-v3")
+    return {"qwen3-moe": tiny("qwen3-moe"),
+            "deepseek-v3": tiny_deepseek_v3_model(root / "v3", fp8=False, q_lora=None, rope_interleave=False, seed=1)}
+
+
+@pytest.mark.parametrize("case", ["qwen3-moe", "deepseek-v3"])
+def test_scattered_blocks_give_the_logits_of_contiguous_slots_and_of_transformers(checkpoints, case):
     from transformers import AutoModelForCausalLM
 
     steps = 9
     ends = [len(p) + steps for p in PROMPTS]
-    paged = mixtral(32, max_num_seqs=3, kv_cache_tokens=sum(ends) + 8, block_size=4)
+    paged = _build(checkpoints[case], 32, max_num_seqs=3, kv_cache_tokens=sum(ends) + 8, block_size=4)
     got = _decode_in_turns(paged, PROMPTS, steps, slots=[2, 0])
     tables = [paged.kv.tables[2], paged.kv.tables[0]]
     assert all(any(b != a + 1 for a, b in pairwise(t)) for t in tables), tables  # both scattered
     assert not isinstance(paged.kv.index(2, 0, ends[0], CPU), slice)
 
-    alone = mixtral(max_num_seqs=1)  # one sequence at a time: its blocks are one slice of the pool
-    ref = AutoModelForCausalLM.from_pretrained(tiny("qwen3-moe"), dtype=torch.float32).eval()
+    alone = _build(checkpoints[case], max_num_seqs=1)  # one sequence at a time: its blocks are one slice of the pool
+    ref = AutoModelForCausalLM.from_pretrained(checkpoints[case], dtype=torch.float32).eval()
     for prompt, logits in zip(PROMPTS, got):
         want = _decode_in_turns(alone, [prompt], steps, slots=[0])[0]
         alone.release(0)
@@ -173,15 +189,15 @@ def _tp2_serve(path: str, kw: dict, rank: int, world_size: int):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_requests_wait_for_room_in_the_pool_and_keep_their_tokens(tiny, world_size) -> None:
+@pytest.mark.parametrize("case,world_size", [("qwen3-moe", 1), ("qwen3-moe", 2), ("deepseek-v3", 1)])
+def test_requests_wait_for_room_in_the_pool_and_keep_their_tokens(tiny, case, world_size) -> None:
     """A pool of 64 positions (4 blocks of 16) under 4 slots of 48: a request of 9 + 5 tokens (and the
     one row more an overlapped step may feed) needs one block, the 7 + 30-token one three. So the first
     two run together, the third waits until the first ends and its slot's kept prefix is given up, the
     fourth until the third ends. Every request's tokens are those of slots that each hold 48 positions."""
     from shardsmith.testing.ranks import run_gloo
 
-    path = str(tiny("qwen3-moe"))
+    path = str(tiny(case))
     if world_size == 1:
         paged, full = _serve(_load(path, kv_cache_tokens=64)), _serve(_load(path))
     else:

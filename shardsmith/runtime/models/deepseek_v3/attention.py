@@ -24,10 +24,13 @@ Two equivalent ways to attend over it:
   latents directly, and ``W_UV`` (the value rows) is applied to the attended latent:
   ``score = (q_nope W_UK) . latent + q_rope . k_rope``, ``out = (softmax(score) @ latent) W_UV^T``.
 
-One cache per sequence slot (leading dim N): a prefill or step runs in one slot (:meth:`MLAttention.forward`);
-a batched decode step (:meth:`MLAttention.core_rows`) gathers each row's slot.
+The cache is one pool per layer in blocks that the sequence slots hold through their block tables
+(:mod:`~shardsmith.runtime.models.kv_blocks`): a prefill or step runs in one slot
+(:meth:`MLAttention.forward`); a batched decode step (:meth:`MLAttention.core_rows`) gathers each
+row's slot.
 
-Legend: B = sequences (rows), T = new tokens, S = cached positions, N = slots, H = local heads, D = hidden.
+Legend: B = sequences (rows), T = new tokens, S = cached positions, N = slots, H = local heads, D = hidden,
+P = blocks, B (of a pool) = positions per block.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ class MLAttention(nn.Module):
     Attributes:
         n_heads: local heads (from ``q_b_proj``'s rows; ``kv_b_proj`` and ``o_proj`` must agree).
         absorb: ``decode`` (absorbed for one-token steps, expanded otherwise), ``always`` or ``never``.
-        cache_kv, cache_pe: ``[N, S_max, c]`` and ``[N, S_max, r]`` (N sequence slots), set by the
-            model's ``setup_cache``.
+        cache_kv, cache_pe: the pools ``[P * B, c]`` and ``[P * B, r]`` (P blocks of B positions), set by
+            the model's ``setup_cache``; kv: the slots' block tables into them
+            (:class:`~shardsmith.runtime.models.kv_blocks.KVBlocks`, the model's).
     """
 
     def __init__(self, args: V3Args, shards: Shards, prefix: str) -> None:
@@ -90,6 +94,7 @@ class MLAttention(nn.Module):
         self.o_proj = shards.linear(prefix + ".o_proj", shape=(D, H * self.v_dim))
         self.n_heads = self._local_heads(shards, q_name, prefix, H, qk)
         self.cache_kv = self.cache_pe = None
+        self.kv = None
 
     def _local_heads(self, shards: Shards, q_name: str, prefix: str, H: int, qk: int) -> int:
         """This rank's head count, checked across the three head-split projections (problems recorded)."""
@@ -130,14 +135,16 @@ class MLAttention(nn.Module):
         T, H = x.shape[0], self.n_heads
         q_nope, q_pe, latent, k_pe = self.project(x, cos, sin)
         end = start + T
-        self.cache_kv[slot, start:end] = latent
-        self.cache_pe[slot, start:end] = k_pe
+        written = self.kv.index(slot, start, end, x.device)  # a slice of the pool, or a gather index
+        self.cache_kv[written] = latent
+        self.cache_pe[written] = k_pe
+        held = self.kv.index(slot, 0, end, x.device)
         mask = None
         if T > 1:  # causal; one token sees every cached position
             qpos = torch.arange(start, end, device=x.device)[:, None]
             mask = (torch.arange(end, device=x.device)[None, :] <= qpos)[None]  # [1, T, S]
         absorbed = self.absorb == "always" or (self.absorb == "decode" and T == 1)
-        o = self.attend(q_nope[None], q_pe[None], self.cache_kv[slot: slot + 1, :end], self.cache_pe[slot: slot + 1, :end],
+        o = self.attend(q_nope[None], q_pe[None], self.cache_kv[held][None], self.cache_pe[held][None],
                         mask, absorbed=absorbed)[0]  # [T, H, v]
         return self.o_proj(o.reshape(T, H * self.v_dim))
 
@@ -145,16 +152,15 @@ class MLAttention(nn.Module):
                   rows: Rows) -> torch.Tensor:
         """One token per row, each of its own sequence: ``[B, H*v]`` (before ``o_proj``).
 
-        Real rows write their ``latent [B, c]`` and ``k_pe [B, r]`` at ``(slot, position)``; every row
-        attends over its slot's positions ``[0, start]`` (the rows' slots gathered to ``[B, S, *]``,
-        later positions masked); padding rows get row 0's output. Absorbed unless ``absorb == "never"``.
+        Real rows write their ``latent [B, c]`` and ``k_pe [B, r]`` at their slot's pool position for their
+        position (``rows.kv_write``); every row attends over its slot's positions ``[0, start]`` (gathered
+        from the pool to ``[B, S, *]`` by ``rows.kv_read``, later positions masked); padding rows get row 0's output. Absorbed unless ``absorb == "never"``.
         """
         R, B = rows.real, q_nope.shape[0]
-        slot, pos = rows.slot_index[:R], rows.pos[:R]
-        self.cache_kv[slot, pos] = latent[:R]
-        self.cache_pe[slot, pos] = k_pe[:R]
-        lat = self.cache_kv[:, : rows.length].index_select(0, rows.slot_index)  # [B, S, c]
-        pe = self.cache_pe[:, : rows.length].index_select(0, rows.slot_index)  # [B, S, r]
+        self.cache_kv[rows.kv_write] = latent[:R]  # each real row at its slot's block for its position
+        self.cache_pe[rows.kv_write] = k_pe[:R]
+        lat = self.cache_kv[rows.kv_read]  # [B, S, c]: each row's slot's positions 0 .. S-1 (past its own: masked)
+        pe = self.cache_pe[rows.kv_read]  # [B, S, r]
         mask = (rows.positions(0, q_nope.device)[None, :] <= rows.pos[:, None])[:, None]  # [B, 1, S]
         o = self.attend(q_nope[:, None], q_pe[:, None], lat, pe, mask, absorbed=self.absorb != "never")[:, 0]
         return rows.keep_padding(o.reshape(B, self.n_heads * self.v_dim))

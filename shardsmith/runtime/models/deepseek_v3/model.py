@@ -31,6 +31,7 @@ from shardsmith.runtime.models.deepseek_v3.attention import ABSORB_MODES, MLAtte
 from shardsmith.runtime.models.deepseek_v3.config import V3Args, rope_tables
 from shardsmith.runtime.models.deepseek_v3.moe import MoE
 from shardsmith.runtime.models.common import MLP, RMSNorm, install_buffers
+from shardsmith.runtime.models.kv_blocks import KV_BLOCK_TOKENS, KVBlocks, kv_blocks_for
 from shardsmith.runtime.models.seq_slots import Rows, SeqSlots, cache_bytes
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -158,34 +159,49 @@ class DeepseekV3(nn.Module):
         self.cos = self.sin = None
         self.max_seq_len, self.max_num_seqs = 0, 0
         self.seqs = SeqSlots("DeepSeek-V3", 1, 1)  # replaced by setup_cache
+        self.kv: KVBlocks | None = None  # the slots' block tables, set by setup_cache
         shards.raise_problems()
 
-    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
-        """Allocate the latent cache of ``max_num_seqs`` sequence slots (``[N, max_seq_len, c]`` and
-        ``[N, max_seq_len, r]`` per layer), forget every sequence, and build the RoPE tables.
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1,
+                    kv_cache_tokens: int | None = None, block_size: int = KV_BLOCK_TOKENS) -> None:
+        """Allocate the latent cache, forget every sequence, and build the RoPE tables: per layer (the MTP
+        layers too) a pool ``[P * B, c]`` of latents and one ``[P * B, r]`` of rotated keys, ``P`` blocks of
+        ``B = block_size`` positions that the ``max_num_seqs`` slots hold as their sequences grow
+        (:mod:`~shardsmith.runtime.models.kv_blocks`).
+
+        Args:
+            kv_cache_tokens: positions of the pool across all slots, rounded up to whole blocks (None:
+                ``max_num_seqs * max_seq_len``).
 
         Raises:
-            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1.
+            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1, or a pool smaller than one
+                ``max_seq_len`` sequence.
         """
-        self.seqs = SeqSlots("DeepSeek-V3", max_num_seqs, max_seq_len)
+        if max_seq_len < 1 or max_num_seqs < 1:
+            raise UsageError(f"DeepSeek-V3: max_num_seqs ({max_num_seqs}) and max_seq_len ({max_seq_len}) must be >= 1")
+        n_blocks = kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
+        self.kv = KVBlocks(n_blocks, block_size, max_num_seqs, max_seq_len)
+        self.seqs = SeqSlots("DeepSeek-V3", max_num_seqs, max_seq_len, kv=self.kv)
         self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         self._hidden = [None] * max_num_seqs
         for layer in self._cached_layers():
             attn = layer.self_attn
-            attn.cache_kv = torch.zeros(max_num_seqs, max_seq_len, attn.c, dtype=dtype, device=device)
-            attn.cache_pe = torch.zeros(max_num_seqs, max_seq_len, attn.rope, dtype=dtype, device=device)
+            attn.cache_kv = torch.zeros(n_blocks * block_size, attn.c, dtype=dtype, device=device)
+            attn.cache_pe = torch.zeros(n_blocks * block_size, attn.rope, dtype=dtype, device=device)
+            attn.kv = self.kv
         cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, r] float32
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
-    def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
-        """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``
-        (every slot's latent and RoPE cache, all layers), allocating nothing."""
-        b = dtype.itemsize
-        return sum(max_num_seqs * max_seq_len * (layer.self_attn.c + layer.self_attn.rope) * b
+    def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype,
+                        kv_cache_tokens: int | None = None) -> int:
+        """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs,
+        kv_cache_tokens)`` (every layer's latent and RoPE pools), allocating nothing."""
+        positions = kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens) * KV_BLOCK_TOKENS
+        return sum(positions * (layer.self_attn.c + layer.self_attn.rope) * dtype.itemsize
                    for layer in self._cached_layers())
 
     def state_bytes(self) -> int:
-        """Bytes of per-sequence state this rank allocated (every slot's latent cache, all layers)."""
+        """Bytes of per-sequence state this rank allocated (every layer's latent pools)."""
         return sum(cache_bytes(layer.self_attn.cache_kv, layer.self_attn.cache_pe) for layer in self._cached_layers())
 
     def _cached_layers(self) -> list[DecoderLayer]:
@@ -272,6 +288,7 @@ class DeepseekV3(nn.Module):
         h = self._previous_hidden(slot, pos - 1)
         if h is None:
             return []
+        self.kv.fit({slot: pos + k})  # the draft's scratch positions (the next forward gives them back)
         layer, device = self.mtp[0], h.device
         out: list[int] = []
         for i in range(k):

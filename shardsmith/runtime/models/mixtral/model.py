@@ -26,7 +26,7 @@ from shardsmith.errors import UsageError
 from shardsmith.runtime.layers.experts import RoutedExperts
 from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.common import MLP, RMSNorm, install_buffers
-from shardsmith.runtime.models.kv_blocks import KV_BLOCK_TOKENS, KVBlocks
+from shardsmith.runtime.models.kv_blocks import KV_BLOCK_TOKENS, KVBlocks, kv_blocks_for
 from shardsmith.runtime.models.mixtral.attention import Attention
 from shardsmith.runtime.models.mixtral.config import ModelArgs, rope_tables
 from shardsmith.runtime.models.mixtral.moe import SparseMoe
@@ -167,7 +167,7 @@ class Transformer(nn.Module):
         """
         if max_seq_len < 1 or max_num_seqs < 1:
             raise UsageError(f"setup_cache needs max_seq_len >= 1 and max_num_seqs >= 1, got {max_seq_len} and {max_num_seqs}")
-        n_blocks = self.kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
+        n_blocks = kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
         self.kv = KVBlocks(n_blocks, block_size, max_num_seqs, max_seq_len)
         for layer in self.model.layers:
             attn = layer.self_attn
@@ -180,18 +180,11 @@ class Transformer(nn.Module):
         self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         self.lengths = [0] * max_num_seqs  # positions held per slot
 
-    @staticmethod
-    def kv_blocks_for(max_seq_len: int, max_num_seqs: int, kv_cache_tokens: int | None = None,
-                      block_size: int = KV_BLOCK_TOKENS) -> int:
-        """Blocks of the pool :meth:`setup_cache` allocates (P)."""
-        tokens = max_num_seqs * max_seq_len if kv_cache_tokens is None else kv_cache_tokens
-        return max(1, -(-tokens // block_size))
-
     def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype,
                         kv_cache_tokens: int | None = None) -> int:
         """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs,
         kv_cache_tokens)`` (every layer's key and value pools), allocating nothing."""
-        positions = self.kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens) * KV_BLOCK_TOKENS
+        positions = kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens) * KV_BLOCK_TOKENS
         return sum(2 * layer.self_attn.n_kv * positions * self.args.head_dim * dtype.itemsize
                    for layer in self.model.layers)
 
