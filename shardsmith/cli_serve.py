@@ -222,7 +222,7 @@ def _check_kv_cache_tokens(path: Path, tokens: int, max_seq_len: int) -> None:
         return
     if arch is not None and not arch.family.kv_blocks:
         raise UsageError(f"--kv-cache-tokens: {arch.family.label} keeps each slot's state for --max-model-len "
-                         f"positions (the Mixtral family's and DeepSeek-V3's KV caches are in blocks); leave it out")
+                         f"positions (the KV caches of the Mixtral family, DeepSeek-V3 and gpt-oss are in blocks); leave it out")
 
 
 def _compile_root() -> Path | None:
@@ -279,7 +279,7 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot; more get HTTP 429."),
     kv_cache_tokens: int | None = typer.Option(
         None, "--kv-cache-tokens",
-        help="Token positions of the KV cache all sequences share (the Mixtral family and DeepSeek-V3: KV in blocks, taken as a "
+        help="Token positions of the KV cache all sequences share (every family but DeepSeek-V4: KV in blocks, taken as a "
              "sequence grows); a request waits until its prompt + max_tokens fit beside the running ones. Default: "
              "--max-num-seqs x --max-model-len. At least --max-model-len."),
     prefill_chunk: int | None = typer.Option(

@@ -85,7 +85,7 @@ DEEPSEEK_V3 = Family("deepseek-v3", "DeepSeek-V3", "shardsmith.plans.deepseek_v3
                      runtime="shardsmith.runtime.models.deepseek_v3:build", offload=True, quant=("none", "fp8-block"),
                      kv_blocks=True)
 GPT_OSS = Family("gpt-oss", "gpt-oss", "shardsmith.plans.gpt_oss:build",
-                 runtime="shardsmith.runtime.models.gpt_oss:build", offload=True, quant=("mxfp4",))
+                 runtime="shardsmith.runtime.models.gpt_oss:build", offload=True, quant=("mxfp4",), kv_blocks=True)
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("DeepseekV4ForCausalLM", "deepseek_v4", DEEPSEEK_V4),

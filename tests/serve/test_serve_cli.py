@@ -84,7 +84,7 @@ def test_kv_cache_tokens_for_a_family_whose_state_is_per_slot(tmp_path: Path) ->
     (tmp_path / "config.json").write_text('{"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}')
     message = str(_run("serve", str(tmp_path), "--kv-cache-tokens", "4096").exception)
     assert message == ("--kv-cache-tokens: DeepSeek-V4 keeps each slot's state for --max-model-len positions (the "
-                       "Mixtral family's and DeepSeek-V3's KV caches are in blocks); leave it out")
+                       "KV caches of the Mixtral family, DeepSeek-V3 and gpt-oss are in blocks); leave it out")
 
 
 def test_exit_code_through_main(tmp_path: Path) -> None:

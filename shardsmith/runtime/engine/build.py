@@ -125,7 +125,7 @@ def build_model(weights, *, rank: int, device: torch.device, dtype: torch.dtype 
             (:func:`preflight_state`, from the sizes) and after it (:func:`check_state_fits`).
         mtp_layers: the checkpoint's MTP layers to load for speculative drafts (DeepSeek-V3).
         kv_cache_tokens: positions of the KV pool all slots share (a family whose KV sits in blocks:
-            the Mixtral family, DeepSeek-V3); None: ``max_num_seqs * max_seq_len``.
+            every family but DeepSeek-V4); None: ``max_num_seqs * max_seq_len``.
 
     Returns:
         ``(model, family, offload runtime or None, dtype)``.
@@ -140,7 +140,7 @@ def build_model(weights, *, rank: int, device: torch.device, dtype: torch.dtype 
     pool = {} if kv_cache_tokens is None else {"kv_cache_tokens": kv_cache_tokens}
     if pool and not family.kv_blocks:
         raise UsageError(f"--kv-cache-tokens: {family.name} keeps each slot's state for max_seq_len positions "
-                         f"(the Mixtral family's and DeepSeek-V3's KV caches are in blocks)")
+                         f"(the KV caches of the Mixtral family, DeepSeek-V3 and gpt-oss are in blocks)")
     if mtp_layers:
         if "mtp_layers" not in inspect.signature(family.build).parameters:
             raise UsageError(f"{family.name} does not run MTP draft layers (DeepSeek-V3 does); use --speculative ngram")

@@ -169,7 +169,7 @@ class Engine:
                 this one (``$SHARDSMITH_CACHE/compile``; :mod:`~shardsmith.runtime.engine.compile_cache`),
                 sealed when :meth:`warmup` ends; None leaves the libraries' own folders.
             kv_cache_tokens: positions of the KV pool every slot takes blocks from as its sequence grows
-                (the Mixtral family, DeepSeek-V3; :mod:`~shardsmith.runtime.models.kv_blocks`), at least
+                (every family but DeepSeek-V4; :mod:`~shardsmith.runtime.models.kv_blocks`), at least
                 ``max_seq_len``; None: ``max_num_seqs * max_seq_len``. The scheduler admits a sequence
                 when the pool can hold it to its end (:class:`~shardsmith.runtime.engine.scheduler.Scheduler`).
 

@@ -27,7 +27,7 @@ STEPS = (6, 6, 2, 4)  # greedy steps per sequence
 SLOTS = (2, 0, 3)  # first three sequences' slots; the 4th takes the 3rd's slot
 N_SLOTS, MAX_SEQ, CHUNK = 4, 40, 5
 ATOL = 1e-4  # float32 logits (|logits| < 6); batch vs alone differ only by matmul blocking (~1e-6)
-POS_DIM = {"v3": 1, "gpt-oss": 2}  # gpt-oss's cache arrays: dim 0 slot, this dim position (V3: pools in blocks)
+POS_DIM = {"v3": 0, "gpt-oss": 1}  # the pools' dim of pool positions (V3 [P * B, c]; gpt-oss [K, P * B, d])
 
 
 @pytest.fixture(scope="module")
@@ -84,21 +84,16 @@ def caches(model) -> list[torch.Tensor]:
 
 
 def changed(before: list[torch.Tensor], model, pos_dim: int) -> set[tuple[int, int]]:
-    """``(slot, position)`` pairs whose cache entries differ from ``before`` in any layer. A pool in blocks
-    (DeepSeek-V3's ``[P * B, ...]``) names each changed pool position by the slot and position whose block
-    holds it now, or ``(-1, pool position)`` where no slot's block does."""
-    out = set()
-    kv = getattr(model, "kv", None)
-    if kv is not None:
-        B = kv.block_size
-        owner = {b * B + o: (s, i * B + o) for s, table in enumerate(kv.tables) for i, b in enumerate(table)
-                 for o in range(B)}
-        for a, b in zip(before, caches(model)):
-            out |= {owner.get(r, (-1, r)) for r in (a != b).flatten(1).any(-1).nonzero().flatten().tolist()}
-        return out
+    """``(slot, position)`` pairs whose cache entries differ from ``before`` in any layer: each changed pool
+    position (dim ``pos_dim`` of the pools in blocks) named by the slot and position whose block holds it
+    now, or ``(-1, pool position)`` where no slot's block does."""
+    kv, out = model.kv, set()
+    B = kv.block_size
+    owner = {b * B + o: (s, i * B + o) for s, table in enumerate(kv.tables) for i, b in enumerate(table)
+             for o in range(B)}
     for a, b in zip(before, caches(model)):
-        diff = (a != b).movedim(pos_dim, 1).flatten(2).any(-1)  # [N, S]
-        out |= {tuple(x) for x in diff.nonzero().tolist()}
+        rows = (a != b).movedim(pos_dim, 0).flatten(1).any(-1).nonzero().flatten().tolist()
+        out |= {owner.get(r, (-1, r)) for r in rows}
     return out
 
 
@@ -271,10 +266,8 @@ def test_state_bytes_and_bad_slots(packs: dict, family: str) -> None:
     model.setup_cache(MAX_SEQ, torch.device("cpu"), torch.float32, max_num_seqs=3)
     assert model.SUPPORTS_BATCHING and model.max_num_seqs == 3
     assert model.state_bytes() == sum(c.numel() * 4 for c in caches(model)) > 0
-    if family == "v3":  # pools of blocks: every slot's longest sequence, in whole blocks
-        assert all(c.shape[0] == model.kv.tokens >= 3 * MAX_SEQ for c in caches(model))
-    else:
-        assert all(c.shape[0] == 3 and c.shape[POS_DIM[family]] == MAX_SEQ for c in caches(model))
+    # pools of blocks: every slot's longest sequence, in whole blocks
+    assert all(c.shape[POS_DIM[family]] == model.kv.tokens >= 3 * MAX_SEQ for c in caches(model))
     msgs = bad_inputs(model)
     assert not [m for m in msgs if m.startswith("no error")], msgs
     assert "slot 2 is outside 0..1" in msgs[0] and "slot -1" in msgs[1]

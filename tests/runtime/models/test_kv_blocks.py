@@ -4,8 +4,8 @@ Bookkeeping: a slot holds exactly the blocks of its positions after each step (g
 after a rewind, none once released), grows into the block after its last one when it can (a slice
 of the pool), refuses a step the free blocks cannot hold with the numbers and changes nothing then.
 
-Numerics (Qwen3-MoE of the Mixtral family, and DeepSeek-V3's latent cache with its batched absorbed
-decode step): sequences whose blocks are scattered over the pool (two slots decoding in turns, blocks
+Numerics (Qwen3-MoE of the Mixtral family, DeepSeek-V3's latent cache, gpt-oss's sliding and full
+layers; batched decode steps through the scheduler): sequences whose blocks are scattered over the pool (two slots decoding in turns, blocks
 of 4 positions, a pool of just their tokens) give the logits of the same sequences alone in a pool of
 contiguous slots, and transformers' logits on the same checkpoint.
 """
@@ -99,17 +99,22 @@ PROMPTS = [[3, 17, 42, 99, 5, 8, 61], [250, 11, 64, 7, 3, 3, 90, 12, 5]]
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny, tmp_path_factory) -> dict:
-    """Qwen3-MoE, and a DeepSeek-V3 in float32 weights (no FP8 blocks), which transformers loads as is."""
+    """Qwen3-MoE, a DeepSeek-V3 in float32 weights (no FP8 blocks), which transformers loads as is, and gpt-oss
+    (sliding and full layers, sinks; MXFP4 experts that transformers dequantizes itself)."""
+    from shardsmith.testing.tiny_gpt_oss import tiny_gpt_oss
     from shardsmith.testing.tiny_v3 import tiny_deepseek_v3_model
 
-    root = tmp_path_factory.mktemp("kv-blocks-v3")
+    root = tmp_path_factory.mktemp("kv-blocks")
     return {"qwen3-moe": tiny("qwen3-moe"),
-            "deepseek-v3": tiny_deepseek_v3_model(root / "v3", fp8=False, q_lora=None, rope_interleave=False, seed=1)}
+            "deepseek-v3": tiny_deepseek_v3_model(root / "v3", fp8=False, q_lora=None, rope_interleave=False, seed=1),
+            "gpt-oss": tiny_gpt_oss(root / "gpt-oss")}
 
 
-@pytest.mark.parametrize("case", ["qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("case", ["qwen3-moe", "deepseek-v3", "gpt-oss"])
 def test_scattered_blocks_give_the_logits_of_contiguous_slots_and_of_transformers(checkpoints, case):
     from transformers import AutoModelForCausalLM
+
+    from shardsmith.parity.reference import plain_pytorch_kwargs
 
     steps = 9
     ends = [len(p) + steps for p in PROMPTS]
@@ -120,7 +125,8 @@ def test_scattered_blocks_give_the_logits_of_contiguous_slots_and_of_transformer
     assert not isinstance(paged.kv.index(2, 0, ends[0], CPU), slice)
 
     alone = _build(checkpoints[case], max_num_seqs=1)  # one sequence at a time: its blocks are one slice of the pool
-    ref = AutoModelForCausalLM.from_pretrained(checkpoints[case], dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(checkpoints[case], dtype=torch.float32,
+                                               **plain_pytorch_kwargs(checkpoints[case])).eval()
     for prompt, logits in zip(PROMPTS, got):
         want = _decode_in_turns(alone, [prompt], steps, slots=[0])[0]
         alone.release(0)
@@ -189,15 +195,15 @@ def _tp2_serve(path: str, kw: dict, rank: int, world_size: int):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("case,world_size", [("qwen3-moe", 1), ("qwen3-moe", 2), ("deepseek-v3", 1)])
-def test_requests_wait_for_room_in_the_pool_and_keep_their_tokens(tiny, case, world_size) -> None:
+@pytest.mark.parametrize("case,world_size", [("qwen3-moe", 1), ("qwen3-moe", 2), ("deepseek-v3", 1), ("gpt-oss", 1)])
+def test_requests_wait_for_room_in_the_pool_and_keep_their_tokens(checkpoints, case, world_size) -> None:
     """A pool of 64 positions (4 blocks of 16) under 4 slots of 48: a request of 9 + 5 tokens (and the
     one row more an overlapped step may feed) needs one block, the 7 + 30-token one three. So the first
     two run together, the third waits until the first ends and its slot's kept prefix is given up, the
     fourth until the third ends. Every request's tokens are those of slots that each hold 48 positions."""
     from shardsmith.testing.ranks import run_gloo
 
-    path = str(tiny(case))
+    path = str(checkpoints[case])
     if world_size == 1:
         paged, full = _serve(_load(path, kv_cache_tokens=64)), _serve(_load(path))
     else:

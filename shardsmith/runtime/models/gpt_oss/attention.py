@@ -8,9 +8,11 @@ softmax as an extra column that is then dropped (the weights of a row sum to les
 YaRN cos/sin tables (:func:`~shardsmith.runtime.models.gpt_oss.config.rope_tables`). RMSNorm
 weights stay float32, as transformers keeps them.
 
-The KV cache holds ``max_num_seqs`` slots (leading dim N): a prefill or step runs one sequence in
-its slot (:meth:`Attention.forward`); a batched decode step (:meth:`Attention.core_rows`) gathers
-each row's slot and masks the positions its own window and position exclude.
+The KV cache is one pool of keys and one of values per layer, in blocks that the ``max_num_seqs``
+slots hold through their block tables (:mod:`~shardsmith.runtime.models.kv_blocks`): a prefill or
+step runs one sequence in its slot (:meth:`Attention.forward`); a batched decode step
+(:meth:`Attention.core_rows`) gathers each row's slot and masks the positions its own window and
+position exclude.
 
 Legend: B = sequences (rows), T = new tokens, S = cached positions, N = slots, D = hidden,
 H = local query heads, K = local KV heads, d = head dim.
@@ -55,7 +57,8 @@ class Attention(nn.Module):
         self.kv_index = torch.tensor(heads.kv_index)  # [H]: the local KV head each query head reads
         n_sinks = sinks.local_shape(shards.rank)[0] if sinks is not None and len(shards.problems) == before else self.n_heads
         self.register_buffer("sinks", torch.empty(n_sinks, dtype=shards.dtype, device="meta"))
-        self.cache_k = self.cache_v = None  # [N, K, S_max, d] (N slots), set by GptOss.setup_cache
+        self.cache_k = self.cache_v = None  # [K, P * B, d] pools (P blocks of B positions), set by GptOss.setup_cache
+        self.kv = None  # the slots' block tables into them (the model's KVBlocks)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [T, D]`` (normed) -> ``q [T, H, d]``, ``k [T, K, d]`` (RoPE applied) and ``v [T, K, d]``."""
@@ -74,28 +77,31 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, k, v = self.project(x, cos, sin)
         end = start + T
-        self.cache_k[slot, :, start:end] = k.transpose(0, 1)
-        self.cache_v[slot, :, start:end] = v.transpose(0, 1)
+        written = self.kv.index(slot, start, end, x.device)  # a slice of the pool, or a gather index
+        self.cache_k[:, written] = k.transpose(0, 1)
+        self.cache_v[:, written] = v.transpose(0, 1)
         lo = max(0, start - self.window + 1) if self.window else 0  # older keys are outside every window
         qpos = torch.arange(start, end, device=x.device)  # [T]
-        o = self.attend(q.transpose(0, 1)[None], self.cache_k[slot: slot + 1, :, lo:end],
-                        self.cache_v[slot: slot + 1, :, lo:end], qpos[None], lo)[0]  # [H, T, d]
+        held = self.kv.index(slot, lo, end, x.device)
+        o = self.attend(q.transpose(0, 1)[None], self.cache_k[:, held][None], self.cache_v[:, held][None],
+                        qpos[None], lo)[0]  # [H, T, d]
         return self.o_proj(o.transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
     def core_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> torch.Tensor:
         """One token per row, each of its own sequence: ``[B, H*d]`` (before ``o_proj``).
 
-        Real rows write ``k``/``v`` ``[B, K, d]`` at ``(slot, position)``; every row attends over its
-        slot's positions its window allows up to its own (the rows' slots gathered to ``[B, K, S, d]``
-        over the positions any row needs, the others masked); padding rows get row 0's output.
+        Real rows write ``k``/``v`` ``[B, K, d]`` at their slot's pool position for their position
+        (``rows.kv_write``); every row attends over its slot's positions its window allows up to its own
+        (gathered from the pool to ``[B, K, S, d]`` by ``rows.kv_read`` over the positions any row needs,
+        the others masked); padding rows get row 0's output.
         """
         R, B = rows.real, q.shape[0]
-        slot, pos = rows.slot_index[:R], rows.pos[:R]
-        self.cache_k[slot, :, pos] = k[:R]
-        self.cache_v[slot, :, pos] = v[:R]
+        self.cache_k[:, rows.kv_write] = k[:R].transpose(0, 1)  # each real row at its slot's block for its position
+        self.cache_v[:, rows.kv_write] = v[:R].transpose(0, 1)
         lo = max(0, min(rows.starts) - self.window + 1) if self.window else 0
-        keys = self.cache_k[:, :, lo: rows.length].index_select(0, rows.slot_index)  # [B, K, S, d]
-        values = self.cache_v[:, :, lo: rows.length].index_select(0, rows.slot_index)
+        read = rows.kv_read[:, lo:]  # [B, S]: each row's slot's positions lo .. length-1 (past its own: masked)
+        keys = self.cache_k[:, read].transpose(0, 1)  # [B, K, S, d]
+        values = self.cache_v[:, read].transpose(0, 1)
         o = self.attend(q[:, :, None], keys, values, rows.pos[:, None], lo)[:, :, 0]  # [B, H, d]
         return rows.keep_padding(o.reshape(B, self.n_heads * self.head_dim))
 

@@ -14,9 +14,9 @@ With offloaded experts the stacked ``...mlp.experts.*`` tensors live in host ban
 :func:`~shardsmith.runtime.offload.attach.attach_offload`) and are not assigned.
 
 Attention with sinks over sliding and full layers lives in :mod:`~shardsmith.runtime.models.gpt_oss.attention`.
-``max_num_seqs`` sequences in slots of a static KV cache of ``max_seq_len`` positions of the rank's
-KV heads (:mod:`~shardsmith.runtime.models.seq_slots`): a prefill or step runs one sequence in its
-slot; a batched decode step runs one token of each of B sequences through the layers' pieces
+``max_num_seqs`` sequences in slots (:mod:`~shardsmith.runtime.models.seq_slots`) whose keys and values
+(the rank's KV heads) sit in blocks of one pool per layer (:mod:`~shardsmith.runtime.models.kv_blocks`),
+taken as a sequence grows: a prefill or step runs one sequence in its slot; a batched decode step runs one token of each of B sequences through the layers' pieces
 (``engine/cuda_graphs.py``'s table). A step may start at any cached position of its slot.
 
 Legend: B = sequences of a decode step, T = new tokens, D = hidden, V = vocabulary.
@@ -27,12 +27,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardsmith.errors import UsageError
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
 from shardsmith.runtime.models.common import RMSNormF32  # transformers' GptOssRMSNorm: the same maths
 from shardsmith.runtime.models.gpt_oss.attention import Attention
 from shardsmith.runtime.models.gpt_oss.config import GptOssArgs, rope_tables
 from shardsmith.runtime.models.gpt_oss.moe import Experts, MoE, expand_mxfp4
 from shardsmith.runtime.models.common import install_buffers
+from shardsmith.runtime.models.kv_blocks import KV_BLOCK_TOKENS, KVBlocks, kv_blocks_for
 from shardsmith.runtime.models.seq_slots import Rows, SeqSlots, cache_bytes
 
 
@@ -116,34 +118,49 @@ class GptOss(nn.Module):
         self.cos = self.sin = None
         self.max_seq_len, self.max_num_seqs = 0, 0
         self.seqs = SeqSlots("gpt-oss", 1, 1)  # replaced by setup_cache
+        self.kv: KVBlocks | None = None  # the slots' block tables, set by setup_cache
         shards.raise_problems()
 
-    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1) -> None:
-        """Allocate the KV cache of ``max_num_seqs`` sequence slots (``[N, K, max_seq_len, d]`` per layer,
-        sliding layers included), forget every sequence, and build the RoPE tables.
+    def setup_cache(self, max_seq_len: int, device: torch.device, dtype: torch.dtype, max_num_seqs: int = 1,
+                    kv_cache_tokens: int | None = None, block_size: int = KV_BLOCK_TOKENS) -> None:
+        """Allocate the KV cache, forget every sequence, and build the RoPE tables: per layer (sliding layers
+        included) a pool ``[K, P * B, d]`` of keys and one of values, ``P`` blocks of ``B = block_size``
+        positions that the ``max_num_seqs`` slots hold as their sequences grow
+        (:mod:`~shardsmith.runtime.models.kv_blocks`).
+
+        Args:
+            kv_cache_tokens: positions of the pool across all slots, rounded up to whole blocks (None:
+                ``max_num_seqs * max_seq_len``).
 
         Raises:
-            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1.
+            UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1, or a pool smaller than one
+                ``max_seq_len`` sequence.
         """
-        self.seqs = SeqSlots("gpt-oss", max_num_seqs, max_seq_len)
+        if max_seq_len < 1 or max_num_seqs < 1:
+            raise UsageError(f"gpt-oss: max_num_seqs ({max_num_seqs}) and max_seq_len ({max_seq_len}) must be >= 1")
+        n_blocks = kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
+        self.kv = KVBlocks(n_blocks, block_size, max_num_seqs, max_seq_len)
+        self.seqs = SeqSlots("gpt-oss", max_num_seqs, max_seq_len, kv=self.kv)
         self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         for layer in self.model.layers:
             attn = layer.self_attn
-            shape = (max_num_seqs, attn.n_kv, max_seq_len, self.args.head_dim)
+            shape = (attn.n_kv, n_blocks * block_size, self.args.head_dim)
             attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
             attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
+            attn.kv = self.kv
         cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, d/2] float32
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
-    def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype) -> int:
-        """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs)``
-        (keys and values of every slot and layer, sliding layers included), allocating nothing."""
-        b = dtype.itemsize
-        return sum(2 * max_num_seqs * layer.self_attn.n_kv * max_seq_len * self.args.head_dim * b
+    def state_bytes_for(self, max_seq_len: int, max_num_seqs: int, dtype: torch.dtype,
+                        kv_cache_tokens: int | None = None) -> int:
+        """What :meth:`state_bytes` would be after ``setup_cache(max_seq_len, ..., dtype, max_num_seqs,
+        kv_cache_tokens)`` (every layer's key and value pools, sliding layers included), allocating nothing."""
+        positions = kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens) * KV_BLOCK_TOKENS
+        return sum(2 * layer.self_attn.n_kv * positions * self.args.head_dim * dtype.itemsize
                    for layer in self.model.layers)
 
     def state_bytes(self) -> int:
-        """Bytes of per-sequence state this rank allocated (every slot's keys and values, all layers)."""
+        """Bytes of per-sequence state this rank allocated (every layer's key and value pools)."""
         return sum(cache_bytes(layer.self_attn.cache_k, layer.self_attn.cache_v) for layer in self.model.layers)
 
     def release(self, slot: int) -> None:
