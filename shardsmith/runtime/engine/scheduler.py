@@ -304,8 +304,8 @@ class Scheduler:
         """Whether :meth:`admit` has room for this request now: a free slot, and for a family whose KV sits
         in blocks, the blocks it may hold by its end beside what every running sequence may hold by its
         own (:meth:`kv_blocks_for`) and what free slots keep for prefix reuse. Kept prefixes are given up
-        for it, least recently used first (their slots released on every rank); the one the request
-        would resume is kept. False: it waits until a running sequence ends."""
+        for it, least recently used first (their slots released on every rank), only when that makes
+        room; the one the request would resume is kept. False: it waits until a running sequence ends."""
         if not self._free:
             return False
         kv = self.engine.kv_blocks
@@ -316,6 +316,8 @@ class Scheduler:
         taken = sum(max(s.kv_blocks, kv.held(s.slot)) for s in self.running)
         kept = [f for f in self._free if f != slot and kv.held(f)]
         room = kv.n_blocks - taken - sum(map(kv.held, kept))
+        if room + sum(map(kv.held, kept)) < need:  # it waits whatever is given up: keep every prefix
+            return False
         while room < need and kept:
             victim = self.prefix.evictable(kept)
             kept.remove(victim)

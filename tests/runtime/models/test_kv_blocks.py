@@ -215,3 +215,31 @@ def test_requests_wait_for_room_in_the_pool_and_keep_their_tokens(checkpoints, c
     assert paged["together"][0] == [0, 1] and max(map(len, paged["together"])) == 2
     assert [1, 2] in paged["together"] and [1, 3] in paged["together"]
     assert sum(paged["held"]) <= 4
+
+
+def test_a_kept_prefix_is_given_up_only_when_that_makes_room(checkpoints) -> None:
+    """Pool of 4 blocks of 16: a finished 9 + 5-token request keeps its slot's block for reuse. A running
+    request that may hold 3 blocks leaves one: a request that needs two waits and the prefix stays; one
+    that needs the one block takes the prefix's place."""
+    from shardsmith.runtime.engine.sampling import SamplingParams
+    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+
+    engine = _load(str(checkpoints["qwen3-moe"]), kv_cache_tokens=64)
+    kv, sched = engine.kv_blocks, Scheduler(engine, prefill_chunk=8, decode_prompt_tokens=0, overlap=False)
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=())
+
+    first = Sequence(REQUESTS[0][0], params(5))
+    sched.admit(first)
+    while sched.running:
+        sched.step()
+    kept = first.slot
+    assert kv.held(kept) == 1 and sched.prefix.held[kept]
+    sched.admit(Sequence(REQUESTS[1][0], params(30)))  # may hold 3 blocks by its end
+    sched.step()
+    two = [5, 6, 7] * 6  # 18 + 5 tokens + 1: two blocks
+    assert not sched.can_admit(two, params(5))
+    assert kv.held(kept) == 1 and sched.prefix.held[kept]  # not given up for nothing
+    assert sched.can_admit(REQUESTS[3][0], params(5))
+    assert kv.held(kept) == 0 and not sched.prefix.held[kept]
