@@ -2,9 +2,10 @@
 a decode step, and how many sequences a pool admits against slots preallocated with the same bytes.
 
 1. Step cost. One sequence of ``--context`` tokens decodes ``--steps`` one-token steps (the engine's batched
-   step, one row; eager pieces). ``contiguous``: its blocks are one slice of the pool (a view, as when it was
-   prefilled alone). ``scattered``: another slot was prefilled in turns with it, block by block, so every
-   other block is the other slot's and attention gathers the sequence's keys and values each step.
+   step, one row: its pieces graphed on CUDA after the warm-up, attention eager between them). ``contiguous``: its blocks are one slice of the pool (a view, as when it was
+   prefilled alone). ``scattered``: two slots prefilled in turns, a quarter of the context at a time, in a
+   pool just large enough for both: the second one starts halfway along the free blocks, runs into the pool's end
+   and goes on in the blocks left between them, so attention gathers its keys and values each step.
 2. Admission. ``--requests`` requests of ``--prompt`` + ``--max-tokens`` tokens through the real scheduler's
    :meth:`~shardsmith.runtime.engine.scheduler.Scheduler.can_admit` (nothing is run): how many are admitted
    at once with a pool of ``--pool`` tokens under ``--max-num-seqs`` slots of ``--max-model-len``, against
@@ -34,6 +35,9 @@ from shardsmith.runtime.engine.engine import Engine, SamplingParams  # noqa: E40
 from shardsmith.runtime.engine.scheduler import Scheduler, Sequence  # noqa: E402
 
 
+PREFILL_CHUNK = 4096  # tokens per prefill call
+
+
 def step_ms(engine: Engine, slot: int, context: int, steps: int, sync) -> float:
     """Median milliseconds of one-row decode steps of ``slot`` from position ``context`` on."""
     times = []
@@ -46,27 +50,36 @@ def step_ms(engine: Engine, slot: int, context: int, steps: int, sync) -> float:
     return 1e3 * statistics.median(times[1:] if len(times) > 2 else times)
 
 
-def step_rows(engine: Engine, contexts: list[int], steps: int, sync) -> list[dict]:
+def step_rows(load, context: int, steps: int) -> tuple[list[dict], int]:
+    """The step-cost rows at ``context`` on an engine of two slots (``load(max_seq_len, kv_cache_tokens)``) whose
+    pool holds just the two sequences, and the engine's KV bytes per token."""
+    longest = context + steps + 1
+    engine = load(longest, longest + context)
+    if engine.kv_blocks is None:
+        raise SystemExit(f"{engine.family.name} keeps its state per slot: this benchmark needs a family in blocks")
+    if engine.device.type == "cuda":
+        engine.warmup()
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     block = engine.kv_blocks.block_size
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for context in contexts:
-        prompt = torch.randint(3, engine.vocab_size, (context,), generator=gen).tolist()
-        engine.prefill(0, prompt)  # alone: its blocks follow one another
-        assert isinstance(engine.kv_blocks.index(0, 0, context, engine.device), slice)
-        contiguous = step_ms(engine, 0, context, steps, sync)
-        engine.release(0)
-        for lo in range(0, context, block):  # in turns with slot 1, one block each
-            engine.prefill(0, prompt[lo: lo + block], lo)
-            engine.prefill(1, prompt[lo: lo + block], lo)
-        assert not isinstance(engine.kv_blocks.index(0, 0, context, engine.device), slice)
-        scattered = step_ms(engine, 0, context, steps, sync)
-        engine.release(0)
-        engine.release(1)
-        for layout, ms in (("contiguous", contiguous), ("scattered", scattered)):
-            rows.append({"part": "step", "layout": layout, "context_tokens": context, "step_ms": round(ms, 4),
-                         "ratio_to_contiguous": round(ms / contiguous, 4)})
-    return rows
+    prompt = torch.randint(3, engine.vocab_size, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    for lo in range(0, context, PREFILL_CHUNK):  # alone: its blocks follow one another
+        engine.prefill(0, prompt[lo: lo + PREFILL_CHUNK], lo)
+    assert isinstance(engine.kv_blocks.index(0, 0, context, engine.device), slice)
+    contiguous = step_ms(engine, 0, context, steps, sync)
+    engine.release(0)
+    turn = max(block, context // 4 // block * block)  # in turns with slot 1: four pieces each
+    for lo in range(0, context, turn):
+        engine.prefill(0, prompt[lo: lo + turn], lo)
+        engine.prefill(1, prompt[lo: lo + turn], lo)
+    split = [s for s in (0, 1) if not isinstance(engine.kv_blocks.index(s, 0, context, engine.device), slice)]
+    if not split:
+        raise SystemExit(f"no slot's blocks are scattered after the interleaved prefills: {engine.kv_blocks.tables[:2]}")
+    scattered = step_ms(engine, split[0], context, steps, sync)
+    per_token = engine.state_bytes // engine.kv_blocks.tokens
+    engine.shutdown()
+    return [{"part": "step", "layout": layout, "context_tokens": context, "step_ms": round(ms, 4),
+             "ratio_to_contiguous": round(ms / contiguous, 4)}
+            for layout, ms in (("contiguous", contiguous), ("scattered", scattered))], per_token
 
 
 def admitted(engine: Engine, requests: int, prompt: int, max_tokens: int) -> int:
@@ -103,16 +116,16 @@ def main() -> None:
     from _results import save_results
 
     dtype = getattr(torch, a.dtype)
-    longest = max(a.context) + a.steps + 1
-    engine = Engine.load(a.pack, rank=0, world_size=1, device=a.device, dtype=dtype, max_seq_len=longest,
-                         max_num_seqs=2, from_checkpoint=a.from_checkpoint, cuda_graphs=False)
-    if engine.kv_blocks is None:
-        raise SystemExit(f"{engine.family.name} keeps its state per slot: this benchmark needs the Mixtral family")
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    rows = step_rows(engine, a.context, a.steps, sync)
-    per_token = engine.state_bytes // engine.kv_blocks.tokens
-    engine.shutdown()
-    del engine
+
+    def load(max_seq_len: int, kv_cache_tokens: int) -> Engine:
+        return Engine.load(a.pack, rank=0, world_size=1, device=a.device, dtype=dtype, max_seq_len=max_seq_len,
+                           max_num_seqs=2, from_checkpoint=a.from_checkpoint, cuda_graphs=a.device == "cuda",
+                           kv_cache_tokens=kv_cache_tokens)
+
+    rows = []
+    for context in a.context:
+        got, per_token = step_rows(load, context, a.steps)
+        rows += got
 
     per_slot = max(1, a.pool // a.max_model_len)
     for layout, slots, pool in (("blocks", a.max_num_seqs, a.pool), ("per_slot", per_slot, None)):
@@ -125,6 +138,7 @@ def main() -> None:
                      "sequences_at_once": admitted(eng, a.requests, a.prompt, a.max_tokens),
                      "kv_bytes_per_rank": eng.state_bytes})
         eng.shutdown()
+        del eng  # its pool is freed before the next one is allocated
 
     print(f"{'layout':<11} {'context':>8} {'step ms':>9} {'ratio':>7}")
     for r in rows:

@@ -98,7 +98,8 @@ class KVBlocks:
         the free list, shrinking by giving blocks back. All or nothing: the pool is checked first.
 
         A slot grows into the block after its last one when that is free (its positions stay one
-        slice of the pool), else into the lowest free block.
+        slice of the pool); a slot's first block, or one after a taken block, goes halfway along the
+        largest free run (at its start when that is the pool's start), leaving room to grow on both sides.
 
         Raises:
             KVCacheFull: the slots together need more blocks than are free; nothing changes.
@@ -161,18 +162,29 @@ class KVBlocks:
         return (t[:, :, None] * B + torch.arange(B, device=device)).reshape(len(slots), n * B)[:, :length]
 
     def _take(self, prefer: int) -> int:
-        if 0 <= prefer < self.n_blocks and self._free[prefer]:
-            b = prefer
-        else:
-            b = self._lowest
-            while not self._free[b]:
-                b += 1
+        b = prefer if 0 <= prefer < self.n_blocks and self._free[prefer] else self._place()
         self._free[b] = False
         self._n_free -= 1
         if b == self._lowest:
             while self._lowest < self.n_blocks and not self._free[self._lowest]:
                 self._lowest += 1
         return b
+
+    def _place(self) -> int:
+        """Where a run of blocks starts (a slot's first block, or one whose next block is taken): in the
+        largest free run, at its start when that is the pool's start, else halfway along, so the slot
+        before the run and this one can both grow into consecutive blocks."""
+        best, best_len, b = self._lowest, 0, self._lowest
+        while b < self.n_blocks:
+            if not self._free[b]:
+                b += 1
+                continue
+            start = b
+            while b < self.n_blocks and self._free[b]:
+                b += 1
+            if b - start > best_len:
+                best, best_len = start, b - start
+        return best if best == 0 else best + best_len // 2
 
     def _give(self, b: int) -> None:
         self._free[b] = True

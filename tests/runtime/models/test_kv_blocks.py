@@ -2,11 +2,12 @@
 
 Bookkeeping: a slot holds exactly the blocks of its positions after each step (growing, giving back
 after a rewind, none once released), grows into the block after its last one when it can (a slice
-of the pool), refuses a step the free blocks cannot hold with the numbers and changes nothing then.
+of the pool; a new sequence starts halfway along the largest free run to leave room for that), refuses a step the free blocks cannot hold with the numbers and changes nothing then.
 
 Numerics (Qwen3-MoE of the Mixtral family, DeepSeek-V3's latent cache, gpt-oss's sliding and full
-layers; batched decode steps through the scheduler): sequences whose blocks are scattered over the pool (two slots decoding in turns, blocks
-of 4 positions, a pool of just their tokens) give the logits of the same sequences alone in a pool of
+layers; batched decode steps through the scheduler): sequences whose blocks are scattered over the pool
+(two slots decoding in turns, blocks of 4 positions, a pool of exactly their blocks, so the second one
+runs into the first one's blocks and goes on elsewhere) give the logits of the same sequences alone in a pool of
 contiguous slots, and transformers' logits on the same checkpoint.
 """
 
@@ -28,13 +29,15 @@ def test_a_slot_holds_the_blocks_of_its_positions():
     kv.fit({0: 10})
     assert kv.tables[0] == [0, 1, 2] and kv.blocks_free() == 5
     assert kv.index(0, 2, 9, CPU) == slice(2, 9)  # consecutive blocks: a view of the pool
-    kv.fit({1: 5})
-    kv.fit({0: 13})  # block 3 is slot 1's: slot 0 goes on in the lowest free block
-    assert kv.tables == [[0, 1, 2, 5], [3, 4], []]
-    assert kv.index(0, 0, 13, CPU).tolist() == [*range(12), 20]
-    assert kv.index(0, 11, 13, CPU).tolist() == [11, 20]
+    kv.fit({1: 5})  # a new sequence starts halfway along the largest free run, 3..7
+    kv.fit({0: 13})  # so slot 0 still grows into the block after its last one
+    assert kv.tables == [[0, 1, 2, 3], [5, 6], []] and kv.index(0, 0, 13, CPU) == slice(0, 13)
+    kv.fit({1: 16})  # past the pool's end: slot 1 goes on in the free block 4
+    assert kv.tables[1] == [5, 6, 7, 4]
+    assert kv.index(1, 0, 16, CPU).tolist() == [*range(20, 32), 16, 17, 18, 19]
+    assert kv.index(1, 11, 14, CPU).tolist() == [31, 16, 17]
     kv.fit({0: 3})  # a rewind gives back the blocks past the end
-    assert kv.tables[0] == [0] and kv.blocks_free() == 5
+    assert kv.tables[0] == [0] and kv.blocks_free() == 3
     kv.fit({0: 6})  # and grows into the block after its last one again
     assert kv.tables[0] == [0, 1] and kv.index(0, 0, 6, CPU) == slice(0, 6)
     kv.release(1)
@@ -51,7 +54,7 @@ def test_a_step_the_pool_cannot_hold_is_refused_and_changes_nothing():
                             "of 4 positions and 5 of 8 are free (--kv-cache-tokens 32)")
     assert kv.tables == before and kv.blocks_free() == 5
     kv.fit({0: 4, 1: 16})  # slot 0 gives back two blocks in the same step: slot 1's four fit
-    assert kv.held(0) == 1 and kv.held(1) == 4 and kv.blocks_free() == 3
+    assert kv.tables[0] == [0] and kv.tables[1] == [4, 5, 6, 7] and kv.blocks_free() == 3
 
 
 def test_a_pool_must_hold_one_sequence_of_the_longest_length():
@@ -118,11 +121,12 @@ def test_scattered_blocks_give_the_logits_of_contiguous_slots_and_of_transformer
 
     steps = 9
     ends = [len(p) + steps for p in PROMPTS]
-    paged = _build(checkpoints[case], 32, max_num_seqs=3, kv_cache_tokens=sum(ends) + 8, block_size=4)
+    paged = _build(checkpoints[case], 32, max_num_seqs=3, kv_cache_tokens=sum(-(-e // 4) * 4 for e in ends),
+                   block_size=4)  # a pool of exactly their blocks
     got = _decode_in_turns(paged, PROMPTS, steps, slots=[2, 0])
     tables = [paged.kv.tables[2], paged.kv.tables[0]]
-    assert all(any(b != a + 1 for a, b in pairwise(t)) for t in tables), tables  # both scattered
-    assert not isinstance(paged.kv.index(2, 0, ends[0], CPU), slice)
+    assert any(any(b != a + 1 for a, b in pairwise(t)) for t in tables), tables  # the pool's end forced a gather
+    assert not all(isinstance(paged.kv.index(s, 0, e, CPU), slice) for s, e in zip((2, 0), ends))
 
     alone = _build(checkpoints[case], max_num_seqs=1)  # one sequence at a time: its blocks are one slice of the pool
     ref = AutoModelForCausalLM.from_pretrained(checkpoints[case], dtype=torch.float32,
