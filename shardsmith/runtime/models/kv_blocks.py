@@ -155,11 +155,16 @@ class KVBlocks:
 
     def gather(self, slots: list[int] | tuple[int, ...], length: int, device: torch.device) -> torch.Tensor:
         """Pool positions ``[len(slots), length]`` (int64, on ``device``): row ``b`` is slot ``slots[b]``'s
-        positions ``0 .. length-1``; past the slot's blocks, pool position 0 (its caller masks them)."""
-        B, n = self.block_size, self.blocks_for(length)
-        tables = [(self.tables[s] + [0] * n)[:n] for s in slots]
-        t = torch.tensor(tables, dtype=torch.int64, device=device)  # [R, n]
-        return (t[:, :, None] * B + torch.arange(B, device=device)).reshape(len(slots), n * B)[:, :length]
+        positions ``0 .. length-1``; past the slot's blocks, pool position 0 (its caller masks them). Built
+        from each slot's cached :meth:`index` (no host list of every position)."""
+        rows = []
+        for s in slots:
+            n = min(length, self.held(s) * self.block_size)
+            idx = self.index(s, 0, n, device)
+            if isinstance(idx, slice):
+                idx = torch.arange(idx.start, idx.stop, dtype=torch.int64, device=device)
+            rows.append(torch.nn.functional.pad(idx, (0, length - n)))
+        return torch.stack(rows)
 
     def _take(self, prefer: int) -> int:
         b = prefer if 0 <= prefer < self.n_blocks and self._free[prefer] else self._place()

@@ -36,6 +36,9 @@ def test_a_slot_holds_the_blocks_of_its_positions():
     assert kv.tables[1] == [5, 6, 7, 4]
     assert kv.index(1, 0, 16, CPU).tolist() == [*range(20, 32), 16, 17, 18, 19]
     assert kv.index(1, 11, 14, CPU).tolist() == [31, 16, 17]
+    rows = kv.gather([1, 0, 2], 14, CPU)  # a batched step's reads: past a slot's blocks, pool position 0
+    assert rows.tolist() == [[*range(20, 32), 16, 17], list(range(14)), [0] * 14]
+    assert kv.positions([1, 0], [12, 5], CPU).tolist() == [16, 5]
     kv.fit({0: 3})  # a rewind gives back the blocks past the end
     assert kv.tables[0] == [0] and kv.blocks_free() == 3
     kv.fit({0: 6})  # and grows into the block after its last one again
