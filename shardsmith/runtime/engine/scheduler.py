@@ -315,8 +315,9 @@ class Scheduler:
         need = max(self.kv_blocks_for(prompt_ids, params), kv.held(slot))
         taken = sum(max(s.kv_blocks, kv.held(s.slot)) for s in self.running)
         kept = [f for f in self._free if f != slot and kv.held(f)]
-        room = kv.n_blocks - taken - sum(map(kv.held, kept))
-        if room + sum(map(kv.held, kept)) < need:  # it waits whatever is given up: keep every prefix
+        kept_blocks = sum(map(kv.held, kept))
+        room = kv.n_blocks - taken - kept_blocks
+        if room + kept_blocks < need:  # it waits whatever is given up: keep every prefix
             return False
         while room < need and kept:
             victim = self.prefix.evictable(kept)

@@ -76,6 +76,18 @@ class KVBlocks:
         self._lowest = 0  # no free block below this index
         self._index: list[tuple[torch.device, torch.Tensor | slice] | None] = [None] * n_slots
 
+    @classmethod
+    def for_slots(cls, max_seq_len: int, max_num_seqs: int, kv_cache_tokens: int | None = None,
+                  block_size: int = KV_BLOCK_TOKENS) -> KVBlocks:
+        """The tables of ``max_num_seqs`` slots of up to ``max_seq_len`` positions over a pool of
+        :func:`kv_blocks_for` blocks (what a model's ``setup_cache`` allocates its pools for).
+
+        Raises:
+            UsageError: a size below 1, or a pool smaller than one ``max_seq_len`` sequence.
+        """
+        return cls(kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens, block_size), block_size, max_num_seqs,
+                   max_seq_len)
+
     @property
     def tokens(self) -> int:
         """Positions the pool holds (``P * B``)."""

@@ -177,17 +177,14 @@ class DeepseekV3(nn.Module):
             UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1, or a pool smaller than one
                 ``max_seq_len`` sequence.
         """
-        if max_seq_len < 1 or max_num_seqs < 1:
-            raise UsageError(f"DeepSeek-V3: max_num_seqs ({max_num_seqs}) and max_seq_len ({max_seq_len}) must be >= 1")
-        n_blocks = kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
-        self.kv = KVBlocks(n_blocks, block_size, max_num_seqs, max_seq_len)
+        self.kv = KVBlocks.for_slots(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
         self.seqs = SeqSlots("DeepSeek-V3", max_num_seqs, max_seq_len, kv=self.kv)
         self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         self._hidden = [None] * max_num_seqs
         for layer in self._cached_layers():
             attn = layer.self_attn
-            attn.cache_kv = torch.zeros(n_blocks * block_size, attn.c, dtype=dtype, device=device)
-            attn.cache_pe = torch.zeros(n_blocks * block_size, attn.rope, dtype=dtype, device=device)
+            attn.cache_kv = torch.zeros(self.kv.tokens, attn.c, dtype=dtype, device=device)
+            attn.cache_pe = torch.zeros(self.kv.tokens, attn.rope, dtype=dtype, device=device)
             attn.kv = self.kv
         cos, sin = rope_tables(self.args, max_seq_len)  # [S_max, r] float32
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)

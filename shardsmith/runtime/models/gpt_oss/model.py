@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardsmith.errors import UsageError
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
 from shardsmith.runtime.models.common import RMSNormF32  # transformers' GptOssRMSNorm: the same maths
 from shardsmith.runtime.models.gpt_oss.attention import Attention
@@ -136,15 +135,12 @@ class GptOss(nn.Module):
             UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1, or a pool smaller than one
                 ``max_seq_len`` sequence.
         """
-        if max_seq_len < 1 or max_num_seqs < 1:
-            raise UsageError(f"gpt-oss: max_num_seqs ({max_num_seqs}) and max_seq_len ({max_seq_len}) must be >= 1")
-        n_blocks = kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
-        self.kv = KVBlocks(n_blocks, block_size, max_num_seqs, max_seq_len)
+        self.kv = KVBlocks.for_slots(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
         self.seqs = SeqSlots("gpt-oss", max_num_seqs, max_seq_len, kv=self.kv)
         self.max_seq_len, self.max_num_seqs = max_seq_len, max_num_seqs
         for layer in self.model.layers:
             attn = layer.self_attn
-            shape = (attn.n_kv, n_blocks * block_size, self.args.head_dim)
+            shape = (attn.n_kv, self.kv.tokens, self.args.head_dim)
             attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
             attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
             attn.kv = self.kv

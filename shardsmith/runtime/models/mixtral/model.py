@@ -165,13 +165,10 @@ class Transformer(nn.Module):
             UsageError: ``max_seq_len`` or ``max_num_seqs`` below 1, or a pool smaller than one
                 ``max_seq_len`` sequence.
         """
-        if max_seq_len < 1 or max_num_seqs < 1:
-            raise UsageError(f"setup_cache needs max_seq_len >= 1 and max_num_seqs >= 1, got {max_seq_len} and {max_num_seqs}")
-        n_blocks = kv_blocks_for(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
-        self.kv = KVBlocks(n_blocks, block_size, max_num_seqs, max_seq_len)
+        self.kv = KVBlocks.for_slots(max_seq_len, max_num_seqs, kv_cache_tokens, block_size)
         for layer in self.model.layers:
             attn = layer.self_attn
-            shape = (attn.n_kv, n_blocks * block_size, self.args.head_dim)
+            shape = (attn.n_kv, self.kv.tokens, self.args.head_dim)
             attn.cache_k = torch.zeros(shape, dtype=dtype, device=device)
             attn.cache_v = torch.zeros(shape, dtype=dtype, device=device)
             attn.kv = self.kv
