@@ -147,7 +147,7 @@ class KVBlocks:
         cached = self._index[slot]
         if cached is None or cached[0] != device:
             table, B = self.tables[slot], self.block_size
-            if table and table[-1] - table[0] == len(table) - 1:
+            if table and table == list(range(table[0], table[0] + len(table))):
                 full: torch.Tensor | slice = slice(table[0] * B, (table[-1] + 1) * B)
             else:
                 t = torch.tensor(table, dtype=torch.int64, device=device)

@@ -47,6 +47,21 @@ def test_a_slot_holds_the_blocks_of_its_positions():
     assert kv.tables[1] == [] and kv.blocks_free() == 6
 
 
+def test_blocks_out_of_order_that_span_a_run_are_gathered_not_sliced():
+    """A table whose first and last blocks are as far apart as a run's, in another order (0, 3, 2: a
+    slot grew into what another one gave back), is read through its gather index."""
+    kv = KVBlocks(4, 2, 3, 8)
+    kv.fit({0: 2})
+    kv.fit({1: 2})  # halfway along the free run 1..3: block 2
+    kv.fit({2: 2})  # the first of the runs 1 and 3
+    kv.fit({0: 4})  # block 1 is taken: slot 0 goes on in block 3
+    kv.release(1)
+    kv.release(2)
+    kv.fit({0: 6})  # past the pool's end: halfway along the free run 1..2
+    assert kv.tables[0] == [0, 3, 2]
+    assert kv.index(0, 0, 6, CPU).tolist() == [0, 1, 6, 7, 4, 5]
+
+
 def test_a_step_the_pool_cannot_hold_is_refused_and_changes_nothing():
     kv = KVBlocks(8, 4, 3, 16)
     kv.fit({0: 12})
