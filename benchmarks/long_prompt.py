@@ -34,7 +34,6 @@ import os
 import random
 import re
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -53,25 +52,27 @@ def gauge(text: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def steps(url: str) -> tuple[float, float]:
-    """``/metrics`` ``engine_step_seconds`` (sum, count)."""
+def histograms(url: str) -> dict[str, float]:
+    """``/metrics``' time-to-first-token and inter-token-latency histograms' sums and counts."""
     text = metrics(url)
-    return gauge(text, "engine_step_seconds_sum") or 0.0, gauge(text, "engine_step_seconds_count") or 0.0
+    return {f"{h}_{part}": gauge(text, f"{h}_seconds_{part}") or 0.0
+            for h in ("time_to_first_token", "inter_token_latency") for part in ("sum", "count")}
 
 
 def one_prompt(url: str, length: int, vocab: int, decode: int, seed: int) -> dict:
-    """One streaming request of ``length`` random token ids; its first-token time and decode step."""
+    """One streaming request of ``length`` random token ids: its time to first token and mean decode step at
+    the context, from the server's own histograms (the server's clock: a stream of random ids holds back text
+    that is not whole UTF-8 yet, so the client's first chunk can come after many tokens)."""
     rng = random.Random(seed)
     prompt = [3 + (seed % (vocab - 3))] + [rng.randrange(3, vocab) for _ in range(length - 1)]
     body = {"model": "bench", "prompt": prompt, "max_tokens": decode, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
-    at_first: list[tuple[float, float]] = []  # the steps after the first token are decode steps at the context
-    first, _, completion = stream_urllib(url, body, None, on_first=lambda: at_first.append(steps(url)))
-    at_first = at_first[0] if at_first else None
-    end = steps(url)
-    ttft = first - sent
-    step_ms = 1e3 * (end[0] - at_first[0]) / (end[1] - at_first[1]) if at_first and end[1] > at_first[1] else None
+    before = histograms(url)
+    _, _, completion = stream_urllib(url, body, None)
+    after = histograms(url)
+    d = {k: after[k] - before[k] for k in after}
+    ttft = d["time_to_first_token_sum"] / max(1.0, d["time_to_first_token_count"])
+    step_ms = 1e3 * d["inter_token_latency_sum"] / d["inter_token_latency_count"] if d["inter_token_latency_count"] else None
     return {"prompt_tokens": length, "completion_tokens": completion,
             "ttft_s": round(ttft, 4), "prefill_tokens_per_s": round(length / ttft, 1),
             "decode_step_ms": None if step_ms is None else round(step_ms, 3),
@@ -96,6 +97,10 @@ def main() -> None:
         raise SystemExit(f"--config takes NAME=SERVE ARGS: {bad}")
     cfg = json.loads((a.pack / "config.json").read_text())
     vocab = int(cfg["vocab_size"])
+    if (a.pack / "tokenizer.json").is_file():  # the server takes ids its tokenizer knows: a test pack's is smaller
+        from tokenizers import Tokenizer
+
+        vocab = min(vocab, Tokenizer.from_file(str(a.pack / "tokenizer.json")).get_vocab_size(with_added_tokens=True))
     layers = int(cfg.get("num_hidden_layers") or 0)
     experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     context = max(a.prompt) + a.decode_tokens + 16
