@@ -5,14 +5,15 @@ for several ``serve`` configurations side by side (by default the prefill chunk'
 Each configuration starts ``shardsmith serve PACK`` (``serve_concurrency.start_server``), then for
 every ``--prompt`` length sends one streaming ``/v1/completions`` request whose prompt is that many
 random token ids (a first token of its own each time, so no prompt reuses another's slot) with
-``--decode-tokens`` tokens to generate (``ignore_eos``), alone on the server, and reads:
+``--decode-tokens`` tokens to generate (``ignore_eos``), alone on the server, then the same request
+again, and reads the server's ``/metrics`` histograms before and after each (the server's clock):
 
-- ``ttft_s``: request sent to the first streamed token (the prompt's prefill and one token);
+- ``ttft_s``: the first request's arrival to its first token (the prompt's prefill and one token);
   ``prefill_tokens_per_s``: ``prompt_tokens / ttft_s``;
-- ``decode_step_ms``: the mean engine step while the rest is generated (``/metrics``
-  ``engine_step_seconds`` sum over count, after the first token and at the end), and
-  ``decode_tokens_per_s_at_context`` its inverse: a stream's chunks may arrive together, so its
-  own timing says less;
+- ``decode_step_ms``: the second request's mean gap between tokens (its prompt resumed from the kept
+  prefix; the decode pieces of the context's length bucket built), ``decode_tokens_per_s_at_context``
+  its inverse; ``decode_step_ms_first_request``: the first request's, which includes building the
+  decode pieces of a length bucket the server had not run yet;
 - ``ratio_to_first``: the first configuration's ``ttft_s`` over this row's (> 1: faster).
 
 Rows go to ``benchmarks/results/long_prompt-<YYYYMMDD>-<host>.json`` (``SHARDSMITH_HOST``) or ``--out``,
@@ -59,23 +60,38 @@ def histograms(url: str) -> dict[str, float]:
             for h in ("time_to_first_token", "inter_token_latency") for part in ("sum", "count")}
 
 
+def _timed(url: str, body: dict) -> tuple[dict[str, float], int]:
+    """One streaming request; the change in :func:`histograms` over it, and its completion tokens."""
+    before = histograms(url)
+    _, _, completion = stream_urllib(url, body, None)
+    after = histograms(url)
+    return {k: after[k] - before[k] for k in after}, completion
+
+
+def _step_ms(d: dict[str, float]) -> float | None:
+    n = d["inter_token_latency_count"]
+    return 1e3 * d["inter_token_latency_sum"] / n if n else None
+
+
 def one_prompt(url: str, length: int, vocab: int, decode: int, seed: int) -> dict:
-    """One streaming request of ``length`` random token ids: its time to first token and mean decode step at
-    the context, from the server's own histograms (the server's clock: a stream of random ids holds back text
-    that is not whole UTF-8 yet, so the client's first chunk can come after many tokens)."""
+    """One streaming request of ``length`` random token ids (its time to first token, and its mean
+    decode step, which includes building the decode pieces of a length bucket the server had not run
+    yet), then the same request again: its prompt resumed from the kept prefix, its mean decode step at
+    the context with the pieces built. Times come from the server's own histograms (the server's clock: a
+    stream of random ids holds back text that is not whole UTF-8 yet, so the client's first chunk can come
+    after many tokens)."""
     rng = random.Random(seed)
     prompt = [3 + (seed % (vocab - 3))] + [rng.randrange(3, vocab) for _ in range(length - 1)]
     body = {"model": "bench", "prompt": prompt, "max_tokens": decode, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    before = histograms(url)
-    _, _, completion = stream_urllib(url, body, None)
-    after = histograms(url)
-    d = {k: after[k] - before[k] for k in after}
-    ttft = d["time_to_first_token_sum"] / max(1.0, d["time_to_first_token_count"])
-    step_ms = 1e3 * d["inter_token_latency_sum"] / d["inter_token_latency_count"] if d["inter_token_latency_count"] else None
+    first, completion = _timed(url, body)
+    again, _ = _timed(url, body)
+    ttft = first["time_to_first_token_sum"] / max(1.0, first["time_to_first_token_count"])
+    step_ms, first_ms = _step_ms(again), _step_ms(first)
     return {"prompt_tokens": length, "completion_tokens": completion,
             "ttft_s": round(ttft, 4), "prefill_tokens_per_s": round(length / ttft, 1),
             "decode_step_ms": None if step_ms is None else round(step_ms, 3),
+            "decode_step_ms_first_request": None if first_ms is None else round(first_ms, 3),
             "decode_tokens_per_s_at_context": None if not step_ms else round(1e3 / step_ms, 2)}
 
 

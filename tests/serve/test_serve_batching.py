@@ -167,6 +167,35 @@ def test_queue_limit_429_and_a_disconnect_frees_its_slot(server: Server) -> None
     assert ask(server, *REQUESTS[1])[1] > 0  # still serving
 
 
+def test_requests_without_max_tokens_share_the_pool_and_a_preempted_one_keeps_its_answer(smollm2_pack,
+                                                                                         tmp_path: Path) -> None:
+    """Three slots of 64 positions over a pool of 176 (11 blocks of 16): three chat requests that leave
+    ``max_tokens`` out (each runs to the context's end, ``ignore_eos``: 4 blocks, 12 together) are admitted
+    on their prompts' blocks; as they grow the one that arrived last is preempted and resumes when another
+    ends, its tokens computed again. Each ends with ``length`` at the context's end, and the last one's
+    answer is the one it gets alone."""
+    srv = Server(smollm2_pack(1), tmp_path / "serve.log", "--dtype", "float32", "--max-num-seqs", "3",
+                 "--max-model-len", "64", "--kv-cache-tokens", "176", "--prefill-chunk", "16", model=MODEL)
+    try:
+        srv.wait_ready()
+        bodies = [{"messages": [{"role": "user", "content": f"Tell story number {i}."}], "ignore_eos": True}
+                  for i in range(3)]
+        with cf.ThreadPoolExecutor(3) as pool:
+            futures = []
+            for body in bodies:  # one after the other: the arrival order is the order sent
+                futures.append(pool.submit(httpx.post, f"{srv.url}/v1/chat/completions", timeout=900,
+                                           json={"model": MODEL, "temperature": 0} | body))
+                time.sleep(0.2)
+            answers = [f.result().json() for f in futures]
+        assert metrics(srv)["shardsmith_num_preemptions_total"] >= 1
+        for a in answers:
+            assert a["choices"][0]["finish_reason"] == "length"
+            assert a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] == 64
+        assert ask(srv, "/v1/chat/completions", bodies[-1])[0] == answers[-1]["choices"][0]["message"]["content"]
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
 def test_n_choices_are_seeded_sequences_each_reproducible_alone(server: Server) -> None:
     """``n=3``: three choices, ``index`` 0..2, choice i equal to the request alone with ``seed + i``;
     ``usage`` counts every choice's tokens; more choices than the server holds at once is a 400."""

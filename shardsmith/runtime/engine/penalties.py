@@ -55,13 +55,17 @@ class TokenCounts:
         self.prompt = torch.zeros(slots, vocab, dtype=torch.bool, device=device)  # [S, V]
         self.device = torch.device(device)
 
-    def reset(self, slot: int, prompt_ids: Sequence[int]) -> None:
-        """Slot ``slot`` starts a sequence with ``prompt_ids`` (nothing generated yet)."""
+    def reset(self, slot: int, prompt_ids: Sequence[int], generated: Sequence[int] = ()) -> None:
+        """Slot ``slot`` holds a sequence with ``prompt_ids`` that has generated ``generated`` so far
+        (a sequence resumed in another slot after a preemption keeps its counts)."""
         self.counts[slot].zero_()
         self.prompt[slot].zero_()
         if prompt_ids:
             ids = to_device([torch.tensor(list(prompt_ids), dtype=torch.int64)], self.device)[0]
             self.prompt[slot].index_fill_(0, ids, True)
+        if generated:
+            ids = to_device([torch.tensor(list(generated), dtype=torch.int64)], self.device)[0]
+            self.counts[slot].index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
 
     def add(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """Count token ``ids[r]`` ``[R]`` (on the device) once in slot ``slots[r]`` ``[R]``."""

@@ -33,6 +33,17 @@ token read after its next row was launched wastes that row, whose result is drop
 released behind it in the device's stream order). A prefill makes the step plain (all tokens read
 first): the tokens are the same either way.
 
+**KV blocks and preemption** (every family whose KV sits in blocks,
+:mod:`~shardsmith.runtime.models.kv_blocks`; vLLM's policy): a request is admitted when the pool
+holds its prompt and its next step's rows, and one block of growth per running sequence, beside what
+each running sequence needs for its own next step, never for ``max_tokens`` up front, so a request that leaves ``max_tokens`` out does not reserve
+the whole context. Before each step every running sequence's blocks for that step are made room for:
+kept prefixes are given up first (least recently used), then the sequence that arrived last is
+preempted: its slot is released on every rank and it waits, ahead of every new request, until the
+pool holds its prompt and the tokens it had generated, which are computed again as one prefill (its
+pending token, random stream, grammar state and penalty counts are kept), so its tokens are the ones
+it would have drawn without the preemption.
+
 Each sequence samples with its own ``torch.Generator`` (seeded from its request), so a seeded
 request draws the same tokens whatever else is in the batch. A sequence leaves (its slot is
 released on every rank) when it finishes (a stop token, ``max_tokens``, the context is full) or
@@ -115,7 +126,8 @@ class Sequence:
         pending: the last sampled token, to feed at position ``pos`` (None: none yet);
         generated: tokens sampled so far (``outputs``: those read on the host, in order);
         generator: its random stream; admitted: perf_counter time;
-        constraint: the grammar its tokens must follow (:mod:`~shardsmith.runtime.engine.constraints`), or None.
+        constraint: the grammar its tokens must follow (:mod:`~shardsmith.runtime.engine.constraints`), or None;
+        recompute: after a preemption, the generated tokens its prefill feeds again (:attr:`context_len`).
     """
 
     prompt_ids: list[int]
@@ -133,7 +145,20 @@ class Sequence:
     reused: int = 0  # prompt tokens whose state a previous request left in its slot (not computed)
     constraint: TokenConstraint | None = None
     outputs: list[int] = field(default_factory=list, repr=False)
-    kv_blocks: int = 0  # KV blocks its slot may hold by its end (a family whose KV sits in blocks)
+    recompute: int = 0  # after a preemption: generated tokens its prefill computes again after the prompt
+
+    @property
+    def context_len(self) -> int:
+        """Tokens its prefill computes: the prompt, then after a preemption the ``recompute`` generated
+        tokens it had fed (all but the pending one)."""
+        return len(self.prompt_ids) + self.recompute
+
+    def context(self, lo: int, hi: int) -> list[int]:
+        """Positions ``lo .. hi`` of its prefill's tokens (:attr:`context_len`)."""
+        n = len(self.prompt_ids)
+        if hi <= n:
+            return self.prompt_ids[lo:hi]
+        return self.prompt_ids[lo:] + self.outputs[max(0, lo - n): min(hi, self.context_len) - n]
 
     def fed_tokens(self) -> list[int]:
         """The tokens whose state its slot holds, positions ``0 ..``: the prompt tokens prefilled or
@@ -285,35 +310,51 @@ class Scheduler:
         self.overlap = overlap
         self.overlapped_steps = 0  # decode steps launched before the previous step's tokens were read
         self._inflight: _InFlight | None = None
+        self.preempted: list[Sequence] = []  # preempted for KV blocks, in arrival order: they resume first
+        self.preemptions = 0  # sequences preempted so far
 
     @property
     def free_slots(self) -> int:
         return len(self._free)
 
-    def kv_blocks_for(self, prompt_ids: list[int], params: Any) -> int:
-        """KV blocks a sequence of this prompt and sampling may hold by its end: its prompt, ``max_tokens``
-        fed back, one more row an overlapped step may feed and a verify run's draft rows, at most
-        ``max_seq_len`` positions (0 when the engine's KV is not in blocks)."""
+    def _blocks_at(self, fed: int) -> int:
+        """KV blocks a sequence needs for the step after ``fed`` positions: one row more and a verify run's
+        draft rows, at most ``max_seq_len`` positions."""
+        k = self.speculative.k if self.speculative is not None else 0
+        return self.engine.kv_blocks.blocks_for(min(fed + 1 + k, self.engine.max_seq_len))
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        """KV blocks running ``seq`` needs for its next step: its whole prompt (and, resumed after a
+        preemption, the tokens computed again), one row more than it has fed and a verify run's draft rows
+        (:meth:`_blocks_at`), never fewer than its slot holds; 0 when the engine's KV is not in blocks."""
         kv = self.engine.kv_blocks
         if kv is None:
             return 0
-        k = self.speculative.k if self.speculative is not None else 0
-        return kv.blocks_for(min(len(prompt_ids) + params.max_tokens + 1 + k, self.engine.max_seq_len))
+        return max(self._blocks_at(max(seq.context_len, seq.pos)), kv.held(seq.slot))
 
-    def can_admit(self, prompt_ids: list[int], params: Any) -> bool:
-        """Whether :meth:`admit` has room for this request now: a free slot, and for a family whose KV sits
-        in blocks, the blocks it may hold by its end beside what every running sequence may hold by its
-        own (:meth:`kv_blocks_for`) and what free slots keep for prefix reuse. Kept prefixes are given up
-        for it, least recently used first (their slots released on every rank), only when that makes
-        room; the one the request would resume is kept. False: it waits until a running sequence ends."""
+    def can_admit(self, prompt_ids: list[int]) -> bool:
+        """Whether :meth:`admit` has room for a request with this prompt now: a free slot, no preempted
+        sequence waiting (they resume first), and for a family whose KV sits in blocks, the blocks of its
+        prompt and first generated row, and one block of growth per running sequence, beside what every
+        running sequence needs for its next step (:meth:`blocks_needed`) and what free slots keep for
+        prefix reuse. Kept prefixes are given up for
+        it, least recently used first (their slots released on every rank), only when that makes room; the
+        one the request would resume is kept. False: it waits."""
+        return not self.preempted and self._room_for(prompt_ids)
+
+    def _room_for(self, ids: list[int]) -> bool:
+        """:meth:`can_admit` for a sequence whose prefill computes ``ids`` (a new prompt, or a preempted
+        sequence's prompt and the tokens it had fed), preempted ones waiting or not."""
         if not self._free:
             return False
         kv = self.engine.kv_blocks
         if kv is None:
             return True
-        slot, _ = self.prefix.pick(self._free, prompt_ids)
-        need = max(self.kv_blocks_for(prompt_ids, params), kv.held(slot))
-        taken = sum(max(s.kv_blocks, kv.held(s.slot)) for s in self.running)
+        slot, _ = self.prefix.pick(self._free, ids)
+        # and one block of growth for each running sequence: none is preempted for it before some sequence
+        # has crossed two block edges (without it a resumed sequence could be preempted again at once)
+        need = max(self._blocks_at(len(ids)), kv.held(slot)) + len(self.running)
+        taken = sum(map(self.blocks_needed, self.running))
         kept = [f for f in self._free if f != slot and kv.held(f)]
         kept_blocks = sum(map(kv.held, kept))
         room = kv.n_blocks - taken - kept_blocks
@@ -342,30 +383,39 @@ class Scheduler:
 
         Raises:
             UsageError: no free slot, the request is bad (:meth:`Engine.check_request`), or (KV in
-                blocks) the pool has no room for it beside the running sequences (:meth:`can_admit`).
+                blocks) the pool has no room for it beside the running sequences, or a preempted
+                sequence waits (:meth:`can_admit`).
         """
         if not self._free:
             raise UsageError(f"no free slot: all {self.engine.max_num_seqs} are running (max_num_seqs)")
         self.engine.check_request(seq.prompt_ids, seq.params)
-        if not self.can_admit(seq.prompt_ids, seq.params):
+        if not self.can_admit(seq.prompt_ids):
             kv = self.engine.kv_blocks
-            raise UsageError(f"no room in the KV cache: this request may hold {self.kv_blocks_for(seq.prompt_ids, seq.params)} "
-                             f"blocks of {kv.block_size} positions and the {len(self.running)} running sequence(s) may "
-                             f"hold {sum(s.kv_blocks for s in self.running)} of {kv.n_blocks} (--kv-cache-tokens {kv.tokens})")
-        seq.kv_blocks = self.kv_blocks_for(seq.prompt_ids, seq.params)
-        slot, reused = self.prefix.choose(self._free, seq.prompt_ids)
+            raise UsageError(f"no room in the KV cache: this prompt needs {self._blocks_at(len(seq.prompt_ids))} "
+                             f"blocks of {kv.block_size} positions, the {len(self.running)} running sequence(s) need "
+                             f"{sum(map(self.blocks_needed, self.running))} of {kv.n_blocks} (--kv-cache-tokens "
+                             f"{kv.tokens}) and {len(self.preempted)} preempted one(s) wait")
+        seq.generated, seq.outputs, seq.pending, seq.recompute = 0, [], None, 0
+        seq.generator, seq.admitted = make_generator(seq.params.seed), time.perf_counter()
+        seq.reused = self._place(seq)
+
+    def _place(self, seq: Sequence) -> int:
+        """Put ``seq`` in the free slot that holds the longest prefix of its prefill's tokens (resumed from
+        there) and run it; returns the tokens resumed."""
+        slot, reused = self.prefix.choose(self._free, seq.context(0, seq.context_len))
         self._free.remove(slot)
         if reused:
             self.engine.restore(slot, reused)  # back to a resume point (a no-op where the state rewinds)
-        seq.slot, seq.prefilled, seq.pending, seq.pos, seq.generated = slot, reused, None, reused, 0
-        seq.reused, seq.outputs = reused, []
-        seq.generator, seq.admitted = make_generator(seq.params.seed), time.perf_counter()
+        seq.slot, seq.prefilled, seq.pos, seq.counted = slot, reused, reused, False
         self.running.append(seq)
+        return reused
 
     def abort(self, seq: Sequence) -> None:
         """End ``seq`` now and free its slot (no-op when it already left). With prefix caching the
         slot keeps its state for a later prompt that shares its tokens; otherwise it is released on
-        every rank."""
+        every rank. A preempted sequence just stops waiting."""
+        if seq in self.preempted:
+            self.preempted.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
             self._free.append(seq.slot)
@@ -376,6 +426,56 @@ class Scheduler:
                 self.prefix.keep(seq.slot, ())
                 self.engine.release(seq.slot)
 
+    def _preempt(self, seq: Sequence) -> None:
+        """Take running ``seq``'s slot back (released on every rank, nothing kept) and make it wait, ahead
+        of new requests, to compute its prompt and the tokens it had fed again (:meth:`_resume`)."""
+        if seq.pending is not None and seq.prefilled >= seq.context_len:
+            seq.recompute = seq.pos - len(seq.prompt_ids)  # fed after the prompt: all but the pending token
+        # else its prefill had not ended: the same tokens are computed again from the start
+        self.running.remove(seq)
+        self._free.append(seq.slot)
+        self.prefix.keep(seq.slot, ())
+        self.engine.release(seq.slot)
+        seq.slot, seq.prefilled, seq.pos, seq.inflight = -1, 0, 0, -1
+        self.preempted.append(seq)
+        self.preempted.sort(key=lambda s: s.admitted)
+        self.preemptions += 1
+        log.debug("preempted a sequence of %d tokens for KV blocks (%d waiting to resume)", seq.context_len,
+                  len(self.preempted))
+
+    def _resume(self) -> None:
+        """Preempted sequences back into free slots, oldest first, while the pool has room for each one's
+        prefill (:meth:`_room_for`)."""
+        while self.preempted and self._room_for(self.preempted[0].context(0, self.preempted[0].context_len)):
+            self._place(self.preempted.pop(0))
+
+    def _make_room(self) -> list[tuple[Sequence, StepOutput]]:
+        """Before a step, blocks for every running sequence's next step (:meth:`blocks_needed`): kept
+        prefixes given up first, least recently used, then the sequence that arrived last preempted
+        (:meth:`_preempt`) until the rest fit. A step in flight is read first (its tokens returned, the
+        sequences it finished gone)."""
+        kv = self.engine.kv_blocks
+        out: list[tuple[Sequence, StepOutput]] = []
+        if kv is None:
+            return out
+        while True:
+            kept = [f for f in self._free if kv.held(f)]
+            short = sum(map(self.blocks_needed, self.running)) + sum(map(kv.held, kept)) - kv.n_blocks
+            if short <= 0 or not self.running:
+                return out
+            if kept:
+                self.engine.release(self.prefix.evictable(kept))
+            elif self._inflight is not None:  # its sequences' tokens to the host before any leaves
+                landed = self._land()
+                out += landed
+                for seq, step in landed:
+                    if step.finished:
+                        self.abort(seq)
+            elif len(self.running) > 1:
+                self._preempt(max(self.running, key=lambda s: s.admitted))
+            else:  # one sequence always fits (the pool holds max_seq_len): the model's own check says more
+                return out
+
     def _resume_cut(self, seq: Sequence, n: int) -> int:
         """The tokens of ``seq``'s next chunk, at most ``n``, for a model that cannot rewind
         (``resume_every``: its resume points, multiples of that many tokens, where a chunk ends): the
@@ -385,7 +485,7 @@ class Scheduler:
         every = self.resume_every
         if not every:
             return n
-        start, total = seq.prefilled, len(seq.prompt_ids)
+        start, total = seq.prefilled, seq.context_len
         end, last = start + n, total - total % every
         if start < last < end:
             return last - start
@@ -403,9 +503,10 @@ class Scheduler:
         Raises:
             RankLostError: another rank died (the caller fails every sequence).
         """
-        out: list[tuple[Sequence, StepOutput]] = []
         self.last_prefill_tokens = self.last_feeding = 0
-        prefilling = [s for s in self.running if s.prefilled < len(s.prompt_ids) and not self._fed(s)]
+        self._resume()
+        out = self._make_room()
+        prefilling = [s for s in self.running if s.prefilled < s.context_len and not self._fed(s)]
         decoding = len(prefilling) < len(self.running)  # their next tokens wait for this step's chunks
         budget, fresh = self.interleaved_chunk if decoding else self.prefill_chunk, set()
         # a constrained sequence's next mask needs its last token on the host: plain steps while one runs
@@ -418,15 +519,16 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0:
                 break
-            n = self._resume_cut(seq, min(budget, len(seq.prompt_ids) - seq.prefilled))
-            logits = self.engine.prefill(seq.slot, seq.prompt_ids[seq.prefilled: seq.prefilled + n], seq.prefilled,
+            n = self._resume_cut(seq, min(budget, seq.context_len - seq.prefilled))
+            logits = self.engine.prefill(seq.slot, seq.context(seq.prefilled, seq.prefilled + n), seq.prefilled,
                                          on_device=True)
             seq.prefilled += n
             budget -= n
             self.last_prefill_tokens += n
-            if seq.prefilled == len(seq.prompt_ids):
+            if seq.prefilled == seq.context_len:
                 seq.pos = seq.prefilled
-                out.append((seq, self._sample([seq], logits[-1:])[0]))
+                if seq.pending is None:  # else resumed after a preemption: its pending token is fed next
+                    out.append((seq, self._sample([seq], logits[-1:])[0]))
                 fresh.add(id(seq))
         batch = [s for s in self.running if id(s) not in fresh and self._in_batch(s)]
         runs: dict[int, list[int]] = {}  # verify runs in the decode step: id(seq) -> its draft
@@ -444,7 +546,7 @@ class Scheduler:
                 batch = [s for s in batch if id(s) not in drafts]
         self.last_batch = len(batch) + sum(map(len, runs.values()))
         if batch:
-            feeding = [s.prefilled < len(s.prompt_ids) for s in batch]  # a prompt token, not a sampled one
+            feeding = [s.prefilled < s.context_len for s in batch]  # a prompt token, not a sampled one
             self.last_feeding = sum(feeding)
             if overlap:
                 out += self._launch(batch, feeding)
@@ -479,7 +581,7 @@ class Scheduler:
         """``s``'s draft (n-gram, or the MTP layer's), or ``[]`` when it does not speculate (penalised, logprobs,
         constrained, still feeding its prompt) or nothing repeats."""
         p = s.params
-        if (s.prefilled < len(s.prompt_ids) or s.pending is None or p.logprobs or adjusts(p)
+        if (s.prefilled < s.context_len or s.pending is None or p.logprobs or adjusts(p)
                 or s.constraint is not None or s.inflight >= 0):
             return []
         left = min(p.max_tokens - s.generated, self.engine.max_seq_len - s.pos) - 1  # room for the draft's tokens
@@ -537,7 +639,7 @@ class Scheduler:
         """Whether ``s`` has a token to feed in the next decode step: a prompt token (fed prompts), a
         sampled token on the host, or one still on the device from the step in flight (unless that
         token surely ends it: its ``max_tokens`` or the last position)."""
-        if s.prefilled < len(s.prompt_ids):
+        if s.prefilled < s.context_len:
             return self._fed(s)
         if s.inflight >= 0:  # set only while its step is in flight
             return s.generated + 1 < s.params.max_tokens and s.pos < self.engine.max_seq_len
@@ -606,8 +708,9 @@ class Scheduler:
                 if id(seq) in running]
 
     def _fed(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s prompt goes through decode rows, one token per step (``decode_prompt_tokens``)."""
-        return len(seq.prompt_ids) <= self.decode_prompt_tokens
+        """Whether ``seq``'s prompt goes through decode rows, one token per step (``decode_prompt_tokens``;
+        not a sequence resumed after a preemption, whose rows sample nothing)."""
+        return seq.pending is None and len(seq.prompt_ids) <= self.decode_prompt_tokens
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         """Choose each sequence's next token from its row of ``logits`` ``[B, V]`` (on the engine's
@@ -643,7 +746,7 @@ class Scheduler:
                 self.counts = TokenCounts(self.engine.max_num_seqs, logits.shape[-1], logits.device)
             for s in seqs:
                 if counts_tokens(s.params) and not s.counted:
-                    self.counts.reset(s.slot, s.prompt_ids)
+                    self.counts.reset(s.slot, s.prompt_ids, s.outputs)
                     s.counted = True
         unread = set(map(id, prev.seqs)) if prev is not None else set()
         produced = [s.generated + (id(s) in unread) for s in seqs]

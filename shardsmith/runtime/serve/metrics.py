@@ -36,6 +36,7 @@ decode_buckets_built / decode_buckets_pending gauge      batch buckets whose dec
                                                          are still to build (``--defer-buckets``: when idle)
 kv_cache_blocks / kv_cache_blocks_used        gauge      blocks of the KV pool / held by sequences and kept
                                                          prefixes (a family whose KV sits in blocks)
+num_preemptions_total                         counter    sequences preempted for KV blocks (recomputed later)
 ============================================  =========  ==========================================
 """
 
@@ -118,6 +119,7 @@ class Metrics:
         self.kv = None  # the engine's KVBlocks (``n_blocks``, ``blocks_free()``) where its KV sits in blocks
         self.spec = None  # the scheduler's SpecStats when speculation is on
         self.buckets: tuple[int, int] = (0, 0)  # decode batch buckets built, still to build
+        self.preemptions = 0  # sequences the scheduler preempted for KV blocks
 
     def request_done(self, endpoint: str, status: int | str) -> None:
         with self._lock:
@@ -225,7 +227,8 @@ class Metrics:
              "KV blocks running sequences and kept prefixes hold."),
         ):
             out += _metric(self.PREFIX + name, "gauge", value, help_)
-        return out
+        return out + _metric(self.PREFIX + "num_preemptions_total", "counter", self.preemptions,
+                             "Sequences preempted for KV blocks (their tokens computed again when they resume).")
 
     def _spec_lines(self) -> list[str]:
         if self.spec is None:

@@ -448,8 +448,8 @@ class EngineWorker:
                     return
                 job = self._waiting[0]
             if self.stopping is None and not job.cancelled.is_set() and \
-                    not self._sched.can_admit(job.prompt_ids, job.params):
-                return  # it waits for a running sequence's blocks
+                    not self._sched.can_admit(job.prompt_ids):
+                return  # it waits for blocks (or behind a preempted sequence)
             with self._wake:
                 self._waiting.popleft()
             if self.stopping is not None:
@@ -482,6 +482,7 @@ class EngineWorker:
         t0 = time.perf_counter()
         outputs = self._sched.step()
         self.metrics.batch(self._sched.last_batch, len(self._running))
+        self.metrics.preemptions = self._sched.preemptions
         now = time.perf_counter()
         events = [(seq.tag, seq.tag.text.push(out)) for seq, out in outputs]
         # recorded before any event leaves: a client that read its last token sees this step counted

@@ -175,6 +175,10 @@ def test_release_gives_every_block_back_and_a_full_pool_refuses_a_step(mixtral):
 
 REQUESTS = [([3, 17, 42, 99, 5, 8, 61, 7, 200], 5), ([250, 11, 64, 7, 3, 3, 90], 30),
             ([31, 7, 250, 4, 9, 77, 31, 18], 5), ([2, 6, 90, 11, 150, 151], 5)]
+# three requests that each grow to 3 blocks of 16 in a pool of 4 (so two are preempted on the way): greedy,
+# seeded sampling, and a repetition penalty (its counts follow the sequence into its new slot)
+GROWING = [([3, 17, 42, 99, 5, 8, 61, 7], {}), ([250, 11, 64, 7, 3, 3, 90, 4], {"temperature": 0.8, "seed": 7}),
+           ([31, 7, 250, 4, 9, 77, 31], {"repetition_penalty": 1.3})]
 
 
 def _load(path: str, rank: int = 0, world_size: int = 1, **kw):
@@ -184,26 +188,30 @@ def _load(path: str, rank: int = 0, world_size: int = 1, **kw):
                        max_seq_len=48, max_num_seqs=4, cuda_graphs=False, **kw)
 
 
-def _serve(engine) -> dict:
-    """The requests through one scheduler, admitted oldest first whenever :meth:`Scheduler.can_admit`
-    says there is room. Returns each request's greedy tokens, the most sequences that ran together,
-    and the blocks each slot held at the end."""
+def _serve(engine, requests=None, overlap: bool = False) -> dict:
+    """``requests`` (``(prompt, sampling fields)``, 30 tokens each; default: :data:`GROWING`) through one
+    scheduler, admitted oldest first whenever :meth:`Scheduler.can_admit` says there is room (never while a
+    preempted sequence waits). Returns each request's tokens, the sequences that ran in each step, the
+    preemptions and the blocks each slot held at the end."""
     from shardsmith.runtime.engine.sampling import SamplingParams
     from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
 
-    sched = Scheduler(engine, prefill_chunk=8, decode_prompt_tokens=0, overlap=False)
-    waiting = [Sequence(p, SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=()), tag=i)
-               for i, (p, n) in enumerate(REQUESTS)]
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(REQUESTS))}
+    sched = Scheduler(engine, prefill_chunk=8, decode_prompt_tokens=0, overlap=overlap)
+    waiting = [Sequence(p, SamplingParams(**({"max_tokens": 30, "temperature": 0.0} | kw)), tag=i)
+               for i, (p, kw) in enumerate(requests or GROWING)]
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(waiting))}
     together = []
-    while waiting or sched.running:
-        while waiting and sched.can_admit(waiting[0].prompt_ids, waiting[0].params):
+    while waiting or sched.running or sched.preempted:
+        while waiting and sched.can_admit(waiting[0].prompt_ids):
             sched.admit(waiting.pop(0))
+        if sched.preempted and waiting:
+            assert not sched.can_admit(waiting[0].prompt_ids)  # they resume first
         together.append(sorted(s.tag for s in sched.running))
         for seq, out in sched.step():
             tokens[seq.tag].append(out.token_id)
     kv = engine.kv_blocks
-    return {"tokens": tokens, "together": together, "held": [kv.held(s) for s in range(4)] if kv else None}
+    return {"tokens": tokens, "together": together, "preemptions": sched.preemptions,
+            "held": [kv.held(s) for s in range(4)] if kv else None}
 
 
 def _tp2_serve(path: str, kw: dict, rank: int, world_size: int):
@@ -217,37 +225,69 @@ def _tp2_serve(path: str, kw: dict, rank: int, world_size: int):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("case,world_size", [("qwen3-moe", 1), ("qwen3-moe", 2), ("deepseek-v3", 1), ("gpt-oss", 1)])
-def test_requests_wait_for_room_in_the_pool_and_keep_their_tokens(checkpoints, case, world_size) -> None:
-    """A pool of 64 positions (4 blocks of 16) under 4 slots of 48: a request of 9 + 5 tokens (and the
-    one row more an overlapped step may feed) needs one block, the 7 + 30-token one three. So the first
-    two run together, the third waits until the first ends and its slot's kept prefix is given up, the
-    fourth until the third ends. Every request's tokens are those of slots that each hold 48 positions."""
+@pytest.mark.parametrize("case,world_size,overlap", [("qwen3-moe", 1, False), ("qwen3-moe", 1, True),
+                                                     ("qwen3-moe", 2, False), ("deepseek-v3", 1, False),
+                                                     ("gpt-oss", 1, False)])
+def test_the_last_arrived_is_preempted_and_resumes_with_the_same_tokens(checkpoints, case, world_size, overlap):
+    """A pool of 96 positions (6 blocks of 16) under 4 slots of 48: three requests of 7-8 prompt tokens
+    and 30 generated ones (3 blocks each by their end, 9 together) are all admitted (one block each and
+    one of growth per running sequence), and as they grow the last arrived is preempted (its slot
+    released on every rank); it resumes when the pool holds it again, its generated tokens computed again. Every request's tokens (greedy, seeded
+    sampling, a repetition penalty) are those of slots that each hold 48 positions, where nothing is
+    preempted; overlapped steps read their step in flight before a preemption."""
     from shardsmith.testing.ranks import run_gloo
 
     path = str(checkpoints[case])
     if world_size == 1:
-        paged, full = _serve(_load(path, kv_cache_tokens=64)), _serve(_load(path))
+        paged = _serve(_load(path, kv_cache_tokens=96), overlap=overlap)
+        full = _serve(_load(path), overlap=overlap)
     else:
-        paged = run_gloo(_tp2_serve, 2, path, {"kv_cache_tokens": 64}, timeout=300)
+        paged = run_gloo(_tp2_serve, 2, path, {"kv_cache_tokens": 96}, timeout=300)
         full = run_gloo(_tp2_serve, 2, path, {}, timeout=300)
     assert paged["tokens"] == full["tokens"]
-    assert [len(t) for t in paged["tokens"].values()] == [n for _, n in REQUESTS]
-    assert full["together"][0] == [0, 1, 2, 3]  # room for all four at once
-    assert paged["together"][0] == [0, 1] and max(map(len, paged["together"])) == 2
-    assert [1, 2] in paged["together"] and [1, 3] in paged["together"]
-    assert sum(paged["held"]) <= 4
+    assert [len(t) for t in paged["tokens"].values()] == [30] * len(GROWING)
+    assert full["preemptions"] == 0 and paged["preemptions"] >= 1
+    assert paged["together"][0] == [0, 1, 2]  # all admitted on their prompts' blocks
+    assert [0, 1] in paged["together"] and [2] in paged["together"]  # preempted, then resumed alone
+    assert sum(paged["held"]) <= 6
+
+
+def test_a_preempted_sequence_that_is_aborted_stops_waiting(checkpoints) -> None:
+    """Aborting a sequence while it waits to resume (a client that went away) drops it: nothing of it
+    runs again, and the others' tokens are unchanged."""
+    from shardsmith.runtime.engine.sampling import SamplingParams
+    from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
+
+    path = str(checkpoints["qwen3-moe"])
+    alone = _serve(_load(path), GROWING[:2])["tokens"]
+    engine = _load(path, kv_cache_tokens=96)
+    sched = Scheduler(engine, prefill_chunk=8, decode_prompt_tokens=0, overlap=False)
+    seqs = [Sequence(p, SamplingParams(**({"max_tokens": 30, "temperature": 0.0} | kw)), tag=i)
+            for i, (p, kw) in enumerate(GROWING)]
+    for seq in seqs:
+        sched.admit(seq)
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    while not sched.preempted:
+        for seq, out in sched.step():
+            tokens[seq.tag].append(out.token_id)
+    assert sched.preempted == [seqs[2]] and seqs[2].slot == -1 and seqs[2].recompute > 0
+    sched.abort(seqs[2])
+    assert not sched.preempted
+    while sched.running or sched.preempted:
+        for seq, out in sched.step():
+            tokens[seq.tag].append(out.token_id)
+    assert tokens[0] == alone[0] and tokens[1] == alone[1]
 
 
 def test_a_kept_prefix_is_given_up_only_when_that_makes_room(checkpoints) -> None:
     """Pool of 4 blocks of 16: a finished 9 + 5-token request keeps its slot's block for reuse. A running
-    request that may hold 3 blocks leaves one: a request that needs two waits and the prefix stays; one
-    that needs the one block takes the prefix's place."""
+    request of 24 prompt tokens needs 2 blocks and one of growth: a prompt that needs two waits and the
+    prefix stays; one that needs one block takes the prefix's place."""
     from shardsmith.runtime.engine.sampling import SamplingParams
     from shardsmith.runtime.engine.scheduler import Scheduler, Sequence
 
     engine = _load(str(checkpoints["qwen3-moe"]), kv_cache_tokens=64)
-    kv, sched = engine.kv_blocks, Scheduler(engine, prefill_chunk=8, decode_prompt_tokens=0, overlap=False)
+    kv, sched = engine.kv_blocks, Scheduler(engine, prefill_chunk=64, decode_prompt_tokens=0, overlap=False)
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=())
@@ -258,10 +298,10 @@ def test_a_kept_prefix_is_given_up_only_when_that_makes_room(checkpoints) -> Non
         sched.step()
     kept = first.slot
     assert kv.held(kept) == 1 and sched.prefix.held[kept]
-    sched.admit(Sequence(REQUESTS[1][0], params(30)))  # may hold 3 blocks by its end
+    sched.admit(Sequence([(7 * i) % 200 + 1 for i in range(24)], params(5)))  # 24 + 1 positions: 2 blocks
     sched.step()
-    two = [5, 6, 7] * 6  # 18 + 5 tokens + 1: two blocks
-    assert not sched.can_admit(two, params(5))
+    two = [5, 6, 7] * 6  # 18 + 1 positions: two blocks
+    assert not sched.can_admit(two)
     assert kv.held(kept) == 1 and sched.prefix.held[kept]  # not given up for nothing
-    assert sched.can_admit(REQUESTS[3][0], params(5))
+    assert sched.can_admit(REQUESTS[3][0])
     assert kv.held(kept) == 0 and not sched.prefix.held[kept]
