@@ -6,15 +6,19 @@ a decode step, and how many sequences a pool admits against slots preallocated w
    prefilled alone). ``scattered``: two slots prefilled in turns, a quarter of the context at a time, in a
    pool just large enough for both: the second one starts halfway along the free blocks, runs into the pool's end
    and goes on in the blocks left between them, so attention gathers its keys and values each step.
-2. Admission. ``--requests`` requests of ``--prompt`` + ``--max-tokens`` tokens through the real scheduler's
-   :meth:`~shardsmith.runtime.engine.scheduler.Scheduler.can_admit` (nothing is run): how many are admitted
-   at once with a pool of ``--pool`` tokens under ``--max-num-seqs`` slots of ``--max-model-len``, against
-   slots that each hold ``--max-model-len`` positions in the same bytes (``pool // max_model_len`` slots).
+2. Running requests. ``--requests`` requests of ``--prompt`` random tokens generating ``--max-tokens`` each,
+   all submitted at once, run to their end through the real scheduler (admitted whenever
+   :meth:`~shardsmith.runtime.engine.scheduler.Scheduler.can_admit` says so, greedy): a pool of ``--pool``
+   tokens under ``--max-num-seqs`` slots of ``--max-model-len`` (admitted on their prompts' blocks, the
+   last arrived preempted and computed again when the pool runs out), against slots that each hold
+   ``--max-model-len`` positions in the same bytes (``pool // max_model_len`` slots). Generated tokens per
+   second, sequences per decode step, preemptions.
 
-Rows (``benchmarks/results/kv_blocks-<date>-<host>.json``): ``part`` (``step`` / ``admission``); step rows
-``layout``, ``context_tokens``, ``step_ms`` (median), ``ratio_to_contiguous``; admission rows ``layout``
-(``blocks`` / ``per_slot``), ``kv_cache_tokens``, ``max_model_len_tokens``, ``slots``,
-``request_tokens``, ``sequences_at_once``, ``kv_bytes_per_rank``.
+Rows (``benchmarks/results/kv_blocks-<date>-<host>.json``): ``part`` (``step`` / ``run``); step rows
+``layout``, ``context_tokens``, ``step_ms`` (median), ``ratio_to_contiguous``; run rows ``layout``
+(``blocks`` / ``per_slot``), ``kv_cache_tokens``, ``max_model_len_tokens``, ``slots``, ``requests``,
+``prompt_tokens``, ``max_tokens``, ``wall_s``, ``generated_tokens_per_s``, ``mean_sequences_per_step``,
+``most_sequences_at_once``, ``preemptions``, ``kv_bytes_per_rank``, ``ratio_to_per_slot``.
 
     python benchmarks/kv_blocks.py PACK [--device cuda] [--context 1024 4096]
 """
@@ -82,19 +86,29 @@ def step_rows(load, context: int, steps: int) -> tuple[list[dict], int]:
             for layout, ms in (("contiguous", contiguous), ("scattered", scattered))], per_token
 
 
-def admitted(engine: Engine, requests: int, prompt: int, max_tokens: int) -> int:
-    """How many of ``requests`` identical requests the scheduler admits before the first must wait."""
-    sched = Scheduler(engine, prefill_chunk=512, decode_prompt_tokens=0, overlap=False)
+def run_requests(engine: Engine, requests: int, prompt: int, max_tokens: int) -> dict:
+    """``requests`` greedy requests of ``prompt`` random tokens and ``max_tokens`` each, all waiting at the start,
+    through one scheduler to their end: wall seconds, generated tokens, sequences per decode step, preemptions."""
+    sched = Scheduler(engine, decode_prompt_tokens=0, overlap=False)
     gen = torch.Generator().manual_seed(1)
-    n = 0
-    for _ in range(requests):
-        ids = torch.randint(3, engine.vocab_size, (prompt,), generator=gen).tolist()
-        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=())
-        if not sched.can_admit(ids, params):
-            break
-        sched.admit(Sequence(ids, params))
-        n += 1
-    return n
+    waiting = [Sequence(torch.randint(3, engine.vocab_size, (prompt,), generator=gen).tolist(),
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=()))
+               for _ in range(requests)]
+    generated, batches = 0, []
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    while waiting or sched.running or sched.preempted:
+        while waiting and sched.can_admit(waiting[0].prompt_ids):
+            sched.admit(waiting.pop(0))
+        generated += len(sched.step())
+        if sched.last_batch:
+            batches.append(sched.last_batch)
+    sync()
+    wall = time.perf_counter() - t0
+    return {"wall_s": round(wall, 3), "generated_tokens_per_s": round(generated / wall, 2),
+            "mean_sequences_per_step": round(statistics.mean(batches), 2) if batches else 0.0,
+            "most_sequences_at_once": max(batches, default=0), "preemptions": sched.preemptions}
 
 
 def main() -> None:
@@ -106,7 +120,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--pool", type=int, default=32768, help="--kv-cache-tokens of the admission part")
+    ap.add_argument("--pool", type=int, default=32768, help="--kv-cache-tokens of the running part")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=512)
@@ -132,23 +146,26 @@ def main() -> None:
         eng = Engine.load(a.pack, rank=0, world_size=1, device=a.device, dtype=dtype, max_seq_len=a.max_model_len,
                           max_num_seqs=slots, from_checkpoint=a.from_checkpoint, cuda_graphs=False,
                           kv_cache_tokens=pool)
-        rows.append({"part": "admission", "layout": layout, "kv_cache_tokens": eng.kv_blocks.tokens,
-                     "max_model_len_tokens": a.max_model_len, "slots": slots,
-                     "request_tokens": a.prompt + a.max_tokens,
-                     "sequences_at_once": admitted(eng, a.requests, a.prompt, a.max_tokens),
-                     "kv_bytes_per_rank": eng.state_bytes})
+        rows.append({"part": "run", "layout": layout, "kv_cache_tokens": eng.kv_blocks.tokens,
+                     "max_model_len_tokens": a.max_model_len, "slots": slots, "requests": a.requests,
+                     "prompt_tokens": a.prompt, "max_tokens": a.max_tokens,
+                     **run_requests(eng, a.requests, a.prompt, a.max_tokens), "kv_bytes_per_rank": eng.state_bytes})
         eng.shutdown()
         del eng  # its pool is freed before the next one is allocated
+    runs = {r["layout"]: r for r in rows if r["part"] == "run"}
+    for r in runs.values():
+        r["ratio_to_per_slot"] = round(r["generated_tokens_per_s"] / runs["per_slot"]["generated_tokens_per_s"], 3)
 
     print(f"{'layout':<11} {'context':>8} {'step ms':>9} {'ratio':>7}")
     for r in rows:
         if r["part"] == "step":
             print(f"{r['layout']:<11} {r['context_tokens']:>8} {r['step_ms']:>9.3f} {r['ratio_to_contiguous']:>7.3f}")
-    print(f"\n{'layout':<9} {'pool tok':>9} {'slots':>6} {'request':>8} {'at once':>8} {'KV MiB':>8}")
-    for r in rows:
-        if r["part"] == "admission":
-            print(f"{r['layout']:<9} {r['kv_cache_tokens']:>9} {r['slots']:>6} {r['request_tokens']:>8} "
-                  f"{r['sequences_at_once']:>8} {r['kv_bytes_per_rank'] / 2**20:>8.1f}")
+    print(f"\n{'layout':<9} {'pool tok':>9} {'slots':>6} {'tok/s':>8} {'ratio':>6} {'seqs/step':>9} {'most':>5} "
+          f"{'preempt':>8} {'KV MiB':>8}")
+    for r in runs.values():
+        print(f"{r['layout']:<9} {r['kv_cache_tokens']:>9} {r['slots']:>6} {r['generated_tokens_per_s']:>8.1f} "
+              f"{r['ratio_to_per_slot']:>6.2f} {r['mean_sequences_per_step']:>9.2f} {r['most_sequences_at_once']:>5} "
+              f"{r['preemptions']:>8} {r['kv_bytes_per_rank'] / 2**20:>8.1f}")
     name = a.device if a.device != "cuda" else torch.cuda.get_device_name()
     save_results("kv_blocks", rows, extra={"pack": a.pack.name, "device": name, "dtype": a.dtype,
                                             "kv_bytes_per_token_per_rank": per_token}, path=a.out)
