@@ -136,10 +136,15 @@ def main() -> None:
                            max_num_seqs=2, from_checkpoint=a.from_checkpoint, cuda_graphs=a.device == "cuda",
                            kv_cache_tokens=kv_cache_tokens)
 
+    name = a.device if a.device != "cuda" else torch.cuda.get_device_name()
+    extra = {"pack": a.pack.name, "device": name, "dtype": a.dtype}
     rows = []
     for context in a.context:
         got, per_token = step_rows(load, context, a.steps)
         rows += got
+        for r in got:  # as they come, and saved: a run cut short keeps them
+            print(f"step {r['layout']:<11} {context:>8} {r['step_ms']:>9.3f} {r['ratio_to_contiguous']:>7.3f}", flush=True)
+        save_results("kv_blocks", rows, extra=extra | {"kv_bytes_per_token_per_rank": per_token}, path=a.out)
 
     per_slot = max(1, a.pool // a.max_model_len)
     for layout, slots, pool in (("blocks", a.max_num_seqs, a.pool), ("per_slot", per_slot, None)):
@@ -166,9 +171,7 @@ def main() -> None:
         print(f"{r['layout']:<9} {r['kv_cache_tokens']:>9} {r['slots']:>6} {r['generated_tokens_per_s']:>8.1f} "
               f"{r['ratio_to_per_slot']:>6.2f} {r['mean_sequences_per_step']:>9.2f} {r['most_sequences_at_once']:>5} "
               f"{r['preemptions']:>8} {r['kv_bytes_per_rank'] / 2**20:>8.1f}")
-    name = a.device if a.device != "cuda" else torch.cuda.get_device_name()
-    save_results("kv_blocks", rows, extra={"pack": a.pack.name, "device": name, "dtype": a.dtype,
-                                            "kv_bytes_per_token_per_rank": per_token}, path=a.out)
+    save_results("kv_blocks", rows, extra=extra | {"kv_bytes_per_token_per_rank": per_token}, path=a.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@
 #                   decode step at the context, the default prefill chunk (8192) against 2048 (long_prompt.py)
 #   kv-blocks       the KV cache in blocks on a Qwen3-30B-A3B-shaped Mixtral-family checkpoint (48 layers, 32 query and 4
 #                   KV heads of 128, 8 random experts): a decode step whose blocks are scattered (gathered each step)
-#                   against one slice of the pool at 4k and 16k, and sequences admitted at once (kv_blocks.py)
+#                   against one slice of the pool at 4k and 32k, and 16 requests run to their end in a pool with preemption
+#                   against slots of the same bytes (kv_blocks.py)
 #   ready           time to ready through serve on a full-depth V4 pack (43 layers x 8 FP4 experts, TP=1): a
 #                   start on empty compile caches, then a cached one, beside the load floor, with the pieces
 #                   compiled per bucket and with the row count symbolic (ready.py --compile-rows static dynamic);
@@ -180,8 +181,8 @@ step_kv_blocks() {
     [ -f /tmp/q3s/config.json ] || timeout 300 python3 -c 'from pathlib import Path; from shardsmith.testing.tiny import tiny_qwen_moe; tiny_qwen_moe(Path("/tmp/q3s"), layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, moe_intermediate=768, experts=8, top_k=2, vocab=2048)' \
         > "$OUT/gen_q3s.log" 2>&1 || return 1
     timeout "${KV_BLOCKS_S:-300}" python3 benchmarks/kv_blocks.py /tmp/q3s --from-checkpoint --device cuda --dtype bfloat16 \
-        --context ${KV_CONTEXTS:-4096 16384} --steps 30 --max-model-len 32768 --max-num-seqs 32 --pool 131072 \
-        --requests 32 --prompt 4096 --max-tokens 1024 2>&1 | grep -v INFO | tee "$OUT/kv_blocks.log" | tail -12
+        --context ${KV_CONTEXTS:-4096 32768} --steps 30 --max-model-len 8192 --max-num-seqs 16 --pool 32768 \
+        --requests 16 --prompt 2048 --max-tokens 256 2>&1 | grep -v INFO | tee "$OUT/kv_blocks.log" | tail -12
     local rc=${PIPESTATUS[0]}; keep kv_blocks; return $rc
 }
 
