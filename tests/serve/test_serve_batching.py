@@ -188,6 +188,7 @@ def test_requests_without_max_tokens_share_the_pool_and_a_preempted_one_keeps_it
                 time.sleep(0.2)
             answers = [f.result().json() for f in futures]
         assert metrics(srv)["shardsmith_num_preemptions_total"] >= 1
+        assert "preempted a sequence" in srv.log() and "raise --kv-cache-tokens" in srv.log()  # said once
         for a in answers:
             assert a["choices"][0]["finish_reason"] == "length"
             assert a["usage"]["prompt_tokens"] + a["usage"]["completion_tokens"] == 64

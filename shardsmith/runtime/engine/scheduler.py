@@ -440,8 +440,11 @@ class Scheduler:
         self.preempted.append(seq)
         self.preempted.sort(key=lambda s: s.admitted)
         self.preemptions += 1
-        log.debug("preempted a sequence of %d tokens for KV blocks (%d waiting to resume)", seq.context_len,
-                  len(self.preempted))
+        kv = self.engine.kv_blocks
+        (log.warning if self.preemptions == 1 else log.debug)(
+            "preempted a sequence of %d tokens: the KV pool (%d blocks of %d) holds no more; it is computed again "
+            "when it resumes (%d waiting; raise --kv-cache-tokens or lower --max-num-seqs to preempt less; "
+            "/metrics counts them)", seq.context_len, kv.n_blocks, kv.block_size, len(self.preempted))
 
     def _resume(self) -> None:
         """Preempted sequences back into free slots, oldest first, while the pool has room for each one's
