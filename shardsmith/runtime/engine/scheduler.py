@@ -36,8 +36,8 @@ first): the tokens are the same either way.
 **KV blocks and preemption** (every family whose KV sits in blocks,
 :mod:`~shardsmith.runtime.models.kv_blocks`; vLLM's policy): a request is admitted when the pool
 holds its prompt and its next step's rows, and one block of growth per running sequence, beside what
-each running sequence needs for its own next step, never for ``max_tokens`` up front, so a request that leaves ``max_tokens`` out does not reserve
-the whole context. Before each step every running sequence's blocks for that step are made room for:
+each running sequence needs for its own next step, never for ``max_tokens`` up front, so a request
+that leaves ``max_tokens`` out does not reserve the whole context. Before each step every running sequence's blocks for that step are made room for:
 kept prefixes are given up first (least recently used), then the sequence that arrived last is
 preempted: its slot is released on every rank and it waits, ahead of every new request, until the
 pool holds its prompt and the tokens it had generated, which are computed again as one prefill (its
@@ -153,9 +153,9 @@ class Sequence:
         tokens it had fed (all but the pending one)."""
         return len(self.prompt_ids) + self.recompute
 
-    def context(self, lo: int, hi: int) -> list[int]:
-        """Positions ``lo .. hi`` of its prefill's tokens (:attr:`context_len`)."""
-        n = len(self.prompt_ids)
+    def context(self, lo: int = 0, hi: int | None = None) -> list[int]:
+        """Positions ``lo .. hi`` (default: all :attr:`context_len`) of its prefill's tokens."""
+        n, hi = len(self.prompt_ids), self.context_len if hi is None else hi
         if hi <= n:
             return self.prompt_ids[lo:hi]
         return self.prompt_ids[lo:] + self.outputs[max(0, lo - n): min(hi, self.context_len) - n]
@@ -337,9 +337,9 @@ class Scheduler:
         sequence waiting (they resume first), and for a family whose KV sits in blocks, the blocks of its
         prompt and first generated row, and one block of growth per running sequence, beside what every
         running sequence needs for its next step (:meth:`blocks_needed`) and what free slots keep for
-        prefix reuse. Kept prefixes are given up for
-        it, least recently used first (their slots released on every rank), only when that makes room; the
-        one the request would resume is kept. False: it waits."""
+        prefix reuse. Kept prefixes are given up for it, least recently used first (their slots released
+        on every rank), only when that makes room; the one the request would resume is kept. False: it
+        waits."""
         return not self.preempted and self._room_for(prompt_ids)
 
     def _room_for(self, ids: list[int]) -> bool:
@@ -402,7 +402,7 @@ class Scheduler:
     def _place(self, seq: Sequence) -> int:
         """Put ``seq`` in the free slot that holds the longest prefix of its prefill's tokens (resumed from
         there) and run it; returns the tokens resumed."""
-        slot, reused = self.prefix.choose(self._free, seq.context(0, seq.context_len))
+        slot, reused = self.prefix.choose(self._free, seq.context())
         self._free.remove(slot)
         if reused:
             self.engine.restore(slot, reused)  # back to a resume point (a no-op where the state rewinds)
@@ -449,7 +449,7 @@ class Scheduler:
     def _resume(self) -> None:
         """Preempted sequences back into free slots, oldest first, while the pool has room for each one's
         prefill (:meth:`_room_for`)."""
-        while self.preempted and self._room_for(self.preempted[0].context(0, self.preempted[0].context_len)):
+        while self.preempted and self._room_for(self.preempted[0].context()):
             self._place(self.preempted.pop(0))
 
     def _make_room(self) -> list[tuple[Sequence, StepOutput]]:
