@@ -13,6 +13,7 @@ another process could still take it before rank 0 listens), and the GPUs for ``-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from pathlib import Path
@@ -320,7 +321,7 @@ def serve(
                                         help="Open client connections; one more is answered HTTP 503 and closed."),
 ) -> None:
     """Serve a pack over an OpenAI-compatible HTTP API (rank 0), one process per rank."""
-    from shardsmith.runtime.serve.launch import launch
+    from shardsmith.runtime.serve.launch import free_port, launch, under_torchrun
     from shardsmith.runtime.serve.serve_job import ServeJob
 
     if max_request_bytes < 1:
@@ -329,6 +330,9 @@ def serve(
         raise UsageError("--served-model-name must not be empty")
     if max_queue < 0:
         raise UsageError(f"--max-queue must be at least 0, got {max_queue}")
+    if dist_port is not None and dist_port == port:
+        raise UsageError(f"--dist-port {dist_port} is also --port: the ranks' rendezvous and the HTTP server "
+                         "need a port each")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be at least 1 token, got {prefill_chunk}")
     from shardsmith.runtime.serve.http_limits import HTTPLimits
@@ -351,6 +355,8 @@ def serve(
                  mtp_layers=int(spec_decode is not None and spec_decode.method == "mtp"), compile_cache=True,
                  kv_cache_tokens=kv_cache_tokens)
     _check_port(host, port)
+    if spec.dist_port is None and not under_torchrun():  # not the HTTP port, which is still free now
+        spec = dataclasses.replace(spec, dist_port=free_port(avoid={port}))
     raise typer.Exit(launch(spec, ServeJob(host=host, port=port, model_name=served_model_name or spec.path.name,
                                            trust_remote_code=trust_remote_code, max_request_bytes=max_request_bytes,
                                            max_queue=max_queue, prefill_chunk=prefill_chunk,

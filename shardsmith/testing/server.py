@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardsmith.runtime.serve.launch import free_port
+from shardsmith.runtime.serve.launch import free_ports
 
 __all__ = ["READY_TIMEOUT_S", "Server", "ServerFailed", "post", "sse_events"]
 
@@ -42,10 +42,10 @@ class Server:
 
     def __init__(self, pack: Path, log: Path, *extra: str, model: str = "model",
                  ready_timeout: float = READY_TIMEOUT_S) -> None:
-        self.port, self.log_path, self.ready_timeout = free_port(), log, ready_timeout
+        (self.port, dist_port), self.log_path, self.ready_timeout = free_ports(2), log, ready_timeout
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "shardsmith.cli", "serve", str(pack), "--port", str(self.port),
-               "--dist-port", str(free_port()), "--served-model-name", model, *extra]
+               "--dist-port", str(dist_port), "--served-model-name", model, *extra]
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=os.environ | {"PYTHONUNBUFFERED": "1"})

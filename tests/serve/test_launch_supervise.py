@@ -6,9 +6,11 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 
 import pytest
-from shardsmith.runtime.serve.launch import _supervise
+
+from shardsmith.runtime.serve.launch import _supervise, free_port, free_ports
 
 
 def _exit(code: int) -> None:
@@ -43,3 +45,21 @@ def test_clean_exit_logs_nothing(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR, logger="shardsmith.runtime.serve.launch"):
         assert _supervise(procs) == 0
     assert caplog.records == []
+
+
+def test_free_ports_are_distinct_bindable_and_avoid_what_is_named() -> None:
+    """An HTTP server and its rendezvous need different ports: ``free_ports`` holds each until all are chosen."""
+    for _ in range(50):
+        ports = free_ports(4)
+        assert len(set(ports)) == 4
+    avoid = set(free_ports(3))
+    for _ in range(50):
+        assert free_port(avoid=avoid) not in avoid
+    socks = []
+    try:
+        for p in free_ports(3):  # each one is free: it binds
+            socks.append(s := socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", p))
+    finally:
+        for s in socks:
+            s.close()

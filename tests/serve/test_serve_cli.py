@@ -70,6 +70,7 @@ def test_tp_must_match_pack(tmp_path: Path) -> None:
     (("--max-seq-len", "1"), "--max-model-len (--max-seq-len) must be at least 2"),
     (("--max-model-len", "0"), "--max-model-len (--max-seq-len) must be at least 2, got 0"),
     (("--dist-port", "70000"), "--dist-port must be in 1..65535"),
+    (("--dist-port", "8000"), "--dist-port 8000 is also --port: the ranks' rendezvous and the HTTP server need a port each"),
     (("--decode-prompt-tokens", "-1"), "--decode-prompt-tokens must be between 0 and --max-model-len (2048), got -1"),
     (("--decode-prompt-tokens", "99999999999"), "--decode-prompt-tokens must be between 0 and --max-model-len (2048)"),
     (("--kv-cache-tokens", "1000"), "--kv-cache-tokens 1000 is less than one --max-model-len 2048 sequence; at least 2048"),

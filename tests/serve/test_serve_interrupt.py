@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shardsmith.runtime.serve.launch import free_port
+from shardsmith.runtime.serve.launch import free_ports
 
 httpx = pytest.importorskip("httpx")
 
@@ -35,12 +35,12 @@ class Serve:
     """``shardsmith serve`` in its own session (process group), as a terminal would start it."""
 
     def __init__(self, pack: Path, log: Path) -> None:
-        self.port, self.log_path = free_port(), log
+        (self.port, dist_port), self.log_path = free_ports(2), log
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shardsmith.cli", "serve", str(pack), "--port", str(self.port),
-             "--dist-port", str(free_port()), "--served-model-name", MODEL],
+             "--dist-port", str(dist_port), "--served-model-name", MODEL],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             env=os.environ | {"PYTHONUNBUFFERED": "1"})
         self.children: set[int] = set()

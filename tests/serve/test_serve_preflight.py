@@ -31,7 +31,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 from shardsmith.testing.server import Server
 
-from shardsmith.runtime.serve.launch import free_port  # noqa: E402
+from shardsmith.runtime.serve.launch import free_port, free_ports  # noqa: E402
 from shardsmith.runtime.serve.metrics import Metrics  # noqa: E402
 from shardsmith.runtime.serve.server import create_app  # noqa: E402
 from shardsmith.runtime.serve.worker import EngineWorker  # noqa: E402
@@ -201,7 +201,8 @@ def test_serve_of_a_truncated_rank_0_file_exits_2_like_verify(packs, tmp_path: P
     shutil.copytree(packs["mixtral"], pack)
     victim = sorted((pack / "rank-0-of-2").glob("*.safetensors"))[0]
     victim.write_bytes(victim.read_bytes()[:-100])
-    _load_failure(_cli("serve", str(pack), "--port", str(free_port()), "--dist-port", str(free_port())), "(truncated)")
+    http_port, dist_port = free_ports(2)
+    _load_failure(_cli("serve", str(pack), "--port", str(http_port), "--dist-port", str(dist_port)), "(truncated)")
 
 
 def test_rank_from_another_split_exits_2_before_ranks_start(packs, tmp_path: Path) -> None:

@@ -132,11 +132,31 @@ def setup_logging(rank: int | None, level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int, *, avoid: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago, none of them in ``avoid``.
+
+    Every socket stays bound until all ``n`` are chosen, so the kernel cannot hand one port out
+    twice (two calls of :func:`free_port` can return the same port, and an HTTP server and its
+    rendezvous on one port collide).
+    """
+    held: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            if (p := s.getsockname()[1]) not in avoid:
+                ports.append(p)
+        return ports
+    finally:
+        for s in held:
+            s.close()
+
+
+def free_port(*, avoid: frozenset[int] | set[int] = frozenset()) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago and is not in ``avoid``."""
+    return free_ports(1, avoid=avoid)[0]
 
 
 def under_torchrun() -> bool:
