@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,13 +27,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from shardsmith.runtime.serve.launch import free_port
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(pack: Path, port: int, model: str, log: Path, extra: list[str]) -> subprocess.Popen:

@@ -39,7 +39,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,15 +47,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from shardsmith.runtime.serve.launch import free_ports
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 PROMPTS = ["Once upon a time", "The history of the Roman empire", "def quicksort(items):", "My favourite recipe is",
            "In the beginning", "The weather today", "Dear friend, I am writing", "The capital of France is"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -70,10 +65,10 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def start_server(pack: Path, *, device: str, dtype: str, max_num_seqs: int, extra: list[str], log: Path,
                  trace: Path | None = None, cwd: Path | None = None):
-    port = free_port()
+    port, dist_port = free_ports(2)
     env = os.environ | {"PYTHONUNBUFFERED": "1"} | ({"SHARDSMITH_STEP_TRACE": str(trace)} if trace else {})
     cmd = [sys.executable, "-m", "shardsmith.cli", "serve", str(pack), "--port", str(port), "--dist-port",
-           str(free_port()), "--device", device, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+           str(dist_port), "--device", device, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
            "--served-model-name", "bench", *extra]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
