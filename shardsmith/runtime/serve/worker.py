@@ -253,6 +253,7 @@ class EngineWorker:
         self.max_queue, self.prefill_chunk, self.decode_prompt_tokens = max_queue, prefill_chunk, decode_prompt_tokens
         self.prefix_caching, self.speculative = prefix_caching, speculative
         self._waiting: collections.deque[Job] = collections.deque()
+        self._held = False  # the oldest waiting job waits for KV blocks with slots free (set by _admit)
         self._wake = threading.Condition()
         self._stop_requested = False
         self._thread = threading.Thread(target=self._run, name="shardsmith-engine", daemon=True)
@@ -275,17 +276,20 @@ class EngineWorker:
     def submit(self, *jobs: Job) -> None:
         """Queue ``jobs`` for slots (FIFO), all or none (a request's ``n`` choices). Jobs submitted
         while slots are free wait only for the next step boundary: they do not count against
-        ``max_queue``.
+        ``max_queue``, unless the oldest waiting job waits for KV cache blocks (or behind a preempted
+        sequence): then no free slot takes one before blocks come back.
 
         Raises:
             QueueFull: the jobs do not fit: ``max_queue`` would be exceeded beyond the free slots.
         """
         with self._wake:
-            free = self._sched.free_slots if self._sched is not None else 0
+            held = self._held and bool(self._waiting)
+            free = self._sched.free_slots if self._sched is not None and not held else 0
             if len(self._waiting) + len(jobs) > self.max_queue + free:
-                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting for one of "
-                                f"{self._slots()} sequence slots (--max-queue {self.max_queue}); retry later",
-                                retry_after=self._retry_after())
+                why = (f"for KV cache blocks ({self._sched.free_slots} of {self._slots()} sequence slots free)"
+                       if held else f"for one of {self._slots()} sequence slots")
+                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are waiting {why} "
+                                f"(--max-queue {self.max_queue}); retry later", retry_after=self._retry_after())
             self.metrics.queued(+len(jobs))
             self._waiting.extend(jobs)
             self._wake.notify()
@@ -445,12 +449,16 @@ class EngineWorker:
         while self._sched.free_slots:
             with self._wake:
                 if not self._waiting:
+                    self._held = False
                     return
                 job = self._waiting[0]
             if self.stopping is None and not job.cancelled.is_set() and \
                     not self._sched.can_admit(job.prompt_ids):
-                return  # it waits for blocks (or behind a preempted sequence)
+                with self._wake:  # it waits for blocks (or behind a preempted sequence): free slots take no one
+                    self._held = True
+                return
             with self._wake:
+                self._held = False
                 self._waiting.popleft()
             if self.stopping is not None:
                 self._reject(job, self.stopping, stopping=True)
