@@ -54,12 +54,17 @@ def shared_prefix(held: Sequence[int], prompt: Sequence[int]) -> int:
 @dataclass
 class PrefixStats:
     """Counters since start. Attributes: queries: prompts looked up; hits: prompts that resumed a
-    prefix; query_tokens: their prompt tokens; hit_tokens: prompt tokens not computed (reused)."""
+    prefix; query_tokens: their prompt tokens; hit_tokens: prompt tokens not computed (reused).
+    A preempted sequence that resumes (its prompt and the tokens it had fed looked up again) is
+    counted apart, as vLLM does: preempted_queries, preempted_query_tokens, preempted_hit_tokens."""
 
     queries: int = 0
     hits: int = 0
     query_tokens: int = 0
     hit_tokens: int = 0
+    preempted_queries: int = 0
+    preempted_query_tokens: int = 0
+    preempted_hit_tokens: int = 0
 
 
 class PrefixCache:
@@ -116,19 +121,26 @@ class PrefixCache:
         # nothing shared: a slot that holds nothing, else the least recently used
         return (self._first_to_give_up(free) if best is None else best), reused
 
-    def choose(self, free: Sequence[int], prompt: Sequence[int]) -> tuple[int, int]:
+    def choose(self, free: Sequence[int], prompt: Sequence[int], *, preempted: bool = False) -> tuple[int, int]:
         """``(slot, reused)``: the free slot for ``prompt`` and the tokens it skips; counted in
-        :attr:`stats`. The slot is no longer free: its held tokens are dropped here.
+        :attr:`stats` (``preempted``: a preempted sequence resuming, counted apart). The slot is no
+        longer free: its held tokens are dropped here.
 
         Raises:
             ValueError: no free slot.
         """
         best, reused = self.pick(free, prompt)
         self.held[best] = ()
-        self.stats.queries += 1
-        self.stats.query_tokens += len(prompt)
-        self.stats.hits += reused > 0
-        self.stats.hit_tokens += reused
+        st = self.stats
+        if preempted:
+            st.preempted_queries += 1
+            st.preempted_query_tokens += len(prompt)
+            st.preempted_hit_tokens += reused
+        else:
+            st.queries += 1
+            st.query_tokens += len(prompt)
+            st.hits += reused > 0
+            st.hit_tokens += reused
         return best, reused
 
     def evictable(self, free: Sequence[int]) -> int:

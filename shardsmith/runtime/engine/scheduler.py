@@ -399,10 +399,11 @@ class Scheduler:
         seq.generator, seq.admitted = make_generator(seq.params.seed), time.perf_counter()
         seq.reused = self._place(seq)
 
-    def _place(self, seq: Sequence) -> int:
+    def _place(self, seq: Sequence, *, preempted: bool = False) -> int:
         """Put ``seq`` in the free slot that holds the longest prefix of its prefill's tokens (resumed from
-        there) and run it; returns the tokens resumed."""
-        slot, reused = self.prefix.choose(self._free, seq.context())
+        there) and run it; returns the tokens resumed (``preempted``: it resumes after a preemption,
+        counted apart in the prefix cache's stats)."""
+        slot, reused = self.prefix.choose(self._free, seq.context(), preempted=preempted)
         self._free.remove(slot)
         if reused:
             self.engine.restore(slot, reused)  # back to a resume point (a no-op where the state rewinds)
@@ -450,7 +451,7 @@ class Scheduler:
         """Preempted sequences back into free slots, oldest first, while the pool has room for each one's
         prefill (:meth:`_room_for`)."""
         while self.preempted and self._room_for(self.preempted[0].context()):
-            self._place(self.preempted.pop(0))
+            self._place(self.preempted.pop(0), preempted=True)
 
     def _make_room(self) -> list[tuple[Sequence, StepOutput]]:
         """Before a step, blocks for every running sequence's next step (:meth:`blocks_needed`): kept

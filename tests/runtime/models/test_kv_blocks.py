@@ -210,8 +210,10 @@ def _serve(engine, requests=None, overlap: bool = False) -> dict:
         for seq, out in sched.step():
             tokens[seq.tag].append(out.token_id)
     kv = engine.kv_blocks
+    st = sched.prefix.stats
     return {"tokens": tokens, "together": together, "preemptions": sched.preemptions,
-            "held": [kv.held(s) for s in range(4)] if kv else None}
+            "held": [kv.held(s) for s in range(4)] if kv else None,
+            "lookups": (st.queries, st.query_tokens, st.preempted_queries, st.preempted_query_tokens)}
 
 
 def _tp2_serve(path: str, kw: dict, rank: int, world_size: int):
@@ -247,6 +249,10 @@ def test_the_last_arrived_is_preempted_and_resumes_with_the_same_tokens(checkpoi
     assert paged["tokens"] == full["tokens"]
     assert [len(t) for t in paged["tokens"].values()] == [30] * len(GROWING)
     assert full["preemptions"] == 0 and paged["preemptions"] >= 1
+    prompts = sum(len(p) for p, _ in GROWING)  # a resume is counted apart from the requests' own lookups
+    assert paged["lookups"][:2] == full["lookups"][:2] == (len(GROWING), prompts)
+    assert paged["lookups"][2] == paged["preemptions"] and paged["lookups"][3] > 16 * paged["lookups"][2]
+    assert full["lookups"][2:] == (0, 0)
     assert paged["together"][0] == [0, 1, 2]  # all admitted on their prompts' blocks
     assert [0, 1] in paged["together"] and [2] in paged["together"]  # preempted, then resumed alone
     assert sum(paged["held"]) <= 6
