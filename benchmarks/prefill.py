@@ -51,16 +51,26 @@ from shardsmith.runtime.layers.experts import grouped_mm_runs as _GROUPED
 
 
 def set_path(model: torch.nn.Module, path: str) -> None:
-    """Switch the prefill path for this run: ``ATTENTION/MOE``, attention ``kernel`` or ``reference``
+    """Switch the prefill path for this run: ``ATTENTION/MOE[/MATHS]``, attention ``kernel`` or ``reference``
     (every V4 attention layer's ``prefill_kernel``), MoE ``grouped`` (FP4 banks' grouped matmuls) or
-    ``loop`` (expert by expert, as before them)."""
-    from shardsmith.runtime.layers import experts
+    ``loop`` (expert by expert, as before them), the chunk's row-wise maths ``fused`` (compiled,
+    :mod:`~shardsmith.runtime.layers.fused`) or ``eager`` (default: as ``compile_pieces`` says)."""
+    from shardsmith.runtime.layers import experts, fused
 
-    attention, moe = path.split("/")
+    attention, moe, *maths = path.split("/")
     for m in model.modules():
         if hasattr(m, "prefill_kernel"):
             m.prefill_kernel = attention == "kernel"
     experts.grouped_mm_runs = _GROUPED if moe == "grouped" else (lambda x: False)
+    fused.ENABLED = {"fused": True, "eager": False}[maths[0]] if maths else None
+
+
+def chunk_maths(path: str) -> str:
+    """The row-wise maths a path ran: ``fused`` or ``eager``."""
+    from shardsmith.runtime.layers import fused
+
+    parts = path.split("/")
+    return parts[2] if len(parts) > 2 else ("fused" if fused.compiles() else "eager")
 
 
 def peak_gib(engine: Engine) -> float | None:
@@ -171,7 +181,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--chunk", type=int, nargs="+", default=[2048])
     ap.add_argument("--paths", nargs="+", default=["kernel/grouped", "reference/grouped"],
-                    help="ATTENTION/MOE: attention kernel|reference, MoE grouped|loop; the last is the baseline")
+                    help="ATTENTION/MOE[/MATHS]: attention kernel|reference, MoE grouped|loop, the chunk's row-wise "
+                         "maths fused|eager (default: compile_pieces'); the last is the baseline")
     ap.add_argument("--baseline-max", type=int, default=32768, help="longest prompt the baseline path runs")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="list the TOP kernels of one chunk (CUDA)")
@@ -212,9 +223,10 @@ def main() -> None:
                 print(f"prompt {length} chunk {chunk} {path}: {got[path][0]:.3f} s", flush=True)
             base = got.get(a.paths[-1])
             for path, (secs, token) in got.items():
-                attention, moe = path.split("/")
+                attention, moe = path.split("/")[:2]
                 rows.append({"device": device, "tp": 1, "layers": layers, "experts_per_layer": experts,
                              "prompt_tokens": length, "chunk_tokens": chunk, "attention": attention, "moe": moe,
+                             "chunk_maths": chunk_maths(path),
                              "ttft_s": round(secs, 4), "prefill_tokens_per_s": round(length / secs, 1),
                              "ratio_to_baseline": round(base[0] / secs, 3) if base else None,
                              "same_last_token": token == base[1] if base else None, "moe_backend": "resident",
@@ -229,13 +241,14 @@ def main() -> None:
         print(f"\nGPU kernels of the last {chunk}-token chunk of a {longest}-token prompt, {a.paths[0]}:")
         for op in ops:
             print(f"  {op['ms']:>10.2f} ms {op['share']:>6.1%} {op['calls']:>6}  {op['kernel']}")
-    print(f"\n{'prompt':>7} {'chunk':>6} {'path':<18} {'experts':<20} {'ttft s':>9} {'tok/s':>9} {'vs base':>8} "
+    print(f"\n{'prompt':>7} {'chunk':>6} {'path':<24} {'experts':<20} {'ttft s':>9} {'tok/s':>9} {'vs base':>8} "
           f"{'same':>5} {'link MiB/token':>15}")
     for r in rows:
         ratio = "" if r["ratio_to_baseline"] is None else f"{r['ratio_to_baseline']:.2f}"
         link = r.get("link_bytes_per_prompt_token")
         where = r["moe_backend"] + (f" {r['cache_fraction']:.0%}" if "cache_fraction" in r else "")
-        print(f"{r['prompt_tokens']:>7} {r['chunk_tokens']:>6} {r['attention'] + '/' + r['moe']:<18} {where:<20} "
+        label = "/".join(p for p in (r["attention"], r["moe"], r.get("chunk_maths")) if p)
+        print(f"{r['prompt_tokens']:>7} {r['chunk_tokens']:>6} {label:<24} {where:<20} "
               f"{r['ttft_s']:>9.3f} {r['prefill_tokens_per_s']:>9.1f} {ratio:>8} {str(r['same_last_token']):>5} "
               f"{'' if link is None else f'{link / 2**20:.2f}':>15}")
     save_results("prefill", rows, extra={"path": a.path.name, "dtype": a.dtype, "profile": profiles}, path=a.out)

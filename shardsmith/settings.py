@@ -235,7 +235,8 @@ class Settings:
     host_kernel: bool = _item(KERNELS, "host_experts", "on, reference", "on",
                               "the compiled host expert kernel (reference: the PyTorch path)", _on, True, "HOST_KERNEL")
     compile_pieces: Kernel = _kernel_item("compile_pieces", "torch.compile the row-wise pieces of a decode step "
-                                          "(auto: on CUDA; kernel: on the CPU too, inductor's C++ code)",
+                                          "and a prefill chunk's row-wise maths (auto: on CUDA; kernel: on the "
+                                          "CPU too, inductor's C++ code)",
                                           "COMPILE_PIECES")
     merge_projections: bool = _item(KERNELS, "merge_projections", "on, reference", "on",
                                     "merge same-input projections into one launch on the kernel path", _on, True,

@@ -77,6 +77,7 @@ from typing import Any
 import torch
 
 from shardsmith import settings
+from shardsmith.runtime.layers.fused import compiles
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -217,12 +218,6 @@ def _rows_symbolic(fn: Callable[..., Tensors], *args: Any) -> Tensors:
 
 
 _COMPILED: dict[type, dict[str, Callable[..., Tensors]]] = {}
-
-
-def compiles() -> bool:
-    """Whether :func:`compiled` compiles (``compile_pieces``: ``auto`` on CUDA, ``kernel`` everywhere)."""
-    mode = settings.current().compile_pieces
-    return mode is settings.Kernel.KERNEL or (mode is settings.Kernel.AUTO and torch.cuda.is_available())
 
 
 def layer_pieces(layer: Any, pool: GraphPool, index: int, *, whole: bool, tag: str = "") -> dict[str, GraphedPiece]:

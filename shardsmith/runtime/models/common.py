@@ -44,9 +44,14 @@ class RMSNormF32(nn.Module):
         self.register_buffer("weight", torch.empty(dim, dtype=torch.float32, device="meta"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, self.weight, self.eps)
+
+    @staticmethod
+    def normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The norm as a function of its ``weight [D]`` float32 and ``eps`` (for fused callers)."""
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight * h).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -153,6 +153,35 @@ def test_prefill_kernels_match_transformers_and_the_reference_in_chunks(v4: dict
     torch.testing.assert_close(run(True, chunks), run(False, chunks), atol=ATOL, rtol=0)
 
 
+def test_fused_chunk_maths_match_transformers_and_the_eager_chunks(v4: dict, use_settings) -> None:
+    """The row-wise maths of a prefill chunk compiled (``compile_pieces=kernel``: Inductor's C++ code on the
+    CPU): every layer and every chunk length shares one graph per fused function (the mixer's scores and
+    collapse with the block's norm, the query heads' norm and RoPE, the output's inverse RoPE), and the
+    logits are transformers' in one pass and the eager chunks' in three."""
+    from torch._dynamo.utils import counters
+
+    from shardsmith.runtime.engine.loader import load_rank_weights
+    from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
+
+    def run(compiled: bool, chunks: tuple[int, ...]) -> torch.Tensor:
+        use_settings(compile_pieces="kernel" if compiled else "reference")
+        model = DeepseekV4.from_weights(load_rank_weights(v4["ckpt"], rank=0, world_size=1, from_checkpoint=True),
+                                        dtype=torch.float32, max_seq_len=PROMPT_LEN + STEPS)
+        logits, pos = [], 0
+        for n in chunks:
+            logits.append(model(v4["ids"][pos:pos + n], pos, last_only=False))
+            pos += n
+        return torch.cat(logits)
+
+    chunks = (101, 78, PROMPT_LEN - 179)
+    before = counters["stats"]["unique_graphs"]
+    fused = run(True, chunks)
+    assert counters["stats"]["unique_graphs"] - before == 4  # 4 layers of 3 kinds, chunks of 3 lengths
+    torch.testing.assert_close(fused, run(False, chunks), atol=ATOL, rtol=0)
+    torch.testing.assert_close(run(True, (PROMPT_LEN,)), v4["ref"]["prefill"], atol=ATOL, rtol=0)
+    assert counters["stats"]["unique_graphs"] - before == 4
+
+
 def test_start_must_continue_the_sequence(v4: dict) -> None:
     from shardsmith.errors import UsageError
     from shardsmith.runtime.models.deepseek_v4 import DeepseekV4

@@ -55,6 +55,7 @@ from shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention import pref
 from shardsmith.runtime.layers.kernels.deepseek_v4.sink_attention import sink_attention
 from shardsmith import settings
 from shardsmith.errors import UsageError
+from shardsmith.runtime.layers.fused import for_chunks
 from shardsmith.runtime.layers.parallel import ReplicatedLinear, Shards, kernel_on, merge_rows
 from shardsmith.runtime.models.deepseek_v4.compressor import Compressor, Indexer
 from shardsmith.runtime.models.deepseek_v4.config import V4Args
@@ -285,8 +286,7 @@ class Attention(nn.Module):
         else:
             q_a, kv = self.wq_a(x), self.wkv(x)
         q_lora = self.q_norm(q_a)  # [T, q_lora]
-        q = rms_unweighted(self.wq_b(q_lora).view(T, self.n_heads, d), self.eps)  # [T, n, d]
-        q = apply_rope(q, cos, sin)
+        q = query_heads(self.wq_b(q_lora).view(T, self.n_heads, d), cos, sin, self.eps)  # [T, n, d]
         kv = apply_rope(self.kv_norm(kv), cos, sin)  # [T, d]
         out = (q, kv, q_lora)
         if not side or self.compressor is None:
@@ -400,5 +400,17 @@ class Attention(nn.Module):
         """Inverse RoPE, grouped ``wo_a``, row-parallel ``wo_b`` (the all-reduce): ``[T, n, d] -> [T, D]``."""
         T = out.shape[0]
         groups = self.wo_a.weight.shape[0] // self.o_rank  # G: whole output groups of this rank's heads
-        out = apply_rope(out, cos, -sin).reshape(T, groups, -1)  # [T, G, n*d/G]
+        out = unrope(out, cos, sin).reshape(T, groups, -1)  # [T, G, n*d/G]
         return self.wo_b(self.wo_a.grouped(out))  # [T, G*o] -> [T, D]
+
+
+@for_chunks
+def query_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head of ``q [T, n, d]`` over its rms (unweighted), then RoPE at ``cos``/``sin`` ``[T, r/2]``."""
+    return apply_rope(rms_unweighted(q, eps), cos, sin)
+
+
+@for_chunks
+def unrope(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The inverse rotation of the attention output ``[T, n, d]`` (RoPE at ``-sin``)."""
+    return apply_rope(out, cos, -sin)

@@ -40,6 +40,7 @@ from torch import nn
 from shardsmith.runtime.layers.kernels.deepseek_v4.hc_mix import hc_mix
 from shardsmith.runtime.layers.kernels.deepseek_v4.hc_post import hc_post
 from shardsmith.runtime.layers.kernels.deepseek_v4.hc_pre import hc_pre_op as hc_pre
+from shardsmith.runtime.layers.fused import for_chunks
 from shardsmith.runtime.layers.parallel import kernel_on
 from shardsmith.runtime.models.common import RMSNormF32
 from shardsmith.runtime.models.deepseek_v4.ops import rms_unweighted
@@ -76,12 +77,13 @@ class HyperMixer(nn.Module):
             x, _, post, comb = hc_pre(streams, self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps,
                                       out_norm=None if norm is None else (norm.weight, norm.eps))
             return x, post, comb
-        f = F.linear(rms_unweighted(streams.flatten(1).float(), self.norm_eps), self.fn)  # [T, (2+m)*m]
+        f = mixer_scores(streams, self.fn, self.norm_eps)  # [T, (2+m)*m]
         # the kernel on CUDA only: on CPU the reference (TRITON_INTERPRET=1 in a test must not slow every model)
         pre, post, comb = hc_mix(f, self.base, self.scale, self.m, self.iters, self.eps,
                                  backend="auto" if f.is_cuda else "reference")
-        collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)  # [T, D]
-        return (collapsed if norm is None else norm(collapsed)), post, comb
+        if norm is None:
+            return collapse(streams, pre), post, comb
+        return collapse_norm(streams, pre, norm.weight, norm.eps), post, comb
 
     def expand(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The sublayer's ``out [T, D]`` spread onto ``streams [T, m, D]`` with this mixer's ``post`` and
@@ -116,6 +118,24 @@ class HyperMixer(nn.Module):
                     torch.zeros(1, m, device=dev), torch.zeros(1, m, m, device=dev))
             launches += 1
         return launches
+
+
+@for_chunks
+def mixer_scores(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``rms(flatten(streams)) @ fn.T`` in float32: ``[T, m, D]`` -> ``[T, (2+m)*m]`` (the mixer's ``f``)."""
+    return F.linear(rms_unweighted(streams.flatten(1).float(), norm_eps), fn)
+
+
+@for_chunks
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``sum_j pre[j] * streams[j]``: ``[T, m, D]`` with ``pre [T, m]`` float32 -> ``[T, D]`` in ``streams.dtype``."""
+    return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+
+
+@for_chunks
+def collapse_norm(streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`collapse` then the block's RMSNormF32 (``weight [D]`` float32, ``eps``): ``[T, D]``."""
+    return RMSNormF32.normalize(collapse.reference(streams, pre), weight, eps)
 
 
 def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
