@@ -62,6 +62,7 @@ from torch import nn
 
 from shardsmith.dtypes import DTYPES
 from shardsmith.errors import RuntimeLoadError
+from shardsmith.runtime.layers.fused import for_chunks
 from shardsmith.runtime.layers.kernels import fused_experts
 from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs, swiglu
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
@@ -257,15 +258,34 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
         if "gate_up_bias" in got:
             h = h + got["gate_up_bias"].to(x.dtype).repeat_interleave(sizes[g:g + group], dim=0)
         down = dequantize_fp4(got["down"], got["down_scale"], x.dtype)  # [G, D, I_r]
-        ys[start:start + n] = torch._grouped_mm(math.glu(h), down.transpose(-2, -1), offs=offs)
+        h = glu_rows(h, math.limit, math.alpha, math.interleaved)
+        ys[start:start + n] = torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)
         start += n
-    pairs = torch.empty_like(ys, dtype=math.sum_dtype(x.dtype))
-    pairs[order] = math.contribution(ys, weight.flatten()[order], x.dtype)  # back to [T*K] row-major
     by_expert = index.argsort(dim=1, stable=True)  # [T, K]: each token's experts, ascending
-    pairs = pairs.view(T, K, -1).gather(1, by_expert[..., None].expand(T, K, pairs.shape[-1]))
-    out = math.accumulator(x)
-    for k in range(K):
-        out += pairs[:, k]
+    sorted_at = torch.empty_like(order)
+    sorted_at[order] = torch.arange(order.shape[0], device=order.device)  # pair t*K+j -> its row of ys
+    rows = sorted_at.view(T, K).gather(1, by_expert)  # [T, K]: ys row of token t's k-th expert (ascending)
+    return combine_pairs(x, ys, rows, weight.gather(1, by_expert), math.accumulate_f32)
+
+
+@for_chunks
+def glu_rows(h: torch.Tensor, limit: float, alpha: float | None, interleaved: bool) -> torch.Tensor:
+    """:meth:`ExpertMath.glu` of ``h [n, 2*I_r]`` from its fields: ``[n, I_r]`` (a chunk's pairs, fused)."""
+    gate, up = (h[..., ::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
+    return swiglu(gate, up, limit, alpha)
+
+
+@for_chunks
+def combine_pairs(x: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                  accumulate_f32: bool) -> torch.Tensor:
+    """Each token's expert outputs weighted and added in ascending expert order, as the expert-by-expert
+    loop adds them: ``out[t] = sum_k weight[t, k] * ys[rows[t, k]]`` (in float32 with
+    ``accumulate_f32``, else in ``x.dtype``), ``[T, D]`` in ``x.dtype`` (``x [T, D]`` gives the shape).
+    ``ys [P, D]`` the pairs' outputs, ``rows``/``weight`` ``[T, K]``."""
+    out = torch.zeros(x.shape, dtype=torch.float32 if accumulate_f32 else x.dtype, device=x.device)
+    for k in range(rows.shape[1]):  # ExpertMath.contribution's roundings
+        y, w = ys[rows[:, k]], weight[:, k]
+        out += y.float() * w.float()[:, None] if accumulate_f32 else (y * w[:, None]).to(x.dtype)
     return out.to(x.dtype)
 
 

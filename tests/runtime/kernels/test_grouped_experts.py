@@ -41,6 +41,25 @@ def test_v4_grouped_is_the_loop_bit_for_bit(dtype, group):
     assert got.dtype == dtype and torch.equal(got, loop(x, index, weight, arrays, V4_MATH))
 
 
+@pytest.mark.parametrize("math", [V4_MATH, GPT_OSS_MATH], ids=["v4", "gpt-oss"])
+def test_fused_chunk_maths_give_the_loop(monkeypatch, math):
+    """The SwiGLU of the pairs and the per-token combine compiled (``fused.ENABLED``, Inductor's C++ code):
+    the combine's adds keep the loop's order, so it is the reference bit for bit; the whole bank within
+    float32 rounding (the SwiGLU's ``exp`` is Inductor's)."""
+    from shardsmith.runtime.layers import experts, fused
+
+    gen = torch.Generator().manual_seed(11)
+    arrays = random_bank(12, 64, 32, fp4=True, gen=gen)
+    index, weight = random_routing(37, 4, 10, gen=gen)
+    x = torch.randn(37, 64, generator=gen)
+    ys, rows = torch.randn(37 * 4, 64, generator=gen).bfloat16(), torch.randperm(37 * 4, generator=gen).view(37, 4)
+    want = experts.combine_pairs.reference(x.bfloat16(), ys, rows, weight, True)
+    want_loop = loop(x, index, weight, arrays, math)
+    monkeypatch.setattr(fused, "ENABLED", True)
+    assert torch.equal(experts.combine_pairs(x.bfloat16(), ys, rows, weight, True), want)
+    assert rel_error(grouped_fp4(x, index, weight, arrays, math, group=5), want_loop) < 1e-6
+
+
 def test_gpt_oss_grouped_matches_the_loop():
     gen = torch.Generator().manual_seed(5)
     arrays = random_bank(8, 64, 32, fp4=True, gen=gen)
