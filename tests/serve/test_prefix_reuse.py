@@ -57,8 +57,7 @@ def test_a_long_conversation_reuses_its_history(smollm2_pack, tmp_path: Path) ->
     assert on[0].prompt_tokens >= 750 and on[0].cached_tokens == 0
     for prev, turn in zip(on, on[1:]):
         # everything the previous turn's slot was fed, bar where the resent answer's tokens differ from the generated ones
-        assert turn.cached_tokens >= prev.prompt_tokens, (prev, turn)
-        assert turn.ttft_s <= 0.3 * on[0].ttft_s, [t.ttft_s for t in on]
+        assert turn.cached_tokens >= prev.prompt_tokens, (prev, turn)  # what it saves: benchmarks/prefix_reuse.py
     assert _metric(metrics, "prefix_cache_hits_total") == 2
     assert _metric(metrics, "prefix_cache_hit_tokens_total") == on[1].cached_tokens + on[2].cached_tokens
     assert _metric(metrics, "prefix_cache_tokens") >= on[2].prompt_tokens  # the last turn's slot, kept
