@@ -12,8 +12,9 @@
 #   sampling        the sampling fields per decode step on the 5-layer template pack (sampling.py)
 #   kernels         the decode kernels side by side (decode_kernels.py)
 #   serve           8 concurrent streams against one through the real serve path (serve_concurrency.py)
-#   prefill         the prefill kernels' GPU tests, then 1k-32k prompts through a full-depth checkpoint in
-#                   2k and 8k chunks, the chunk maths fused against eager, and one chunk's kernels profiled (prefill.py)
+#   prefill         the prefill kernels' GPU tests, the fused chunk maths against eager function by function
+#                   (fused_chunks.py), then 1k-32k prompts through a full-depth checkpoint in 2k and 8k chunks,
+#                   fused against eager, and one chunk's kernels profiled (prefill.py)
 #   prefill-moe     2k and 8k prompts through 4 layers x 256 FP4 experts: grouped experts against the loop,
 #                   then offloaded (a 25% cache): each chunk streaming its missing experts once against the
 #                   decode-sized slot path, with the link bytes per prompt token
@@ -132,6 +133,8 @@ full_depth() {  # 43 V4-Flash-shaped layers x 8 FP4 experts (written once)
 step_prefill() {
     timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/runtime/kernels/test_prefill_attention.py \
         tests/runtime/kernels/test_grouped_experts.py tests/runtime/kernels/test_fused_chunks.py 2>&1 | tail -3
+    timeout "${FUSED_S:-180}" python3 benchmarks/fused_chunks.py --device cuda --tokens 2048 8192 2>&1 | grep -v INFO \
+        | tee "$OUT/fused_chunks.log" | tail -16; keep fused_chunks
     full_depth || return 1
     timeout "${PREFILL_S:-420}" python3 benchmarks/prefill.py /tmp/v4f --from-checkpoint --device cuda \
         --prompt ${PREFILL_PROMPTS:-1024 8192 32768} --chunk ${PREFILL_CHUNKS:-2048 8192} --baseline-max 8192 \

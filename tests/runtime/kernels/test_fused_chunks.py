@@ -9,30 +9,9 @@ import pytest
 import torch
 
 from shardsmith.runtime.layers import fused
-from shardsmith.runtime.layers.experts import combine_pairs, glu_rows
 from shardsmith.runtime.layers.kernels.testing import rel_error
-from shardsmith.runtime.models.deepseek_v4.attention import query_heads, unrope
-from shardsmith.runtime.models.deepseek_v4.hyper import collapse, collapse_norm, mixer_scores
-
-
-def _cases(T: int, *, m: int, D: int, n: int, d: int, r: int, K: int, I: int, dtype, device, gen):
-    """``(function, args)`` of every fused function at ``T`` rows."""
-    def rnd(*shape, dt=dtype):
-        return torch.randn(*shape, generator=gen, device=device).to(dt)
-
-    streams, pre = rnd(T, m, D), torch.rand(T, m, generator=gen, device=device)
-    angles = torch.rand(T, r // 2, generator=gen, device=device) * 6.28
-    cos, sin = angles.cos(), angles.sin()
-    return [
-        (mixer_scores, (streams, rnd(24, m * D, dt=torch.float32) * 0.01, 1e-6)),
-        (collapse, (streams, pre)),
-        (collapse_norm, (streams, pre, rnd(D, dt=torch.float32), 1e-6)),
-        (query_heads, (rnd(T, n, d), cos, sin, 1e-6)),
-        (unrope, (rnd(T, n, d), cos, sin)),
-        (glu_rows, (rnd(T, 2 * I), 10.0, None, False)),
-        (combine_pairs, (rnd(T, D), rnd(T * K, D), torch.randperm(T * K, generator=gen, device=device).view(T, K),
-                         torch.rand(T, K, generator=gen, device=device), True)),
-    ]
+from shardsmith.runtime.models.deepseek_v4.attention import unrope
+from shardsmith.testing.fused_cases import V4_FLASH, fused_chunk_cases
 
 
 def _check(lengths: tuple[int, ...], tol: float, monkeypatch, **shapes) -> None:
@@ -42,7 +21,7 @@ def _check(lengths: tuple[int, ...], tol: float, monkeypatch, **shapes) -> None:
     gen = torch.Generator(device=shapes["device"]).manual_seed(0)
     before = counters["stats"]["unique_graphs"]
     for T in lengths:
-        for fn, args in _cases(T, gen=gen, **shapes):
+        for fn, args in fused_chunk_cases(T, gen=gen, **shapes):
             got, want = fn(*args), fn.reference(*args)
             assert got.dtype == want.dtype and got.shape == want.shape, fn.__name__
             assert rel_error(got.float(), want.float()) <= tol, (fn.__name__, T, rel_error(got.float(), want.float()))
@@ -67,5 +46,4 @@ def test_decode_rows_are_not_compiled(monkeypatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_v4_flash_shapes_on_cuda_within_bf16(monkeypatch) -> None:
-    _check((8192, 333), 1e-2, monkeypatch, m=4, D=4096, n=64, d=512, r=64, K=6, I=2048, dtype=torch.bfloat16,
-           device="cuda")
+    _check((8192, 333), 1e-2, monkeypatch, **V4_FLASH, dtype=torch.bfloat16, device="cuda")
