@@ -1,6 +1,6 @@
 """Bounded load test: 8 concurrent clients against ``shardsmith serve`` (SmolLM2 MoE, TP=2, CPU/gloo).
 
-Duration: ``$SHARDSMITH_LOAD_SECONDS`` (default 30). Every request is greedy with a short
+Duration: ``$SHARDSMITH_LOAD_SECONDS`` (default 15). Every request is greedy with a short
 ``max_tokens``, so each answer must equal the one a single client got before the load; no request
 may fail; ``/health`` must stay fast (the event loop never waits on the engine) and ready after.
 """
@@ -22,7 +22,7 @@ from shardsmith.testing.server import Server
 MODEL = "smollm2-tp2"
 
 CLIENTS = 8
-DURATION_S = float(os.environ.get("SHARDSMITH_LOAD_SECONDS", "30"))
+DURATION_S = float(os.environ.get("SHARDSMITH_LOAD_SECONDS", "15"))
 REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                               "temperature": 0, "max_tokens": 8}),

@@ -113,11 +113,7 @@ class ExpertMath:
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``[n, 2*I_r]`` gate/up projection (rows laid out as ``interleaved`` says) -> ``[n, I_r]``."""
-        if self.interleaved:
-            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-        return swiglu(gate, up, self.limit, self.alpha)
+        return glu_rows.reference(gate_up, self.limit, self.alpha, self.interleaved)
 
     def accumulator(self, x: torch.Tensor) -> torch.Tensor:
         """Zeros ``[T, D]`` to :meth:`torch.Tensor.index_add_` contributions into."""
@@ -270,7 +266,8 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
 
 @for_chunks
 def glu_rows(h: torch.Tensor, limit: float, alpha: float | None, interleaved: bool) -> torch.Tensor:
-    """:meth:`ExpertMath.glu` of ``h [n, 2*I_r]`` from its fields: ``[n, I_r]`` (a chunk's pairs, fused)."""
+    """:meth:`ExpertMath.glu` from its fields: ``h [n, 2*I_r]`` gate/up rows (``interleaved``, or gate then
+    up) -> ``[n, I_r]``; fused for a chunk's pairs."""
     gate, up = (h[..., ::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
     return swiglu(gate, up, limit, alpha)
 
