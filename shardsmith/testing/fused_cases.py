@@ -38,3 +38,10 @@ def fused_chunk_cases(T: int, *, m: int, D: int, n: int, d: int, r: int, K: int,
         (combine_pairs, (rnd(T, D), rnd(T * K, D), torch.randperm(T * K, generator=gen, device=device).view(T, K),
                          torch.rand(T, K, generator=gen, device=device), True)),
     ]
+
+
+def compiled_graphs(fn: Callable[..., Any]) -> int:
+    """Graphs dynamo holds for the fused function ``fn`` in this process (its code's cache entries)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(fn.reference.__code__))
