@@ -125,7 +125,13 @@ class ExpertMath:
 
     def contribution(self, y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Expert output ``y [n, D]`` times its routing weights ``w [n]``, in the accumulator's dtype."""
-        return y.float() * w.float()[:, None] if self.accumulate_f32 else (y * w[:, None]).to(dtype)
+        return weighted(y, w, dtype, self.accumulate_f32)
+
+
+def weighted(y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, accumulate_f32: bool) -> torch.Tensor:
+    """:meth:`ExpertMath.contribution` from its field: ``y [n, D] * w [n]`` in float32 with ``accumulate_f32``,
+    else in ``dtype``."""
+    return y.float() * w.float()[:, None] if accumulate_f32 else (y * w[:, None]).to(dtype)
 
 
 
@@ -280,9 +286,8 @@ def combine_pairs(x: torch.Tensor, ys: torch.Tensor, rows: torch.Tensor, weight:
     ``accumulate_f32``, else in ``x.dtype``), ``[T, D]`` in ``x.dtype`` (``x [T, D]`` gives the shape).
     ``ys [P, D]`` the pairs' outputs, ``rows``/``weight`` ``[T, K]``."""
     out = torch.zeros(x.shape, dtype=torch.float32 if accumulate_f32 else x.dtype, device=x.device)
-    for k in range(rows.shape[1]):  # ExpertMath.contribution's roundings
-        y, w = ys[rows[:, k]], weight[:, k]
-        out += y.float() * w.float()[:, None] if accumulate_f32 else (y * w[:, None]).to(x.dtype)
+    for k in range(rows.shape[1]):
+        out += weighted(ys[rows[:, k]], weight[:, k], x.dtype, accumulate_f32)
     return out.to(x.dtype)
 
 
