@@ -8,7 +8,8 @@ weights). For each prompt length (random token ids) and chunk size it prefills t
 chunk into one slot, as the scheduler feeds a long prompt, once per ``--paths`` entry ``ATTENTION/MOE``:
 attention ``kernel`` (:func:`~shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention.prefill_attention`
 and the indexer's kernel scores) or ``reference`` (the same maths in float32 einsums); MoE ``grouped``
-(:func:`~shardsmith.runtime.layers.experts.grouped_fp4`) or ``loop`` (expert by expert). Time from the
+(:func:`~shardsmith.runtime.layers.experts.grouped_fp4`: on a GPU the FP4 tile kernel), ``expanded`` (the same,
+experts expanded to bf16 for ``torch._grouped_mm``) or ``loop`` (expert by expert). Time from the
 first chunk to the last logits on the host (``ttft_s``, median of ``--repeat`` after one untimed run
 that compiles). With ``--profile`` one chunk at the longest prompt's end runs under ``torch.profiler``
 on the first path and the GPU kernels that take the most time are listed.
@@ -52,8 +53,9 @@ from shardsmith.runtime.layers.experts import grouped_mm_runs as _GROUPED
 
 def set_path(model: torch.nn.Module, path: str) -> None:
     """Switch the prefill path for this run: ``ATTENTION/MOE[/MATHS]``, attention ``kernel`` or ``reference``
-    (every V4 attention layer's ``prefill_kernel``), MoE ``grouped`` (FP4 banks' grouped matmuls) or
-    ``loop`` (expert by expert, as before them), the chunk's row-wise maths ``fused`` (compiled,
+    (every V4 attention layer's ``prefill_kernel``), MoE ``grouped`` (FP4 banks' grouped matmuls, the FP4
+    tile kernel where it runs), ``expanded`` (grouped, each group's experts expanded to the activations'
+    dtype first) or ``loop`` (expert by expert, as before them), the chunk's row-wise maths ``fused`` (compiled,
     :mod:`~shardsmith.runtime.layers.fused`) or ``eager`` (default: as ``compile_pieces`` says)."""
     from shardsmith.runtime.layers import experts, fused
 
@@ -61,7 +63,10 @@ def set_path(model: torch.nn.Module, path: str) -> None:
     for m in model.modules():
         if hasattr(m, "prefill_kernel"):
             m.prefill_kernel = attention == "kernel"
-    experts.grouped_mm_runs = _GROUPED if moe == "grouped" else (lambda x: False)
+    if moe not in ("grouped", "expanded", "loop"):
+        raise SystemExit(f"--paths {path!r}: MoE must be grouped, expanded or loop")
+    experts.grouped_mm_runs = _GROUPED if moe != "loop" else (lambda x: False)
+    experts.TILE_KERNEL = False if moe == "expanded" else None
     fused.ENABLED = {"fused": True, "eager": False}[maths[0]] if maths else None
 
 
@@ -181,7 +186,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--chunk", type=int, nargs="+", default=[2048])
     ap.add_argument("--paths", nargs="+", default=["kernel/grouped", "reference/grouped"],
-                    help="ATTENTION/MOE[/MATHS]: attention kernel|reference, MoE grouped|loop, the chunk's row-wise "
+                    help="ATTENTION/MOE[/MATHS]: attention kernel|reference, MoE grouped|expanded|loop, the chunk's row-wise "
                          "maths fused|eager (default: compile_pieces'); the last is the baseline")
     ap.add_argument("--baseline-max", type=int, default=32768, help="longest prompt the baseline path runs")
     ap.add_argument("--repeat", type=int, default=2)

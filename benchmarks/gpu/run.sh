@@ -15,7 +15,11 @@
 #   prefill         the prefill kernels' GPU tests, the fused chunk maths against eager function by function
 #                   (fused_chunks.py), then 1k-32k prompts through a full-depth checkpoint in 2k and 8k chunks,
 #                   fused against eager, and one chunk's kernels profiled (prefill.py)
-#   prefill-moe     2k and 8k prompts through 4 layers x 256 FP4 experts: grouped experts against the loop,
+#   grouped         a chunk's routed experts through one 256-expert FP4 bank (V4-Flash shapes, 2k and 8k tokens):
+#                   the FP4 tile kernel against the experts expanded to bf16, then the tile kernel's block
+#                   shapes alone (grouped_experts.py)
+#   prefill-moe     2k and 8k prompts through 4 layers x 256 FP4 experts: grouped experts (the tile kernel,
+#                   then expanded to bf16) against the loop,
 #                   then offloaded (a 25% cache): each chunk streaming its missing experts once against the
 #                   decode-sized slot path, with the link bytes per prompt token
 #   tp-sim          TP 1, 2, 4 of a full-depth V4 predicted from one rank alone, resident and with a 48 GB
@@ -142,11 +146,17 @@ step_prefill() {
         --profile 18 --out "$OUT/prefill-$SHARDSMITH_HOST.json" 2>&1 | grep -v INFO | tee "$OUT/prefill.log" | tail -60
 }
 
+step_grouped() {
+    timeout "${GROUPED_S:-240}" python3 benchmarks/grouped_experts.py --tokens 2048 8192 2>&1 | grep -v INFO \
+        | tee "$OUT/grouped_experts.log" | tail -30
+    local rc=${PIPESTATUS[0]}; keep grouped_experts; return $rc
+}
+
 step_prefill_moe() {  # 4 layers x 256 FP4 experts: a chunk routes to every expert, grouped against the loop
     [ -f /tmp/v4m/config.json ] || timeout 300 python3 benchmarks/gen_v4_checkpoint.py /tmp/v4m --layers 4 \
         --experts 256 --mtp 0 --inventory "$inv" > "$OUT/gen_v4m.log" 2>&1
     timeout "${PREFILL_MOE_S:-420}" python3 benchmarks/prefill.py /tmp/v4m --from-checkpoint --device cuda \
-        --prompt 2048 8192 --chunk 2048 8192 --paths kernel/grouped kernel/loop --profile 12 \
+        --prompt 2048 8192 --chunk 2048 8192 --paths kernel/grouped kernel/expanded kernel/loop --profile 12 \
         --offload 0.25 --offload-paths stream slots \
         --out "$OUT/prefill-$SHARDSMITH_HOST-moe.json" 2>&1 | grep -v INFO | tee "$OUT/prefill_moe.log" | tail -30
 }

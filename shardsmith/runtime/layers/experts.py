@@ -26,9 +26,10 @@ dense   one token, its K experts gathered by id     expert by expert, gate and u
         (at most ``DECODE_GATHER_MAX_BYTES``)
 fp8     never without the kernel (FP8 is kept with  expert by expert, dequantized per use
         ``fp8="on-the-fly"`` or the kernel)
-fp4     ``T*K <= ExpertMath.batched_pairs`` pairs,  the pairs sorted by expert, ``GROUP_EXPERTS``
-        expanded, two batched matmuls               experts expanded at a time, two grouped
-                                                    matmuls each (``torch._grouped_mm``)
+fp4     ``T*K <= ExpertMath.batched_pairs`` pairs,  the pairs sorted by expert, two grouped matmuls:
+        expanded, two batched matmuls               on CUDA the FP4 tile kernel over every present
+                                                    expert; else ``GROUP_EXPERTS`` experts expanded
+                                                    at a time (``torch._grouped_mm``)
 ======  ==========================================  ============================================
 
 A prefill chunk routes to nearly every expert: expert by expert it was ~15 launches each (256 experts:
@@ -64,6 +65,7 @@ from shardsmith.dtypes import DTYPES
 from shardsmith.errors import RuntimeLoadError
 from shardsmith.runtime.layers.fused import for_chunks
 from shardsmith.runtime.layers.kernels import fused_experts
+from shardsmith.runtime.layers.kernels.fused_moe import grouped_fp4_mm
 from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs, swiglu
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
 from shardsmith.runtime.layers.quant import bank_format, dequantize_fp4, expert_weights
@@ -79,6 +81,9 @@ DECODE_GATHER_MAX_BYTES = 64 << 20
 # gives up to 16 rows): the kernel took 2.6-17x less time than the expanded pairs at T = 1-16 on an
 # H200 (RESULTS.md, kernels)
 FUSED_TOKENS_MAX = 16
+# Whether grouped_fp4 multiplies through the FP4 tile kernel (grouped_fp4_mm: no expert expanded in memory)
+# instead of expanding experts for torch._grouped_mm: None = on CUDA; True / False: benchmarks and tests.
+TILE_KERNEL: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,15 +217,17 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
                 fetch: Callable[[torch.Tensor, list[int]], Callable[[], dict[str, torch.Tensor]]] | None = None,
                 n_experts: int | None = None) -> torch.Tensor:
     """Many tokens through an FP4 bank: the ``P = T*K`` pairs sorted by expert, ``group`` present experts
-    expanded at a time and run as two grouped matmuls (``torch._grouped_mm``, one group of rows per
-    expert), the outputs weighted and added per token in ascending expert order (as the expert-by-expert
-    loop adds them). One host sync (the experts' pair counts).
+    at a time run as two grouped matmuls (one run of rows per expert), the outputs weighted and added
+    per token in ascending expert order (as the expert-by-expert loop adds them). One host sync (the
+    experts' pair counts). On CUDA the matmuls are :func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_fp4_mm`
+    (the FP4 decoded in the kernel; a resident bank's present experts then go in one group); elsewhere
+    the group's experts are expanded to ``x.dtype`` for ``torch._grouped_mm`` (:data:`TILE_KERNEL`).
 
     Args:
         x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` routing weights; arrays: the
             bank's ``gate_up [E, 2*I_r, D/2]``, ``down [E, D, I_r/2]`` int8 with their ``_scale`` arrays
             (and gpt-oss's ``gate_up_bias [E, 2*I_r]``); math: the family's :class:`ExpertMath`;
-            group: experts expanded at once (bf16 scratch ``group x 3 x I_r x D``).
+            group: experts per grouped step (expanded: bf16 scratch ``group x 3 x I_r x D``).
         fetch: where a group's arrays come from when the bank is not ``arrays`` (offloaded experts:
             ``arrays`` is then ``{}``): ``fetch(ids [G] on the device, the same ids on the host)``
             starts bringing those experts' arrays ``[G, ...]`` and returns a call that waits for them and
@@ -231,8 +238,10 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
         ``[T, D]`` in ``x.dtype``.
     """
     T, K = index.shape
+    tiles = x.is_cuda if TILE_KERNEL is None else TILE_KERNEL
     if fetch is None:
         n_experts = arrays["gate_up"].shape[0]
+        group = n_experts if tiles else group
 
         def fetch(ids: torch.Tensor, _ids_h: list[int]) -> Callable[[], dict[str, torch.Tensor]]:
             return lambda: {name: a[ids] for name, a in arrays.items()}
@@ -253,21 +262,29 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
             nxt = groups[i + 1]
             pending = fetch(present[nxt:nxt + group], present_h[nxt:nxt + group])
         got = ready()
-        offs = sizes[g:g + group].cumsum(0).to(torch.int32)
-        gate_up = dequantize_fp4(got["gate_up"], got["gate_up_scale"], x.dtype)  # [G, 2I_r, D]
-        h = torch._grouped_mm(xs[start:start + n], gate_up.transpose(-2, -1), offs=offs)  # [n, 2I_r]
-        del gate_up
+        run = _tiles_mm(sizes_h[g:g + group]) if tiles else _expanded_mm(sizes[g:g + group])
+        h = run(xs[start:start + n], got["gate_up"], got["gate_up_scale"])  # [n, 2I_r]
         if "gate_up_bias" in got:
             h = h + got["gate_up_bias"].to(x.dtype).repeat_interleave(sizes[g:g + group], dim=0)
-        down = dequantize_fp4(got["down"], got["down_scale"], x.dtype)  # [G, D, I_r]
         h = glu_rows(h, math.limit, math.alpha, math.interleaved)
-        ys[start:start + n] = torch._grouped_mm(h, down.transpose(-2, -1), offs=offs)
+        ys[start:start + n] = run(h, got["down"], got["down_scale"])
         start += n
     by_expert = index.argsort(dim=1, stable=True)  # [T, K]: each token's experts, ascending
     sorted_at = torch.empty_like(order)
     sorted_at[order] = torch.arange(order.shape[0], device=order.device)  # pair t*K+j -> its row of ys
     rows = sorted_at.view(T, K).gather(1, by_expert)  # [T, K]: ys row of token t's k-th expert (ascending)
     return combine_pairs(x, ys, rows, weight.gather(1, by_expert), math.accumulate_f32)
+
+
+def _tiles_mm(sizes_h: list[int]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A group's grouped matmul ``(a [n, K], w [G, N, K/2], scale) -> [n, N]`` through the FP4 tile kernel."""
+    return lambda a, w, scale: grouped_fp4_mm(a, w, scale, sizes_h, backend="triton")
+
+
+def _expanded_mm(sizes: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The same through ``torch._grouped_mm``, the group's experts expanded to ``a.dtype`` first."""
+    offs = sizes.cumsum(0).to(torch.int32)
+    return lambda a, w, scale: torch._grouped_mm(a, dequantize_fp4(w, scale, a.dtype).transpose(-2, -1), offs=offs)
 
 
 @for_chunks

@@ -4,8 +4,10 @@ loop it replaced (``expert_output`` per expert, outputs added per token in ascen
 CPU: DeepSeek-V4's maths (float32 accumulation, SwiGLU clamp) bit for bit at float32 and bf16, with
 experts no token picks, groups smaller than the experts present (several grouped steps), and a token
 count that is not a multiple of anything; gpt-oss's maths (interleaved gate/up rows, ``alpha``, a gate/up
-bias added after the matmul instead of inside it) within float32 rounding. GPU (``-m gpu``): V4-Flash's
-expert shapes in bf16 through cuBLAS's grouped GEMM, within bf16 rounding of the loop.
+bias added after the matmul instead of inside it) within float32 rounding. The FP4 tile kernel
+(``grouped_fp4_mm``, the FP4 decoded in registers) under Triton's interpreter against its expert-by-expert
+reference, and ``grouped_fp4`` through it against the loop. GPU (``-m gpu``): V4-Flash's expert shapes in
+bf16 through the tile kernel and through cuBLAS's grouped GEMM, within bf16 rounding of the loop.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardsmith.runtime.layers import experts
 from shardsmith.runtime.layers.experts import ExpertMath, expert_output, grouped_fp4, grouped_mm_runs
+from shardsmith.runtime.layers.kernels import KernelError
+from shardsmith.runtime.layers.kernels.fused_moe import grouped_fp4_mm, grouped_fp4_mm_reference, tile_table
 from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing, rel_error
 
 V4_MATH = ExpertMath(limit=10.0, accumulate_f32=True, batched_pairs=16)
@@ -94,9 +99,83 @@ def test_a_resident_bank_takes_the_grouped_path_past_the_pair_budget(monkeypatch
     assert calls == [(20, 2)]  # float64 (parity runs): the loop, which grouped_mm does not take
 
 
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_the_tile_kernel_is_its_reference(dtype, tol):
+    """Runs of 0, 1, 16, 70 and 3 rows (several tiles of one run, a ragged last tile, an empty run), K not a
+    multiple of the reduction step (96 in steps of 64) and N not a multiple of the output block (a
+    96-row matrix in 64-row blocks). bf16 within bf16's rounding of the float32 reference."""
+    gen = torch.Generator().manual_seed(3)
+    bank = random_bank(5, 96, 48, fp4=True, gen=gen)  # gate_up [5, 96, 48]: N = 96, K = 96
+    sizes = [0, 1, 16, 70, 3]
+    a = torch.randn(sum(sizes), 96, generator=gen)
+    truth = grouped_fp4_mm_reference(a, bank["gate_up"], bank["gate_up_scale"], sizes)
+    got = grouped_fp4_mm(a.to(dtype), bank["gate_up"], bank["gate_up_scale"], sizes, block_m=16, block_n=64,
+                         block_k=64, backend="triton")
+    assert got.dtype == dtype and got.shape == (90, 96)
+    assert rel_error(got, truth) < tol
+    assert tile_table(sizes, 16) == [1, 0, 1, 2, 1, 17, 3, 17, 33, 3, 33, 49, 3, 49, 65, 3, 65, 81, 3, 81, 87,
+                                     4, 87, 90]
+
+
+def test_the_tile_kernel_names_what_does_not_fit():
+    gen = torch.Generator().manual_seed(4)
+    bank = random_bank(3, 64, 32, fp4=True, gen=gen)
+    a = torch.randn(10, 64, generator=gen)
+    with pytest.raises(KernelError, match=r"sizes must give each of the 3 matrices its rows of a \(10 in all\), got 2"):
+        grouped_fp4_mm(a, bank["gate_up"], bank["gate_up_scale"], [4, 6])
+    with pytest.raises(KernelError, match=r"a has K=48 .* w must be \[G, N, 24\]"):
+        grouped_fp4_mm(a[:, :48], bank["gate_up"], bank["gate_up_scale"], [4, 6, 0])
+    with pytest.raises(KernelError, match="block_k 48 must be a multiple of 32"):
+        grouped_fp4_mm(a, bank["gate_up"], bank["gate_up_scale"], [4, 6, 0], block_k=48)
+
+
+@pytest.mark.parametrize("math", [V4_MATH, GPT_OSS_MATH], ids=["v4", "gpt-oss"])
+def test_grouped_through_the_tile_kernel_is_the_loop(monkeypatch, math):
+    """``grouped_fp4`` with the tile kernel (as on CUDA): every present expert in one group, resident; a
+    fetched bank (the offloaded chunk path) keeps its groups."""
+    gen = torch.Generator().manual_seed(9)
+    arrays = random_bank(12, 64, 32, fp4=True, gen=gen)
+    if math.interleaved:
+        arrays["gate_up_bias"] = torch.randn(12, 64, generator=gen)
+    index, weight = random_routing(37, 4, 10, gen=gen)
+    x = torch.randn(37, 64, generator=gen)
+    want = loop(x, index, weight, arrays, math)
+    calls = []
+    real = experts.grouped_fp4_mm
+    monkeypatch.setattr(experts, "grouped_fp4_mm",
+                        lambda a, w, *r, **k: calls.append(w.shape[0]) or real(a, w, *r, **k))
+    monkeypatch.setattr(experts, "TILE_KERNEL", True)
+    assert rel_error(grouped_fp4(x, index, weight, arrays, math, group=3), want) < 1e-6
+    assert calls == [10, 10]  # the 10 present experts in one group: gate_up, then down
+
+    def fetch(ids, ids_h):
+        return lambda: {name: a[ids] for name, a in arrays.items()}
+    calls.clear()
+    got = grouped_fp4(x, index, weight, {}, math, group=4, fetch=fetch, n_experts=12)
+    assert rel_error(got, want) < 1e-6 and calls == [4, 4, 4, 4, 2, 2]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_v4_shapes_on_cuda_within_bf16():
+@pytest.mark.parametrize("scaled_dot", [False, True])
+def test_the_tile_kernel_at_v4_flash_shapes(scaled_dot):
+    """gate_up ``[32, 4096, 2048]`` and down ``[32, 4096, 1024]`` (I_r = 2048), ragged runs, bf16 within bf16's
+    rounding of the float32 reference."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    bank = random_bank(32, 4096, 2048, fp4=True, gen=gen)
+    sizes = torch.randint(0, 300, (32,), generator=gen, device="cuda").tolist()
+    for w, s, k in ((bank["gate_up"], bank["gate_up_scale"], 4096), (bank["down"], bank["down_scale"], 2048)):
+        a = torch.randn(sum(sizes), k, generator=gen, device="cuda")
+        truth = grouped_fp4_mm_reference(a, w, s, sizes)
+        got = grouped_fp4_mm(a.bfloat16(), w, s, sizes, scaled_dot=scaled_dot)
+        assert rel_error(got, truth) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tiles", [True, False], ids=["tile-kernel", "expanded"])
+def test_v4_shapes_on_cuda_within_bf16(monkeypatch, tiles):
+    monkeypatch.setattr(experts, "TILE_KERNEL", tiles)
     gen = torch.Generator(device="cuda").manual_seed(7)
     arrays = random_bank(40, 4096, 2048, fp4=True, gen=gen)
     index, weight = random_routing(512, 6, 40, gen=gen)

@@ -245,6 +245,113 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     return out
 
 
+def grouped_fp4_mm_reference(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The plain PyTorch path :func:`grouped_fp4_mm` replaces: expert by expert, its FP4 matrix expanded to
+    ``a.dtype`` in memory, then ``F.linear`` on its run of rows. Shapes as :func:`grouped_fp4_mm`."""
+    from shardsmith.runtime.layers.quant import dequantize_fp4
+
+    out, start = a.new_empty((a.shape[0], w.shape[1])), 0
+    for g, n in enumerate(sizes):
+        out[start:start + n] = torch.nn.functional.linear(a[start:start + n], dequantize_fp4(w[g], scale[g], a.dtype))
+        start += n
+    return out
+
+
+def tile_table(sizes: list[int], block_m: int) -> list[int]:
+    """``[expert, r0, r1] * tiles`` (flat) for runs of ``sizes[g]`` rows one after another: each run cut in
+    blocks of ``block_m`` rows, empty runs left out.
+
+    >>> tile_table([3, 0, 5], 4)
+    [0, 0, 3, 2, 3, 7, 2, 7, 8]
+    """
+    table, start = [], 0
+    for g, n in enumerate(sizes):
+        for r in range(start, start + n, block_m):
+            table += [g, r, min(r + block_m, start + n)]
+        start += n
+    return table
+
+
+def grouped_fp4_mm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sizes: list[int], *, block_m: int = 64,
+                   block_n: int = 128, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                   scaled_dot: bool | None = None, backend: str = "auto") -> torch.Tensor:
+    """Runs of rows through their own FP4 matrix: ``out[run g] = a[run g] @ dequantize_fp4(w[g], scale[g]).T``,
+    the runs one after another in ``a`` (a prefill chunk's (token, expert) pairs sorted by expert).
+
+    The grouped GEMM of a chunk's routed experts with the FP4 decode inside the kernel: each expert's
+    packed bytes and scales are read from HBM and expanded in registers, never written out in ``a.dtype``
+    (expanding them first writes and reads 4x the FP4 bytes per expert, the larger part of a chunk's
+    expert time with 256 experts). Tiles of ``block_m`` rows of one run (the last one ragged) times
+    ``block_n`` output rows; the tile table is built on the host from ``sizes`` (a prefill's expert counts
+    are on the host already), so this is not for captured decode steps.
+
+    Args:
+        a: ``[n, K]`` bf16, f16 or float32 rows (``n = sum(sizes)``), contiguous rows.
+        w: ``[G, N, K/2]`` int8 or uint8, two e2m1 codes per byte (element ``2i`` in the low nibble);
+            scale: ``[G, N, K/32]`` UE8M0 (float8_e8m0fnu or its uint8 bytes); both with contiguous rows.
+        sizes: ``[G]`` rows of each run (0 allowed), on the host.
+        block_m, block_n, block_k: rows of a tile, output rows per program, reduction elements per step
+            (``block_k`` a multiple of 32, capped at K's next power of two); num_warps, num_stages: Triton's.
+        scaled_dot: the FP4 product through ``tl.dot_scaled`` (default: on with bf16 ``a`` on a GPU, as
+            :func:`fused_experts`); backend: ``auto``, ``triton`` or ``reference`` (:func:`grouped_fp4_mm_reference`).
+
+    Returns:
+        ``[n, N]`` in ``a.dtype`` (float32 accumulation).
+
+    Raises:
+        KernelError: shapes, dtypes or devices that do not fit (every problem listed), or a backend that
+            cannot run.
+    """
+    problems = []
+    if a.dim() != 2 or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        problems.append(f"a must be [n, K] bf16/f16/f32, got {tuple(a.shape)} {a.dtype}")
+    if w.dim() != 3 or w.dtype not in (torch.int8, torch.uint8) or scale.dim() != 3:
+        problems.append(f"w [G, N, K/2] int8/uint8 and scale [G, N, K/32] expected, got {tuple(w.shape)} {w.dtype}, "
+                        f"{tuple(scale.shape)}")
+    elif a.dim() == 2:
+        K = a.shape[1]
+        if K % 32 or tuple(w.shape[1:]) != (w.shape[1], K // 2) or \
+                tuple(scale.shape) != (w.shape[0], w.shape[1], K // 32):
+            problems.append(f"a has K={K} (a multiple of 32 needed): w must be [G, N, {K // 2}] and scale "
+                            f"[G, N, {K // 32}], got {tuple(w.shape)}, {tuple(scale.shape)}")
+        if len(sizes) != w.shape[0] or sum(sizes) != a.shape[0] or min(sizes, default=0) < 0:
+            problems.append(f"sizes must give each of the {w.shape[0]} matrices its rows of a ({a.shape[0]} in all), "
+                            f"got {len(sizes)} runs of {sum(sizes)} rows")
+    for name, t in (("w", w), ("scale", scale)):
+        if t.device != a.device:
+            problems.append(f"{name} is on {t.device}, a on {a.device}: one device")
+        if t.stride(-1) != 1:
+            problems.append(f"{name} rows must be contiguous (last stride 1, got {t.stride(-1)})")
+    if block_k % 32 or min(block_m, block_n) < 16:
+        problems.append(f"block_k {block_k} must be a multiple of 32, block_m {block_m} and block_n {block_n} >= 16")
+    if problems:
+        raise KernelError("grouped_fp4_mm: " + "; ".join(problems))
+    if not use_triton(a, backend):
+        return grouped_fp4_mm_reference(a, w, scale, sizes)
+    import triton
+
+    from shardsmith.runtime.layers.kernels import _moe_triton as k
+
+    if scaled_dot and (interpreting() or a.dtype != torch.bfloat16):
+        raise KernelError("grouped_fp4_mm: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled) and bf16 "
+                          f"activations, got {a.dtype}")
+    scaled_dot = not interpreting() and a.dtype == torch.bfloat16 if scaled_dot is None else scaled_dot
+    (n, K), N = a.shape, w.shape[1]
+    out = torch.empty((n, N), dtype=a.dtype, device=a.device)
+    table = tile_table(sizes, block_m)
+    if not table:
+        return out
+    tiles = torch.tensor(table, dtype=torch.int32).to(a.device, non_blocking=True)
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    w, scale = w.view(torch.uint8), scale.view(torch.uint8)
+    k._tiles_mm_kernel[(len(table) // 3 * triton.cdiv(N, block_n),)](
+        a, tiles, w, scale, out, a.stride(0), out.stride(0), w.stride(0), w.stride(1), scale.stride(0),
+        scale.stride(1), N=N, KDIM=K, SCALED_DOT=scaled_dot, DOT_F32=a.dtype == torch.float32 or interpreting(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(K)), num_warps=num_warps,
+        num_stages=num_stages)
+    return out
+
+
 PATHS = ("auto", "grouped", "pairs")
 
 
