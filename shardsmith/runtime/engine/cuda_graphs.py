@@ -427,6 +427,28 @@ class DecodeGraphs:
         """Buckets not built yet."""
         return [b for b in self.buckets if b not in self.built]
 
+    def pending_lengths(self) -> list[tuple[int, int]]:
+        """A static-core model's ``(rows, length bucket)`` pieces not built yet for the batch buckets built,
+        shortest length first, then fewest rows (empty for other models)."""
+        if not self.static:
+            return []
+        return [(rows, key) for key in self.model.length_buckets() for rows in self.buckets
+                if rows in self.built and (rows, key) not in self.sets]
+
+    @torch.inference_mode()
+    def build_length(self, rows: int, key: int) -> None:
+        """Build a static-core model's ``(rows, key)`` pieces with a step of padding rows alone
+        (:meth:`build_step`: no sequence's state changes; its logits are dropped).
+
+        Raises:
+            ValueError: a model without a static core, or ``rows`` not a bucket.
+        """
+        if not self.static or rows not in self.buckets:
+            raise ValueError(f"build_length: {type(self.model).__name__} (STATIC_DECODE={self.static}) and rows={rows} "
+                             f"(buckets {self.buckets})")
+        step = self.model.build_step(rows, key, self.pool.device)
+        self._decode_static(step.ids, step, rows)
+
     @torch.inference_mode()
     def decode(self, ids: torch.Tensor, starts: list[int], slots: list[int], *, bucket: int | None = None) -> torch.Tensor:
         """B sequences one token each: row b is slot ``slots[b]``'s token ``ids[b]`` at ``starts[b]``.

@@ -27,6 +27,8 @@ WARMUP      ``max_rows, 0, 0, 0``                         none: compile the Trit
             ``rows, 3, 0, 0``                             none: buckets up to ``rows`` rows, the
                                                           model's room for verify runs
                                                           (:meth:`Engine.reserve_rows`)
+            ``rows, 5, length, 0``                        none: build the ``(rows, length)`` decode
+                                                          pieces (:meth:`Engine.build_length`)
 DRAFT       ``slot, pos, k, token``                       none: the MTP layer drafts ``k`` tokens
                                                           after ``token`` at ``pos`` (:meth:`Engine.draft`)
 SHUTDOWN    ``0, 0, 0, 0``                                none: followers return
@@ -519,15 +521,14 @@ class Engine:
         self._step([0], 2)
         self.release(0)
         phase("step")
+        if defer_buckets and (self.max_num_seqs > 1 or self.runner.static):
+            with self._lock:  # batch buckets, and a static-core model's longer length buckets, wait
+                if self.world_size > 1:
+                    self._send(torch.tensor([WARMUP, 0, 2, 0, 0], dtype=torch.int64))
+                self.runner.defer()
         if self.max_num_seqs > 1 and (self.bucket_builds_compile or defer_buckets):
             slots = list(range(self.max_num_seqs))  # eager too (--enforce-eager): torch.compile'd pieces
-            buckets = self.runner.buckets
-            if defer_buckets:
-                with self._lock:
-                    if self.world_size > 1:
-                        self._send(torch.tensor([WARMUP, 0, 2, 0, 0], dtype=torch.int64))
-                    self.runner.defer()
-                buckets = buckets[:1]
+            buckets = self.runner.buckets[:1] if defer_buckets else self.runner.buckets
             for rows in buckets:
                 for s in slots[:rows]:
                     self.prefill(s, [0, 0], 0)
@@ -612,6 +613,35 @@ class Engine:
                  " (every bucket built)")
         return rows
 
+    @property
+    def pending_lengths(self) -> list[tuple[int, int]]:
+        """A static-core model's (DeepSeek-V4) ``(rows, length bucket)`` decode pieces that the warm-up deferred
+        and no step or :meth:`build_length` built yet, for the batch buckets built, shortest length first
+        (rank 0). Unbuilt, the first step of a sequence past each power of two of its length builds them
+        (captures a graph) in the middle of its stream."""
+        return self.runner.pending_lengths() if self.runner.deferring else []
+
+    def build_length(self) -> tuple[int, int]:
+        """Build the first of :attr:`pending_lengths` (rank 0; every rank runs it) with a step of padding rows
+        alone (the model's ``build_step``): no slot is taken and no sequence changes. Returns ``(rows,
+        length)``.
+
+        Raises:
+            UsageError: nothing is pending.
+        """
+        if not self.pending_lengths:
+            raise UsageError("no decode length bucket is waiting to be built")
+        (rows, length), t0 = self.pending_lengths[0], time.perf_counter()
+        with self._lock:
+            if self.world_size > 1:
+                self._send(torch.tensor([WARMUP, rows, 5, length, 0], dtype=torch.int64))
+            self._collective(lambda: self.runner.build_length(rows, length))
+        self._seal_all()
+        left = self.pending_lengths
+        log.info("decode pieces of %d rows at length bucket %d built in %.2f s%s", rows, length,
+                 time.perf_counter() - t0, f" ({len(left)} to build)" if left else " (every length built)")
+        return rows, length
+
     def _seal_all(self) -> None:
         """Every rank records the compile cache its steps filled (the ``WARMUP`` command's seal)."""
         with self._lock:
@@ -677,6 +707,8 @@ class Engine:
                 self.runner.defer()
             elif op == WARMUP and b == 3:
                 self._reserve(a)
+            elif op == WARMUP and b == 5:
+                self._collective(lambda: self.runner.build_length(a, c))
             elif op == WARMUP and b == 4:
                 if self.graphs is not None:
                     self._build_rollbacks()

@@ -367,15 +367,23 @@ class Scheduler:
             self.engine.release(victim)
         return room >= need
 
+    def can_build(self) -> bool:
+        """Whether :meth:`build_bucket` would build something now (no step in flight; a free slot for a batch
+        bucket; a length bucket needs none)."""
+        if self._inflight is not None:
+            return False
+        return bool(self.engine.pending_buckets and self._free or getattr(self.engine, "pending_lengths", None))
+
     def build_bucket(self) -> int | None:
-        """Build the engine's next deferred decode bucket in a free slot (:meth:`Engine.build_bucket`),
-        between steps; a slot that keeps no prefix is taken first, else the least recently used one (its
-        kept prefix is dropped). Returns the bucket's rows; None when nothing is pending, no slot is free
-        or a step is in flight."""
-        if not self.engine.pending_buckets or not self._free or self._inflight is not None:
+        """Build the engine's next deferred decode pieces between steps: a batch bucket in a free slot
+        (:meth:`Engine.build_bucket`; a slot that keeps no prefix first, else the least recently used one, its
+        kept prefix dropped), else a length bucket (:meth:`Engine.build_length`: no slot, no prefix
+        dropped). Returns the rows built; None when nothing is built (:meth:`can_build`)."""
+        if not self.can_build():
             return None
-        slot = self.prefix.evictable(self._free)
-        return self.engine.build_bucket(slot)
+        if self.engine.pending_buckets and self._free:
+            return self.engine.build_bucket(self.prefix.evictable(self._free))
+        return self.engine.build_length()[0]
 
     def admit(self, seq: Sequence) -> None:
         """Give ``seq`` a free slot; its prefill starts at the next :meth:`step`. A caller that runs

@@ -34,6 +34,8 @@ command_to_ready_seconds                      gauge      the command's start to 
 ready                                         gauge      1 once every rank loaded and warmed up
 decode_buckets_built / decode_buckets_pending gauge      batch buckets whose decode pieces exist / that
                                                          are still to build (``--defer-buckets``: when idle)
+decode_lengths_pending                        gauge      DeepSeek-V4: (batch bucket, length bucket) decode
+                                                         pieces still to build (when idle)
 kv_cache_blocks / kv_cache_blocks_used        gauge      blocks of the KV pool / held by sequences and kept
                                                          prefixes (a family whose KV sits in blocks)
 num_preemptions_total                         counter    sequences preempted for KV blocks (recomputed later)
@@ -119,6 +121,7 @@ class Metrics:
         self.kv = None  # the engine's KVBlocks (``n_blocks``, ``blocks_free()``) where its KV sits in blocks
         self.spec = None  # the scheduler's SpecStats when speculation is on
         self.buckets: tuple[int, int] = (0, 0)  # decode batch buckets built, still to build
+        self.lengths_pending = 0  # (batch, length) bucket pieces still to build (a static-core model)
         self.preemptions = 0  # sequences the scheduler preempted for KV blocks
 
     def request_done(self, endpoint: str, status: int | str) -> None:
@@ -284,6 +287,8 @@ class Metrics:
                 ("decode_buckets_built", "gauge", self.buckets[0], "Batch buckets whose decode pieces exist."),
                 ("decode_buckets_pending", "gauge", self.buckets[1],
                  "Batch buckets still to build (built when the server is idle)."),
+                ("decode_lengths_pending", "gauge", self.lengths_pending,
+                 "(batch bucket, length bucket) decode pieces still to build (built when the server is idle)."),
             ):
                 out += _metric(p + name, kind, value, help_)
             out += [f"# HELP {p}start_seconds Before the load on rank 0, by phase: launcher, rank_start, imports, "

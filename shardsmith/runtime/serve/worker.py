@@ -401,6 +401,9 @@ class EngineWorker:
                  self._sched.decode_prompt_tokens, "overlapped" if self._sched.overlap else "plain",
                  "on" if self._sched.prefix.enabled else "off", ", ".join(map(str, e.built_buckets())) or "none",
                  f" ({', '.join(map(str, e.pending_buckets))} to build when idle)" if e.pending_buckets else "")
+        if getattr(e, "pending_lengths", None):
+            log.info("decode pieces at longer lengths to build when idle (rows x length bucket): %s",
+                     ", ".join(f"{r}x{L}" for r, L in e.pending_lengths))
         try:
             self._loop()
         finally:
@@ -438,10 +441,11 @@ class EngineWorker:
                 return
 
     def _can_build(self) -> bool:
-        return bool(self.engine.pending_buckets) and self._sched.free_slots > 0
+        return self._sched.can_build()
 
     def _count_buckets(self) -> None:
         self.metrics.buckets = (len(self.engine.built_buckets()), len(self.engine.pending_buckets))
+        self.metrics.lengths_pending = len(getattr(self.engine, "pending_lengths", ()))
 
     def _admit(self) -> None:
         """Move waiting jobs into free slots, oldest first (each refused alone on a UsageError), while the

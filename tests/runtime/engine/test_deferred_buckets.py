@@ -91,3 +91,85 @@ def test_deferred_buckets_run_through_built_ones_and_build_on_demand(packs, worl
     assert r["built"] == [4, 2] and r["padded_rows"] == 4 and r["two_rows"] == 2
     assert r["nothing_left"] == "no decode bucket is waiting to be built"
     assert r["diff"] < 1e-4, r["diff"]  # split into one-row steps or padded to 4: the same logits
+
+
+# --- a static-core model (DeepSeek-V4): its length buckets built while idle ----------------------------
+
+V4_LEN = 1100  # length buckets 512, 1024, 1100
+V4_PROMPT = [(7 * i + 3) % 500 + 2 for i in range(1019)]
+
+
+@pytest.fixture(scope="module")
+def v4_packs(tmp_path_factory) -> dict[int, Path]:
+    from shardsmith.testing.tiny_v4 import tiny_deepseek_v4
+    from shardsmith.writer.split import split_checkpoint
+
+    root = tmp_path_factory.mktemp("deferred-v4")
+    src = tiny_deepseek_v4(root / "src", layers=2, mtp_layers=0)
+    out = {}
+    for ws in (1, 2):
+        out[ws] = root / f"tp{ws}"
+        split_checkpoint(src, out[ws], world_size=ws)
+    return out
+
+
+def _run_v4(rank: int, world_size: int, port: int, pack: str, queue) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch.distributed as dist
+
+        from shardsmith.runtime.engine.engine import Engine
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        eng = Engine.load(pack, rank=rank, world_size=world_size, dtype=torch.float32, max_seq_len=V4_LEN,
+                          max_num_seqs=2)
+        if rank != 0:
+            eng.follow()
+            return
+        eng.warmup(defer_buckets=True)
+        report = {"after_warmup": (eng.built_buckets(), eng.pending_buckets, eng.pending_lengths)}
+        held = eng.prefill(1, V4_PROMPT[:9])[-1]  # a sequence in slot 1 while the pieces are built
+        report["built"] = [eng.build_bucket(slot=0)]
+        report["lengths_then"] = eng.pending_lengths
+        while eng.pending_lengths:
+            report["built"].append(eng.build_length())
+        try:
+            eng.build_length()
+        except UsageError as e:
+            report["nothing_left"] = str(e)
+        sets = set(eng.runner.sets)
+        nxt = int(held.argmax())
+        report["held_diff"] = float((eng.decode([nxt], [9], [1])[0] - eng.prefill(0, V4_PROMPT[:9] + [nxt])[-1])
+                                    .abs().max())  # slot 1 untouched by the builds: its step equals a prefill
+        eng.release(0)
+        eng.release(1)
+        last = eng.prefill(0, V4_PROMPT)[-1]
+        ids, steps = list(V4_PROMPT), []
+        for _ in range(8):  # positions 1019..1026: length buckets 1024, then 1100
+            ids.append(int(last.argmax()))
+            last = eng.decode([ids[-1]], [len(ids) - 1], [0])[0]
+            steps.append(last)
+        report["new_sets"] = sorted(set(eng.runner.sets) - sets)
+        eng.release(0)
+        whole = eng.prefill(0, ids, last_only=False)[len(V4_PROMPT):]  # the same tokens in one prefill
+        report["diff"] = float((torch.stack(steps) - whole).abs().max())
+        eng.shutdown()
+        queue.put(("ok", report))
+    except Exception:  # noqa: BLE001 - reported to the test
+        queue.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_v4_length_buckets_are_built_while_idle_without_a_slot(v4_packs, world_size: int) -> None:
+    """Deferred, a DeepSeek-V4 engine builds its longer length buckets' decode pieces with steps of padding
+    rows alone: no slot taken, a running sequence unchanged; a sequence then crosses 1024 and decodes
+    through pieces that exist (none built mid-stream), with the logits of one prefill of its tokens."""
+    r = run_ranks(_run_v4, world_size, str(v4_packs[world_size]))
+    assert r["after_warmup"] == ([1], [2], [(1, 1024), (1, 1100)])
+    assert r["lengths_then"] == [(1, 1024), (2, 1024), (1, 1100), (2, 1100)]  # batch bucket 2's too, once built
+    assert r["built"] == [2, (1, 1024), (2, 1024), (1, 1100), (2, 1100)]
+    assert r["nothing_left"] == "no decode length bucket is waiting to be built"
+    assert r["held_diff"] < 1e-4, r["held_diff"]
+    assert r["new_sets"] == [] and r["diff"] < 1e-4, (r["new_sets"], r["diff"])

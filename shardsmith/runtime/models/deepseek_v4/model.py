@@ -47,7 +47,8 @@ from shardsmith.runtime.models.deepseek_v4.config import V4Args
 from shardsmith.runtime.models.deepseek_v4.hyper import HyperHead
 from shardsmith.runtime.models.common import RMSNormF32, install_buffers
 from shardsmith.runtime.models.deepseek_v4.ops import inv_freq
-from shardsmith.runtime.models.deepseek_v4.rows import DecodeRows, RowsSpec, host_to_device, length_bucket
+from shardsmith.runtime.models.deepseek_v4.rows import (DecodeRows, RowsSpec, host_to_device, length_bucket,
+                                                        length_buckets)
 from shardsmith.runtime.models.seq_slots import verify_runs
 
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
@@ -423,6 +424,27 @@ class DeepseekV4(nn.Module):
         both = host_to_device(starts + slots[:real] + [self.scratch] * (B - real), ids.device)  # one copy: [2B]
         tensors = (both[:B], both[B:])
         return Step(ids, starts, slots, real, key, tensors, self.step_rows(*tensors, key))
+
+    def length_buckets(self) -> list[int]:
+        """Every length bucket a decode step can have (:func:`~.rows.length_buckets` of ``max_seq_len``), ascending."""
+        return length_buckets(self.max_seq_len)
+
+    def build_step(self, rows: int, key: int, device: torch.device) -> Step:
+        """A step of ``rows`` padding rows alone (token 0 at position 0 in the scratch slot) with length bucket
+        ``key``: run through the decode pieces, it builds the ``(rows, key)`` pieces (a capture on CUDA)
+        before a sequence needs them, and changes no sequence's state (padding rows read and write the
+        scratch slot only). ``ids`` are ``step.ids``.
+
+        Raises:
+            UsageError: ``key`` is not one of :meth:`length_buckets`, or ``rows < 1``.
+        """
+        if key not in self.length_buckets() or rows < 1:
+            raise UsageError(f"build_step: {rows} rows at key={key}: rows >= 1 and a length bucket "
+                             f"{self.length_buckets()} needed")
+        ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        both = host_to_device([0] * rows + [self.scratch] * rows, device)
+        tensors = (both[:rows], both[rows:])
+        return Step(ids, [0] * rows, [self.scratch] * rows, 0, key, tensors, self.step_rows(*tensors, key))
 
     def step_rows(self, positions: torch.Tensor, index: torch.Tensor, key: int) -> DecodeRows:
         """The rows of a decode step (no torch op yet: each derived tensor is built on first use, or

@@ -51,6 +51,20 @@ def length_bucket(furthest: int, max_seq_len: int) -> int:
     return min(max(LENGTH_BUCKET_MIN, 1 << furthest.bit_length()), max_seq_len)
 
 
+def length_buckets(max_seq_len: int) -> list[int]:
+    """Every length bucket of ``max_seq_len`` positions, ascending: :data:`LENGTH_BUCKET_MIN`, twice it, ...,
+    ``max_seq_len`` (tokens).
+
+    >>> length_buckets(3000), length_buckets(300)
+    ([512, 1024, 2048, 3000], [300])
+    """
+    out, b = [], LENGTH_BUCKET_MIN
+    while b < max_seq_len:
+        out.append(b)
+        b *= 2
+    return out + [max_seq_len]
+
+
 @dataclass(frozen=True, eq=False)
 class RowsSpec:
     """What a model's layers ask of a step's rows (fixed by the model and its cache).
