@@ -2,9 +2,9 @@
 side by side in one run (``runtime/layers/fused.py``).
 
 Each fused function (DeepSeek-V4's mixer scores, collapse, collapse with the block's norm, query heads'
-norm and RoPE, the output's inverse RoPE, the grouped experts' SwiGLU and per-token combine) at
-V4-Flash's shapes (``shardsmith.testing.fused_cases.V4_FLASH``: 4 streams of 4096, 64 heads of 512, 6
-experts of 2048 per token) on ``--tokens`` rows: milliseconds per call eager and compiled (median of
+norm and RoPE, the KV rows' norm and RoPE, the index queries' RoPE, the output's inverse RoPE, the grouped
+experts' SwiGLU and per-token combine) at V4-Flash's shapes (``shardsmith.testing.fused_cases.V4_FLASH``:
+4 streams of 4096, 64 heads of 512, 64 index heads of 128, 6 experts of 2048 per token) on ``--tokens`` rows: milliseconds per call eager and compiled (median of
 ``--repeat`` after warm calls; the compile is not timed), their ratio, and the compiled output's error
 relative to eager. On a GPU each call is synchronised. Rows go to
 ``benchmarks/results/fused_chunks-<YYYYMMDD>-<host>.json``.
@@ -74,7 +74,7 @@ def main() -> None:
     for T in a.tokens:
         eager = sum(r["eager_ms"] for r in rows if r["tokens"] == T)
         compiled = sum(r["fused_ms"] for r in rows if r["tokens"] == T)
-        print(f"all seven at T={T}: eager {eager:.2f} ms, fused {compiled:.2f} ms ({eager / compiled:.2f}x)")
+        print(f"all {len(rows) // len(a.tokens)} at T={T}: eager {eager:.2f} ms, fused {compiled:.2f} ms ({eager / compiled:.2f}x)")
     if not a.no_save:
         save_results("fused_chunks", rows)
 

@@ -34,7 +34,7 @@ def _check(lengths: tuple[int, ...], tol: float, monkeypatch, **shapes) -> None:
 
 
 def test_each_fused_function_is_its_reference_with_one_graph_for_every_length(monkeypatch) -> None:
-    _check((40, 17, 301), 1e-6, monkeypatch, m=4, D=64, n=4, d=32, r=16, K=3, I=48, dtype=torch.float32,
+    _check((40, 17, 301), 1e-6, monkeypatch, m=4, D=64, n=4, d=32, r=16, h=3, c=24, K=3, I=48, dtype=torch.float32,
            device="cpu")
 
 

@@ -156,13 +156,14 @@ def test_prefill_kernels_match_transformers_and_the_reference_in_chunks(v4: dict
 def test_fused_chunk_maths_match_transformers_and_the_eager_chunks(v4: dict, use_settings) -> None:
     """The row-wise maths of a prefill chunk compiled (``compile_pieces=kernel``: Inductor's C++ code on the
     CPU): every layer and every chunk length shares one graph per fused function (the mixer's scores and
-    collapse with the block's norm, the query heads' norm and RoPE, the output's inverse RoPE, the routed
-    experts' SwiGLU and per-token combine), and the logits are transformers' in one pass and the eager
-    chunks' in three."""
+    collapse with the block's norm, the query heads' norm and RoPE, the KV rows' norm and RoPE, the index
+    queries' RoPE, the output's inverse RoPE, the routed experts' SwiGLU and per-token combine), and the
+    logits are transformers' in one pass and the eager chunks' in three."""
     from shardsmith.runtime.engine.loader import load_rank_weights
     from shardsmith.runtime.layers.experts import combine_pairs, glu_rows
     from shardsmith.runtime.models.deepseek_v4 import DeepseekV4
-    from shardsmith.runtime.models.deepseek_v4.attention import query_heads, unrope
+    from shardsmith.runtime.models.deepseek_v4.attention import kv_rows, query_heads, unrope
+    from shardsmith.runtime.models.deepseek_v4.compressor import index_query
     from shardsmith.runtime.models.deepseek_v4.hyper import collapse_norm, mixer_scores
     from shardsmith.testing.fused_cases import compiled_graphs as graphs
 
@@ -176,7 +177,7 @@ def test_fused_chunk_maths_match_transformers_and_the_eager_chunks(v4: dict, use
             pos += n
         return torch.cat(logits)
 
-    functions = (mixer_scores, collapse_norm, query_heads, unrope, glu_rows, combine_pairs)
+    functions = (mixer_scores, collapse_norm, query_heads, kv_rows, index_query, unrope, glu_rows, combine_pairs)
     chunks = (101, 78, PROMPT_LEN - 179)
     before = [graphs(fn) for fn in functions]
     fused = run(True, chunks)

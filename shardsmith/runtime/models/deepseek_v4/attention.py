@@ -287,7 +287,7 @@ class Attention(nn.Module):
             q_a, kv = self.wq_a(x), self.wkv(x)
         q_lora = self.q_norm(q_a)  # [T, q_lora]
         q = query_heads(self.wq_b(q_lora).view(T, self.n_heads, d), cos, sin, self.eps)  # [T, n, d]
-        kv = apply_rope(self.kv_norm(kv), cos, sin)  # [T, d]
+        kv = kv_rows(kv, self.kv_norm.weight, cos, sin, self.kv_norm.eps)  # [T, d]
         out = (q, kv, q_lora)
         if not side or self.compressor is None:
             return out
@@ -408,6 +408,12 @@ class Attention(nn.Module):
 def query_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """Each head of ``q [T, n, d]`` over its rms (unweighted), then RoPE at ``cos``/``sin`` ``[T, r/2]``."""
     return apply_rope(rms_unweighted(q, eps), cos, sin)
+
+
+@for_chunks
+def kv_rows(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """The KV rows ``kv [T, d]``: ``kv_norm`` (``weight [d]`` float32, ``eps``) then RoPE (fused for a chunk's rows)."""
+    return apply_rope(RMSNormF32.normalize(kv, weight, eps), cos, sin)
 
 
 @for_chunks

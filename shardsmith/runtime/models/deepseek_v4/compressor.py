@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardsmith.errors import UsageError
+from shardsmith.runtime.layers.fused import for_chunks
 from shardsmith.runtime.layers.kernels._common import use_triton
 from shardsmith.runtime.layers.kernels.deepseek_v4.compressor_step import compressor_step
 from shardsmith.runtime.layers.kernels.deepseek_v4.indexer_scores import indexer_prefill_scores, indexer_scores
@@ -392,7 +393,7 @@ class Indexer(nn.Module):
         at the query positions) and head weights ``w`` ``[T, h]`` float32 (``weights_proj(x) / sqrt(h)``;
         ``weights``: ``weights_proj(x)`` already computed, e.g. in the attention's merged projection)."""
         T = x.shape[0]
-        q = apply_rope(self.wq_b(q_lora).view(T, self.heads, self.head_dim), cos, sin)
+        q = index_query(self.wq_b(q_lora).view(T, self.heads, self.head_dim), cos, sin)
         return q, (self.weights_proj(x) if weights is None else weights).float() * self.heads ** -0.5
 
     def _score(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -407,3 +408,10 @@ class Indexer(nn.Module):
         (``-1`` where a query has fewer than ``k`` causal entries)."""
         top = score.masked_fill(~causal, float("-inf")).topk(min(self.topk, score.shape[1]), dim=-1).indices
         return torch.where(causal.gather(1, top), top, -1)
+
+
+@for_chunks
+def index_query(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The index queries' RoPE: ``q [T, h, c]`` rotated at ``cos``/``sin`` ``[T, rope_dim/2]`` (fused for a
+    chunk's rows)."""
+    return apply_rope(q, cos, sin)
