@@ -8,7 +8,8 @@ UE8M0 scales) and a chunk of ``--tokens`` random tokens routed to ``--top-k`` di
 and tokens per second; then :func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_fp4_mm` alone on the
 gate/up matrix over the ``--blocks`` given (``M,N,K,warps,stages``, with and without ``tl.dot_scaled``), its
 TFLOP/s and the HBM bytes it must read (the selected experts' FP4 bytes and scales, the rows once). The
-error column is each output's relative error to the expanded path's. Rows go to
+error column is each output's relative error to the expanded path's (``grouped_fp4``) or to
+:func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_fp4_mm_reference` (the kernel alone). Rows go to
 ``benchmarks/results/grouped_experts-<YYYYMMDD>-<host>.json``.
 
     python benchmarks/grouped_experts.py --tokens 2048 8192
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shardsmith.runtime.layers import experts  # noqa: E402
 from shardsmith.runtime.layers.experts import ExpertMath, grouped_fp4  # noqa: E402
-from shardsmith.runtime.layers.kernels.fused_moe import grouped_fp4_mm  # noqa: E402
+from shardsmith.runtime.layers.kernels.fused_moe import grouped_fp4_mm, grouped_fp4_mm_reference  # noqa: E402
 from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing, rel_error  # noqa: E402
 
 V4_MATH = ExpertMath(limit=10.0, accumulate_f32=True, batched_pairs=16)
@@ -95,8 +96,7 @@ def main() -> None:
         flop = 2 * xs.shape[0] * w.shape[1] * D
         present = sum(1 for c in counts if c)
         read = present * (w[0].numel() + s[0].numel()) + xs.numel() * 2
-        ref = torch._grouped_mm(xs, experts.dequantize_fp4(w, s, x.dtype).transpose(-2, -1),
-                                offs=torch.tensor(counts, device=device).cumsum(0).to(torch.int32))
+        ref = grouped_fp4_mm_reference(xs, w, s, counts)
         for spec in a.blocks:
             bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
             for scaled in (False, True):
