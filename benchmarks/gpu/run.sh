@@ -81,7 +81,7 @@ v4_decode() {  # NAME LAYERS EXPERTS CACHE... [env: extra settings]
 
 step_tests() {
     timeout "${TESTS_S:-300}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/runtime/kernels tests/runtime/engine/test_decode_graphs.py tests/runtime/engine/test_speculative.py tests/runtime/offload tests/runtime/models/test_families_cuda.py \
+        tests/runtime/kernels tests/runtime/engine/test_decode_graphs.py tests/runtime/engine/test_deferred_buckets.py tests/runtime/engine/test_speculative.py tests/runtime/offload tests/runtime/models/test_families_cuda.py \
         > "$OUT/gpu_tests.log" 2>&1
     local rc=$?; grep -E "passed|failed|^FAILED|^E  " "$OUT/gpu_tests.log" | tail -15; return $rc
 }

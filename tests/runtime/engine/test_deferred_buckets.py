@@ -173,3 +173,40 @@ def test_v4_length_buckets_are_built_while_idle_without_a_slot(v4_packs, world_s
     assert r["nothing_left"] == "no decode length bucket is waiting to be built"
     assert r["held_diff"] < 1e-4, r["held_diff"]
     assert r["new_sets"] == [] and r["diff"] < 1e-4, (r["new_sets"], r["diff"])
+
+
+def _crossing(eng) -> tuple[torch.Tensor, list]:
+    """Slot 0 prefilled with ``V4_PROMPT``, then 8 greedy steps across 1024: their logits, and the piece
+    sets those steps built."""
+    sets = set(eng.runner.sets)
+    last = eng.prefill(0, V4_PROMPT)[-1]
+    ids, steps = list(V4_PROMPT), []
+    for _ in range(8):
+        ids.append(int(last.argmax()))
+        last = eng.decode([ids[-1]], [len(ids) - 1], [0])[0]
+        steps.append(last)
+    eng.release(0)
+    return torch.stack(steps), sorted(set(eng.runner.sets) - sets)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_v4_length_buckets_captured_while_idle_replay_as_built_on_first_use(v4_packs) -> None:
+    """On CUDA the pieces are captured graphs: those a padding-rows step captured while idle replay a real
+    sequence's steps with the logits of pieces captured by that sequence's own first step there."""
+    from shardsmith.runtime.engine.engine import Engine
+
+    def load() -> Engine:
+        return Engine.load(v4_packs[1], rank=0, world_size=1, device="cuda", dtype=torch.float32,
+                           max_seq_len=V4_LEN, max_num_seqs=2)
+
+    idle = load()
+    idle.warmup(defer_buckets=True)
+    while idle.pending_lengths:
+        idle.build_length()
+    built_idle, new_idle = _crossing(idle)
+    on_use = load()
+    on_use.warmup()
+    built_on_use, new_on_use = _crossing(on_use)
+    assert new_idle == [] and new_on_use == [(1, 1024), (1, 1100)]
+    torch.testing.assert_close(built_idle, built_on_use, atol=1e-5, rtol=0)
