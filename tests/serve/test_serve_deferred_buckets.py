@@ -56,6 +56,7 @@ def test_ready_before_every_bucket_then_built_while_idle(tmp_path: Path, monkeyp
         while _gauge(srv, "decode_buckets_pending") and time.monotonic() < deadline:
             time.sleep(0.5)
         assert (_gauge(srv, "decode_buckets_built"), _gauge(srv, "decode_buckets_pending")) == (2, 0)
+        assert _gauge(srv, "decode_lengths_pending") == 0  # a Mixtral-family step has no length buckets
         assert "decode bucket of 2 rows built in" in srv.log()
         alone = [ask(srv, p) for p in PROMPTS]
         with ThreadPoolExecutor(2) as pool:
