@@ -629,17 +629,18 @@ class Engine:
         Raises:
             UsageError: nothing is pending.
         """
-        if not self.pending_lengths:
+        pending = self.pending_lengths
+        if not pending:
             raise UsageError("no decode length bucket is waiting to be built")
-        (rows, length), t0 = self.pending_lengths[0], time.perf_counter()
+        (rows, length), t0 = pending[0], time.perf_counter()
         with self._lock:
             if self.world_size > 1:
                 self._send(torch.tensor([WARMUP, rows, 5, length, 0], dtype=torch.int64))
             self._collective(lambda: self.runner.build_length(rows, length))
         self._seal_all()
-        left = self.pending_lengths
+        left = len(pending) - 1  # this one is built; nothing else changed
         log.info("decode pieces of %d rows at length bucket %d built in %.2f s%s", rows, length,
-                 time.perf_counter() - t0, f" ({len(left)} to build)" if left else " (every length built)")
+                 time.perf_counter() - t0, f" ({left} to build)" if left else " (every length built)")
         return rows, length
 
     def _seal_all(self) -> None:

@@ -372,7 +372,7 @@ class Scheduler:
         bucket; a length bucket needs none)."""
         if self._inflight is not None:
             return False
-        return bool(self.engine.pending_buckets and self._free or getattr(self.engine, "pending_lengths", None))
+        return bool(self.engine.pending_buckets and self._free or self.engine.pending_lengths)
 
     def build_bucket(self) -> int | None:
         """Build the engine's next deferred decode pieces between steps: a batch bucket in a free slot

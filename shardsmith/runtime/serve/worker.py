@@ -401,7 +401,7 @@ class EngineWorker:
                  self._sched.decode_prompt_tokens, "overlapped" if self._sched.overlap else "plain",
                  "on" if self._sched.prefix.enabled else "off", ", ".join(map(str, e.built_buckets())) or "none",
                  f" ({', '.join(map(str, e.pending_buckets))} to build when idle)" if e.pending_buckets else "")
-        if getattr(e, "pending_lengths", None):
+        if e.pending_lengths:
             log.info("decode pieces at longer lengths to build when idle (rows x length bucket): %s",
                      ", ".join(f"{r}x{L}" for r, L in e.pending_lengths))
         try:
@@ -445,7 +445,7 @@ class EngineWorker:
 
     def _count_buckets(self) -> None:
         self.metrics.buckets = (len(self.engine.built_buckets()), len(self.engine.pending_buckets))
-        self.metrics.lengths_pending = len(getattr(self.engine, "pending_lengths", ()))
+        self.metrics.lengths_pending = len(self.engine.pending_lengths)
 
     def _admit(self) -> None:
         """Move waiting jobs into free slots, oldest first (each refused alone on a UsageError), while the

@@ -113,6 +113,20 @@ def v4_packs(tmp_path_factory) -> dict[int, Path]:
     return out
 
 
+def _crossing(eng) -> tuple[torch.Tensor, list, list[int]]:
+    """Slot 0 prefilled with ``V4_PROMPT``, then 8 greedy steps across 1024 (positions 1019..1026: length
+    buckets 1024, then 1100): their logits, the piece sets those steps built, and the tokens."""
+    sets = set(eng.runner.sets)
+    last = eng.prefill(0, V4_PROMPT)[-1]
+    ids, steps = list(V4_PROMPT), []
+    for _ in range(8):
+        ids.append(int(last.argmax()))
+        last = eng.decode([ids[-1]], [len(ids) - 1], [0])[0]
+        steps.append(last)
+    eng.release(0)
+    return torch.stack(steps), sorted(set(eng.runner.sets) - sets), ids
+
+
 def _run_v4(rank: int, world_size: int, port: int, pack: str, queue) -> None:
     import os
 
@@ -139,22 +153,14 @@ def _run_v4(rank: int, world_size: int, port: int, pack: str, queue) -> None:
             eng.build_length()
         except UsageError as e:
             report["nothing_left"] = str(e)
-        sets = set(eng.runner.sets)
         nxt = int(held.argmax())
         report["held_diff"] = float((eng.decode([nxt], [9], [1])[0] - eng.prefill(0, V4_PROMPT[:9] + [nxt])[-1])
                                     .abs().max())  # slot 1 untouched by the builds: its step equals a prefill
         eng.release(0)
         eng.release(1)
-        last = eng.prefill(0, V4_PROMPT)[-1]
-        ids, steps = list(V4_PROMPT), []
-        for _ in range(8):  # positions 1019..1026: length buckets 1024, then 1100
-            ids.append(int(last.argmax()))
-            last = eng.decode([ids[-1]], [len(ids) - 1], [0])[0]
-            steps.append(last)
-        report["new_sets"] = sorted(set(eng.runner.sets) - sets)
-        eng.release(0)
+        steps, report["new_sets"], ids = _crossing(eng)
         whole = eng.prefill(0, ids, last_only=False)[len(V4_PROMPT):]  # the same tokens in one prefill
-        report["diff"] = float((torch.stack(steps) - whole).abs().max())
+        report["diff"] = float((steps - whole).abs().max())
         eng.shutdown()
         queue.put(("ok", report))
     except Exception:  # noqa: BLE001 - reported to the test
@@ -175,20 +181,6 @@ def test_v4_length_buckets_are_built_while_idle_without_a_slot(v4_packs, world_s
     assert r["new_sets"] == [] and r["diff"] < 1e-4, (r["new_sets"], r["diff"])
 
 
-def _crossing(eng) -> tuple[torch.Tensor, list]:
-    """Slot 0 prefilled with ``V4_PROMPT``, then 8 greedy steps across 1024: their logits, and the piece
-    sets those steps built."""
-    sets = set(eng.runner.sets)
-    last = eng.prefill(0, V4_PROMPT)[-1]
-    ids, steps = list(V4_PROMPT), []
-    for _ in range(8):
-        ids.append(int(last.argmax()))
-        last = eng.decode([ids[-1]], [len(ids) - 1], [0])[0]
-        steps.append(last)
-    eng.release(0)
-    return torch.stack(steps), sorted(set(eng.runner.sets) - sets)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_v4_length_buckets_captured_while_idle_replay_as_built_on_first_use(v4_packs) -> None:
@@ -204,9 +196,9 @@ def test_v4_length_buckets_captured_while_idle_replay_as_built_on_first_use(v4_p
     idle.warmup(defer_buckets=True)
     while idle.pending_lengths:
         idle.build_length()
-    built_idle, new_idle = _crossing(idle)
+    built_idle, new_idle, _ = _crossing(idle)
     on_use = load()
     on_use.warmup()
-    built_on_use, new_on_use = _crossing(on_use)
+    built_on_use, new_on_use, _ = _crossing(on_use)
     assert new_idle == [] and new_on_use == [(1, 1024), (1, 1100)]
     torch.testing.assert_close(built_idle, built_on_use, atol=1e-5, rtol=0)

@@ -310,8 +310,7 @@ def grouped_fp4_mm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sizes:
                         f"{tuple(scale.shape)}")
     elif a.dim() == 2:
         K = a.shape[1]
-        if K % 32 or tuple(w.shape[1:]) != (w.shape[1], K // 2) or \
-                tuple(scale.shape) != (w.shape[0], w.shape[1], K // 32):
+        if K % 32 or w.shape[2] != K // 2 or tuple(scale.shape) != (w.shape[0], w.shape[1], K // 32):
             problems.append(f"a has K={K} (a multiple of 32 needed): w must be [G, N, {K // 2}] and scale "
                             f"[G, N, {K // 32}], got {tuple(w.shape)}, {tuple(scale.shape)}")
         if len(sizes) != w.shape[0] or sum(sizes) != a.shape[0] or min(sizes, default=0) < 0:
@@ -331,6 +330,7 @@ def grouped_fp4_mm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sizes:
     import triton
 
     from shardsmith.runtime.layers.kernels import _moe_triton as k
+    from shardsmith.runtime.layers.staging import to_device
 
     if scaled_dot and (interpreting() or a.dtype != torch.bfloat16):
         raise KernelError("grouped_fp4_mm: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled) and bf16 "
@@ -341,7 +341,7 @@ def grouped_fp4_mm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sizes:
     table = tile_table(sizes, block_m)
     if not table:
         return out
-    tiles = torch.tensor(table, dtype=torch.int32).to(a.device, non_blocking=True)
+    (tiles,) = to_device([torch.tensor(table, dtype=torch.int32)], a.device)  # one asynchronous copy
     a = a if a.stride(-1) == 1 else a.contiguous()
     w, scale = w.view(torch.uint8), scale.view(torch.uint8)
     k._tiles_mm_kernel[(len(table) // 3 * triton.cdiv(N, block_n),)](
