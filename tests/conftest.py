@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -22,6 +22,21 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+
+
+@pytest.fixture(autouse=True)
+def _library_caches_restored() -> Iterator[None]:
+    """Opening a compile cache in-process points ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR``
+    at a test's temporary folder; undone after every test, so no later test (nor a server it starts,
+    which would take them for the user's own and leave its cache unmanaged) sees them."""
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    before = {n: os.environ.get(n) for n in names}
+    yield
+    for n, v in before.items():
+        if v is None:
+            os.environ.pop(n, None)
+        else:
+            os.environ[n] = v
 
 
 @pytest.fixture(scope="session")

@@ -63,3 +63,40 @@ def test_free_ports_are_distinct_bindable_and_avoid_what_is_named() -> None:
     finally:
         for s in socks:
             s.close()
+
+
+def test_free_ports_lie_outside_the_ephemeral_range_where_a_rank_s_connections_could_take_them(
+        tmp_path, monkeypatch) -> None:
+    """While rank 0 loads, gloo's connections take ephemeral ports; a server port chosen among them
+    can be taken before uvicorn binds it ("address already in use"). Where the range leaves no room
+    outside it, the kernel picks."""
+    import shardsmith.runtime.serve.launch as launch
+
+    lo, hi = launch._ephemeral_range()
+    ports = [p for _ in range(50) for p in free_ports(2)]
+    assert all(not lo <= p <= hi and 10000 <= p <= 65535 for p in ports), (lo, hi, ports)
+    fake = tmp_path / "range"
+    fake.write_text("11000 65535\n")  # pool 10000..10999, below a range that reaches the top
+    monkeypatch.setattr(launch, "EPHEMERAL_RANGE_FILE", fake)
+    assert launch._ephemeral_range() == (11000, 65535)
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:  # a port of the pool in use is drawn again, never handed out
+        busy = next(p for p in range(10000, 11000) if _binds(held, p))
+        held.listen()
+        drawn = [p for _ in range(200) for p in free_ports(5)]
+        assert busy not in drawn and all(10000 <= p < 11000 for p in drawn)
+    finally:
+        held.close()
+    fake.write_text("1024 65535\n")  # no room outside: the kernel's choice
+    assert all(1024 <= p <= 65535 for p in free_ports(5))
+    fake.write_text("not numbers\n")
+    assert launch._ephemeral_range() == (49152, 65535)
+    assert all(10000 <= p < 49152 for p in free_ports(5))
+
+
+def _binds(s: socket.socket, port: int) -> bool:
+    try:
+        s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False

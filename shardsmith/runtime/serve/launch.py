@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import os
+import random
 import signal
 import socket
 import sys
@@ -132,22 +133,48 @@ def setup_logging(rank: int | None, level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out to ``bind(port=0)`` and outgoing connections (Linux reads
+    ``ip_local_port_range``; elsewhere IANA's 49152..65535)."""
+    try:
+        lo, hi = map(int, EPHEMERAL_RANGE_FILE.read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_ports(n: int, *, avoid: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago, none of them in ``avoid``.
 
-    Every socket stays bound until all ``n`` are chosen, so the kernel cannot hand one port out
-    twice (two calls of :func:`free_port` can return the same port, and an HTTP server and its
-    rendezvous on one port collide).
+    The ports are drawn at random from outside the kernel's ephemeral range (below it where it
+    leaves room, 10000 up): a port the kernel chose could be handed to another socket of this host
+    between the choice and the server's bind (gloo's connections between ranks take ephemeral
+    ports while rank 0 loads, then the HTTP server's bind fails). Every candidate is bound and
+    stays bound until all ``n`` are chosen, so none is in use or handed out twice. Where no room is
+    left outside the range the kernel picks.
     """
+    lo, hi = _ephemeral_range()
+    pool = range(10000, lo) if lo - 10000 >= 1000 else range(hi + 1, 65536) if 65535 - hi >= 1000 else None
+    pick = random.SystemRandom()
     held: list[socket.socket] = []
     try:
         ports: list[int] = []
-        while len(ports) < n:
+        for _ in range(100 * n + 100):
+            if len(ports) == n:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             held.append(s)
-            s.bind(("127.0.0.1", 0))
-            if (p := s.getsockname()[1]) not in avoid:
+            try:
+                s.bind(("127.0.0.1", pick.choice(pool) if pool is not None else 0))
+            except OSError:
+                continue  # in use (or lingering): draw again
+            if (p := s.getsockname()[1]) not in avoid and p not in ports:
                 ports.append(p)
+        if len(ports) < n:
+            raise OSError(f"found {len(ports)} of {n} free TCP ports on 127.0.0.1 in {pool}")
         return ports
     finally:
         for s in held:
