@@ -48,7 +48,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shardsmith.runtime.engine.engine import Engine
-from shardsmith.runtime.layers.experts import grouped_mm_runs as _GROUPED
 
 
 def set_path(model: torch.nn.Module, path: str) -> None:
@@ -65,7 +64,7 @@ def set_path(model: torch.nn.Module, path: str) -> None:
             m.prefill_kernel = attention == "kernel"
     if moe not in ("grouped", "expanded", "loop"):
         raise SystemExit(f"--paths {path!r}: MoE must be grouped, expanded or loop")
-    experts.grouped_mm_runs = _GROUPED if moe != "loop" else (lambda x: False)
+    experts.GROUPED = moe != "loop"
     experts.TILE_KERNEL = False if moe == "expanded" else None
     fused.ENABLED = {"fused": True, "eager": False}[maths[0]] if maths else None
 

@@ -65,7 +65,7 @@ from shardsmith.dtypes import DTYPES
 from shardsmith.errors import RuntimeLoadError
 from shardsmith.runtime.layers.fused import for_chunks
 from shardsmith.runtime.layers.kernels import fused_experts
-from shardsmith.runtime.layers.kernels.fused_moe import grouped_fp4_mm
+from shardsmith.runtime.layers.kernels.fused_moe import grouped_fp4_mm, tile_blocks
 from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs, swiglu
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
 from shardsmith.runtime.layers.quant import bank_format, dequantize_fp4, expert_weights
@@ -84,6 +84,10 @@ FUSED_TOKENS_MAX = 16
 # Whether grouped_fp4 multiplies through the FP4 tile kernel (grouped_fp4_mm: no expert expanded in memory)
 # instead of expanding experts for torch._grouped_mm: None = on CUDA; True / False: benchmarks and tests.
 TILE_KERNEL: bool | None = None
+# False: many-token steps of FP4 banks (resident, or a streamed prefill chunk) go expert by expert, as before
+# grouped matmuls existed (benchmarks compare the two).
+GROUPED: bool = True
+TILE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +216,16 @@ def grouped_mm_runs(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
+def grouped_runs(x: torch.Tensor) -> bool:
+    """Whether :func:`grouped_fp4` runs for activations like ``x``: through the FP4 tile kernel
+    (:data:`TILE_KERNEL`; on CUDA by default, for bf16, f16 and float32 on any GPU Triton takes), or
+    else ``torch._grouped_mm`` (:func:`grouped_mm_runs`); never while :data:`GROUPED` is off."""
+    if not GROUPED:
+        return False
+    tiles = (x.is_cuda if TILE_KERNEL is None else TILE_KERNEL) and x.dtype in TILE_DTYPES
+    return tiles or grouped_mm_runs(x)
+
+
 def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor],
                 math: ExpertMath, group: int = GROUP_EXPERTS, *,
                 fetch: Callable[[torch.Tensor, list[int]], Callable[[], dict[str, torch.Tensor]]] | None = None,
@@ -238,7 +252,7 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
         ``[T, D]`` in ``x.dtype``.
     """
     T, K = index.shape
-    tiles = x.is_cuda if TILE_KERNEL is None else TILE_KERNEL
+    tiles = (x.is_cuda if TILE_KERNEL is None else TILE_KERNEL) and x.dtype in TILE_DTYPES
     if fetch is None:
         n_experts = arrays["gate_up"].shape[0]
         group = n_experts if tiles else group
@@ -278,7 +292,8 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
 
 def _tiles_mm(sizes_h: list[int]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """A group's grouped matmul ``(a [n, K], w [G, N, K/2], scale) -> [n, N]`` through the FP4 tile kernel."""
-    return lambda a, w, scale: grouped_fp4_mm(a, w, scale, sizes_h, backend="triton")
+    blocks = tile_blocks(sizes_h)
+    return lambda a, w, scale: grouped_fp4_mm(a, w, scale, sizes_h, backend="triton", **blocks)
 
 
 def _expanded_mm(sizes: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -446,7 +461,7 @@ class ExpertBank(RoutedExperts):
         sync, so the host keeps queueing kernels): FP4 per pair (:func:`routed_pairs`), dense for
         one token in ascending expert order with the general path's kernels (so the same bits).
         Otherwise one host sync (the ids), then an FP4 bank runs :func:`grouped_fp4` (where
-        :func:`grouped_mm_runs`), other banks expert by expert in ascending order, reading each expert
+        :func:`grouped_runs`), other banks expert by expert in ascending order, reading each expert
         in place (at most one FP4/FP8 expert expanded at a time).
         """
         T, K = index.shape
@@ -467,7 +482,7 @@ class ExpertBank(RoutedExperts):
                              down[k])  # [1, D]
                 out.add_(self.math.contribution(y, w[k: k + 1], x.dtype))
             return out.to(x.dtype)
-        if self.format == "fp4" and grouped_mm_runs(x):
+        if self.format == "fp4" and grouped_runs(x):
             return grouped_fp4(x, index, weight, self.arrays(), self.math)
         index_h = index.cpu()  # the one host sync: ids -> rows per expert on the host
         for e, (tok, k) in rows_by_expert(index_h, index_h.unique().tolist(), x.device).items():  # [n], [n]

@@ -73,7 +73,7 @@ from shardsmith import settings
 from shardsmith.errors import UsageError
 from shardsmith.settings import Kernel
 from shardsmith.runtime.layers.experts import (FUSED_TOKENS_MAX, ExpertMath, expert_output, fused_bank, grouped_fp4,
-                                              grouped_mm_runs)
+                                              grouped_runs)
 from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs
 from shardsmith.runtime.layers.parallel import kernel_on
 from shardsmith.runtime.layers.quant import bank_format
@@ -313,7 +313,8 @@ class OffloadRuntime:
         (:meth:`run_chunk`): inside :meth:`prefill` (decode steps, however many rows, keep the cache's
         path: they admit what they use, and a captured one stays device-only), more than
         ``FUSED_TOKENS_MAX`` tokens, backend ``gpu`` (a slot pool, no host share), FP4 banks, and
-        ``torch._grouped_mm`` for these activations (:meth:`stream_refusal` says which is missing)."""
+        grouped matmuls for these activations (:func:`~shardsmith.runtime.layers.experts.grouped_runs`);
+        :meth:`stream_refusal` says which is missing."""
         return not self.stream_refusal(x)
 
     def stream_refusal(self, x: torch.Tensor) -> str:
@@ -326,8 +327,8 @@ class OffloadRuntime:
             return f"moe backend {self.backend!r}" + ("" if self.cache is not None else " without a slot pool")
         if (fmt := bank_format(self.cache.pool["gate_up"])) != "fp4":
             return f"{fmt} expert banks (streaming runs FP4 banks' grouped matmuls)"
-        if not grouped_mm_runs(x):
-            return f"torch._grouped_mm does not take {x.dtype} activations on {x.device}"
+        if not grouped_runs(x):
+            return f"grouped matmuls off, or neither the FP4 tile kernel nor torch._grouped_mm takes {x.dtype} activations on {x.device}"
         return ""
 
     @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch
 from shardsmith.runtime.layers import experts
 from shardsmith.runtime.layers.experts import ExpertMath, expert_output, grouped_fp4, grouped_mm_runs
 from shardsmith.runtime.layers.kernels import KernelError
-from shardsmith.runtime.layers.kernels.fused_moe import grouped_fp4_mm, grouped_fp4_mm_reference, tile_table
+from shardsmith.runtime.layers.kernels.fused_moe import grouped_fp4_mm, grouped_fp4_mm_reference, tile_blocks, tile_table
 from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing, rel_error
 
 V4_MATH = ExpertMath(limit=10.0, accumulate_f32=True, batched_pairs=16)
@@ -115,6 +115,21 @@ def test_the_tile_kernel_is_its_reference(dtype, tol):
     assert rel_error(got, truth) < tol
     assert tile_table(sizes, 16) == [1, 0, 1, 2, 1, 17, 3, 17, 33, 3, 33, 49, 3, 49, 65, 3, 65, 81, 3, 81, 87,
                                      4, 87, 90]
+
+
+def test_long_runs_take_tall_tiles_with_the_same_result():
+    """Runs that average 128 rows or more (a long chunk's experts) take 128-row tiles with 64-element
+    reduction steps; the result is the reference's, ragged tall tiles included."""
+    assert tile_blocks([0, 48, 48]) == {} and tile_blocks([]) == {}
+    assert tile_blocks([0, 100, 156, 0]) == {"block_m": 128, "block_k": 64, "num_warps": 8}
+    gen = torch.Generator().manual_seed(5)
+    bank = random_bank(3, 64, 32, fp4=True, gen=gen)  # gate_up [3, 64, 32]: N = 64, K = 64
+    sizes = [130, 0, 200]
+    a = torch.randn(sum(sizes), 64, generator=gen)
+    truth = grouped_fp4_mm_reference(a, bank["gate_up"], bank["gate_up_scale"], sizes)
+    got = grouped_fp4_mm(a, bank["gate_up"], bank["gate_up_scale"], sizes, block_n=32, backend="triton",
+                         **tile_blocks(sizes))
+    assert rel_error(got, truth) < 1e-6
 
 
 def test_the_tile_kernel_names_what_does_not_fit():

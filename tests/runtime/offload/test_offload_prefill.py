@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from shardsmith.runtime.layers import experts
 from shardsmith.runtime.offload import OffloadConfig
 
 PROMPT = [(5 * i + 1) % 200 + 2 for i in range(40)]
@@ -35,7 +36,7 @@ def test_gpt_oss_prefill_chunk_streams_its_experts(tmp_path: Path) -> None:
     rt.close()
 
 
-def test_a_chunk_that_does_not_stream_says_why(tmp_path: Path, caplog) -> None:
+def test_a_chunk_that_does_not_stream_says_why(tmp_path: Path, caplog, monkeypatch) -> None:
     """Each condition of ``streams_chunk`` named when it fails, and the first long prefill step that ran
     through the cache instead logs its reason once (what a benchmark row that did not stream prints)."""
     from shardsmith.runtime.engine.engine import Engine
@@ -50,7 +51,13 @@ def test_a_chunk_that_does_not_stream_says_why(tmp_path: Path, caplog) -> None:
     with rt.prefill():
         assert rt.stream_refusal(x) == "" and rt.streams_chunk(x)
         assert rt.stream_refusal(x[:16]) == "16 tokens, at most FUSED_TOKENS_MAX=16: the decode-sized path"
-        assert rt.stream_refusal(x.double()) == "torch._grouped_mm does not take torch.float64 activations on cpu"
+        assert rt.stream_refusal(x.double()) == ("grouped matmuls off, or neither the FP4 tile kernel nor "
+                                                 "torch._grouped_mm takes torch.float64 activations on cpu")
+        monkeypatch.setattr(experts, "GROUPED", False)  # what a benchmark's loop path sets
+        assert rt.stream_refusal(x).startswith("grouped matmuls off")
+        monkeypatch.setattr(experts, "GROUPED", True)
+        monkeypatch.setattr(experts, "TILE_KERNEL", True)  # the tile kernel (CUDA's default) takes float32 too
+        assert rt.stream_refusal(x) == ""
         rt.backend = "hybrid"
         assert rt.stream_refusal(x) == "moe backend 'hybrid'"
     with caplog.at_level("INFO", logger="shardsmith.runtime.offload"):

@@ -272,6 +272,17 @@ def tile_table(sizes: list[int], block_m: int) -> list[int]:
     return table
 
 
+def tile_blocks(sizes: list[int]) -> dict[str, int]:
+    """:func:`grouped_fp4_mm`'s block shape for runs of ``sizes`` rows: tall tiles (128 rows of a run,
+    64-element reduction steps, 8 warps) once the present runs average 128 rows or more (a long chunk:
+    each expert's bytes are decoded once per 128 rows instead of per 64), else the default 64-row tiles
+    (a short chunk's runs would leave most of a tall tile empty)."""
+    present = [n for n in sizes if n]
+    if present and sum(present) >= 128 * len(present):
+        return {"block_m": 128, "block_k": 64, "num_warps": 8}
+    return {}
+
+
 def grouped_fp4_mm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sizes: list[int], *, block_m: int = 64,
                    block_n: int = 128, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
                    scaled_dot: bool | None = None, backend: str = "auto") -> torch.Tensor:
