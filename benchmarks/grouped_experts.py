@@ -3,13 +3,13 @@ the same grouped matmuls with each group of experts expanded to bf16 first, side
 
 A random FP4 bank at V4-Flash's expert shapes (``--experts`` of ``D = 4096``, ``I_r = 2048 / --tp``, 1x32
 UE8M0 scales) and a chunk of ``--tokens`` random tokens routed to ``--top-k`` distinct experts each:
-:func:`~shardsmith.runtime.layers.experts.grouped_fp4` whole (sort, both matmuls, SwiGLU, combine) with
+:func:`~shardsmith.runtime.layers.experts.grouped_experts` whole (sort, both matmuls, SwiGLU, combine) with
 ``TILE_KERNEL`` on and off, milliseconds per call (median of ``--repeat`` after two warm calls, synchronised)
-and tokens per second; then :func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_fp4_mm` alone on the
+and tokens per second; then :func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_gemm` alone on the
 gate/up matrix over the ``--blocks`` given (``M,N,K,warps,stages``, with and without ``tl.dot_scaled``), its
 TFLOP/s and the HBM bytes it must read (the selected experts' FP4 bytes and scales, the rows once). The
-error column is each output's relative error to the expanded path's (``grouped_fp4``) or to
-:func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_fp4_mm_reference` (the kernel alone). Rows go to
+error column is each output's relative error to the expanded path's (``grouped_experts``) or to
+:func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_gemm_reference` (the kernel alone). Rows go to
 ``benchmarks/results/grouped_experts-<YYYYMMDD>-<host>.json``.
 
     python benchmarks/grouped_experts.py --tokens 2048 8192
@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shardsmith.runtime.layers import experts  # noqa: E402
-from shardsmith.runtime.layers.experts import ExpertMath, grouped_fp4  # noqa: E402
-from shardsmith.runtime.layers.kernels.fused_moe import grouped_fp4_mm, grouped_fp4_mm_reference  # noqa: E402
+from shardsmith.runtime.layers.experts import ExpertMath, grouped_experts  # noqa: E402
+from shardsmith.runtime.layers.kernels.fused_moe import grouped_gemm, grouped_gemm_reference  # noqa: E402
 from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing, rel_error  # noqa: E402
 
 V4_MATH = ExpertMath(limit=10.0, accumulate_f32=True, batched_pairs=16)
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="I_r = 2048 / tp (TP-within-expert)")
     ap.add_argument("--blocks", nargs="*", default=["64,128,128,4,3", "128,128,64,8,3", "64,64,128,4,4",
                                                      "128,256,64,8,3"],
-                    help="grouped_fp4_mm launches to time alone: BLOCK_M,BLOCK_N,BLOCK_K,warps,stages")
+                    help="grouped_gemm launches to time alone: BLOCK_M,BLOCK_N,BLOCK_K,warps,stages")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-save", action="store_true")
     a = ap.parse_args()
@@ -80,13 +80,13 @@ def main() -> None:
         timed = {}
         for path, tiles in (("expanded", False), ("tile kernel", True)):
             experts.TILE_KERNEL = tiles
-            ms, out = ms_per_call(lambda: grouped_fp4(x, index, weight, bank, V4_MATH), a.repeat)
+            ms, out = ms_per_call(lambda: grouped_experts(x, index, weight, bank, V4_MATH), a.repeat)
             timed[path] = (ms, out)
-            rows.append(base | {"what": "grouped_fp4", "path": path, "ms": round(ms, 3),
+            rows.append(base | {"what": "grouped_experts", "path": path, "ms": round(ms, 3),
                                 "tokens_per_s": round(T / ms * 1e3),
                                 "ratio_to_expanded": round(timed["expanded"][0] / ms, 2),
                                 "rel_error": rel_error(out.float(), timed["expanded"][1].float())})
-            print(f"grouped_fp4 T={T:<6} {path:<12} {ms:9.3f} ms  {T / ms * 1e3:10.0f} tokens/s  "
+            print(f"grouped_experts T={T:<6} {path:<12} {ms:9.3f} ms  {T / ms * 1e3:10.0f} tokens/s  "
                   f"{rows[-1]['ratio_to_expanded']:5.2f}x  rel err {rows[-1]['rel_error']:.1e}", flush=True)
         experts.TILE_KERNEL = None
         counts = torch.bincount(index.flatten(), minlength=a.experts).tolist()
@@ -96,22 +96,22 @@ def main() -> None:
         flop = 2 * xs.shape[0] * w.shape[1] * D
         present = sum(1 for c in counts if c)
         read = present * (w[0].numel() + s[0].numel()) + xs.numel() * 2
-        ref = grouped_fp4_mm_reference(xs, w, s, counts)
+        ref = grouped_gemm_reference(xs, w, s, counts)
         for spec in a.blocks:
             bm, bn, bk, warps, stages = (int(v) for v in spec.split(","))
             for scaled in (False, True):
                 try:
-                    ms, out = ms_per_call(lambda: grouped_fp4_mm(xs, w, s, counts, block_m=bm, block_n=bn, block_k=bk,
+                    ms, out = ms_per_call(lambda: grouped_gemm(xs, w, s, counts, block_m=bm, block_n=bn, block_k=bk,
                                                                  num_warps=warps, num_stages=stages,
                                                                  scaled_dot=scaled), a.repeat)
                 except Exception as e:  # a block shape Triton cannot compile here: say so, go on
-                    print(f"grouped_fp4_mm {spec} scaled_dot={scaled}: {type(e).__name__}: {str(e)[:200]}")
+                    print(f"grouped_gemm {spec} scaled_dot={scaled}: {type(e).__name__}: {str(e)[:200]}")
                     continue
-                rows.append(base | {"what": "grouped_fp4_mm gate_up", "blocks": spec, "scaled_dot": scaled,
+                rows.append(base | {"what": "grouped_gemm gate_up", "blocks": spec, "scaled_dot": scaled,
                                     "ms": round(ms, 3), "tflop_per_s": round(flop / ms / 1e9, 1),
                                     "read_gb_per_s": round(read / ms / 1e6, 1),
                                     "rel_error": rel_error(out.float(), ref.float())})
-                print(f"grouped_fp4_mm T={T:<6} {spec:<16} scaled_dot={scaled!s:<5} {ms:8.3f} ms  "
+                print(f"grouped_gemm T={T:<6} {spec:<16} scaled_dot={scaled!s:<5} {ms:8.3f} ms  "
                       f"{flop / ms / 1e9:7.1f} TFLOP/s  rel err {rows[-1]['rel_error']:.1e}", flush=True)
         del ref
     if not a.no_save:

@@ -8,7 +8,7 @@ weights). For each prompt length (random token ids) and chunk size it prefills t
 chunk into one slot, as the scheduler feeds a long prompt, once per ``--paths`` entry ``ATTENTION/MOE``:
 attention ``kernel`` (:func:`~shardsmith.runtime.layers.kernels.deepseek_v4.prefill_attention.prefill_attention`
 and the indexer's kernel scores) or ``reference`` (the same maths in float32 einsums); MoE ``grouped``
-(:func:`~shardsmith.runtime.layers.experts.grouped_fp4`: on a GPU the FP4 tile kernel), ``expanded`` (the same,
+(:func:`~shardsmith.runtime.layers.experts.grouped_experts`: on a GPU the FP4 tile kernel), ``expanded`` (the same,
 experts expanded to bf16 for ``torch._grouped_mm``) or ``loop`` (expert by expert). Time from the
 first chunk to the last logits on the host (``ttft_s``, median of ``--repeat`` after one untimed run
 that compiles). With ``--profile`` one chunk at the longest prompt's end runs under ``torch.profiler``

@@ -22,12 +22,15 @@ Formats (:func:`~shardsmith.runtime.layers.quant.bank_format`) and the paths the
 ======  ==========================================  ============================================
 format  a step with no host sync                    otherwise (one host sync: the ids)
 ======  ==========================================  ============================================
-dense   one token, its K experts gathered by id     expert by expert, gate and up as two matmuls
-        (at most ``DECODE_GATHER_MAX_BYTES``)
-fp8     never without the kernel (FP8 is kept with  expert by expert, dequantized per use
-        ``fp8="on-the-fly"`` or the kernel)
+dense   one token, its K experts gathered by id     on CUDA: the pairs sorted by expert, two grouped
+        (at most ``DECODE_GATHER_MAX_BYTES``)       matmuls (``torch._grouped_mm``) over every present
+                                                    expert; elsewhere expert by expert, gate and up
+                                                    as two matmuls
+fp8     never without the kernel (FP8 is kept with  on CUDA the same tile kernel, the FP8 bytes and
+        ``fp8="on-the-fly"`` or the kernel)         block scales read in registers; elsewhere expert
+                                                    by expert, dequantized per use
 fp4     ``T*K <= ExpertMath.batched_pairs`` pairs,  the pairs sorted by expert, two grouped matmuls:
-        expanded, two batched matmuls               on CUDA the FP4 tile kernel over every present
+        expanded, two batched matmuls               on CUDA the tile kernel over every present
                                                     expert; else ``GROUP_EXPERTS`` experts expanded
                                                     at a time (``torch._grouped_mm``)
 ======  ==========================================  ============================================
@@ -65,7 +68,7 @@ from shardsmith.dtypes import DTYPES
 from shardsmith.errors import RuntimeLoadError
 from shardsmith.runtime.layers.fused import for_chunks
 from shardsmith.runtime.layers.kernels import fused_experts
-from shardsmith.runtime.layers.kernels.fused_moe import grouped_fp4_mm, tile_blocks
+from shardsmith.runtime.layers.kernels.fused_moe import expand_matrix, grouped_gemm, tile_blocks
 from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs, swiglu
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
 from shardsmith.runtime.layers.quant import bank_format, dequantize_fp4, expert_weights
@@ -81,10 +84,10 @@ DECODE_GATHER_MAX_BYTES = 64 << 20
 # gives up to 16 rows): the kernel took 2.6-17x less time than the expanded pairs at T = 1-16 on an
 # H200 (RESULTS.md, kernels)
 FUSED_TOKENS_MAX = 16
-# Whether grouped_fp4 multiplies through the FP4 tile kernel (grouped_fp4_mm: no expert expanded in memory)
-# instead of expanding experts for torch._grouped_mm: None = on CUDA; True / False: benchmarks and tests.
+# Whether grouped_experts multiplies through the tile kernel (grouped_gemm: no expert expanded in memory):
+# None = FP4 and FP8 banks on CUDA (grouped_path); True = every bank, False = none (benchmarks and tests).
 TILE_KERNEL: bool | None = None
-# False: many-token steps of FP4 banks (resident, or a streamed prefill chunk) go expert by expert, as before
+# False: many-token steps of every bank (resident, or a streamed prefill chunk) go expert by expert, as before
 # grouped matmuls existed (benchmarks compare the two).
 GROUPED: bool = True
 TILE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -216,32 +219,49 @@ def grouped_mm_runs(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
-def grouped_runs(x: torch.Tensor) -> bool:
-    """Whether :func:`grouped_fp4` runs for activations like ``x``: through the FP4 tile kernel
-    (:data:`TILE_KERNEL`; on CUDA by default, for bf16, f16 and float32 on any GPU Triton takes), or
-    else ``torch._grouped_mm`` (:func:`grouped_mm_runs`); never while :data:`GROUPED` is off."""
+def grouped_path(x: torch.Tensor, fmt: str = "fp4") -> str | None:
+    """How :func:`grouped_experts` multiplies a bank of format ``fmt`` (``fp4``, ``fp8``, ``dense``) for
+    activations like ``x``, or None where it does not (the bank goes expert by expert).
+
+    ``tiles``: the tile kernel :func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_gemm`, the weights
+    read as stored (FP4 and FP8 banks on CUDA, bf16/f16/float32 activations, any GPU Triton takes; every
+    format where :data:`TILE_KERNEL` is True). ``expanded``: ``torch._grouped_mm`` (:func:`grouped_mm_runs`)
+    on FP4 experts expanded to ``x.dtype`` (where the tile kernel does not run: the CPU), or on a dense bank's
+    rows as they are (on CUDA: cuBLAS's grouped GEMM). Never while :data:`GROUPED` is off."""
     if not GROUPED:
-        return False
-    tiles = (x.is_cuda if TILE_KERNEL is None else TILE_KERNEL) and x.dtype in TILE_DTYPES
-    return tiles or grouped_mm_runs(x)
+        return None
+    if x.dtype in TILE_DTYPES and (TILE_KERNEL or TILE_KERNEL is None and x.is_cuda and fmt != "dense"):
+        return "tiles"
+    if (fmt == "fp4" or fmt == "dense" and x.is_cuda) and grouped_mm_runs(x):
+        return "expanded"
+    return None
 
 
-def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor],
-                math: ExpertMath, group: int = GROUP_EXPERTS, *,
-                fetch: Callable[[torch.Tensor, list[int]], Callable[[], dict[str, torch.Tensor]]] | None = None,
-                n_experts: int | None = None) -> torch.Tensor:
-    """Many tokens through an FP4 bank: the ``P = T*K`` pairs sorted by expert, ``group`` present experts
+def grouped_runs(x: torch.Tensor, fmt: str = "fp4") -> bool:
+    """Whether :func:`grouped_experts` runs a bank of format ``fmt`` for activations like ``x`` (:func:`grouped_path`)."""
+    return grouped_path(x, fmt) is not None
+
+
+def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor],
+                    math: ExpertMath, group: int = GROUP_EXPERTS, *, block: tuple[int, int] | None = None,
+                    fetch: Callable[[torch.Tensor, list[int]], Callable[[], dict[str, torch.Tensor]]] | None = None,
+                    n_experts: int | None = None) -> torch.Tensor:
+    """Many tokens through an expert bank: the ``P = T*K`` pairs sorted by expert, ``group`` present experts
     at a time run as two grouped matmuls (one run of rows per expert), the outputs weighted and added
     per token in ascending expert order (as the expert-by-expert loop adds them). One host sync (the
-    experts' pair counts). On CUDA the matmuls are :func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_fp4_mm`
-    (the FP4 decoded in the kernel; a resident bank's present experts then go in one group); elsewhere
-    the group's experts are expanded to ``x.dtype`` for ``torch._grouped_mm`` (:data:`TILE_KERNEL`).
+    experts' pair counts). The matmuls as :func:`grouped_path` says: the tile kernel
+    :func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_gemm` (the weights read as stored; a resident
+    bank's present experts then go in one group), or ``torch._grouped_mm`` (an FP4 group's experts expanded
+    to ``x.dtype`` first; a dense bank's rows as they are, every present expert in one group).
 
     Args:
         x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` routing weights; arrays: the
-            bank's ``gate_up [E, 2*I_r, D/2]``, ``down [E, D, I_r/2]`` int8 with their ``_scale`` arrays
-            (and gpt-oss's ``gate_up_bias [E, 2*I_r]``); math: the family's :class:`ExpertMath`;
-            group: experts per grouped step (expanded: bf16 scratch ``group x 3 x I_r x D``).
+            bank's ``gate_up [E, 2*I_r, D(/2)]`` (gate rows then up, or interleaved as ``math`` says),
+            ``down [E, D, I_r(/2)]``, with their ``_scale`` arrays when quantized (FP4 int8 with UE8M0
+            scales, FP8 with float32 block scales, gate's and up's scale rows stacked) and gpt-oss's
+            ``gate_up_bias [E, 2*I_r]``; math: the family's :class:`ExpertMath`;
+            group: experts per grouped step (expanded: bf16 scratch ``group x 3 x I_r x D``);
+            block: an FP8 bank's scale block.
         fetch: where a group's arrays come from when the bank is not ``arrays`` (offloaded experts:
             ``arrays`` is then ``{}``): ``fetch(ids [G] on the device, the same ids on the host)``
             starts bringing those experts' arrays ``[G, ...]`` and returns a call that waits for them and
@@ -252,10 +272,11 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
         ``[T, D]`` in ``x.dtype``.
     """
     T, K = index.shape
-    tiles = (x.is_cuda if TILE_KERNEL is None else TILE_KERNEL) and x.dtype in TILE_DTYPES
+    fmt = bank_format(arrays["gate_up"]) if arrays else "fp4"  # a fetched bank: the offloaded FP4 chunk path
+    tiles = grouped_path(x, fmt) == "tiles"
     if fetch is None:
         n_experts = arrays["gate_up"].shape[0]
-        group = n_experts if tiles else group
+        group = n_experts if tiles or fmt == "dense" else group
 
         def fetch(ids: torch.Tensor, _ids_h: list[int]) -> Callable[[], dict[str, torch.Tensor]]:
             return lambda: {name: a[ids] for name, a in arrays.items()}
@@ -276,12 +297,13 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
             nxt = groups[i + 1]
             pending = fetch(present[nxt:nxt + group], present_h[nxt:nxt + group])
         got = ready()
-        run = _tiles_mm(sizes_h[g:g + group]) if tiles else _expanded_mm(sizes[g:g + group])
-        h = run(xs[start:start + n], got["gate_up"], got["gate_up_scale"])  # [n, 2I_r]
+        run = _tiles_mm(sizes_h[g:g + group], block) if tiles else _expanded_mm(sizes[g:g + group], block)
+        i_r = got["down"].shape[-1] * (2 if bank_format(got["gate_up"]) == "fp4" else 1)
+        h = run(xs[start:start + n], got["gate_up"], got.get("gate_up_scale"), split=i_r)  # [n, 2I_r]
         if "gate_up_bias" in got:
             h = h + got["gate_up_bias"].to(x.dtype).repeat_interleave(sizes[g:g + group], dim=0)
         h = glu_rows(h, math.limit, math.alpha, math.interleaved)
-        ys[start:start + n] = run(h, got["down"], got["down_scale"])
+        ys[start:start + n] = run(h, got["down"], got.get("down_scale"))
         start += n
     by_expert = index.argsort(dim=1, stable=True)  # [T, K]: each token's experts, ascending
     sorted_at = torch.empty_like(order)
@@ -290,16 +312,27 @@ def grouped_fp4(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arra
     return combine_pairs(x, ys, rows, weight.gather(1, by_expert), math.accumulate_f32)
 
 
-def _tiles_mm(sizes_h: list[int]) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A group's grouped matmul ``(a [n, K], w [G, N, K/2], scale) -> [n, N]`` through the FP4 tile kernel."""
+def _tiles_mm(sizes_h: list[int], block: tuple[int, int] | None) -> Callable[..., torch.Tensor]:
+    """A group's grouped matmul ``(a [n, K], w [G, N, K(/2)], scale, split=None) -> [n, N]`` through the tile kernel."""
     blocks = tile_blocks(sizes_h)
-    return lambda a, w, scale: grouped_fp4_mm(a, w, scale, sizes_h, backend="triton", **blocks)
+    return lambda a, w, scale, split=None: grouped_gemm(a, w, scale, sizes_h, block=block, split=split,
+                                                        backend="triton", **blocks)
 
 
-def _expanded_mm(sizes: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def _expanded_mm(sizes: torch.Tensor, block: tuple[int, int] | None) -> Callable[..., torch.Tensor]:
     """The same through ``torch._grouped_mm``, the group's experts expanded to ``a.dtype`` first."""
     offs = sizes.cumsum(0).to(torch.int32)
-    return lambda a, w, scale: torch._grouped_mm(a, dequantize_fp4(w, scale, a.dtype).transpose(-2, -1), offs=offs)
+
+    def run(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, split: int | None = None) -> torch.Tensor:
+        if bank_format(w) == "fp4":
+            full = dequantize_fp4(w, scale, a.dtype)
+        elif scale is None:  # dense rows as they are
+            full = w.to(a.dtype)
+        else:
+            full = torch.stack([expand_matrix(w[g], None if scale is None else scale[g], a.dtype, block, split)
+                                for g in range(w.shape[0])])
+        return torch._grouped_mm(a, full.transpose(-2, -1), offs=offs)
+    return run
 
 
 @for_chunks
@@ -460,9 +493,9 @@ class ExpertBank(RoutedExperts):
         a step that :meth:`sync_free` allows gathers its experts by id on the device (no host
         sync, so the host keeps queueing kernels): FP4 per pair (:func:`routed_pairs`), dense for
         one token in ascending expert order with the general path's kernels (so the same bits).
-        Otherwise one host sync (the ids), then an FP4 bank runs :func:`grouped_fp4` (where
-        :func:`grouped_runs`), other banks expert by expert in ascending order, reading each expert
-        in place (at most one FP4/FP8 expert expanded at a time).
+        Otherwise one host sync (the ids), then the bank runs :func:`grouped_experts` where
+        :func:`grouped_runs` says so (FP4 banks; every format on CUDA), else expert by expert in
+        ascending order, reading each expert in place (at most one FP4/FP8 expert expanded at a time).
         """
         T, K = index.shape
         if self.fused(T, K):
@@ -482,8 +515,8 @@ class ExpertBank(RoutedExperts):
                              down[k])  # [1, D]
                 out.add_(self.math.contribution(y, w[k: k + 1], x.dtype))
             return out.to(x.dtype)
-        if self.format == "fp4" and grouped_runs(x):
-            return grouped_fp4(x, index, weight, self.arrays(), self.math)
+        if grouped_runs(x, self.format):
+            return grouped_experts(x, index, weight, self.arrays(), self.math, block=self.block)
         index_h = index.cpu()  # the one host sync: ids -> rows per expert on the host
         for e, (tok, k) in rows_by_expert(index_h, index_h.unique().tolist(), x.device).items():  # [n], [n]
             y = expert_output({a: t[e] for a, t in self.arrays().items()}, x[tok], self.block, math=self.math)

@@ -72,7 +72,7 @@ import torch.distributed as dist
 from shardsmith import settings
 from shardsmith.errors import UsageError
 from shardsmith.settings import Kernel
-from shardsmith.runtime.layers.experts import (FUSED_TOKENS_MAX, ExpertMath, expert_output, fused_bank, grouped_fp4,
+from shardsmith.runtime.layers.experts import (FUSED_TOKENS_MAX, ExpertMath, expert_output, fused_bank, grouped_experts,
                                               grouped_runs)
 from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs
 from shardsmith.runtime.layers.parallel import kernel_on
@@ -342,7 +342,7 @@ class OffloadRuntime:
             self.prefilling = before
 
     def run_chunk(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """A prefill chunk's layer: the resident path's grouped matmuls (:func:`grouped_fp4`: pairs sorted
+        """A prefill chunk's layer: the resident path's grouped matmuls (:func:`grouped_experts`: pairs sorted
         by expert, ``GROUP_EXPERTS`` present experts at a time), each expert's arrays read from its slot
         when the cache holds it and otherwise copied **once** from the host bank into a staging group,
         the next group's copies running on the copy stream while this group computes. A chunk routes to
@@ -356,7 +356,7 @@ class OffloadRuntime:
             self.prefill_tokens += x.shape[0]
         host = self.host.layers[self.layers[layer]]
         held = self._held(layer)
-        return grouped_fp4(x, index, weight, {}, self.math, fetch=lambda ids, ids_h: self._stage(host, held, ids_h),
+        return grouped_experts(x, index, weight, {}, self.math, fetch=lambda ids, ids_h: self._stage(host, held, ids_h),
                            n_experts=host["gate_up"].shape[0])
 
     def _held(self, layer: int) -> dict[int, int]:

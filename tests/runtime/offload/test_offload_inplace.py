@@ -132,7 +132,7 @@ def test_a_prefill_chunk_streams_its_experts_in_the_inplace_mode(use_settings):
     """Inside ``prefill()`` a 20-token call is a prefill chunk (``run_chunk``): the resident grouped path's
     bits, the experts the device table holds read from their slots and the rest copied once, the table
     and its counters untouched; the same call outside it (a decode step of 20 rows) keeps the in-place path."""
-    from shardsmith.runtime.layers.experts import grouped_fp4
+    from shardsmith.runtime.layers.experts import grouped_experts
 
     rt, banks = _runtime("fp4", use_settings, slots=8, top_k=4)
     gen = torch.Generator(device=DEV).manual_seed(5)
@@ -146,7 +146,7 @@ def test_a_prefill_chunk_streams_its_experts_in_the_inplace_mode(use_settings):
     with rt.prefill():
         assert rt.streams_chunk(x)
         got = rt.run_layer(0, x, ids, weights)
-    assert torch.equal(got, grouped_fp4(x, ids, weights, banks["layers.0"], V4))
+    assert torch.equal(got, grouped_experts(x, ids, weights, banks["layers.0"], V4))
     assert torch.equal(rt.slots.slot_key, keys) and torch.equal(rt.slots.counts, counts)
     held = {k % 12 for k in keys.tolist() if k >= 0 and k // 12 == 0}
     present = set(ids.flatten().tolist())

@@ -9,11 +9,12 @@ kernel                   replaces (the reference)            what it reads
                          gather + expand + bmm (V4           (resident, or the GPU slot pool by slot id),
                          ``routed_pairs``)                   FP4 e2m1 packed with 1x32 UE8M0 scales, FP8
                                                              e4m3 with F32 block scales, or bf16
-:func:`grouped_fp4_mm`   :func:`grouped_fp4_mm_reference`:   a prefill chunk's (token, expert) rows
-                         each expert's FP4 matrix expanded,  sorted by expert, in tiles of 64 rows of one
-                         ``F.linear`` on its run of rows     expert; that expert's FP4 bytes and UE8M0
-                                                             scales decoded in registers (on CUDA
-                                                             ``experts.grouped_fp4`` calls it)
+:func:`grouped_gemm`     :func:`grouped_gemm_reference`:     a prefill chunk's (token, expert) rows
+                         each expert's matrix expanded,      sorted by expert, in tiles of 64 or 128 rows
+                         ``F.linear`` on its run of rows     of one expert; that expert's FP4 bytes and
+                                                             UE8M0 scales, FP8 bytes and F32 block
+                                                             scales, or bf16 rows read in registers (on
+                                                             CUDA ``experts.grouped_experts`` calls it)
 :func:`hc_mix`           :func:`hc_mix_reference`: V4's      ``[T, (2+m)*m]`` mixer logits; one program
                          hyper-connection pre/post and       per token, the 20 Sinkhorn rounds in
                          Sinkhorn comb                       registers
@@ -65,8 +66,8 @@ and ``limit=0``, FP8 banks their scales and ``block``.
 
 from shardsmith.runtime.layers.kernels._common import KernelError, triton_available
 from shardsmith.runtime.layers.kernels.fp8_linear import fp8_linear, fp8_linear_reference
-from shardsmith.runtime.layers.kernels.fused_moe import (fused_experts, fused_experts_reference, grouped_fp4_mm,
-                                                         grouped_fp4_mm_reference)
+from shardsmith.runtime.layers.kernels.fused_moe import (fused_experts, fused_experts_reference, grouped_gemm,
+                                                         grouped_gemm_reference)
 
 __all__ = ["KernelError", "fp8_linear", "fp8_linear_reference", "fused_experts", "fused_experts_reference",
-           "grouped_fp4_mm", "grouped_fp4_mm_reference", "triton_available"]
+           "grouped_gemm", "grouped_gemm_reference", "triton_available"]

@@ -175,13 +175,16 @@ def _combine_kernel(y_ptr, out_ptr, D: tl.constexpr, TOP_K: tl.constexpr, BLOCK:
 
 @triton.jit
 def _tiles_mm_kernel(a_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, stride_a, stride_out, stride_we, stride_wr, stride_se,
-                     stride_sr, N: tl.constexpr, KDIM: tl.constexpr, SCALED_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                     stride_sr, N: tl.constexpr, KDIM: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr,
+                     B0: tl.constexpr, B1: tl.constexpr, SPLIT: tl.constexpr, S_R: tl.constexpr,
+                     SCALED_DOT: tl.constexpr, DOT_F32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One ``[BLOCK_M, BLOCK_N]`` block of :func:`~.fused_moe.grouped_fp4_mm`: program ``tile * n_blocks + nb``
+    """One ``[BLOCK_M, BLOCK_N]`` block of :func:`~.fused_moe.grouped_gemm`: program ``tile * n_blocks + nb``
     multiplies rows ``[r0, r1)`` of ``a`` (tile ``tile`` of the table: expert ``e``, ``r0``, ``r1``) by output
-    rows ``nb * BLOCK_N ..`` of expert ``e``'s FP4 matrix, decoded in registers. The output blocks of one
-    tile are neighbours in launch order, so a tile's rows of ``a`` are read from HBM once and the experts in
-    flight stay in L2."""
+    rows ``nb * BLOCK_N ..`` of expert ``e``'s matrix (FP4 decoded, FP8 block-scaled, or plain) in registers.
+    FP8 output row ``r`` reads scale row ``r // B0`` below ``SPLIT`` and ``S_R + (r - SPLIT) // B0`` from it
+    (gate and up stacked, each with its own scale rows). The output blocks of one tile are neighbours in
+    launch order, so a tile's rows of ``a`` are read from HBM once and the experts in flight stay in L2."""
     pid = tl.program_id(0)
     n_blocks: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
     tile, nb = pid // n_blocks, pid % n_blocks
@@ -193,11 +196,15 @@ def _tiles_mm_kernel(a_ptr, tile_ptr, w_ptr, s_ptr, out_ptr, stride_a, stride_ou
     rows = rows.to(tl.int64)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = tl.where(offs_n < N, offs_n, -1)
+    if FP8:
+        s_rows = tl.where(offs_n < SPLIT, offs_n // B0, S_R + (offs_n - SPLIT) // B0)
+    else:
+        s_rows = w_rows
     w_e, s_e = w_ptr + e * stride_we, s_ptr + e * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range((KDIM + BLOCK_K - 1) // BLOCK_K):
-        acc = _rows_dot(acc, a_ptr, rows, stride_a, row_mask, w_e, w_rows, stride_wr, s_e, w_rows, stride_sr,
-                        k * BLOCK_K, KDIM, True, False, 1, SCALED_DOT, BLOCK_N, BLOCK_K, DOT_F32)
+        acc = _rows_dot(acc, a_ptr, rows, stride_a, row_mask, w_e, w_rows, stride_wr, s_e, s_rows, stride_sr,
+                        k * BLOCK_K, KDIM, FP4, FP8, B1, SCALED_DOT, BLOCK_N, BLOCK_K, DOT_F32)
     tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & (offs_n < N)[None, :])
 

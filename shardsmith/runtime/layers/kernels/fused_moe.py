@@ -245,14 +245,34 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     return out
 
 
-def grouped_fp4_mm_reference(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """The plain PyTorch path :func:`grouped_fp4_mm` replaces: expert by expert, its FP4 matrix expanded to
-    ``a.dtype`` in memory, then ``F.linear`` on its run of rows. Shapes as :func:`grouped_fp4_mm`."""
-    from shardsmith.runtime.layers.quant import dequantize_fp4
+def expand_matrix(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, block: tuple[int, int] | None = None,
+                  split: int | None = None) -> torch.Tensor:
+    """One expert matrix of :func:`grouped_gemm` in ``dtype``: ``[N, K]`` from FP4 ``w [N, K/2]`` and its UE8M0
+    ``scale [N, K/32]``, FP8 ``w [N, K]`` and its float32 ``scale`` in ``block`` (rows below ``split`` and from
+    ``split`` on each with their own scale rows, the first half and the second: a stacked gate and up), or
+    plain ``w`` (``scale`` None)."""
+    from shardsmith.runtime.layers.quant import dequantize_blocks, dequantize_fp4
 
+    if w.dtype in (torch.int8, torch.uint8):
+        return dequantize_fp4(w, scale, dtype)
+    if w.dtype != torch.float8_e4m3fn:
+        return w.to(dtype)
+    if split is None or split >= w.shape[0]:
+        return dequantize_blocks(w, scale, block, dtype)
+    s_r = scale.shape[0] // 2
+    return torch.cat((dequantize_blocks(w[:split], scale[:s_r], block, dtype),
+                      dequantize_blocks(w[split:], scale[s_r:], block, dtype)))
+
+
+def grouped_gemm_reference(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, sizes: list[int], *,
+                           block: tuple[int, int] | None = None, split: int | None = None) -> torch.Tensor:
+    """The plain PyTorch path :func:`grouped_gemm` replaces: expert by expert, its matrix expanded to
+    ``a.dtype`` in memory (:func:`expand_matrix`), then ``F.linear`` on its run of rows. Arguments as
+    :func:`grouped_gemm`."""
     out, start = a.new_empty((a.shape[0], w.shape[1])), 0
     for g, n in enumerate(sizes):
-        out[start:start + n] = torch.nn.functional.linear(a[start:start + n], dequantize_fp4(w[g], scale[g], a.dtype))
+        wg = expand_matrix(w[g], None if scale is None else scale[g], a.dtype, block, split)
+        out[start:start + n] = torch.nn.functional.linear(a[start:start + n], wg)
         start += n
     return out
 
@@ -273,7 +293,7 @@ def tile_table(sizes: list[int], block_m: int) -> list[int]:
 
 
 def tile_blocks(sizes: list[int]) -> dict[str, int]:
-    """:func:`grouped_fp4_mm`'s block shape for runs of ``sizes`` rows: tall tiles (128 rows of a run,
+    """:func:`grouped_gemm`'s block shape for runs of ``sizes`` rows: tall tiles (128 rows of a run,
     64-element reduction steps, 8 warps) once the present runs average 128 rows or more (a long chunk:
     each expert's bytes are decoded once per 128 rows instead of per 64), else the default 64-row tiles
     (a short chunk's runs would leave most of a tall tile empty)."""
@@ -283,51 +303,78 @@ def tile_blocks(sizes: list[int]) -> dict[str, int]:
     return {}
 
 
-def grouped_fp4_mm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sizes: list[int], *, block_m: int = 64,
-                   block_n: int = 128, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                   scaled_dot: bool | None = None, backend: str = "auto") -> torch.Tensor:
-    """Runs of rows through their own FP4 matrix: ``out[run g] = a[run g] @ dequantize_fp4(w[g], scale[g]).T``,
-    the runs one after another in ``a`` (a prefill chunk's (token, expert) pairs sorted by expert).
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, sizes: list[int], *,
+                 block: tuple[int, int] | None = None, split: int | None = None, block_m: int = 64,
+                 block_n: int = 128, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                 scaled_dot: bool | None = None, backend: str = "auto") -> torch.Tensor:
+    """Runs of rows through their own expert matrix: ``out[run g] = a[run g] @ W[g].T``, the runs one after
+    another in ``a`` (a prefill chunk's (token, expert) pairs sorted by expert), ``W[g]`` FP4, FP8
+    block-scaled or plain.
 
-    The grouped GEMM of a chunk's routed experts with the FP4 decode inside the kernel: each expert's
-    packed bytes and scales are read from HBM and expanded in registers, never written out in ``a.dtype``
-    (expanding them first writes and reads 4x the FP4 bytes per expert, the larger part of a chunk's
-    expert time with 256 experts). Tiles of ``block_m`` rows of one run (the last one ragged) times
-    ``block_n`` output rows; the tile table is built on the host from ``sizes`` (a prefill's expert counts
-    are on the host already), so this is not for captured decode steps.
+    The grouped GEMM of a chunk's routed experts with the dequantization inside the kernel: each expert's
+    stored bytes and scales are read from HBM and expanded in registers, never written out in ``a.dtype``
+    (expanding FP4 first writes and reads 4x its bytes per expert, the larger part of a chunk's expert
+    time with 256 experts). Tiles of ``block_m`` rows of one run (the last one ragged) times ``block_n``
+    output rows; the tile table is built on the host from ``sizes`` (a prefill's expert counts are on the
+    host already), so this is not for captured decode steps.
 
     Args:
         a: ``[n, K]`` bf16, f16 or float32 rows (``n = sum(sizes)``), contiguous rows.
-        w: ``[G, N, K/2]`` int8 or uint8, two e2m1 codes per byte (element ``2i`` in the low nibble);
-            scale: ``[G, N, K/32]`` UE8M0 (float8_e8m0fnu or its uint8 bytes); both with contiguous rows.
+        w: ``[G, N, K/2]`` int8 or uint8 FP4, two e2m1 codes per byte (element ``2i`` in the low nibble),
+            with ``scale [G, N, K/32]`` UE8M0 (float8_e8m0fnu or its uint8 bytes); or ``[G, N, K]``
+            ``float8_e4m3fn`` with ``scale [G, R_s, ceil(K/b1)]`` float32 in ``block`` ``(b0, b1)``
+            (``R_s = ceil(N/b0)``, or with ``split`` two stacked halves of ``ceil(split/b0)`` rows
+            and ``ceil((N-split)/b0)``); or ``[G, N, K]`` bf16/f16/float32 with ``scale`` None. Rows contiguous.
         sizes: ``[G]`` rows of each run (0 allowed), on the host.
+        block: an FP8 bank's scale block; split: FP8 output rows from ``split`` on read the second half
+            of the scale rows (a stacked gate ``[0, split)`` and up; default N: one matrix).
         block_m, block_n, block_k: rows of a tile, output rows per program, reduction elements per step
             (``block_k`` a multiple of 32, capped at K's next power of two); num_warps, num_stages: Triton's.
         scaled_dot: the FP4 product through ``tl.dot_scaled`` (default: on with bf16 ``a`` on a GPU, as
-            :func:`fused_experts`); backend: ``auto``, ``triton`` or ``reference`` (:func:`grouped_fp4_mm_reference`).
+            :func:`fused_experts`); backend: ``auto``, ``triton`` or ``reference`` (:func:`grouped_gemm_reference`).
 
     Returns:
-        ``[n, N]`` in ``a.dtype`` (float32 accumulation).
+        ``[n, N]`` in ``a.dtype`` (float32 accumulation; FP8 weights scaled in float32 and cast to
+        ``a.dtype`` before the product, as :func:`~shardsmith.runtime.layers.quant.dequantize_blocks` does).
 
     Raises:
         KernelError: shapes, dtypes or devices that do not fit (every problem listed), or a backend that
             cannot run.
     """
+    fp4 = w.dtype in (torch.int8, torch.uint8)
+    fp8 = w.dtype == torch.float8_e4m3fn
     problems = []
     if a.dim() != 2 or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         problems.append(f"a must be [n, K] bf16/f16/f32, got {tuple(a.shape)} {a.dtype}")
-    if w.dim() != 3 or w.dtype not in (torch.int8, torch.uint8) or scale.dim() != 3:
-        problems.append(f"w [G, N, K/2] int8/uint8 and scale [G, N, K/32] expected, got {tuple(w.shape)} {w.dtype}, "
-                        f"{tuple(scale.shape)}")
+    if w.dim() != 3 or w.dtype not in (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float16,
+                                       torch.float32):
+        problems.append(f"w must be [G, N, K] FP8/bf16/f16/f32 or [G, N, K/2] int8/uint8 FP4, got {tuple(w.shape)} "
+                        f"{w.dtype}")
     elif a.dim() == 2:
-        K = a.shape[1]
-        if K % 32 or w.shape[2] != K // 2 or tuple(scale.shape) != (w.shape[0], w.shape[1], K // 32):
+        K, (G, N) = a.shape[1], w.shape[:2]
+        if fp4 and (K % 32 or w.shape[2] != K // 2 or scale is None or tuple(scale.shape) != (G, N, K // 32)):
             problems.append(f"a has K={K} (a multiple of 32 needed): w must be [G, N, {K // 2}] and scale "
-                            f"[G, N, {K // 32}], got {tuple(w.shape)}, {tuple(scale.shape)}")
-        if len(sizes) != w.shape[0] or sum(sizes) != a.shape[0] or min(sizes, default=0) < 0:
-            problems.append(f"sizes must give each of the {w.shape[0]} matrices its rows of a ({a.shape[0]} in all), "
+                            f"[G, N, {K // 32}], got {tuple(w.shape)}, {None if scale is None else tuple(scale.shape)}")
+        if not fp4 and w.shape[2] != K:
+            problems.append(f"a has K={K}: w must be [G, N, {K}], got {tuple(w.shape)}")
+        if fp8:
+            b0, b1 = block or (0, 0)
+            rows = (-(-N // b0) if split is None or split >= N else -(-split // b0) * 2) if b0 > 0 else -1
+            if not (b0 > 0 and b1 > 0) or scale is None or scale.dim() != 3 or tuple(scale.shape[:2]) != (G, rows) \
+                    or scale.shape[2] != -(-K // max(b1, 1)) or scale.dtype != torch.float32:
+                problems.append(f"FP8 w needs block (b0, b1) and float32 scale [G, ceil(N/b0) (or two stacked "
+                                f"halves with split), ceil(K/b1)], got block {block}, split {split}, scale "
+                                f"{None if scale is None else (tuple(scale.shape), scale.dtype)}")
+            if split is not None and split < N and (N - split != split):
+                problems.append(f"split {split} must halve N={N} (a stacked gate and up)")
+        if not (fp4 or fp8) and scale is not None:
+            problems.append(f"a plain {w.dtype} w takes no scale")
+        if len(sizes) != G or sum(sizes) != a.shape[0] or min(sizes, default=0) < 0:
+            problems.append(f"sizes must give each of the {G} matrices its rows of a ({a.shape[0]} in all), "
                             f"got {len(sizes)} runs of {sum(sizes)} rows")
     for name, t in (("w", w), ("scale", scale)):
+        if t is None:
+            continue
         if t.device != a.device:
             problems.append(f"{name} is on {t.device}, a on {a.device}: one device")
         if t.stride(-1) != 1:
@@ -335,18 +382,18 @@ def grouped_fp4_mm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sizes:
     if block_k % 32 or min(block_m, block_n) < 16:
         problems.append(f"block_k {block_k} must be a multiple of 32, block_m {block_m} and block_n {block_n} >= 16")
     if problems:
-        raise KernelError("grouped_fp4_mm: " + "; ".join(problems))
+        raise KernelError("grouped_gemm: " + "; ".join(problems))
     if not use_triton(a, backend):
-        return grouped_fp4_mm_reference(a, w, scale, sizes)
+        return grouped_gemm_reference(a, w, scale, sizes, block=block, split=split)
     import triton
 
     from shardsmith.runtime.layers.kernels import _moe_triton as k
     from shardsmith.runtime.layers.staging import to_device
 
-    if scaled_dot and (interpreting() or a.dtype != torch.bfloat16):
-        raise KernelError("grouped_fp4_mm: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled) and bf16 "
-                          f"activations, got {a.dtype}")
-    scaled_dot = not interpreting() and a.dtype == torch.bfloat16 if scaled_dot is None else scaled_dot
+    if scaled_dot and (interpreting() or a.dtype != torch.bfloat16 or not fp4):
+        raise KernelError("grouped_gemm: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled), bf16 "
+                          f"activations and FP4 weights, got {a.dtype} and {w.dtype}")
+    scaled_dot = fp4 and not interpreting() and a.dtype == torch.bfloat16 if scaled_dot is None else scaled_dot
     (n, K), N = a.shape, w.shape[1]
     out = torch.empty((n, N), dtype=a.dtype, device=a.device)
     table = tile_table(sizes, block_m)
@@ -354,10 +401,15 @@ def grouped_fp4_mm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, sizes:
         return out
     (tiles,) = to_device([torch.tensor(table, dtype=torch.int32)], a.device)  # one asynchronous copy
     a = a if a.stride(-1) == 1 else a.contiguous()
-    w, scale = w.view(torch.uint8), scale.view(torch.uint8)
+    if fp4:
+        w, scale = w.view(torch.uint8), scale.view(torch.uint8)
+    s = scale if scale is not None else w  # a plain matrix reads no scale: any pointer
+    b0, b1 = block if fp8 else (1, 1)
+    split = N if split is None else split
     k._tiles_mm_kernel[(len(table) // 3 * triton.cdiv(N, block_n),)](
-        a, tiles, w, scale, out, a.stride(0), out.stride(0), w.stride(0), w.stride(1), scale.stride(0),
-        scale.stride(1), N=N, KDIM=K, SCALED_DOT=scaled_dot, DOT_F32=a.dtype == torch.float32 or interpreting(),
+        a, tiles, w, s, out, a.stride(0), out.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        N=N, KDIM=K, FP4=fp4, FP8=fp8, B0=b0, B1=b1, SPLIT=split, S_R=s.shape[1] // 2 if fp8 else 0,
+        SCALED_DOT=scaled_dot, DOT_F32=a.dtype == torch.float32 or interpreting(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(K)), num_warps=num_warps,
         num_stages=num_stages)
     return out
