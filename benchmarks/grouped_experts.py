@@ -9,10 +9,17 @@ and tokens per second; then :func:`~shardsmith.runtime.layers.kernels.fused_moe.
 gate/up matrix over the ``--blocks`` given (``M,N,K,warps,stages``, with and without ``tl.dot_scaled``), its
 TFLOP/s and the HBM bytes it must read (the selected experts' FP4 bytes and scales, the rows once). The
 error column is each output's relative error to the expanded path's (``grouped_experts``) or to
-:func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_gemm_reference` (the kernel alone). Rows go to
+:func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_gemm_reference` (the kernel alone).
+
+``--other-banks`` then times the banks other families prefill with, each expert by expert (the path before
+grouped experts) against its grouped path, same tokens: an FP8 bank at DeepSeek-V3's shapes (256 experts,
+``D = 7168``, ``I_r = 2048 / --tp``, 128x128 float32 block scales, top-8) through the tile kernel, and a bf16
+bank at Qwen3-30B-A3B's (128 experts, ``D = 2048``, ``I_r = 768 / --tp``, top-8) through ``torch._grouped_mm``
+(CUDA's default for dense banks) and through the tile kernel. Rows go to
 ``benchmarks/results/grouped_experts-<YYYYMMDD>-<host>.json``.
 
     python benchmarks/grouped_experts.py --tokens 2048 8192
+    python benchmarks/grouped_experts.py --tokens 2048 8192 --blocks --other-banks
     python benchmarks/grouped_experts.py --tokens 8192 --blocks 64,128,128,4,3 128,128,64,8,3
 """
 
@@ -29,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shardsmith.runtime.layers import experts  # noqa: E402
-from shardsmith.runtime.layers.experts import ExpertMath, grouped_experts  # noqa: E402
+from shardsmith.runtime.layers.experts import ExpertMath, expert_output, grouped_experts  # noqa: E402
 from shardsmith.runtime.layers.kernels.fused_moe import grouped_gemm, grouped_gemm_reference  # noqa: E402
 from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing, rel_error  # noqa: E402
 
@@ -50,6 +57,50 @@ def ms_per_call(fn, repeat: int) -> tuple[float, torch.Tensor]:
     return 1e3 * statistics.median(times), out
 
 
+def loop(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arrays: dict, math: ExpertMath,
+         block: tuple[int, int] | None) -> torch.Tensor:
+    """Expert by expert (``ExpertBank``'s path where no grouped path runs): each present expert on its rows,
+    dequantized per use, added in ascending expert order."""
+    out = math.accumulator(x)
+    for e in index.unique().tolist():
+        tok, k = torch.where(index == e)
+        y = expert_output({n: t[e] for n, t in arrays.items()}, x[tok], block, math=math)
+        out.index_add_(0, tok, math.contribution(y, weight[tok, k], x.dtype))
+    return out.to(x.dtype)
+
+
+def other_banks(a: argparse.Namespace, device_name: str, gen: torch.Generator) -> list[dict]:
+    """The FP8 and bf16 banks of ``--other-banks``: loop against each grouped path, rows as ``main``'s."""
+    rows = []
+    math = ExpertMath(limit=0.0)
+    for fmt, E, D, I, K, paths in (("fp8", 256, 7168, 2048 // a.tp, 8, (("tile kernel", None),)),
+                                   ("bf16", 128, 2048, 768 // a.tp, 8, (("torch._grouped_mm", None),
+                                                                         ("tile kernel", True)))):
+        block = (128, 128) if fmt == "fp8" else None
+        bank = random_bank(E, D, I, fp4=False, gen=gen, fp8_block=block, dtype=torch.bfloat16)
+        for T in a.tokens:
+            index, weight = random_routing(T, K, E, gen=gen)
+            x = torch.randn(T, D, generator=gen, device="cuda").bfloat16()
+            base = {"device": device_name, "bank": fmt, "experts": E, "top_k": K, "hidden": D,
+                    "intermediate_per_rank": I, "tokens": T}
+            ms0, want = ms_per_call(lambda: loop(x, index, weight, bank, math, block), a.repeat)
+            rows.append(base | {"what": "grouped_experts", "path": "expert by expert", "ms": round(ms0, 3),
+                                "tokens_per_s": round(T / ms0 * 1e3), "ratio_to_loop": 1.0, "rel_error": 0.0})
+            print(f"{fmt:<5} T={T:<6} {'expert by expert':<18} {ms0:9.3f} ms  {T / ms0 * 1e3:10.0f} tokens/s  1.00x",
+                  flush=True)
+            for path, tiles in paths:
+                experts.TILE_KERNEL = tiles
+                ms, out = ms_per_call(lambda: grouped_experts(x, index, weight, bank, math, block=block), a.repeat)
+                experts.TILE_KERNEL = None
+                rows.append(base | {"what": "grouped_experts", "path": path, "ms": round(ms, 3),
+                                    "tokens_per_s": round(T / ms * 1e3), "ratio_to_loop": round(ms0 / ms, 2),
+                                    "rel_error": rel_error(out.float(), want.float())})
+                print(f"{fmt:<5} T={T:<6} {path:<18} {ms:9.3f} ms  {T / ms * 1e3:10.0f} tokens/s  "
+                      f"{ms0 / ms:5.2f}x  rel err {rows[-1]['rel_error']:.1e}", flush=True)
+        del bank
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
@@ -60,6 +111,8 @@ def main() -> None:
                                                      "128,256,64,8,3"],
                     help="grouped_gemm launches to time alone: BLOCK_M,BLOCK_N,BLOCK_K,warps,stages")
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--other-banks", action="store_true",
+                    help="also FP8 (DeepSeek-V3 shapes) and bf16 (Qwen3-30B-A3B shapes) banks, loop against grouped")
     ap.add_argument("--no-save", action="store_true")
     a = ap.parse_args()
     from _results import save_results
@@ -114,6 +167,9 @@ def main() -> None:
                 print(f"grouped_gemm T={T:<6} {spec:<16} scaled_dot={scaled!s:<5} {ms:8.3f} ms  "
                       f"{flop / ms / 1e9:7.1f} TFLOP/s  rel err {rows[-1]['rel_error']:.1e}", flush=True)
         del ref
+    del bank
+    if a.other_banks:
+        rows += other_banks(a, name, gen)
     if not a.no_save:
         save_results("grouped_experts", rows)
 

@@ -17,7 +17,8 @@
 #                   fused against eager, and one chunk's kernels profiled (prefill.py)
 #   grouped         a chunk's routed experts through one 256-expert FP4 bank (V4-Flash shapes, 2k and 8k tokens):
 #                   the FP4 tile kernel against the experts expanded to bf16, then the tile kernel's block
-#                   shapes alone (grouped_experts.py)
+#                   shapes alone; then FP8 (DeepSeek-V3 shapes) and bf16 (Qwen3-30B-A3B shapes) banks expert
+#                   by expert against their grouped paths (grouped_experts.py --other-banks)
 #   prefill-moe     2k and 8k prompts through 4 layers x 256 FP4 experts: grouped experts (the tile kernel,
 #                   then expanded to bf16) against the loop,
 #                   then offloaded (a 25% cache): each chunk streaming its missing experts once against the
@@ -147,7 +148,7 @@ step_prefill() {
 }
 
 step_grouped() {
-    timeout "${GROUPED_S:-240}" python3 benchmarks/grouped_experts.py --tokens 2048 8192 2>&1 | grep -v INFO \
+    timeout "${GROUPED_S:-300}" python3 benchmarks/grouped_experts.py --tokens 2048 8192 --other-banks 2>&1 | grep -v INFO \
         | tee "$OUT/grouped_experts.log" | tail -30
     local rc=${PIPESTATUS[0]}; keep grouped_experts; return $rc
 }
