@@ -1,5 +1,5 @@
-"""Pieces several model families share: norms, rotate-half RoPE, the dense gated MLP, and the strict
-buffer installer. Families import these from here, never from one another.
+"""Pieces several model families share: norms, rotate-half RoPE, the dense gated MLP, a prefill chunk's
+causal attention without a mask, and the strict buffer installer. Families import these from here, never from one another.
 
 Sources: transformers ``modeling_mixtral.py`` (``RMSNorm`` in float32 cast back before the weight,
 rotate-half RoPE, the gated MLP), DeepSeek-V4 ``inference/model.py`` (``RMSNormF32``: the weight
@@ -14,11 +14,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from shardsmith.errors import RuntimeLoadError, format_problems
 from shardsmith.runtime.layers.parallel import Shards
 
-__all__ = ["MLP", "RMSNorm", "RMSNormF32", "apply_rope", "install_buffers"]
+__all__ = ["MLP", "RMSNorm", "RMSNormF32", "apply_rope", "causal_chunk_attention", "install_buffers"]
 
 
 class RMSNorm(nn.Module):
@@ -77,6 +78,29 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def causal_chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, *,
+                           gqa: bool, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of queries ``q`` ``[H, T, d]`` at positions ``[start, start + T)`` over
+    ``keys`` ``[K, S, d]`` and ``values`` ``[K, S, d_v]`` at ``[0, S)``, ``S = start + T`` (``gqa``: ``K``
+    divides ``H``, query head ``h`` reading KV head ``h // (H / K)``; else ``K = H``; ``scale``: SDPA's,
+    default ``1/sqrt(d)``): ``[H, T, d_v]``.
+
+    No ``[T, S]`` mask is built: from position 0 SDPA's own causal flag, else its lower-right causal bias
+    (:func:`torch.nn.attention.bias.causal_lower_right`), both of which its fused CUDA kernels take (in
+    ``[N, H, L, d]`` form); a materialised mask, or three-dimensional inputs, send the call to the math
+    kernel, whose ``[H, T, S]`` scores do not fit at long contexts (~34 GB for an 8k chunk at 32k with 32
+    heads). The Mixtral family and DeepSeek-V3 (its expanded MLA heads) use it on CUDA.
+    """
+    H, T = q.shape[0], q.shape[1]
+    q, keys, values = q[None], keys[None], values[None]  # the fused kernels take [N, H, L, d] only
+    if start == 0:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa, scale=scale)[0]
+    if gqa:  # the bias's fused kernels take equal head counts
+        keys = keys.repeat_interleave(H // keys.shape[1], 1)
+        values = values.repeat_interleave(H // values.shape[1], 1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(T, start + T), scale=scale)[0]
 
 
 def install_buffers(model: nn.Module, expected: dict[str, torch.Tensor], given: dict[str, torch.Tensor],

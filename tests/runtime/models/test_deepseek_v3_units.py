@@ -73,3 +73,34 @@ def test_unsupported_configs_are_refused(change: dict, message: str) -> None:
 
     with pytest.raises(RuntimeLoadError, match=re.escape(message)):
         V3Args.from_config(DEEPSEEK_V3_CONFIG | change)
+
+
+@pytest.mark.parametrize("chunks", [[20], [12, 8]], ids=["one-chunk", "two-chunks"])
+def test_prefill_chunks_attend_without_a_mask_as_with_one(tiny, monkeypatch, chunks: list[int]) -> None:
+    """A prefill chunk's expanded MLA heads through SDPA's causal kernels (``chunk_sdpa``: CUDA's path, the
+    queries at the end of the positions, no ``[T, S]`` mask; forced here) give the masked path's logits, from
+    position 0 and after a first chunk (a lower-right causal bias)."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.models.deepseek_v3 import attention
+
+    eng = Engine.load(tiny("deepseek-v3"), rank=0, world_size=1, dtype=torch.float32, from_checkpoint=True,
+                      max_seq_len=32)
+    prompt = [(5 * i + 7) % 300 for i in range(20)]
+
+    def logits() -> torch.Tensor:
+        eng.release(0)
+        out, at = [], 0
+        for n in chunks:
+            out.append(eng.model(torch.tensor(prompt[at:at + n]), at, last_only=False).float())
+            at += n
+        return torch.cat(out)
+    want = logits()
+    calls = []
+    real = attention.causal_chunk_attention
+    monkeypatch.setattr(attention, "chunk_sdpa", lambda x: True)
+    monkeypatch.setattr(attention, "causal_chunk_attention", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    got = logits()
+    layers = len(eng.model.model.layers)
+    starts = [sum(chunks[:i]) for i in range(len(chunks))]
+    assert calls == [s for s in starts for _ in range(layers)]
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardsmith.runtime.models.mixtral.attention import causal_chunk_attention
+from shardsmith.runtime.models.common import causal_chunk_attention
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -41,12 +41,19 @@ from torch import nn
 
 from shardsmith.runtime.layers.parallel import Shards
 from shardsmith.runtime.models.deepseek_v3.config import V3Args
-from shardsmith.runtime.models.common import RMSNorm
+from shardsmith.runtime.models.common import RMSNorm, causal_chunk_attention
 from shardsmith.runtime.models.seq_slots import Rows
 from shardsmith.runtime.models.common import apply_rope as rotate_half_rope
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the default eps in both sources
 ABSORB_MODES = ("decode", "always", "never")
+
+
+def chunk_sdpa(x: torch.Tensor) -> bool:
+    """Whether a prefill chunk of ``x`` attends through :func:`causal_chunk_attention` (SDPA's fused causal
+    kernels, no ``[T, S]`` mask): on CUDA. On a CPU the masked kernel, whose rows are bitwise the same however
+    a prompt is cut into chunks (a reused prefix then continues as the whole prompt would)."""
+    return x.is_cuda
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -139,11 +146,15 @@ class MLAttention(nn.Module):
         self.cache_kv[written] = latent
         self.cache_pe[written] = k_pe
         held = self.kv.index(slot, 0, end, x.device)
+        absorbed = self.absorb == "always" or (self.absorb == "decode" and T == 1)
+        if T > 1 and not absorbed and chunk_sdpa(x):  # a prefill chunk's expanded heads: no [T, S] mask
+            o = self.expanded(q_nope[None], q_pe[None], self.cache_kv[held][None], self.cache_pe[held][None], None,
+                              causal_start=start)[0]  # [T, H, v]
+            return self.o_proj(o.reshape(T, H * self.v_dim))
         mask = None
         if T > 1:  # causal; one token sees every cached position
             qpos = torch.arange(start, end, device=x.device)[:, None]
             mask = (torch.arange(end, device=x.device)[None, :] <= qpos)[None]  # [1, T, S]
-        absorbed = self.absorb == "always" or (self.absorb == "decode" and T == 1)
         o = self.attend(q_nope[None], q_pe[None], self.cache_kv[held][None], self.cache_pe[held][None],
                         mask, absorbed=absorbed)[0]  # [T, H, v]
         return self.o_proj(o.reshape(T, H * self.v_dim))
@@ -172,14 +183,22 @@ class MLAttention(nn.Module):
         return (self.absorbed if absorbed else self.expanded)(q_nope, q_pe, latent, pe, mask)
 
     def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, pe: torch.Tensor,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-        """Per-head keys/values expanded from the latents by ``kv_b_proj``, then SDPA: ``[B, T, H, v]``."""
+                 mask: torch.Tensor | None, *, causal_start: int | None = None) -> torch.Tensor:
+        """Per-head keys/values expanded from the latents by ``kv_b_proj``, then SDPA: ``[B, T, H, v]``.
+
+        ``causal_start``: one sequence (``B = 1``) whose queries sit at ``[causal_start, causal_start + T)``
+        of its ``S = causal_start + T`` positions, attended causally without a mask
+        (:func:`~shardsmith.runtime.models.common.causal_chunk_attention`; ``mask`` is then None)."""
         B, T, H = q_nope.shape[:3]
         S = latent.shape[1]
         kv = self.kv_b_proj(latent).view(B, S, H, self.nope + self.v_dim)  # [B, S, H, n+v]
         k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)  # [B, S, H, n], [B, S, H, v]
         k = torch.cat((k_nope, pe[:, :, None].expand(B, S, H, self.rope)), dim=-1)  # [B, S, H, n+r]
         q = torch.cat((q_nope, q_pe), dim=-1)  # [B, T, H, n+r]
+        if causal_start is not None:
+            o = causal_chunk_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), causal_start,
+                                       gqa=False, scale=self.scale)  # [H, T, v]
+            return o.transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=None if mask is None else mask[:, None],
                                            scale=self.scale)  # [B, H, T, v]

@@ -14,34 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from shardsmith.runtime.layers.parallel import HeadShard, Shards
-from shardsmith.runtime.models.common import RMSNorm, apply_rope
+from shardsmith.runtime.models.common import RMSNorm, apply_rope, causal_chunk_attention
 from shardsmith.runtime.models.kv_blocks import KVBlocks
 from shardsmith.runtime.models.mixtral.config import ModelArgs
-
-
-def causal_chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, *,
-                           gqa: bool) -> torch.Tensor:
-    """Causal attention of queries ``q`` ``[H, T, d]`` at positions ``[start, start + T)`` over
-    ``keys``/``values`` ``[K, S, d]`` at ``[0, S)``, ``S = start + T`` (``gqa``: ``K`` divides ``H``, query
-    head ``h`` reading KV head ``h // (H / K)``; else ``K = H``): ``[H, T, d]``.
-
-    No ``[T, S]`` mask is built: from position 0 SDPA's own causal flag, else its lower-right causal bias
-    (:func:`torch.nn.attention.bias.causal_lower_right`), both of which its fused CUDA kernels take (in
-    ``[N, H, L, d]`` form); a materialised mask, or three-dimensional inputs, send the call to the math
-    kernel, whose ``[H, T, S]`` scores do not fit at long contexts (~34 GB for an 8k chunk at 32k with 32
-    heads). The model uses it on CUDA.
-    """
-    H, T = q.shape[0], q.shape[1]
-    q, keys, values = q[None], keys[None], values[None]  # the fused kernels take [N, H, L, d] only
-    if start == 0:
-        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)[0]
-    if gqa:  # the bias's fused kernels take equal head counts
-        keys = keys.repeat_interleave(H // keys.shape[1], 1)
-        values = values.repeat_interleave(H // values.shape[1], 1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(T, start + T))[0]
 
 
 class Attention(nn.Module):
