@@ -245,7 +245,7 @@ def grouped_runs(x: torch.Tensor, fmt: str = "fp4") -> bool:
 def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arrays: dict[str, torch.Tensor],
                     math: ExpertMath, group: int = GROUP_EXPERTS, *, block: tuple[int, int] | None = None,
                     fetch: Callable[[torch.Tensor, list[int]], Callable[[], dict[str, torch.Tensor]]] | None = None,
-                    n_experts: int | None = None) -> torch.Tensor:
+                    n_experts: int | None = None, fmt: str | None = None) -> torch.Tensor:
     """Many tokens through an expert bank: the ``P = T*K`` pairs sorted by expert, ``group`` present experts
     at a time run as two grouped matmuls (one run of rows per expert), the outputs weighted and added
     per token in ascending expert order (as the expert-by-expert loop adds them). One host sync (the
@@ -266,13 +266,14 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
             ``arrays`` is then ``{}``): ``fetch(ids [G] on the device, the same ids on the host)``
             starts bringing those experts' arrays ``[G, ...]`` and returns a call that waits for them and
             returns them; the next group's fetch starts before this group computes, so a copy overlaps
-            it. n_experts: E, needed with ``fetch``.
+            it. n_experts: E, needed with ``fetch``; fmt: the fetched bank's format (``fp4``, ``fp8``,
+            ``dense``; default: from ``arrays``, else ``fp4``).
 
     Returns:
         ``[T, D]`` in ``x.dtype``.
     """
     T, K = index.shape
-    fmt = bank_format(arrays["gate_up"]) if arrays else "fp4"  # a fetched bank: the offloaded FP4 chunk path
+    fmt = fmt or (bank_format(arrays["gate_up"]) if arrays else "fp4")
     tiles = grouped_path(x, fmt) == "tiles"
     if fetch is None:
         n_experts = arrays["gate_up"].shape[0]

@@ -312,8 +312,9 @@ class OffloadRuntime:
         """Whether a step of ``x`` ``[T, D]`` is a prefill chunk that streams its experts
         (:meth:`run_chunk`): inside :meth:`prefill` (decode steps, however many rows, keep the cache's
         path: they admit what they use, and a captured one stays device-only), more than
-        ``FUSED_TOKENS_MAX`` tokens, backend ``gpu`` (a slot pool, no host share), FP4 banks, and
-        grouped matmuls for these activations (:func:`~shardsmith.runtime.layers.experts.grouped_runs`);
+        ``FUSED_TOKENS_MAX`` tokens, backend ``gpu`` (a slot pool, no host share), and grouped matmuls
+        for the bank's format and these activations (:func:`~shardsmith.runtime.layers.experts.grouped_runs`:
+        FP4 everywhere, FP8 and dense banks on CUDA);
         :meth:`stream_refusal` says which is missing."""
         return not self.stream_refusal(x)
 
@@ -325,10 +326,10 @@ class OffloadRuntime:
             return f"{x.shape[0]} tokens, at most FUSED_TOKENS_MAX={FUSED_TOKENS_MAX}: the decode-sized path"
         if self.backend != "gpu" or self.cache is None:
             return f"moe backend {self.backend!r}" + ("" if self.cache is not None else " without a slot pool")
-        if (fmt := bank_format(self.cache.pool["gate_up"])) != "fp4":
-            return f"{fmt} expert banks (streaming runs FP4 banks' grouped matmuls)"
-        if not grouped_runs(x):
-            return f"grouped matmuls off, or neither the FP4 tile kernel nor torch._grouped_mm takes {x.dtype} activations on {x.device}"
+        fmt = bank_format(self.cache.pool["gate_up"])
+        if not grouped_runs(x, fmt):
+            return (f"grouped matmuls off, or none runs {fmt} experts for {x.dtype} activations on {x.device} (the tile "
+                    "kernel: CUDA; torch._grouped_mm: FP4 expanded, or dense on CUDA)")
         return ""
 
     @contextlib.contextmanager
@@ -356,8 +357,9 @@ class OffloadRuntime:
             self.prefill_tokens += x.shape[0]
         host = self.host.layers[self.layers[layer]]
         held = self._held(layer)
-        return grouped_experts(x, index, weight, {}, self.math, fetch=lambda ids, ids_h: self._stage(host, held, ids_h),
-                           n_experts=host["gate_up"].shape[0])
+        return grouped_experts(x, index, weight, {}, self.math, block=self.block,
+                               fetch=lambda ids, ids_h: self._stage(host, held, ids_h),
+                               n_experts=host["gate_up"].shape[0], fmt=bank_format(self.cache.pool["gate_up"]))
 
     def _held(self, layer: int) -> dict[int, int]:
         """Expert -> pool row of layer ``layer``'s experts the cache holds now (one read of the device
