@@ -36,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from shardsmith.runtime.layers import experts  # noqa: E402
-from shardsmith.runtime.layers.experts import ExpertMath, expert_output, grouped_experts  # noqa: E402
+from shardsmith.runtime.layers.experts import ExpertMath, grouped_experts  # noqa: E402
+from shardsmith.runtime.layers.experts import grouped_experts_reference as loop  # noqa: E402
 from shardsmith.runtime.layers.kernels.fused_moe import grouped_gemm, grouped_gemm_reference  # noqa: E402
 from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing, rel_error  # noqa: E402
 
@@ -55,18 +56,6 @@ def ms_per_call(fn, repeat: int) -> tuple[float, torch.Tensor]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times), out
-
-
-def loop(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, arrays: dict, math: ExpertMath,
-         block: tuple[int, int] | None) -> torch.Tensor:
-    """Expert by expert (``ExpertBank``'s path where no grouped path runs): each present expert on its rows,
-    dequantized per use, added in ascending expert order."""
-    out = math.accumulator(x)
-    for e in index.unique().tolist():
-        tok, k = torch.where(index == e)
-        y = expert_output({n: t[e] for n, t in arrays.items()}, x[tok], block, math=math)
-        out.index_add_(0, tok, math.contribution(y, weight[tok, k], x.dtype))
-    return out.to(x.dtype)
 
 
 def other_banks(a: argparse.Namespace, device_name: str, gen: torch.Generator) -> list[dict]:
@@ -97,7 +86,7 @@ def other_banks(a: argparse.Namespace, device_name: str, gen: torch.Generator) -
                                     "rel_error": rel_error(out.float(), want.float())})
                 print(f"{fmt:<5} T={T:<6} {path:<18} {ms:9.3f} ms  {T / ms * 1e3:10.0f} tokens/s  "
                       f"{ms0 / ms:5.2f}x  rel err {rows[-1]['rel_error']:.1e}", flush=True)
-        del bank
+        bank.clear()
     return rows
 
 
@@ -167,7 +156,7 @@ def main() -> None:
                 print(f"grouped_gemm T={T:<6} {spec:<16} scaled_dot={scaled!s:<5} {ms:8.3f} ms  "
                       f"{flop / ms / 1e9:7.1f} TFLOP/s  rel err {rows[-1]['rel_error']:.1e}", flush=True)
         del ref
-    del bank
+    bank.clear()  # the FP4 bank's memory back before the other banks
     if a.other_banks:
         rows += other_banks(a, name, gen)
     if not a.no_save:

@@ -313,6 +313,20 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
     return combine_pairs(x, ys, rows, weight.gather(1, by_expert), math.accumulate_f32)
 
 
+def grouped_experts_reference(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                              arrays: dict[str, torch.Tensor], math: ExpertMath,
+                              block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The plain PyTorch path :func:`grouped_experts` replaces: each present expert on its rows
+    (:func:`expert_output`, dequantized per use), weighted and added in ascending expert order, as
+    :class:`ExpertBank` runs a bank with no grouped path. Arguments and result as :func:`grouped_experts`."""
+    out = math.accumulator(x)
+    for e in index.unique().tolist():
+        tok, k = torch.where(index == e)
+        y = expert_output({a: t[e] for a, t in arrays.items()}, x[tok], block, math=math)
+        out.index_add_(0, tok, math.contribution(y, weight[tok, k], x.dtype))
+    return out.to(x.dtype)
+
+
 def _tiles_mm(sizes_h: list[int], block: tuple[int, int] | None) -> Callable[..., torch.Tensor]:
     """A group's grouped matmul ``(a [n, K], w [G, N, K(/2)], scale, split=None) -> [n, N]`` through the tile kernel."""
     blocks = tile_blocks(sizes_h)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardsmith.runtime.layers import experts
-from shardsmith.runtime.layers.experts import ExpertMath, expert_output, grouped_experts, grouped_mm_runs
+from shardsmith.runtime.layers.experts import ExpertMath, grouped_experts, grouped_mm_runs
 from shardsmith.runtime.layers.kernels import KernelError
 from shardsmith.runtime.layers.kernels.fused_moe import grouped_gemm, grouped_gemm_reference, tile_blocks, tile_table
 from shardsmith.runtime.layers.kernels.testing import random_bank, random_routing, rel_error
@@ -25,14 +25,7 @@ V4_MATH = ExpertMath(limit=10.0, accumulate_f32=True, batched_pairs=16)
 GPT_OSS_MATH = ExpertMath(limit=7.0, alpha=1.702, interleaved=True)
 
 
-def loop(x, index, weight, arrays, math):
-    """The expert-by-expert path: each present expert on its rows, added in ascending expert order."""
-    out = math.accumulator(x)
-    for e in index.unique().tolist():
-        tok, k = torch.where(index == e)
-        y = expert_output({a: t[e] for a, t in arrays.items()}, x[tok], None, math=math)
-        out.index_add_(0, tok, math.contribution(y, weight[tok, k], x.dtype))
-    return out.to(x.dtype)
+loop = experts.grouped_experts_reference  # the expert-by-expert path the grouped one replaces
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -172,11 +165,7 @@ def test_fp8_and_dense_banks_through_the_tile_kernel_are_the_loop(monkeypatch, f
     math = ExpertMath(limit=0.0)
     index, weight = random_routing(29, 2, 8, gen=gen)
     x = torch.randn(29, 64, generator=gen)
-    want = math.accumulator(x)
-    for e in index.unique().tolist():
-        tok, k = torch.where(index == e)
-        y = expert_output({a: t[e] for a, t in arrays.items()}, x[tok], block, math=math)
-        want.index_add_(0, tok, math.contribution(y, weight[tok, k], x.dtype))
+    want = loop(x, index, weight, arrays, math, block)
     monkeypatch.setattr(experts, "TILE_KERNEL", True)
     assert experts.grouped_runs(x, fmt) and rel_error(grouped_experts(x, index, weight, arrays, math, block=block),
                                                       want) < 1e-6
@@ -295,15 +284,7 @@ def test_fp8_tile_kernel_at_v3_shapes_on_cuda_within_bf16(block):
     x = torch.randn(512, 7168, generator=gen, device="cuda").bfloat16()
     assert experts.grouped_path(x, "fp8") == "tiles"
     got = grouped_experts(x, index, weight, arrays, math, block=block)
-
-    def loop_fp8(xx):
-        out = math.accumulator(xx)
-        for e in index.unique().tolist():
-            tok, k = torch.where(index == e)
-            y = expert_output({a: t[e] for a, t in arrays.items()}, xx[tok], block, math=math)
-            out.index_add_(0, tok, math.contribution(y, weight[tok, k], xx.dtype))
-        return out.to(xx.dtype)
-    truth, want = loop_fp8(x.float()), loop_fp8(x)
+    truth, want = (loop(xx, index, weight, arrays, math, block) for xx in (x.float(), x))
     assert rel_error(got, truth) <= 2 * rel_error(want, truth) + 1e-3
 
 
