@@ -23,6 +23,8 @@
 #                   then expanded to bf16) against the loop,
 #                   then offloaded (a 25% cache): each chunk streaming its missing experts once against the
 #                   decode-sized slot path, with the link bytes per prompt token
+#   prefill-qwen3   2k and 8k prompts through 4 Qwen3-30B-A3B-shaped layers x 128 bf16 experts (top-8): grouped experts
+#                   (torch._grouped_mm) against the loop, then offloaded (a 25% cache, each chunk streaming its experts)
 #   tp-sim          TP 1, 2, 4 of a full-depth V4 predicted from one rank alone, resident and with a 48 GB
 #                   card's expert cache, collectives priced (tp_sim.py)
 #   spec-cost       a full-depth V4's decode step against its verify step (k = 1, 2, 3, rollback included and
@@ -160,6 +162,14 @@ step_prefill_moe() {  # 4 layers x 256 FP4 experts: a chunk routes to every expe
         --prompt 2048 8192 --chunk 2048 8192 --paths kernel/grouped kernel/expanded kernel/loop --profile 12 \
         --offload 0.25 --offload-paths stream slots \
         --out "$OUT/prefill-$SHARDSMITH_HOST-moe.json" 2>&1 | grep -v INFO | tee "$OUT/prefill_moe.log" | tail -30
+}
+
+step_prefill_qwen3() {  # the Mixtral family's prefill: Qwen3-30B-A3B shapes, 4 layers x 128 bf16 experts, top-8
+    [ -f /tmp/q3m/config.json ] || timeout 300 python3 -c 'from pathlib import Path; from shardsmith.testing.tiny import tiny_qwen_moe; tiny_qwen_moe(Path("/tmp/q3m"), layers=4, hidden=2048, heads=32, kv_heads=4, head_dim=128, moe_intermediate=768, experts=128, top_k=8, vocab=2048)' \
+        > "$OUT/gen_q3m.log" 2>&1 || return 1
+    timeout "${PREFILL_QWEN3_S:-300}" python3 benchmarks/prefill.py /tmp/q3m --from-checkpoint --device cuda \
+        --prompt 2048 8192 --chunk 2048 8192 --paths kernel/grouped kernel/loop --offload 0.25 --offload-paths stream \
+        --out "$OUT/prefill-$SHARDSMITH_HOST-qwen3.json" 2>&1 | grep -v INFO | tee "$OUT/prefill_qwen3.log" | tail -16
 }
 
 step_tp_sim() {
