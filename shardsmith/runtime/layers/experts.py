@@ -260,7 +260,9 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
             ``down [E, D, I_r(/2)]``, with their ``_scale`` arrays when quantized (FP4 int8 with UE8M0
             scales, FP8 with float32 block scales, gate's and up's scale rows stacked) and gpt-oss's
             ``gate_up_bias [E, 2*I_r]``; math: the family's :class:`ExpertMath`;
-            group: experts per grouped step (expanded: bf16 scratch ``group x 3 x I_r x D``);
+            group: experts per grouped step (expanded: bf16 scratch ``group x 3 x I_r x D``; each step
+            gathers only its own pairs' rows, so beside ``x`` and the ``[P, D]`` outputs a step holds
+            ``[n, D]`` inputs and ``[n, 2*I_r]`` gate/up rows for its ``n`` pairs);
             block: an FP8 bank's scale block.
         fetch: where a group's arrays come from when the bank is not ``arrays`` (offloaded experts:
             ``arrays`` is then ``{}``): ``fetch(ids [G] on the device, the same ids on the host)``
@@ -287,8 +289,7 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
     present = counts.nonzero().flatten()
     sizes = counts[present]
     present_h, sizes_h = torch.stack((present, sizes)).tolist()  # the one host sync
-    xs = x[order // K]  # [P, D]
-    ys = torch.empty_like(xs)
+    ys = x.new_empty((order.shape[0], x.shape[1]))  # [P, D]: each pair's output, sorted by expert
     start = 0
     groups = list(range(0, len(present_h), group))
     pending = fetch(present[:group], present_h[:group]) if groups else None
@@ -300,7 +301,8 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
         got = ready()
         run = _tiles_mm(sizes_h[g:g + group], block) if tiles else _expanded_mm(sizes[g:g + group], block)
         i_r = got["down"].shape[-1] * (2 if bank_format(got["gate_up"]) == "fp4" else 1)
-        h = run(xs[start:start + n], got["gate_up"], got.get("gate_up_scale"), split=i_r)  # [n, 2I_r]
+        xs = x[order[start:start + n] // K]  # [n, D]: this group's pairs' rows (not every pair's at once)
+        h = run(xs, got["gate_up"], got.get("gate_up_scale"), split=i_r)  # [n, 2I_r]
         if "gate_up_bias" in got:
             h = h + got["gate_up_bias"].to(x.dtype).repeat_interleave(sizes[g:g + group], dim=0)
         h = glu_rows(h, math.limit, math.alpha, math.interleaved)
