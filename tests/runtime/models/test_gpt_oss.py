@@ -263,12 +263,21 @@ def test_stacked_bank_specs_are_the_dense_shards_as_they_lie(oss: dict) -> None:
 # ------------------------------------------------------------------ runtime numerics
 
 
-def test_experts_expand_as_transformers_does(oss: dict) -> None:
-    """Our load-time MXFP4 expansion equals transformers' weights (``[E, K, N]`` there), bit for bit."""
+def test_experts_stay_mxfp4_and_expand_as_transformers_does(oss: dict) -> None:
+    """Resident experts keep the pack's MXFP4 bytes (a quarter of bf16's, no copy on a CPU: the mmap views);
+    their expansion equals transformers' weights (``[E, K, N]`` there), bit for bit."""
+    from shardsmith.runtime.models.gpt_oss.moe import expand_mxfp4
+
     model = load_model(oss["packs"][1], 0, 1)
     experts = model.model.layers[1].mlp.experts
-    assert torch.equal(experts.gate_up_proj.transpose(1, 2), oss["ref"]["gate_up"])
-    assert torch.equal(experts.down_proj.transpose(1, 2), oss["ref"]["down"])
+    assert {b.dtype for n, b in experts.named_buffers() if not n.endswith("bias")} == {torch.uint8}
+    arrays = experts.arrays()
+    assert arrays["gate_up"].data_ptr() == experts.gate_up_proj_blocks.data_ptr()
+    gate_up = expand_mxfp4(experts.gate_up_proj_blocks, experts.gate_up_proj_scales, torch.float32)
+    down = expand_mxfp4(experts.down_proj_blocks, experts.down_proj_scales, torch.float32)
+    assert torch.equal(gate_up.transpose(1, 2), oss["ref"]["gate_up"])
+    assert torch.equal(down.transpose(1, 2), oss["ref"]["down"])
+    assert experts.gate_up_proj_blocks.nbytes * 8 == gate_up.nbytes  # 4 bits a value against float32's 32
 
 
 def test_world_size_1_matches_transformers(oss: dict) -> None:
@@ -331,7 +340,7 @@ def test_load_names_every_bad_expert_tensor(oss: dict) -> None:
     with pytest.raises(RuntimeLoadError) as e:
         assign_weights(model, dense, device=torch.device("cpu"))
     msg = str(e.value)
-    assert "model.layers.0.mlp.experts.down_proj_scales" in msg and "scales missing" in msg
+    assert "missing tensor 'model.layers.0.mlp.experts.down_proj_scales': the model needs [8, 128, 4]" in msg
     assert "'model.layers.1.mlp.experts.gate_up_proj_bias': shape [8, 64], the model needs [8, 256]" in msg
 
 

@@ -1,12 +1,12 @@
 """The gpt-oss causal LM on one rank, built on ``meta`` from the rank's plan and filled from its weights.
 
 Module names mirror the release checkpoint (``model.layers.N.self_attn.q_proj.weight``), so loading
-is a strict name-for-name assignment (:func:`assign_weights`) with two spelled-out renames:
+is a strict name-for-name assignment (:func:`assign_weights`) with one spelled-out rename (the MXFP4
+experts' ``<proj>_blocks`` and ``_scales`` are kept as they are, :mod:`~shardsmith.runtime.models.gpt_oss.moe`):
 
 ============================================  ===============================  ==========================
 source tensors                                module buffer                    why
 ============================================  ===============================  ==========================
-``...experts.<proj>_blocks`` + ``_scales``    ``...experts.<proj>`` (dtype)    MXFP4 expanded at load
 ``...mlp.experts.down_proj_bias``             ``...mlp.down_proj_bias``        added once, by the MoE block
 ============================================  ===============================  ==========================
 
@@ -31,7 +31,7 @@ from shardsmith.runtime.layers.parallel import Shards, all_reduce
 from shardsmith.runtime.models.common import RMSNormF32  # transformers' GptOssRMSNorm: the same maths
 from shardsmith.runtime.models.gpt_oss.attention import Attention
 from shardsmith.runtime.models.gpt_oss.config import GptOssArgs, rope_tables
-from shardsmith.runtime.models.gpt_oss.moe import Experts, MoE, expand_mxfp4
+from shardsmith.runtime.models.gpt_oss.moe import Experts, MoE
 from shardsmith.runtime.models.common import install_buffers
 from shardsmith.runtime.models.kv_blocks import KV_BLOCK_TOKENS, KVBlocks, kv_blocks_for
 from shardsmith.runtime.models.seq_slots import Rows, SeqSlots, cache_bytes
@@ -213,41 +213,31 @@ def assign_weights(model: GptOss, dense: dict[str, torch.Tensor], *, device: tor
                    offloaded: bool = False) -> None:
     """Replace every ``meta`` buffer of ``model`` by the rank's tensor of the same name, strictly.
 
-    MXFP4 expert weights (``<proj>_blocks`` with ``<proj>_scales``) are expanded to the compute
-    dtype into ``<proj>``; every other tensor is cast to its buffer's dtype (no copy when it
-    already matches, so on CPU the buffer is the mmap view itself). The renames of the module
-    docstring apply. With ``offloaded`` (the model's experts were swapped for host banks), the
-    stacked expert tensors (``...mlp.experts.*`` but the down bias) are left to the host banks.
+    MXFP4 expert tensors (``<proj>_blocks``, ``<proj>_scales``) are taken as the bytes they are; every
+    other tensor is cast to its buffer's dtype (no copy when it already matches, so on CPU the buffer is
+    the mmap view itself). The rename of the module docstring applies. With ``offloaded`` (the model's
+    experts were swapped for host banks), the stacked expert tensors (``...mlp.experts.*`` but the down
+    bias) are left to the host banks.
 
     Raises:
-        RuntimeLoadError: listing every missing, unexpected, mis-shaped or unpaired tensor.
+        RuntimeLoadError: listing every missing, unexpected or mis-shaped tensor, and MXFP4 parts
+            that are not bytes.
     """
     expected = dict(model.named_buffers())
     if model.args.tie_embeddings:
         expected.pop("lm_head.weight", None)
     given: dict[str, object] = {}
-    packed: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in dense.items():
-        stem, _, part = name.rpartition("_")
         if name.endswith(_DOWN_BIAS):
             given[name[: -len(_DOWN_BIAS)] + ".mlp.down_proj_bias"] = t
         elif offloaded and ".mlp.experts." in name:
             continue
-        elif ".mlp.experts." in name and part in ("blocks", "scales"):
-            packed.setdefault(stem, {})[part] = t
         else:
             given[name] = t
-    for stem, parts in packed.items():
-        meta = expected.get(stem)
-        given[stem] = _Packed(parts.get("blocks"), parts.get("scales"), meta.shape if meta is not None else None)
 
-    def convert(name: str, t, meta: torch.Tensor) -> torch.Tensor | str:
-        if isinstance(t, _Packed):
-            if t.blocks is None or t.scales is None:
-                return f"MXFP4 needs both {name}_blocks and {name}_scales; {'blocks' if t.blocks is None else 'scales'} missing"
-            t = expand_mxfp4(t.blocks.to(device), t.scales.to(device), meta.dtype)  # expand on the device
-            if isinstance(t, str):
-                return t
+    def convert(name: str, t: torch.Tensor, meta: torch.Tensor) -> torch.Tensor | str:
+        if meta.dtype == torch.uint8 and t.dtype != torch.uint8:  # MXFP4 blocks and scales: bytes as they lie
+            return f"MXFP4 {name.rpartition('_')[2]} must be U8 bytes, got {t.dtype}"
         return t.to(device=device, dtype=meta.dtype)
 
     install_buffers(model, expected, given, convert, what="the rank's gpt-oss weights")
@@ -256,16 +246,3 @@ def assign_weights(model: GptOss, dense: dict[str, torch.Tensor], *, device: tor
 
 
 _DOWN_BIAS = ".mlp.experts.down_proj_bias"
-
-
-class _Packed:
-    """An MXFP4 (blocks, scales) pair standing in for its expanded tensor ``[E, N, K]`` in
-    :func:`install_buffers`; ``shape`` is what the blocks expand to (else ``fallback``, when a part
-    is missing, so that the missing part is what gets reported)."""
-
-    def __init__(self, blocks: torch.Tensor | None, scales: torch.Tensor | None, fallback: torch.Size | None) -> None:
-        self.blocks, self.scales = blocks, scales
-        if blocks is not None and scales is not None and blocks.dim() == 4:
-            self.shape = (*blocks.shape[:2], blocks.shape[2] * 2 * blocks.shape[3])
-        else:
-            self.shape = tuple(fallback) if fallback is not None else tuple((blocks if blocks is not None else scales).shape)

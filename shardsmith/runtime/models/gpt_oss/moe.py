@@ -6,22 +6,26 @@ each rank computes a partial ``[T, D]`` for every selected expert and the layer 
 The down bias is not split: it is the MoE block's, added once after the all-reduce, weighted by the
 routing weight as the reference adds it inside each expert.
 
-Resident experts are dequantized from MXFP4 once at load (:func:`expand_mxfp4`) to the compute
-dtype: simple and exact, but 4x (bf16) the MXFP4 bytes in memory. Offloaded experts
-(``--moe-backend``, :func:`~shardsmith.runtime.offload.attach.attach_offload`) stay MXFP4 in host
-banks and cache slots (:func:`~shardsmith.pack.banks.stacked_bank_specs`) and are expanded per use;
-both run :func:`~shardsmith.runtime.layers.experts.expert_mlp` with this family's
-:class:`~shardsmith.runtime.layers.experts.ExpertMath` (:func:`expert_math`), so they compute the
-same bits on one device.
+Resident experts stay MXFP4 in memory, as the pack holds them (the release's ``<proj>_blocks`` and
+``<proj>_scales``: e2m1 codes two to a byte, an E8M0 scale per 32 values), read as an FP4 expert bank
+(:meth:`Experts.arrays`) by :func:`~shardsmith.runtime.layers.experts.grouped_experts` (on CUDA the
+tile kernel decodes them in registers; on a CPU 32 experts at a time are expanded for
+``torch._grouped_mm``), or expert by expert (:func:`~shardsmith.runtime.layers.experts.grouped_experts_reference`,
+each expert expanded per use) where no grouped path runs (float64). Offloaded experts
+(``--moe-backend``, :func:`~shardsmith.runtime.offload.attach.attach_offload`) are the same bytes in
+host banks and cache slots (:func:`~shardsmith.pack.banks.stacked_bank_specs`); both compute with this
+family's :class:`~shardsmith.runtime.layers.experts.ExpertMath` (:func:`expert_math`).
 
-==========================  ====================  =================================================
-buffer                      shape (rank-local)    contents
-==========================  ====================  =================================================
-``experts.gate_up_proj``    ``[E, 2*I_r, D]``     row ``2j`` gate channel j, row ``2j+1`` up channel j
-``experts.gate_up_proj_bias``  ``[E, 2*I_r]``     split with its rows (column-parallel)
-``experts.down_proj``       ``[E, D, I_r]``       row-parallel: partial sums
-``down_proj_bias``          ``[E, D]``            whole, on the MoE block; added once after the all-reduce
-==========================  ====================  =================================================
+==============================  ==========================  ===============================================
+buffer                          shape (rank-local)          contents
+==============================  ==========================  ===============================================
+``experts.gate_up_proj_blocks`` ``[E, 2*I_r, D/32, 16]`` u8  row ``2j`` gate channel j, row ``2j+1`` up channel j
+``experts.gate_up_proj_scales`` ``[E, 2*I_r, D/32]`` u8      E8M0, one per 32 values of a row
+``experts.gate_up_proj_bias``   ``[E, 2*I_r]``               split with its rows (column-parallel)
+``experts.down_proj_blocks``    ``[E, D, I_r/32, 16]`` u8    row-parallel: partial sums
+``experts.down_proj_scales``    ``[E, D, I_r/32]`` u8
+``down_proj_bias``              ``[E, D]``                   whole, on the MoE block; added once after the all-reduce
+==============================  ==========================  ===============================================
 
 Maths (transformers ``GptOssTopKRouter`` / ``GptOssExperts``, OpenAI's gpt-oss ``swiglu``): router
 ``logits = x W^T + b``, top-k of the logits, softmax over those k; per expert
@@ -35,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardsmith.runtime.layers.experts import ExpertMath, RoutedExperts, expert_mlp
+from shardsmith.runtime.layers.experts import (ExpertMath, RoutedExperts, grouped_experts,
+                                              grouped_experts_reference, grouped_runs)
 from shardsmith.runtime.layers.parallel import Shards, all_reduce
 from shardsmith.runtime.layers.quant import dequantize_fp4
 from shardsmith.runtime.models.gpt_oss.config import GptOssArgs
@@ -70,7 +75,7 @@ def _local(shards: Shards, name: str, shape: tuple[int, ...]) -> tuple[int, ...]
 
 
 class Experts(RoutedExperts):
-    """One layer's experts resident on this rank (``experts.*`` buffers of the module docstring's table).
+    """One layer's experts resident on this rank, MXFP4 as the pack holds them (the module docstring's table).
 
     A :class:`~shardsmith.runtime.layers.experts.RoutedExperts` with the defaults: it reads the
     routed ids on the host (not sync-free), so a piecewise decode step runs it between ``ffn_in``
@@ -82,26 +87,31 @@ class Experts(RoutedExperts):
         self.math = expert_math(args)
         e, d, i = args.n_experts, args.dim, args.expert_dim
         for proj, rows, cols in (("gate_up_proj", 2 * i, d), ("down_proj", d, i)):
-            e_, rows_r, blocks_r, _ = _local(shards, f"{prefix}.{proj}_blocks", (e, rows, cols // MX_BLOCK, MX_BLOCK // 2))
-            _local(shards, f"{prefix}.{proj}_scales", (e, rows, cols // MX_BLOCK))
-            self.register_buffer(proj, torch.empty((e_, rows_r, blocks_r * MX_BLOCK), dtype=shards.dtype, device="meta"))
+            blocks = _local(shards, f"{prefix}.{proj}_blocks", (e, rows, cols // MX_BLOCK, MX_BLOCK // 2))
+            scales = _local(shards, f"{prefix}.{proj}_scales", (e, rows, cols // MX_BLOCK))
+            self.register_buffer(proj + "_blocks", torch.empty(blocks, dtype=torch.uint8, device="meta"))
+            self.register_buffer(proj + "_scales", torch.empty(scales, dtype=torch.uint8, device="meta"))
         gu_bias = _local(shards, f"{prefix}.gate_up_proj_bias", (e, 2 * i))
         self.register_buffer("gate_up_proj_bias", torch.empty(gu_bias, dtype=shards.dtype, device="meta"))
 
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """The layer's experts as an FP4 expert bank (views, no copy): ``gate_up [E, 2*I_r, D/2]``,
+        ``down [E, D, I_r/2]`` uint8 codes with their ``_scale`` E8M0 bytes ``[E, rows, K/32]`` and
+        ``gate_up_bias [E, 2*I_r]`` (:func:`~shardsmith.runtime.layers.experts.grouped_experts`' layout)."""
+        return {"gate_up": self.gate_up_proj_blocks.flatten(2), "gate_up_scale": self.gate_up_proj_scales,
+                "down": self.down_proj_blocks.flatten(2), "down_scale": self.down_proj_scales,
+                "gate_up_bias": self.gate_up_proj_bias}
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's partial ``[T, D]`` of the selected experts, without the down bias, summed in
-        ascending expert order (as the offloaded experts sum theirs).
+        """This rank's partial ``[T, D]`` of the selected experts, without the down bias, added in
+        ascending expert order per token (as the offloaded experts add theirs); one host sync.
 
         Args:
             x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` routing weights.
         """
-        out = self.math.accumulator(x)
-        index_h = index.cpu()  # one host sync: the rows of each selected expert
-        for e in index_h.unique().tolist():
-            tok, slot = (t.to(x.device) for t in torch.where(index_h == e))  # [n], [n]
-            y = expert_mlp(x[tok], self.gate_up_proj[e], self.down_proj[e], self.math, self.gate_up_proj_bias[e])
-            out.index_add_(0, tok, self.math.contribution(y, weight[tok, slot], x.dtype))
-        return out.to(x.dtype)
+        if grouped_runs(x, "fp4"):
+            return grouped_experts(x, index, weight, self.arrays(), self.math)
+        return grouped_experts_reference(x, index, weight, self.arrays(), self.math)
 
 
 class MoE(nn.Module):
