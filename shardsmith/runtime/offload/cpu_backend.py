@@ -2,9 +2,9 @@
 
 The host path reads each selected expert's arrays where they lie (no copy) and computes them with
 the stored-format kernel (:mod:`.host_kernel`: FP4, FP8 and bf16 decoded in registers, float32
-accumulation, equal to the GPU path within float32 rounding); formats it does not take, maths it
-does not compute (gpt-oss's GLU with alpha, interleaved gate/up and biases), or a machine where it
-cannot be compiled, dequantize to the compute dtype and run the same SwiGLU as
+accumulation, equal to the GPU path within float32 rounding; gpt-oss's GLU with alpha, interleaved
+gate/up rows and biases on its FP4 banks too); formats it does not take, or a machine where it
+cannot be compiled, dequantize to the compute dtype and run the same maths as
 the GPU path (:func:`~shardsmith.runtime.layers.experts.expert_output`). Threads: every rank's process gets
 ``cores // ranks_on_this_host`` intra-op threads (:func:`~shardsmith.runtime.engine.dist.clamp_threads`),
 pinned to that many CPUs of its own (``engine/dist.py`` ``pin_cores``: whole cores, one NUMA node where
@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from shardsmith.runtime.layers.experts import ExpertMath, expert_output
+from shardsmith.runtime.layers.quant import bank_format
 from shardsmith.runtime.layers.staging import rows_by_expert, to_device
 from .host_bank import HostBanks
 from .host_kernel import check_expert, current_prefetch_bytes, default_isa, experts_swiglu_host, supports
@@ -90,14 +91,21 @@ class CpuExperts:
     def _experts_fn(self, layer: int, bank: dict[str, torch.Tensor], x: torch.Tensor):
         """The host path for this bank, ``fn(arrays_list, xs, block, limit) -> ys``: one kernel call for
         all of the step's experts (their layout checked once per layer), or the reference per expert."""
-        if not (self.kernel and self.math.plain and supports({name: a[0] for name, a in bank.items()})):
+        if not self._kernel_takes(bank):
             one = functools.partial(expert_output, math=self.math)
             return lambda arrays, xs, block, limit: [one(a, xe, block, limit) for a, xe in zip(arrays, xs)]
         key = self.layers[layer]
         if key not in self._checked:
             check_expert({name: a[0] for name, a in bank.items()}, x[:1], self.block)
             self._checked.add(key)
-        return functools.partial(experts_swiglu_host, check=False)
+        return functools.partial(experts_swiglu_host, check=False, alpha=self.math.alpha,
+                                 interleaved=self.math.interleaved)
+
+    def _kernel_takes(self, bank: dict[str, torch.Tensor]) -> bool:
+        """Whether the host kernel runs this bank with this family's maths: the SwiGLU of any format it
+        takes, and gpt-oss's GLU (interleaved gate/up rows, a bias, ``alpha``) on FP4 banks."""
+        arrays = {name: a[0] for name, a in bank.items()}
+        return self.kernel and supports(arrays) and (self.math.plain or bank_format(arrays["gate_up"]) == "fp4")
 
     def compute(self, layer: int, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
                 experts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -129,7 +137,7 @@ class CpuExperts:
     def path(self) -> str:
         """How the host computes this model's experts: ``kernel <isa>, prefetch <n> B`` or ``matmul <isa>``."""
         bank = next(iter(self.host.layers.values()))
-        if self.kernel and self.math.plain and supports({name: a[0] for name, a in bank.items()}):
+        if self._kernel_takes(bank):
             return f"kernel {default_isa()}, prefetch {current_prefetch_bytes()} B"
         return f"matmul {cpu_matmul_isa()}"
 

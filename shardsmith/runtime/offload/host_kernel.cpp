@@ -208,11 +208,14 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 // rows[e] consecutive rows of x [N, D] starting at sum(rows[:e]), and each is down(act(gate x, up x))
 // with act = silu(min(g, L)) * clamp(u, -L, L) (L = limit > 0) or silu(g) * u. gate_up holds the
 // gate rows, then the up rows (fp8: their scale rows stacked the same way, each half starting a new
-// block). Every expert's gate_up rows share one parallel region, their SwiGLU one, their down rows
+// block); with `interleaved` (fp4 only) row 2j is gate channel j and row 2j+1 up channel j. gate_up_bias
+// (none, or one float32 [2*I] per expert, in gate_up's row order) is added to the projections before the
+// clamps; alpha > 0 takes gpt-oss's act = (clamp(u, -L, L) + 1) * g * sigmoid(alpha * g), g = min(g, L).
+// Every expert's gate_up rows share one parallel region, their SwiGLU one, their down rows
 // one: a layer pays the threads' wake-up and barriers once, not once per expert.
 at::Tensor experts(const at::Tensor& x, c10::IntArrayRef rows, at::TensorList gu, at::TensorList gus, at::TensorList dn,
                    at::TensorList dns, const std::string& fmt, int64_t br, int64_t bc, double limit,
-                   const std::string& isa) {
+                   at::TensorList gub, double alpha, bool interleaved, const std::string& isa) {
   sync_threads();
   TORCH_CHECK(fmt == "fp4" || fmt == "fp8" || fmt == "bf16", "format must be fp4, fp8 or bf16, got " + fmt);
   const bool fp4 = fmt == "fp4";
@@ -223,14 +226,22 @@ at::Tensor experts(const at::Tensor& x, c10::IntArrayRef rows, at::TensorList gu
   TORCH_CHECK(static_cast<int64_t>(gus.size()) == S && static_cast<int64_t>(dns.size()) == S,
               "experts: fp4 and fp8 take one scale per weight, bf16 none");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [N, D]");
+  TORCH_CHECK(gub.empty() || static_cast<int64_t>(gub.size()) == E, "experts: gate_up_bias takes none or one per expert");
+  TORCH_CHECK(!interleaved || fp4, "experts: interleaved gate/up rows are fp4 only");
   TORCH_CHECK(gu[0].dim() == 2 && gu[0].size(0) % 2 == 0, "gate_up must be [2*I, ...], got " + dims(gu[0]));
   const Kernels k = kernels_for(isa);
   const RowsFn fn = fp4 ? k.fp4 : fmt == "fp8" ? k.fp8 : k.bf16;
   const int64_t I = gu[0].size(0) / 2, N = x.size(0), D = x.size(1);
   std::vector<int64_t> first(E + 1, 0);  // expert e's rows are [first[e], first[e + 1])
+  std::vector<const float*> bias(E, nullptr);
   for (int64_t e = 0; e < E; ++e) {
     TORCH_CHECK(rows[e] >= 1, "expert " + num(e) + " of this call has no tokens");
     TORCH_CHECK(gu[e].dim() == 2 && gu[e].size(0) == 2 * I, "gate_up " + num(e) + " is " + dims(gu[e]) + ", expert 0's " + dims(gu[0]));
+    if (!gub.empty()) {
+      TORCH_CHECK(gub[e].dim() == 1 && gub[e].size(0) == 2 * I && gub[e].scalar_type() == at::kFloat && gub[e].is_contiguous(),
+                  "gate_up_bias " + num(e) + " must be contiguous float32 [2*I], got " + dims(gub[e]));
+      bias[e] = gub[e].data_ptr<float>();
+    }
     first[e + 1] = first[e] + rows[e];
   }
   TORCH_CHECK(first[E] == N, "rows add up to " + num(first[E]) + ", x has " + num(N));
@@ -268,16 +279,20 @@ at::Tensor experts(const at::Tensor& x, c10::IntArrayRef rows, at::TensorList gu
     down.push_back({dm, {ap + o * I, T, y.data_ptr<float>() + o * D, D}, D});
   }
   run(fn, gate_up);
-  const float L = static_cast<float>(limit);
+  const float L = static_cast<float>(limit), A = static_cast<float>(alpha);
   at::parallel_for(0, I, 256, [&](int64_t i0, int64_t i1) {  // a serial expf over I_r = 2048 costs ~20 us
     for (int64_t e = 0; e < E; ++e) {
       const int64_t o = first[e], T = rows[e];
+      const float* b = bias[e];
       for (int64_t t = 0; t < T; ++t) {
         const float* hr = hp + (o + t) * 2 * I;
         for (int64_t i = i0; i < i1; ++i) {
-          float g = hr[i], u = hr[I + i];
+          const int64_t gi = interleaved ? 2 * i : i, ui = interleaved ? 2 * i + 1 : I + i;
+          float g = hr[gi], u = hr[ui];
+          if (b) g += b[gi], u += b[ui];
           if (L > 0.f) g = std::min(g, L), u = std::min(std::max(u, -L), L);
-          ap[o * I + (fp4 ? fp4_x_index(t, i, T) : t * I + i)] = g / (1.f + std::exp(-g)) * u;
+          const float a = A > 0.f ? (u + 1.f) * (g / (1.f + std::exp(-g * A))) : g / (1.f + std::exp(-g)) * u;
+          ap[o * I + (fp4 ? fp4_x_index(t, i, T) : t * I + i)] = a;
         }
       }
     }
@@ -296,5 +311,6 @@ TORCH_LIBRARY(shardsmith_host, m) {
   m.def("fp4_linear(Tensor x, Tensor w, Tensor s, str isa) -> Tensor", &fp4_linear);
   m.def("dense_linear(Tensor x, Tensor w, Tensor? scale, int br, int bc, str isa) -> Tensor", &dense_linear);
   m.def("experts(Tensor x, int[] rows, Tensor[] gate_up, Tensor[] gate_up_scale, Tensor[] down, Tensor[] down_scale, "
-        "str fmt, int br, int bc, float limit, str isa) -> Tensor", &experts);
+        "str fmt, int br, int bc, float limit, Tensor[] gate_up_bias, float alpha, bool interleaved, str isa) -> Tensor",
+        &experts);
 }

@@ -300,16 +300,22 @@ def check_expert(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: tuple[
         errors += _dense_errors("gate_up", gu, None, None, d) + _dense_errors("down", down, None, None, inter)
     if down.shape[0] != d:
         errors.append(f"down has {down.shape[0]} rows, x {d} columns")
+    bias = arrays.get("gate_up_bias")
+    if bias is not None and tuple(bias.shape) != (2 * inter,):
+        errors.append(f"gate_up_bias must be [{2 * inter}] (one per gate_up row), got {list(bias.shape)}")
     _fail(errors)
     _CHECKED.add(key)
 
 
 def expert_swiglu_host(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: tuple[int, int] | None,
-                       limit: float = 0.0, *, isa: str | None = None, check: bool = True) -> torch.Tensor:
+                       limit: float = 0.0, *, alpha: float | None = None, interleaved: bool = False,
+                       isa: str | None = None, check: bool = True) -> torch.Tensor:
     """One routed expert on its token rows, ``x [n, D] -> [n, D]`` (``x.dtype``), from its stored arrays.
 
     ``down(act(gate x, up x))`` with ``act(g, u) = silu(g) * u``, or with ``limit`` L > 0
-    ``silu(min(g, L)) * clamp(u, -L, L)`` (DeepSeek-V4): the function of
+    ``silu(min(g, L)) * clamp(u, -L, L)`` (DeepSeek-V4), or with ``alpha`` gpt-oss's
+    ``(clamp(u, -L, L) + 1) * g * sigmoid(alpha * g)``, ``g = min(g, L)``; a ``gate_up_bias`` is added
+    to the projections first (:class:`~shardsmith.runtime.layers.experts.ExpertMath`): the function of
     :func:`~shardsmith.runtime.layers.experts.expert_output` (the reference), computed in float32
     without expanding the weights; equal to the reference within float32 rounding. A layer's experts
     are better computed together (:func:`experts_swiglu_host`).
@@ -317,9 +323,12 @@ def expert_swiglu_host(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: 
     Args:
         arrays: one expert's ``gate_up [2*I_r, D]`` (FP4: ``[2*I_r, D/2]``; gate rows, then up rows),
             ``down [D, I_r]`` and, quantized, ``gate_up_scale`` / ``down_scale`` (gate and up scale
-            rows stacked like their weights); host tensors, see :func:`supports`.
+            rows stacked like their weights), and (gpt-oss) ``gate_up_bias [2*I_r]``; host tensors,
+            see :func:`supports`.
         x: ``[n, D]`` host activations, any n >= 1; block: FP8 block size ``(rows, cols)`` (FP8 only).
-        limit: SwiGLU clamp, 0 for none. isa: one of :func:`isas` (default :func:`default_isa`).
+        limit: SwiGLU clamp, 0 for none. alpha: gpt-oss's GLU (None: the SwiGLU); interleaved:
+            ``gate_up`` rows alternate gate and up (FP4 only). isa: one of :func:`isas` (default
+            :func:`default_isa`).
         check: run :func:`check_expert` first; pass False only where the caller has checked this
             layout (every expert of a bank shares it) with these ``D``, ``block`` and ``isa``.
 
@@ -327,11 +336,13 @@ def expert_swiglu_host(arrays: dict[str, torch.Tensor], x: torch.Tensor, block: 
         UsageError: from :func:`check_expert`, before the kernel runs (shapes that do not match, a
             missing scale or block, an instruction set this CPU or build lacks).
     """
-    return experts_swiglu_host([arrays], [x], block, limit, isa=isa, check=check)[0]
+    return experts_swiglu_host([arrays], [x], block, limit, alpha=alpha, interleaved=interleaved, isa=isa,
+                               check=check)[0]
 
 
 def experts_swiglu_host(experts: list[dict[str, torch.Tensor]], xs: list[torch.Tensor],
-                        block: tuple[int, int] | None, limit: float = 0.0, *, isa: str | None = None,
+                        block: tuple[int, int] | None, limit: float = 0.0, *, alpha: float | None = None,
+                        interleaved: bool = False, isa: str | None = None,
                         check: bool = True) -> list[torch.Tensor]:
     """A layer's routed experts, each on its own token rows, in one kernel call: ``xs[e] [n_e, D] ->
     [n_e, D]`` (``xs[0].dtype``), the function of :func:`expert_swiglu_host` per expert.
@@ -345,7 +356,8 @@ def experts_swiglu_host(experts: list[dict[str, torch.Tensor]], xs: list[torch.T
         experts: each expert's arrays, as :func:`expert_swiglu_host` takes them; every one the same
             format and shapes (one bank's experts).
         xs: each expert's ``[n_e, D]`` token rows (n_e >= 1), in the order of ``experts``.
-        block, limit, isa, check: as :func:`expert_swiglu_host` (``check`` checks every expert).
+        block, limit, alpha, interleaved, isa, check: as :func:`expert_swiglu_host` (``check`` checks
+            every expert).
 
     Raises:
         UsageError: no experts, ``xs`` of another length or of several dtypes, experts of different
@@ -365,17 +377,24 @@ def experts_swiglu_host(experts: list[dict[str, torch.Tensor]], xs: list[torch.T
                 _fail([f"expert {e}'s gate_up is {arrays['gate_up'].dtype} {list(arrays['gate_up'].shape)}, expert 0's "
                        f"{gu0.dtype} {list(gu0.shape)} (one call takes one bank's experts)"])
     fmt = bank_format(gu0)
+    if interleaved and fmt != "fp4":
+        raise UsageError(f"host expert kernel: interleaved gate/up rows are FP4 experts' (gpt-oss), got {fmt}")
+    if len({"gate_up_bias" in a for a in experts}) > 1:
+        raise UsageError("host expert kernel: some experts have a gate_up_bias and some not (one call takes one bank's)")
+    bias = [a["gate_up_bias"].float().contiguous() for a in experts] if "gate_up_bias" in experts[0] else []
+    glu = (bias, float(alpha or 0.0), interleaved)
     rows = [x.shape[0] for x in xs]
     x32 = xs[0].float().contiguous() if len(xs) == 1 else torch.cat([x.float() for x in xs])
     gate_up, down = [a["gate_up"] for a in experts], [a["down"] for a in experts]
     if fmt == "fp4":
         u8 = lambda ts: [t.view(torch.uint8) for t in ts]  # noqa: E731
         y = torch.ops.shardsmith_host.experts(x32, rows, u8(gate_up), u8(a["gate_up_scale"] for a in experts), u8(down),
-                                              u8(a["down_scale"] for a in experts), "fp4", 0, 0, limit, isa)
+                                              u8(a["down_scale"] for a in experts), "fp4", 0, 0, limit, *glu, isa)
     elif fmt == "fp8":
         br, bc = block
         y = torch.ops.shardsmith_host.experts(x32, rows, gate_up, [a["gate_up_scale"].float() for a in experts], down,
-                                              [a["down_scale"].float() for a in experts], "fp8", br, bc, limit, isa)
+                                              [a["down_scale"].float() for a in experts], "fp8", br, bc, limit, *glu,
+                                              isa)
     else:
-        y = torch.ops.shardsmith_host.experts(x32, rows, gate_up, [], down, [], "bf16", 0, 0, limit, isa)
+        y = torch.ops.shardsmith_host.experts(x32, rows, gate_up, [], down, [], "bf16", 0, 0, limit, *glu, isa)
     return list(y.to(xs[0].dtype).split(rows))

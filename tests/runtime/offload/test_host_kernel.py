@@ -76,6 +76,31 @@ def test_fp4_expert_equals_reference(isa: str, tokens: int, limit: float) -> Non
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tokens", [1, 3, 9])
+def test_fp4_expert_with_gpt_oss_maths_equals_reference(isa: str, tokens: int) -> None:
+    """gpt-oss's expert: interleaved gate/up rows (row 2j gate, 2j+1 up), a gate/up bias added before the
+    clamps, ``(clamp(u) + 1) * g * sigmoid(alpha * g)``; the reference's maths within float32 rounding, and
+    each part moves the result (the kernel does not compute the plain SwiGLU by mistake)."""
+    from shardsmith.runtime.layers.experts import ExpertMath
+
+    g = torch.Generator().manual_seed(11 + tokens)
+    arrays = _fp4_expert(g, inter=96, dim=160)
+    arrays["gate_up_bias"] = torch.randn(2 * 96, generator=g).bfloat16()
+    math = ExpertMath(limit=7.0, alpha=1.702, interleaved=True)
+    assert host_kernel.supports(arrays)
+    x = torch.randn(tokens, 160, generator=g)
+    got = host_kernel.expert_swiglu_host(arrays, x, None, 7.0, alpha=1.702, interleaved=True, isa=isa)
+    _close(got, expert_output(arrays, x, None, math=math))
+    for other in (ExpertMath(limit=7.0, alpha=1.702), ExpertMath(limit=7.0, interleaved=True)):
+        assert (got - expert_output(arrays, x, None, math=other)).abs().max() > 1e-2
+    plain = {k: v for k, v in arrays.items() if k != "gate_up_bias"}
+    assert (got - host_kernel.expert_swiglu_host(plain, x, None, 7.0, alpha=1.702, interleaved=True,
+                                                 isa=isa)).abs().max() > 1e-2
+    with pytest.raises(UsageError, match=r"gate_up_bias must be \[192\]"):
+        host_kernel.expert_swiglu_host({**arrays, "gate_up_bias": arrays["gate_up_bias"][:64]}, x, None, isa=isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("block", [(128, 128), (32, 32), (16, 48), (8, 40)])
 @pytest.mark.parametrize("tokens", [1, 2, 5, 9])
 def test_fp8_ragged_blocks_equal_reference(isa: str, block: tuple[int, int], tokens: int) -> None:
