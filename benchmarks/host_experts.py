@@ -27,6 +27,8 @@ GPU host's L3 is 300 MiB, which 12 FP4 experts of 13.4 MB fit in), so every call
 from memory, as a decode step over 43 layers does; rows record ``experts_cycled`` and
 ``llc_bytes``. Example: ``python benchmarks/host_experts.py --threads 16 --tp 1`` (on the GPU host: the
 numbers behind ``--moe-backend auto``'s choice; ``--isa avx2,avx512`` there compares the two paths).
+``--model gpt-oss`` takes gpt-oss-120b's expert shapes (D = I = 2880, MXFP4 with the gate/up bias) and its
+GLU (interleaved gate/up rows, ``alpha``, the clamp at 7) in both the kernel and the reference, FP4 only.
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-D, I_FULL = 4096, 2048  # DeepSeek-V4-Flash hidden and routed-expert intermediate
+D, I_FULL = 4096, 2048  # DeepSeek-V4-Flash hidden and routed-expert intermediate (--model gpt-oss: 2880, 2880)
 
 
-def make_expert(fmt: str, inter: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    """One expert's arrays in stored format, random but finite (no NaN codes)."""
+def make_expert(fmt: str, inter: int, g: torch.Generator, bias: bool = False) -> dict[str, torch.Tensor]:
+    """One expert's arrays in stored format, random but finite (no NaN codes); ``bias``: gpt-oss's gate/up bias."""
+    if bias:
+        return make_expert(fmt, inter, g) | {"gate_up_bias": torch.randn(2 * inter, generator=g).bfloat16()}
     def raw(*shape: int) -> torch.Tensor:
         return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
 
@@ -106,7 +110,7 @@ def median(xs: list[float]) -> float:
 
 def main() -> None:
     from shardsmith.runtime.offload import host_kernel
-    from shardsmith.runtime.layers.experts import expert_output
+    from shardsmith.runtime.layers.experts import ExpertMath, expert_output
 
     def ints(low: int, high: int | None = None, words: str = "whole numbers"):
         def parse(text: str) -> list[int]:
@@ -141,11 +145,19 @@ def main() -> None:
                    help="1: at 2+ tokens several rows per call share each activation load (the runtime's way); 0: one "
                         "row per call (the same bits); '1,0' times both and prints their ratio, above 1 when "
                         "blocking is faster (default %(default)s)")
+    p.add_argument("--model", default="v4", choices=("v4", "gpt-oss"),
+                   help="expert shapes and maths: DeepSeek-V4-Flash's SwiGLU, or gpt-oss-120b's GLU (FP4 only)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="activation dtype")
     p.add_argument("--isa", default="", help="comma list of kernel instruction sets (default: all but scalar)")
     p.add_argument("--no-reference", action="store_true", help="skip the expand-then-matmul timing")
     p.add_argument("--no-save", action="store_true", help="do not write benchmarks/results/")
     a = p.parse_args()
+    global D, I_FULL
+    math = ExpertMath()
+    if a.model == "gpt-oss":
+        D, I_FULL, math = 2880, 2880, ExpertMath(limit=7.0, alpha=1.702, interleaved=True)
+        if a.formats != ["fp4"]:
+            p.error("--model gpt-oss: its experts are MXFP4 (--formats fp4)")
     torch.set_num_threads(a.threads)
     if not host_kernel.available():
         sys.exit("the host expert kernel could not be compiled on this machine (see the warning above)")
@@ -169,30 +181,32 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     rows = []
     for fmt in a.formats:
-        first = make_expert(fmt, inter, g)
+        first = make_expert(fmt, inter, g, bias=a.model == "gpt-oss")
         nbytes = sum(t.numel() * t.element_size() for t in first.values())
         count = a.experts or max(12, max(per_call), -(-2 * llc // nbytes))
-        experts = [first] + [make_expert(fmt, inter, g) for _ in range(count - 1)]
+        experts = [first] + [make_expert(fmt, inter, g, bias=a.model == "gpt-oss") for _ in range(count - 1)]
         if llc and count * nbytes < 2 * llc:
             print(f"{fmt}: {count} experts are {count * nbytes / 2**20:.0f} MiB, under twice the {llc / 2**20:.0f} MiB "
                   "last-level cache: the kernel may read from the cache while the floor is memory's", file=sys.stderr)
         block = (128, 128) if fmt == "fp8" else None
         for n in a.tokens:
             x = torch.randn(n, D, generator=g).to(act)
-            ref = 0.0 if a.no_reference else per_expert_s(lambda es, x: expert_output(es[0], x, block), experts, x,
-                                                          max(1, a.repeat // 2))
+            ref = 0.0 if a.no_reference else per_expert_s(lambda es, x: expert_output(es[0], x, block, math=math),
+                                                          experts, x, max(1, a.repeat // 2))
             for isa, k, pf, rb in ((isa, k, pf, rb) for isa in isas for k in per_call for pf in prefetch
                                    for rb in blocking):
                 host_kernel.set_prefetch_bytes(pf)
                 host_kernel.set_row_blocking(rb)
-                call = lambda es, x: host_kernel.experts_swiglu_host(es, [x] * len(es), block, isa=isa, check=False)  # noqa: E731
-                host_kernel.experts_swiglu_host(experts[:1], [x], block, isa=isa)  # the runtime's one check per layout
+                glu = dict(limit=math.limit, alpha=math.alpha, interleaved=math.interleaved)
+                call = lambda es, x: host_kernel.experts_swiglu_host(es, [x] * len(es), block, isa=isa, check=False,  # noqa: E731
+                                                                     **glu)
+                host_kernel.experts_swiglu_host(experts[:1], [x], block, isa=isa, **glu)  # the runtime's one check per layout
                 kerns, floors = [], []
                 for _ in range(a.rounds):
                     floors.append(nbytes / read_bandwidth(repeat=2))
                     kerns.append(per_expert_s(call, experts, x, a.repeat, k))
                 kern, floor = median(kerns), median(floors)
-                rows.append({"format": fmt, "tokens": n, "tp": a.tp, "threads": a.threads, "activation_dtype": a.dtype,
+                rows.append({"model": a.model, "format": fmt, "tokens": n, "tp": a.tp, "threads": a.threads, "activation_dtype": a.dtype,
                              "isa": isa, "isa_default": isa == default, "experts_per_call": k, "prefetch_bytes": pf,
                              "row_blocking": rb,
                              "rounds": a.rounds, "experts_cycled": len(experts), "llc_bytes": llc,
@@ -206,7 +220,7 @@ def main() -> None:
                              "kernel_over_floor_best": round(min(kt / ft for kt, ft in zip(kerns, floors)), 2),
                              "kernel_token_over_floor": round(median([kt / n / ft for kt, ft in zip(kerns, floors)]), 2),
                              "reference_over_kernel": round(ref / kern, 2) if ref else None})
-    hdr = ["format", "tokens", "isa", "experts_per_call", "prefetch_bytes", "row_blocking", "experts_cycled",
+    hdr = ["model", "format", "tokens", "isa", "experts_per_call", "prefetch_bytes", "row_blocking", "experts_cycled",
            "kernel_ms_per_expert",
            "kernel_ms_per_expert_token", "floor_ms_per_expert", "kernel_over_floor", "kernel_over_floor_best",
            "kernel_token_over_floor"]
