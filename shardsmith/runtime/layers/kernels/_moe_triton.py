@@ -95,9 +95,13 @@ def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s
     else:
         w_mask = w_ok[:, None] & (ks < KDIM)[None, :]
         w = tl.load(w_ptr + w_rows[:, None] * w_stride + ks[None, :], mask=w_mask, other=0.0)
-        if FP8:  # [BLOCK_R, BLOCK_K] scale gather (cached: 4 bytes per b0 x b1 block); any block, ragged edges
-            s = tl.load(s_ptr + s_rows[:, None] * s_stride + (ks // B1)[None, :], mask=w_mask, other=0.0)
-            w = w.to(tl.float32) * s
+        if FP8:
+            if B1 % BLOCK_K == 0:  # the step's columns lie in one scale column (k0 is a multiple of BLOCK_K): one per row
+                s = tl.load(s_ptr + s_rows * s_stride + k0 // B1, mask=w_ok, other=0.0)  # [BLOCK_R]
+                w = w.to(tl.float32) * s[:, None]
+            else:  # [BLOCK_R, BLOCK_K] scale gather (cached: 4 bytes per b0 x b1 block); any block, ragged edges
+                s = tl.load(s_ptr + s_rows[:, None] * s_stride + (ks // B1)[None, :], mask=w_mask, other=0.0)
+                w = w.to(tl.float32) * s
         if DOT_F32:
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
