@@ -251,7 +251,7 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
     per token in ascending expert order (as the expert-by-expert loop adds them). One host sync (the
     experts' pair counts). The matmuls as :func:`grouped_path` says: the tile kernel
     :func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_gemm` (the weights read as stored; a resident
-    bank's present experts then go in one group), or ``torch._grouped_mm`` (an FP4 group's experts expanded
+    bank is then read in place, one launch per matrix), or ``torch._grouped_mm`` (an FP4 group's experts expanded
     to ``x.dtype`` first; a dense bank's rows as they are, every present expert in one group).
 
     Args:
@@ -277,18 +277,25 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
     T, K = index.shape
     fmt = fmt or (bank_format(arrays["gate_up"]) if arrays else "fp4")
     tiles = grouped_path(x, fmt) == "tiles"
+    whole = tiles and fetch is None  # a resident bank through the tile kernel: read in place, one run per expert
     if fetch is None:
         n_experts = arrays["gate_up"].shape[0]
         group = n_experts if tiles or fmt == "dense" else group
 
         def fetch(ids: torch.Tensor, _ids_h: list[int]) -> Callable[[], dict[str, torch.Tensor]]:
+            if whole:  # every expert, empty runs included (the tile table skips them): no copy of the bank
+                return lambda: arrays
             return lambda: {name: a[ids] for name, a in arrays.items()}
     flat = index.flatten()  # [P]
     order = flat.argsort(stable=True)  # pairs by expert, each expert's in token order
     counts = torch.bincount(flat, minlength=n_experts)
-    present = counts.nonzero().flatten()
-    sizes = counts[present]
-    present_h, sizes_h = torch.stack((present, sizes)).tolist()  # the one host sync
+    if whole:
+        present, sizes = torch.arange(n_experts, device=counts.device), counts
+        present_h, sizes_h = list(range(n_experts)), counts.tolist()  # the one host sync
+    else:
+        present = counts.nonzero().flatten()
+        sizes = counts[present]
+        present_h, sizes_h = torch.stack((present, sizes)).tolist()  # the one host sync
     ys = x.new_empty((order.shape[0], x.shape[1]))  # [P, D]: each pair's output, sorted by expert
     start = 0
     groups = list(range(0, len(present_h), group))

@@ -223,8 +223,8 @@ def test_the_tile_kernel_names_what_does_not_fit():
 
 @pytest.mark.parametrize("math", [V4_MATH, GPT_OSS_MATH], ids=["v4", "gpt-oss"])
 def test_grouped_through_the_tile_kernel_is_the_loop(monkeypatch, math):
-    """``grouped_experts`` with the tile kernel (as on CUDA): every present expert in one group, resident; a
-    fetched bank (the offloaded chunk path) keeps its groups."""
+    """``grouped_experts`` with the tile kernel (as on CUDA): a resident bank read in place, every expert one
+    run (the absent ones empty); a fetched bank (the offloaded chunk path) keeps its groups of present experts."""
     gen = torch.Generator().manual_seed(9)
     arrays = random_bank(12, 64, 32, fp4=True, gen=gen)
     if math.interleaved:
@@ -234,11 +234,13 @@ def test_grouped_through_the_tile_kernel_is_the_loop(monkeypatch, math):
     want = loop(x, index, weight, arrays, math)
     calls = []
     real = experts.grouped_gemm
+    ptrs = []
     monkeypatch.setattr(experts, "grouped_gemm",
-                        lambda a, w, *r, **k: calls.append(w.shape[0]) or real(a, w, *r, **k))
+                        lambda a, w, *r, **k: calls.append(w.shape[0]) or ptrs.append(w.data_ptr()) or real(a, w, *r, **k))
     monkeypatch.setattr(experts, "TILE_KERNEL", True)
     assert rel_error(grouped_experts(x, index, weight, arrays, math, group=3), want) < 1e-6
-    assert calls == [10, 10]  # the 10 present experts in one group: gate_up, then down
+    assert calls == [12, 12]  # the resident bank as it is (10 present experts, 2 empty runs): gate_up, then down
+    assert ptrs == [arrays["gate_up"].data_ptr(), arrays["down"].data_ptr()]  # read in place, not gathered
 
     def fetch(ids, ids_h):
         return lambda: {name: a[ids] for name, a in arrays.items()}
