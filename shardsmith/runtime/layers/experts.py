@@ -252,7 +252,7 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
     experts' pair counts). The matmuls as :func:`grouped_path` says: the tile kernel
     :func:`~shardsmith.runtime.layers.kernels.fused_moe.grouped_gemm` (the weights read as stored; a resident
     bank is then read in place, one launch per matrix), or ``torch._grouped_mm`` (an FP4 group's experts expanded
-    to ``x.dtype`` first; a dense bank's rows as they are, every present expert in one group).
+    to ``x.dtype`` first; a dense bank read in place, every expert one group, the absent ones empty).
 
     Args:
         x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` routing weights; arrays: the
@@ -277,13 +277,15 @@ def grouped_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, 
     T, K = index.shape
     fmt = fmt or (bank_format(arrays["gate_up"]) if arrays else "fp4")
     tiles = grouped_path(x, fmt) == "tiles"
-    whole = tiles and fetch is None  # a resident bank through the tile kernel: read in place, one run per expert
+    # a resident bank that needs no expansion (the tile kernel; dense rows for torch._grouped_mm) is read in
+    # place, one run per expert, the absent ones empty
+    whole = fetch is None and (tiles or fmt == "dense")
     if fetch is None:
         n_experts = arrays["gate_up"].shape[0]
         group = n_experts if tiles or fmt == "dense" else group
 
         def fetch(ids: torch.Tensor, _ids_h: list[int]) -> Callable[[], dict[str, torch.Tensor]]:
-            if whole:  # every expert, empty runs included (the tile table skips them): no copy of the bank
+            if whole:  # every expert, empty runs included: no copy of the bank
                 return lambda: arrays
             return lambda: {name: a[ids] for name, a in arrays.items()}
     flat = index.flatten()  # [P]

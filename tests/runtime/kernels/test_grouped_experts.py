@@ -202,6 +202,25 @@ def test_the_grouped_path_each_format_takes(monkeypatch):
     assert torch.allclose(got, grouped_gemm_reference(a, bank["gate_up"], None, sizes), atol=1e-5)
 
 
+def test_a_dense_bank_goes_to_grouped_mm_in_place(monkeypatch):
+    """A resident dense bank through ``torch._grouped_mm`` (CUDA's path for dense banks; forced here): the bank
+    itself, every expert one group (the absent ones empty), no gathered copy; the loop's result."""
+    gen = torch.Generator().manual_seed(13)
+    arrays = random_bank(9, 64, 40, fp4=False, gen=gen, dtype=torch.float32)
+    math = ExpertMath(limit=0.0)
+    index, weight = random_routing(23, 2, 6, gen=gen)  # experts 6, 7, 8 absent
+    x = torch.randn(23, 64, generator=gen)
+    seen = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(experts, "grouped_path", lambda x, fmt="fp4": "expanded")
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: seen.append((b.shape[0], b.data_ptr(), offs.tolist()))
+                        or real(a, b, offs=offs))
+    got = grouped_experts(x, index, weight, arrays, math)
+    assert rel_error(got, loop(x, index, weight, arrays, math)) < 1e-6
+    assert [s[:2] for s in seen] == [(9, arrays["gate_up"].data_ptr()), (9, arrays["down"].data_ptr())]
+    assert seen[0][2][-4:] == [46, 46, 46, 46]  # 23 x 2 pairs; the last three experts' runs empty
+
+
 def test_the_tile_kernel_names_what_does_not_fit():
     gen = torch.Generator().manual_seed(4)
     bank = random_bank(3, 64, 32, fp4=True, gen=gen)
