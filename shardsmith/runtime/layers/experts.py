@@ -355,8 +355,7 @@ def _expanded_mm(sizes: torch.Tensor, block: tuple[int, int] | None) -> Callable
         elif scale is None:  # dense rows as they are
             full = w.to(a.dtype)
         else:
-            full = torch.stack([expand_matrix(w[g], None if scale is None else scale[g], a.dtype, block, split)
-                                for g in range(w.shape[0])])
+            full = torch.stack([expand_matrix(w[g], scale[g], a.dtype, block, split) for g in range(w.shape[0])])
         return torch._grouped_mm(a, full.transpose(-2, -1), offs=offs)
     return run
 
@@ -520,7 +519,7 @@ class ExpertBank(RoutedExperts):
         sync, so the host keeps queueing kernels): FP4 per pair (:func:`routed_pairs`), dense for
         one token in ascending expert order with the general path's kernels (so the same bits).
         Otherwise one host sync (the ids), then the bank runs :func:`grouped_experts` where
-        :func:`grouped_runs` says so (FP4 banks; every format on CUDA), else expert by expert in
+        :func:`grouped_runs` says so (FP4 banks; FP8 and dense ones on CUDA), else expert by expert in
         ascending order, reading each expert in place (at most one FP4/FP8 expert expanded at a time).
         """
         T, K = index.shape

@@ -186,11 +186,15 @@ def test_kernel_path_matches_dequantize_path(tiny, monkeypatch, use_settings, na
 @needs_triton
 @pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])  # bf16, FP8 128x128 (Mixtral-FP8's: the offload tests)
 def test_a_prefill_chunk_runs_fp8_and_dense_banks_through_the_tile_kernel(tiny, monkeypatch, use_settings, name):
-    """A 24-token prompt (past the decode-sized steps) with the tile kernel on (CUDA's default; forced here
+    """A 17-token prompt (past the decode-sized steps) with the tile kernel on (CUDA's default; forced here
     under the interpreter): the MoE banks (FP8 kept FP8 by the kernel setting, or bf16-family dense) run
     ``grouped_experts`` and give the expert-by-expert loop's logits within float32 rounding."""
-    prompt = [(7 * i + 3) % 300 for i in range(24)]
-    eng = _load(tiny(name), "cpu", torch.float32, True, use_settings)
+    from shardsmith.runtime.engine.engine import Engine
+
+    prompt = [(7 * i + 3) % 300 for i in range(17)]
+    use_settings(**(dict.fromkeys(ENV, "reference") | {"fused_experts": "kernel"}))  # FP8 banks kept FP8, linears dequantized
+    eng = Engine.load(tiny(name), rank=0, world_size=1, device="cpu", dtype=torch.float32, from_checkpoint=True,
+                      max_seq_len=64)
     banks = [m for m in eng.model.modules() if isinstance(m, ExpertBank)]
     want = eng.model(torch.tensor(prompt), 0, last_only=False).float()
     calls = []
