@@ -460,24 +460,29 @@ def _supervise(procs: list, reports: list | None = None) -> int:
             except (EOFError, OSError):  # the rank is gone and said nothing more
                 conn.close()
 
-    stop = threading.Event()
+    # The handler only records the signal (a list append takes no lock): the loop below acts on it within
+    # one poll. A handler that logged or set a threading.Event could be entered again by a second signal
+    # while the first held the Event's (non-reentrant) lock, and the launcher then waited on itself forever.
     signals: list[int] = []
+    stop = _Flag(signals)
 
     def on_signal(signum, _frame) -> None:
-        if not stop.is_set():
-            log.info("received %s; stopping", signal.Signals(signum).name)
-        elif signum == signal.SIGINT and signal.SIGINT in signals:
-            log.info("received SIGINT again; killing every rank")
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
         signals.append(signum)
-        stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    failed, since, reported, escalated = False, None, set(), 0
+    failed, since, reported, escalated, noted, killed = False, None, set(), 0, 0, False
     try:
         while True:
+            if len(signals) > noted:  # what the handler recorded since the last poll
+                if noted == 0:
+                    log.info("received %s; stopping", signal.Signals(signals[0]).name)
+                if not killed and signals.count(signal.SIGINT) > 1:
+                    log.info("received SIGINT again; killing every rank")
+                    killed = True
+                    for p in procs:
+                        if p.is_alive():
+                            p.kill()
+                noted = len(signals)
             alive = [p.sentinel for p in procs if p.is_alive()]
             if not alive and len(reported) == len(procs):
                 break
@@ -527,6 +532,16 @@ def _supervise(procs: list, reports: list | None = None) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+class _Flag:
+    """Set once any signal was recorded in ``signals``: :func:`_supervise`'s stop, read without a lock."""
+
+    def __init__(self, signals: list[int]) -> None:
+        self.signals = signals
+
+    def is_set(self) -> bool:
+        return bool(self.signals)
 
 
 def _blame(rank: int, procs: list, received: list[RankReport]) -> tuple[int, int]:
