@@ -463,8 +463,7 @@ def _supervise(procs: list, reports: list | None = None) -> int:
     # The handler only records the signal (a list append takes no lock): the loop below acts on it within
     # one poll. A handler that logged or set a threading.Event could be entered again by a second signal
     # while the first held the Event's (non-reentrant) lock, and the launcher then waited on itself forever.
-    signals: list[int] = []
-    stop = _Flag(signals)
+    signals: list[int] = []  # non-empty: a requested stop
 
     def on_signal(signum, _frame) -> None:
         signals.append(signum)
@@ -491,7 +490,7 @@ def _supervise(procs: list, reports: list | None = None) -> int:
             drain()  # after: an exited rank's report is in by now; and one blocked writing must not wait
             reported.update(exited)
             bad = sorted((r for r in exited if procs[r].exitcode != 0), key=lambda r: _blame(r, procs, received))
-            if bad and since is None and not stop.is_set():  # after a requested stop, exits are the stop
+            if bad and since is None and not signals:  # after a requested stop, exits are the stop
                 # Several ranks can go down within one poll: name the cause (a rank killed by a signal,
                 # or one that reported its own error) before those that only saw a peer vanish.
                 rest = "; stopping the other ranks" if any(q.is_alive() for q in procs) else ""
@@ -502,15 +501,15 @@ def _supervise(procs: list, reports: list | None = None) -> int:
                 _terminate(procs[0])
             if exited:
                 since = since or time.monotonic()  # exit 0: rank 0 done, or a follower released by shutdown
-            if stop.is_set() and since is None:
+            if signals and since is None:
                 since = time.monotonic()
                 _terminate(procs[0])
-            if stop.is_set() and escalated == 0 and procs[0].exitcode is not None:
+            if signals and escalated == 0 and procs[0].exitcode is not None:
                 since = min(since, time.monotonic() - GRACE_S + FOLLOWER_GRACE_S)  # rank 0 gone: no drain to wait for
             waited = 0.0 if since is None else time.monotonic() - since
             if escalated == 0 and waited > GRACE_S:
                 left = [r for r, p in enumerate(procs) if p.is_alive()]
-                if left and not (stop.is_set() and procs[0].exitcode is not None):
+                if left and not (signals and procs[0].exitcode is not None):
                     log.error("rank(s) %s still running %.0f s after the stop began; sending SIGTERM", left, GRACE_S)
                     failed = True
                 escalated = 1
@@ -522,26 +521,16 @@ def _supervise(procs: list, reports: list | None = None) -> int:
                     if p.is_alive():
                         p.kill()
         drain()
-        _raise_reports([r for r in received if not (stop.is_set() and r.lost)], len(procs))  # Ctrl-C: no noise
+        _raise_reports([r for r in received if not (signals and r.lost)], len(procs))  # Ctrl-C: no noise
         if signal.SIGINT in signals:
             return SIGINT_EXIT
         rank0 = procs[0].exitcode
-        if stop.is_set():  # SIGTERM: a requested stop; ranks killed by it are not failures
+        if signals:  # SIGTERM: a requested stop; ranks killed by it are not failures
             return int(failed)
         return rank0 if rank0 and rank0 > 0 else int(failed or bool(rank0))
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-
-
-class _Flag:
-    """Set once any signal was recorded in ``signals``: :func:`_supervise`'s stop, read without a lock."""
-
-    def __init__(self, signals: list[int]) -> None:
-        self.signals = signals
-
-    def is_set(self) -> bool:
-        return bool(self.signals)
 
 
 def _blame(rank: int, procs: list, received: list[RankReport]) -> tuple[int, int]:
