@@ -49,8 +49,8 @@ expert cache's slot pool, with slot ids for expert ids (:func:`fused_bank`).
 
 The family's arithmetic around the matmuls (SwiGLU clamp, accumulation dtype, pair batching,
 gpt-oss's GLU and gate/up layout) is an :class:`ExpertMath`, so offloaded experts compute what the
-resident bank computes, bit for bit. The kernels (fused and host) compute the plain SwiGLU only
-(:attr:`ExpertMath.plain`); other maths stays on the PyTorch paths.
+resident bank computes, bit for bit. The fused kernel computes both gated units (gpt-oss's with its
+interleaved rows and gate/up bias, on FP4 and plain banks), as the host kernel does on FP4 banks.
 Legend: T = tokens, K = experts per token, P = T*K (token, expert) pairs, n = an expert's tokens.
 """
 
@@ -119,8 +119,8 @@ class ExpertMath:
 
     @property
     def plain(self) -> bool:
-        """Whether this is the SwiGLU of stacked gate/up rows that the fused and host kernels compute
-        (no ``alpha``, not interleaved); other maths run the PyTorch paths only."""
+        """Whether this is the SwiGLU of stacked gate/up rows (no ``alpha``, not interleaved), the only maths
+        FP8 banks take (gpt-oss's experts are FP4)."""
         return self.alpha is None and not self.interleaved
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -206,6 +206,7 @@ def fused_bank(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, arrays:
     """
     return fused_experts(x, ids, weight, arrays["gate_up"], arrays["down"], arrays.get("gate_up_scale"),
                          arrays.get("down_scale"), limit=math.limit, block=block, backend="triton", out_dtype=out_dtype,
+                         alpha=math.alpha, interleaved=math.interleaved, gate_up_bias=arrays.get("gate_up_bias"),
                          **kernel)
 
 

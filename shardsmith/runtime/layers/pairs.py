@@ -42,12 +42,15 @@ def expand_pairs(arrays: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[t
 
 
 def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                 limit: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 limit: float, out_dtype: torch.dtype | None = None, *, alpha: float | None = None,
+                 interleaved: bool = False, gate_up_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's routed sum ``[T, D]`` (``out_dtype``, default ``x.dtype``) from its pairs' expanded experts.
 
     Args:
         gate_up: ``[P, 2*I_r, D]``, down: ``[P, D, I_r]`` (:func:`expand_pairs`), token-major;
         x: ``[T, D]``; weight: ``[T, K]`` float32 routing weights; limit: SwiGLU clamp.
+        alpha, interleaved: gpt-oss's GLU and gate/up row layout (:func:`swiglu`; row ``2j`` gate,
+            ``2j + 1`` up); gate_up_bias: ``[P, 2*I_r]`` added to the gate/up projection (gpt-oss).
 
     Two batched matmuls over all P pairs on each pair's token row, then a float32 sum over each
     token's K pairs in a fixed order (``index_add_`` with repeated rows is atomic, so run-to-run
@@ -56,6 +59,9 @@ def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, wei
     """
     T, K = weight.shape
     tok = torch.arange(T, device=x.device).repeat_interleave(K)  # [P]
-    gate, up = torch.bmm(gate_up, x[tok][:, :, None]).squeeze(-1).chunk(2, dim=-1)  # [P, I_r] each
-    y = torch.bmm(down, swiglu(gate, up, limit)[..., None]).squeeze(-1)  # [P, D]
+    h = torch.bmm(gate_up, x[tok][:, :, None]).squeeze(-1)  # [P, 2*I_r]
+    if gate_up_bias is not None:
+        h = h + gate_up_bias.to(h.dtype)
+    gate, up = (h[:, ::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)  # [P, I_r] each
+    y = torch.bmm(down, swiglu(gate, up, limit, alpha)[..., None]).squeeze(-1)  # [P, D]
     return (y.float() * weight.flatten()[:, None]).view(T, K, y.shape[-1]).sum(dim=1).to(out_dtype or x.dtype)

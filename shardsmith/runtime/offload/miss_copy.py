@@ -3,7 +3,7 @@
 The copy mode of the in-place offload (``runtime`` module docstring): :class:`~.device_slots.DeviceSlots`
 decides on the GPU which pairs miss and which pool row each missed expert goes to (``src = -1 - expert``,
 ``dst = row``); :func:`copy_misses` then copies those experts' bytes, every array of the bank (FP4 or
-FP8 weights and their scales, or plain weights), from the host bank into the pool, and the expert
+FP8 weights and their scales, or plain weights; gpt-oss's gate/up bias), from the host bank into the pool, and the expert
 kernel reads every pair from the pool. The host banks are page-locked and so mapped into the device's
 address space under unified addressing (CUDA runtime API, ``cudaHostRegister``), so a Triton kernel
 reads them in place at the link's bandwidth (``benchmarks/gpu/zero_copy.py``: 48-50 GB/s on an H200,
@@ -37,7 +37,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _copy_misses_kernel(base, src_ptr, dst_ptr, h0, d0, n0, h1, d1, n1, h2, d2, n2, h3, d3, n3,
+    def _copy_misses_kernel(base, src_ptr, dst_ptr, h0, d0, n0, h1, d1, n1, h2, d2, n2, h3, d3, n3, h4, d4, n4,
                             BLOCK: tl.constexpr):
         # offsets (bytes) of each array's host bank (h*) and pool (d*) from ``base``, and its row bytes (n*)
         p, a, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -45,9 +45,9 @@ def _kernel():
         if row < 0:
             return
         e = -1 - tl.load(src_ptr + p)
-        h = tl.where(a == 0, h0, tl.where(a == 1, h1, tl.where(a == 2, h2, h3)))
-        d = tl.where(a == 0, d0, tl.where(a == 1, d1, tl.where(a == 2, d2, d3)))
-        n = tl.where(a == 0, n0, tl.where(a == 1, n1, tl.where(a == 2, n2, n3)))
+        h = tl.where(a == 0, h0, tl.where(a == 1, h1, tl.where(a == 2, h2, tl.where(a == 3, h3, h4))))
+        d = tl.where(a == 0, d0, tl.where(a == 1, d1, tl.where(a == 2, d2, tl.where(a == 3, d3, d4))))
+        n = tl.where(a == 0, n0, tl.where(a == 1, n1, tl.where(a == 2, n2, tl.where(a == 3, n3, n4))))
         start = c.to(tl.int64) * BLOCK
         if start >= n:
             return
@@ -90,12 +90,12 @@ def copy_misses(pool: dict[str, torch.Tensor], host: dict[str, torch.Tensor], sr
 
     Raises:
         KernelError: arrays that differ between ``pool`` and ``host`` (names, dtype, row shape, not
-            contiguous), more than four arrays, ``src``/``dst`` not ``[P]`` int64 on the pool's
+            contiguous), an array not in the bank's list, ``src``/``dst`` not ``[P]`` int64 on the pool's
             device, or the backend cannot run (every problem listed).
     """
     problems = []
     if not pool or len(pool) > len(ARRAYS) or set(pool) - set(ARRAYS):
-        problems.append(f"pool arrays {sorted(pool)}: want 1-4 of {', '.join(ARRAYS)}")
+        problems.append(f"pool arrays {sorted(pool)}: want 1-{len(ARRAYS)} of {', '.join(ARRAYS)}")
     for name, rows in pool.items():
         h = host.get(name)
         if h is None:

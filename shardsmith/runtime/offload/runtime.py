@@ -189,11 +189,9 @@ class OffloadRuntime:
     def use_kernel_(self, device: torch.device) -> None:
         """Slot steps through the fused kernel when ``SHARDSMITH_KERNELS``'s ``fused_experts`` allows on ``device``
         (the resident banks' switch, read once at load), unless the banks are FP8 with scales
-        other than float32 (the kernel's FP8 format) or the family's maths is not the kernel's
-        (gpt-oss: :attr:`~shardsmith.runtime.layers.experts.ExpertMath.plain`)."""
+        other than float32 (the kernel's FP8 format)."""
         fp8 = [a for a in self.host.layers.values() if bank_format(a["gate_up"]) == "fp8"]
-        self.kernel = kernel_on("fused_experts", device) and self.math.plain and \
-            all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
+        self.kernel = kernel_on("fused_experts", device) and all(a["gate_up_scale"].dtype == torch.float32 for a in fp8)
         # in place (module docstring; on by default on CUDA): the pair path's formats; confirmed at start()
         # (backend, pinning). ``auto`` takes FP4 banks only, the format measured on a GPU (V4); a bf16 family
         # (Mixtral: top-2 of 8) batches many tokens onto one expert, where ``read`` re-reads a repeated miss

@@ -263,6 +263,79 @@ def test_fused_experts_reads_host_experts_in_place_and_writes_through(fp4):
                       backend="reference")
 
 
+def _gpt_oss_truth(x, ids, weights, bank, bias, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's experts written out as transformers' ``GptOssExperts`` computes them, in float64, one pair at
+    a time: ``gate_up = W x + b``, gate the even rows and up the odd ones, both clamped,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``, then down; the pairs weighted and summed."""
+    from shardsmith.runtime.layers.quant import dequantize_fp4
+
+    def expert(name: str, e: int) -> torch.Tensor:
+        w = bank[name][e]
+        scale = bank.get(name + "_scale")
+        return (w if scale is None else dequantize_fp4(w, scale[e], torch.float64)).double()
+
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = expert("gate_up", e) @ x[t].double() + bias[e].double()
+            gate, up = h[::2].clamp(max=limit), h[1::2].clamp(min=-limit, max=limit)
+            out[t] += float(weights[t, k]) * (expert("down", e) @ ((up + 1) * gate * torch.sigmoid(alpha * gate)))
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize(("fp4", "tokens", "path"), [(True, 3, "grouped"), (True, 2, "pairs"), (False, 4, "grouped"),
+                                                     (False, 3, "pairs")])
+def test_fused_experts_computes_gpt_oss_glu(fp4, tokens, path):
+    """gpt-oss's experts (interleaved gate/up rows, a gate/up bias, ``alpha``, the clamp) through both Triton
+    paths against the formula written out by hand, in float32 (near float64) and bf16; dropping any one of
+    the three differences moves the result far past the tolerance."""
+    bank, ids, weights, x = _bank_case(fp4, tokens, top_k=2, experts=6, dim=64, inter=64, seed=11 + tokens)
+    bias = torch.randn(6, 128, generator=torch.Generator(device=DEV).manual_seed(5), device=DEV).bfloat16()
+    glu = {"limit": 1.5, "alpha": 1.702, "interleaved": True, "gate_up_bias": bias}
+    truth = _gpt_oss_truth(x, ids, weights, bank, bias, 1.5, 1.702)
+    out = fused_experts(x, ids, weights, **bank, **glu, backend="triton", path=path)
+    f32 = fused_experts(x.float(), ids, weights, **bank, **glu, backend="triton", path=path)
+    ref = fused_experts_reference(x.double(), ids, weights, **bank, **glu)
+    assert rel_error(ref, truth) < 1e-6  # the reference sums the pairs in float32
+    assert out.dtype == torch.bfloat16 and rel_error(out, truth) < TOL, rel_error(out, truth)
+    assert rel_error(f32, truth) < 1e-5, rel_error(f32, truth)
+    for drop in ({"alpha": None}, {"interleaved": False}, {"gate_up_bias": None}):
+        assert rel_error(fused_experts_reference(x.double(), ids, weights, **bank, **{**glu, **drop}), truth) > 10 * TOL
+
+
+@needs_triton
+def test_gpt_oss_host_experts_are_read_in_place_with_their_bias():
+    """The in-place offload with gpt-oss's bank: a host expert's gate/up bias is read from the host bank with its
+    weights and written through to the slot beside them; the result is the all-resident call's, bit for bit."""
+    host, ids, weights, x = _bank_case(True, tokens=2, top_k=2, experts=6, dim=64, inter=32, seed=21)
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    host["gate_up_bias"] = torch.randn(6, 64, generator=gen, device=DEV).bfloat16()
+    ids = torch.tensor([[4, 1], [2, 4]], device=DEV)
+    glu = {"limit": 2.0, "alpha": 1.702, "interleaved": True}
+    pool = {name: torch.zeros((3,) + t.shape[1:], dtype=t.dtype, device=DEV) for name, t in host.items()}
+    for name in pool:
+        pool[name][0].copy_(host[name][2])  # expert 2 cached in slot 0
+    src = torch.tensor([[-5, -2], [0, -5]], device=DEV)
+    dst = torch.tensor([1, 2, -1, -1], device=DEV)  # expert 4 -> slot 1, expert 1 -> slot 2
+    want = fused_experts(x, ids, weights, **{k: v for k, v in host.items() if k != "gate_up_bias"}, **glu,
+                         gate_up_bias=host["gate_up_bias"], backend="triton", path="pairs")
+    out = fused_experts(x, src, weights, **{k: v for k, v in pool.items() if k != "gate_up_bias"}, **glu,
+                        gate_up_bias=pool["gate_up_bias"], host=host, write_slots=dst, backend="triton")
+    assert torch.equal(out, want)
+    for name, t in pool.items():
+        assert torch.equal(t[1], host[name][4]) and torch.equal(t[2], host[name][1]), name
+    assert rel_error(out, _gpt_oss_truth(x, ids, weights, host, host["gate_up_bias"], 2.0, 1.702)) < TOL
+    with pytest.raises(KernelError, match="host gate_up_bias: missing"):
+        fused_experts(x, src, weights, **{k: v for k, v in pool.items() if k != "gate_up_bias"}, **glu,
+                      gate_up_bias=pool["gate_up_bias"], host={k: v for k, v in host.items() if k != "gate_up_bias"},
+                      write_slots=dst, backend="reference")
+    with pytest.raises(KernelError, match=r"gate_up_bias must be \[E, 2\*I_r\] = \[6, 64\]"):
+        fused_experts(x, ids, weights, **{k: v for k, v in host.items() if k != "gate_up_bias"},
+                      gate_up_bias=host["gate_up_bias"][:, :32], backend="reference")
+
+
 def test_kernels_refuse_bad_inputs_listing_every_problem():
     w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
     with pytest.raises(KernelError, match=r"x's last dim \(128\).*scale shape \(1, 1\) != \(1, 2\)"):

@@ -490,11 +490,13 @@ def test_offload_from_checkpoint_reads_the_stacked_shards(oss: dict) -> None:
     assert stats["arrays"]["gate_up"] == ("torch.int8", [8, 512, 64])
 
 
-def test_offloaded_experts_take_the_kernels_that_have_their_maths(oss: dict, monkeypatch: pytest.MonkeyPatch, use_settings) -> None:
-    """The fused Triton kernel computes ``silu(gate) * up`` over stacked gate/up rows, without biases: with it
-    forced on (Triton's CPU interpreter, as on CUDA) the gpt-oss slots still run the PyTorch maths. The host
-    kernel has gpt-oss's GLU (interleaved rows, biases, alpha): the host experts run it. The logits stay the
-    resident model's within float32 rounding."""
+def test_the_fused_kernel_and_the_host_kernel_run_gpt_oss_experts(oss: dict, monkeypatch: pytest.MonkeyPatch,
+                                                                   use_settings) -> None:
+    """Both kernels have gpt-oss's GLU (interleaved rows, the gate/up bias, alpha). With the fused kernel forced on
+    (Triton's CPU interpreter, as on CUDA): the resident experts run a decode step with no host sync (so a
+    decode step is captured whole) and give transformers' logits; offloaded (``hybrid``), the cache slots run
+    the fused kernel and the host experts the host kernel, and the logits stay the resident model's within
+    float32 rounding."""
     pytest.importorskip("triton")
     from shardsmith.runtime.engine.engine import Engine
     from shardsmith.runtime.models.gpt_oss.moe import expert_math
@@ -503,16 +505,22 @@ def test_offloaded_experts_take_the_kernels_that_have_their_maths(oss: dict, mon
 
     use_settings(fused_experts="kernel")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    resident = Engine.load(oss["packs"][1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=PROMPT_LEN + STEPS)
+    experts = resident.model.decode_layers[0].experts
+    assert experts.kernel and experts.decode_sync_free() and experts.sync_free(16) and not experts.sync_free(17)
+    # one decode step: each kernel call takes seconds under the interpreter
+    ref = {"prefill": oss["ref"]["prefill"], "steps": oss["ref"]["steps"][:1], "tokens": oss["ref"]["tokens"][:1]}
+    check(runtime_run(resident.model, oss["ids"], ref["tokens"]), ref)
     eng = Engine.load(oss["packs"][1], rank=0, world_size=1, dtype=torch.float32, max_seq_len=PROMPT_LEN + STEPS,
                       offload=OffloadConfig(**OFFLOAD["hybrid"]))
     try:
         assert eng.offload.math == expert_math(eng.model.args) and not eng.offload.math.plain
-        assert not eng.offload.kernel and not eng.offload.slot_path()
+        assert eng.offload.kernel and eng.offload.slot_path()
         assert eng.offload.cpu.path().startswith("kernel" if host_kernel.available() else "matmul")
-        want = runtime_run(load_model(oss["packs"][1], 0, 1), oss["ids"], oss["ref"]["tokens"][:2])
-        got = runtime_run(eng.model, oss["ids"], oss["ref"]["tokens"][:2])
+        want = runtime_run(load_model(oss["packs"][1], 0, 1), oss["ids"], ref["tokens"])
+        off = runtime_run(eng.model, oss["ids"], ref["tokens"])
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(off[k], want[k], rtol=1e-4, atol=1e-4)
         assert eng.offload.stats()["host_experts"] > 0 and eng.offload.stats()["misses"] > 0
     finally:
         eng.offload.close()

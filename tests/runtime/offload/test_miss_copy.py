@@ -2,8 +2,8 @@
 
 CPU: the kernel under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton loads) and the
 PyTorch reference copy the same pairs into equal pools, for an FP4 bank (uint8 weights and UE8M0
-scales, rows longer than one 16 KiB program), an FP8 bank (float8 weights, float32 scales) and a bf16
-bank (no scales): rows named by ``dst`` hold the host expert ``-1 - src``, every other row is untouched.
+scales, rows longer than one 16 KiB program), gpt-oss's MXFP4 bank (the same and a bf16 gate/up bias: five
+arrays), an FP8 bank (float8 weights, float32 scales) and a bf16 bank (no scales): rows named by ``dst`` hold the host expert ``-1 - src``, every other row is untouched.
 With CUDA: the host bank page-locked, the call captured in a CUDA graph and replayed on new pairs.
 Bad inputs raise naming the array and the rule.
 """
@@ -30,9 +30,10 @@ def _bank(fmt: str, rows: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """A bank of ``rows`` experts (CPU, random bytes) in ``fmt``: fp4 rows of 17 KiB (two programs)."""
     def raw(*shape):
         return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
-    if fmt == "fp4":
-        return {"gate_up": raw(rows, 34, 512), "gate_up_scale": raw(rows, 34, 32), "down": raw(rows, 16, 544),
+    if fmt in ("fp4", "gpt-oss"):
+        bank = {"gate_up": raw(rows, 34, 512), "gate_up_scale": raw(rows, 34, 32), "down": raw(rows, 16, 544),
                 "down_scale": raw(rows, 16, 34)}
+        return bank if fmt == "fp4" else {**bank, "gate_up_bias": torch.randn(rows, 34, generator=gen).bfloat16()}
     if fmt == "fp8":
         return {"gate_up": raw(rows, 64, 96).view(torch.float8_e4m3fn), "gate_up_scale": torch.rand(rows, 1, 1, generator=gen),
                 "down": raw(rows, 48, 32).view(torch.float8_e4m3fn), "down_scale": torch.rand(rows, 1, 1, generator=gen)}
@@ -53,7 +54,7 @@ def _expected(pool: dict, host: dict, src: list[int], dst: list[int]) -> dict[st
     return out
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "fp8", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp4", "gpt-oss", "fp8", "bf16"])
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
 def test_copies_named_rows_only(fmt: str, backend: str) -> None:
     gen = torch.Generator().manual_seed(3)
@@ -78,7 +79,7 @@ def test_bad_input_raises() -> None:
     bad = dict(host, down=host["down"][:, :, :10])
     with pytest.raises(KernelError, match=r"down: host \(7, 16, 10\) torch.uint8 against pool \(5, 16, 544\)"):
         copy_misses(pool, bad, src, dst)
-    with pytest.raises(KernelError, match=r"pool arrays \['bias', .*want 1-4 of gate_up"):
+    with pytest.raises(KernelError, match=r"pool arrays \['bias', .*want 1-5 of gate_up"):
         copy_misses(dict(pool, bias=pool["down"]), host, src, dst)
     with pytest.raises(KernelError, match=r"dst \(1,\) torch.int32 on .*: want \[P\] int64"):
         copy_misses(pool, host, src, dst.int())

@@ -30,6 +30,7 @@ from shardsmith.runtime.layers.kernels.testing import random_bank, random_routin
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed (pip install "
                                   "'shardsmith[kernels]')")
 V4 = ExpertMath(limit=3.0, accumulate_f32=True, batched_pairs=16)
+GPT_OSS = ExpertMath(limit=2.0, alpha=1.702, interleaved=True)  # gpt-oss's GLU (a tighter clamp, so it bites)
 
 
 def _runtime(fmt: str, use_settings, *, slots: int, inplace: str = "kernel", backend: str = "gpu", experts: int = 12,
@@ -42,20 +43,29 @@ def _runtime(fmt: str, use_settings, *, slots: int, inplace: str = "kernel", bac
     use_settings(offload_inplace=inplace)
     use_settings(offload_miss=miss)
     gen = torch.Generator(device=DEV).manual_seed(11)
-    banks = {f"layers.{i}": random_bank(experts, 64, 32, fp4=fmt == "fp4", gen=gen) for i in range(2)}
+    banks = {f"layers.{i}": random_bank(experts, 64, 32, fp4=fmt != "bf16", gen=gen) for i in range(2)}
+    if fmt == "gpt-oss":  # MXFP4 with the gate/up bias: five arrays a slot
+        for b in banks.values():
+            b["gate_up_bias"] = torch.randn(experts, 64, generator=gen, device=DEV).bfloat16()
     host = HostBanks({k: {n: t.cpu() for n, t in b.items()} for k, b in banks.items()})
     rt = OffloadRuntime(OffloadConfig(backend=backend, cache_slots=slots, probe=False, pin="off"), host, list(banks),
-                        device=torch.device(DEV), dtype=torch.bfloat16, dim=64, block=None, math=V4,
+                        device=torch.device(DEV), dtype=torch.bfloat16, dim=64, block=None, math=_math(fmt),
                         top_k=top_k)
     rt.use_kernel_(torch.device(DEV))
     rt.start()
     return rt, banks
 
 
+def _math(fmt: str) -> ExpertMath:
+    return GPT_OSS if fmt == "gpt-oss" else V4
+
+
 @needs_triton
-@pytest.mark.parametrize(("fmt", "miss"), [("fp4", "copy"), ("fp4", "read"), ("bf16", "copy")])  # bf16 read: kernel-only
+@pytest.mark.parametrize(("fmt", "miss"), [("fp4", "copy"), ("fp4", "read"), ("bf16", "copy"), ("gpt-oss", "copy"),
+                                           ("gpt-oss", "read")])  # bf16 read: kernel-only
 def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monkeypatch, use_settings):
-    """Six calls (1, 1, 1, 3, 20, 1 tokens; bf16: four; K = 4 of 12 experts; 7 slots for 24 keys, so they evict):
+    """Six calls (1, 1, 1, 3, 20, 1 tokens; bf16 and gpt-oss's bank with its bias and GLU: fewer; K = 4 of 12
+    experts; 7 slots for 24 keys, so they evict):
     each the resident kernel's bits on the pair path (the in-place mode's; bf16 past 4 tokens would
     take the grouped path resident), each filled slot the host expert its device key names. ``copy``:
     8 pool rows, 4 of them staging (top-k 4): a one-token call reads every pair from the pool, larger
@@ -68,11 +78,12 @@ def test_inplace_steps_equal_resident_kernel_and_fill_the_slots(fmt, miss, monke
     assert (rt.slots.n_slots, rt.slots.n_stage) == ((7, 0) if miss == "read" else (4, 4))
     gen = torch.Generator(device=DEV).manual_seed(3)
     pairs = 0
-    calls = ((0, 1), (1, 1), (0, 1), (0, 3), (1, 20), (1, 1)) if fmt == "fp4" else ((0, 1), (1, 3), (1, 17), (0, 1))
+    calls = {"fp4": ((0, 1), (1, 1), (0, 1), (0, 3), (1, 20), (1, 1)), "bf16": ((0, 1), (1, 3), (1, 17), (0, 1)),
+             "gpt-oss": ((0, 1), (1, 3), (0, 2), (1, 1))}[fmt]
     for layer, tokens in calls:
         ids, weights = random_routing(tokens, 4, 12, gen=gen)
         x = torch.randn(tokens, 64, generator=gen, device=DEV).bfloat16()
-        want = fused_bank(x, ids, weights, banks[f"layers.{layer}"], V4, None)
+        want = fused_bank(x, ids, weights, banks[f"layers.{layer}"], _math(fmt), None)
         assert torch.equal(rt.run_layer(layer, x, ids, weights), want), (fmt, layer, tokens)
         pairs += ids.numel()
         for s, key in enumerate(rt.slots.slot_key.tolist()):  # what the device table says each slot holds

@@ -110,19 +110,36 @@ def _rows_dot(acc, a_ptr, a_rows, a_stride, row_mask, w_ptr, w_rows, w_stride, s
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride_x, stride_we, stride_wr,
-                    stride_se, stride_sr, limit, TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
-                    FP4: tl.constexpr, FP8: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, S_R: tl.constexpr,
-                    SCALED_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
-                    BLOCK_P: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+def _glu(gate, up, limit, alpha, HAS_LIMIT: tl.constexpr, HAS_ALPHA: tl.constexpr):
+    """The experts' gated unit in float32: ``silu(gate) * up`` (Mixtral, DeepSeek), or with ``HAS_ALPHA``
+    gpt-oss's ``(up + 1) * gate * sigmoid(alpha * gate)``; with ``HAS_LIMIT`` gate is clamped to at most
+    ``limit`` and up to ``[-limit, limit]`` first (DeepSeek-V4, gpt-oss)."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    if HAS_ALPHA:
+        return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, b_ptr, h_ptr, P, stride_x, stride_we, stride_wr,
+                    stride_se, stride_sr, stride_be, limit, alpha, TOP_K: tl.constexpr, D: tl.constexpr,
+                    I: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                    S_R: tl.constexpr, SCALED_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_F32: tl.constexpr,
+                    INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                    BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
     skip, e, rows, row_mask = _run_rows(sorted_ptr, P, BLOCK_P, BLOCK_M)
     if skip:
         return
     tok = tl.load(order_ptr + rows, mask=row_mask, other=0) // TOP_K
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    g_rows = tl.where(offs_i < I, offs_i, -1)  # gate rows [0, I), up rows [I, 2I); -1 masked
-    u_rows = tl.where(offs_i < I, offs_i + I, -1)
+    if INTERLEAVED:  # gpt-oss: row 2j gate channel j, row 2j + 1 up channel j; -1 masked
+        g_rows = tl.where(offs_i < I, 2 * offs_i, -1)
+        u_rows = tl.where(offs_i < I, 2 * offs_i + 1, -1)
+    else:  # gate rows [0, I), up rows [I, 2I)
+        g_rows = tl.where(offs_i < I, offs_i, -1)
+        u_rows = tl.where(offs_i < I, offs_i + I, -1)
     if FP8:  # gate's block-scale rows, then up's from S_R (stacked like their weights; I may be ragged)
         gs_rows, us_rows = offs_i // B0, S_R + offs_i // B0
     else:
@@ -135,10 +152,11 @@ def _gate_up_kernel(x_ptr, sorted_ptr, order_ptr, w_ptr, s_ptr, h_ptr, P, stride
                          d * BLOCK_D, D, FP4, FP8, B1, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
         up = _rows_dot(up, x_ptr, tok, stride_x, row_mask, w_e, u_rows, stride_wr, s_e, us_rows, stride_sr,
                        d * BLOCK_D, D, FP4, FP8, B1, SCALED_DOT, BLOCK_I, BLOCK_D, DOT_F32)
-    if HAS_LIMIT:  # DeepSeek-V4: silu(min(gate, L)) * clamp(up, -L, L)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up
+    if HAS_BIAS:
+        b_e = b_ptr + e.to(tl.int64) * stride_be
+        gate += tl.load(b_e + g_rows, mask=g_rows >= 0, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b_e + u_rows, mask=u_rows >= 0, other=0.0).to(tl.float32)[None, :]
+    h = _glu(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
     mask = row_mask[:, None] & (offs_i < I)[None, :]
     tl.store(h_ptr + rows[:, None] * I + offs_i[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -293,23 +311,37 @@ def _pair_expert(ids_ptr, dst_ptr, p, w_ptr, s_ptr, stride_we, stride_se, host_w
 
 
 @triton.jit
-def _pair_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, h_ptr, stride_x, stride_we, stride_wr, stride_se, stride_sr,
-                         limit, dst_ptr, host_w, host_s, TOP_K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
-                         FP4: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_R: tl.constexpr, G: tl.constexpr,
-                         HOST: tl.constexpr):
-    """Grid ``(P, cdiv(I, BLOCK_R))``: ``h[p, rows] = swiglu(gate, up)`` of pair ``p``'s token."""
+def _pair_gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, stride_x, stride_we, stride_wr, stride_se,
+                         stride_sr, stride_be, limit, alpha, dst_ptr, host_w, host_s, host_b, TOP_K: tl.constexpr,
+                         D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                         INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                         BLOCK_R: tl.constexpr, G: tl.constexpr, HOST: tl.constexpr):
+    """Grid ``(P, cdiv(I, BLOCK_R))``: ``h[p, rows] = glu(gate, up)`` of pair ``p``'s token (``_glu``); a
+    ``HAS_BIAS`` bank's gate/up bias row is read (and written through) like its weights."""
     p = tl.program_id(0)
     w_e, s_e, dw_e, ds_e, wr = _pair_expert(ids_ptr, dst_ptr, p, w_ptr, s_ptr, stride_we, stride_se, host_w, host_s,
                                             HOST)
     a_ptr = x_ptr + (p // TOP_K).to(tl.int64) * stride_x
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < I
-    gate = _pair_rows(a_ptr, w_e, s_e, rows, ok, stride_wr, stride_sr, D, FP4, BLOCK_R, G, dw_e, ds_e, wr, HOST)
-    up = _pair_rows(a_ptr, w_e, s_e, rows + I, ok, stride_wr, stride_sr, D, FP4, BLOCK_R, G, dw_e, ds_e, wr, HOST)
-    if HAS_LIMIT:  # DeepSeek-V4: silu(min(gate, L)) * clamp(up, -L, L)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up
+    if INTERLEAVED:  # gpt-oss: row 2j gate channel j, row 2j + 1 up channel j
+        g_rows, u_rows = 2 * rows, 2 * rows + 1
+    else:
+        g_rows, u_rows = rows, rows + I
+    gate = _pair_rows(a_ptr, w_e, s_e, g_rows, ok, stride_wr, stride_sr, D, FP4, BLOCK_R, G, dw_e, ds_e, wr, HOST)
+    up = _pair_rows(a_ptr, w_e, s_e, u_rows, ok, stride_wr, stride_sr, D, FP4, BLOCK_R, G, dw_e, ds_e, wr, HOST)
+    if HAS_BIAS:
+        b_e, _, db_e, _, _ = _pair_expert(ids_ptr, dst_ptr, p, b_ptr, b_ptr, stride_be, stride_be, host_b, host_b,
+                                          HOST)
+        b_g = tl.load(b_e + g_rows, mask=ok, other=0.0)
+        b_u = tl.load(b_e + u_rows, mask=ok, other=0.0)
+        if HOST:
+            wm = tl.where(wr, ok, False)
+            tl.store(db_e + g_rows, b_g, mask=wm)
+            tl.store(db_e + u_rows, b_u, mask=wm)
+        gate += b_g.to(tl.float32)
+        up += b_u.to(tl.float32)
+    h = _glu(gate, up, limit, alpha, HAS_LIMIT, HAS_ALPHA)
     tl.store(h_ptr + p * I + rows, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 

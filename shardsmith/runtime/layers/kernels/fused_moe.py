@@ -32,12 +32,17 @@ ragged last blocks allowed), stacked as the bank stacks them (``runtime/layers/q
 
 Each expert is ``down(silu(min(gate x, L)) * clamp(up x, -L, L))`` (no clamp when ``L = 0``), the
 output of pair ``(t, k)`` is scaled by ``weights[t, k]`` and the K pairs of a token are summed in
-float32 in k order. Legend: T = tokens, K = experts per token, P = T*K pairs, E = experts (or
+float32 in k order. gpt-oss's experts (FP4 or plain banks) differ in three ways the kernels take as
+arguments: ``gate_up`` rows interleave gate and up (row ``2j`` gate channel ``j``, ``2j + 1`` up),
+a ``gate_up_bias [E, 2*I_r]`` is added to the projection, and the gated unit is
+``(clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, L)``. Legend: T = tokens, K = experts per token, P = T*K pairs, E = experts (or
 slots), D = hidden, I_r = this rank's intermediate share (TP-within-expert).
 """
 
 from __future__ import annotations
 
+
+from typing import NamedTuple
 
 import torch
 
@@ -49,10 +54,12 @@ BLOCK_M = 16  # token rows per expert tile: tl.dot's smallest M; a decode batch 
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                             down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
                             down_scale: torch.Tensor | None = None, *, limit: float = 0.0,
-                            block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                            block: tuple[int, int] | None = None, out_dtype: torch.dtype | None = None,
+                            alpha: float | None = None, interleaved: bool = False,
+                            gate_up_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The PyTorch path :func:`fused_experts` replaces: gather each pair's expert, expand FP4 (or
     FP8, expert by expert with ``expert_weights``) to ``x.dtype`` in memory, two batched matmuls,
-    the float32 combine (V4 ``routed_pairs``).
+    the float32 combine (V4 ``routed_pairs``; gpt-oss's GLU with ``alpha``, ``interleaved``, ``gate_up_bias``).
 
     Shapes and formats as :func:`fused_experts`.
     """
@@ -70,15 +77,24 @@ def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
     else:
         gu, dn = expand_pairs({"gate_up": gate_up[sel], "gate_up_scale": gate_up_scale[sel], "down": down[sel],
                                "down_scale": down_scale[sel]}, x.dtype)
-    return routed_pairs(gu, dn, x, weights.float(), limit, out_dtype)
+    bias = None if gate_up_bias is None else gate_up_bias[sel]  # [P, 2*I_r]
+    return routed_pairs(gu, dn, x, weights.float(), limit, out_dtype, alpha=alpha, interleaved=interleaved,
+                        gate_up_bias=bias)
 
 
-def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale, block) -> str:
+def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale, block, gate_up_bias=None,
+           gpt_oss: bool = False) -> str:
     """Validate the inputs and return the bank's format (``fp4``, ``fp8``, ``dense``); every problem
     is listed at once."""
     problems = []
     fp4 = gate_up.dtype in (torch.int8, torch.uint8)
     fp8 = gate_up.dtype == torch.float8_e4m3fn
+    if fp8 and (gpt_oss or gate_up_bias is not None):
+        problems.append("gpt-oss's GLU (alpha, interleaved rows, gate_up_bias) takes FP4 and plain banks, not FP8")
+    if gate_up_bias is not None and (gate_up_bias.dim() != 2 or gate_up_bias.shape != gate_up.shape[:2]
+                                     or gate_up_bias.stride(-1) != 1):
+        problems.append(f"gate_up_bias must be [E, 2*I_r] = {list(gate_up.shape[:2])} with contiguous rows, got "
+                        f"{list(gate_up_bias.shape)} strides {gate_up_bias.stride()}")
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         problems.append(f"x must be [T, D] bf16/f16/f32, got {tuple(x.shape)} {x.dtype}")
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64) or tuple(weights.shape) != tuple(ids.shape):
@@ -111,7 +127,7 @@ def _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale, block) -> 
             problems.append(f"bank dtype {gate_up.dtype}/{down.dtype}: FP4 (int8/uint8 + UE8M0), FP8 e4m3 + F32 "
                             "block scales, or one float dtype")
     for name, t in (("ids", ids), ("weights", weights), ("gate_up", gate_up), ("down", down),
-                    ("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
+                    ("gate_up_scale", gate_up_scale), ("down_scale", down_scale), ("gate_up_bias", gate_up_bias)):
         if t is not None and t.device != x.device:
             problems.append(f"{name} is on {t.device}, x on {x.device}: one device")
         if t is not None and name not in ("ids", "weights") and t.stride(-1) != 1:
@@ -143,7 +159,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                   scaled_dot: bool | None = None, backend: str = "auto", path: str = "auto",
                   block_r: int = 16, block_g: int | None = None,
                   out_dtype: torch.dtype | None = None, host: dict[str, torch.Tensor] | None = None,
-                  write_slots: torch.Tensor | None = None) -> torch.Tensor:
+                  write_slots: torch.Tensor | None = None, alpha: float | None = None, interleaved: bool = False,
+                  gate_up_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's weighted sum of its K experts ``[T, D]``, over this rank's intermediate share.
 
     Experts are read straight from the (packed) bank: nothing is gathered or expanded to memory (the
@@ -187,6 +204,10 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         write_slots: ``[P]`` int64 with ``host``: pair ``p``'s bytes (read from the host) are also
             written to bank row ``write_slots[p]`` when it is >= 0 (the cache admitting the expert
             while the step uses it; one writer per row per call, so callers give each row to one pair).
+        alpha: gpt-oss's gated unit ``(up + 1) * g * sigmoid(alpha * g)`` (None: ``silu(gate) * up``);
+        interleaved: ``gate_up`` rows alternate gate and up (gpt-oss) instead of gate rows then up rows;
+        gate_up_bias: ``[E, 2*I_r]`` added to each gate/up row before the clamp (gpt-oss; a ``host`` bank
+            then has its own, read and written through like the weights). FP4 and plain banks only.
 
     Returns:
         ``[T, D]`` in ``out_dtype``.
@@ -199,23 +220,27 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         >>> y = fused_experts(x, index, weight, bank.gate_up, bank.down, bank.gate_up_scale,
         ...                   bank.down_scale, limit=args.swiglu_limit)  # doctest: +SKIP
     """
-    fmt = _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale, block)
+    glu = GLU(float(limit), alpha, interleaved, gate_up_bias)
+    fmt = _check(x, ids, weights, gate_up, down, gate_up_scale, down_scale, block, gate_up_bias,
+                 alpha is not None or interleaved)
     fp4 = fmt == "fp4"
-    bank = {"gate_up": gate_up, "down": down, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
+    bank = {"gate_up": gate_up, "down": down, "gate_up_scale": gate_up_scale, "down_scale": down_scale,
+            "gate_up_bias": gate_up_bias}
     if host is not None:
         _check_host(fmt, bank, host, ids, write_slots, path)
     if not use_triton(x, backend):
         if host is not None:
-            return _host_reference(x, ids, weights, bank, host, write_slots, limit, out_dtype)
+            return _host_reference(x, ids, weights, bank, host, write_slots, glu, out_dtype)
         return fused_experts_reference(x, ids, weights, gate_up, down, gate_up_scale, down_scale, limit=limit,
-                                       block=block, out_dtype=out_dtype)
+                                       block=block, out_dtype=out_dtype, alpha=alpha, interleaved=interleaved,
+                                       gate_up_bias=gate_up_bias)
     import triton
 
     if scaled_dot and (interpreting() or x.dtype != torch.bfloat16):
         raise KernelError("fused_experts: scaled_dot needs a GPU (Triton's interpreter has no dot_scaled) and bf16 "
                           f"activations, got {x.dtype}")
     if host is not None or _pick(path, fmt, x.shape[0]) == "pairs":
-        return _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4, float(limit), block_r,
+        return _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4, glu, block_r,
                       block_g or (8 if fp4 else 256), num_warps or (4 if fp4 else 8), out_dtype, host, write_slots)
     scaled_dot = not interpreting() and x.dtype == torch.bfloat16 if scaled_dot is None else scaled_dot
     block_i, num_warps = block_i or (64 if fp4 else 32), num_warps or 4
@@ -234,10 +259,12 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
                   DOT_F32=x.dtype == torch.float32 or interpreting(),
                   BLOCK_P=triton.next_power_of_2(P),
                   BLOCK_M=BLOCK_M, num_warps=num_warps, num_stages=num_stages)
+    bias = gate_up if gate_up_bias is None else gate_up_bias  # a stand-in pointer without a bias
     k._gate_up_kernel[(P, triton.cdiv(I, block_i))](
-        x, sorted_ids, order, gate_up, gs, h, P, x.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0),
-        gs.stride(1), float(limit), TOP_K=TOP_K, D=D, I=I, HAS_LIMIT=bool(limit), BLOCK_I=block_i,
-        BLOCK_D=min(block_k, triton.next_power_of_2(D)), **common)
+        x, sorted_ids, order, gate_up, gs, bias, h, P, x.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gs.stride(0), gs.stride(1), bias.stride(0), glu.limit, glu.alpha_value, TOP_K=TOP_K, D=D, I=I,
+        HAS_LIMIT=bool(limit), BLOCK_I=block_i, BLOCK_D=min(block_k, triton.next_power_of_2(D)), **glu.flags(),
+        **common)
     k._down_kernel[(P, triton.cdiv(D, block_n))](
         h, sorted_ids, order, down, ds, route, y, P, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1),
         D=D, I=I, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(I)), **common)
@@ -463,7 +490,25 @@ def _operands(fmt: str, x, gate_up, down, gate_up_scale, down_scale, P: int, out
     return x, gate_up, down, gs, ds, h, y, out
 
 
-def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool, limit: float, block_r: int,
+class GLU(NamedTuple):
+    """The gated unit's arguments (:func:`fused_experts`' ``limit``, ``alpha``, ``interleaved``, ``gate_up_bias``)."""
+
+    limit: float
+    alpha: float | None
+    interleaved: bool
+    bias: torch.Tensor | None
+
+    @property
+    def alpha_value(self) -> float:
+        """``alpha`` as the kernels take it (unused without ``HAS_ALPHA``)."""
+        return 1.0 if self.alpha is None else float(self.alpha)
+
+    def flags(self) -> dict[str, bool]:
+        """The kernels' compile-time switches."""
+        return {"INTERLEAVED": self.interleaved, "HAS_BIAS": self.bias is not None, "HAS_ALPHA": self.alpha is not None}
+
+
+def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool, glu: GLU, block_r: int,
            block_g: int, num_warps: int, out_dtype, host=None, write_slots=None) -> torch.Tensor:
     """The pair path of :func:`fused_experts` (inputs checked there)."""
     import triton
@@ -477,13 +522,16 @@ def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool,
                                                     down_scale, P, out_dtype)
     g_max = triton.next_power_of_2(max(1, min(D, I) // 32 if fp4 else min(D, I)))
     G = min(block_g, g_max)
-    deltas, dst = (0, 0, 0, 0), ids
+    bias = gate_up if glu.bias is None else glu.bias  # a stand-in pointer without a bias
+    deltas, dst, bias_delta = (0, 0, 0, 0), ids, 0
     if host is not None:
         deltas, dst = _host_deltas(fp4, (gate_up, gs, down, ds), host), write_slots.contiguous()
+        bias_delta = 0 if glu.bias is None else _delta("gate_up_bias", glu.bias, host["gate_up_bias"])
     k._pair_gate_up_kernel[(P, triton.cdiv(I, block_r))](
-        x, ids, gate_up, gs, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0), gs.stride(1), limit,
-        dst, deltas[0], deltas[1], TOP_K=TOP_K, D=D, I=I, FP4=fp4, HAS_LIMIT=bool(limit), BLOCK_R=block_r, G=G,
-        HOST=host is not None, num_warps=num_warps)
+        x, ids, gate_up, gs, bias, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0), gs.stride(1),
+        bias.stride(0), glu.limit, glu.alpha_value, dst, deltas[0], deltas[1], bias_delta, TOP_K=TOP_K, D=D, I=I,
+        FP4=fp4, HAS_LIMIT=bool(glu.limit), BLOCK_R=block_r, G=G, HOST=host is not None, num_warps=num_warps,
+        **glu.flags())
     k._pair_down_kernel[(P, triton.cdiv(D, block_r))](
         h, ids, down, ds, route, y, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1), dst, deltas[2],
         deltas[3], D=D, I=I, FP4=fp4, BLOCK_R=block_r, G=G, HOST=host is not None, num_warps=num_warps)
@@ -491,7 +539,7 @@ def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool,
     return out
 
 
-HOST_ARRAYS = ("gate_up", "gate_up_scale", "down", "down_scale")
+HOST_ARRAYS = ("gate_up", "gate_up_scale", "down", "down_scale", "gate_up_bias")
 
 
 def _check_host(fmt: str, bank: dict, host: dict, ids: torch.Tensor, write_slots: torch.Tensor | None,
@@ -523,22 +571,21 @@ def _check_host(fmt: str, bank: dict, host: dict, ids: torch.Tensor, write_slots
 def _host_deltas(fp4: bool, arrays: tuple, host: dict) -> tuple[int, int, int, int]:
     """Element offsets from each bank array the kernels read (``gate_up``, its scales, ``down``, its
     scales) to the host bank's (a plain bank's scale pointers are stand-ins: offset 0)."""
-    names = HOST_ARRAYS if fp4 else ("gate_up", None, "down", None)
-    out = []
-    for name, a in zip(names, arrays):
-        if name is None:
-            out.append(0)
-            continue
-        h = host[name].view(a.dtype)
-        diff = h.data_ptr() - a.data_ptr()
-        if diff % a.element_size():
-            raise KernelError(f"fused_experts: host {name} at {h.data_ptr():#x} is not {a.element_size()}-byte "
-                              f"aligned against the bank's {a.data_ptr():#x}")
-        out.append(diff // a.element_size())
-    return tuple(out)
+    names = HOST_ARRAYS[:4] if fp4 else ("gate_up", None, "down", None)
+    return tuple(0 if name is None else _delta(name, a, host[name]) for name, a in zip(names, arrays))
 
 
-def _host_reference(x, ids, weights, bank: dict, host: dict, write_slots, limit: float, out_dtype) -> torch.Tensor:
+def _delta(name: str, a: torch.Tensor, host: torch.Tensor) -> int:
+    """Elements of ``a``'s dtype from bank array ``a`` to its host twin (one pointer reaches both)."""
+    h = host.view(a.dtype)
+    diff = h.data_ptr() - a.data_ptr()
+    if diff % a.element_size():
+        raise KernelError(f"fused_experts: host {name} at {h.data_ptr():#x} is not {a.element_size()}-byte "
+                          f"aligned against the bank's {a.data_ptr():#x}")
+    return diff // a.element_size()
+
+
+def _host_reference(x, ids, weights, bank: dict, host: dict, write_slots, glu: GLU, out_dtype) -> torch.Tensor:
     """:func:`fused_experts` with a host bank in PyTorch: each pair's expert from the bank (id >= 0)
     or the host bank (``-1 - id``), the reference maths, then the write-through copies."""
     sel = ids.flatten().tolist()
@@ -546,7 +593,8 @@ def _host_reference(x, ids, weights, bank: dict, host: dict, write_slots, limit:
                                  for e in sel]) for name in HOST_ARRAYS if bank.get(name) is not None}
     idx = torch.arange(len(sel), device=x.device).view(ids.shape)
     out = fused_experts_reference(x, idx, weights, arrays["gate_up"], arrays["down"], arrays.get("gate_up_scale"),
-                                  arrays.get("down_scale"), limit=limit, out_dtype=out_dtype)
+                                  arrays.get("down_scale"), limit=glu.limit, out_dtype=out_dtype, alpha=glu.alpha,
+                                  interleaved=glu.interleaved, gate_up_bias=arrays.get("gate_up_bias"))
     for p, (e, d) in enumerate(zip(sel, write_slots.tolist())):
         if e < 0 and d >= 0:
             for name, a in arrays.items():

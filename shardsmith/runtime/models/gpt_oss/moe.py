@@ -8,7 +8,9 @@ routing weight as the reference adds it inside each expert.
 
 Resident experts stay MXFP4 in memory, as the pack holds them (the release's ``<proj>_blocks`` and
 ``<proj>_scales``: e2m1 codes two to a byte, an E8M0 scale per 32 values), read as an FP4 expert bank
-(:meth:`Experts.arrays`) by :func:`~shardsmith.runtime.layers.experts.grouped_experts` (on CUDA the
+(:meth:`Experts.arrays`): decode-sized steps on CUDA by the fused decode kernel
+(:func:`~shardsmith.runtime.layers.kernels.fused_experts`, no host sync), longer ones by
+:func:`~shardsmith.runtime.layers.experts.grouped_experts` (on CUDA the
 tile kernel decodes them in registers; on a CPU 32 experts at a time are expanded for
 ``torch._grouped_mm``), or expert by expert (:func:`~shardsmith.runtime.layers.experts.grouped_experts_reference`,
 each expert expanded per use) where no grouped path runs (float64). Offloaded experts
@@ -39,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardsmith.runtime.layers.experts import (ExpertMath, RoutedExperts, grouped_experts,
-                                              grouped_experts_reference, grouped_runs)
-from shardsmith.runtime.layers.parallel import Shards, all_reduce
+from shardsmith.runtime.layers.experts import (FUSED_TOKENS_MAX, ExpertMath, RoutedExperts, fused_bank,
+                                              grouped_experts, grouped_experts_reference, grouped_runs)
+from shardsmith.runtime.layers.parallel import Shards, all_reduce, kernel_on
 from shardsmith.runtime.layers.quant import dequantize_fp4
 from shardsmith.runtime.models.gpt_oss.config import GptOssArgs
 
@@ -77,14 +79,17 @@ def _local(shards: Shards, name: str, shape: tuple[int, ...]) -> tuple[int, ...]
 class Experts(RoutedExperts):
     """One layer's experts resident on this rank, MXFP4 as the pack holds them (the module docstring's table).
 
-    A :class:`~shardsmith.runtime.layers.experts.RoutedExperts` with the defaults: it reads the
-    routed ids on the host (not sync-free), so a piecewise decode step runs it between ``ffn_in``
-    and ``ffn_out``; no expert cache slots. Offload replaces it (it has a ``math``).
+    A :class:`~shardsmith.runtime.layers.experts.RoutedExperts`: with the fused kernel (on CUDA,
+    :meth:`use_kernel_`) a decode-sized step reads the routed ids on the device (sync-free, so a decode
+    step is captured whole); otherwise it reads them on the host, and a piecewise decode step runs it
+    between ``ffn_in`` and ``ffn_out``. No expert cache slots. Offload replaces it (it has a ``math``).
     """
+
+    kernel = False  # decode-sized steps run fused_experts (set once by use_kernel_)
 
     def __init__(self, args: GptOssArgs, shards: Shards, prefix: str) -> None:
         super().__init__()
-        self.math = expert_math(args)
+        self.math, self.top_k = expert_math(args), args.top_k
         e, d, i = args.n_experts, args.dim, args.expert_dim
         for proj, rows, cols in (("gate_up_proj", 2 * i, d), ("down_proj", d, i)):
             blocks = _local(shards, f"{prefix}.{proj}_blocks", (e, rows, cols // MX_BLOCK, MX_BLOCK // 2))
@@ -102,13 +107,30 @@ class Experts(RoutedExperts):
                 "down": self.down_proj_blocks.flatten(2), "down_scale": self.down_proj_scales,
                 "gate_up_bias": self.gate_up_proj_bias}
 
+    def use_kernel_(self, device: torch.device) -> None:
+        """Run decode-sized steps through :func:`~shardsmith.runtime.layers.kernels.fused_experts` (gpt-oss's
+        GLU, the MXFP4 bytes read in place) when ``SHARDSMITH_KERNELS``'s ``fused_experts`` allows on ``device``."""
+        self.kernel = kernel_on("fused_experts", device)
+
+    def sync_free(self, tokens: int, k: int | None = None) -> bool:
+        """Whether ``tokens`` tokens run with no host sync: the fused kernel's decode-sized steps."""
+        return self.kernel and tokens <= FUSED_TOKENS_MAX
+
+    def decode_sync_free(self) -> bool:
+        return self.sync_free(1)
+
     def forward(self, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's partial ``[T, D]`` of the selected experts, without the down bias, added in
-        ascending expert order per token (as the offloaded experts add theirs); one host sync.
+        """This rank's partial ``[T, D]`` of the selected experts, without the down bias.
+
+        A decode-sized step with the kernel (:meth:`sync_free`) is one fused call (each token's pairs
+        summed in float32, no host sync); otherwise one host sync, then the experts added in ascending
+        expert order per token (as the offloaded experts add theirs).
 
         Args:
             x: ``[T, D]``; index: ``[T, K]`` expert ids; weight: ``[T, K]`` routing weights.
         """
+        if self.sync_free(x.shape[0]):
+            return fused_bank(x, index, weight, self.arrays(), self.math, None)
         if grouped_runs(x, "fp4"):
             return grouped_experts(x, index, weight, self.arrays(), self.math)
         return grouped_experts_reference(x, index, weight, self.arrays(), self.math)
