@@ -121,19 +121,17 @@ def profile_chunk(engine: Engine, ids: list[int], chunk: int, top: int) -> list[
                                           "share": 1.0}]
 
 
-def offloaded_rows(resident: Engine, a: argparse.Namespace, fraction: float, device: str, layers, experts,
-                   gen_seed: int) -> list[dict]:
+def offloaded_rows(a: argparse.Namespace, fraction: float, device: str, layers, experts, gen_seed: int,
+                   rows: list[dict], keep) -> None:
     """The prompts and chunks again with the routed experts offloaded (``--moe-backend gpu``, a cache of
     ``fraction`` of every layer's experts, the first ``--paths`` entry's attention): per
     ``--offload-paths`` entry, time and ``link_bytes_per_prompt_token`` (what the chunks copied over
-    the link per prompt token, from the offload counters). The resident engine is freed first."""
+    the link per prompt token, from the offload counters), appended to ``rows``, ``keep()`` after each.
+    The caller frees the resident engine first."""
     from shardsmith.runtime.offload import OffloadConfig
 
     path = a.paths[0]
     total = (layers or 1) * (experts or 1)
-    del resident
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     engine = Engine.load(a.path, rank=0, world_size=1, device=a.device, dtype=getattr(torch, a.dtype),
                          max_seq_len=max(a.prompt) + 8, max_num_seqs=1, from_checkpoint=a.from_checkpoint,
                          offload=OffloadConfig(backend="gpu", cache_slots=max(1, round(fraction * total)), probe=False))
@@ -142,7 +140,6 @@ def offloaded_rows(resident: Engine, a: argparse.Namespace, fraction: float, dev
     set_path(engine.model, path)
     streams = rt.streams_chunk
     gen = torch.Generator().manual_seed(gen_seed)
-    rows = []
     for length in a.prompt:
         ids = torch.randint(3, engine.vocab_size, (length,), generator=gen).tolist()
         for chunk in a.chunk:
@@ -171,6 +168,7 @@ def offloaded_rows(resident: Engine, a: argparse.Namespace, fraction: float, dev
                              "cache_bytes_per_gpu": rt.cache.n_slots * rt.cache.slot_bytes,
                              "link_bytes_per_prompt_token": round(link / (a.repeat * length), 1),
                              "peak_memory_gib": peak})
+                keep()
     rt.streams_chunk = streams
     rt.close()
     return rows
@@ -212,6 +210,11 @@ def main() -> None:
     device = torch.cuda.get_device_name() if cuda else "cpu"
     gen = torch.Generator().manual_seed(0)
     rows, profiles = [], {}
+
+    def keep(complete: bool = False) -> None:  # the rows so far on disk: a step cut off by its limit keeps them
+        save_results("prefill", rows, extra={"path": a.path.name, "dtype": a.dtype, "profile": profiles,
+                                             "complete": complete}, path=a.out)
+
     for length in a.prompt:
         ids = torch.randint(3, engine.vocab_size, (length,), generator=gen).tolist()
         for chunk in a.chunk:
@@ -235,8 +238,7 @@ def main() -> None:
                              "ratio_to_baseline": round(base[0] / secs, 3) if base else None,
                              "same_last_token": token == base[1] if base else None, "moe_backend": "resident",
                              "peak_memory_gib": peaks.get(path)})
-    for fraction in a.offload:  # the same prompts with the experts in host memory, a cache of ``fraction``
-        rows += offloaded_rows(engine, a, fraction, device, layers, experts, gen_seed=0)
+            keep()
     if a.profile and cuda:
         longest, chunk = max(a.prompt), max(a.chunk)
         ids = torch.randint(3, engine.vocab_size, (longest,), generator=gen).tolist()
@@ -245,6 +247,11 @@ def main() -> None:
         print(f"\nGPU kernels of the last {chunk}-token chunk of a {longest}-token prompt, {a.paths[0]}:")
         for op in ops:
             print(f"  {op['ms']:>10.2f} ms {op['share']:>6.1%} {op['calls']:>6}  {op['kernel']}")
+    del engine  # the offloaded runs load their own: the resident one's memory is given back first
+    if cuda:
+        torch.cuda.empty_cache()
+    for fraction in a.offload:  # the same prompts with the experts in host memory, a cache of ``fraction``
+        offloaded_rows(a, fraction, device, layers, experts, 0, rows, keep)
     print(f"\n{'prompt':>7} {'chunk':>6} {'path':<24} {'experts':<20} {'ttft s':>9} {'tok/s':>9} {'vs base':>8} "
           f"{'same':>5} {'link MiB/token':>15}")
     for r in rows:
@@ -255,7 +262,7 @@ def main() -> None:
         print(f"{r['prompt_tokens']:>7} {r['chunk_tokens']:>6} {label:<24} {where:<20} "
               f"{r['ttft_s']:>9.3f} {r['prefill_tokens_per_s']:>9.1f} {ratio:>8} {str(r['same_last_token']):>5} "
               f"{'' if link is None else f'{link / 2**20:.2f}':>15}")
-    save_results("prefill", rows, extra={"path": a.path.name, "dtype": a.dtype, "profile": profiles}, path=a.out)
+    keep(complete=True)
 
 
 if __name__ == "__main__":
