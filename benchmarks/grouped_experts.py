@@ -156,11 +156,13 @@ def main() -> None:
                 print(f"grouped_gemm T={T:<6} {spec:<16} scaled_dot={scaled!s:<5} {ms:8.3f} ms  "
                       f"{flop / ms / 1e9:7.1f} TFLOP/s  rel err {rows[-1]['rel_error']:.1e}", flush=True)
         del ref
+        if not a.no_save:  # the rows so far on disk: a step cut off by its limit keeps them
+            save_results("grouped_experts", rows)
     bank.clear()  # the FP4 bank's memory back before the other banks
     if a.other_banks:
         rows += other_banks(a, name, gen)
-    if not a.no_save:
-        save_results("grouped_experts", rows)
+        if not a.no_save:
+            save_results("grouped_experts", rows)
 
 
 if __name__ == "__main__":
