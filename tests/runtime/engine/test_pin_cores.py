@@ -9,7 +9,6 @@ processes on this machine (skipped where it has fewer CPUs than the ranks), and 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import pytest
@@ -81,9 +80,11 @@ def _rank(local_rank: int, local_world_size: int, queue) -> None:
 
 @pytest.mark.skipif(CPUS < 2 or not hasattr(os, "sched_setaffinity"), reason="needs 2 CPUs and sched_setaffinity")
 def test_two_rank_processes_get_disjoint_cpus() -> None:
-    ctx = mp.get_context("spawn")
+    from shardsmith.testing.ranks import rank_context, rank_process
+
+    ctx = rank_context()
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, queue)) for r in range(2)]
+    procs = [rank_process(ctx, _rank, r, 2, queue) for r in range(2)]
     for p in procs:
         p.start()
     got = dict((r, rest) for r, *rest in (queue.get(timeout=120) for _ in procs))

@@ -245,13 +245,12 @@ def _die_or_drive(rank: int, port: int, path: str, who_dies: int, queue) -> None
 
 @pytest.mark.parametrize("who_dies", [1, 0])
 def test_a_dead_rank_fails_the_others_fast(tiny, who_dies):
-    import torch.multiprocessing as mp
-
     from shardsmith.runtime.serve.launch import free_port
+    from shardsmith.testing.ranks import rank_context, rank_process
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_die_or_drive, args=(r, port, str(tiny("mixtral")), who_dies, queue)) for r in range(2)]
+    procs = [rank_process(ctx, _die_or_drive, r, port, str(tiny("mixtral")), who_dies, queue) for r in range(2)]
     for p in procs:
         p.start()
     rank, msg, seconds = queue.get(timeout=120)

@@ -113,13 +113,12 @@ def test_world_size_1_matches_transformers(v4: dict) -> None:
 @pytest.mark.parametrize("world_size, source", [(2, "pack"), (4, "checkpoint")])
 def test_tensor_parallel_matches_transformers(v4: dict, world_size: int, source: str, tmp_path: Path) -> None:
     """Real rank processes over gloo: TP=2 from a pack (``split``), TP=4 sliced from the checkpoint."""
-    import torch.multiprocessing as mp
+    from shardsmith.testing.ranks import spawn_ranks
 
     torch.save({"ids": v4["ids"], "tokens": v4["ref"]["tokens"]}, tmp_path / "inputs.pt")
     path = v4["pack2"] if source == "pack" else v4["ckpt"]
     try:
-        mp.spawn(_rank_main, args=(world_size, free_port(), str(path), source == "checkpoint", str(tmp_path)),
-                 nprocs=world_size, join=True)
+        spawn_ranks(_rank_main, (world_size, free_port(), str(path), source == "checkpoint", str(tmp_path)), world_size)
     except Exception:
         errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("error-*.txt")))
         pytest.fail(f"rank processes failed:\n{errors}")

@@ -156,14 +156,14 @@ def _rank_decides(rank: int, port: int, queue) -> None:
 def test_ranks_decide_alike_on_the_slowest_measurements() -> None:
     import socket
 
-    import torch.multiprocessing as mp
+    from shardsmith.testing.ranks import rank_context, rank_process
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_decides, args=(r, port, queue)) for r in range(2)]
+    procs = [rank_process(ctx, _rank_decides, r, port, queue) for r in range(2)]
     for p in procs:
         p.start()
     got = dict((r, (m, d)) for r, m, d in (queue.get(timeout=120) for _ in procs))
