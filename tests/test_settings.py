@@ -26,6 +26,7 @@ ENVIRON_USERS = {
     "shardsmith/parity/ranks.py": "a parity rank's RANK, thread counts and the reference paths it sets",
     "shardsmith/cli_serve.py": "torchrun's RANK and LOCAL_WORLD_SIZE in the pre-flight checks",
     "shardsmith/testing/server.py": "the serve subprocess's environment (PYTHONUNBUFFERED)",
+    "shardsmith/testing/ranks.py": "the caller's environment, carried into test ranks forked from the fork server",
     "shardsmith/runtime/engine/compile_cache.py": "points TorchInductor and Triton at a rank's compile cache folder",
 }
 
