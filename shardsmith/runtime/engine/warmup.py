@@ -12,7 +12,8 @@ module (``kernel`` on)                 call                                     
 FP8 ``_Linear``                        ``matmul(x [M, in])`` -> ``fp8_linear``       ``warmup_rows``:
                                                                                    1..16, 17, max
                                                                                    (at most 32 x SMs)
-``ExpertBank``                         ``fused_bank`` over its arrays               T = 1..16
+routed experts (``ExpertBank``,        ``fused_bank`` over its arrays               T = 1..16
+gpt-oss's ``Experts``)
 offload runtime                        ``apply_slots`` over the slot pool           T = 1..16
 V4 ``Attention``                       ``warm_kernel`` -> ``sink_attention``         1 (column counts,
                                                                                    rows and splits are
@@ -38,14 +39,14 @@ from typing import Any
 
 import torch
 
-from shardsmith.runtime.layers.experts import FUSED_TOKENS_MAX, ExpertBank, fused_bank
+from shardsmith.runtime.layers.experts import FUSED_TOKENS_MAX, RoutedExperts, fused_bank
 from shardsmith.runtime.layers.kernels.fp8_linear import warmup_rows
 from shardsmith.runtime.layers.parallel import _Linear
 
 
 def kernel_modules(model: torch.nn.Module, offload: Any = None) -> list[Any]:
     """The modules (and offload runtime) of ``model`` that run a Triton kernel (``kernel`` set at load)."""
-    mods = [m for m in model.modules() if isinstance(m, (_Linear, ExpertBank)) and m.kernel]
+    mods = [m for m in model.modules() if isinstance(m, (_Linear, RoutedExperts)) and getattr(m, "kernel", False)]
     return mods + ([offload] if offload is not None and getattr(offload, "kernel", False) else [])
 
 

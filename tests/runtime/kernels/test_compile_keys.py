@@ -103,6 +103,33 @@ def test_warmup_launches_every_variant_serving_uses(tiny, use_settings, flush_de
     assert not missing, f"{len(missing)} variants compiled while serving: {sorted(k[0] for k in missing)}"
 
 
+def test_warmup_launches_the_gpt_oss_experts_kernel(tmp_path, use_settings, flush_denormals):
+    """gpt-oss's resident experts run decode-sized steps through the fused kernel (its GLU): the warm-up
+    launches their variants too, so prompts of up to 3 tokens and batched decode steps of 1, 2 and 4 rows
+    compile nothing new (values unchecked: nothing runs)."""
+    from shardsmith.runtime.engine.engine import Engine
+    from shardsmith.runtime.engine.warmup import kernel_modules
+    from shardsmith.runtime.layers.kernels.compile_keys import record_launches
+    from shardsmith.runtime.models.gpt_oss.moe import Experts
+    from shardsmith.testing.tiny_gpt_oss import tiny_gpt_oss
+
+    use_settings(fused_experts="kernel" if DEV == "cpu" else "auto")
+    eng = Engine.load(tiny_gpt_oss(tmp_path / "ckpt"), rank=0, world_size=1, device=DEV, dtype=torch.float32,
+                      from_checkpoint=True, cuda_graphs=False, max_seq_len=64, max_num_seqs=4)
+    assert any(isinstance(m, Experts) for m in kernel_modules(eng.model))
+    with record_launches() as warm:
+        launches = eng._warm_kernels(eng.max_seq_len)
+    assert launches >= 16 and len(warm) >= 1
+    with record_launches() as served:
+        for rows in (1, 2, 4):
+            for s in range(rows):
+                eng.prefill(s, [5, 6, 7], 0)
+            eng.decode([1] * rows, [3] * rows, list(range(rows)))
+    assert "_pair_gate_up_kernel" in {key[0] for key in served}
+    missing = set(served) - set(warm)
+    assert not missing, f"{len(missing)} variants compiled while serving: {sorted(k[0] for k in missing)}"
+
+
 def test_warmup_leaves_every_slot_empty_and_outputs_unchanged(tiny):
     """CPU, kernels off (the default there): the warm-up runs its steps and releases every slot it
     used; a request in the slot it used gives, bit for bit, the logits it gave before the warm-up."""
