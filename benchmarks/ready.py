@@ -141,6 +141,7 @@ def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str,
         all_buckets_s = time.perf_counter() - t0
         deadline = time.monotonic() + 10
         phases: dict[str, float] = {}
+        compiling: dict[str, float] = {}
         warm = None
         while time.monotonic() < deadline and warm is None:  # rank 0's lines reach the log as it flushes
             text = log.read_text()
@@ -148,6 +149,9 @@ def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str,
             ph = re.search(r"warm-up phases \(s\): (.*)$", text, re.M)
             if ph:
                 phases = {k: float(v) for k, v in (kv.split("=") for kv in ph.group(1).split())}
+            co = re.search(r"warm-up compiling \(s\): (.*)$", text, re.M)
+            if co:
+                compiling = {k: float(v) for k, v in (kv.split("=") for kv in co.group(1).split())}
             time.sleep(0.2)
         warmup_s = float(warm.group(1)) if warm else None
         body = {"model": "bench", "prompt": list(range(1, 17)), "max_tokens": a.tokens, "temperature": 0,
@@ -168,7 +172,7 @@ def one_start(a: argparse.Namespace, extra: list[str], label: str, buckets: str,
            "ready_s": round(ready_s, 2), "all_buckets_s": round(all_buckets_s, 2),
            "load_s": None if load_s is None else round(load_s, 2), "warmup_s": warmup_s,
            "process_start_s": None if load_s is None or warmup_s is None else round(ready_s - load_s - warmup_s, 2),
-           "start_phases_s": before_load, "warmup_phases_s": phases, "warmup_kernel_launches": int(warm.group(2)) if warm else None,
+           "start_phases_s": before_load, "warmup_phases_s": phases, "warmup_compile_s": compiling, "warmup_kernel_launches": int(warm.group(2)) if warm else None,
            "compile_cache_files": at_ready, "new_cache_files": at_ready - before,
            "compiled_after_ready_files": after - at_ready, "ttft_s": round(first - sent, 4),
            "request_s": round(end - sent, 4), "request_tokens_per_s": round(got / (end - sent), 2) if got else None,

@@ -90,6 +90,19 @@ SPECULATIVE = 2  # FORWARD's flags (c): bit 0 all logits, bit 1 a verify chunk t
 PROMPT_PROBE_TOKENS = 32  # the prompt length warm-up prefills to price a prefill against a decode step
 
 
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds this process has spent in ``torch.compile`` so far (dynamo's own timers,
+    ``torch._dynamo.utils.compilation_time_metrics``): ``dynamo`` (tracing the bytecode, building the
+    guards: what no compile cache keeps) and ``backend`` (the backend compiler: Inductor, from its caches
+    or not). Zeros where dynamo was never imported."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    metrics = getattr(utils, "compilation_time_metrics", {}) if utils is not None else {}
+    total, backend = sum(metrics.get("_compile.compile_inner", ())), sum(metrics.get("OutputGraph.call_user_compiler", ()))
+    return {"dynamo": total - backend, "backend": backend}
+
 class Engine:
     """One rank's model plus the rank-0-drives-all step protocol.
 
@@ -130,6 +143,7 @@ class Engine:
         self.warmup_seconds, self.warmup_launches = 0.0, 0
         self.compile_cache = None  # CompileCache of this rank (Engine.load(compile_cache=...)), sealed by warmup()
         self.warmup_phases: dict[str, float] = {}  # seconds per warm-up phase: kernels, prefill, step, bucket<rows>, probe
+        self.warmup_compile: dict[str, float] = {}  # seconds of the warm-up inside torch.compile: dynamo, backend
         self.prompt_costs: tuple[float, float] | None = None  # (prefill, decode step) seconds, from warmup() on CUDA
 
     @classmethod
@@ -502,10 +516,12 @@ class Engine:
 
         Every slot it used is released. Sets ``warmup_seconds``, ``warmup_launches`` and
         ``warmup_phases`` (seconds of each phase: ``kernels``, ``prefill``, ``step``, ``bucket<rows>``,
-        ``rollbacks`` (:meth:`_warm_rollbacks`), ``probe``), and logs the phases.
+        ``rollbacks`` (:meth:`_warm_rollbacks`), ``probe``) and ``warmup_compile`` (:func:`compile_seconds`
+        spent in it), and logs both.
         """
         t0 = time.perf_counter()
         phases: dict[str, float] = {}
+        compiling = compile_seconds()
 
         def phase(name: str) -> None:
             phases[name] = time.perf_counter() - t0 - sum(phases.values())
@@ -545,11 +561,13 @@ class Engine:
         phase("seal")
         self.warmup_seconds = time.perf_counter() - t0
         self.warmup_phases = phases
+        self.warmup_compile = {k: v - compiling[k] for k, v in compile_seconds().items()}
         log.info("warm-up: %d kernel launches and the decode buckets in %.2f s%s", self.warmup_launches,
                  self.warmup_seconds, "" if self.prompt_costs is None else
                  "; a %d-token prefill takes %.1f ms, a one-row decode step %.2f ms" % (
                      min(PROMPT_PROBE_TOKENS, self.max_seq_len - 1), 1e3 * self.prompt_costs[0], 1e3 * self.prompt_costs[1]))
         log.info("warm-up phases (s): %s", " ".join(f"{k}={v:.2f}" for k, v in phases.items()))
+        log.info("warm-up compiling (s): %s", " ".join(f"{k}={v:.2f}" for k, v in self.warmup_compile.items()))
 
     def _warm_rollbacks(self) -> bool:
         """With the decode graphs and room for verify runs (:meth:`reserve_rows`) in a model whose runs roll

@@ -33,6 +33,7 @@ class WarmupJob:
                    "max_model_len": engine.max_seq_len, "load_s": round(engine.load_seconds, 3),
                    "warmup_s": round(engine.warmup_seconds, 3), "total_s": round(time.perf_counter() - t0, 3),
                    "warmup_phases_s": {k: round(v, 3) for k, v in engine.warmup_phases.items()},
+                   "warmup_compile_s": {k: round(v, 3) for k, v in engine.warmup_compile.items()},
                    "start_phases_s": {k: round(v, 3) for k, v in CLOCK.phases.items()},
                    "kernel_launches": engine.warmup_launches,
                    "compile_cache": None if cache is None else {

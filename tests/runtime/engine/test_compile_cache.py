@@ -212,6 +212,9 @@ def test_a_second_start_compiles_nothing(tmp_path: Path) -> None:
         "folder": None, "state": "reused", "why": "", "files": first["compile_cache"]["files"],
         "files_at_start": first["compile_cache"]["files"]}
     assert "reused" in log
+    # what the cache cannot keep: dynamo traces every start again; the backend (Inductor) reads its output back
+    assert second["warmup_compile_s"]["dynamo"] > 0 and first["warmup_compile_s"]["dynamo"] > 0
+    assert 0 < second["warmup_compile_s"]["backend"] < first["warmup_compile_s"]["backend"]
     for f, tree in zip(folders, trees):  # no rank wrote a compiled file: the same files, the same sizes
         assert {k: v for k, v in _tree(f).items() if k != cc.RECORD} == {k: v for k, v in tree.items() if k != cc.RECORD}
 
