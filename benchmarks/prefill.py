@@ -171,7 +171,6 @@ def offloaded_rows(a: argparse.Namespace, fraction: float, device: str, layers, 
                 keep()
     rt.streams_chunk = streams
     rt.close()
-    return rows
 
 
 def main() -> None:

@@ -16,6 +16,8 @@ server's own is the one it started with), applied before the target runs.
 
 from __future__ import annotations
 
+import os
+import time
 import traceback
 from typing import Any, Callable
 
@@ -65,8 +67,6 @@ def rank_context() -> Any:
 
 def rank_process(ctx: Any, target: Callable[..., None], *args: Any) -> Any:
     """An unstarted ``ctx.Process`` that runs ``target(*args)`` in the caller's environment as it is now."""
-    import os
-
     return ctx.Process(target=_with_environment, args=(dict(os.environ), target, *args))
 
 
@@ -77,8 +77,6 @@ def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout: floa
     Raises:
         RuntimeError: a process exited non-zero or ran past ``timeout`` seconds (it is killed).
     """
-    import time
-
     ctx = rank_context()
     procs = [rank_process(ctx, fn, r, *args) for r in range(nprocs)]
     for p in procs:
@@ -92,13 +90,12 @@ def spawn_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout: floa
         procs[r].join()
     failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
     if failed:
-        raise RuntimeError(f"rank processes failed (rank: exit code): {failed}" + (f"; ran past {timeout} s: {late}" if late else ""))
+        late_note = f"; ran past {timeout} s: {late}" if late else ""
+        raise RuntimeError(f"rank processes failed (rank: exit code): {failed}{late_note}")
 
 
 def _with_environment(env: dict[str, str], target: Callable[..., None], *args: Any) -> None:
     """A rank's entry: the caller's environment, then ``target(*args)``."""
-    import os
-
     os.environ.clear()
     os.environ.update(env)
     target(*args)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -90,18 +91,16 @@ SPECULATIVE = 2  # FORWARD's flags (c): bit 0 all logits, bit 1 a verify chunk t
 PROMPT_PROBE_TOKENS = 32  # the prompt length warm-up prefills to price a prefill against a decode step
 
 
-
 def compile_seconds() -> dict[str, float]:
     """Seconds this process has spent in ``torch.compile`` so far (dynamo's own timers,
     ``torch._dynamo.utils.compilation_time_metrics``): ``dynamo`` (tracing the bytecode, building the
     guards: what no compile cache keeps) and ``backend`` (the backend compiler: Inductor, from its caches
-    or not). Zeros where dynamo was never imported."""
-    import sys
-
+    or not). Zeros where dynamo was never imported (nothing is imported here)."""
     utils = sys.modules.get("torch._dynamo.utils")
     metrics = getattr(utils, "compilation_time_metrics", {}) if utils is not None else {}
     total, backend = sum(metrics.get("_compile.compile_inner", ())), sum(metrics.get("OutputGraph.call_user_compiler", ()))
     return {"dynamo": total - backend, "backend": backend}
+
 
 class Engine:
     """One rank's model plus the rank-0-drives-all step protocol.

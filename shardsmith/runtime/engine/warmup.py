@@ -46,7 +46,7 @@ from shardsmith.runtime.layers.parallel import _Linear
 
 def kernel_modules(model: torch.nn.Module, offload: Any = None) -> list[Any]:
     """The modules (and offload runtime) of ``model`` that run a Triton kernel (``kernel`` set at load)."""
-    mods = [m for m in model.modules() if isinstance(m, (_Linear, RoutedExperts)) and getattr(m, "kernel", False)]
+    mods = [m for m in model.modules() if isinstance(m, (_Linear, RoutedExperts)) and m.kernel]
     return mods + ([offload] if offload is not None and getattr(offload, "kernel", False) else [])
 
 

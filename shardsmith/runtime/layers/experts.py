@@ -69,7 +69,7 @@ from shardsmith.errors import RuntimeLoadError
 from shardsmith.runtime.layers.fused import for_chunks
 from shardsmith.runtime.layers.kernels import fused_experts
 from shardsmith.runtime.layers.kernels.fused_moe import expand_matrix, grouped_gemm, tile_blocks
-from shardsmith.runtime.layers.pairs import expand_pairs, routed_pairs, swiglu
+from shardsmith.runtime.layers.pairs import expand_pairs, gated, routed_pairs, swiglu
 from shardsmith.runtime.layers.parallel import Shards, kernel_on
 from shardsmith.runtime.layers.quant import bank_format, dequantize_fp4, expert_weights
 from shardsmith.runtime.layers.staging import rows_by_expert
@@ -365,8 +365,7 @@ def _expanded_mm(sizes: torch.Tensor, block: tuple[int, int] | None) -> Callable
 def glu_rows(h: torch.Tensor, limit: float, alpha: float | None, interleaved: bool) -> torch.Tensor:
     """:meth:`ExpertMath.glu` from its fields: ``h [n, 2*I_r]`` gate/up rows (``interleaved``, or gate then
     up) -> ``[n, I_r]``; fused for a chunk's pairs."""
-    gate, up = (h[..., ::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
-    return swiglu(gate, up, limit, alpha)
+    return gated(h, limit, alpha, interleaved)
 
 
 @for_chunks
@@ -399,6 +398,7 @@ class RoutedExperts(nn.Module):
 
     math: ExpertMath | None = None
     block: tuple[int, int] | None = None
+    kernel = False  # decode-sized steps run fused_experts over the module's own arrays (set once by use_kernel_)
 
     def decode_sync_free(self) -> bool:
         """Whether a one-token step runs these experts with no host sync (so it can be captured whole)."""
@@ -468,8 +468,6 @@ class ExpertBank(RoutedExperts):
                 self.register_buffer(name + "_scale", torch.empty(scale[0], dtype=scale_dtype, device="meta"))
         if self.format == "fp8":
             self.block = shards.bank_block(layer, "gate_up")
-
-    kernel = False  # decode-sized steps run fused_experts (set once by use_kernel_)
 
     def use_kernel_(self, device: torch.device) -> None:
         """Run decode-sized steps through :func:`fused_experts` when ``SHARDSMITH_KERNELS``'s ``fused_experts``

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from shardsmith.runtime.layers.quant import dequantize_fp4
 
-__all__ = ["expand_pairs", "routed_pairs", "swiglu"]
+__all__ = ["expand_pairs", "gated", "routed_pairs", "swiglu"]
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0, alpha: float | None = None) -> torch.Tensor:
@@ -28,6 +28,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0, alpha: floa
     if alpha is not None:
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     return F.silu(gate) * up
+
+
+def gated(h: torch.Tensor, limit: float, alpha: float | None, interleaved: bool) -> torch.Tensor:
+    """The gated unit of a gate/up projection ``h [..., 2*I_r]`` -> ``[..., I_r]``: gate and up split as the rows
+    lie (``interleaved``: row ``2j`` gate channel ``j``, ``2j + 1`` up, as gpt-oss; else gate rows then up rows),
+    then :func:`swiglu`."""
+    gate, up = (h[..., ::2], h[..., 1::2]) if interleaved else h.chunk(2, dim=-1)
+    return swiglu(gate, up, limit, alpha)
 
 
 def expand_pairs(arrays: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +57,8 @@ def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, wei
     Args:
         gate_up: ``[P, 2*I_r, D]``, down: ``[P, D, I_r]`` (:func:`expand_pairs`), token-major;
         x: ``[T, D]``; weight: ``[T, K]`` float32 routing weights; limit: SwiGLU clamp.
-        alpha, interleaved: gpt-oss's GLU and gate/up row layout (:func:`swiglu`; row ``2j`` gate,
-            ``2j + 1`` up); gate_up_bias: ``[P, 2*I_r]`` added to the gate/up projection (gpt-oss).
+        alpha, interleaved: gpt-oss's GLU and gate/up row layout (:func:`gated`); gate_up_bias: ``[P, 2*I_r]``
+            added to the gate/up projection (gpt-oss).
 
     Two batched matmuls over all P pairs on each pair's token row, then a float32 sum over each
     token's K pairs in a fixed order (``index_add_`` with repeated rows is atomic, so run-to-run
@@ -62,6 +70,5 @@ def routed_pairs(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor, wei
     h = torch.bmm(gate_up, x[tok][:, :, None]).squeeze(-1)  # [P, 2*I_r]
     if gate_up_bias is not None:
         h = h + gate_up_bias.to(h.dtype)
-    gate, up = (h[:, ::2], h[:, 1::2]) if interleaved else h.chunk(2, dim=-1)  # [P, I_r] each
-    y = torch.bmm(down, swiglu(gate, up, limit, alpha)[..., None]).squeeze(-1)  # [P, D]
+    y = torch.bmm(down, gated(h, limit, alpha, interleaved)[..., None]).squeeze(-1)  # [P, D]
     return (y.float() * weight.flatten()[:, None]).view(T, K, y.shape[-1]).sum(dim=1).to(out_dtype or x.dtype)

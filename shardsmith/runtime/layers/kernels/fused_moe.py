@@ -35,12 +35,12 @@ output of pair ``(t, k)`` is scaled by ``weights[t, k]`` and the K pairs of a to
 float32 in k order. gpt-oss's experts (FP4 or plain banks) differ in three ways the kernels take as
 arguments: ``gate_up`` rows interleave gate and up (row ``2j`` gate channel ``j``, ``2j + 1`` up),
 a ``gate_up_bias [E, 2*I_r]`` is added to the projection, and the gated unit is
-``(clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, L)``. Legend: T = tokens, K = experts per token, P = T*K pairs, E = experts (or
-slots), D = hidden, I_r = this rank's intermediate share (TP-within-expert).
+``(clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, L)``.
+Legend: T = tokens, K = experts per token, P = T*K pairs, E = experts (or slots), D = hidden,
+I_r = this rank's intermediate share (TP-within-expert).
 """
 
 from __future__ import annotations
-
 
 from typing import NamedTuple
 
@@ -263,8 +263,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     k._gate_up_kernel[(P, triton.cdiv(I, block_i))](
         x, sorted_ids, order, gate_up, gs, bias, h, P, x.stride(0), gate_up.stride(0), gate_up.stride(1),
         gs.stride(0), gs.stride(1), bias.stride(0), glu.limit, glu.alpha_value, TOP_K=TOP_K, D=D, I=I,
-        HAS_LIMIT=bool(limit), BLOCK_I=block_i, BLOCK_D=min(block_k, triton.next_power_of_2(D)), **glu.flags(),
-        **common)
+        BLOCK_I=block_i, BLOCK_D=min(block_k, triton.next_power_of_2(D)), **glu.flags(), **common)
     k._down_kernel[(P, triton.cdiv(D, block_n))](
         h, sorted_ids, order, down, ds, route, y, P, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1),
         D=D, I=I, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(I)), **common)
@@ -505,7 +504,8 @@ class GLU(NamedTuple):
 
     def flags(self) -> dict[str, bool]:
         """The kernels' compile-time switches."""
-        return {"INTERLEAVED": self.interleaved, "HAS_BIAS": self.bias is not None, "HAS_ALPHA": self.alpha is not None}
+        return {"HAS_LIMIT": bool(self.limit), "INTERLEAVED": self.interleaved, "HAS_BIAS": self.bias is not None,
+                "HAS_ALPHA": self.alpha is not None}
 
 
 def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool, glu: GLU, block_r: int,
@@ -530,8 +530,7 @@ def _pairs(x, ids, weights, gate_up, down, gate_up_scale, down_scale, fp4: bool,
     k._pair_gate_up_kernel[(P, triton.cdiv(I, block_r))](
         x, ids, gate_up, gs, bias, h, x.stride(0), gate_up.stride(0), gate_up.stride(1), gs.stride(0), gs.stride(1),
         bias.stride(0), glu.limit, glu.alpha_value, dst, deltas[0], deltas[1], bias_delta, TOP_K=TOP_K, D=D, I=I,
-        FP4=fp4, HAS_LIMIT=bool(glu.limit), BLOCK_R=block_r, G=G, HOST=host is not None, num_warps=num_warps,
-        **glu.flags())
+        FP4=fp4, BLOCK_R=block_r, G=G, HOST=host is not None, num_warps=num_warps, **glu.flags())
     k._pair_down_kernel[(P, triton.cdiv(D, block_r))](
         h, ids, down, ds, route, y, down.stride(0), down.stride(1), ds.stride(0), ds.stride(1), dst, deltas[2],
         deltas[3], D=D, I=I, FP4=fp4, BLOCK_R=block_r, G=G, HOST=host is not None, num_warps=num_warps)

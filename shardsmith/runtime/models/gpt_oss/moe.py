@@ -85,8 +85,6 @@ class Experts(RoutedExperts):
     between ``ffn_in`` and ``ffn_out``. No expert cache slots. Offload replaces it (it has a ``math``).
     """
 
-    kernel = False  # decode-sized steps run fused_experts (set once by use_kernel_)
-
     def __init__(self, args: GptOssArgs, shards: Shards, prefix: str) -> None:
         super().__init__()
         self.math, self.top_k = expert_math(args), args.top_k
